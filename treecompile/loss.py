@@ -1,0 +1,190 @@
+"""The exact tree loss: per-path loss modes turned into per-token weights.
+
+Every supported loss mode is a weighted sum over paths and their target tokens,
+
+    L = sum_p  c_p * sum_t  m_pt * (-log p(x_pt | x_p,<t)),
+
+with a per-path coefficient ``c_p`` (the path weight times the mode's
+normalization) and the path's loss mask ``m_pt``. A token shared by several paths
+has the same log-probability on each of them (its prefix is the same), so the sum
+can be regrouped per distinct token:
+
+    L = sum_tokens  W_t * (-log p(x_t | prefix)),   W_t = sum_{p through t} c_p * m_pt.
+
+That is the whole trick: ``W_t`` is ``target_weight`` in a :class:`~treecompile.TreeBatch`.
+When all paths through a node agree on its mask, ``W_t = m_t * C_node`` with ``C_node``
+the sum of ``c_p`` over the paths through the node, a subtree sum computed in one
+bottom-up sweep, O(nodes). Paths whose mask differs on a node add a sparse
+correction for that node only.
+
+The first token of a path has no predecessor and is never a target.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from treecompile.errors import TreeInputError
+
+if TYPE_CHECKING:
+    from treecompile.batch import TreeBatch
+    from treecompile.tree import TrajectoryTree
+
+__all__ = [
+    "LOSS_MODES",
+    "path_loss_coefficients",
+    "path_target_counts",
+    "tree_target_weights",
+    "gather_logprobs",
+    "tree_loss",
+]
+
+#: Loss modes and their per-path coefficient ``c_p`` (``w_p`` the path weight,
+#: ``n_p`` its number of target tokens, ``P`` the number of paths, ``N`` the total
+#: number of target tokens over all paths; ``D`` replaces ``N`` or ``P`` when a
+#: ``denominator`` is given, e.g. a global count across micro-batches and ranks).
+LOSS_MODES: dict[str, str] = {
+    "token-mean": "c_p = w_p / N: the mean over every target token of every path",
+    "seq-mean-token-mean": "c_p = w_p / (P * n_p): each path's mean, then the mean over paths",
+    "seq-mean-token-sum": "c_p = w_p / P: each path's sum, then the mean over paths",
+    "sum": "c_p = w_p: the plain sum over paths and their target tokens",
+}
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in LOSS_MODES:
+        raise ValueError(f"unknown loss mode {mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+
+
+def path_loss_coefficients(
+    n_targets: np.ndarray, weights: np.ndarray, mode: str, denominator: float | None = None
+) -> np.ndarray:
+    """Per-path coefficients ``c_p`` of a loss mode (see :data:`LOSS_MODES`).
+
+    Args:
+        n_targets: ``[P]`` target tokens per path (mask ones, position 0 excluded).
+        weights: ``[P]`` path weights.
+        mode: a key of :data:`LOSS_MODES`.
+        denominator: overrides ``N`` (token-mean) or ``P`` (seq-mean modes), or divides
+            the ``sum`` mode; use it to normalise globally across micro-batches or ranks.
+
+    Returns:
+        ``[P]`` float64 coefficients. A batch with no target tokens gets zeros.
+    """
+    _check_mode(mode)
+    n = np.asarray(n_targets, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if denominator is not None and not (np.isfinite(denominator) and denominator > 0):
+        raise TreeInputError(f"denominator must be a positive finite number, got {denominator!r}")
+    if mode == "token-mean":
+        d = float(n.sum()) if denominator is None else float(denominator)
+        return w / d if d > 0 else np.zeros_like(w)
+    if mode == "sum":
+        return w / (1.0 if denominator is None else float(denominator))
+    d = float(len(w)) if denominator is None else float(denominator)
+    if mode == "seq-mean-token-sum":
+        return w / d
+    # seq-mean-token-mean: a path without targets contributes nothing (and counts in P).
+    return np.where(n > 0, w / (d * np.maximum(n, 1.0)), 0.0)
+
+
+def _effective_masks(tree: TrajectoryTree) -> tuple[np.ndarray, dict[tuple[int, int], np.ndarray]]:
+    """The tree's masks with each root's first token cleared (it is never a target)."""
+    roots = np.flatnonzero(tree.parent < 0)
+    node_mask = tree.node_mask.copy()
+    node_mask[tree.node_offsets[roots]] = False
+    exceptions = {}
+    for (p, v), m in tree.mask_exceptions.items():
+        if tree.parent[v] < 0:
+            m = m.copy()
+            m[0] = False
+        exceptions[(p, v)] = m
+    return node_mask, exceptions
+
+
+def path_target_counts(tree: TrajectoryTree) -> np.ndarray:
+    """``[P]`` number of target tokens of each path, in O(nodes + exceptions)."""
+    node_mask, exceptions = _effective_masks(tree)
+    per_node = np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes else []
+    acc = np.zeros(tree.num_nodes, dtype=np.int64)
+    for v in range(tree.num_nodes):
+        p = tree.parent[v]
+        acc[v] = per_node[v] + (acc[p] if p >= 0 else 0)
+    counts = acc[tree.path_node].copy()
+    for (p, v), m in exceptions.items():
+        a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
+        counts[p] += int(m.sum()) - int(node_mask[a:b].sum())
+    return counts
+
+
+def tree_target_weights(tree: TrajectoryTree, coef: np.ndarray) -> np.ndarray:
+    """``[tree_tokens]`` weights ``W_t = sum_{p through t} c_p m_pt`` in node order.
+
+    Args:
+        tree: the tree.
+        coef: ``[P]`` per-path coefficients (:func:`path_loss_coefficients`).
+    """
+    node_mask, exceptions = _effective_masks(tree)
+    through = np.zeros(tree.num_nodes, dtype=np.float64)
+    np.add.at(through, tree.path_node, coef)
+    # Preorder: children have larger ids, so a reverse sweep sums each subtree.
+    for v in range(tree.num_nodes - 1, 0, -1):
+        p = tree.parent[v]
+        if p >= 0:
+            through[p] += through[v]
+    lengths = tree.node_lengths
+    weight = node_mask * np.repeat(through, lengths)
+    for (p, v), m in exceptions.items():
+        a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
+        # This path's own mask replaces the default one on this node.
+        weight[a:b] += coef[p] * (m.astype(np.float64) - node_mask[a:b])
+    return weight
+
+
+def gather_logprobs(logits: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+    """Per-target log-probabilities from per-row logits.
+
+    Row ``j``'s token is predicted by the output at ``pred_index[j]``: at a branch
+    point, the parent's last row predicts the first token of every child, which no
+    label shift can express.
+
+    Args:
+        logits: ``[S, V]`` or ``[1, S, V]``, the output of every row.
+        batch: the tree batch.
+
+    Returns:
+        ``[S]`` ``log p(input_ids[j] | output at pred_index[j])``, 0 where ``pred_index`` is -1.
+        Computed in at least float32. The ``[S, V]`` log-softmax is never formed.
+    """
+    if logits.dim() == 3:
+        if logits.shape[0] != 1:
+            raise ValueError(f"expected one packed row, got logits of shape {tuple(logits.shape)}")
+        logits = logits[0]
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    has_pred = batch.pred_index >= 0
+    src = batch.pred_index.clamp(min=0)
+    lse = torch.logsumexp(logits.to(dtype), dim=-1)
+    picked = logits[src, batch.input_ids].to(dtype)
+    return torch.where(has_pred, picked - lse[src], torch.zeros((), dtype=dtype, device=logits.device))
+
+
+def tree_loss(logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+    """The tree loss: ``-(target_weight * logprobs).sum()``, equal to the per-path loss.
+
+    Args:
+        logprobs: ``[S]`` per-target log-probabilities aligned with ``batch.target_weight``
+            (from :func:`gather_logprobs` or a compiled model's output).
+        batch: the tree batch; its ``loss_mode`` was fixed by :func:`treecompile.pack`.
+
+    Returns:
+        A scalar in at least float32.
+    """
+    if logprobs.shape != batch.target_weight.shape:
+        raise ValueError(
+            f"logprobs has shape {tuple(logprobs.shape)}, expected {tuple(batch.target_weight.shape)} (one per row)"
+        )
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    return -(batch.target_weight.to(dtype) * logprobs.to(dtype)).sum()
