@@ -1,0 +1,121 @@
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from strategies import forests, path_sets
+
+from treecompile import TrajectoryTree, TreeInputError, pack
+from treecompile.masks import bitmask_mask_mod, interval_mask_mod
+
+
+def _trees(forest):
+    return [TrajectoryTree.from_sequences(s, weights=w, loss_masks=m) for s, w, m in forest]
+
+
+def _chain(batch, row):
+    rows = []
+    while row >= 0:
+        rows.append(row)
+        row = int(batch.pred_index[row])
+    return rows[::-1]
+
+
+@given(forests)
+def test_every_path_is_recovered_by_following_pred_index(forest):
+    trees = _trees(forest)
+    batch = pack(trees).validate()
+    p = 0
+    for tree in trees:
+        for path in tree.paths():
+            last = int(batch.node_end[batch.path_node[p]]) - 1
+            rows = _chain(batch, last)
+            assert batch.input_ids[rows].tolist() == path.tokens.tolist()
+            assert batch.position_ids[rows].tolist() == list(range(len(rows)))
+            assert batch.path_rows(p).tolist() == rows
+            p += 1
+    assert p == batch.num_paths
+    assert batch.num_tokens == sum(t.num_tokens for t in trees)
+
+
+@given(forests)
+def test_attention_rule_is_the_ancestor_relation(forest):
+    batch = pack(_trees(forest), path_bits=True).validate()
+    s = batch.num_tokens
+    ancestor = torch.zeros(s, s, dtype=torch.bool)
+    for q in range(s):
+        ancestor[q, _chain(batch, q)] = True
+    assert torch.equal(batch.reference_attention_mask(), ancestor)
+    q = torch.arange(s)[:, None]
+    k = torch.arange(s)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+    assert torch.equal(interval_mask_mod(batch.subtree_end)(zero, zero, q, k), ancestor)
+    assert torch.equal(bitmask_mask_mod(batch.path_bits, batch.tree_ids)(zero, zero, q, k), ancestor)
+
+
+def test_layout_of_a_small_tree():
+    tree = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]])
+    b = pack(tree)
+    assert b.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 9]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 3, 4, 1]
+    assert b.subtree_end.tolist() == [7, 6, 6, 4, 6, 6, 7]
+    # Both children of node [2, 3] are predicted by its last row (2).
+    assert b.pred_index.tolist() == [-1, 0, 1, 2, 2, 4, 0]
+
+
+def test_bitmask_needs_more_than_one_chunk():
+    seqs = [[0, i, j] for i in range(1, 10) for j in range(1, 9)]  # 1 + 9 + 72 = 82 nodes
+    b = pack(TrajectoryTree.from_sequences(seqs), path_bits=True)
+    assert b.path_bits.shape[1] == 2
+    s = b.num_tokens
+    q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+    assert torch.equal(bitmask_mask_mod(b.path_bits, b.tree_ids)(zero, zero, q, k), b.reference_attention_mask())
+
+
+CORRUPTIONS = {
+    "pred-index": ("pred_index", lambda t: t.index_put_((torch.tensor([3]),), torch.tensor(0)), "pred_index\\[3\\]"),
+    "subtree-end": ("subtree_end", lambda t: t.index_put_((torch.tensor([1]),), torch.tensor(2)), "subtree_end\\[1\\]"),
+    "positions": ("position_ids", lambda t: t.add_(1), "position_ids\\[0\\]"),
+    "weight-nan": ("target_weight", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(float("nan"), dtype=torch.float64)), "finite"),
+    "weight-at-root": ("target_weight", lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(1.0, dtype=torch.float64)), "no predictor"),
+    "negative-id": ("input_ids", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(-1)), "out of range"),
+    "node-parent": ("node_parent", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(-1)), "not preorder"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_validate_catches_corruption(name):
+    field, corrupt, message = CORRUPTIONS[name]
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]])).validate()
+    broken = dataclasses.replace(batch, **{field: corrupt(getattr(batch, field).clone())})
+    with pytest.raises(TreeInputError, match=message):
+        broken.validate()
+
+
+def test_validate_checks_vocab():
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 30]]))
+    with pytest.raises(TreeInputError, match="vocab_size=16"):
+        batch.validate(vocab_size=16)
+
+
+def test_pack_refuses_bad_input():
+    tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 5, 6]])
+    with pytest.raises(TreeInputError, match="over max_tokens=4"):
+        pack([tree], max_tokens=4)
+    with pytest.raises(TreeInputError, match="out of range for vocab_size=6"):
+        pack([tree], vocab_size=6)
+    with pytest.raises(TreeInputError, match="not a TrajectoryTree"):
+        pack([[1, 2, 3]])
+    with pytest.raises(TreeInputError, match="at least one tree"):
+        pack([])
+    with pytest.raises(ValueError, match="valid modes: token-mean"):
+        pack(tree, loss_mode="mean")
+
+
+def test_to_device_and_dtypes():
+    b = pack(TrajectoryTree.from_sequences([[1, 2], [1, 3]]), path_bits=True).to("cpu")
+    assert b.input_ids.dtype == torch.int64 and b.target_weight.dtype == torch.float64
+    assert b.path_bits.dtype == torch.int64
+    assert np.isclose(b.target_weight.sum().item(), 1.0)
