@@ -15,6 +15,40 @@ TOLERANCES = {
     ("float64", "hf"): (1e-6, 1e-7),
 }
 
+# Gradient comparisons use the error relative to the reference tensor's largest entry,
+# so that a loss mode that scales the loss ("sum") does not scale the tolerance away.
+# A structural error (a wrong mask, position or weight) shows as 1e-4 or worse.
+SCALED_GRAD_TOLERANCE = {
+    ("float64", "pure"): 1e-10,
+    ("float64", "hf"): 2e-6,
+}
+
+
+def assert_grads_close(got: dict, ref: dict, kind: tuple[str, str]) -> float:
+    """Compares every parameter's gradient; returns the worst scaled error.
+
+    Fails naming the parameter, its max and mean absolute error and the scale used.
+    """
+    assert got.keys() == ref.keys(), f"gradients differ in which parameters they cover: {got.keys() ^ ref.keys()}"
+    tol = SCALED_GRAD_TOLERANCE[kind]
+    worst = 0.0
+    for name, r in ref.items():
+        g = got[name]
+        scale = max(r.abs().max().item(), 1e-30)
+        err = (g - r).abs()
+        scaled = err.max().item() / scale
+        worst = max(worst, scaled)
+        where = tuple(int(i) for i in np.unravel_index(int(err.argmax()), tuple(r.shape)))
+        assert scaled <= tol, (
+            f"{name}: max |diff| {err.max().item():.3e} at {where}, mean {err.mean().item():.3e}, "
+            f"scale {scale:.3e} -> scaled error {scaled:.3e} > {tol:.0e}"
+        )
+    return worst
+
+
+def param_grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
 
 def hash_logits(prefix: tuple[int, ...], vocab: int) -> np.ndarray:
     """Logits that are a fixed pseudo-random function of the whole prefix."""
