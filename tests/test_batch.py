@@ -26,6 +26,7 @@ def _chain(batch, row):
 def test_every_path_is_recovered_by_following_pred_index(forest):
     trees = _trees(forest)
     batch = pack(trees).validate()
+    seen = torch.zeros(batch.num_tokens, dtype=torch.int64)
     p = 0
     for tree in trees:
         for path in tree.paths():
@@ -34,8 +35,10 @@ def test_every_path_is_recovered_by_following_pred_index(forest):
             assert batch.input_ids[rows].tolist() == path.tokens.tolist()
             assert batch.position_ids[rows].tolist() == list(range(len(rows)))
             assert batch.path_rows(p).tolist() == rows
+            seen[rows] += 1
             p += 1
     assert p == batch.num_paths
+    assert torch.equal(batch.path_count, seen)
     assert batch.num_tokens == sum(t.num_tokens for t in trees)
 
 
@@ -81,6 +84,7 @@ CORRUPTIONS = {
     "weight-nan": ("target_weight", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(float("nan"), dtype=torch.float64)), "finite"),
     "weight-at-root": ("target_weight", lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(1.0, dtype=torch.float64)), "no predictor"),
     "negative-id": ("input_ids", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(-1)), "out of range"),
+    "path-count": ("path_count", lambda t: t.add_(1), "path_count\\[0\\]"),
     "node-parent": ("node_parent", lambda t: t.index_put_((torch.tensor([2]),), torch.tensor(-1)), "not preorder"),
 }
 

@@ -56,6 +56,9 @@ class TreeBatch:
         pred_index: ``[S]`` int64 row whose output predicts this token, or -1.
         target_weight: ``[S]`` float64 loss weight of predicting this token.
         tree_ids: ``[S]`` int64 index of the row's tree in the forest.
+        path_count: ``[S]`` int64 number of paths through the row's token: how many times
+            per-path training computes it (for per-token statistics such as an MoE router's
+            load-balancing loss, which count a token once per path).
         node_start: ``[N]`` int64 first row of each node.
         node_end: ``[N]`` int64 exclusive last row of each node's own tokens.
         node_parent: ``[N]`` int64 parent node (global id), -1 for roots.
@@ -77,6 +80,7 @@ class TreeBatch:
     pred_index: torch.Tensor
     target_weight: torch.Tensor
     tree_ids: torch.Tensor
+    path_count: torch.Tensor
     node_start: torch.Tensor
     node_end: torch.Tensor
     node_parent: torch.Tensor
@@ -155,12 +159,12 @@ def _fail(msg: str) -> None:
 
 def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     s = b.num_tokens
-    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "target_weight", "tree_ids"):
+    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "target_weight", "tree_ids", "path_count"):
         t = getattr(b, name)
         if t.dim() != 1 or t.shape[0] != s:
             _fail(f"{name} has shape {tuple(t.shape)}, expected ({s},)")
-    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "tree_ids", "node_start", "node_end",
-                 "node_parent", "path_node", "tree_offsets"):
+    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "tree_ids", "path_count", "node_start",
+                 "node_end", "node_parent", "path_node", "tree_offsets"):
         if getattr(b, name).dtype != torch.int64:
             _fail(f"{name} must be int64, got {getattr(b, name).dtype}")
     ids = b.input_ids.cpu().numpy()
@@ -228,6 +232,14 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     # A node, or a link from a node to its parent, never crosses a tree boundary.
     if np.any(tid[start] != tid[end - 1]) or np.any((parent >= 0) & (tid[start] != tid[start[np.maximum(parent, 0)]])):
         _fail("a node or a parent link crosses a tree boundary")
+    through = np.bincount(b.path_node.cpu().numpy(), minlength=n)
+    for v in range(n - 1, -1, -1):
+        if parent[v] >= 0:
+            through[parent[v]] += through[v]
+    bad = np.flatnonzero(b.path_count.cpu().numpy() != through[node_of_row])
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"path_count[{j}] = {int(b.path_count[j])}, but {int(through[node_of_row[j]])} paths pass through it")
     if b.path_bits is not None:
         if b.path_bits.dim() != 2 or b.path_bits.shape[0] != s:
             _fail(f"path_bits has shape {tuple(b.path_bits.shape)}, expected ({s}, C)")
@@ -299,7 +311,7 @@ def pack(
     weights = np.concatenate([t.path_weight for t in trees])
     coef = path_loss_coefficients(counts, weights, loss_mode, denominator)
 
-    ids, pos, sub, pred, tw, tid = [], [], [], [], [], []
+    ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
     nstart, nend, npar, pnode, ptree = [], [], [], [], []
     row_base = node_base = path_base = 0
     chunks = max((t.num_nodes + 63) // 64 for t in trees)
@@ -315,6 +327,7 @@ def pack(
         pred.append(np.where(local == 0, parent_last[node_of_row], np.arange(t.num_tokens) - 1 + row_base))
         tw.append(tree_target_weights(t, coef[path_base : path_base + t.num_paths]))
         tid.append(np.full(t.num_tokens, ti, dtype=np.int64))
+        pcount.append(t.path_counts()[node_of_row])
         nstart.append(offs[:-1] + row_base)
         nend.append(offs[1:] + row_base)
         npar.append(np.where(t.parent >= 0, t.parent + node_base, -1))
@@ -336,6 +349,7 @@ def pack(
         pred_index=cat(pred, torch.int64),
         target_weight=cat(tw, torch.float64),
         tree_ids=cat(tid, torch.int64),
+        path_count=cat(pcount, torch.int64),
         node_start=cat(nstart, torch.int64),
         node_end=cat(nend, torch.int64),
         node_parent=cat(npar, torch.int64),
