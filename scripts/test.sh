@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,docs"
 python3 -m pytest -q "$@"
-python3 -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/treecompile-site"
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/treecompile-site"

@@ -1,4 +1,4 @@
-"""DFS serialization: trees packed side by side into one row, a :class:`TreeBatch`.
+"""DFS serialization: trees packed side by side into one row, a `TreeBatch`.
 
 Each tree's nodes are laid out in depth-first preorder, so every node's subtree
 is one contiguous range of rows and every token is computed once. Several trees
@@ -13,7 +13,7 @@ model needs to compute, on that row, exactly what per-path training computes:
   first token;
 * ``target_weight``: the token's weight in the loss, summed over the paths through it.
 
-Invariants (checked by :meth:`TreeBatch.validate`):
+Invariants (checked by `TreeBatch.validate`):
 
 1. Nodes are in preorder: ``node_parent[n] < n``; the children of a node tile the rows
    from its end to its subtree's end in order; trees tile the row.
@@ -24,6 +24,9 @@ Invariants (checked by :meth:`TreeBatch.validate`):
 4. ``position_ids[j] = position_ids[pred_index[j]] + 1``, and 0 where ``pred_index`` is -1.
 5. ``target_weight`` is finite and 0 where ``pred_index`` is -1.
 6. ``input_ids`` are in ``[0, vocab_size)``.
+7. ``path_count`` is the number of paths through each row's node.
+8. Index fields are int64; every per-row field has S entries; no node and no parent link
+   crosses a tree boundary (``tree_ids``, ``tree_offsets``).
 """
 
 from __future__ import annotations
@@ -95,22 +98,27 @@ class TreeBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Rows in the batch (S)."""
         return int(self.input_ids.shape[0])
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of all trees (N)."""
         return int(self.node_start.shape[0])
 
     @property
     def num_paths(self) -> int:
+        """Paths of all trees (P)."""
         return int(self.path_node.shape[0])
 
     @property
     def num_trees(self) -> int:
+        """Trees in the forest."""
         return int(self.tree_offsets.shape[0]) - 1
 
     @property
     def device(self) -> torch.device:
+        """Where the tensors are."""
         return self.input_ids.device
 
     def to(self, device: torch.device | str) -> TreeBatch:
@@ -144,7 +152,7 @@ class TreeBatch:
         return (k <= q) & (q < self.subtree_end[None, :])
 
     def validate(self, vocab_size: int | None = None) -> TreeBatch:
-        """Checks every invariant listed in :mod:`treecompile.batch`; returns self.
+        """Checks every invariant listed in `treecompile.batch`; returns self.
 
         Raises:
             TreeInputError: naming the first violated invariant and where.
@@ -271,7 +279,7 @@ def pack(
 
     Args:
         trees: a tree or a list of trees, placed side by side as a forest.
-        loss_mode: a key of :data:`treecompile.loss.LOSS_MODES`; the normalization is
+        loss_mode: a key of `treecompile.loss.LOSS_MODES`; the normalization is
             over all paths of all trees in the batch.
         denominator: replaces the batch's own normalizer (token count or path count), for
             normalizing globally over micro-batches and ranks.
@@ -281,7 +289,7 @@ def pack(
         device: where to put the tensors.
 
     Returns:
-        The :class:`TreeBatch`.
+        The `TreeBatch`.
     """
     if isinstance(trees, TrajectoryTree):
         trees = [trees]

@@ -77,7 +77,7 @@ def tree_block_mask(
     """The ``BlockMask`` of the tree rule for one packed row (batch 1, shared by all heads).
 
     Args:
-        subtree_end: ``[S]`` int64, from :class:`treecompile.TreeBatch`.
+        subtree_end: ``[S]`` int64, from `treecompile.TreeBatch`.
         block_size: FlexAttention block size for queries and keys.
         mask_mod: evaluated inside partial blocks; defaults to the interval rule. Pass another
             rule only if it is the same relation (the bitmask rule, or one restricted further,

@@ -11,7 +11,7 @@ can be regrouped per distinct token:
 
     L = sum_tokens  W_t * (-log p(x_t | prefix)),   W_t = sum_{p through t} c_p * m_pt.
 
-That is the whole trick: ``W_t`` is ``target_weight`` in a :class:`~treecompile.TreeBatch`.
+That is the whole trick: ``W_t`` is ``target_weight`` in a `treecompile.TreeBatch`.
 When all paths through a node agree on its mask, ``W_t = m_t * C_node`` with ``C_node``
 the sum of ``c_p`` over the paths through the node, a subtree sum computed in one
 bottom-up sweep, O(nodes). Paths whose mask differs on a node add a sparse
@@ -42,16 +42,16 @@ __all__ = [
     "tree_loss",
 ]
 
-#: Loss modes and their per-path coefficient ``c_p`` (``w_p`` the path weight,
-#: ``n_p`` its number of target tokens, ``P`` the number of paths, ``N`` the total
-#: number of target tokens over all paths; ``D`` replaces ``N`` or ``P`` when a
-#: ``denominator`` is given, e.g. a global count across micro-batches and ranks).
 LOSS_MODES: dict[str, str] = {
     "token-mean": "c_p = w_p / N: the mean over every target token of every path",
     "seq-mean-token-mean": "c_p = w_p / (P * n_p): each path's mean, then the mean over paths",
     "seq-mean-token-sum": "c_p = w_p / P: each path's sum, then the mean over paths",
     "sum": "c_p = w_p: the plain sum over paths and their target tokens",
 }
+"""Loss modes and their per-path coefficient ``c_p``: ``w_p`` is the path weight, ``n_p`` its
+number of target tokens, ``P`` the number of paths and ``N`` the total number of target tokens
+over all paths. A ``denominator`` replaces ``N`` or ``P`` (for example a global count across
+micro-batches and ranks)."""
 
 
 def _check_mode(mode: str) -> None:
@@ -62,12 +62,12 @@ def _check_mode(mode: str) -> None:
 def path_loss_coefficients(
     n_targets: np.ndarray, weights: np.ndarray, mode: str, denominator: float | None = None
 ) -> np.ndarray:
-    """Per-path coefficients ``c_p`` of a loss mode (see :data:`LOSS_MODES`).
+    """Per-path coefficients ``c_p`` of a loss mode (see `LOSS_MODES`).
 
     Args:
         n_targets: ``[P]`` target tokens per path (mask ones, position 0 excluded).
         weights: ``[P]`` path weights.
-        mode: a key of :data:`LOSS_MODES`.
+        mode: a key of `LOSS_MODES`.
         denominator: overrides ``N`` (token-mean) or ``P`` (seq-mean modes), or divides
             the ``sum`` mode; use it to normalise globally across micro-batches or ranks.
 
@@ -125,7 +125,7 @@ def tree_target_weights(tree: TrajectoryTree, coef: np.ndarray) -> np.ndarray:
 
     Args:
         tree: the tree.
-        coef: ``[P]`` per-path coefficients (:func:`path_loss_coefficients`).
+        coef: ``[P]`` per-path coefficients (`path_loss_coefficients`).
     """
     node_mask, exceptions = _effective_masks(tree)
     through = np.zeros(tree.num_nodes, dtype=np.float64)
@@ -156,8 +156,8 @@ def gather_logprobs(logits: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
         batch: the tree batch.
 
     Returns:
-        ``[S]`` ``log p(input_ids[j] | output at pred_index[j])``, 0 where ``pred_index`` is -1.
-        Computed in at least float32. The ``[S, V]`` log-softmax is never formed.
+        ``[S]`` ``log p(input_ids[j] | output at pred_index[j])``, 0 where ``pred_index`` is -1,
+            in at least float32. The ``[S, V]`` log-softmax is never formed.
     """
     if logits.dim() == 3:
         if logits.shape[0] != 1:
@@ -176,8 +176,8 @@ def tree_loss(logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
 
     Args:
         logprobs: ``[S]`` per-target log-probabilities aligned with ``batch.target_weight``
-            (from :func:`gather_logprobs` or a compiled model's output).
-        batch: the tree batch; its ``loss_mode`` was fixed by :func:`treecompile.pack`.
+            (from `gather_logprobs` or a compiled model's output).
+        batch: the tree batch; its ``loss_mode`` was fixed by `treecompile.pack`.
 
     Returns:
         A scalar in at least float32.

@@ -25,7 +25,7 @@ Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 @dataclass
 class ReferenceOutput:
-    """Result of :func:`per_path_loss`.
+    """Result of `per_path_loss`.
 
     Attributes:
         loss: scalar, differentiable.
@@ -112,16 +112,17 @@ def per_path_loss(
     """The loss of training on each path separately, in a given loss mode.
 
     Args:
-        model: any causal LM (see :func:`model_logits`), unmodified.
+        model: any causal LM (see `model_logits`), unmodified.
         paths: token sequences, or trees (their paths, weights and masks are used).
         weights: ``[P]`` path weights (sequences only).
         loss_masks: per path, 0/1 per token or None (sequences only). Position 0 is never a target.
-        loss_mode: a key of :data:`treecompile.loss.LOSS_MODES`.
-        denominator: the same override :func:`treecompile.pack` takes.
+        loss_mode: a key of `treecompile.loss.LOSS_MODES`.
+        denominator: the same override `treecompile.pack` takes.
         forward: ``forward(model, ids[1, T]) -> logits[1, T, V]``, for models called differently.
 
     Returns:
-        :class:`ReferenceOutput`; ``loss.backward()`` gives the per-path gradients.
+        The loss, per-path log-probabilities and target counts; ``loss.backward()`` gives the
+            per-path gradients.
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
@@ -158,7 +159,7 @@ def dense_mask_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     A reference path only: it builds the ``[S, S]`` tree mask (O(S^2) memory) and hands
     it to the model as a 4-D additive mask, with the tree's ``position_ids``. It works
     for HF models whose attention reads ``attention_mask`` (sdpa or eager); for anything
-    else use :func:`treecompile.tree_compile`.
+    else use `treecompile.tree_compile`.
     """
     if not _is_hf(model):
         raise TypeError("dense_mask_logits needs a Hugging Face model; use tree_compile for other models")

@@ -1,6 +1,6 @@
 """Trajectory trees: token sequences merged into a compressed prefix tree.
 
-A :class:`TrajectoryTree` holds a set of *paths* (token sequences, each with a
+A `TrajectoryTree` holds a set of *paths* (token sequences, each with a
 weight and a per-token loss mask) merged so that every shared prefix is stored
 once. Each node holds a maximal run of tokens that the same set of paths passes
 through; a node boundary falls wherever paths branch or a path ends. A path may
@@ -14,7 +14,7 @@ token form a forest.
 
 Loss masks are per path and per token. Paths that share a token usually agree
 on its mask; where they do not, the tree keeps the disagreement as a sparse
-exception so that the loss weights stay exact (see :mod:`treecompile.loss`).
+exception so that the loss weights stay exact (see `treecompile.loss`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class TreeStats:
     mean_branching: float
 
     def as_dict(self) -> dict[str, Any]:
+        """The statistics as a plain dict."""
         return dict(self.__dict__)
 
 
@@ -154,7 +155,7 @@ def _as_weights(weights: Any, n: int) -> np.ndarray:
 class TrajectoryTree:
     """A compressed prefix tree over token sequences (paths).
 
-    Build one with :meth:`from_sequences` or :meth:`from_messages`; the
+    Build one with `from_sequences` or `from_messages`; the
     constructor takes the frozen arrays and is not meant to be called directly.
 
     Attributes:
@@ -299,7 +300,7 @@ class TrajectoryTree:
 
     @classmethod
     def from_messages(cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, **kwargs: Any) -> TrajectoryTree:
-        """Builds a tree from chat conversations; see :func:`treecompile.chat.tree_from_messages`."""
+        """Builds a tree from chat conversations; see `treecompile.chat.tree_from_messages`."""
         from treecompile.chat import tree_from_messages
 
         return tree_from_messages(conversations, tokenizer, **kwargs)
@@ -308,10 +309,12 @@ class TrajectoryTree:
 
     @property
     def num_nodes(self) -> int:
+        """Number of nodes (N)."""
         return int(self.parent.shape[0])
 
     @property
     def num_paths(self) -> int:
+        """Number of paths (P)."""
         return int(self.path_node.shape[0])
 
     @property
@@ -321,9 +324,11 @@ class TrajectoryTree:
 
     @property
     def node_lengths(self) -> np.ndarray:
+        """``[N]`` tokens per node."""
         return np.diff(self.node_offsets)
 
     def node_tokens(self, n: int) -> np.ndarray:
+        """``[len]`` the tokens of node ``n``."""
         return self.tokens[self.node_offsets[n] : self.node_offsets[n + 1]]
 
     def path_nodes(self, p: int) -> list[int]:
@@ -336,6 +341,7 @@ class TrajectoryTree:
         return nodes[::-1]
 
     def path_length(self, p: int) -> int:
+        """Number of tokens on path ``p``."""
         n = int(self.path_node[p])
         return int(self.depth_start[n] + self.node_lengths[n])
 
@@ -354,9 +360,11 @@ class TrajectoryTree:
         return Path(tokens=tokens, weight=float(self.path_weight[p]), loss_mask=mask, end_node=nodes[-1])
 
     def paths(self) -> list[Path]:
+        """Every path (`path`), in path order."""
         return [self.path(p) for p in range(self.num_paths)]
 
     def sequences(self) -> list[list[int]]:
+        """Every path's tokens, as lists, in path order."""
         return [self.path(p).tokens.tolist() for p in range(self.num_paths)]
 
     def path_counts(self) -> np.ndarray:
@@ -467,6 +475,7 @@ class TrajectoryTree:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrajectoryTree:
+        """The inverse of `to_dict`; checks the structure like the constructor does."""
         if d.get("format") != "treecompile.tree/1":
             raise TreeInputError(f"unknown tree format {d.get('format')!r}; expected 'treecompile.tree/1'")
         nodes = d["nodes"]
