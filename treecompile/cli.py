@@ -1,0 +1,385 @@
+"""The ``treecompile`` command line.
+
+Example::
+
+    treecompile stats sample:tau_bench --tokenizer sample
+    treecompile stats trajectories.json --samples assistant_turns --json
+
+Each subcommand is two functions, ``_add_<name>_parser(subparsers)`` (its arguments) and
+``cmd_<name>(args) -> int`` (the work), registered in :data:`COMMANDS`. Errors in the
+input (:class:`TreeInputError`, a bad option, a missing optional package) print one line
+and exit with status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treecompile.errors import TreeInputError
+
+__all__ = ["COMMANDS", "build_parser", "cmd_stats", "main"]
+
+# Above this many trees, building them shows a progress bar (on stderr).
+_PROGRESS_MIN_TREES = 20
+# Tables longer than this show the first rows and a count of the rest (--rows changes it).
+_DEFAULT_ROWS = 60
+
+_KIND_LABELS = {
+    "sequences": "token sequences JSONL",
+    "conversations": "conversations JSONL",
+    "trees": "trees JSONL",
+    "tau_bench": "tau-bench JSON",
+    "tau2": "tau2 simulation JSON",
+    "gsm8k": "GSM8K model solutions JSONL",
+}
+_CHAT_KINDS = ("conversations", "tau_bench", "tau2", "gsm8k")
+_DEFAULT_CHAT_TOKENIZER = "cl100k"
+
+
+# ---------------------------------------------------------------------------- stats
+
+
+@dataclass
+class _Group:
+    """One tree to build: a name and what it is built from."""
+
+    name: str
+    conversations: list[Any] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    sequences: list[Any] = field(default_factory=list)  # SequenceRecord
+    trees: list[Any] = field(default_factory=list)  # TrajectoryTree, merged if several
+
+    @property
+    def size(self) -> int:
+        return len(self.conversations) + len(self.sequences) + len(self.trees)
+
+
+def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
+    from treecompile.chat import SAMPLES, THINK
+
+    p = sub.add_parser(
+        "stats",
+        help="size and overlap (POR) of the trees a file makes",
+        description=(
+            "Builds one tree per group (tau-bench / tau2 task, 'group' field of JSONL records) and prints "
+            "per-tree paths, nodes, tokens, POR = 1 - tree_tokens / path_tokens, depth and branching, "
+            "with a total row (total POR = 1 - sum(tree tokens) / sum(path tokens))."
+        ),
+    )
+    p.add_argument(
+        "file",
+        help="JSONL of token sequences, conversations or trees; a tau-bench or tau2 JSON file; "
+        "GSM8K example_model_solutions.jsonl; or sample:tau_bench / sample:gsm8k / sample:think",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help=f"for chat input: cl100k, sample, bytes or a tokenizer.json path (default {_DEFAULT_CHAT_TOKENIZER})",
+    )
+    p.add_argument("--samples", choices=SAMPLES, default="conversation", help="paths per conversation (chat input)")
+    p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")
+    p.add_argument(
+        "--keep-tool-call-ids",
+        action="store_true",
+        help="render tool-call ids as they are instead of call_0, call_1, ... (chat input)",
+    )
+    p.add_argument(
+        "--group-by",
+        choices=("task", "all"),
+        default="task",
+        help="task: one tree per task / group (default); all: the whole file as one tree",
+    )
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N trees")
+    p.add_argument("--rows", type=int, default=_DEFAULT_ROWS, metavar="N", help="table rows to print (all with --json)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    p.set_defaults(func=cmd_stats)
+
+
+def _resolve_file(spec: str) -> Path:
+    if spec.startswith("sample:"):
+        from treecompile.data import sample_path
+
+        return sample_path(spec[len("sample:") :])
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise TreeInputError(f"no such file: {spec}")
+    return path
+
+
+def _read_groups(path: Path, kind: str) -> list[_Group]:
+    from treecompile import chat, io
+
+    if kind == "tau_bench":
+        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau_bench(path).items()]
+    if kind == "tau2":
+        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau2(path).items()]
+    if kind == "gsm8k":
+        return [
+            _Group(k, conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_gsm8k_solutions(path).items()
+        ]
+    if kind == "conversations":
+        return [
+            _Group(k, conversations=[r.messages for r in rs], weights=[r.weight for r in rs])
+            for k, rs in io.group_records(io.load_conversations(path)).items()
+        ]
+    if kind == "sequences":
+        return [_Group(k, sequences=rs) for k, rs in io.group_records(io.load_sequences(path)).items()]
+    if kind == "trees":
+        trees = io.load_trees(path)
+        return [_Group(str(t.metadata.get("group", f"tree-{i}")), trees=[t]) for i, t in enumerate(trees)]
+    raise TreeInputError(f"{path}: unsupported file kind {kind!r}")
+
+
+def _build_tree(group: _Group, args: argparse.Namespace, tokenizer: Any) -> Any:
+    from treecompile.chat import tree_from_messages
+    from treecompile.tree import TrajectoryTree
+
+    if group.conversations:
+        return tree_from_messages(
+            group.conversations,
+            tokenizer,
+            samples=args.samples,
+            think=args.think,
+            normalize_tool_call_ids=not args.keep_tool_call_ids,
+            on_drift="ignore",  # summarized once for the whole file below
+            weights=group.weights,
+        )
+    if group.sequences:
+        rs = group.sequences
+        return TrajectoryTree.from_sequences(
+            [r.input_ids for r in rs], weights=[r.weight for r in rs], loss_masks=[r.loss_mask for r in rs]
+        )
+    if len(group.trees) == 1:
+        return group.trees[0]
+    paths = [p for t in group.trees for p in t.paths()]
+    return TrajectoryTree.from_sequences(
+        [p.tokens for p in paths], weights=[p.weight for p in paths], loss_masks=[p.loss_mask for p in paths]
+    )
+
+
+def _merge_groups(groups: list[_Group]) -> _Group:
+    out = _Group("all")
+    for g in groups:
+        out.conversations += g.conversations
+        out.weights += g.weights
+        out.sequences += g.sequences
+        out.trees += g.trees
+    return out
+
+
+def _total(stats: list[Any]) -> dict[str, Any]:
+    tree_tokens = sum(s.tree_tokens for s in stats)
+    path_tokens = sum(s.path_tokens for s in stats)
+    return {
+        "tree_tokens": tree_tokens,
+        "path_tokens": path_tokens,
+        "por": 1.0 - tree_tokens / path_tokens if path_tokens else 0.0,
+        "n_trees": len(stats),
+        "n_paths": sum(s.n_paths for s in stats),
+        "n_nodes": sum(s.n_nodes for s in stats),
+        "depth_nodes": max(s.depth_nodes for s in stats),
+        "depth_tokens": max(s.depth_tokens for s in stats),
+        "max_branching": max(s.max_branching for s in stats),
+    }
+
+
+def _drift_total(trees: list[Any], names: list[str]) -> dict[str, Any] | None:
+    reports = [(n, t.metadata.get("drift")) for n, t in zip(names, trees)]
+    reports = [(n, r) for n, r in reports if r]
+    if not reports:
+        return None
+    examples = [{"tree": n, **ex} for n, r in reports for ex in r["examples"]][:5]
+    return {
+        "tokenizer": reports[0][1]["tokenizer"],
+        "conversations": sum(r["conversations"] for _, r in reports),
+        "drifting": sum(r["drifting"] for _, r in reports),
+        "trees_drifting": sum(1 for _, r in reports if r["drifting"]),
+        "examples": examples,
+    }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """``treecompile stats FILE``: per-tree and total size and overlap of a file's trees."""
+    from rich.console import Console
+
+    from treecompile.io import detect_kind
+    from treecompile.tokenizer import load_tokenizer
+
+    path = _resolve_file(args.file)
+    kind = detect_kind(path)
+    chat_input = kind in _CHAT_KINDS
+    tokenizer_name = args.tokenizer or _DEFAULT_CHAT_TOKENIZER
+    tokenizer = load_tokenizer(tokenizer_name) if chat_input else None
+
+    start = time.perf_counter()
+    groups = _read_groups(path, kind)
+    n_records = sum(g.size for g in groups)
+    if args.group_by == "all":
+        groups = [_merge_groups(groups)]
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {args.limit}")
+        groups = groups[: args.limit]
+    trees = _build_all(groups, args, tokenizer)
+    seconds = time.perf_counter() - start
+
+    names = [g.name for g in groups]
+    stats = [t.stats() for t in trees]
+    total = _total(stats)
+    drift = _drift_total(trees, names)
+    header = {
+        "file": str(path),
+        "kind": kind,
+        "records": n_records,
+        "tokenizer": tokenizer.name if tokenizer is not None else None,
+        "tokenizer_default": chat_input and args.tokenizer is None,
+        "samples": args.samples if chat_input else None,
+        "think": args.think if chat_input else None,
+        "group_by": args.group_by,
+        "seconds": round(seconds, 3),
+    }
+    if args.json:
+        out = {
+            **header,
+            "trees": [{"name": n, **s.as_dict()} for n, s in zip(names, stats)],
+            "total": total,
+            "drift": drift,
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    console = Console(highlight=False)
+    _print_stats(console, header, names, stats, total, drift, args)
+    return 0
+
+
+def _build_all(groups: list[_Group], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("building trees"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=len(groups) < _PROGRESS_MIN_TREES,
+    )
+    trees = []
+    with progress:
+        task = progress.add_task("trees", total=len(groups))
+        for g in groups:
+            trees.append(_build_tree(g, args, tokenizer))
+            progress.advance(task)
+    return trees
+
+
+def _print_stats(
+    console: Any,
+    header: dict[str, Any],
+    names: list[str],
+    stats: list[Any],
+    total: dict[str, Any],
+    drift: dict[str, Any] | None,
+    args: argparse.Namespace,
+) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]treecompile stats[/bold] {header['file']}")
+    line = f"{_KIND_LABELS[header['kind']]}: {header['records']} records -> {total['n_trees']} trees"
+    if header["tokenizer"] is not None:
+        default = " (default for chat input)" if header["tokenizer_default"] else ""
+        line += f"; tokenizer {header['tokenizer']}{default}; samples={header['samples']}, think={header['think']}"
+    console.print(line)
+
+    table = Table(show_footer=False, pad_edge=False)
+    table.add_column("tree", overflow="fold")
+    for col in ("paths", "nodes", "tree tok", "path tok", "POR", "depth", "depth tok", "max br"):
+        table.add_column(col, justify="right")
+
+    def row(name: str, s: dict[str, Any], style: str | None = None) -> None:
+        table.add_row(
+            name,
+            str(s["n_paths"]),
+            str(s["n_nodes"]),
+            str(s["tree_tokens"]),
+            str(s["path_tokens"]),
+            f"{s['por']:.3f}",
+            str(s["depth_nodes"]),
+            str(s["depth_tokens"]),
+            str(s["max_branching"]),
+            style=style,
+        )
+
+    shown = max(args.rows, 0)
+    for name, s in zip(names[:shown], stats[:shown]):
+        row(name, s.as_dict())
+    if len(names) > shown:
+        table.add_row(f"... {len(names) - shown} more (--rows, --json)", *[""] * 8)
+    table.add_section()
+    row("total", total, style="bold")
+    console.print(table)
+    pors = [s.por for s in stats]
+    console.print(
+        f"total POR {total['por']:.3f} (per tree {min(pors):.3f} to {max(pors):.3f}); "
+        f"speed-up bound 1/(1-POR) = {1 / max(1 - total['por'], 1e-12):.2f}x; built in {header['seconds']:.2f} s"
+    )
+    console.print(_drift_line(drift))
+
+
+def _drift_line(drift: dict[str, Any] | None) -> str:
+    if drift is None:
+        return "drift: not applicable (token input)"
+    text = (
+        f"drift ({drift['tokenizer']}): {drift['drifting']} of {drift['conversations']} conversations tokenize "
+        "differently as a whole than message by message"
+    )
+    if drift["examples"]:
+        ex = drift["examples"][0]
+        text += (
+            f"; first: tree {ex['tree']}, conversation {ex['conversation']}, message {ex['message']}, "
+            f"near {json.dumps(ex['excerpt'], ensure_ascii=False)}"
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------- entry point
+
+#: Subcommands: each adds its parser and sets ``func``.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from treecompile import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="treecompile", description="Exact language-model training on prefix trees of trajectories."
+    )
+    parser.add_argument("--version", action="version", version=f"treecompile {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 2 bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (TreeInputError, ValueError, ImportError, OSError) as exc:
+        print(f"treecompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
