@@ -1,0 +1,60 @@
+import subprocess
+import sys
+
+import treecompile
+
+PUBLIC = [
+    "LOSS_MODES",
+    "Path",
+    "TrajectoryTree",
+    "TreeBatch",
+    "TreeInputError",
+    "TreeStats",
+    "UnsupportedModelError",
+    "gather_logprobs",
+    "pack",
+    "tree_loss",
+]
+
+
+def test_public_api_is_pinned():
+    assert sorted(treecompile.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(treecompile, name) is not None
+
+
+def test_unknown_name_is_an_attribute_error():
+    try:
+        treecompile.no_such_thing
+    except AttributeError as exc:
+        assert "no_such_thing" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_import_does_not_load_torch():
+    r = _run("import sys, treecompile; print('torch' in sys.modules)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_works_without_transformers():
+    # A meta path finder that refuses transformers, as if it were not installed.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'transformers' or name.startswith('transformers.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from treecompile import TrajectoryTree, pack, tree_loss, gather_logprobs\n"
+        "b = pack(TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]]))\n"
+        "print(b.num_tokens)\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "4"
