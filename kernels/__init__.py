@@ -1,0 +1,1 @@
+"""Kernels the rewritten graphs call, one family per module (``flex``: tree FlexAttention)."""

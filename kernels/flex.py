@@ -174,7 +174,9 @@ def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE)
     se_min = torch.nn.functional.pad(se, (0, pad), value=s + 1).view(nb, block_size).amin(-1)
     blk = torch.arange(nb, device=se.device)
     q_start = blk * block_size
-    q_end = torch.clamp((blk + 1) * block_size, max=s)
+    # Padding rows of a last, partial q block count as queries the block does not cover,
+    # so that block is never full (as create_block_mask decides; kernels then bound-check it).
+    q_end = (blk + 1) * block_size
     i, j = blk[:, None], blk[None, :]
     live = (j <= i) & (se_max[None, :] > q_start[:, None])
     full = (j < i) & (se_min[None, :] >= q_end[:, None])

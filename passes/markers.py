@@ -26,7 +26,7 @@ import torch
 
 from treecompile.errors import UnsupportedModelError
 
-__all__ = ["tree_inputs", "causal_attention", "tree_logprobs", "hf_causal_attention", "OPS"]
+__all__ = ["tree_inputs", "causal_attention", "tree_logprobs", "hf_causal_attention", "OPS", "is_marker"]
 
 Tensor = torch.Tensor
 
@@ -126,10 +126,18 @@ def _upcast(x: Tensor) -> Tensor:
 
 #: The marker ops, by the name the passes and error messages use.
 OPS = {
-    "tree_inputs": torch.ops.treecompile.tree_inputs.default,
-    "causal_attention": torch.ops.treecompile.causal_attention.default,
-    "tree_logprobs": torch.ops.treecompile.tree_logprobs.default,
+    "tree_inputs": torch.ops.treecompile.tree_inputs,
+    "causal_attention": torch.ops.treecompile.causal_attention,
+    "tree_logprobs": torch.ops.treecompile.tree_logprobs,
 }
+
+
+def is_marker(node: torch.fx.Node, name: str) -> bool:
+    """Whether ``node`` calls the marker op ``name`` (Dynamo records the overload packet)."""
+    if node.op != "call_function":
+        return False
+    packet = OPS[name]
+    return node.target is packet or node.target is packet.default
 
 #: Attention-interface keyword arguments that carry no meaning for the result.
 _IGNORED_HF_KWARGS = {"position_ids", "cache_position", "output_attentions", "use_cache", "layer_idx", "is_causal"}

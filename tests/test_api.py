@@ -8,11 +8,14 @@ PUBLIC = [
     "Path",
     "TrajectoryTree",
     "TreeBatch",
+    "TreeCompiledModel",
     "TreeInputError",
+    "TreeOutput",
     "TreeStats",
     "UnsupportedModelError",
     "gather_logprobs",
     "pack",
+    "tree_compile",
     "tree_loss",
 ]
 
@@ -51,7 +54,7 @@ def test_works_without_transformers():
         "        if name == 'transformers' or name.startswith('transformers.'):\n"
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from treecompile import TrajectoryTree, pack, tree_loss, gather_logprobs\n"
+        "from treecompile import TrajectoryTree, pack, tree_loss, gather_logprobs, tree_compile\n"
         "b = pack(TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]]))\n"
         "print(b.num_tokens)\n"
     )

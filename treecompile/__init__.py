@@ -25,6 +25,9 @@ _EXPORTS = {
     "gather_logprobs": "treecompile.loss",
     "pack": "treecompile.batch",
     "tree_loss": "treecompile.loss",
+    "tree_compile": "treecompile.compile",
+    "TreeCompiledModel": "treecompile.compile",
+    "TreeOutput": "treecompile.compile",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -45,6 +48,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from treecompile.batch import TreeBatch, pack
+    from treecompile.compile import TreeCompiledModel, TreeOutput, tree_compile
     from treecompile.errors import TreeInputError, UnsupportedModelError
     from treecompile.loss import LOSS_MODES, gather_logprobs, tree_loss
     from treecompile.tree import Path, TrajectoryTree, TreeStats

@@ -1,0 +1,157 @@
+"""Small FX helpers shared by the passes: the pass context, op matching, shapes, sources.
+
+Dynamo's graphs hold torch-level calls (``call_function`` on ``torch.*`` / ``operator.*``
+and ``call_method`` on tensors), so matchers here accept every spelling of an op.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from treecompile.kernels.flex import BlockLayout
+
+__all__ = ["PassContext", "is_call", "value", "seq_dims", "source_of", "describe", "bind", "ancestors"]
+
+
+@dataclass
+class PassContext:
+    """What every pass may read: the tree tensors as graph nodes, and the rewrite counters.
+
+    Attributes:
+        mask: ``"interval"`` or ``"bitmask"``.
+        input_ids: the ``[1, S]`` ids placeholder.
+        positions: the ``[S]`` tree positions placeholder.
+        mask_buffers: the placeholders the tree ``mask_mod`` reads, in
+            :data:`treecompile.kernels.flex.MASK_KINDS` order.
+        block_tensors: the BlockMask tensor placeholders.
+        layout: the BlockMask tuple layout.
+        chunks: ``path_bits.shape[1]`` (bitmask rule), else 0.
+        seq_len: S, an int or the SymInt of the traced graph.
+        example_inputs: the backend's example inputs, aligned with the placeholders.
+        counters: per pass name, a Counter of rewrites by kind.
+        created: nodes the passes inserted (the verify pass trusts them).
+        notes: per node, why a pass left it alone (quoted by the verify pass).
+    """
+
+    mask: str
+    input_ids: fx.Node
+    positions: fx.Node
+    mask_buffers: list[fx.Node]
+    block_tensors: list[fx.Node]
+    layout: BlockLayout
+    chunks: int
+    seq_len: Any
+    example_inputs: list[Any]
+    counters: dict[str, Counter] = field(default_factory=dict)
+    created: set[fx.Node] = field(default_factory=set)
+    notes: dict[fx.Node, str] = field(default_factory=dict)
+
+    def count(self, pass_name: str, kind: str, n: int = 1) -> None:
+        self.counters.setdefault(pass_name, Counter())[kind] += n
+
+    def mark(self, node: fx.Node, like: fx.Node | None = None) -> fx.Node:
+        """Records ``node`` as created by a pass, copying source info from ``like``."""
+        self.created.add(node)
+        if like is not None:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if key in like.meta:
+                    node.meta[key] = like.meta[key]
+        return node
+
+
+# Every spelling Dynamo records for the ops the passes look for.
+SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+SOFTMAX = {torch.softmax, F.softmax, torch.ops.aten._softmax.default, torch.ops.aten.softmax.int}
+MATMUL = {operator.matmul, torch.matmul, torch.bmm, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}
+ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
+
+
+def is_call(node: fx.Node, functions: Iterable[Callable] = (), methods: Iterable[str] = ()) -> bool:
+    """True if ``node`` calls one of ``functions`` or a tensor method named in ``methods``."""
+    if node.op == "call_function":
+        return node.target in set(functions)
+    if node.op == "call_method":
+        return node.target in set(methods)
+    return False
+
+
+def bind(node: fx.Node, names: list[str], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The node's arguments by name (positional then keyword), with defaults filled in."""
+    out = dict(defaults)
+    out.update(dict(zip(names, node.args)))
+    out.update(node.kwargs)
+    return out
+
+
+def value(node: Any) -> Any:
+    """The example value Dynamo recorded for ``node`` (a FakeTensor, SymInt, ...), or the constant."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes are provably equal, without adding guards."""
+    if isinstance(a, fx.Node):
+        a = value(a)
+    if isinstance(b, fx.Node):
+        b = value(b)
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        try:
+            return bool(statically_known_true(a == b))
+        except Exception:
+            return False
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return False
+
+
+def seq_dims(node: Any, seq_len: Any) -> list[int]:
+    """Dims of the node's tensor whose size is the sequence length S."""
+    v = value(node)
+    if not isinstance(v, torch.Tensor):
+        return []
+    return [d for d, size in enumerate(v.shape) if same_size(size, seq_len)]
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """All nodes ``node`` depends on, itself excluded."""
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def source_of(node: fx.Node) -> str:
+    """The user source line that produced ``node`` (last frame of its stack trace)."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return "<no source recorded>"
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return lines[-1]
+    i = frames[-1]
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return f"{lines[i]}: {code}"
+
+
+def describe(node: fx.Node) -> str:
+    """``name = target(...)`` for error messages."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"node {node.name!r} ({node.op} {target})"

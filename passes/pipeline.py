@@ -1,0 +1,177 @@
+"""The pass pipeline and the Dynamo backend that runs it.
+
+Order (each pass is a plain ``<verb>_<noun>_pass(gm, ctx) -> gm``; dead code is removed
+after each):
+
+1. ``rewrite_attention_pass``: causal attention becomes tree FlexAttention. First, so
+   that the model's own mask building (aranges compared with each other, tril buffers)
+   is dead and removed before positions are looked for.
+2. ``rewrite_positions_pass``: sequence-index positions become tree positions.
+3. ``gather_logits_pass``: only needed rows reach the vocabulary projection.
+4. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
+
+The backend copies Dynamo's graph (editing it in place breaks Dynamo's bookkeeping),
+finds the ``tree_inputs`` marker to learn which placeholders hold the tree tensors,
+removes it, runs the passes, then lowers with the chosen backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from treecompile.kernels.flex import MASK_KINDS, BlockLayout
+from treecompile.passes._graph import PassContext, value
+from treecompile.passes.attention import rewrite_attention_pass
+from treecompile.passes.loss import gather_logits_pass
+from treecompile.passes.markers import is_marker
+from treecompile.passes.positions import rewrite_positions_pass
+from treecompile.passes.verify import verify_graph_pass
+
+__all__ = ["PASSES", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
+
+log = logging.getLogger("treecompile.passes")
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+#: The passes in the order they run.
+PASSES: tuple[Pass, ...] = (
+    rewrite_attention_pass,
+    rewrite_positions_pass,
+    gather_logits_pass,
+    verify_graph_pass,
+)
+
+
+def _lower_eager(gm: fx.GraphModule, example_inputs):
+    return gm.forward
+
+
+def _lower_aot_eager(gm: fx.GraphModule, example_inputs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _lower_inductor(gm: fx.GraphModule, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+#: Lowerings after the passes, by the name ``tree_compile(backend=...)`` takes.
+LOWERINGS: dict[str, Callable] = {
+    "eager": _lower_eager,
+    "aot_eager": _lower_aot_eager,
+    "inductor": _lower_inductor,
+}
+
+
+@dataclass
+class CompileRecord:
+    """What one backend invocation (one compile of one graph) did.
+
+    Attributes:
+        counters: per pass name, a Counter of rewrites by kind.
+        graph_module: the rewritten graph (before lowering), for inspection.
+        seq_len: S as the graph saw it (an int, or a symbol when dynamic).
+    """
+
+    counters: dict[str, Counter] = field(default_factory=dict)
+    graph_module: fx.GraphModule | None = None
+    seq_len: str = ""
+
+
+def run_passes(
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = PASSES
+) -> fx.GraphModule:
+    """Runs ``passes`` in order with dead-code elimination after each."""
+    for p in passes:
+        gm = p(gm, ctx)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("%s: %s", p.__name__, dict(ctx.counters.get(p.__name__, {})))
+    return gm
+
+
+def make_backend(
+    *,
+    mask: str,
+    layout_of: Callable[[], BlockLayout],
+    chunks_of: Callable[[], int],
+    lowering: str,
+    records: list[CompileRecord],
+    passes: Sequence[Pass] = PASSES,
+) -> Callable:
+    """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
+
+    Args:
+        mask: a key of :data:`treecompile.kernels.flex.MASK_KINDS`.
+        layout_of, chunks_of: the current batch's BlockMask layout and path-bit chunks
+            (static per compiled graph; Dynamo guards on the shapes that determine them).
+        lowering: a key of :data:`LOWERINGS`.
+        records: each compile appends its :class:`CompileRecord` here.
+        passes: the passes to run (tests may run a prefix).
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
+    lower = LOWERINGS[lowering]
+
+    def treecompile_backend(gm: fx.GraphModule, example_inputs):
+        gm = _copy(gm)
+        ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
+        gm = run_passes(gm, ctx, passes)
+        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len)))
+        return lower(gm, example_inputs)
+
+    return treecompile_backend
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout, chunks: int) -> PassContext:
+    markers = [n for n in gm.graph.nodes if is_marker(n, "tree_inputs")]
+    if len(markers) != 1:
+        raise RuntimeError(
+            f"treecompile: expected one tree_inputs marker in the captured graph, found {len(markers)}; "
+            "the model was probably split by a graph break"
+        )
+    marker = markers[0]
+    ids, seq_tensors, other = marker.args
+    positions, *mask_buffers = seq_tensors
+    if len(mask_buffers) != len(MASK_KINDS[mask]):
+        raise RuntimeError(f"treecompile: the marker carries {len(mask_buffers)} mask tensors for mask={mask!r}")
+    # The marker is an identity on the ids: its users read the ids directly.
+    marker.replace_all_uses_with(ids)
+    gm.graph.erase_node(marker)
+    seq_len = value(ids).shape[-1]
+    # The wrapper's own loss arithmetic after tree_logprobs sums over targets by design.
+    wrapper_nodes: set[fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if is_marker(n, "tree_logprobs")]
+    while stack:
+        n = stack.pop()
+        if n not in wrapper_nodes:
+            wrapper_nodes.add(n)
+            stack.extend(n.users)
+    return PassContext(
+        mask=mask,
+        input_ids=ids,
+        positions=positions,
+        mask_buffers=list(mask_buffers),
+        block_tensors=list(other),
+        layout=layout,
+        chunks=chunks,
+        seq_len=seq_len,
+        example_inputs=list(example_inputs),
+        created=wrapper_nodes,
+    )

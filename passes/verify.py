@@ -1,0 +1,180 @@
+"""verify_graph_pass: refuse any sequence mixing that is not tree-aware.
+
+On a packed tree row, an op that mixes tokens along the sequence is exact only if it
+mixes each token with its own root path and nothing else. After the rewrite passes the
+only such ops allowed are the ones they inserted. Anything else would train silently
+wrong, so this pass raises :class:`~treecompile.UnsupportedModelError` naming the node
+and the user source line. What it refuses:
+
+* attention left in place: SDPA, the ``causal_attention`` marker, a FlexAttention call;
+* any tensor with two sequence-length dims (attention scores, a mask built from S);
+* ``arange(S)``-style index math that feeds a mask, ``tril``/``triu`` over S;
+* scans and reductions over the sequence dim (``cumsum``, ``cumprod``, ``logcumsumexp``,
+  ``sum``/``mean``/``max``/``softmax`` ... with that dim), ``flip``/``roll`` on it;
+* convolutions with the sequence as a spatial dim, recurrent layers (GRU, LSTM, RNN);
+* matmuls that contract over the sequence (linear attention, ``k^T @ v``);
+* shifts: ``cat``/``pad``/``getitem`` that change the sequence length (token shift).
+
+Sequence dims are recognised by size: S is a symbol when the graph is dynamic in S, so
+the check is exact then; with a static S a model dim of equal size could be mistaken for
+it (a false refusal, never a silent error).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from treecompile.errors import UnsupportedModelError
+from treecompile.passes._graph import (
+    ARANGE,
+    SDPA,
+    PassContext,
+    bind,
+    describe,
+    is_call,
+    same_size,
+    seq_dims,
+    source_of,
+    value,
+)
+from treecompile.passes.markers import is_marker
+
+__all__ = ["verify_graph_pass"]
+
+NAME = "verify"
+
+_SCANS = {torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin}
+_SCAN_METHODS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
+_REDUCTIONS = {torch.sum, torch.mean, torch.amax, torch.amin, torch.max, torch.min, torch.prod, torch.logsumexp,
+               torch.softmax, torch.log_softmax, F.softmax, F.log_softmax, torch.std, torch.var, torch.norm,
+               torch.sort, torch.argsort, torch.topk, torch.argmax, torch.argmin, torch.flip, torch.roll,
+               torch.median, torch.any, torch.all}
+_REDUCTION_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "softmax", "log_softmax",
+                      "std", "var", "norm", "sort", "argsort", "topk", "argmax", "argmin", "flip", "roll",
+                      "median", "any", "all"}
+_CONVS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+          torch.conv1d, torch.conv2d, torch.conv3d, torch.convolution, torch.ops.aten.convolution.default}
+_RNNS = {torch.gru, torch.lstm, torch.rnn_tanh, torch.rnn_relu, torch._VF.gru, torch._VF.lstm, torch._VF.rnn_tanh,
+         torch._VF.rnn_relu}
+_MATMULS = {operator.matmul, torch.matmul, torch.bmm, torch.mm, torch.einsum}
+_MASK_BUILDERS = {torch.tril, torch.triu}
+
+
+def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Raises on the first node that mixes the sequence without being tree-aware.
+
+    Counters (``ctx.counters["verify"]``): ``nodes_checked``.
+    """
+    violations = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module") or node in ctx.created:
+            continue
+        ctx.count(NAME, "nodes_checked")
+        why = _violation(node, ctx)
+        if why:
+            violations.append((node, why))
+    if violations:
+        # Report an attention a pass looked at and left (it says why) before the first
+        # violation in graph order, which is often just mask-building feeding it.
+        noted = [(n, w) for n, w in violations if n in ctx.notes]
+        node, why = (noted or violations)[0]
+        note = ctx.notes.get(node)
+        extra = f" ({note})" if note else ""
+        raise UnsupportedModelError(
+            f"treecompile cannot make this model exact on a tree: {describe(node)} {why}{extra}.\n"
+            f"  at {source_of(node)}\n"
+            "Every op that mixes tokens along the sequence must be rewritten to follow the tree; "
+            "see passes/README.md for what is supported."
+        )
+    return gm
+
+
+def _violation(node: fx.Node, ctx: PassContext) -> str | None:
+    s = ctx.seq_len
+    target = node.target
+    if is_call(node, SDPA):
+        return "is scaled_dot_product_attention that is not provably causal, so it was not rewritten"
+    if is_marker(node, "causal_attention"):
+        return "is a causal attention that was not rewritten"
+    if is_marker(node, "tree_inputs"):
+        return "is the tree input marker, which must have been removed"
+    if node.op == "call_function" and target is torch.ops.higher_order.flex_attention:
+        return "is a FlexAttention call with the model's own mask, which is not the tree mask"
+    if node.op == "call_function" and target in _RNNS or node.op == "call_module":
+        return "is a recurrent layer (or an opaque module) over the sequence"
+    if is_call(node, _CONVS, ("conv1d", "conv2d")):
+        x = node.args[0]
+        if any(d >= 2 for d in seq_dims(x, s)):
+            return "is a convolution over the sequence"
+    out_dims = seq_dims(node, s)
+    if len(out_dims) >= 2:
+        return "produces a [.., S, S] tensor (attention scores or a mask built from the sequence length)"
+    if is_call(node, _MASK_BUILDERS, ("tril", "triu")) and seq_dims(node.args[0], s):
+        return "builds a triangular mask over the sequence"
+    if is_call(node, ARANGE) and out_dims:
+        return "is an index over the packed row that is not a position (e.g. feeds a mask)"
+    if is_call(node, _SCANS, _SCAN_METHODS):
+        dim = bind(node, ["input", "dim"], {"dim": None})["dim"]
+        if _is_seq_dim(node.args[0], dim, s):
+            return f"is a scan ({_name(node)}) along the sequence"
+    if is_call(node, _REDUCTIONS, _REDUCTION_METHODS):
+        x = node.args[0] if node.args else None
+        dims = _dims_arg(node)
+        in_dims = seq_dims(x, s)
+        if in_dims and (dims is None or any(_norm(d, x) in in_dims for d in dims)):
+            return f"reduces or reorders ({_name(node)}) along the sequence"
+    if is_call(node, _MATMULS, ("matmul", "bmm", "mm")) and target is not torch.einsum:
+        a = node.args[0]
+        av = value(a)
+        if isinstance(av, torch.Tensor) and av.dim() >= 1 and (av.dim() - 1) in seq_dims(a, s):
+            return "contracts over the sequence (a matmul whose inner dim is S)"
+    if is_call(node, (torch.einsum,)):
+        ins = [a for a in node.args[1:] if isinstance(a, fx.Node)]
+        if any(seq_dims(a, s) for a in ins) and not out_dims:
+            return "contracts over the sequence (einsum)"
+    if _changes_length(node, s):
+        return "changes the sequence length (a shift, pad or cat along the sequence)"
+    return None
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _norm(d: int, x) -> int:
+    v = value(x)
+    return d % v.dim() if isinstance(v, torch.Tensor) and v.dim() else d
+
+
+def _is_seq_dim(x, dim, s) -> bool:
+    if dim is None or not isinstance(dim, int):
+        return bool(seq_dims(x, s))
+    return _norm(dim, x) in seq_dims(x, s)
+
+
+def _dims_arg(node: fx.Node):
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if node.target in ("flip", torch.flip) or node.target in ("roll", torch.roll):
+        dim = node.kwargs.get("dims", node.args[-1] if len(node.args) > 1 else None)
+    if dim is None or isinstance(dim, fx.Node):
+        return None
+    return list(dim) if isinstance(dim, (tuple, list)) else [dim]
+
+
+def _changes_length(node: fx.Node, s) -> bool:
+    """An S-derived size other than S in the output (needs a symbolic S)."""
+    if not isinstance(s, torch.SymInt):
+        return False
+    v = value(node)
+    if not isinstance(v, torch.Tensor):
+        return False
+    sym = s.node.expr.free_symbols
+    for size in v.shape:
+        if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & sym and not same_size(size, s):
+            return True
+    return False
+

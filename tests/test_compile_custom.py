@@ -1,0 +1,128 @@
+"""tree_compile on plain PyTorch models: float64 equivalence with per-path training.
+
+One compiled model per (model, mask) runs every tree: S, the number of targets and of
+predicting rows are dynamic, so the trees also exercise reuse without recompiling.
+"""
+
+import pytest
+import torch
+from test_compile_models import (
+    TREES,
+    CachedRopeLM,
+    ManualGPT,
+    NanoGPT,
+    compare_with_paths,
+    make_batch,
+    tiny,
+)
+
+from treecompile.compile import BACKENDS, MASKS, TreeCompiledModel, tree_compile
+
+MODELS = {
+    # model -> the rewrites its graph must show, per pass.
+    "nanogpt-sdpa-rope-arange": (NanoGPT, {"attention": {"sdpa": 2}, "positions": {"arange": 1}}),
+    "manual-softmax-tril-wpe": (ManualGPT, {"attention": {"softmax_attention": 2}, "positions": {"arange": 1}}),
+    "sdpa-cached-rope-slice": (CachedRopeLM, {"attention": {"sdpa": 1}, "positions": {"table_slice": 2}}),
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_custom_model_matches_per_path_training(model_id, mask):
+    cls, expected = MODELS[model_id]
+    model = tiny(cls)
+    compiled = tree_compile(model, mask=mask)
+    for name in TREES:
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="pure")
+    for pass_name, kinds in expected.items():
+        assert dict(compiled.counters[pass_name]) == kinds, f"{pass_name}: {compiled.counters[pass_name]}"
+    assert compiled.counters["loss"] == {"gather_before_lm_head": 1}
+    # Dynamic S: one graph served trees of 11, 14 and 9 tokens.
+    assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
+
+
+def test_logprobs_are_zero_where_nothing_predicts():
+    model = tiny(NanoGPT)
+    batch, _ = make_batch("forest")
+    out = tree_compile(model)(batch)
+    roots = batch.pred_index < 0
+    assert roots.sum() == 2
+    assert torch.all(out.logprobs[roots] == 0)
+    assert torch.all(out.logprobs[~roots] < 0)
+    assert out.logprobs.shape == batch.target_weight.shape
+    torch.testing.assert_close(out.loss, -(batch.target_weight * out.logprobs).sum())
+
+
+def test_lm_head_sees_only_needed_rows():
+    """In the rewritten graph the vocabulary projection reads gathered rows, not all S."""
+    import torch.nn.functional as F
+
+    model = tiny(NanoGPT)
+    batch, _ = make_batch("branchy")
+    compiled = tree_compile(model)
+    compiled(batch)
+    gm = compiled.compile_records[-1].graph_module
+    heads = [n for n in gm.graph.nodes if n.target is F.linear and "head" in n.args[1].name]
+    assert len(heads) == 1
+    assert heads[0].args[0].target is torch.index_select, heads[0].args[0].format_node()
+
+
+def test_wrapper_keeps_parameters_and_checkpoints():
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model)
+    assert isinstance(compiled, TreeCompiledModel)
+    assert [id(p) for p in compiled.parameters()] == [id(p) for p in model.parameters()]
+    assert list(compiled.state_dict()) == list(model.state_dict())
+    assert dict(compiled.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    compiled.load_state_dict(state)
+    torch.testing.assert_close(model.state_dict()["head.weight"], state["head.weight"])
+    compiled.train()
+    assert model.training
+    compiled.eval()
+    assert not model.training
+    assert compiled.model is model and compiled.emb is model.emb
+
+
+def test_optimizer_step_on_the_wrapper_trains_the_model():
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    batch, _ = make_batch("branchy")
+    before = compiled(batch).loss.item()
+    for _ in range(3):
+        opt.zero_grad()
+        compiled(batch).loss.backward()
+        opt.step()
+    assert compiled(batch).loss.item() < before
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_backends_agree(backend):
+    model = tiny(ManualGPT)
+    batch, trees = make_batch("branchy")
+    compare_with_paths(model, tree_compile(model, backend=backend), batch, trees, tol="pure")
+
+
+def test_unknown_options_list_the_valid_ones():
+    model = tiny(NanoGPT)
+    with pytest.raises(ValueError, match="valid masks: interval, bitmask"):
+        tree_compile(model, mask="dense")
+    with pytest.raises(ValueError, match="valid backends: " + ", ".join(BACKENDS)):
+        tree_compile(model, backend="tensorrt")
+
+
+def test_bitmask_needs_path_bits():
+    from treecompile import TreeInputError
+
+    batch, _ = make_batch("branchy", path_bits=False)
+    with pytest.raises(TreeInputError, match="path_bits=True"):
+        tree_compile(tiny(NanoGPT), mask="bitmask")(batch)
+
+
+def test_verify_option_checks_against_paths():
+    model = tiny(NanoGPT)
+    batch, _ = make_batch("forest")
+    out = tree_compile(model, verify=True)(batch)
+    assert torch.isfinite(out.loss)

@@ -1,0 +1,95 @@
+"""Tree FlexAttention (kernels/flex.py) against the dense reference, and the BlockMask builders."""
+
+import pytest
+import torch
+from test_compile_models import TOL
+
+import treecompile as tc
+from treecompile.kernels import flex
+
+SEQS = {
+    # 1-token nodes and a prefix path.
+    "tiny": [[1, 2, 3], [1, 2], [1, 4], [5]],
+    # Awkward sizes around the block size 16: 63 and 65 token paths sharing 17 tokens.
+    "blocks": [list(range(63)), list(range(17)) + [99] * 48, [7] * 30],
+}
+
+
+def _batch(name):
+    return tc.pack(tc.TrajectoryTree.from_sequences(SEQS[name]), path_bits=True)
+
+
+def _dense_reference(q, k, v, batch, window, softcap):
+    """Plain softmax attention over the dense tree mask (O(S^2)), GQA by repetition."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = flex.reference_tree_mask(batch.subtree_end, batch.position_ids, window)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("mask", ["interval", "bitmask"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 2.5), (5, 4.0)],
+                         ids=["plain", "window3", "softcap", "window5-softcap"])
+@pytest.mark.parametrize("name,heads", [("tiny", (4, 4)), ("blocks", (6, 2)), ("blocks", (3, 1))],
+                         ids=["tiny-MHA", "blocks-GQA3", "blocks-MQA"])
+def test_tree_attention_matches_dense_reference(mask, window, softcap, name, heads):
+    batch = _batch(name)
+    s = batch.num_tokens
+    bm = flex.interval_block_mask(batch.subtree_end, 16) if mask == "interval" else flex.causal_block_mask(
+        batch.tree_ids, 16)
+    tensors, layout = flex.split_block_mask(bm)
+    spec = flex.AttentionSpec(mask, None, window, softcap, batch.path_bits.shape[1], layout)
+    fn = flex.tree_attention_fn(spec)
+    g = torch.Generator().manual_seed(1)
+    hq, hkv = heads
+    q, k, v = (torch.randn(1, h, s, 12, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (hq, hkv, hkv))
+    buffers = [batch.subtree_end] if mask == "interval" else [batch.tree_ids, batch.path_bits]
+    out = fn(q, k, v, batch.position_ids, *buffers, *tensors)
+    ref = _dense_reference(q, k, v, batch, window, softcap)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    rtol, atol = TOL["pure"]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    for n, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(SEQS))
+@pytest.mark.parametrize("block", [4, 16, 128])
+def test_interval_block_mask_equals_create_block_mask(name, block):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch = _batch(name)
+    se, s = batch.subtree_end, batch.num_tokens
+    ours = flex.interval_block_mask(se, block)
+    ref = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q < se[kv]), 1, 1, s, s, device="cpu",
+                            BLOCK_SIZE=block)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    # Full blocks must be exact (they skip the mask_mod); partial ones may be a superset.
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_causal_block_mask_covers_the_bitmask_rule(block):
+    batch = tc.pack([tc.TrajectoryTree.from_sequences(SEQS["tiny"]),
+                     tc.TrajectoryTree.from_sequences(SEQS["blocks"])], path_bits=True)
+    bm = flex.causal_block_mask(batch.tree_ids, block)
+    live = bm.to_dense()[0, 0].repeat_interleave(block, 0).repeat_interleave(block, 1)
+    s = batch.num_tokens
+    dense = flex.reference_tree_mask(batch.subtree_end)
+    assert not torch.any(dense & ~live[:s, :s].bool()), "a visible pair lies in a block marked empty"
+    assert bm.full_kv_num_blocks is None or int(bm.full_kv_num_blocks.sum()) == 0
+
+
+def test_split_block_mask_round_trips():
+    batch = _batch("blocks")
+    bm = flex.interval_block_mask(batch.subtree_end, 16)
+    tensors, layout = flex.split_block_mask(bm)
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    kinds = [slot[0] for slot in layout.slots]
+    assert kinds[:2] == ["q_len", "kv_len"] and kinds[-1] == "mask_mod"

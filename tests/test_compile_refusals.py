@@ -1,0 +1,103 @@
+"""Models that mix the sequence in ways a tree cannot follow are refused, never trained wrong.
+
+Each refusal must name the op and the user source line that produced it.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_compile_models import VOCAB, ConvLM, CumsumLM, GruLM, make_batch, tiny
+from torch import nn
+
+from treecompile import UnsupportedModelError
+from treecompile.compile import tree_compile
+
+
+class BidirectionalLM(nn.Module):
+    """SDPA without a causal mask: every token sees the whole row."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)[:, None]
+        return self.head(F.scaled_dot_product_attention(x, x, x)[:, 0])
+
+
+class PrefixLMMaskLM(nn.Module):
+    """Manual attention whose structural mask is not causal (a bidirectional prefix of 3)."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.emb(idx)[:, None]
+        i = torch.arange(t, device=idx.device)
+        allowed = (i[None, :] <= i[:, None]) | (i[None, :] < 3)
+        att = (x @ x.transpose(-2, -1)).masked_fill(~allowed, float("-inf")).softmax(-1)
+        return self.head((att @ x)[:, 0])
+
+
+class MeanPoolLM(nn.Module):
+    """Adds the mean over the whole sequence to every token (global pooling)."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.head(x + x.mean(dim=1, keepdim=True))
+
+
+class TokenShiftLM(nn.Module):
+    """RWKV-style token shift: mixes each token with the previous row of the packed sequence."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+        return self.head(x + shifted)
+
+
+class DropoutAttentionLM(nn.Module):
+    """Causal SDPA with dropout: random per call, so no tree can match it."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)[:, None]
+        return self.head(F.scaled_dot_product_attention(x, x, x, is_causal=True, dropout_p=0.1)[:, 0])
+
+
+REFUSED = {
+    # model -> (op named in the message, source fragment named in the message)
+    "conv1d": (ConvLM, "convolution over the sequence", "self.conv("),
+    "gru": (GruLM, "recurrent layer", "self.rnn("),
+    "cumsum": (CumsumLM, "scan (cumsum)", "x.cumsum(1)"),
+    "bidirectional-sdpa": (BidirectionalLM, "scaled_dot_product_attention", "scaled_dot_product_attention(x, x, x)"),
+    "prefix-lm-mask": (PrefixLMMaskLM, "not causal", "x @ x.transpose"),
+    "mean-pool": (MeanPoolLM, "along the sequence", "x.mean(dim=1"),
+    "token-shift": (TokenShiftLM, "changes the sequence length", "x[:, :-1]"),
+    "attention-dropout": (DropoutAttentionLM, "dropout", "dropout_p=0.1"),
+}
+
+
+@pytest.mark.parametrize("model_id", list(REFUSED))
+def test_sequence_mixing_is_refused_with_op_and_source(model_id):
+    cls, what, where = REFUSED[model_id]
+    batch, _ = make_batch("branchy")
+    compiled = tree_compile(tiny(cls))
+    with pytest.raises(UnsupportedModelError) as info:
+        compiled(batch)
+    msg = str(info.value)
+    assert what in msg, msg
+    assert where in msg, msg

@@ -1,0 +1,386 @@
+"""``tree_compile(model)``: train any causal LM on a packed tree batch, exactly.
+
+    model = tree_compile(model)            # keeps the model's parameters
+    out = model(treecompile.pack(trees))   # out.loss, out.logprobs
+    out.loss.backward()                    # grads land on the original parameters
+
+The model is captured with Dynamo as one graph, rewritten by the passes in
+:mod:`treecompile.passes.pipeline` (attention, positions, loss, verify) and lowered
+with AOTAutograd (CPU) or Inductor (CUDA). The tree tensors of each batch reach the graph
+as inputs through a marker op; the BlockMask is built once per batch, outside the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from treecompile.batch import TreeBatch
+from treecompile.errors import TreeInputError, UnsupportedModelError
+from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, interval_block_mask, split_block_mask
+from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
+from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend
+
+__all__ = ["tree_compile", "TreeCompiledModel", "TreeOutput", "MASKS", "BACKENDS"]
+
+#: Mask encodings ``tree_compile(mask=...)`` accepts.
+MASKS = tuple(MASK_KINDS)
+#: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
+BACKENDS = tuple(LOWERINGS)
+
+#: Name under which the Hugging Face attention interface routes to the tree marker.
+HF_ATTENTION_NAME = "treecompile"
+
+# verify=True: max |tree - per-path| logprob allowed, by parameter dtype, with the reason.
+VERIFY_TOLERANCE = {
+    # HF norms compute in float32 even in float64 models: a ~1e-7 floor, 10x margin.
+    torch.float64: 1e-6,
+    # float32 accumulation in a different order over S keys.
+    torch.float32: 1e-3,
+    # Half precisions round every activation to 8-11 bits.
+    torch.bfloat16: 1e-1,
+    torch.float16: 5e-2,
+}
+
+
+@dataclass
+class TreeOutput:
+    """What a tree-compiled model returns.
+
+    Attributes:
+        loss: scalar, ``-(target_weight * logprobs).sum()``; backward fills the model's grads.
+        logprobs: ``[S]`` log-probability of each row's token given its path prefix,
+            aligned with ``target_weight``; 0 where ``pred_index`` is -1.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def tree_compile(
+    model: nn.Module, *, mask: str = "interval", backend: str | None = None, verify: bool = False
+) -> TreeCompiledModel:
+    """Wraps a causal LM so that it trains on packed tree batches exactly.
+
+    Args:
+        model: a Hugging Face causal LM or any module ``model(ids[1, S]) -> logits`` (a
+            tensor, a tuple starting with logits, or an object with ``.logits``).
+        mask: ``"interval"`` (``subtree_end``, default) or ``"bitmask"`` (``path_bits``;
+            pack with ``path_bits=True``).
+        backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
+            CUDA and aot_eager on CPU.
+        verify: also compare every forward's logprobs with the unmodified model run on
+            each path alone, raising on a mismatch (slow; for debugging a new model).
+
+    Returns:
+        A :class:`TreeCompiledModel` sharing ``model``'s parameters.
+
+    Raises:
+        ValueError: an unknown ``mask`` or ``backend``.
+        UnsupportedModelError: (at the first call) the model mixes the sequence in a way
+            that cannot be made exact on a tree; the message names the op and source line.
+    """
+    if mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    return TreeCompiledModel(model, mask=mask, backend=backend, verify=verify)
+
+
+class TreeCompiledModel(nn.Module):
+    """A causal LM that takes a :class:`~treecompile.TreeBatch` and returns a :class:`TreeOutput`.
+
+    The wrapped model is not registered as a submodule: ``parameters()``,
+    ``state_dict()``, ``load_state_dict()``, ``train()``, ``to()`` and attribute access
+    go straight to it, so optimizers, checkpoints and keys are unchanged (no prefix).
+
+    Attributes:
+        compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
+            (re)compile, with the per-pass rewrite counters.
+    """
+
+    def __init__(self, model: nn.Module, *, mask: str, backend: str | None, verify: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_inner", model)
+        self.mask = mask
+        self.verify = verify
+        self._backend_name = backend
+        self.compile_records: list[CompileRecord] = []
+        self._layout = None
+        self._chunks = 0
+        self._is_hf = _is_hf_model(model)
+        self._call_kwargs = _call_kwargs(model, self._is_hf)
+        self._compiled = None
+
+    # ------------------------------------------------------------------ delegation
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model (its parameters are the ones trained)."""
+        return self._inner
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self._inner.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._inner.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self._inner.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._inner.named_buffers(*args, **kwargs)
+
+    def children(self):
+        return self._inner.children()
+
+    def named_children(self):
+        return self._inner.named_children()
+
+    def modules(self):
+        return self._inner.modules()
+
+    def named_modules(self, *args, **kwargs):
+        return self._inner.named_modules(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self._inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._inner.load_state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> TreeCompiledModel:
+        self._inner.train(mode)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        self._inner._apply(fn, recurse)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none)
+
+    @property
+    def counters(self) -> dict[str, Counter]:
+        """Rewrite counters of the latest compile, per pass (empty before the first call)."""
+        return self.compile_records[-1].counters if self.compile_records else {}
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: TreeBatch) -> TreeOutput:
+        """Runs the model on a packed tree batch.
+
+        Args:
+            batch: from :func:`treecompile.pack`, on the model's device.
+
+        Returns:
+            :class:`TreeOutput` with ``loss`` and ``logprobs`` ``[S]``.
+        """
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"expected a TreeBatch (treecompile.pack), got {type(batch).__name__}")
+        device = _device_of(self._inner)
+        batch = batch.to(device) if batch.device != device else batch
+        args = self._inputs(batch)
+        if self._compiled is None:
+            self._compiled = self._build(device)
+        # No duck shaping: S, M and R must not be assumed equal because they once were.
+        with _hf_attention(self._inner) if self._is_hf else contextlib.nullcontext():
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
+                try:
+                    loss, logprobs = self._compiled(*args)
+                except torch._dynamo.exc.BackendCompilerFailed as e:
+                    # Our passes' refusals reach the user as themselves, not wrapped by Dynamo.
+                    if isinstance(e.inner_exception, UnsupportedModelError):
+                        raise e.inner_exception from None
+                    raise
+                except torch._dynamo.exc.Unsupported as e:
+                    # A graph break would run part of the model outside the rewritten graph.
+                    raise UnsupportedModelError(
+                        f"treecompile needs the model as one graph, but Dynamo cannot capture part of it: {e}"
+                    ) from None
+        out = TreeOutput(loss=loss, logprobs=logprobs)
+        if self.verify:
+            _verify_against_paths(self._inner, batch, logprobs.detach())
+        return out
+
+    def _build(self, device: torch.device):
+        lowering = self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
+        backend = make_backend(
+            mask=self.mask,
+            layout_of=lambda: self._layout,
+            chunks_of=lambda: self._chunks,
+            lowering=lowering,
+            records=self.compile_records,
+            passes=PASSES,
+        )
+        inner, kwargs_of = self._inner, self._call_kwargs
+
+        def tree_forward(ids, positions, mask_buffers, block_tensors, rows, slot, target, dest, weight):
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors))
+            logits = _logits_of(inner(ids, **kwargs_of(positions)))
+            logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
+            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+            return loss, logprobs
+
+        # Dynamo caches compiled graphs per code object; a code object of its own per
+        # wrapper keeps wrappers of different models from sharing one recompile budget.
+        code = tree_forward.__code__.replace(co_name=f"tree_forward_{id(self):x}")
+        fn = types.FunctionType(code, tree_forward.__globals__, code.co_name, None, tree_forward.__closure__)
+        return torch.compile(fn, backend=backend, fullgraph=True)
+
+    def _inputs(self, batch: TreeBatch) -> tuple:
+        """The compiled function's arguments for one batch (block mask built here, once)."""
+        if self.mask == "interval":
+            buffers = [batch.subtree_end]
+            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
+            self._chunks = 0
+        else:
+            if batch.path_bits is None:
+                raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
+            buffers = [batch.tree_ids, batch.path_bits]
+            block_mask = causal_block_mask(batch.tree_ids, BLOCK_SIZE)
+            self._chunks = int(batch.path_bits.shape[1])
+            # The chunk loop is unrolled in the mask_mod: a new chunk count must recompile.
+            torch._dynamo.mark_static(batch.path_bits, 1)
+        block_tensors, self._layout = split_block_mask(block_mask)
+        pred = batch.pred_index
+        dest = torch.nonzero(pred >= 0).flatten()
+        rows, slot = torch.unique(pred[dest], return_inverse=True)
+        target = batch.input_ids[dest]
+        ids = batch.input_ids[None]
+        # S, the number of targets M and of predicting rows R vary per batch: one graph
+        # for all (no recompile per batch size).
+        for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
+                     (batch.target_weight, 0), *[(b, 0) for b in buffers]]:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        return (ids, batch.position_ids, buffers, block_tensors, rows, slot, target, dest, batch.target_weight)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def _call_kwargs(model: nn.Module, is_hf: bool):
+    """``positions -> kwargs`` for calling the model: tree position ids where it takes them."""
+    params = inspect.signature(model.forward).parameters
+    takes_pos = is_hf or "position_ids" in params
+    takes_cache = is_hf or "use_cache" in params
+
+    def kwargs(positions: torch.Tensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if takes_pos:
+            out["position_ids"] = positions[None]
+        if takes_cache:
+            # A cache changes nothing here but HF would build one (and a plain causal mask).
+            out["use_cache"] = False
+        return out
+
+    return kwargs
+
+
+def _logits_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"cannot find logits in the model's output of type {type(out).__name__}")
+
+
+# Dynamo settings for our calls only:
+# - allow_rnn: capture recurrent layers so the verify pass can name them;
+# - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
+#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
+_DYNAMO_CONFIG = {
+    k: v
+    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
+    if k in torch._dynamo.config._config
+}
+
+_HF_REGISTERED = False
+
+
+def _register_hf_attention() -> None:
+    global _HF_REGISTERED
+    if _HF_REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_ATTENTION_NAME, markers.hf_causal_attention)
+    _HF_REGISTERED = True
+
+
+@contextlib.contextmanager
+def _hf_attention(model: nn.Module):
+    """Routes the model's HF attention interface to the tree marker for one call, then restores it.
+
+    The user's model keeps its own ``attn_implementation`` outside calls (so running it
+    per path afterwards, or saving it, sees no change). Dynamo guards on the value, which
+    is the same on every call.
+    """
+    _register_hf_attention()
+    from transformers import PretrainedConfig
+
+    configs: dict[int, PretrainedConfig] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            stack = [cfg]
+            while stack:
+                c = stack.pop()
+                if id(c) in configs:
+                    continue
+                configs[id(c)] = c
+                stack.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None))
+    saved = {k: c._attn_implementation_internal for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation_internal = HF_ATTENTION_NAME
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation_internal = saved[k]
+
+
+def _verify_against_paths(model: nn.Module, batch: TreeBatch, logprobs: torch.Tensor) -> None:
+    from treecompile.reference import path_logprobs
+
+    dtype = next(model.parameters()).dtype
+    tol = VERIFY_TOLERANCE.get(dtype, 1e-3)
+    with torch.no_grad():
+        for p in range(batch.num_paths):
+            rows = batch.path_rows(p)
+            ref = path_logprobs(model, batch.input_ids[rows].tolist())
+            diff = (logprobs[rows].to(ref.dtype) - ref).abs()
+            if diff.max() > tol:
+                j = int(diff.argmax())
+                raise UnsupportedModelError(
+                    f"verify: path {p} token {j} (row {int(rows[j])}): tree logprob {float(logprobs[rows[j]]):.6g} "
+                    f"vs per-path {float(ref[j]):.6g}, |diff| {float(diff.max()):.3g} > {tol:g} for {dtype}"
+                )
