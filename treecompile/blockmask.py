@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from treecompile.masks import MaskMod, interval_mask_mod
 
-__all__ = ["tree_block_mask", "block_classes"]
+__all__ = ["tree_block_mask", "block_classes", "block_mask_from_classes"]
 
 
 def block_classes(subtree_end: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,16 +86,33 @@ def tree_block_mask(
     Returns:
         A ``BlockMask`` equal to ``create_block_mask(mask_mod, 1, 1, S, S, BLOCK_SIZE=block_size)``.
     """
-    s = subtree_end.shape[0]
     partial, full = block_classes(subtree_end, block_size)
+    return block_mask_from_classes(
+        partial, full, subtree_end.shape[0], block_size, mask_mod or interval_mask_mod(subtree_end)
+    )
+
+
+def block_mask_from_classes(
+    partial: torch.Tensor, full: torch.Tensor, seq_len: int, block_size: int, mask_mod: MaskMod | None = None
+) -> BlockMask:
+    """A ``BlockMask`` from ``[nb, nb]`` bool tables of partial and full (query, key) blocks.
+
+    Args:
+        partial: blocks where ``mask_mod`` decides each pair.
+        full: blocks where every pair is visible (``mask_mod`` is skipped); disjoint from ``partial``.
+        seq_len: S, for queries and keys.
+        block_size: rows per block.
+        mask_mod: the rule evaluated in partial blocks.
+    """
     kv_num, kv_idx = _to_indices(partial)
     full_num, full_idx = _to_indices(full)
     # The query-side tables are the same classes transposed; building them here is ~20x
     # faster than from_kv_blocks' generic transpose (3 ms vs 99 ms at S=128k on 2 CPU cores).
     q_num, q_idx = _to_indices(partial.T)
     full_q_num, full_q_idx = _to_indices(full.T)
+    kwargs = {} if mask_mod is None else {"mask_mod": mask_mod}
     return BlockMask(
-        seq_lengths=(s, s),
+        seq_lengths=(seq_len, seq_len),
         kv_num_blocks=kv_num,
         kv_indices=kv_idx,
         full_kv_num_blocks=full_num,
@@ -105,5 +122,5 @@ def tree_block_mask(
         full_q_num_blocks=full_q_num,
         full_q_indices=full_q_idx,
         BLOCK_SIZE=(block_size, block_size),
-        mask_mod=mask_mod or interval_mask_mod(subtree_end),
+        **kwargs,
     )
