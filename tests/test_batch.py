@@ -123,3 +123,20 @@ def test_to_device_and_dtypes():
     assert b.input_ids.dtype == torch.int64 and b.target_weight.dtype == torch.float64
     assert b.path_bits.dtype == torch.int64
     assert np.isclose(b.target_weight.sum().item(), 1.0)
+
+
+@given(forests)
+def test_padding_rows_are_isolated_and_weightless(forest):
+    batch = pack(_trees(forest), path_bits=True)
+    padded = batch.padded(batch.num_tokens + 3).validate()
+    s = batch.num_tokens
+    assert padded.num_tokens == s + 3 and padded.num_trees == batch.num_trees + 3
+    mask = padded.reference_attention_mask()
+    assert torch.equal(mask[:s, :s], batch.reference_attention_mask())
+    assert not mask[:s, s:].any() and not mask[s:, :s].any()
+    assert torch.equal(mask[s:, s:], torch.eye(3, dtype=torch.bool))
+    assert torch.all(padded.target_weight[s:] == 0) and torch.all(padded.pred_index[s:] == -1)
+    q, k = torch.arange(s + 3)[:, None], torch.arange(s + 3)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+    assert torch.equal(bitmask_mask_mod(padded.path_bits, padded.tree_ids)(zero, zero, q, k), mask)
+    assert batch.padded(1) is batch

@@ -121,8 +121,38 @@ def test_bitmask_needs_path_bits():
         tree_compile(tiny(NanoGPT), mask="bitmask")(batch)
 
 
-def test_verify_option_checks_against_paths():
+def test_verify_passes_an_exact_model_and_leaves_it_as_it_was():
+    model = tiny(NanoGPT)
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    batch, _ = make_batch("forest")
+    compiled = tree_compile(model, verify=True)
+    out = compiled(batch)
+    assert torch.isfinite(out.loss)
+    report = compiled.verified
+    assert report.dtype == torch.float64 and report.paths == 6
+    assert report.worst_grad_diff < 1e-10 and report.loss_diff < 1e-12
+    assert model.training
+    assert all(torch.all(p.grad == 7.0) for p in model.parameters())
+    compiled(batch)  # checked once, on the first call
+    assert compiled.verified is report
+
+
+def test_verify_catches_a_silently_wrong_model():
+    # A wrapper whose mask lets every row see every earlier row of the packed row (siblings
+    # included): a silent error no graph check can see. verify=True must refuse it.
+    import dataclasses
+
+    from treecompile.compile import TreeCompiledModel
+    from treecompile.errors import UnsupportedModelError
+
+    class LeakyMask(TreeCompiledModel):
+        def _inputs(self, batch):
+            leaky = dataclasses.replace(batch, subtree_end=torch.full_like(batch.subtree_end, batch.num_tokens))
+            return super()._inputs(leaky)
+
     model = tiny(NanoGPT)
     batch, _ = make_batch("forest")
-    out = tree_compile(model, verify=True)(batch)
-    assert torch.isfinite(out.loss)
+    with pytest.raises(UnsupportedModelError, match="gradient of '.*' differs by"):
+        LeakyMask(model, mask="interval", backend=None, verify=True)(batch)

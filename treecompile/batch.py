@@ -130,6 +130,41 @@ class TreeBatch:
         }
         return TreeBatch(**moved)
 
+    def padded(self, num_tokens: int) -> TreeBatch:
+        """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
+
+        A padding row sees only itself, no row sees it, nothing predicts from it and it has no
+        target, so every other row's outputs, the loss and the gradients are unchanged.
+        """
+        extra = num_tokens - self.num_tokens
+        if extra <= 0:
+            return self
+        s, n, t = self.num_tokens, self.num_nodes, self.num_trees
+        dev = self.device
+
+        def ext(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, tail.to(device=dev, dtype=x.dtype)])
+
+        rows = torch.arange(s, num_tokens, device=dev)
+        zeros = torch.zeros(extra, dtype=torch.int64, device=dev)
+        return dataclasses.replace(
+            self,
+            input_ids=ext(self.input_ids, zeros),
+            position_ids=ext(self.position_ids, zeros),
+            subtree_end=ext(self.subtree_end, rows + 1),
+            pred_index=ext(self.pred_index, zeros - 1),
+            target_weight=ext(self.target_weight, zeros),
+            tree_ids=ext(self.tree_ids, torch.arange(t, t + extra, device=dev)),
+            path_count=ext(self.path_count, zeros),
+            node_start=ext(self.node_start, rows),
+            node_end=ext(self.node_end, rows + 1),
+            node_parent=ext(self.node_parent, zeros - 1),
+            tree_offsets=ext(self.tree_offsets, rows + 1),
+            path_bits=None if self.path_bits is None else ext(
+                self.path_bits, torch.zeros(extra, self.path_bits.shape[1], dtype=torch.int64).index_fill_(1, torch.tensor([0]), 1)
+            ),
+        )
+
     def path_rows(self, p: int) -> torch.Tensor:
         """``[T_p]`` rows of path ``p`` from its root, in path order."""
         starts, ends = self.node_start.tolist(), self.node_end.tolist()

@@ -353,7 +353,13 @@ def _drift_line(drift: dict[str, Any] | None) -> str:
 # ---------------------------------------------------------------------------- entry point
 
 #: Subcommands: each adds its parser and sets ``func``.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser]
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from treecompile.plan import add_plan_command
+
+    add_plan_command(sub)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser, _add_plan_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

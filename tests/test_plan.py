@@ -1,0 +1,48 @@
+"""`treecompile plan`: the partition, POR, ERR, per-rank load and duplicated tokens of a file."""
+
+import argparse
+import json
+
+import pytest
+
+from treecompile.plan import add_plan_command, run_plan
+
+
+def _run(argv, capsys):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_plan_command(sub)
+    args = parser.parse_args(["plan", *argv])
+    assert run_plan(args) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_json_on_the_bundled_sample(capsys):
+    out = json.loads(_run(["sample:tau_bench", "--tokenizer", "sample", "--ranks", "2", "--json"], capsys))
+    tot = out["total"]
+    assert out["capacity_default"] and out["capacity"] >= out["longest_path"]
+    assert tot["n_parts"] > tot["n_trees"], "half the largest tree must split it"
+    assert 0 < tot["err"] <= tot["por"]
+    assert tot["duplicated_tokens"] == tot["partition_tokens"] - tot["tree_tokens"]
+    step = out["step"]
+    assert len(step["rank_tokens"]) == 2 and all(t > 0 for t in step["rank_tokens"])
+    assert all(m <= out["capacity"] for r in step["micro_tokens"] for m in r)
+
+
+def test_plan_table_on_tau_bench_err_close_to_por(shared_data, capsys):
+    path = shared_data / "tau_bench" / "gpt-4o-airline-even-tasks.json"
+    out = json.loads(_run([str(path), "--json"], capsys))
+    tot = out["total"]
+    # Measured (cl100k, C = 12,047 = half the largest tree): POR 0.250, ERR 0.214.
+    assert tot["por"] - tot["err"] < 0.05
+    text = _run([str(path), "--ranks", "4"], capsys)
+    flat = " ".join(text.split())  # rich wraps lines at the terminal width
+    for needle in ("POR 0.", "ERR 0.", "rank", "duplicated tokens", "greedy by token count duplicates"):
+        assert needle in flat
+
+
+def test_plan_capacity_below_a_path_is_a_clear_error(capsys):
+    from treecompile.partition import CapacityError
+
+    with pytest.raises(CapacityError, match="at least"):
+        _run(["sample:tau_bench", "--tokenizer", "sample", "--capacity", "100"], capsys)

@@ -1,0 +1,198 @@
+"""The ``treecompile plan`` command: partitioning and sharding of a file's trees.
+
+Example::
+
+    treecompile plan ../shared/data/tau_bench/gpt-4o-airline-even-tasks.json --capacity 12000 --ranks 4
+
+Prints, per tree, its parts under the token capacity C with POR and ERR (Tree Training
+§4.1); the totals; then one global step over K ranks as `treecompile.dataloader.plan_step`
+builds it (paths sharded by AReaL-DTA Algorithm 4, partitioned, packed into micro-batches):
+per-rank load and duplicated tokens, compared with greedy sharding by token count.
+
+Registered by ``treecompile.cli`` as ``add_plan_command(subparsers)``; ``run_plan(args)``
+does the work. Inputs are read as ``treecompile stats`` reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+__all__ = ["add_plan_command", "run_plan"]
+
+
+def add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``plan`` subcommand to the CLI's subparsers."""
+    from treecompile.chat import SAMPLES, THINK
+    from treecompile.partition import METHODS
+    from treecompile.shard import SHARD_METHODS
+
+    p = sub.add_parser(
+        "plan",
+        help="split trees under a token capacity and shard them across ranks (POR, ERR, loads)",
+        description=(
+            "Partitions each tree into parts of at most --capacity tokens and plans one global step over "
+            "--ranks ranks; prints the parts, POR = 1 - tree_tokens / path_tokens, "
+            "ERR = 1 - partition_tokens / path_tokens, per-rank load and the duplicated tokens."
+        ),
+    )
+    p.add_argument("file", help="the same inputs as 'treecompile stats' (tau-bench JSON, JSONL, sample:tau_bench)")
+    p.add_argument(
+        "--capacity", type=int, default=None, metavar="N",
+        help="tokens per part / micro-batch (default: half the largest tree, at least the longest path)",
+    )
+    p.add_argument("--ranks", type=int, default=1, metavar="K", help="data-parallel ranks (default 1)")
+    p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
+    p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
+    p.add_argument("--tokenizer", default=None, help="for chat input (default cl100k)")
+    p.add_argument("--samples", choices=SAMPLES, default="conversation", help="paths per conversation (chat input)")
+    p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")
+    p.add_argument("--keep-tool-call-ids", action="store_true", help="keep tool-call ids as they are (chat input)")
+    p.add_argument("--group-by", choices=("task", "all"), default="task", help="one tree per task, or one in all")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N trees")
+    p.add_argument("--rows", type=int, default=60, metavar="N", help="table rows to print")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=run_plan)
+
+
+def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[str, Any]]:
+    # The reading and tree building of `treecompile stats`, so both commands see the same trees.
+    from treecompile import cli
+    from treecompile.io import detect_kind
+    from treecompile.tokenizer import load_tokenizer
+
+    path = cli._resolve_file(args.file)
+    kind = detect_kind(path)
+    chat_input = kind in cli._CHAT_KINDS
+    tokenizer = load_tokenizer(args.tokenizer or cli._DEFAULT_CHAT_TOKENIZER) if chat_input else None
+    groups = cli._read_groups(path, kind)
+    if args.group_by == "all":
+        groups = [cli._merge_groups(groups)]
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {args.limit}")
+        groups = groups[: args.limit]
+    trees = cli._build_all(groups, args, tokenizer)
+    header = {"file": str(path), "kind": kind, "tokenizer": tokenizer.name if tokenizer is not None else None}
+    return [g.name for g in groups], trees, header
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``treecompile plan FILE``: partition, POR, ERR, per-rank load and duplicated tokens."""
+    from treecompile.dataloader import plan_step
+    from treecompile.partition import partition_tree, path_lengths
+    from treecompile.shard import shard_paths
+
+    start = time.perf_counter()
+    names, trees, header = _load_trees(args)
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
+    longest = max(int(path_lengths(t).max()) for t in trees)
+    capacity = args.capacity
+    if capacity is None:
+        capacity = max(-(-max(t.num_tokens for t in trees) // 2), longest)
+    parts = [partition_tree(t, capacity, method=args.method) for t in trees]
+    step = plan_step(trees, capacity=capacity, ranks=args.ranks, method=args.method, shard_method=args.shard)
+    baseline = shard_paths(trees, args.ranks, method="greedy_tokens") if args.ranks > 1 else None
+    tree_tokens = sum(p.tree_tokens for p in parts)
+    path_tokens = sum(p.path_tokens for p in parts)
+    partition_tokens = sum(p.partition_tokens for p in parts)
+    total = {
+        "n_trees": len(trees),
+        "n_parts": sum(len(p.parts) for p in parts),
+        "tree_tokens": tree_tokens,
+        "path_tokens": path_tokens,
+        "partition_tokens": partition_tokens,
+        "duplicated_tokens": partition_tokens - tree_tokens,
+        "por": 1 - tree_tokens / path_tokens,
+        "err": 1 - partition_tokens / path_tokens,
+    }
+    ranks = {
+        "ranks": args.ranks,
+        "shard_method": args.shard,
+        "micro_steps": step.micro_steps,
+        "rank_tokens": step.rank_tokens,
+        "micro_tokens": step.micro_tokens(),
+        "sharding": step.sharding.summary(),
+        "duplicated_tokens": step.duplicated_tokens,
+        "err": step.err,
+        "baseline": baseline.summary() if baseline is not None else None,
+    }
+    out = {
+        **header,
+        "capacity": capacity,
+        "capacity_default": args.capacity is None,
+        "longest_path": longest,
+        "method": args.method,
+        "trees": [{"name": n, "n_paths": p.tree.num_paths, **p.summary()} for n, p in zip(names, parts)],
+        "total": total,
+        "step": ranks,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_plan(out, args.rows)
+    return 0
+
+
+def _print_plan(out: dict[str, Any], rows: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    cap = f"C = {out['capacity']} tokens" + (" (default: half the largest tree)" if out["capacity_default"] else "")
+    console.print(f"[bold]treecompile plan[/bold] {out['file']}")
+    console.print(f"{cap}; longest path {out['longest_path']}; partitioning: {out['method']}")
+    table = Table(pad_edge=False)
+    table.add_column("tree", overflow="fold")
+    for col in ("paths", "tree tok", "path tok", "parts", "max part", "dup tok", "POR", "ERR"):
+        table.add_column(col, justify="right")
+    for t in out["trees"][: max(rows, 0)]:
+        shown = str(max(t["part_tokens"]))
+        table.add_row(
+            t["name"], str(t["n_paths"]), str(t["tree_tokens"]), str(t["path_tokens"]),
+            str(t["n_parts"]), shown, str(t["duplicated_tokens"]), f"{t['por']:.3f}", f"{t['err']:.3f}",
+        )
+    if len(out["trees"]) > rows:
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 8)
+    tot = out["total"]
+    table.add_section()
+    table.add_row(
+        "total", str(sum(t["n_paths"] for t in out["trees"])), str(tot["tree_tokens"]), str(tot["path_tokens"]), str(tot["n_parts"]), "",
+        str(tot["duplicated_tokens"]), f"{tot['por']:.3f}", f"{tot['err']:.3f}", style="bold",
+    )
+    console.print(table)
+    console.print(
+        f"POR {tot['por']:.3f}, ERR {tot['err']:.3f}: partitioning duplicates {tot['duplicated_tokens']} tokens "
+        f"({tot['duplicated_tokens'] / max(tot['tree_tokens'], 1):.1%} of the tree tokens)"
+    )
+    st = out["step"]
+    console.print(
+        f"\n[bold]one step over {st['ranks']} rank(s)[/bold] (sharding: {st['shard_method']}, then partitioning, "
+        f"micro-batches of <= C tokens): {st['micro_steps']} micro-step(s) per rank"
+    )
+    ranks = Table(pad_edge=False)
+    for col in ("rank", "paths", "tree tok", "micro-batches (tokens)"):
+        ranks.add_column(col, justify="right")
+    for r, (tok, micro) in enumerate(zip(st["rank_tokens"], st["micro_tokens"])):
+        ranks.add_row(str(r), str(st["sharding"]["rank_paths"][r]), str(tok), " ".join(str(m) for m in micro))
+    console.print(ranks)
+    loads = st["rank_tokens"]
+    mean = sum(loads) / len(loads)
+    console.print(
+        f"duplicated tokens {st['duplicated_tokens']} (sharding {st['sharding']['duplicated_tokens']}, "
+        f"the rest partitioning); load max {max(loads)} / mean {mean:.0f} = {max(loads) / mean:.3f}; "
+        f"ERR of the step {st['err']:.3f}"
+    )
+    base = st["baseline"]
+    if base is not None:
+        sh = st["sharding"]
+        console.print(
+            f"sharding alone: {sh['method']} duplicates {sh['duplicated_tokens']} tokens, max/mean "
+            f"{sh['imbalance']:.3f}; greedy by token count duplicates {base['duplicated_tokens']}, "
+            f"max/mean {base['imbalance']:.3f}"
+        )
+    console.print(f"planned in {out['seconds']:.2f} s")
