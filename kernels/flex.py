@@ -38,6 +38,7 @@ __all__ = [
     "bitmask_mask_mod",
     "softcap_score_mod",
     "interval_block_mask",
+    "demote_full_blocks",
     "causal_block_mask",
     "split_block_mask",
     "call_flex_hop",
@@ -280,6 +281,32 @@ def call_flex_hop(
     return out
 
 
+def _merge_block_lists(num, idx, full_num, full_idx):
+    """One block list holding the partial and the full blocks of each row, in increasing order."""
+    n = idx.shape[-1]
+    cols = torch.arange(n, device=idx.device)
+    # Entries past a row's count sort after every real block index (which is < n).
+    key_p = torch.where(cols < num[..., None], idx.to(torch.int64), n + cols)
+    key_f = torch.where(cols < full_num[..., None], full_idx.to(torch.int64), 2 * n + cols)
+    merged = torch.cat([key_p, key_f], dim=-1).sort(dim=-1).values[..., :n]
+    return (num + full_num).to(num.dtype), merged.clamp(max=n - 1).to(idx.dtype)
+
+
+def demote_full_blocks(block_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The same BlockMask tensors with every full block made partial.
+
+    A full block skips the ``mask_mod``: right for the tree rule, wrong once a sliding
+    window cuts through the block. Windowed layers therefore evaluate the mask in every
+    live block. Takes and returns the 8 block tensors in ``BlockMask.as_tuple()`` order
+    (kv counts and indices, full kv, q, full q).
+    """
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, *rest = block_tensors
+    kv_num2, kv_idx2 = _merge_block_lists(kv_num, kv_idx, fkv_num, fkv_idx)
+    q_num2, q_idx2 = _merge_block_lists(q_num, q_idx, fq_num, fq_idx)
+    return (kv_num2, kv_idx2, torch.zeros_like(fkv_num), fkv_idx, q_num2, q_idx2, torch.zeros_like(fq_num), fq_idx,
+            *rest)
+
+
 # --------------------------------------------------------------------------- graph entry point
 
 
@@ -318,10 +345,15 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
         mask_mod = bitmask_mask_mod(spec.chunks, spec.window)
     score_mod = softcap_score_mod(spec.softcap)
 
+    if spec.window is not None and spec.layout.slots[2:10] != tuple(("tensor", i) for i in range(8)):
+        raise RuntimeError(f"unexpected BlockMask tuple layout {spec.layout.slots}; cannot apply a sliding window")
+
     def tree_flex_attention(q, k, v, positions, *tensors):
         buffers = tuple(tensors[:n_buf])
+        block_tensors = tensors[n_buf:]
         if spec.window is not None:
             buffers = (*buffers, positions)
+            block_tensors = demote_full_blocks(block_tensors)
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return call_flex_hop(
             q,
@@ -329,7 +361,7 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
             v,
             score_mod=score_mod,
             mask_mod=mask_mod,
-            block_tensors=tensors[n_buf:],
+            block_tensors=block_tensors,
             layout=spec.layout,
             mask_buffers=buffers,
             scale=scale,

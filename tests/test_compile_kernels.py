@@ -93,3 +93,26 @@ def test_split_block_mask_round_trips():
     assert all(isinstance(t, torch.Tensor) for t in tensors)
     kinds = [slot[0] for slot in layout.slots]
     assert kinds[:2] == ["q_len", "kv_len"] and kinds[-1] == "mask_mod"
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_windowed_layers_get_no_full_blocks(block):
+    """A full block skips the mask_mod; with a sliding window that would drop the window
+    inside full blocks (on kernels that honour block sparsity). Windowed calls must see the
+    same live blocks with none full."""
+    batch = _batch("blocks")
+    bm = flex.interval_block_mask(batch.subtree_end, block)
+    tensors, layout = flex.split_block_mask(bm)
+    assert int(bm.full_kv_num_blocks.sum()) > 0, "the test tree must have full blocks"
+    demoted = flex.demote_full_blocks(tensors)
+    rebuilt = flex._block_tuple(layout, demoted, batch.num_tokens, batch.num_tokens, lambda *a: None)
+    from torch.nn.attention.flex_attention import BlockMask
+
+    merged = BlockMask.from_kv_blocks(rebuilt[2], rebuilt[3], rebuilt[4], rebuilt[5], BLOCK_SIZE=block,
+                                      seq_lengths=(batch.num_tokens, batch.num_tokens))
+    assert int(merged.full_kv_num_blocks.sum()) == 0
+    assert torch.equal(merged.to_dense(), bm.to_dense())
+    # q-side tables are the transpose of the kv side.
+    assert torch.equal(demoted[4], merged.q_num_blocks)
+    for row, count in enumerate(demoted[4][0, 0].tolist()):
+        assert demoted[5][0, 0, row, :count].tolist() == merged.q_indices[0, 0, row, :count].tolist()
