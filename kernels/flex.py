@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
+
 from treecompile.blockmask import block_mask_from_classes, tree_block_mask
 from treecompile.masks import bitmask_rule, interval_rule
 
@@ -217,6 +219,17 @@ def split_block_mask(block_mask: BlockMask) -> tuple[list[torch.Tensor], BlockLa
     return tensors, BlockLayout(tuple(slots))
 
 
+def _block_size(layout: BlockLayout) -> int:
+    """The query block size recorded in a layout (the first integer constant after the tensors)."""
+    seen_tensor = False
+    for slot in layout.slots:
+        if slot[0] == "tensor":
+            seen_tensor = True
+        elif seen_tensor and slot[0] == "const" and isinstance(slot[1], int):
+            return slot[1]
+    raise RuntimeError(f"no block size in BlockMask layout {layout.slots}")
+
+
 def _block_tuple(layout: BlockLayout, tensors: Sequence[torch.Tensor], q_len, kv_len, mask_mod: Callable) -> tuple:
     out = []
     for slot in layout.slots:
@@ -355,6 +368,14 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
             buffers = (*buffers, positions)
             block_tensors = demote_full_blocks(block_tensors)
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if q.device.type == "cpu":
+            # FlexAttention has no sparse CPU kernel (its op evaluates all S x S pairs):
+            # walk the live blocks instead, exact and without S x S memory.
+            out, _ = torch.ops.treecompile.tree_attention_cpu(
+                q, k, v, list(buffers), *block_tensors[:4], spec.kind, _block_size(spec.layout), float(scale),
+                float(spec.softcap or 0.0), int(spec.window or 0), int(spec.chunks),
+            )
+            return out
         return call_flex_hop(
             q,
             k,

@@ -1,0 +1,206 @@
+"""Block-sparse tree attention on CPU, forward and backward, in O(S x live keys) memory.
+
+FlexAttention's higher-order op has no sparse CPU kernel: run eagerly or under
+AOTAutograd it evaluates the mask and the scores on all ``S x S`` pairs. This op walks the
+``BlockMask`` instead: for each block of queries it gathers the keys of that block's live
+key blocks (partial and full), evaluates the tree rule only there, and runs an exact
+softmax over them. Memory is ``O(H x block x live keys)`` per query block, never
+``S x S``, and the work is proportional to the live blocks.
+
+The backward is the standard attention backward per query block, from the saved
+log-sum-exp: ``P = exp(s - lse)``, ``dV += P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``
+(times ``1 - tanh^2`` under soft-capping), ``dQ = dS K * scale``, ``dK += dS^T Q * scale``.
+
+Both directions are ``torch.library`` custom ops, so a captured graph holds one opaque node
+per attention call (the Python loop over blocks is not traced). The mask rules are the
+ones in `treecompile.masks`; the reference is SDPA over the dense tree mask (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treecompile.masks import bitmask_rule, interval_rule
+
+__all__ = ["tree_attention_cpu"]
+
+Tensor = torch.Tensor
+
+
+def _visible(kind: str, q_rows: Tensor, kv_rows: Tensor, buffers: list[Tensor], window: int, chunks: int) -> Tensor:
+    """``[Bq, L]`` bool: which of the gathered keys each query in the block may see."""
+    q, kv = q_rows[:, None], kv_rows[None, :]
+    if kind == "interval":
+        ok = interval_rule(q, kv, buffers[0])
+        positions = buffers[1] if window > 0 else None
+    else:
+        ok = bitmask_rule(q, kv, buffers[0], buffers[1], chunks)
+        positions = buffers[2] if window > 0 else None
+    if positions is not None:
+        ok = ok & (positions[q] - positions[kv] < window)
+    return ok
+
+
+def _live_rows(i: int, bs: int, s: int, nums: list[list[int]], idxs: list[Tensor], device) -> Tensor:
+    """Key rows of query block ``i``'s live blocks (partial and full), in block order."""
+    blocks = torch.cat([idx[i, : num[i]] for num, idx in zip(nums, idxs)]).sort().values
+    rows = (blocks[:, None] * bs + torch.arange(bs, device=device)[None, :]).flatten()
+    return rows[rows < s]
+
+
+def _scores(qb: Tensor, kb: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """``[Hkv, g, Bq, L]`` scores (after soft-capping) and ``tanh`` for its derivative."""
+    raw = torch.einsum("hgqd,hld->hgql", qb, kb) * scale
+    if softcap > 0:
+        t = torch.tanh(raw / softcap)
+        return t * softcap, t
+    return raw, None
+
+
+def _plan(kv_num: Tensor, kv_idx: Tensor, full_num: Tensor, full_idx: Tensor):
+    return [kv_num[0, 0].tolist(), full_num[0, 0].tolist()], [kv_idx[0, 0], full_idx[0, 0]]
+
+
+@torch.library.custom_op("treecompile::tree_attention_cpu", mutates_args=())
+def tree_attention_cpu(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    buffers: list[Tensor],
+    kv_num: Tensor,
+    kv_idx: Tensor,
+    full_num: Tensor,
+    full_idx: Tensor,
+    kind: str,
+    block_size: int,
+    scale: float,
+    softcap: float,
+    window: int,
+    chunks: int,
+) -> tuple[Tensor, Tensor]:
+    """Tree attention over live blocks.
+
+    Args:
+        q: ``[1, Hq, S, D]``; k: ``[1, Hkv, S, D]``; v: ``[1, Hkv, S, Dv]`` (``Hq % Hkv == 0``).
+        buffers: the rule's tensors: ``[subtree_end]`` (interval) or ``[tree_ids, path_bits]``
+            (bitmask), then ``positions`` if ``window > 0``.
+        kv_num, kv_idx, full_num, full_idx: the BlockMask's kv tables ``[1, 1, nb]`` and
+            ``[1, 1, nb, nb]``.
+        kind: ``"interval"`` or ``"bitmask"``.
+        block_size: rows per block.
+        scale: multiplies ``q @ k^T``.
+        softcap: logit soft-capping value, 0 for none.
+        window: sliding window along the path, 0 for none.
+        chunks: ``path_bits.shape[1]`` (bitmask).
+
+    Returns:
+        ``(out [1, Hq, S, Dv], lse [1, Hq, S])``.
+    """
+    _, hq, s, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    g = hq // hkv
+    out = q.new_zeros(1, hq, s, dv)
+    lse = q.new_full((1, hq, s), float("-inf"))
+    nums, idxs = _plan(kv_num, kv_idx, full_num, full_idx)
+    q4 = q[0].view(hkv, g, s, -1)
+    for i in range(-(-s // block_size)):
+        q0, q1 = i * block_size, min((i + 1) * block_size, s)
+        rows = _live_rows(i, block_size, s, nums, idxs, q.device)
+        if rows.numel() == 0:
+            continue
+        sc, _ = _scores(q4[:, :, q0:q1], k[0][:, rows], scale, softcap)
+        ok = _visible(kind, torch.arange(q0, q1, device=q.device), rows, buffers, window, chunks)
+        sc = sc.masked_fill(~ok, float("-inf"))
+        m = torch.logsumexp(sc, dim=-1, keepdim=True)  # every query sees itself: finite
+        p = torch.exp(sc - m)
+        o = torch.einsum("hgql,hld->hgqd", p, v[0][:, rows])
+        out[0, :, q0:q1] = o.reshape(hq, q1 - q0, dv)
+        lse[0, :, q0:q1] = m[..., 0].reshape(hq, q1 - q0)
+    return out, lse
+
+
+@tree_attention_cpu.register_fake
+def _(q, k, v, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap, window, chunks):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("treecompile::tree_attention_cpu_backward", mutates_args=())
+def tree_attention_cpu_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    buffers: list[Tensor],
+    kv_num: Tensor,
+    kv_idx: Tensor,
+    full_num: Tensor,
+    full_idx: Tensor,
+    kind: str,
+    block_size: int,
+    scale: float,
+    softcap: float,
+    window: int,
+    chunks: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of `tree_attention_cpu` from the saved ``out`` and ``lse``."""
+    _, hq, s, d = q.shape
+    hkv, dv_ = k.shape[1], v.shape[-1]
+    g = hq // hkv
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    nums, idxs = _plan(kv_num, kv_idx, full_num, full_idx)
+    q4 = q[0].view(hkv, g, s, d)
+    do4 = dout[0].view(hkv, g, s, dv_)
+    lse4 = lse[0].view(hkv, g, s)
+    # delta_q = sum_d dO * O: the softmax backward's row term.
+    delta4 = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
+    for i in range(-(-s // block_size)):
+        q0, q1 = i * block_size, min((i + 1) * block_size, s)
+        rows = _live_rows(i, block_size, s, nums, idxs, q.device)
+        if rows.numel() == 0:
+            continue
+        kb, vb = k[0][:, rows], v[0][:, rows]
+        qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
+        sc, t = _scores(qb, kb, scale, softcap)
+        ok = _visible(kind, torch.arange(q0, q1, device=q.device), rows, buffers, window, chunks)
+        p = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
+        dv.index_add_(2, rows, torch.einsum("hgql,hgqd->hld", p, dob)[None])
+        dp = torch.einsum("hgqd,hld->hgql", dob, vb)
+        ds = p * (dp - delta4[:, :, q0:q1, None])
+        if t is not None:
+            ds = ds * (1 - t * t)
+        dq[0, :, q0:q1] = (torch.einsum("hgql,hld->hgqd", ds, kb) * scale).reshape(hq, q1 - q0, d)
+        dk.index_add_(2, rows, (torch.einsum("hgql,hgqd->hld", ds, qb) * scale)[None])
+    return dq, dk, dv
+
+
+@tree_attention_cpu_backward.register_fake
+def _(dout, q, k, v, out, lse, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap,
+      window, chunks):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_STATIC = ("kind", "block_size", "scale", "softcap", "window", "chunks")
+_TABLES = ("kv_num", "kv_idx", "full_num", "full_idx")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, buffers, kv_num, kv_idx, full_num, full_idx, *static = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, full_num, full_idx, *buffers)
+    ctx.n_buffers = len(buffers)
+    ctx.static = static
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, kv_num, kv_idx, full_num, full_idx, *buffers = ctx.saved_tensors
+    dq, dk, dv = torch.ops.treecompile.tree_attention_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, list(buffers), kv_num, kv_idx, full_num, full_idx, *ctx.static
+    )
+    return dq, dk, dv, [None] * ctx.n_buffers, None, None, None, None, None, None, None, None, None, None
+
+
+tree_attention_cpu.register_autograd(_backward, setup_context=_setup_context)
