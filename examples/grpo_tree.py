@@ -23,7 +23,7 @@ import time
 import torch
 
 import treecompile
-from treecompile.logprobs import logprobs as tree_logprobs
+from treecompile.extract import logprobs as tree_logprobs
 from treecompile.reference import path_logprobs
 from treecompile.rl import PolicyLossConfig, per_path_policy_loss, policy_loss
 from treecompile.rl_data import RLCollator, RLRecord

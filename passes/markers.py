@@ -15,6 +15,19 @@
 * ``treecompile::tree_logprobs(logits, rows, slot, target, dest)`` gives the per-target
   log-probabilities ``[S]``; the loss pass replaces it so that only needed rows reach the
   vocabulary projection. Its eager body and autograd formula are the reference.
+* ``treecompile::experts_begin(hidden, top_k_index, top_k_weights)`` and
+  ``treecompile::experts_end(out)`` bracket a mixture-of-experts block's expert
+  computation (what :func:`hf_experts` emits for Hugging Face experts-interface calls).
+  Everything between them is the experts' token-wise function (each output row from its
+  own row's hidden state and routing); the MoE pass checks the region and removes both.
+* ``treecompile::router_stats_begin(router_logits, row_weights)`` and
+  ``treecompile::router_aux_end(aux)`` bracket the router auxiliary loss the wrapper
+  computes with the model's own function from all layers' ``[S, E]`` router logits and
+  the ``[S]`` row weights (``path_count``); the MoE pass checks that every reduction over
+  the rows inside is weighted, then removes both.
+
+All four are identities (copies, as custom ops may not alias their inputs); none is left
+in a graph that is lowered.
 """
 
 from __future__ import annotations
@@ -26,7 +39,19 @@ import torch
 
 from treecompile.errors import UnsupportedModelError
 
-__all__ = ["tree_inputs", "causal_attention", "tree_logprobs", "hf_causal_attention", "OPS", "is_marker"]
+__all__ = [
+    "tree_inputs",
+    "causal_attention",
+    "tree_logprobs",
+    "experts_begin",
+    "experts_end",
+    "router_stats_begin",
+    "router_aux_end",
+    "hf_causal_attention",
+    "hf_experts",
+    "OPS",
+    "is_marker",
+]
 
 Tensor = torch.Tensor
 
@@ -124,11 +149,66 @@ def _upcast(x: Tensor) -> Tensor:
     return x.to(_upcast_dtype(x.dtype))
 
 
+@torch.library.custom_op("treecompile::experts_begin", mutates_args=())
+def experts_begin(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Identity on an experts call's inputs ``[T, D]``, ``[T, k]``, ``[T, k]``: opens the region."""
+    return hidden.clone(), top_k_index.clone(), top_k_weights.clone()
+
+
+@experts_begin.register_fake
+def _experts_begin_fake(hidden, top_k_index, top_k_weights):
+    return torch.empty_like(hidden), torch.empty_like(top_k_index), torch.empty_like(top_k_weights)
+
+
+@torch.library.custom_op("treecompile::experts_end", mutates_args=())
+def experts_end(out: Tensor) -> Tensor:
+    """Identity on the experts' output ``[T, D]``: closes the region."""
+    return out.clone()
+
+
+@experts_end.register_fake
+def _experts_end_fake(out):
+    return torch.empty_like(out)
+
+
+@torch.library.custom_op("treecompile::router_stats_begin", mutates_args=())
+def router_stats_begin(router_logits: list[Tensor], row_weights: Tensor) -> list[Tensor]:
+    """Identity on every layer's router logits ``[S, E]`` and the row weights ``[S]``.
+
+    Returns:
+        The logits, then the weights, as one list.
+    """
+    return [t.clone() for t in (*router_logits, row_weights)]
+
+
+@router_stats_begin.register_fake
+def _router_stats_begin_fake(router_logits, row_weights):
+    s = row_weights.shape[0]
+    for t in router_logits:
+        torch._check(t.shape[0] == s)
+    return [torch.empty_like(t) for t in (*router_logits, row_weights)]
+
+
+@torch.library.custom_op("treecompile::router_aux_end", mutates_args=())
+def router_aux_end(aux: Tensor) -> Tensor:
+    """Identity on the router auxiliary loss (a scalar): closes the region."""
+    return aux.clone()
+
+
+@router_aux_end.register_fake
+def _router_aux_end_fake(aux):
+    return torch.empty_like(aux)
+
+
 #: The marker ops, by the name the passes and error messages use.
 OPS = {
     "tree_inputs": torch.ops.treecompile.tree_inputs,
     "causal_attention": torch.ops.treecompile.causal_attention,
     "tree_logprobs": torch.ops.treecompile.tree_logprobs,
+    "experts_begin": torch.ops.treecompile.experts_begin,
+    "experts_end": torch.ops.treecompile.experts_end,
+    "router_stats_begin": torch.ops.treecompile.router_stats_begin,
+    "router_aux_end": torch.ops.treecompile.router_aux_end,
 }
 
 
@@ -185,3 +265,28 @@ def hf_causal_attention(
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def hf_experts(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """A Hugging Face experts-interface function that brackets the experts with markers.
+
+    Registered under the name ``"treecompile"``; the wrapper selects it for the duration of
+    each call. Between the markers it runs HF's ``grouped_mm`` implementation: tokens
+    sorted by expert, one grouped matmul per projection, scattered back. That sort and
+    scatter move rows around, but the result is token-wise (row ``t`` of the output is
+    ``sum_j top_k_weights[t, j] * expert[top_k_index[t, j]](hidden[t])``; HF's experts have
+    no capacity limit that would let one token's routing displace another's), which the
+    MoE pass relies on. ``grouped_mm`` rather than the model's configured implementation:
+    HF's ``eager`` experts loop over the experts present, a data-dependent loop that Dynamo
+    cannot capture as one graph.
+
+    Args:
+        hidden_states: ``[T, D]``; top_k_index, top_k_weights: ``[T, k]``.
+
+    Returns:
+        ``[T, D]``.
+    """
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    h, idx, w = torch.ops.treecompile.experts_begin(hidden_states, top_k_index, top_k_weights)
+    return torch.ops.treecompile.experts_end(grouped_mm_experts_forward(module, h, idx, w))

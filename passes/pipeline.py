@@ -8,7 +8,9 @@ after each):
    is dead and removed before positions are looked for.
 2. ``rewrite_positions_pass``: sequence-index positions become tree positions.
 3. ``gather_logits_pass``: only needed rows reach the vocabulary projection.
-4. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
+4. ``check_moe_regions_pass``: accepts the experts (token-wise) and the router auxiliary
+   loss (rows weighted by ``path_count``) after checking them; removes their markers.
+5. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
 
 The backend copies Dynamo's graph (editing it in place breaks Dynamo's bookkeeping),
 finds the ``tree_inputs`` marker to learn which placeholders hold the tree tensors,
@@ -29,6 +31,7 @@ from treecompile.passes._graph import PassContext, value
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.loss import gather_logits_pass
 from treecompile.passes.markers import is_marker
+from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.verify import verify_graph_pass
 
@@ -43,6 +46,7 @@ PASSES: tuple[Pass, ...] = (
     rewrite_attention_pass,
     rewrite_positions_pass,
     gather_logits_pass,
+    check_moe_regions_pass,
     verify_graph_pass,
 )
 

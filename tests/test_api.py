@@ -14,6 +14,7 @@ PUBLIC = [
     "TreeStats",
     "UnsupportedModelError",
     "gather_logprobs",
+    "logprobs",
     "pack",
     "tree_compile",
     "tree_loss",

@@ -13,6 +13,7 @@ page's path as file name and padded to its line in the page.
 from __future__ import annotations
 
 import importlib.util
+import linecache
 import os
 import re
 import subprocess
@@ -105,7 +106,11 @@ def test_page_examples_run(page: Path, tmp_path, monkeypatch, capsys):
             continue
         # Padding puts the code at its line in the page, so tracebacks name the Markdown line.
         source = "\n" * (block.line - 1) + block.code
-        code = compile(source, str(page), "exec")
+        # A made-up file name whose lines linecache serves: tools that read a function's source
+        # (Dynamo, inspect) then see this block's Python, not the Markdown page around it.
+        filename = f"<{page.name}:block{n}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        code = compile(source, filename, "exec")
         try:
             exec(code, namespace)
         except ModuleNotFoundError as exc:

@@ -9,7 +9,8 @@ from test_rl_objectives import CONFIGS, _noise
 from testing import TOLERANCES, assert_grads_close, param_grads
 
 from treecompile import TrajectoryTree
-from treecompile.logprobs import logprobs, tree_compile_with_entropy
+from treecompile.compile import tree_compile
+from treecompile.extract import logprobs
 from treecompile.reference import model_logits
 from treecompile.rl import LOSS_AGG_MODES, build_rl_batch, per_path_policy_loss, policy_loss
 
@@ -36,7 +37,7 @@ def model_and_compiled():
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
-    return model, tree_compile_with_entropy(model)
+    return model, tree_compile(model, outputs=("entropy",))
 
 
 def _path_terms(model, seq):

@@ -28,6 +28,7 @@ _EXPORTS = {
     "tree_compile": "treecompile.compile",
     "TreeCompiledModel": "treecompile.compile",
     "TreeOutput": "treecompile.compile",
+    "logprobs": "treecompile.extract",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -49,6 +50,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from treecompile.batch import TreeBatch, pack
     from treecompile.compile import TreeCompiledModel, TreeOutput, tree_compile
+    from treecompile.extract import logprobs
     from treecompile.errors import TreeInputError, UnsupportedModelError
     from treecompile.loss import LOSS_MODES, gather_logprobs, tree_loss
     from treecompile.tree import Path, TrajectoryTree, TreeStats

@@ -359,7 +359,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     add_plan_command(sub)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser, _add_plan_parser]
+def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
+    from treecompile.inspection import add_inspect_command
+
+    add_inspect_command(sub)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser, _add_plan_parser, _add_inspect_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

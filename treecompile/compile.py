@@ -5,7 +5,7 @@
     out.loss.backward()                    # grads land on the original parameters
 
 The model is captured with Dynamo as one graph, rewritten by the passes in
-:mod:`treecompile.passes.pipeline` (attention, positions, loss, verify) and lowered
+:mod:`treecompile.passes.pipeline` (attention, positions, loss, MoE, verify) and lowered
 with AOTAutograd (CPU) or Inductor (CUDA). The tree tensors of each batch reach the graph
 as inputs through a marker op; the BlockMask is built once per batch, outside the model.
 """
@@ -30,19 +30,25 @@ from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, interval_block_mask, split_block_mask
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
+from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend
 
-__all__ = ["tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS"]
+__all__ = [
+    "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
+    "OUTPUTS",
+]
 
 #: Mask encodings ``tree_compile(mask=...)`` accepts.
 MASKS = tuple(MASK_KINDS)
+#: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
+OUTPUTS = ("entropy",)
 #: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
 BACKENDS = tuple(LOWERINGS)
 
 #: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
 MIN_ROWS = 2
 
-#: Name under which the Hugging Face attention interface routes to the tree marker.
+#: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
 HF_ATTENTION_NAME = "treecompile"
 
 @dataclass
@@ -50,17 +56,28 @@ class TreeOutput:
     """What a tree-compiled model returns.
 
     Attributes:
-        loss: scalar, ``-(target_weight * logprobs).sum()``; backward fills the model's grads.
+        loss: scalar, ``-(target_weight * logprobs).sum()``, plus ``coef * aux_loss`` for a
+            model with a router auxiliary loss; backward fills the model's grads.
         logprobs: ``[S]`` log-probability of each row's token given its path prefix,
             aligned with ``target_weight``; 0 where ``pred_index`` is -1.
+        aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
+            weighted by ``path_count``), unscaled, as per-path training computes it; None for
+            a model without one (see :mod:`treecompile.passes.moe`).
     """
 
     loss: torch.Tensor
     logprobs: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def tree_compile(
-    model: nn.Module, *, mask: str = "interval", backend: str | None = None, verify: bool = False
+    model: nn.Module,
+    *,
+    mask: str = "interval",
+    backend: str | None = None,
+    verify: bool = False,
+    outputs: tuple[str, ...] = (),
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -76,6 +93,9 @@ def tree_compile(
             float64 on a CPU copy of the model (or, for a model over 2 GiB in float64, on
             the model itself in its dtype). Raises `UnsupportedModelError` naming the
             parameter that differs most. Cheap enough to leave on: one small tree, once.
+        outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
+            entropy of each target's predicting distribution (differentiable, for entropy
+            bonuses; the vocabulary projection then runs on every predicting row).
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -84,12 +104,17 @@ def tree_compile(
         ValueError: an unknown ``mask`` or ``backend``.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
+            (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
+            per path (see :func:`treecompile.passes.moe.router_aux_of`).
     """
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    return TreeCompiledModel(model, mask=mask, backend=backend, verify=verify)
+    unknown = [o for o in outputs if o not in OUTPUTS]
+    if unknown or isinstance(outputs, str):
+        raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
+    return TreeCompiledModel(model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs))
 
 
 class TreeCompiledModel(nn.Module):
@@ -105,7 +130,14 @@ class TreeCompiledModel(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, *, mask: str, backend: str | None, verify: bool, passes: tuple = PASSES
+        self,
+        model: nn.Module,
+        *,
+        mask: str,
+        backend: str | None,
+        verify: bool,
+        passes: tuple = PASSES,
+        outputs: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -116,9 +148,13 @@ class TreeCompiledModel(nn.Module):
         self._layout = None
         self._chunks = 0
         self._is_hf = _is_hf_model(model)
-        self._call_kwargs = _call_kwargs(model, self._is_hf)
+        # Read once, here: the router auxiliary loss the model adds to its loss (from
+        # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
+        self._router_aux = router_aux_of(model) if self._is_hf else None
+        self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._passes = passes
+        self._outputs = outputs
         self.verified: VerifyReport | None = None
 
     # ------------------------------------------------------------------ delegation
@@ -204,21 +240,24 @@ class TreeCompiledModel(nn.Module):
         if self._compiled is None:
             self._compiled = self._build(device)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        with _hf_attention(self._inner) if self._is_hf else contextlib.nullcontext():
+        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext():
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
-                    loss, logprobs = self._compiled(*args)
+                    loss, logprobs, aux, entropy = self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
                     # Our passes' refusals reach the user as themselves, not wrapped by Dynamo.
                     if isinstance(e.inner_exception, UnsupportedModelError):
                         raise e.inner_exception from None
                     raise
-                except torch._dynamo.exc.Unsupported as e:
-                    # A graph break would run part of the model outside the rewritten graph.
+                except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+                    # A graph break (or data-dependent control flow) would run part of the
+                    # model outside the rewritten graph.
                     raise UnsupportedModelError(
                         f"treecompile needs the model as one graph, but Dynamo cannot capture part of it: {e}"
                     ) from None
-        out = TreeOutput(loss=loss, logprobs=logprobs[:rows])
+        out = TreeOutput(
+            loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
+        )
         if self.verify and self.verified is None:
             self.verified = verify_tree_compile(self, batch)
         return out
@@ -233,14 +272,25 @@ class TreeCompiledModel(nn.Module):
             records=self.compile_records,
             passes=self._passes,
         )
-        inner, kwargs_of = self._inner, self._call_kwargs
+        inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
+        want_entropy = "entropy" in self._outputs
+        if router is not None:
+            _install_output_hooks(inner)
 
-        def tree_forward(ids, positions, mask_buffers, block_tensors, rows, slot, target, dest, weight):
+        def tree_forward(ids, positions, mask_buffers, block_tensors, rows, slot, target, dest, weight, path_count):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors))
-            logits = _logits_of(inner(ids, **kwargs_of(positions)))
+            out = inner(ids, **kwargs_of(positions))
+            logits = _logits_of(out)
             logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
             loss = -(weight.to(logprobs.dtype) * logprobs).sum()
-            return loss, logprobs
+            aux = None
+            if router is not None:
+                # Per-path training counts each token once per path through it: path_count
+                # weights each row's router statistics (see passes/moe.py).
+                aux = router.tree_aux_loss(out.router_logits, path_count)
+                loss = loss + router.coef * aux.to(loss.dtype)
+            entropy = _gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+            return loss, logprobs, aux, entropy
 
         # Dynamo caches compiled graphs per code object; a code object of its own per
         # wrapper keeps wrappers of different models from sharing one recompile budget.
@@ -271,12 +321,26 @@ class TreeCompiledModel(nn.Module):
         # S, the number of targets M and of predicting rows R vary per batch: one graph
         # for all (no recompile per batch size).
         for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
-                     (batch.target_weight, 0), *[(b, 0) for b in buffers]]:
+                     (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
-        return (ids, batch.position_ids, buffers, block_tensors, rows, slot, target, dest, batch.target_weight)
+        return (ids, batch.position_ids, buffers, block_tensors, rows, slot, target, dest, batch.target_weight,
+                batch.path_count)
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _gathered_entropy(
+    logits: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """``[S]`` entropies of the ``R`` predicting rows' distributions, put at each target's row.
+
+    Every op acts along the vocabulary dimension of one row, so the verify pass accepts them.
+    """
+    z = markers._upcast(logits[0].index_select(0, rows))
+    logp = torch.log_softmax(z, dim=-1)
+    ent = -(logp.exp() * logp).sum(dim=-1)
+    return ent.new_zeros(like.shape[0]).index_put((dest,), ent[slot])
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -290,11 +354,13 @@ def _is_hf_model(model: nn.Module) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
-def _call_kwargs(model: nn.Module, is_hf: bool):
-    """``positions -> kwargs`` for calling the model: tree position ids where it takes them."""
+def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
+    """``positions -> kwargs`` for calling the model: tree position ids where it takes them,
+    and the router logits when the model has a router auxiliary loss (off otherwise)."""
     params = inspect.signature(model.forward).parameters
     takes_pos = is_hf or "position_ids" in params
     takes_cache = is_hf or "use_cache" in params
+    takes_router = "output_router_logits" in params
 
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -303,6 +369,8 @@ def _call_kwargs(model: nn.Module, is_hf: bool):
         if takes_cache:
             # A cache changes nothing here but HF would build one (and a plain causal mask).
             out["use_cache"] = False
+        if takes_router:
+            out["output_router_logits"] = router is not None
         return out
 
     return kwargs
@@ -331,25 +399,38 @@ _DYNAMO_CONFIG = {
 _HF_REGISTERED = False
 
 
-def _register_hf_attention() -> None:
+def _register_hf_interfaces() -> None:
     global _HF_REGISTERED
     if _HF_REGISTERED:
         return
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
 
     AttentionInterface.register(HF_ATTENTION_NAME, markers.hf_causal_attention)
+    ExpertsInterface.register(HF_ATTENTION_NAME, markers.hf_experts)
     _HF_REGISTERED = True
 
 
-@contextlib.contextmanager
-def _hf_attention(model: nn.Module):
-    """Routes the model's HF attention interface to the tree marker for one call, then restores it.
+def _install_output_hooks(model: nn.Module) -> None:
+    """Installs HF's output-capturing hooks (which record the router logits) before capture:
+    HF installs them lazily under a thread lock, which Dynamo cannot trace."""
+    from transformers.utils import output_capturing
 
-    The user's model keeps its own ``attn_implementation`` outside calls (so running it
-    per path afterwards, or saving it, sees no change). Dynamo guards on the value, which
-    is the same on every call.
+    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    if install is not None:
+        install(model)
+
+
+@contextlib.contextmanager
+def _hf_interfaces(model: nn.Module):
+    """Routes the model's HF attention and experts interfaces to the tree markers for one
+    call, then restores them.
+
+    The user's model keeps its own ``attn_implementation`` / ``experts_implementation``
+    outside calls (so running it per path afterwards, or saving it, sees no change). Dynamo
+    guards on the values, which are the same on every call.
     """
-    _register_hf_attention()
+    _register_hf_interfaces()
     from transformers import PretrainedConfig
 
     configs: dict[int, PretrainedConfig] = {}
@@ -364,13 +445,33 @@ def _hf_attention(model: nn.Module):
                 configs[id(c)] = c
                 stack.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None))
     saved = {k: c._attn_implementation_internal for k, c in configs.items()}
+    # Only configs of models with experts have an experts implementation to route.
+    saved_experts = {
+        k: c._experts_implementation_internal
+        for k, c in configs.items()
+        if getattr(c, "_experts_implementation_internal", None) is not None
+    }
     try:
-        for c in configs.values():
+        for k, c in configs.items():
             c._attn_implementation_internal = HF_ATTENTION_NAME
+            if k in saved_experts:
+                c._experts_implementation_internal = HF_ATTENTION_NAME
         yield
     finally:
         for k, c in configs.items():
             c._attn_implementation_internal = saved[k]
+            if k in saved_experts:
+                c._experts_implementation_internal = saved_experts[k]
+
+
+def _plain_experts(model: nn.Module) -> None:
+    """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
+    and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts
+    itself, whatever is set)."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_experts_implementation_internal", None) not in (None, "eager"):
+            cfg._experts_implementation_internal = "eager"
 
 
 @dataclass
@@ -433,9 +534,10 @@ def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> Verify
     model = compiled.model
     n_bytes = sum(p.numel() for p in model.parameters()) * 8
     tree = _check_tree(batch)
-    check_batch = pack(tree, loss_mode=batch.loss_mode)
+    check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask")
     if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
         subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+        _plain_experts(subject)
     else:
         subject = model
     was_training = model.training
@@ -446,14 +548,16 @@ def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> Verify
         for p in subject.parameters():
             p.grad = None
         twin = compiled if subject is model else type(compiled)(
-            subject, mask=compiled.mask, backend=None, verify=False, passes=compiled._passes
+            subject, mask=compiled.mask, backend=None, verify=False, passes=compiled._passes,
+            outputs=compiled._outputs,
         )
         loss = twin(check_batch.to(_device_of(subject))).loss
         loss.backward()
         tree_grads = {n: p.grad for n, p in subject.named_parameters()}
         for p in subject.parameters():
             p.grad = None
-        ref = per_path_loss(subject, tree)
+        router = compiled._router_aux
+        ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
         ref.loss.backward()
         worst, worst_name = 0.0, ""
         for n, p in subject.named_parameters():

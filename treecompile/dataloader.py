@@ -8,8 +8,8 @@ Example:
     >>> plan = plan_step(trees, capacity=6, ranks=2)
     >>> plan.micro_tokens()
     [[6], [6]]
-    >>> [len(plan.batches(r)) for r in range(2)]
-    [1, 1]
+    >>> len(plan.batches(0)), len(plan.batches(1))
+    (1, 1)
 
 One global step, `plan_step`:
 
@@ -262,7 +262,9 @@ class TreeCollator:
         capacity: token budget of one micro-batch.
         rank: this rank.
         world_size: number of ranks.
-        loss_mode, method, shard_method: as in `plan_step`.
+        loss_mode: as in `plan_step`.
+        method: as in `plan_step`.
+        shard_method: as in `plan_step`.
     """
 
     def __init__(

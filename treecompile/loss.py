@@ -25,11 +25,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from treecompile.errors import TreeInputError
 
 if TYPE_CHECKING:
+    import torch
+
     from treecompile.batch import TreeBatch
     from treecompile.tree import TrajectoryTree
 
@@ -159,6 +160,8 @@ def gather_logprobs(logits: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
         ``[S]`` ``log p(input_ids[j] | output at pred_index[j])``, 0 where ``pred_index`` is -1,
             in at least float32. The ``[S, V]`` log-softmax is never formed.
     """
+    import torch
+
     if logits.dim() == 3:
         if logits.shape[0] != 1:
             raise ValueError(f"expected one packed row, got logits of shape {tuple(logits.shape)}")
@@ -182,6 +185,8 @@ def tree_loss(logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
     Returns:
         A scalar in at least float32.
     """
+    import torch
+
     if logprobs.shape != batch.target_weight.shape:
         raise ValueError(
             f"logprobs has shape {tuple(logprobs.shape)}, expected {tuple(batch.target_weight.shape)} (one per row)"

@@ -4,10 +4,18 @@ Each path runs through the *unmodified* model as its own sequence ``[1, T]``, an
 loss is formed straight from the definition of the loss mode. This module shares no
 code with the tree side (weights, packing, masks) so that agreement between the two is
 evidence, not an identity.
+
+A mixture-of-experts model's router auxiliary (load-balancing) loss is defined over the
+whole batch, not per path: per-path training puts all ``P`` paths through the model in one
+padded batch and HF computes ``load_balancing_loss_func(router_logits, num_experts, top_k,
+attention_mask)`` over every real token of every path. Running each path alone and
+concatenating the paths' router logits (no padding, so no mask) gives the same value;
+`per_path_loss` does that when asked for the term with ``router_aux_loss_coef``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +39,13 @@ class ReferenceOutput:
         loss: scalar, differentiable.
         logprobs: per path, ``[T_p]`` log-probabilities of its tokens (0 at position 0).
         n_targets: per path, its number of target tokens.
+        aux_loss: the router auxiliary loss over all paths' tokens (unscaled), when asked for.
     """
 
     loss: torch.Tensor
     logprobs: list[torch.Tensor]
     n_targets: list[int]
+    aux_loss: torch.Tensor | None = None
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
@@ -108,6 +118,7 @@ def per_path_loss(
     loss_mode: str = "token-mean",
     denominator: float | None = None,
     forward: Forward | None = None,
+    router_aux_loss_coef: float | None = None,
 ) -> ReferenceOutput:
     """The loss of training on each path separately, in a given loss mode.
 
@@ -119,14 +130,24 @@ def per_path_loss(
         loss_mode: a key of `treecompile.loss.LOSS_MODES`.
         denominator: the same override `treecompile.pack` takes.
         forward: ``forward(model, ids[1, T]) -> logits[1, T, V]``, for models called differently.
+        router_aux_loss_coef: for a Hugging Face mixture-of-experts model, add
+            ``router_aux_loss_coef * aux``, where ``aux`` is the model's
+            ``load_balancing_loss_func`` over the router logits of every token of every path
+            (a token shared by several paths counts once per path, duplicate paths count
+            twice), as HF computes it for one padded batch of all paths. None: no such term.
 
     Returns:
-        The loss, per-path log-probabilities and target counts; ``loss.backward()`` gives the
-            per-path gradients.
+        The loss, per-path log-probabilities and target counts (and the auxiliary loss);
+            ``loss.backward()`` gives the per-path gradients.
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
     toks, w, masks = _paths_of(paths, weights, loss_masks)
+    router_logits: list[tuple[torch.Tensor, ...]] = []
+    if router_aux_loss_coef is not None:
+        if forward is not None or not _is_hf(model):
+            raise ValueError("router_aux_loss_coef needs a Hugging Face model called in the usual way (no forward=)")
+        forward = _recording_router_logits(router_logits)
     sums, counts, lps = [], [], []
     for tokens, mask in zip(toks, masks):
         lp = path_logprobs(model, tokens, forward=forward)
@@ -150,7 +171,39 @@ def per_path_loss(
         loss = -sum(wi * s / c for wi, s, c in zip(wt, sums, counts) if c > 0) / d
         if not torch.is_tensor(loss):
             loss = sums[0] * 0.0
-    return ReferenceOutput(loss=loss, logprobs=lps, n_targets=counts)
+    aux = None
+    if router_aux_loss_coef is not None:
+        aux = _router_aux_loss(model, router_logits)
+        loss = loss + router_aux_loss_coef * aux.to(loss.dtype)
+    return ReferenceOutput(loss=loss, logprobs=lps, n_targets=counts, aux_loss=aux)
+
+
+def _recording_router_logits(store: list) -> Forward:
+    """A ``forward`` that also keeps each call's per-layer router logits ``[T, E]``."""
+
+    def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, use_cache=False, output_router_logits=True)
+        if not out.router_logits:
+            raise ValueError(f"{type(model).__name__} returned no router logits")
+        store.append(tuple(t.reshape(-1, t.shape[-1]) for t in out.router_logits))
+        return out.logits
+
+    return forward
+
+
+def _router_aux_loss(model: torch.nn.Module, router_logits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The model's ``load_balancing_loss_func`` over all paths' tokens: each layer's router
+    logits of every path, concatenated along the tokens (no padding, so no mask)."""
+    fn = None
+    for klass in type(model).__mro__:
+        fn = getattr(sys.modules.get(klass.__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            break
+    if fn is None:
+        raise ValueError(f"{type(model).__name__}: its module defines no load_balancing_loss_func")
+    per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits))
+    cfg = model.config
+    return fn(per_layer, cfg.num_experts, cfg.num_experts_per_tok, None)
 
 
 def dense_mask_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:

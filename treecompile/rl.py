@@ -395,7 +395,7 @@ def policy_loss(
         rl: from `build_rl_batch`.
         config: the objective.
         entropy: ``[S]`` entropy of the distribution predicting each row's token (needed when
-            ``entropy_coef != 0``; see `treecompile.logprobs.tree_compile_with_entropy`).
+            ``entropy_coef != 0``; see ``tree_compile(model, outputs=("entropy",))``).
 
     Returns:
         `PolicyLossOutput`.
@@ -425,7 +425,7 @@ def policy_loss(
     ent = zero
     if config.entropy_coef:
         if entropy is None:
-            raise ValueError("entropy_coef is set but no entropy was passed (tree_compile_with_entropy gives it)")
+            raise ValueError("entropy_coef is set but no entropy was passed (tree_compile(model, outputs=('entropy',)) gives it)")
         ent = config.entropy_coef * (entropy.to(dtype) * rl.entropy_weight.to(dtype)).sum()
     return PolicyLossOutput(loss=pg + kl - ent, pg_loss=pg, kl_loss=kl, entropy_bonus=ent)
 

@@ -117,8 +117,10 @@ def grpo_group(
         completions: n completions' tokens (completions that share a beginning share tokens).
         rewards: n rewards, normalised with `group_advantages` (or give ``advantages``).
         advantages: n scalars or per-completion-token lists, used as they are.
-        scale, eps: as `group_advantages`.
-        old_logprobs, ref_logprobs: per completion, one log-prob per completion token.
+        scale: as `group_advantages`.
+        eps: as `group_advantages`.
+        old_logprobs: per completion, one log-prob per completion token.
+        ref_logprobs: per completion, one reference log-prob per completion token.
         completion_masks: per completion, 0/1 per token (0: not trained, e.g. a tool
             output inside a multi-turn response) or None (all trained).
 
@@ -380,7 +382,8 @@ class RLCollator:
         max_tokens: the row budget per batch.
         loss_agg_mode: a key of `treecompile.rl.LOSS_AGG_MODES`.
         max_len: ``L`` for ``seq-mean-token-sum-norm``.
-        scale, eps: as `group_advantages`.
+        scale: as `group_advantages`.
+        eps: as `group_advantages`.
     """
 
     def __init__(self, max_tokens: int, *, loss_agg_mode: str = "token-mean", max_len: float | None = None,

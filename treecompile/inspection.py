@@ -1,0 +1,728 @@
+"""The ``treecompile inspect`` command: what the passes do to one model, step by step.
+
+Example::
+
+    treecompile inspect ./qwen3-tiny                  # a directory with a HF config.json
+    treecompile inspect config.json --json            # a HF config file, machine-readable
+    treecompile inspect mypkg.models:make_lm --full   # any callable returning an nn.Module
+    treecompile inspect ./qwen3-tiny --mask bitmask --png mask.png
+
+The model is built (a Hugging Face config with small random weights; a ``module:factory``
+by calling it), compiled with :func:`treecompile.tree_compile` on a small example forest
+and run once. Each pass of :data:`treecompile.passes.pipeline.PASSES` is wrapped to record
+the graph it receives and the counters it bumps; the pipeline's own dead-code elimination
+runs between passes as usual, so "after pass i" is exactly "before pass i + 1". The
+command prints, per pass, a unified diff of the graph code and the rewrite counts, then
+the tree attention mask of the example as a grid of ``█``/``·`` (and as a PNG with
+``--png``). A refused model prints the refusal and exits with status 1.
+
+Registered by ``treecompile.cli``; :func:`inspect_model` is the same work as a function.
+Nothing heavy is imported until the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import json
+import os
+import re
+import struct
+import sys
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "EXAMPLE_SEQUENCES",
+    "Inspection",
+    "PassStep",
+    "add_inspect_command",
+    "as_json",
+    "example_trees",
+    "inspect_model",
+    "load_model",
+    "mask_matrix",
+    "mask_picture",
+    "png_bytes",
+    "render_text",
+    "run_inspect",
+]
+
+#: The example forest, as token sequences per tree: a 13-token tree that branches at three
+#: depths (with 1-token nodes and a path ending where another continues) beside a 6-token
+#: tree, 19 rows in all. Small enough to read its mask, awkward enough to show every rule.
+EXAMPLE_SEQUENCES: tuple[tuple[tuple[int, ...], ...], ...] = (
+    ((1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 8, 9), (1, 2, 3, 4, 8, 10, 11), (1, 2, 12, 13)),
+    ((14, 15, 16, 17, 18), (14, 15, 16, 19)),
+)
+
+#: Above this many parameters a model is refused unless ``allow_large`` (``--allow-large``).
+MAX_PARAMS = 1_000_000_000
+#: Above this many parameters building the model prints a warning (it takes a while on CPU).
+WARN_PARAMS = 100_000_000
+
+#: Backends the command accepts; ``eager`` skips AOTAutograd, which the passes do not need.
+_BACKENDS = ("eager", "aot_eager", "inductor")
+_DTYPES = ("float32", "float64", "bfloat16")
+#: Default pixels per token in the PNG.
+PNG_CELL = 16
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class PassStep:
+    """One pass as it ran on the captured graph.
+
+    Attributes:
+        name: the pass function's name (``rewrite_attention_pass`` ...).
+        group: the counter group the pass bumps (``attention`` ...).
+        counts: rewrites by kind that this pass counted.
+        before: graph code the pass received.
+        after: graph code after the pass and dead-code elimination; None if it refused.
+        nodes_before, nodes_after: graph node counts (``nodes_after`` None if refused).
+    """
+
+    name: str
+    group: str
+    counts: dict[str, int] = field(default_factory=dict)
+    before: str = ""
+    after: str | None = None
+    nodes_before: int = 0
+    nodes_after: int | None = None
+
+    @property
+    def changed(self) -> bool:
+        """Whether the pass changed the graph code."""
+        return self.after is not None and self.after != self.before
+
+    def diff(self, context: int = 2) -> str:
+        """Unified diff of the graph code, before -> after (empty if unchanged or refused)."""
+        if self.after is None:
+            return ""
+        lines = difflib.unified_diff(
+            self.before.splitlines(), self.after.splitlines(),
+            fromfile=f"before {self.name}", tofile=f"after {self.name}", n=context, lineterm="",
+        )
+        return "\n".join(lines)
+
+
+@dataclass
+class Inspection:
+    """What :func:`inspect_model` found.
+
+    Attributes:
+        model: a one-line description (class, parameters, dtype).
+        source: ``"hf-config"``, ``"factory"`` or ``"module"`` (given as an object).
+        mask: ``"interval"`` or ``"bitmask"``.
+        backend: the lowering after the passes.
+        steps: one :class:`PassStep` per pass that ran, in order.
+        batch: the packed example forest (a :class:`~treecompile.TreeBatch` with path bits).
+        trees: the example trees.
+        seq_len: S as the graph saw it (a symbol when dynamic).
+        refusal: the :class:`~treecompile.UnsupportedModelError` message, or None.
+        loss: the loss on the example, when the model was not refused.
+        parameters: parameter count.
+    """
+
+    model: str
+    source: str
+    mask: str
+    backend: str
+    steps: list[PassStep]
+    batch: Any
+    trees: list[Any]
+    seq_len: str = ""
+    refusal: str | None = None
+    loss: float | None = None
+    parameters: int = 0
+
+    @property
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Rewrite counts per counter group, over all passes that ran ({} if none counted)."""
+        out: dict[str, dict[str, int]] = {}
+        for s in self.steps:
+            group = out.setdefault(s.group, {})
+            for k, v in sorted(s.counts.items()):
+                group[k] = group.get(k, 0) + v
+        return out
+
+    @property
+    def refused_at(self) -> str | None:
+        """The pass that refused the model (None if not refused, or refused before the passes)."""
+        if self.refusal is None or not self.steps or self.steps[-1].after is not None:
+            return None
+        return self.steps[-1].name
+
+
+# --------------------------------------------------------------------------- model loading
+
+
+def load_model(
+    spec: str, *, dtype: str | None = None, allow_large: bool = False, seed: int = 0
+) -> tuple[Any, str]:
+    """Builds the model a ``MODEL`` argument names.
+
+    Args:
+        spec: a directory holding a Hugging Face ``config.json``, such a JSON file, or
+            ``module:factory`` (``module`` importable from the current directory or
+            ``sys.path``; ``factory`` a callable, or dotted attribute path to one, that
+            takes no arguments and returns an ``nn.Module``).
+        dtype: ``"float32"``, ``"float64"`` or ``"bfloat16"``; None keeps a factory's dtype
+            and builds HF configs in float32.
+        allow_large: build a HF config above :data:`MAX_PARAMS` parameters anyway.
+        seed: seeds the random weights.
+
+    Returns:
+        ``(model, source)`` with ``source`` ``"hf-config"`` or ``"factory"``; the model is
+        in eval mode (dropout would make the graph random per call, and is refused).
+
+    Raises:
+        ValueError: the spec is neither, the factory fails, or the config is too large.
+        ImportError: transformers (HF configs) or the factory's module cannot be imported.
+    """
+    import torch
+
+    path = Path(spec).expanduser()
+    if path.is_dir() or path.is_file():
+        model = _model_from_config(path, dtype=dtype or "float32", allow_large=allow_large, seed=seed)
+        return model.eval(), "hf-config"
+    if ":" in spec:
+        torch.manual_seed(seed)
+        model = _model_from_factory(spec)
+        if dtype is not None:
+            model = model.to(getattr(torch, dtype))
+        return model.eval(), "factory"
+    raise ValueError(
+        f"MODEL {spec!r} is not a directory with a config.json, a JSON config file, or module:factory "
+        "(e.g. ./qwen3-tiny, ./config.json, mypkg.models:make_lm)"
+    )
+
+
+def _model_from_config(path: Path, *, dtype: str, allow_large: bool, seed: int) -> Any:
+    import torch
+
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.json (MODEL must be a Hugging Face config directory or file)")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{config_file} is not a Hugging Face model config (it has no 'model_type')")
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("a Hugging Face config needs transformers: pip install 'treecompile[hf]'") from None
+    config = transformers.AutoConfig.from_pretrained(str(config_file))
+    # Count parameters on the meta device first: no memory, no time, and a clear refusal
+    # before a config meant for a GPU cluster fills this machine's RAM.
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in shell.parameters())
+    del shell
+    if n > MAX_PARAMS and not allow_large:
+        raise ValueError(
+            f"{config_file} describes a {n / 1e9:.1f}B-parameter model; inspect builds it on CPU with random "
+            f"weights, which is refused above {MAX_PARAMS / 1e9:.0f}B parameters. The passes do not depend on "
+            "the width: shrink hidden_size / num_hidden_layers, or pass --allow-large"
+        )
+    if n > WARN_PARAMS:
+        print(
+            f"treecompile inspect: warning: building a {n / 1e6:.0f}M-parameter model in {dtype} on CPU "
+            "(a smaller config shows the same graph rewrites)",
+            file=sys.stderr,
+        )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
+def _model_from_factory(spec: str) -> Any:
+    from torch import nn
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"MODEL {spec!r}: expected module:factory, e.g. mypkg.models:make_lm")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # a user's module beside them, as `python -m` would find it
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"MODEL {spec!r}: cannot import module {module_name!r}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"MODEL {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"MODEL {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable returning a module")
+    try:
+        model = obj()
+    except TypeError as exc:
+        raise ValueError(f"MODEL {spec!r}: calling {attr}() with no arguments failed: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"MODEL {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _vocab_size(model: Any) -> int | None:
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "vocab_size", None):
+        return int(cfg.vocab_size)
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return int(m.num_embeddings)
+    return None
+
+
+# --------------------------------------------------------------------------- example
+
+
+def example_trees(vocab_size: int | None = None) -> list[Any]:
+    """The example forest of :data:`EXAMPLE_SEQUENCES` as trees.
+
+    Args:
+        vocab_size: token ids are taken modulo this if it is smaller than the example's ids
+            (the shape may then merge; it stays a valid tree).
+    """
+    from treecompile.tree import TrajectoryTree
+
+    def ids(seq: tuple[int, ...]) -> list[int]:
+        return [t % vocab_size for t in seq] if vocab_size else list(seq)
+
+    return [TrajectoryTree.from_sequences([ids(s) for s in tree]) for tree in EXAMPLE_SEQUENCES]
+
+
+def mask_matrix(batch: Any, mask: str = "interval") -> Any:
+    """``[S, S]`` bool, ``[q, k]`` true iff query row ``q`` sees key row ``k`` under ``mask``.
+
+    Evaluates the same rule functions the FlexAttention ``mask_mod`` calls
+    (:mod:`treecompile.masks`) densely, so the picture is the kernel's rule, not a redrawing.
+    """
+    import torch
+
+    from treecompile.masks import bitmask_rule, interval_rule
+
+    idx = torch.arange(batch.num_tokens)
+    q, k = idx[:, None], idx[None, :]
+    if mask == "interval":
+        return interval_rule(q, k, batch.subtree_end.cpu())
+    if mask == "bitmask":
+        if batch.path_bits is None:
+            raise ValueError("mask='bitmask' needs a batch packed with path_bits=True")
+        bits = batch.path_bits.cpu()
+        return bitmask_rule(q, k, batch.tree_ids.cpu(), bits, int(bits.shape[1]))
+    raise ValueError(f"unknown mask {mask!r}; valid masks: interval, bitmask")
+
+
+_RULES = {
+    "interval": "row q sees row k iff k <= q < subtree_end[k]",
+    "bitmask": "row q sees row k iff k <= q, same tree, and path_bits[k] is a subset of path_bits[q]",
+}
+
+
+def _boundaries(batch: Any) -> tuple[set[int], set[int]]:
+    """Rows that start a node, and rows that start a tree (row 0 excluded)."""
+    nodes = {int(x) for x in batch.node_start.tolist()} - {0}
+    trees = {int(x) for x in batch.tree_offsets[:-1].tolist()} - {0}
+    return nodes, trees
+
+
+def mask_picture(batch: Any, mask: str = "interval") -> str:
+    """The tree mask as text: ``█`` where row ``q`` (down) sees row ``k`` (across), ``·`` not.
+
+    Node boundaries are drawn as ``│``/``─`` and tree boundaries as ``║``/``═``. Each row
+    is labelled with its node, its position on its own path and its token.
+    """
+    m = mask_matrix(batch, mask).tolist()
+    s = len(m)
+    node_starts, tree_starts = _boundaries(batch)
+    node_of = []
+    for n, (a, b) in enumerate(zip(batch.node_start.tolist(), batch.node_end.tolist())):
+        node_of += [n] * (b - a)
+    pos, tok = batch.position_ids.tolist(), batch.input_ids.tolist()
+    tok_w = max(3, len(str(max(tok))))
+
+    def sep(k: int, vertical: bool = True) -> str:
+        """What follows column ``k``: a boundary mark if column ``k + 1`` starts a node or tree."""
+        if k + 1 in tree_starts:
+            return "║"
+        if k + 1 in node_starts:
+            return "│"
+        return " "
+
+    head = f"{'row':>4} {'node':>4} {'pos':>3} {'tok':>{tok_w}}  "
+    lines = [
+        f"tree mask ({mask}): {_RULES[mask]}",
+        "█ sees, · hidden; │ ─ node boundaries, ║ ═ tree boundaries",
+        "",
+        " " * len(head) + "".join(str(k % 10) + sep(k) for k in range(s)).rstrip(),
+    ]
+    for q in range(s):
+        if q in node_starts:
+            h = "═" if q in tree_starts else "─"
+            cells = []
+            for k in range(s):
+                c = sep(k)
+                cross = {" ": h, "│": "╪" if h == "═" else "┼", "║": "╬" if h == "═" else "╫"}[c]
+                cells.append(h + cross)
+            lines.append(" " * len(head) + "".join(cells)[:-1])
+        row = "".join(("█" if m[q][k] else "·") + sep(k) for k in range(s)).rstrip()
+        lines.append(f"{q:>4} {'n' + str(node_of[q]):>4} {pos[q]:>3} {tok[q]:>{tok_w}}  {row}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- PNG
+
+
+_PNG_COLORS = {
+    "visible": (38, 70, 150),
+    "hidden": (244, 244, 244),
+    "node": (170, 170, 170),
+    "tree": (200, 40, 40),
+}
+
+
+def png_bytes(batch: Any, mask: str = "interval", cell: int = PNG_CELL) -> bytes:
+    """The tree mask as an RGB PNG of ``S * cell`` pixels square (pure Python, zlib).
+
+    Visible pairs are blue, hidden ones light grey; a grey line starts each node and a red
+    line each tree, on both axes.
+    """
+    if cell < 1:
+        raise ValueError(f"PNG cell size must be at least 1 pixel, got {cell}")
+    m = mask_matrix(batch, mask).tolist()
+    s = len(m)
+    node_starts, tree_starts = _boundaries(batch)
+    colors = {k: bytes(v) for k, v in _PNG_COLORS.items()}
+
+    def line_color(i: int) -> bytes | None:
+        # The first pixel of a cell that starts a node or tree carries its boundary line.
+        if cell < 3:
+            return None  # lines would hide the cells
+        return colors["tree"] if i in tree_starts else colors["node"] if i in node_starts else None
+
+    raw = bytearray()
+    for y in range(s * cell):
+        q, first_y = divmod(y, cell)
+        h_line = line_color(q) if first_y == 0 else None
+        raw.append(0)  # filter type 0 (none) for this scanline
+        for x in range(s * cell):
+            k, first_x = divmod(x, cell)
+            v_line = line_color(k) if first_x == 0 else None
+            if v_line is not None and (h_line is None or v_line == colors["tree"]):
+                raw += v_line
+            elif h_line is not None:
+                raw += h_line
+            else:
+                raw += colors["visible"] if m[q][k] else colors["hidden"]
+    return _png(s * cell, s * cell, bytes(raw))
+
+
+def _png(width: int, height: int, scanlines: bytes) -> bytes:
+    """A PNG file: 8-bit RGB, no interlace; ``scanlines`` already carry their filter bytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(scanlines, 9)) + chunk(b"IEND", b"")
+
+
+# --------------------------------------------------------------------------- inspection
+
+
+# FX code ends a line with ``;  a = b = None`` where values die; a rewrite moves those
+# deaths around, which would fill every diff with noise. They are left out of the report.
+_FREES = re.compile(r";  (?:\w+ = )+None$")
+
+
+def _code(gm: Any) -> str:
+    """The graph's Python code, without the lines' trailing frees of dead values."""
+    # From the graph, not gm.code: the pipeline edits the graph before the first pass
+    # (the input marker is removed) without regenerating the module's code.
+    src = gm.graph.python_code(root_module="self").src
+    return "\n".join(_FREES.sub("", line).rstrip() for line in src.strip("\n").splitlines())
+
+
+def _recording(p: Any, steps: list[PassStep]) -> Any:
+    """``p`` wrapped so that each run appends a :class:`PassStep` to ``steps``."""
+    group = getattr(sys.modules.get(p.__module__), "NAME", p.__name__)
+
+    def run(gm, ctx):
+        code = _code(gm)
+        n = len(gm.graph.nodes)
+        if steps and steps[-1].after is None:
+            # The graph this pass receives is the previous pass's output after the
+            # pipeline's dead-code elimination.
+            steps[-1].after, steps[-1].nodes_after = code, n
+        step = PassStep(name=p.__name__, group=group, before=code, nodes_before=n)
+        steps.append(step)
+        seen = Counter(ctx.counters.get(group, Counter()))
+        try:
+            return p(gm, ctx)
+        finally:
+            now = ctx.counters.get(group, Counter())
+            step.counts = {k: now[k] - seen[k] for k in now if now[k] != seen[k]}
+
+    run.__name__ = p.__name__
+    run.__qualname__ = p.__qualname__
+    run.__doc__ = p.__doc__
+    return run
+
+
+def inspect_model(
+    model: Any,
+    *,
+    mask: str = "interval",
+    backend: str = "eager",
+    trees: list[Any] | None = None,
+    source: str = "module",
+) -> Inspection:
+    """Compiles ``model`` for one example batch and records every pass.
+
+    Args:
+        model: a causal LM (see :func:`treecompile.tree_compile`); left unchanged.
+        mask: ``"interval"`` or ``"bitmask"``.
+        backend: lowering after the passes (``"eager"`` is enough to see the rewrites).
+        trees: the example trees (default :func:`example_trees`).
+        source: how the model was given, for the report.
+
+    Returns:
+        An :class:`Inspection`; ``refusal`` holds the message if the model was refused.
+    """
+    import torch
+
+    from treecompile.batch import pack
+    from treecompile.compile import MASKS, TreeCompiledModel
+    from treecompile.errors import UnsupportedModelError
+    from treecompile.passes.pipeline import PASSES
+
+    if mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(_BACKENDS)}")
+    trees = trees if trees is not None else example_trees(_vocab_size(model))
+    batch = pack(trees, path_bits=True)
+    params = list(model.parameters())
+    dtype = str(params[0].dtype).removeprefix("torch.") if params else "-"
+    n_params = sum(p.numel() for p in params)
+    description = f"{type(model).__name__} ({n_params:,} parameters, {dtype})"
+
+    steps: list[PassStep] = []
+    compiled = TreeCompiledModel(
+        model, mask=mask, backend=backend, verify=False, passes=tuple(_recording(p, steps) for p in PASSES)
+    )
+    out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params)
+    device = next(iter(params)).device if params else torch.device("cpu")
+    try:
+        result = compiled(batch.to(device))
+    except UnsupportedModelError as exc:
+        out.refusal = str(exc)
+        return out
+    except torch._dynamo.exc.UserError as exc:
+        # Data-dependent control flow: Dynamo cannot capture the model as one graph, which
+        # tree_compile needs, so this is a refusal too (tree_compile itself lets it through
+        # as Dynamo's error). Keep the first line and the user's source line.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        where = next((ln for ln in lines if ln.startswith("Caused by:")), "")
+        out.refusal = (
+            "treecompile needs the model as one graph, but Dynamo cannot capture part of it: "
+            + "; ".join(x for x in (lines[0] if lines else "", where) if x)
+        )
+        return out
+    record = compiled.compile_records[-1]
+    if steps and steps[-1].after is None:
+        steps[-1].after = _code(record.graph_module)
+        steps[-1].nodes_after = len(record.graph_module.graph.nodes)
+    out.seq_len = record.seq_len
+    out.loss = float(result.loss.detach())
+    return out
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "-"
+
+
+def render_text(
+    insp: Inspection, *, full: bool = False, context: int = 2, show_mask: bool = True
+) -> str:
+    """The human-readable report: per pass a diff (or whole graphs), counts, the mask picture."""
+    b = insp.batch
+    path_tokens = sum(t.stats().path_tokens for t in insp.trees)
+    out = [
+        f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}",
+        f"example: {b.num_trees} trees, {b.num_paths} paths, {b.num_nodes} nodes, S={b.num_tokens} rows "
+        f"(from {path_tokens} path tokens)",
+    ]
+    if insp.steps:
+        first = insp.steps[0]
+        out.append(f"captured graph: {first.nodes_before} nodes, {len(first.before.splitlines())} lines of code")
+        if full:
+            out += ["", "== captured graph", first.before]
+    for i, s in enumerate(insp.steps, 1):
+        out.append("")
+        if s.after is None:
+            out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]: REFUSED")
+            continue
+        delta = s.nodes_after - s.nodes_before
+        change = f"nodes {s.nodes_before} -> {s.nodes_after} ({delta:+d})" if s.changed else "graph unchanged"
+        out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]; {change}")
+        if s.changed:
+            out.append(s.after if full else s.diff(context))
+    out += ["", "rewrites per pass:"]
+    width = max((len(s.name) for s in insp.steps), default=4)
+    for s in insp.steps:
+        nodes = f"{s.nodes_before} -> {s.nodes_after}" if s.after is not None else f"{s.nodes_before} -> refused"
+        out.append(f"  {s.name:<{width}}  {nodes:<16} {s.group}: {_counts_text(s.counts)}")
+    if insp.refusal is None:
+        out.append(f"S in the graph: {insp.seq_len}; loss on the example: {insp.loss:.6g}")
+    if show_mask:
+        out += ["", mask_picture(b, insp.mask)]
+    if insp.refusal is not None:
+        where = f" in {insp.refused_at}" if insp.refused_at else ""
+        out += ["", f"REFUSED{where}: {insp.refusal}"]
+    return "\n".join(out)
+
+
+def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
+    """The report as JSON-ready data: counts per pass, node counts, graph sizes, the mask."""
+    b = insp.batch
+    passes = []
+    for s in insp.steps:
+        entry: dict[str, Any] = {
+            "name": s.name,
+            "group": s.group,
+            "counts": dict(sorted(s.counts.items())),
+            "nodes_before": s.nodes_before,
+            "nodes_after": s.nodes_after,
+            "lines_before": len(s.before.splitlines()),
+            "lines_after": None if s.after is None else len(s.after.splitlines()),
+            "changed": s.changed,
+            "refused": s.after is None,
+        }
+        if full:
+            entry["code_before"], entry["code_after"] = s.before, s.after
+        passes.append(entry)
+    out: dict[str, Any] = {
+        "model": insp.model,
+        "parameters": insp.parameters,
+        "source": insp.source,
+        "mask": insp.mask,
+        "backend": insp.backend,
+        "refused": insp.refusal is not None,
+        "refusal": insp.refusal,
+        "refused_at": insp.refused_at,
+        "seq_len": insp.seq_len,
+        "loss": insp.loss,
+        "captured": (
+            {"nodes": insp.steps[0].nodes_before, "lines": len(insp.steps[0].before.splitlines())}
+            if insp.steps else None
+        ),
+        "rewritten": (
+            {"nodes": insp.steps[-1].nodes_after, "lines": len(insp.steps[-1].after.splitlines())}
+            if insp.steps and insp.steps[-1].after is not None else None
+        ),
+        "passes": passes,
+        "counters": insp.counters,
+        "example": {
+            "trees": b.num_trees,
+            "paths": b.num_paths,
+            "nodes": b.num_nodes,
+            "tokens": b.num_tokens,
+            "path_tokens": sum(t.stats().path_tokens for t in insp.trees),
+            "sequences": [t.sequences() for t in insp.trees],
+            "input_ids": b.input_ids.tolist(),
+            "position_ids": b.position_ids.tolist(),
+            "subtree_end": b.subtree_end.tolist(),
+            "tree_ids": b.tree_ids.tolist(),
+            "node_start": b.node_start.tolist(),
+            "tree_offsets": b.tree_offsets.tolist(),
+        },
+        "attention_mask": {
+            "kind": insp.mask,
+            "rule": _RULES[insp.mask],
+            "rows": [[int(x) for x in row] for row in mask_matrix(b, insp.mask).tolist()],
+        },
+    }
+    if insp.mask == "bitmask":
+        out["example"]["path_bits"] = b.path_bits.tolist()
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_inspect_command(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
+    p = sub.add_parser(
+        "inspect",
+        help="show what the passes do to a model: graph diffs, rewrite counts, the tree mask",
+        description=(
+            "Builds MODEL, compiles it with tree_compile on a small example forest (19 rows) and prints, "
+            "per pass, a unified diff of the captured graph's code and the rewrites it counted, then the tree "
+            "attention mask of the example. Exits 1 if the model is refused (the message names the op)."
+        ),
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a Hugging Face config (a directory with config.json, or the JSON file; built with small random "
+        "weights) or module:factory (a callable returning an nn.Module; the current directory is importable)",
+    )
+    p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
+    p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
+    p.add_argument("--context", type=int, default=2, metavar="N", help="context lines of each diff (default 2)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--png", metavar="PATH", default=None, help="also write the tree mask as a PNG")
+    p.add_argument("--png-cell", type=int, default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
+    p.add_argument(
+        "--dtype", choices=_DTYPES, default=None,
+        help="parameter dtype (default: float32 for HF configs, unchanged for factories)",
+    )
+    p.add_argument(
+        "--backend", choices=_BACKENDS, default="eager",
+        help="lowering after the passes (default eager: the passes are what is shown)",
+    )
+    p.add_argument(
+        "--allow-large", action="store_true",
+        help=f"build HF configs above {MAX_PARAMS / 1e9:.0f}B parameters (refused by default)",
+    )
+    p.set_defaults(func=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
+    model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
+    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source)
+    if args.png:
+        Path(args.png).expanduser().write_bytes(png_bytes(insp.batch, insp.mask, cell=args.png_cell))
+    if args.json:
+        data = as_json(insp, full=args.full)
+        if args.png:
+            data["png"] = str(args.png)
+        print(json.dumps(data, indent=1, ensure_ascii=False))
+    else:
+        print(f"treecompile inspect {args.model}")
+        print(render_text(insp, full=args.full, context=args.context))
+        if args.png:
+            print(f"mask picture written to {args.png}")
+    if insp.refusal is not None:
+        if args.json:
+            print(f"treecompile inspect: refused: {insp.refusal}", file=sys.stderr)
+        return 1
+    return 0
