@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from treecompile.batch import TreeBatch
+from treecompile.reference import logits_of
 from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, interval_block_mask, split_block_mask
@@ -280,7 +281,7 @@ class TreeCompiledModel(nn.Module):
         def tree_forward(ids, positions, mask_buffers, block_tensors, rows, slot, target, dest, weight, path_count):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors))
             out = inner(ids, **kwargs_of(positions))
-            logits = _logits_of(out)
+            logits = logits_of(out)
             logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
             loss = -(weight.to(logprobs.dtype) * logprobs).sum()
             aux = None
@@ -374,16 +375,6 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
         return out
 
     return kwargs
-
-
-def _logits_of(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    raise TypeError(f"cannot find logits in the model's output of type {type(out).__name__}")
 
 
 # Dynamo settings for our calls only:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from treecompile.batch import TreeBatch
 from treecompile.loss import gather_logprobs, tree_loss
+from treecompile.reference import dense_mask_inputs
 
 __all__ = [
     "Forward",
@@ -68,16 +69,7 @@ def reference_forward(model: torch.nn.Module, batch: TreeBatch) -> torch.Tensor:
 def _ddp_logits(ddp: torch.nn.Module, batch: TreeBatch) -> torch.Tensor:
     # Call the DDP wrapper itself (its forward hooks prepare the gradient reduction), with
     # the same inputs dense_mask_logits gives the model.
-    dtype = next(ddp.parameters()).dtype
-    visible = batch.reference_attention_mask()
-    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    additive.masked_fill_(~visible, torch.finfo(dtype).min)
-    out = ddp(
-        input_ids=batch.input_ids[None],
-        position_ids=batch.position_ids[None],
-        attention_mask=additive[None, None],
-        use_cache=False,
-    )
+    out = ddp(**dense_mask_inputs(batch, next(ddp.parameters()).dtype))
     return out.logits[0]
 
 

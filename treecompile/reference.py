@@ -26,7 +26,8 @@ import torch
 from treecompile.loss import LOSS_MODES
 from treecompile.tree import TrajectoryTree
 
-__all__ = ["ReferenceOutput", "model_logits", "path_logprobs", "per_path_loss", "dense_mask_logits"]
+__all__ = ["ReferenceOutput", "logits_of", "model_logits", "path_logprobs", "per_path_loss", "dense_mask_logits",
+           "dense_mask_inputs"]
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
@@ -60,6 +61,11 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return a tensor, a tuple whose first item is the logits, or an object with ``.logits``.
     """
     out = model(input_ids=input_ids, use_cache=False) if _is_hf(model) else model(input_ids)
+    return logits_of(out)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits in a model's output: a tensor, ``out.logits``, or the first item of a tuple."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "logits"):
@@ -216,14 +222,21 @@ def dense_mask_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """
     if not _is_hf(model):
         raise TypeError("dense_mask_logits needs a Hugging Face model; use tree_compile for other models")
-    dtype = next(model.parameters()).dtype
+    out = model(**dense_mask_inputs(batch, next(model.parameters()).dtype))
+    return out.logits[0]
+
+
+def dense_mask_inputs(batch: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """The keyword arguments `dense_mask_logits` gives a Hugging Face model (reference, O(S^2)).
+
+    For callers that wrap the model (e.g. in DDP) and must call the wrapper themselves.
+    """
     visible = batch.reference_attention_mask()
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     additive.masked_fill_(~visible, torch.finfo(dtype).min)
-    out = model(
-        input_ids=batch.input_ids[None],
-        position_ids=batch.position_ids[None],
-        attention_mask=additive[None, None],
-        use_cache=False,
-    )
-    return out.logits[0]
+    return {
+        "input_ids": batch.input_ids[None],
+        "position_ids": batch.position_ids[None],
+        "attention_mask": additive[None, None],
+        "use_cache": False,
+    }

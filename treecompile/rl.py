@@ -40,6 +40,7 @@ import torch
 
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
+from treecompile.loss import path_loss_coefficients
 from treecompile.tree import TrajectoryTree
 
 __all__ = [
@@ -135,21 +136,13 @@ def rl_path_coefficients(
         denominator: replaces ``N`` or ``P``.
     """
     _check_choice("loss aggregation mode", mode, LOSS_AGG_MODES)
-    n = np.asarray(n_targets, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    if denominator is not None and not (np.isfinite(denominator) and denominator > 0):
-        raise TreeInputError(f"denominator must be a positive finite number, got {denominator!r}")
-    if mode == "token-mean":
-        d = float(n.sum()) if denominator is None else float(denominator)
-        return w / d if d > 0 else np.zeros_like(w)
-    d = float(len(w)) if denominator is None else float(denominator)
-    if mode == "seq-mean-token-sum":
-        return w / d
-    if mode == "seq-mean-token-sum-norm":
-        if max_len is None or not max_len > 0:
-            raise ValueError("seq-mean-token-sum-norm needs max_len, the constant length L to divide by (> 0)")
-        return w / (d * float(max_len))
-    return np.where(n > 0, w / (d * np.maximum(n, 1.0)), 0.0)
+    if mode != "seq-mean-token-sum-norm":
+        return path_loss_coefficients(n_targets, weights, mode, denominator)
+    # Dr. GRPO: each path's token sum over a constant length L, then the mean over paths.
+    if max_len is None or not max_len > 0:
+        raise ValueError("seq-mean-token-sum-norm needs max_len, the constant length L to divide by (> 0)")
+    per_path_sum = path_loss_coefficients(n_targets, weights, "seq-mean-token-sum", denominator)
+    return per_path_sum / float(max_len)
 
 
 @dataclass
