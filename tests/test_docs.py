@@ -150,3 +150,17 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_readme_examples_run(tmp_path, monkeypatch, capsys):
+    readme = ROOT / "README.md"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "docs_readme"}
+    blocks = [b for b in parse_blocks(readme.read_text(encoding="utf-8")) if b.lang == "python"]
+    assert blocks, "README.md has no python example"
+    for n, block in enumerate(blocks):
+        filename = f"<README.md:block{n}>"
+        source = "\n" * (block.line - 1) + block.code
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        exec(compile(source, filename, "exec"), namespace)
+    capsys.readouterr()
