@@ -24,7 +24,7 @@ from typing import Any
 
 from treecompile.errors import TreeInputError
 
-__all__ = ["COMMANDS", "build_parser", "cmd_stats", "main"]
+__all__ = ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
 
 # Above this many trees, building them shows a progress bar (on stderr).
 _PROGRESS_MIN_TREES = 20
@@ -365,7 +365,61 @@ def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     add_inspect_command(sub)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_stats_parser, _add_plan_parser, _add_inspect_parser]
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time tree training against per-path training with sequence packing",
+        description=(
+            "Trains a small Qwen3-shaped model (random weights) one step at a time on synthetic trees of "
+            "controlled POR and on the bundled tau-bench / GSM8K samples, per-path packed ('packed') and as "
+            "trees ('bitmask', 'interval' masks); prints step time, path tokens/s, speedup over packed and "
+            "its fraction of the FLOP bound 1/(1-POR), and checks each method's loss against the packed loss."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="the quick configuration (default; a few minutes on CPU)")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long configuration (smoke test)")
+    p.add_argument("--path-tokens", type=int, default=None, metavar="N", help="path tokens per synthetic workload")
+    p.add_argument("--paths", type=int, default=None, metavar="P", help="paths per synthetic tree")
+    p.add_argument("--por", type=float, nargs="+", default=None, metavar="X", help="synthetic POR values")
+    p.add_argument("--repeats", type=int, default=None, metavar="N", help="timed steps (median reported)")
+    p.add_argument("--methods", nargs="+", default=None, metavar="M", help="subset of: packed bitmask interval")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Runs the benchmark; exit status 1 if some method's loss differs from the per-path loss."""
+    from rich.console import Console
+
+    from treecompile import bench
+
+    cfg = bench.with_overrides(
+        bench.TINY if args.tiny else bench.QUICK,
+        path_tokens=args.path_tokens, paths=args.paths, repeats=args.repeats,
+        pors=tuple(args.por) if args.por else None, methods=tuple(args.methods) if args.methods else None,
+    )
+    err = Console(stderr=True)
+    quiet = args.json or args.markdown
+    result = bench.run_bench(cfg, device=args.device, progress=None if quiet else (lambda s: err.print(f"[dim]{s}")))
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    elif args.markdown:
+        print(bench.markdown_table(result))
+    else:
+        # Wide enough for every column even when the output is not a terminal (rich assumes 80).
+        Console(width=max(Console().width, 150)).print(bench.render_table(result))
+    bad = [f"{r.workload}/{r.method}" for r in result.rows if not r.exact]
+    if bad:
+        print(f"treecompile bench: loss differs from per-path training: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_stats_parser, _add_plan_parser, _add_inspect_parser, _add_bench_parser
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
