@@ -18,7 +18,7 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 
-__all__ = ["PassContext", "is_call", "value", "seq_dims", "source_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "is_call", "is_op", "value", "seq_dims", "source_of", "describe", "bind", "ancestors"]
 
 
 @dataclass
@@ -39,6 +39,10 @@ class PassContext:
         counters: per pass name, a Counter of rewrites by kind.
         created: nodes the passes inserted (the verify pass trusts them).
         notes: per node, why a pass left it alone (quoted by the verify pass).
+        pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
+            root), when the model has recurrent or conv layers (else None).
+        node_tables: ``[node_start, node_end, node_parent]`` ``[N]`` placeholders, when the
+            model has recurrent layers (else empty).
     """
 
     mask: str
@@ -53,6 +57,8 @@ class PassContext:
     counters: dict[str, Counter] = field(default_factory=dict)
     created: set[fx.Node] = field(default_factory=set)
     notes: dict[fx.Node, str] = field(default_factory=dict)
+    pred_index: fx.Node | None = None
+    node_tables: list[fx.Node] = field(default_factory=list)
 
     def count(self, pass_name: str, kind: str, n: int = 1) -> None:
         self.counters.setdefault(pass_name, Counter())[kind] += n
@@ -89,6 +95,11 @@ def bind(node: fx.Node, names: list[str], defaults: dict[str, Any]) -> dict[str,
     out.update(dict(zip(names, node.args)))
     out.update(node.kwargs)
     return out
+
+
+def is_op(node: fx.Node, packet: Any) -> bool:
+    """Whether ``node`` calls the custom op ``packet`` (Dynamo records the packet or ``.default``)."""
+    return node.op == "call_function" and (node.target is packet or node.target is getattr(packet, "default", None))
 
 
 def value(node: Any) -> Any:

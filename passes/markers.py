@@ -1,11 +1,13 @@
 """Custom ops that mark, in a captured graph, what the passes must find.
 
-* ``treecompile::tree_inputs(input_ids, seq_tensors, other_tensors)`` returns a copy of
-  ``input_ids``. The wrapper routes the ids through it so that the tree tensors
+* ``treecompile::tree_inputs(input_ids, seq_tensors, other_tensors, structure)`` returns a
+  copy of ``input_ids``. The wrapper routes the ids through it so that the tree tensors
   (positions, mask buffers, BlockMask tensors) become real inputs of the Dynamo graph:
   Dynamo drops inputs nothing uses, and a graph input cannot be added afterwards. Its
   fake implementation ties every ``seq_tensors`` length to S with ``torch._check``, so
-  with dynamic shapes they share S's symbol. The pipeline removes it first.
+  with dynamic shapes they share S's symbol. ``structure`` is empty, or, for a model with
+  recurrent or conv layers, ``[pred_index [S], node_start, node_end, node_parent [N]]``
+  (the conv context and SSM state passes read them). The pipeline removes it first.
 * ``treecompile::causal_attention(q, k, v, scale, window, softcap)`` is what
   :func:`hf_causal_attention` emits for Hugging Face attention-interface calls: one
   opaque node carrying the call's semantics (scale, sliding window, soft-capping) instead
@@ -57,16 +59,23 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("treecompile::tree_inputs", mutates_args=())
-def tree_inputs(input_ids: Tensor, seq_tensors: list[Tensor], other_tensors: list[Tensor]) -> Tensor:
+def tree_inputs(
+    input_ids: Tensor, seq_tensors: list[Tensor], other_tensors: list[Tensor], structure: list[Tensor]
+) -> Tensor:
     """Identity on ``input_ids`` ``[B, S]``; makes the tree tensors graph inputs."""
     return input_ids.clone()
 
 
 @tree_inputs.register_fake
-def _tree_inputs_fake(input_ids, seq_tensors, other_tensors):
+def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
     s = input_ids.shape[-1]
     for t in seq_tensors:
         torch._check(t.shape[0] == s)
+    if structure:
+        pred_index, *node_tables = structure
+        torch._check(pred_index.shape[0] == s)
+        for t in node_tables[1:]:
+            torch._check(t.shape[0] == node_tables[0].shape[0])
     return torch.empty_like(input_ids)
 
 

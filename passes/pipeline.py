@@ -7,10 +7,12 @@ after each):
    that the model's own mask building (aranges compared with each other, tril buffers)
    is dead and removed before positions are looked for.
 2. ``rewrite_positions_pass``: sequence-index positions become tree positions.
-3. ``gather_logits_pass``: only needed rows reach the vocabulary projection.
-4. ``check_moe_regions_pass``: accepts the experts (token-wise) and the router auxiliary
+3. ``rewrite_conv_context_pass``: causal depthwise convs read their window along the path.
+4. ``route_ssm_state_pass``: Gated DeltaNet layers start each node from its parent's state.
+5. ``gather_logits_pass``: only needed rows reach the vocabulary projection.
+6. ``check_moe_regions_pass``: accepts the experts (token-wise) and the router auxiliary
    loss (rows weighted by ``path_count``) after checking them; removes their markers.
-5. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
+7. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
 
 The backend copies Dynamo's graph (editing it in place breaks Dynamo's bookkeeping),
 finds the ``tree_inputs`` marker to learn which placeholders hold the tree tensors,
@@ -29,10 +31,12 @@ from torch import fx
 from treecompile.kernels.flex import MASK_KINDS, BlockLayout
 from treecompile.passes._graph import PassContext, value
 from treecompile.passes.attention import rewrite_attention_pass
+from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.loss import gather_logits_pass
 from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
+from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.verify import verify_graph_pass
 
 __all__ = ["PASSES", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
@@ -45,6 +49,8 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PASSES: tuple[Pass, ...] = (
     rewrite_attention_pass,
     rewrite_positions_pass,
+    rewrite_conv_context_pass,
+    route_ssm_state_pass,
     gather_logits_pass,
     check_moe_regions_pass,
     verify_graph_pass,
@@ -151,7 +157,7 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
             "the model was probably split by a graph break"
         )
     marker = markers[0]
-    ids, seq_tensors, other = marker.args
+    ids, seq_tensors, other, structure = marker.args
     positions, *mask_buffers = seq_tensors
     if len(mask_buffers) != len(MASK_KINDS[mask]):
         raise RuntimeError(f"treecompile: the marker carries {len(mask_buffers)} mask tensors for mask={mask!r}")
@@ -178,4 +184,6 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
         seq_len=seq_len,
         example_inputs=list(example_inputs),
         created=wrapper_nodes,
+        pred_index=structure[0] if structure else None,
+        node_tables=list(structure[1:]),
     )

@@ -36,6 +36,7 @@ from treecompile.passes._graph import (
     bind,
     describe,
     is_call,
+    is_op,
     same_size,
     seq_dims,
     source_of,
@@ -100,6 +101,8 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         return "is scaled_dot_product_attention that is not provably causal, so it was not rewritten"
     if is_marker(node, "causal_attention"):
         return "is a causal attention that was not rewritten"
+    if _is_sequence_kernel(node):
+        return "is a sequence kernel (causal conv or recurrent scan) over the packed row that was not rewritten"
     if is_marker(node, "tree_inputs"):
         return "is the tree input marker, which must have been removed"
     if node.op == "call_function" and target is torch.ops.higher_order.flex_attention:
@@ -141,6 +144,12 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     return None
 
 
+def _is_sequence_kernel(node: fx.Node) -> bool:
+    """The linear-sequence kernel ops the wrapper swaps in (their tree forms are created nodes)."""
+    ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", "gated_delta_rule")]
+    return any(op is not None and is_op(node, op) for op in ops)
+
+
 def _name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
@@ -173,8 +182,34 @@ def _changes_length(node: fx.Node, s) -> bool:
     if not isinstance(v, torch.Tensor):
         return False
     sym = s.node.expr.free_symbols
+    # A reshape that merges the rows with whole other dims ([B, S, H, D] -> [B*S*H, D], as
+    # HF's gated norms do) moves no token: every S-derived size is a multiple of S; ops on
+    # the merged tensor that keep that dim (casts, token-wise math) move none either.
+    merges_rows = is_call(node, (torch.reshape, torch.flatten), _RESHAPE_METHODS)
     for size in v.shape:
         if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & sym and not same_size(size, s):
+            if _multiple_of(size, s) and (merges_rows or _passes_through(node, size)):
+                continue
             return True
     return False
+
+
+_RESHAPE_METHODS = {"reshape", "view", "flatten"}
+
+
+def _passes_through(node: fx.Node, size) -> bool:
+    """Whether an input already has a dim of this size (the op keeps the merged rows as they are)."""
+    for m in node.all_input_nodes:
+        mv = value(m)
+        if isinstance(mv, torch.Tensor) and any(same_size(d, size) for d in mv.shape):
+            return True
+    return False
+
+
+def _multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:
+    """Whether ``size`` is provably an integer multiple of ``s`` (``c * S``)."""
+    import sympy
+
+    ratio = sympy.simplify(size.node.expr / s.node.expr)
+    return bool(ratio.is_integer) and bool(ratio.is_positive)
 

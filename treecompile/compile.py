@@ -29,7 +29,9 @@ from treecompile.batch import TreeBatch
 from treecompile.reference import logits_of
 from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError
+from treecompile.kernels.conv import hf_causal_conv1d_fn
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, interval_block_mask, split_block_mask
+from treecompile.kernels.gdn import hf_chunk_gated_delta_rule
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend
@@ -51,6 +53,16 @@ MIN_ROWS = 2
 
 #: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
 HF_ATTENTION_NAME = "treecompile"
+
+#: Module-level sequence kernels of Hugging Face hybrid models (behind
+#: ``use_kernel_func_from_hub_with_fallback``), by name: the leading parameters a function of
+#: that name must take to be swapped, and its drop-in, which calls a treecompile custom op
+#: with the same linear-sequence semantics (one node per layer for the passes to find).
+HF_SEQUENCE_KERNELS = {
+    "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
+    "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
+    "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
+}
 
 @dataclass
 class TreeOutput:
@@ -152,6 +164,8 @@ class TreeCompiledModel(nn.Module):
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
+        # Sequence kernels swapped for treecompile ops during each call (hybrid models).
+        self._kernels = _sequence_kernels(model) if self._is_hf else []
         self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._passes = passes
@@ -241,7 +255,7 @@ class TreeCompiledModel(nn.Module):
         if self._compiled is None:
             self._compiled = self._build(device)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext():
+        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), _swapped(self._kernels):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
@@ -278,8 +292,11 @@ class TreeCompiledModel(nn.Module):
         if router is not None:
             _install_output_hooks(inner)
 
-        def tree_forward(ids, positions, mask_buffers, block_tensors, rows, slot, target, dest, weight, path_count):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors))
+        def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
+                         path_count):
+            ids = torch.ops.treecompile.tree_inputs(
+                ids, [positions, *mask_buffers], list(block_tensors), list(structure)
+            )
             out = inner(ids, **kwargs_of(positions))
             logits = logits_of(out)
             logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
@@ -319,13 +336,21 @@ class TreeCompiledModel(nn.Module):
         rows, slot = torch.unique(pred[dest], return_inverse=True)
         target = batch.input_ids[dest]
         ids = batch.input_ids[None]
+        # The path structure, for the conv context and SSM state passes (hybrid models only).
+        structure = (
+            [batch.pred_index, batch.node_start, batch.node_end, batch.node_parent] if self._kernels else []
+        )
         # S, the number of targets M and of predicting rows R vary per batch: one graph
         # for all (no recompile per batch size).
         for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
-                     (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers]]:
+                     (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers],
+                     *[(b, 0) for b in structure],
+                     # The block tables' sizes follow S too ([1, 1, nb] and [1, 1, nb, nb]): dynamic
+                     # from the first call, so a second batch size does not recompile.
+                     *[(b, d) for b in block_tensors for d in range(2, b.dim())]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
-        return (ids, batch.position_ids, buffers, block_tensors, rows, slot, target, dest, batch.target_weight,
-                batch.path_count)
+        return (ids, batch.position_ids, buffers, block_tensors, structure, rows, slot, target, dest,
+                batch.target_weight, batch.path_count)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -455,6 +480,46 @@ def _hf_interfaces(model: nn.Module):
                 c._experts_implementation_internal = saved_experts[k]
 
 
+def _sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
+    """``(module, name, drop-in)`` for each known sequence kernel the model's modules call.
+
+    Looked up in the modules defining the model's layer classes; a function is swapped only
+    if it takes the expected leading parameters (a same-named function of another kind is
+    left alone, and the verify pass judges what it does).
+    """
+    found: dict[tuple[str, str], tuple[types.ModuleType, str, Any]] = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is None:
+            continue
+        for name, (params, replacement) in HF_SEQUENCE_KERNELS.items():
+            fn = getattr(module, name, None)
+            if not callable(fn) or (module.__name__, name) in found:
+                continue
+            try:
+                names = tuple(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):
+                continue
+            if names[: len(params)] == params:
+                found[(module.__name__, name)] = (module, name, replacement)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _swapped(kernels: list[tuple[types.ModuleType, str, Any]]):
+    """Swaps the model's sequence kernels for treecompile's drop-ins for one call, then
+    restores them (the model run outside the wrapper, e.g. per path, is unchanged). Dynamo
+    guards on the globals, which hold the same drop-ins on every call."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in kernels]
+    try:
+        for module, name, replacement in kernels:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
 def _plain_experts(model: nn.Module) -> None:
     """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
     and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts
@@ -514,9 +579,10 @@ def _check_tree(batch: TreeBatch, seed: int = 0) -> TrajectoryTree:
 def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> VerifyReport:
     """Checks a tree-compiled model against per-path training on a small random tree.
 
-    Runs the model's compiled form and the unmodified model on each path, compares the loss
-    and every parameter's gradient, and raises `UnsupportedModelError` naming the parameter
-    that differs most. The user's model, its gradients and its train/eval mode are left as
+    Runs the model's compiled form and the unmodified model on each path (a hybrid model's
+    sequence kernels swapped, on both sides, for treecompile's ops of the same
+    linear-sequence semantics), compares the loss and every parameter's gradient, and
+    raises `UnsupportedModelError` naming the parameter that differs most. The user's model, its gradients and its train/eval mode are left as
     they were.
     """
     from treecompile.batch import pack
@@ -548,7 +614,11 @@ def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> Verify
         for p in subject.parameters():
             p.grad = None
         router = compiled._router_aux
-        ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
+        # A hybrid model's per-path run uses the same linear-sequence kernels the tree side was
+        # swapped to (tested against HF's): HF's GDN fallback computes in float32 even in a
+        # float64 model, which would put a float32 floor under this float64 check.
+        with _swapped(compiled._kernels):
+            ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
         ref.loss.backward()
         worst, worst_name = 0.0, ""
         for n, p in subject.named_parameters():

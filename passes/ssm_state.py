@@ -1,0 +1,84 @@
+"""route_ssm_state_pass: each tree node's recurrence starts from its parent node's final state.
+
+A Gated DeltaNet layer carries a recurrent state from token to token. Per path, the state
+at a node's first token is the state after the last token of its parent node; in the
+packed row, the row before a node's first token can be the end of a sibling's subtree
+(DFS order), whose state must not leak in. The wrapper swaps Hugging Face's
+``torch_chunk_gated_delta_rule`` for ``treecompile::gated_delta_rule`` (see
+:mod:`treecompile.kernels.gdn`); this pass replaces each such node with
+``treecompile::tree_gated_delta_rule(..., node_start, node_end, node_parent)``, which runs
+each node's rows from its parent's final state (roots from the call's initial state, zero
+without one) and, backward, adds the gradients of all children into the parent's state.
+
+Why exact: by induction over the nodes in preorder, a node's initial state is the state
+after the whole root path before it, which is what per-path training has at that token;
+the recurrence inside a node is the same token-by-token rule. Every row's inputs
+(``q, k, v, g, beta``) equal the per-path rows (by induction over layers). A sibling's
+subtree never enters: its rows write only its own nodes' states.
+
+Refused: a layer whose final state is read (a cache being filled) — on a tree there is one
+final state per leaf, not per call — or a call whose input is not ``[1, S, H, D]``.
+
+Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule`` (rewritten GDN layers).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from treecompile.errors import UnsupportedModelError
+from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
+from treecompile.passes._graph import PassContext, describe, is_op, same_size, source_of, value
+
+__all__ = ["route_ssm_state_pass"]
+
+NAME = "ssm_state"
+
+
+def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Replaces each ``treecompile::gated_delta_rule`` with its tree form.
+
+    Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``.
+    """
+    calls = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.gated_delta_rule)]
+    if not calls:
+        return gm
+    if len(ctx.node_tables) != 3:
+        raise RuntimeError("treecompile: a gated delta rule op is in the graph but the wrapper passed no node tables")
+    for node in calls:
+        q, k, v, g, beta, initial_state = node.args
+        qv = value(q)
+        if not (isinstance(qv, torch.Tensor) and qv.dim() == 4 and same_size(qv.shape[1], ctx.seq_len)):
+            raise UnsupportedModelError(
+                f"treecompile: {describe(node)} is a gated delta rule whose input is not [B, S, H, D] over the "
+                f"packed sequence.\n  at {source_of(node)}"
+            )
+        outs = {}
+        for user in list(node.users):
+            if not (user.op == "call_function" and user.target is operator.getitem and user.args[1] in (0, 1)):
+                raise UnsupportedModelError(f"treecompile: {describe(user)} uses {describe(node)} as a whole")
+            outs.setdefault(user.args[1], []).append(user)
+        if any(u.users for u in outs.get(1, [])):
+            raise UnsupportedModelError(
+                f"treecompile cannot make this model exact on a tree: the final recurrent state of {describe(node)} "
+                "is read (a cache being filled?); a tree has one final state per leaf, not one per call. "
+                f"Call the model with use_cache=False.\n  at {source_of(node)}"
+            )
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                torch.ops.treecompile.tree_gated_delta_rule.default,
+                (q, k, v, g, beta, initial_state, *ctx.node_tables),
+            )
+        new.meta["example_value"] = value(node)[0]
+        ctx.mark(new, like=node)
+        for user in outs.get(0, []):
+            user.replace_all_uses_with(new)
+            gm.graph.erase_node(user)
+        for user in outs.get(1, []):
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        ctx.count(NAME, "gated_delta_rule")
+    return gm
