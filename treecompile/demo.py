@@ -51,7 +51,7 @@ def _max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treecompile.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (one task's tree each)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (one task's tree each)")
     parser.add_argument("--turns", type=int, default=3, help="assistant turns kept per conversation")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float64")
     args = parser.parse_args(argv)
