@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from treecompile.kernels.fused_logprobs import fused_target_logprobs
 from treecompile.passes._graph import PassContext, is_call, value
 from treecompile.passes.markers import _upcast, is_marker
 
-__all__ = ["gather_logits_pass", "gathered_logprobs"]
+__all__ = ["gather_logits_pass", "fuse_lm_head_pass", "gathered_logprobs", "fused_logprobs_at_rows"]
 
 NAME = "loss"
 
@@ -52,17 +53,70 @@ def gathered_logprobs(
     return out.index_put((dest,), lp[slot, target])
 
 
+def fused_logprobs_at_rows(
+    head_rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slot: torch.Tensor,
+    target: torch.Tensor,
+    dest: torch.Tensor,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """``[S]`` target log-probabilities from the LM head's inputs at the needed rows.
+
+    Args:
+        head_rows: ``[1, R, H]`` inputs of the vocabulary projection at ``rows``.
+        weight, bias: the projection's ``[V, H]`` weight and ``[V]`` bias (or None).
+        slot, target, dest, like: as in `gathered_logprobs`.
+    """
+    lp = fused_target_logprobs(head_rows[0], weight, bias, slot, target)
+    return lp.new_zeros(like.shape[0]).index_put((dest,), lp)
+
+
 def gather_logits_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces ``tree_logprobs`` with a gather of the needed rows before the LM head.
 
     Counters (``ctx.counters["loss"]``): ``gather_before_lm_head`` or ``gather_logits``.
     """
+    return _rewrite_logprobs(gm, ctx, fuse=False)
+
+
+def fuse_lm_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Like `gather_logits_pass`, but a plain LM head (``linear`` then at most casts) becomes
+    the fused chunked projection + log-softmax (`treecompile.kernels.fused_logprobs`): the
+    ``[R, V]`` logits are never formed, forward or backward. Other heads are gathered as
+    `gather_logits_pass` does.
+
+    Counters (``ctx.counters["loss"]``): ``fused_lm_head``, ``gather_before_lm_head`` or
+    ``gather_logits``.
+    """
+    return _rewrite_logprobs(gm, ctx, fuse=True)
+
+
+def _rewrite_logprobs(gm: fx.GraphModule, ctx: PassContext, *, fuse: bool) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_marker(node, "tree_logprobs"):
             continue
         logits, rows, slot, target, dest = node.args
         chain = _rowwise_chain(logits)
         with gm.graph.inserting_before(node):
+            if fuse and chain is not None and all(_is_cast(n) for n in chain[1:]):
+                head = chain[0]
+                head_input = head.args[0]
+                weight = head.args[1] if len(head.args) > 1 else head.kwargs.get("weight")
+                bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+                sel = ctx.mark(gm.graph.call_function(torch.index_select, (head_input, 1, rows)), like=node)
+                new = ctx.mark(
+                    gm.graph.call_function(
+                        fused_logprobs_at_rows, (sel, weight, bias, slot, target, dest, ctx.positions)
+                    ),
+                    like=node,
+                )
+                new.meta["example_value"] = value(node)
+                node.replace_all_uses_with(new)
+                gm.graph.erase_node(node)
+                ctx.count(NAME, "fused_lm_head")
+                continue
             if chain is not None:
                 head_input = chain[0].args[0]
                 sel = ctx.mark(gm.graph.call_function(torch.index_select, (head_input, 1, rows)), like=node)
@@ -111,6 +165,13 @@ def _rowwise_chain(logits: fx.Node) -> list[fx.Node] | None:
         else:
             return None
     return None
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """An op that changes only the dtype or layout (the fused op computes in float32 anyway)."""
+    if node.op == "call_method" and node.target in ("float", "double", "contiguous"):
+        return True
+    return node.op == "call_function" and node.target is operator.getitem and _full_slices(node.args[1])
 
 
 def _full_slices(index) -> bool:

@@ -9,7 +9,8 @@ after each):
 2. ``rewrite_positions_pass``: sequence-index positions become tree positions.
 3. ``rewrite_conv_context_pass``: causal depthwise convs read their window along the path.
 4. ``route_ssm_state_pass``: Gated DeltaNet layers start each node from its parent's state.
-5. ``gather_logits_pass``: only needed rows reach the vocabulary projection.
+5. ``gather_logits_pass``: only needed rows reach the vocabulary projection
+   (``fuse_lm_head_pass`` in its place with ``tree_compile(lm_head="fused")``).
 6. ``check_moe_regions_pass``: accepts the experts (token-wise) and the router auxiliary
    loss (rows weighted by ``path_count``) after checking them; removes their markers.
 7. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
@@ -32,14 +33,14 @@ from treecompile.kernels.flex import MASK_KINDS, BlockLayout
 from treecompile.passes._graph import PassContext, value
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.conv_context import rewrite_conv_context_pass
-from treecompile.passes.loss import gather_logits_pass
+from treecompile.passes.loss import fuse_lm_head_pass, gather_logits_pass
 from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.verify import verify_graph_pass
 
-__all__ = ["PASSES", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
+__all__ = ["PASSES", "LM_HEAD_PASSES", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
 
 log = logging.getLogger("treecompile.passes")
 
@@ -55,6 +56,16 @@ PASSES: tuple[Pass, ...] = (
     check_moe_regions_pass,
     verify_graph_pass,
 )
+
+#: The loss pass for each ``tree_compile(lm_head=...)`` choice.
+LM_HEAD_PASSES: dict[str, Pass] = {"gather": gather_logits_pass, "fused": fuse_lm_head_pass}
+
+
+def passes_for(lm_head: str) -> tuple[Pass, ...]:
+    """`PASSES` with the loss pass chosen by ``lm_head`` (a key of `LM_HEAD_PASSES`)."""
+    if lm_head not in LM_HEAD_PASSES:
+        raise ValueError(f"unknown lm_head {lm_head!r}; valid choices: {', '.join(LM_HEAD_PASSES)}")
+    return tuple(LM_HEAD_PASSES[lm_head] if p is gather_logits_pass else p for p in PASSES)
 
 
 def _lower_eager(gm: fx.GraphModule, example_inputs):

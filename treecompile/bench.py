@@ -8,7 +8,9 @@ One run compares, on the same small Qwen3-shaped model and the same paths:
   tree in one packed row: document-causal attention), through the same `tree_compile`
   machinery, so the difference measured is only the shared prefixes;
 * ``bitmask``: the tree, ``tree_compile(mask="bitmask")`` (``pack(..., path_bits=True)``);
-* ``interval``: the tree, ``tree_compile(mask="interval")``.
+* ``interval``: the tree, ``tree_compile(mask="interval")``;
+* ``fused``: the tree, interval mask, ``tree_compile(lm_head="fused")`` (LM head and
+  log-softmax in row chunks, never the ``[rows, vocab]`` logits).
 
 Workloads: synthetic trees at a controlled prefix overlap ratio (POR) with a constant
 number of path tokens (Tree Training §4.5: ``P`` paths of ``L`` tokens sharing a prefix of
@@ -40,11 +42,12 @@ from treecompile.tree import TrajectoryTree
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "METHODS", "QUICK", "TINY", "run_bench", "render_table",
            "markdown_table", "synthetic_tree"]
 
-#: Methods compared, in table order: name -> (what is packed, mask).
-METHODS: dict[str, tuple[str, str]] = {
-    "packed": ("paths", "interval"),
-    "bitmask": ("tree", "bitmask"),
-    "interval": ("tree", "interval"),
+#: Methods compared, in table order: name -> (what is packed, mask, LM head).
+METHODS: dict[str, tuple[str, str, str]] = {
+    "packed": ("paths", "interval", "gather"),
+    "bitmask": ("tree", "bitmask", "gather"),
+    "interval": ("tree", "interval", "gather"),
+    "fused": ("tree", "interval", "fused"),
 }
 
 # Loss agreement with the per-path (packed) loss, relative: float32 sums over thousands of
@@ -280,7 +283,7 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _model(cfg).to(dev)
     dtype = next(model.parameters()).dtype
-    compiled = {m: tree_compile(model, mask=METHODS[m][1]) for m in cfg.methods}
+    compiled = {m: tree_compile(model, mask=METHODS[m][1], lm_head=METHODS[m][2]) for m in cfg.methods}
     rows: list[BenchRow] = []
     for name, trees in _workloads(cfg):
         stats = [t.stats() for t in trees]
@@ -288,7 +291,7 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
         por = 1.0 - sum(s.tree_tokens for s in stats) / path_tokens
         ref_loss = None
         for method in ("packed", *[m for m in cfg.methods if m != "packed"]):
-            layout, mask = METHODS[method]
+            layout, mask, _ = METHODS[method]
             batch = pack(
                 _per_path_trees(trees) if layout == "paths" else trees, path_bits=mask == "bitmask", device=dev
             )

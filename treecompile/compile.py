@@ -34,7 +34,7 @@ from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, 
 from treecompile.kernels.gdn import hf_chunk_gated_delta_rule
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
-from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend
+from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 
 __all__ = [
     "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
@@ -91,6 +91,7 @@ def tree_compile(
     backend: str | None = None,
     verify: bool = False,
     outputs: tuple[str, ...] = (),
+    lm_head: str = "gather",
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -109,6 +110,10 @@ def tree_compile(
         outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
             entropy of each target's predicting distribution (differentiable, for entropy
             bonuses; the vocabulary projection then runs on every predicting row).
+        lm_head: ``"gather"`` (default): the LM head runs on the predicting rows only;
+            ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
+            computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
+            never formed (other heads, e.g. with final soft-capping, fall back to gather).
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -127,7 +132,9 @@ def tree_compile(
     unknown = [o for o in outputs if o not in OUTPUTS]
     if unknown or isinstance(outputs, str):
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
-    return TreeCompiledModel(model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs))
+    return TreeCompiledModel(
+        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head)
+    )
 
 
 class TreeCompiledModel(nn.Module):
