@@ -342,3 +342,22 @@ def assert_matches_docs(model: str, out: str) -> None:
     assert doc_heads == heads, f"{hint}\n  docs:   {doc_heads}\n  actual: {heads}"
     if doc_grid:
         assert doc_grid == grid, hint
+
+
+def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0,
+    ).save_pretrained(tmp_path / "qwen3-next")
+    code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    counters = data["counters"]
+    assert counters["conv_context"] == {"causal_conv1d": 1}
+    assert counters["ssm_state"] == {"gated_delta_rule": 1}
+    assert counters["attention"] == {"hf_interface": 1}
+    code, text, _ = run(capsys, str(tmp_path / "qwen3-next"))
+    assert "tree_causal_conv1d" in text and "tree_gated_delta_rule" in text
