@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
 
-from treecompile.blockmask import block_mask_from_classes, tree_block_mask
+from treecompile.blockmask import tree_block_mask
 from treecompile.masks import bitmask_rule, interval_rule
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "softcap_score_mod",
     "interval_block_mask",
     "demote_full_blocks",
-    "causal_block_mask",
     "split_block_mask",
     "call_flex_hop",
     "tree_attention_fn",
@@ -144,29 +143,6 @@ def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE)
     equals ``create_block_mask``'s.
     """
     return tree_block_mask(subtree_end, block_size=block_size)
-
-
-def causal_block_mask(tree_ids: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
-    """A conservative BlockMask for rules that are causal within a tree (the bitmask rule).
-
-    Every block on or below the diagonal whose row ranges share a tree is live and none is
-    full, so the ``mask_mod`` decides every pair: a superset, hence exact.
-
-    Args:
-        tree_ids: ``[S]`` int64, non-decreasing.
-    """
-    s = tree_ids.shape[0]
-    nb = (s + block_size - 1) // block_size
-    pad = nb * block_size - s
-    t = tree_ids.to(torch.int64)
-    t_min = torch.nn.functional.pad(t, (0, pad), value=int(2**62)).view(nb, block_size).amin(-1)
-    t_max = torch.nn.functional.pad(t, (0, pad), value=-1).view(nb, block_size).amax(-1)
-    blk = torch.arange(nb, device=t.device)
-    i, j = blk[:, None], blk[None, :]
-    # Trees are contiguous and increasing, so block j (<= i) shares a tree with block i
-    # iff its last tree is at least block i's first tree.
-    live = (j <= i) & (t_max[None, :] >= t_min[:, None])
-    return block_mask_from_classes(live, torch.zeros_like(live), s, block_size)
 
 
 def reference_tree_mask(

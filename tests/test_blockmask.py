@@ -56,3 +56,17 @@ def test_equals_create_block_mask_on_hypothesis_trees(case, block):
     s = batch.num_tokens
     ref = create_block_mask(interval_mask_mod(batch.subtree_end), 1, 1, s, s, device="cpu", BLOCK_SIZE=block)
     assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)
+
+
+@pytest.mark.parametrize("block", [2, 4, 16])
+def test_interval_classes_are_the_bitmask_rules_classes(block):
+    """The bitmask rule is the same relation, so its create_block_mask classes are ours."""
+    from treecompile.masks import bitmask_mask_mod
+
+    trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 9], [1, 2, 3, 7, 10, 11, 12]]),
+             TrajectoryTree.from_sequences([[5, 6, 7], [5, 8]])]
+    batch = pack(trees, path_bits=True)
+    s = batch.num_tokens
+    ref = create_block_mask(bitmask_mask_mod(batch.path_bits, batch.tree_ids), 1, 1, s, s, device="cpu",
+                            BLOCK_SIZE=block)
+    assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)

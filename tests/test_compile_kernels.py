@@ -38,8 +38,7 @@ def _dense_reference(q, k, v, batch, window, softcap):
 def test_tree_attention_matches_dense_reference(mask, window, softcap, name, heads):
     batch = _batch(name)
     s = batch.num_tokens
-    bm = flex.interval_block_mask(batch.subtree_end, 16) if mask == "interval" else flex.causal_block_mask(
-        batch.tree_ids, 16)
+    bm = flex.interval_block_mask(batch.subtree_end, 16)
     tensors, layout = flex.split_block_mask(bm)
     spec = flex.AttentionSpec(mask, None, window, softcap, batch.path_bits.shape[1], layout)
     fn = flex.tree_attention_fn(spec)
@@ -72,18 +71,6 @@ def test_interval_block_mask_equals_create_block_mask(name, block):
     assert torch.equal(ours.to_dense(), ref.to_dense())
     # Full blocks must be exact (they skip the mask_mod); partial ones may be a superset.
     assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
-
-
-@pytest.mark.parametrize("block", [4, 16])
-def test_causal_block_mask_covers_the_bitmask_rule(block):
-    batch = tc.pack([tc.TrajectoryTree.from_sequences(SEQS["tiny"]),
-                     tc.TrajectoryTree.from_sequences(SEQS["blocks"])], path_bits=True)
-    bm = flex.causal_block_mask(batch.tree_ids, block)
-    live = bm.to_dense()[0, 0].repeat_interleave(block, 0).repeat_interleave(block, 1)
-    s = batch.num_tokens
-    dense = flex.reference_tree_mask(batch.subtree_end)
-    assert not torch.any(dense & ~live[:s, :s].bool()), "a visible pair lies in a block marked empty"
-    assert bm.full_kv_num_blocks is None or int(bm.full_kv_num_blocks.sum()) == 0
 
 
 def test_split_block_mask_round_trips():

@@ -30,7 +30,7 @@ from treecompile.reference import logits_of
 from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError
 from treecompile.kernels.conv import hf_causal_conv1d_fn
-from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, causal_block_mask, interval_block_mask, split_block_mask
+from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
 from treecompile.kernels.gdn import hf_chunk_gated_delta_rule
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
@@ -333,7 +333,10 @@ class TreeCompiledModel(nn.Module):
             if batch.path_bits is None:
                 raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
             buffers = [batch.tree_ids, batch.path_bits]
-            block_mask = causal_block_mask(batch.tree_ids, BLOCK_SIZE)
+            # The bitmask rule is the same relation as the interval rule, so the block classes
+            # from subtree_end are its exact classes (what create_block_mask would find); the
+            # bitmask mask_mod decides the pairs inside partial blocks.
+            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
             self._chunks = int(batch.path_bits.shape[1])
             # The chunk loop is unrolled in the mask_mod: a new chunk count must recompile.
             torch._dynamo.mark_static(batch.path_bits, 1)
