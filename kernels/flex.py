@@ -11,8 +11,8 @@ knowledge of it lives in :class:`BlockLayout` and :func:`call_flex_hop`.
 
 The tree rule is evaluated by a ``mask_mod`` that reads the tree tensors as *mask
 buffers* (extra arguments), not as closure constants, so one traced graph serves every
-batch. Nothing here builds an ``[S, S]`` mask except :func:`reference_tree_mask`, the
-named reference for tests.
+batch. Nothing here builds an ``[S, S]`` mask (the dense reference is
+``TreeBatch.reference_attention_mask``, for tests).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ __all__ = [
     "split_block_mask",
     "call_flex_hop",
     "tree_attention_fn",
-    "reference_tree_mask",
 ]
 
 #: Rows per BlockMask block (FlexAttention's default tile).
@@ -143,20 +142,6 @@ def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE)
     equals ``create_block_mask``'s.
     """
     return tree_block_mask(subtree_end, block_size=block_size)
-
-
-def reference_tree_mask(
-    subtree_end: torch.Tensor,
-    positions: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """``[S, S]`` bool dense tree mask, ``[q, k]`` true iff ``q`` sees ``k``. Reference only: O(S^2)."""
-    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    q, k = idx[:, None], idx[None, :]
-    mask = (k <= q) & (q < subtree_end[None, :])
-    if window is not None:
-        mask &= (positions[:, None] - positions[None, :]) < window
-    return mask
 
 
 # --------------------------------------------------------------------------- version shim

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from test_compile_models import TOL
+from testing import COMPILE_TOL as TOL
+from testing import dense_tree_attention, tree_visibility
 
 import treecompile as tc
 from treecompile.kernels import flex
@@ -20,14 +21,7 @@ def _batch(name):
 
 
 def _dense_reference(q, k, v, batch, window, softcap):
-    """Plain softmax attention over the dense tree mask (O(S^2)), GQA by repetition."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    mask = flex.reference_tree_mask(batch.subtree_end, batch.position_ids, window)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+    return dense_tree_attention(q, k, v, tree_visibility(batch, window), q.shape[-1] ** -0.5, softcap)
 
 
 @pytest.mark.parametrize("mask", ["interval", "bitmask"])

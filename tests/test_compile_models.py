@@ -19,19 +19,12 @@ from torch import nn
 import treecompile as tc
 from treecompile.reference import per_path_loss
 
+from testing import COMPILE_TOL
+
 VOCAB = 64
 
 #: What is compared -> (rtol, atol), each with its reason.
-TOL = {
-    # Pure float64 on both sides, summed in a different order: rounding only (measured
-    # <= 2e-15 on these models).
-    "pure": (1e-12, 1e-12),
-    # Hugging Face norms compute in float32 inside a float64 model, so each norm output
-    # rounds to float32 (~6e-8 relative) and a 1e-16 difference upstream can flip one
-    # rounding. Measured max |diff|: grads 6e-8 (Llama, Qwen2/3, Mistral), 2e-7 (Gemma2:
-    # four norms per layer); logprobs 4e-8. Structural errors show as 1e-4 and more.
-    "hf": (1e-6, 1e-6),
-}
+TOL = COMPILE_TOL  # tolerances live in tests/testing.py, with their reasons
 
 # Trees with the awkward cases: 1-token nodes, a path that is a prefix of another,
 # duplicate identical paths, branching at the first token, a forest of two trees.

@@ -5,20 +5,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
+from testing import dense_tree_attention, tree_visibility
 
 from treecompile import TrajectoryTree, pack
 from treecompile.blockmask import tree_block_mask
 from treecompile.kernels.cpu_attention import tree_attention_cpu
-
-
-def dense_reference(q, k, v, visible, scale, softcap):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~visible, float("-inf"))
-    return torch.softmax(s, -1) @ v
 
 
 def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="interval", seed=0):
@@ -34,11 +25,7 @@ def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="i
         buffers.append(batch.position_ids)
     out, _ = tree_attention_cpu(q, k, v, buffers, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                                 bm.full_kv_indices, kind, block, 0.3, softcap, window, chunks)
-    visible = batch.reference_attention_mask()
-    if window:
-        pos = batch.position_ids
-        visible = visible & (pos[:, None] - pos[None, :] < window)
-    ref = dense_reference(q, k, v, visible, 0.3, softcap)
+    ref = dense_tree_attention(q, k, v, tree_visibility(batch, window), 0.3, softcap)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)

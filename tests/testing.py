@@ -15,6 +15,18 @@ TOLERANCES = {
     ("float64", "hf"): (1e-6, 1e-7),
 }
 
+# Elementwise (rtol, atol) for the tree_compile comparisons (loss, logprobs, each gradient).
+COMPILE_TOL = {
+    # Pure float64 on both sides, summed in a different order: rounding only (measured
+    # <= 2e-15 on these models).
+    "pure": (1e-12, 1e-12),
+    # Hugging Face norms compute in float32 inside a float64 model, so each norm output
+    # rounds to float32 (~6e-8 relative) and a 1e-16 difference upstream can flip one
+    # rounding. Measured max |diff|: grads 6e-8 (Llama, Qwen2/3, Mistral), 2e-7 (Gemma2:
+    # four norms per layer); logprobs 4e-8. Structural errors show as 1e-4 and more.
+    "hf": (1e-6, 1e-6),
+}
+
 # Gradient comparisons use the error relative to the reference tensor's largest entry,
 # so that a loss mode that scales the loss ("sum") does not scale the tolerance away.
 # A structural error (a wrong mask, position or weight) shows as 1e-4 or worse.
@@ -89,3 +101,22 @@ class NoModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+
+def tree_visibility(batch, window: int | None = None) -> torch.Tensor:
+    """``[S, S]`` dense tree mask (reference, O(S^2)), optionally cut to a window along the path."""
+    visible = batch.reference_attention_mask()
+    if window:
+        pos = batch.position_ids
+        visible = visible & (pos[:, None] - pos[None, :] < window)
+    return visible
+
+
+def dense_tree_attention(q, k, v, visible, scale: float, softcap: float | None) -> torch.Tensor:
+    """Plain softmax attention over a dense visibility mask, GQA by repetition (reference)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v

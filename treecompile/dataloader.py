@@ -46,7 +46,7 @@ import torch
 
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
-from treecompile.partition import loss_denominator, partition_tree, path_lengths
+from treecompile.partition import loss_denominator, partition_tree, path_lengths, reuse_ratios
 from treecompile.shard import Sharding, shard_paths
 from treecompile.tree import TrajectoryTree
 
@@ -142,11 +142,13 @@ class StepPlan:
 
     @property
     def por(self) -> float:
-        return 1.0 - self.tree_tokens / self.path_tokens
+        """``1 - tree_tokens / path_tokens`` over the step (`treecompile.partition.reuse_ratios`)."""
+        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[0]
 
     @property
     def err(self) -> float:
-        return 1.0 - self.partition_tokens / self.path_tokens
+        """``1 - partition_tokens / path_tokens``: the reuse left after sharding and partitioning."""
+        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[1]
 
     def batches(self, rank: int, *, device: torch.device | str | None = None) -> list[TreeBatch]:
         """This rank's micro-batches, packed with the step's global ``denominator``."""
