@@ -105,3 +105,16 @@ def test_verify_on_a_float32_hf_model_checks_in_float64():
     assert report.dtype == torch.float64
     assert report.worst_grad_diff < 1e-5, report
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_batches_over_one_block_reuse_one_graph():
+    # The block tables' sizes follow S: they are dynamic from the first call, so batches of
+    # different sizes above one 128-row block share one graph.
+    compiled = tree_compile(tiny(NanoGPT))
+    g = torch.Generator().manual_seed(0)
+    for s in (200, 330, 470):
+        prefix = torch.randint(0, 64, (s // 2,), generator=g).tolist()
+        seqs = [prefix + torch.randint(0, 64, (s // 4,), generator=g).tolist(),
+                prefix + torch.randint(0, 64, (s - s // 2 - s // 4,), generator=g).tolist()]
+        compiled(pack(TrajectoryTree.from_sequences(seqs)))
+    assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
