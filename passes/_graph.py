@@ -41,8 +41,8 @@ class PassContext:
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
             root), when the model has recurrent or conv layers (else None).
-        node_tables: ``[node_start, node_end, node_parent]`` ``[N]`` placeholders, when the
-            model has recurrent layers (else empty).
+        node_table: the ``[N, 3]`` CPU placeholder of (start row, end row, parent node) per
+            tree node, when the model has recurrent or conv layers (else None).
     """
 
     mask: str
@@ -58,7 +58,7 @@ class PassContext:
     created: set[fx.Node] = field(default_factory=set)
     notes: dict[fx.Node, str] = field(default_factory=dict)
     pred_index: fx.Node | None = None
-    node_tables: list[fx.Node] = field(default_factory=list)
+    node_table: fx.Node | None = None
 
     def count(self, pass_name: str, kind: str, n: int = 1) -> None:
         self.counters.setdefault(pass_name, Counter())[kind] += n

@@ -6,8 +6,8 @@
   Dynamo drops inputs nothing uses, and a graph input cannot be added afterwards. Its
   fake implementation ties every ``seq_tensors`` length to S with ``torch._check``, so
   with dynamic shapes they share S's symbol. ``structure`` is empty, or, for a model with
-  recurrent or conv layers, ``[pred_index [S], node_start, node_end, node_parent [N]]``
-  (the conv context and SSM state passes read them). The pipeline removes it first.
+  recurrent or conv layers, ``[pred_index [S], node_table [N, 3]]`` (the node table on the
+  CPU; the conv context and SSM state passes read them). The pipeline removes it first.
 * ``treecompile::causal_attention(q, k, v, scale, window, softcap)`` is what
   :func:`hf_causal_attention` emits for Hugging Face attention-interface calls: one
   opaque node carrying the call's semantics (scale, sliding window, soft-capping) instead
@@ -72,10 +72,8 @@ def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
     for t in seq_tensors:
         torch._check(t.shape[0] == s)
     if structure:
-        pred_index, *node_tables = structure
+        pred_index, _node_table = structure
         torch._check(pred_index.shape[0] == s)
-        for t in node_tables[1:]:
-            torch._check(t.shape[0] == node_tables[0].shape[0])
     return torch.empty_like(input_ids)
 
 

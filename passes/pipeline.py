@@ -196,5 +196,5 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
         example_inputs=list(example_inputs),
         created=wrapper_nodes,
         pred_index=structure[0] if structure else None,
-        node_tables=list(structure[1:]),
+        node_table=structure[1] if structure else None,
     )

@@ -1,25 +1,28 @@
 """route_ssm_state_pass: each tree node's recurrence starts from its parent node's final state.
 
-A Gated DeltaNet layer carries a recurrent state from token to token. Per path, the state
-at a node's first token is the state after the last token of its parent node; in the
-packed row, the row before a node's first token can be the end of a sibling's subtree
-(DFS order), whose state must not leak in. The wrapper swaps Hugging Face's
-``torch_chunk_gated_delta_rule`` for ``treecompile::gated_delta_rule`` (see
-:mod:`treecompile.kernels.gdn`); this pass replaces each such node with
-``treecompile::tree_gated_delta_rule(..., node_start, node_end, node_parent)``, which runs
-each node's rows from its parent's final state (roots from the call's initial state, zero
-without one) and, backward, adds the gradients of all children into the parent's state.
+A Gated DeltaNet or Mamba2 layer carries a recurrent state from token to token. Per path,
+the state at a node's first token is the state after the last token of its parent node;
+in the packed row, the row before a node's first token can be the end of a sibling's
+subtree (DFS order), whose state must not leak in. The wrapper swaps the models' scan
+kernels (Hugging Face's ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan``,
+flash-linear-attention's ``chunk_gated_delta_rule``) for drop-ins calling
+``treecompile::gated_delta_rule`` / ``treecompile::ssd_scan`` (see
+:mod:`treecompile.kernels.recurrence`); this pass replaces each such node with its tree
+form ``treecompile::tree_gated_delta_rule`` / ``tree_ssd_scan(..., node_table)``, which
+runs each node's rows from its parent's final state (roots from the call's initial
+state, zero without one), nodes of one depth together, and, backward, adds the gradients
+of all children into the parent's state.
 
 Why exact: by induction over the nodes in preorder, a node's initial state is the state
 after the whole root path before it, which is what per-path training has at that token;
-the recurrence inside a node is the same token-by-token rule. Every row's inputs
-(``q, k, v, g, beta``) equal the per-path rows (by induction over layers). A sibling's
-subtree never enters: its rows write only its own nodes' states.
+the recurrence inside a node is the same rule. Every row's inputs (``q, k, v, g, beta``)
+equal the per-path rows (by induction over layers). A sibling's subtree never enters: its
+rows write only its own nodes' states.
 
 Refused: a layer whose final state is read (a cache being filled) — on a tree there is one
 final state per leaf, not per call — or a call whose input is not ``[1, S, H, D]``.
 
-Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule`` (rewritten GDN layers).
+Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``, ``ssd_scan`` (rewritten layers).
 """
 
 from __future__ import annotations
@@ -31,30 +34,35 @@ from torch import fx
 
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
+from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)
 from treecompile.passes._graph import PassContext, describe, is_op, same_size, source_of, value
 
 __all__ = ["route_ssm_state_pass"]
 
 NAME = "ssm_state"
 
+#: The linear-sequence scan ops this pass rewrites, by counter name.
+SCANS = ("gated_delta_rule", "ssd_scan")
+
 
 def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Replaces each ``treecompile::gated_delta_rule`` with its tree form.
+    """Replaces each ``treecompile::gated_delta_rule`` / ``ssd_scan`` with its tree form.
 
-    Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``.
+    Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``, ``ssd_scan``.
     """
-    calls = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.gated_delta_rule)]
+    calls = [(n, kind) for n in gm.graph.nodes for kind in SCANS if is_op(n, getattr(torch.ops.treecompile, kind))]
     if not calls:
         return gm
-    if len(ctx.node_tables) != 3:
-        raise RuntimeError("treecompile: a gated delta rule op is in the graph but the wrapper passed no node tables")
-    for node in calls:
+    if ctx.node_table is None:
+        raise RuntimeError("treecompile: a recurrent scan op is in the graph but the wrapper passed no node table")
+    for node, kind in calls:
         q, k, v, g, beta, initial_state = node.args
         qv = value(q)
-        if not (isinstance(qv, torch.Tensor) and qv.dim() == 4 and same_size(qv.shape[1], ctx.seq_len)):
+        if not (isinstance(qv, torch.Tensor) and qv.dim() == 4 and qv.shape[0] == 1
+                and same_size(qv.shape[1], ctx.seq_len)):
             raise UnsupportedModelError(
-                f"treecompile: {describe(node)} is a gated delta rule whose input is not [B, S, H, D] over the "
-                f"packed sequence.\n  at {source_of(node)}"
+                f"treecompile: {describe(node)} is a recurrent scan whose input is not [1, S, H, D] over the packed "
+                f"sequence.\n  at {source_of(node)}"
             )
         outs = {}
         for user in list(node.users):
@@ -67,11 +75,9 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                 "is read (a cache being filled?); a tree has one final state per leaf, not one per call. "
                 f"Call the model with use_cache=False.\n  at {source_of(node)}"
             )
+        tree_op = getattr(torch.ops.treecompile, f"tree_{kind}").default
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                torch.ops.treecompile.tree_gated_delta_rule.default,
-                (q, k, v, g, beta, initial_state, *ctx.node_tables),
-            )
+            new = gm.graph.call_function(tree_op, (q, k, v, g, beta, initial_state, ctx.node_table))
         new.meta["example_value"] = value(node)[0]
         ctx.mark(new, like=node)
         for user in outs.get(0, []):
@@ -80,5 +86,5 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         for user in outs.get(1, []):
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
-        ctx.count(NAME, "gated_delta_rule")
+        ctx.count(NAME, kind)
     return gm

@@ -146,7 +146,7 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
 
 def _is_sequence_kernel(node: fx.Node) -> bool:
     """The linear-sequence kernel ops the wrapper swaps in (their tree forms are created nodes)."""
-    ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", "gated_delta_rule")]
+    ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", "gated_delta_rule", "ssd_scan")]
     return any(op is not None and is_op(node, op) for op in ops)
 
 

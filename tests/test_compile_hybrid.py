@@ -1,15 +1,16 @@
 """Hybrid models: Gated DeltaNet layers and their causal conv, exact on a tree.
 
-Two layers of tests. The kernels (`treecompile.kernels.gdn`, `.conv`) against their plain
-token-by-token reference loops, in float64 to rounding, forward and backward, on a row and
-on a tree (where the tree reference composes the reference loop node by node from the
-parent's final state, so autograd, not our backward, sums the siblings' gradients). Then
-a tiny Qwen3-Next in float64 through `tree_compile` against the unmodified model run on
-each path alone (HF's own chunked GDN and conv fallbacks): loss, log-probs and every
-gradient.
+Two layers of tests. The kernels (`treecompile.kernels.recurrence` for Gated DeltaNet and
+Mamba2's scan, `.conv`) against their plain token-by-token reference loops, in float64 to
+rounding, forward and backward, on a row and on a tree (where the tree reference composes
+the reference loop node by node from the parent's final state, so autograd sums the
+siblings' gradients). Then tiny hybrid models in float64 through `tree_compile` (Qwen3-Next
+with Gated DeltaNet; Bamba, Mamba2, FalconH1 and NemotronH with Mamba2 layers) against
+the unmodified model run on each path alone (HF's own chunked fallbacks): loss, log-probs
+and every gradient.
 
 Trees cover: 1-token nodes, nodes shorter than the conv kernel (so a window reaches into
-the grandparent), a node that straddles HF's 64-token chunk boundary, many siblings and a
+the grandparent), a node that straddles the 64-token chunk boundary, many siblings and a
 deep chain of 1-token nodes.
 """
 
@@ -25,7 +26,7 @@ from testing import TOLERANCES, assert_grads_close, param_grads
 import treecompile as tc
 from treecompile.compile import TreeCompiledModel, _sequence_kernels, _swapped, tree_compile
 from treecompile.errors import UnsupportedModelError
-from treecompile.kernels import conv, gdn
+from treecompile.kernels import conv, gdn, mamba2, recurrence
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.pipeline import PASSES
 from treecompile.passes.ssm_state import route_ssm_state_pass
@@ -92,22 +93,33 @@ def _close(got, ref, what):
         torch.testing.assert_close(a, b, rtol=PURE[0], atol=PURE[1], msg=lambda m, i=i: f"{what} [{i}]: {m}")
 
 
+KINDS = {"gated_delta_rule": gdn.gated_delta_rule_reference, "ssd_scan": mamba2.ssd_scan_reference}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
-@pytest.mark.parametrize("s", [1, 5, 65], ids=lambda s: f"S{s}")
-def test_gated_delta_rule_op_matches_reference_loop(s, with_state):
+@pytest.mark.parametrize("s", [1, 5, 64, 65, 130], ids=lambda s: f"S{s}")
+def test_scan_op_matches_reference_loop(s, with_state, kind):
     q, k, v, g, beta, h0 = _gdn_inputs(2, s)
     init = h0 if with_state else None
     inputs = [q, k, v, g, beta] + ([h0] if with_state else [])
-    out, final = torch.ops.treecompile.gated_delta_rule(q, k, v, g, beta, init)
-    ref_out, ref_final = gdn.gated_delta_rule_reference(q, k, v, g, beta, init)
+    out, final = getattr(torch.ops.treecompile, kind)(q, k, v, g, beta, init)
+    ref_out, ref_final = KINDS[kind](q, k, v, g, beta, init)
     _close([out, final], [ref_out, ref_final], "forward")
     _close(_grads([out, final], inputs), _grads([ref_out, ref_final], inputs), "grad")
 
 
-def test_gated_delta_rule_op_passes_opcheck():
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_scan_ops_pass_opcheck(kind):
     q, k, v, g, beta, h0 = _gdn_inputs(1, 4)
-    torch.library.opcheck(torch.ops.treecompile.gated_delta_rule, (q, k, v, g, beta, h0))
-    torch.library.opcheck(torch.ops.treecompile.gated_delta_rule, (q, k, v, g, beta, None))
+    op = getattr(torch.ops.treecompile, kind)
+    torch.library.opcheck(op, (q, k, v, g, beta, h0))
+    torch.library.opcheck(op, (q, k, v, g, beta, None))
+    batch, _ = _pack(TREES["short-nodes"])
+    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    tree_op = getattr(torch.ops.treecompile, f"tree_{kind}")
+    torch.library.opcheck(tree_op, (q, k, v, g, beta, h0, _node_table(batch)))
+    torch.library.opcheck(tree_op, (q, k, v, g, beta, None, _node_table(batch)))
 
 
 def test_hf_adapter_matches_hf_chunked_kernel():
@@ -120,45 +132,87 @@ def test_hf_adapter_matches_hf_chunked_kernel():
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def _tree_reference(q, k, v, g, beta, init, batch):
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_hf_mamba2_adapter_matches_hf_chunked_kernel(with_state):
+    """Our drop-in and HF's Mamba2 chunk scan agree, in float64 (HF computes in float32: its rounding)."""
+    from transformers.models.bamba import modeling_bamba as hf
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, p, groups, n = 2, 37, 4, 3, 2, 5
+    x = torch.randn(b, s, h, p, generator=g, dtype=F64)
+    dt = torch.randn(b, s, h, generator=g, dtype=F64)
+    a = -torch.rand(h, generator=g, dtype=F64)
+    bb, cc = (torch.randn(b, s, groups, n, generator=g, dtype=F64) for _ in range(2))
+    d, dt_bias = torch.randn(h, generator=g, dtype=F64), torch.randn(h, generator=g, dtype=F64)
+    init = torch.randn(b, h, p, n, generator=g, dtype=F64) if with_state else None
+    kwargs = dict(D=d, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 5.0), initial_states=init,
+                  return_final_states=True)
+    ours = mamba2.hf_mamba2_chunk_scan(x, dt, a, bb, cc, 16, **kwargs)
+    theirs = hf.mamba2_chunk_scan.__wrapped__(x, dt, a, bb, cc, 16, **kwargs)
+    for o, t in zip(ours, theirs):
+        torch.testing.assert_close(o, t.to(F64), rtol=1e-5, atol=1e-5)
+    assert mamba2.hf_mamba2_split_conv1d_scan_combined(x, dt) is None
+
+
+def _node_table(batch: tc.TreeBatch) -> torch.Tensor:
+    return torch.stack([batch.node_start, batch.node_end, batch.node_parent], 1)
+
+
+def _tree_reference(reference, q, k, v, g, beta, init, batch):
     """The tree recurrence composed from the reference loop, node by node (autograd sums siblings)."""
     finals, outs = [], []
     for start, end, parent in zip(batch.node_start.tolist(), batch.node_end.tolist(), batch.node_parent.tolist()):
         state = init if parent < 0 else finals[parent]
-        o, f = gdn.gated_delta_rule_reference(*(x[:, start:end] for x in (q, k, v, g, beta)), state)
+        o, f = reference(*(x[:, start:end] for x in (q, k, v, g, beta)), state)
         finals.append(f)
         outs.append(o)
     return torch.cat(outs, dim=1)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("name", list(TREES))
-def test_tree_gated_delta_rule_follows_each_path(name):
+def test_tree_scan_follows_each_path(name, kind):
     batch, _ = _pack(TREES[name])
     s = batch.num_tokens
     q, k, v, g, beta, h0 = _gdn_inputs(1, s)
-    tables = (batch.node_start, batch.node_end, batch.node_parent)
-    out = torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, *tables)
+    out = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, h0, _node_table(batch))
     # Forward: each path's rows equal the reference loop run on that path alone.
     for p in range(batch.num_paths):
         rows = batch.path_rows(p)
-        ref, _ = gdn.gated_delta_rule_reference(*(x[:, rows] for x in (q, k, v, g, beta)), h0)
+        ref, _ = KINDS[kind](*(x[:, rows] for x in (q, k, v, g, beta)), h0)
         torch.testing.assert_close(out[:, rows], ref, rtol=PURE[0], atol=PURE[1])
     # Backward: against autograd through the node-by-node reference.
-    ref = _tree_reference(q, k, v, g, beta, h0, batch)
+    ref = _tree_reference(KINDS[kind], q, k, v, g, beta, h0, batch)
     _close([out], [ref], "forward")
     inputs = [q, k, v, g, beta, h0]
     _close(_grads([out], inputs), _grads([ref], inputs), "grad")
 
 
-def test_tree_state_routing_matters():
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_tree_state_routing_matters(kind):
     """Guards the test above: running the packed row linearly leaks siblings' state."""
     batch, _ = _pack(TREES["siblings"])
     q, k, v, g, beta, _ = _gdn_inputs(1, batch.num_tokens)
-    tree = torch.ops.treecompile.tree_gated_delta_rule(
-        q, k, v, g, beta, None, batch.node_start, batch.node_end, batch.node_parent
-    )
-    linear, _ = torch.ops.treecompile.gated_delta_rule(q, k, v, g, beta, None)
+    tree = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, None, _node_table(batch))
+    linear, _ = getattr(torch.ops.treecompile, kind)(q, k, v, g, beta, None)
     assert (tree - linear).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name,steps", [("siblings", 2), ("deep-chain", 7), ("chunk-straddle", 3)])
+def test_tree_scan_runs_one_batch_per_depth(monkeypatch, name, steps):
+    """Nodes of one depth run together: as many sequential batches as the tree is deep."""
+    batch, _ = _pack(TREES[name])
+    calls = []
+    real = recurrence.chunked_recurrence
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recurrence, "chunked_recurrence", counting)
+    q, k, v, g, beta, _ = _gdn_inputs(1, batch.num_tokens)
+    torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, None, _node_table(batch))
+    assert len(calls) == steps and sum(calls) == batch.num_nodes
 
 
 # --------------------------------------------------------------------------- kernels: conv
@@ -221,38 +275,86 @@ def test_tree_causal_conv1d_follows_each_path(name):
     torch.library.opcheck(torch.ops.treecompile.tree_causal_conv1d, (x, w, b, anc))
 
 
-# --------------------------------------------------------------------------- Qwen3-Next
+# --------------------------------------------------------------------------- models
 
 
 transformers = pytest.importorskip("transformers")
 
 
 def _qwen3_next():
-    cfg = transformers.Qwen3NextConfig(
+    return transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0,
     )
+
+
+def _bamba():
+    return transformers.BambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    )
+
+
+def _mamba2():
+    return transformers.Mamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=2,
+        conv_kernel=4, expand=2, chunk_size=16,
+    )
+
+
+def _falcon_h1():
+    return transformers.FalconH1Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    )
+
+
+def _nemotron_h():
+    return transformers.NemotronHConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, hybrid_override_pattern="M*-",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=16,
+    )
+
+
+#: name -> (config, the SSM state pass's counters, trees to train on).
+MODELS = {
+    "qwen3_next": (_qwen3_next, {"gated_delta_rule": 1}, ["branchy", "forest", *TREES]),
+    "bamba": (_bamba, {"ssd_scan": 1}, ["branchy", "forest", *TREES]),
+    "mamba2": (_mamba2, {"ssd_scan": 2}, ["branchy", "short-nodes"]),
+    "falcon_h1": (_falcon_h1, {"ssd_scan": 2}, ["branchy", "deep-chain"]),
+    "nemotron_h": (_nemotron_h, {"ssd_scan": 1}, ["branchy", "siblings"]),
+}
+
+
+def _model(name: str):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    return transformers.AutoModelForCausalLM.from_config(MODELS[name][0]()).double().eval()
 
 
-@pytest.fixture(scope="module")
-def qwen3_next():
-    model = _qwen3_next()
-    return model, tree_compile(model)
+_COMPILED: dict[str, tuple] = {}
 
 
-@pytest.mark.parametrize("name", ["branchy", "forest", *TREES])
-def test_qwen3_next_matches_per_path_training(qwen3_next, name):
-    model, compiled = qwen3_next
-    batch, trees = make_batch(name) if name in ("branchy", "forest") else _pack(TREES[name])
-    # Against the unmodified model per path. HF's GDN fallback computes in float32 (it casts),
-    # so this comparison has a float32 floor: absolute TOL["hf"].
+def _compiled(name: str):
+    if name not in _COMPILED:
+        model = _model(name)
+        _COMPILED[name] = (model, tree_compile(model))
+    return _COMPILED[name]
+
+
+@pytest.mark.parametrize("name,tree", [(m, t) for m, (_, _, trees) in MODELS.items() for t in trees])
+def test_hybrid_model_matches_per_path_training(name, tree):
+    model, compiled = _compiled(name)
+    batch, trees = make_batch(tree) if tree in ("branchy", "forest") else _pack(TREES[tree])
+    # Against the unmodified model per path. HF's GDN and Mamba2 fallbacks compute in
+    # float32 (they cast), so this comparison has a float32 floor: absolute TOL["hf"].
     compare_with_paths(model, compiled, batch, trees, tol="hf")
     # Against per-path training with the same linear-sequence kernels swapped in (checked
-    # against the reference loop and HF's kernel above): float64 but for HF's float32 norms,
+    # against the reference loop and HF's kernels above): float64 but for HF's float32 norms,
     # so every gradient, however small, within the scaled ("float64", "hf") budget.
     model.zero_grad(set_to_none=True)
     compiled(batch).loss.backward()
@@ -263,31 +365,33 @@ def test_qwen3_next_matches_per_path_training(qwen3_next, name):
     assert_grads_close(tree_grads, param_grads(model), ("float64", "hf"))
     model.zero_grad(set_to_none=True)
     counters = compiled.counters
-    assert counters["conv_context"] == {"causal_conv1d": 1}
-    assert counters["ssm_state"] == {"gated_delta_rule": 1}
-    assert counters["attention"] == {"hf_interface": 1}
+    layers = sum(MODELS[name][1].values())
+    assert counters["conv_context"] == {"causal_conv1d": layers}
+    assert counters["ssm_state"] == MODELS[name][1]
 
 
-def test_qwen3_next_kernels_are_restored_after_each_call(qwen3_next):
+def test_qwen3_next_kernels_are_restored_after_each_call():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     before = (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn)
-    model, compiled = qwen3_next
+    model, compiled = _compiled("qwen3_next")
     compiled(make_batch("branchy")[0])
     assert (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn) == before
 
 
-def test_qwen3_next_verify_passes():
-    compiled = tree_compile(_qwen3_next(), verify=True)
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+def test_hybrid_verify_passes(name):
+    compiled = tree_compile(_model(name), verify=True)
     compiled(make_batch("branchy")[0])
     assert compiled.verified.worst_grad_diff < compiled.verified.tolerance
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
 @pytest.mark.parametrize("missing", ["conv_context", "ssm_state"])
-def test_qwen3_next_without_its_pass_is_refused(missing):
+def test_hybrid_without_its_pass_is_refused(missing, name):
     """The verify pass names a sequence kernel left linear, never trains it wrong."""
     drop = {"conv_context": rewrite_conv_context_pass, "ssm_state": route_ssm_state_pass}[missing]
     passes = tuple(p for p in PASSES if p is not drop)
-    compiled = TreeCompiledModel(_qwen3_next(), mask="interval", backend=None, verify=False, passes=passes)
+    compiled = TreeCompiledModel(_model(name), mask="interval", backend=None, verify=False, passes=passes)
     with pytest.raises(UnsupportedModelError, match="sequence kernel"):
         compiled(make_batch("branchy")[0])

@@ -31,7 +31,8 @@ from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError
 from treecompile.kernels.conv import hf_causal_conv1d_fn
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
-from treecompile.kernels.gdn import hf_chunk_gated_delta_rule
+from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
+from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
@@ -54,14 +55,19 @@ MIN_ROWS = 2
 #: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
 HF_ATTENTION_NAME = "treecompile"
 
-#: Module-level sequence kernels of Hugging Face hybrid models (behind
-#: ``use_kernel_func_from_hub_with_fallback``), by name: the leading parameters a function of
-#: that name must take to be swapped, and its drop-in, which calls a treecompile custom op
-#: with the same linear-sequence semantics (one node per layer for the passes to find).
-HF_SEQUENCE_KERNELS = {
+#: Module-level sequence kernels of hybrid models (Hugging Face's, behind
+#: ``use_kernel_func_from_hub_with_fallback``, and flash-linear-attention's), by name: the
+#: leading parameters a function of that name must take to be swapped, and its drop-in,
+#: which calls a treecompile custom op with the same linear-sequence semantics (one node
+#: per layer for the passes to find).
+SEQUENCE_KERNELS = {
     "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
+    "chunk_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
+    "fused_recurrent_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
     "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
+    "mamba2_chunk_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba2_chunk_scan),
+    "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
 }
 
 @dataclass
@@ -172,7 +178,9 @@ class TreeCompiledModel(nn.Module):
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
         # Sequence kernels swapped for treecompile ops during each call (hybrid models).
-        self._kernels = _sequence_kernels(model) if self._is_hf else []
+        self._kernels = _sequence_kernels(model)
+        # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
+        self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
         self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._passes = passes
@@ -347,8 +355,10 @@ class TreeCompiledModel(nn.Module):
         target = batch.input_ids[dest]
         ids = batch.input_ids[None]
         # The path structure, for the conv context and SSM state passes (hybrid models only).
+        # The node table lives on the CPU: the scan ops read it on the host, without a device sync.
         structure = (
-            [batch.pred_index, batch.node_start, batch.node_end, batch.node_parent] if self._kernels else []
+            [batch.pred_index, torch.stack([batch.node_start, batch.node_end, batch.node_parent], 1).cpu()]
+            if self._structure else []
         )
         # S, the number of targets M and of predicting rows R vary per batch: one graph
         # for all (no recompile per batch size).
@@ -502,7 +512,7 @@ def _sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any
         module = sys.modules.get(type(m).__module__)
         if module is None:
             continue
-        for name, (params, replacement) in HF_SEQUENCE_KERNELS.items():
+        for name, (params, replacement) in SEQUENCE_KERNELS.items():
             fn = getattr(module, name, None)
             if not callable(fn) or (module.__name__, name) in found:
                 continue

@@ -1,0 +1,290 @@
+"""Scalar-gated linear recurrences (Gated DeltaNet, Mamba2) on a sequence and on a tree.
+
+Both layer kinds carry a matrix state ``S`` ``[Dk, Dv]`` per batch row and head and run,
+token by token,
+
+    S   <- exp(g_t) * S                                     # decay
+    u_t  = beta_t * (v_t - S^T k_t)   (delta rule, GDN)     # what is written
+         = beta_t * v_t               (plain, Mamba2's SSD)
+    S   <- S + k_t u_t^T                                    # write
+    o_t  = S^T q_t                                          # read
+
+Gated DeltaNet (Yang et al., 2025) is the delta form. Mamba2's state space dual is the
+plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (its state
+``h = S^T``); see :mod:`treecompile.kernels.mamba2`.
+
+* `recurrence_reference`: that loop, the definition a reader can check by eye.
+* `chunked_recurrence`: the same map computed 64 tokens at a time with matrix products, a
+  differentiable torch function (the delta form solves a unit lower-triangular system per
+  chunk, the WY form of the delta rule). Zero rows (``q = k = v = g = beta = 0``) leave
+  the state bit-for-bit unchanged (``exp(0) = 1``, the write is ``0 * ...``), so padding a
+  sequence at its end with them is exact.
+* `tree_recurrence`: the recurrence on a packed tree. Each tree node's rows run from its
+  *parent node's final state* (roots from the call's initial state, or zeros), so every
+  row sees exactly the state of its own path, never a sibling's. Nodes at the same depth
+  run together as one zero-padded batch, so there are as many sequential steps as the
+  tree is deep in nodes, not as it has nodes. Siblings read the same parent state tensor,
+  so autograd sums their gradients into it, as it does per path.
+
+Each kind is registered as three ops (:func:`register`), e.g. for ``gated_delta_rule``:
+``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
+(the linear-sequence form the wrapper swaps in for a model's kernel before capture),
+``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table) -> out``
+(what the SSM state pass puts in its place) and their backward, which recomputes the
+forward under autograd and differentiates it.
+
+All compute in at least float32 (as Hugging Face's kernels do) and return the inputs'
+dtype. Shapes: ``q, k`` ``[B, S, H, Dk]``, ``v`` ``[B, S, H, Dv]``, ``g, beta`` ``[B, S, H]``,
+states ``[B, H, Dk, Dv]``; ``node_table`` ``[N, 3]`` int64 (start row, end row, parent node
+in preorder, -1 for a root), on the CPU: the ops read it on the host, never syncing with a
+device. The tree form takes one packed row (``B = 1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK"]
+
+Tensor = torch.Tensor
+
+#: Tokens per chunk of `chunked_recurrence`.
+CHUNK = 64
+
+
+def recurrence_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None, *, delta: bool
+) -> tuple[Tensor, Tensor]:
+    """The recurrence token by token, in the inputs' dtype: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
+    b, s, h, dk = k.shape
+    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype).clone()
+    out = q.new_zeros(b, s, h, v.shape[-1])
+    for t in range(s):
+        state = state * g[:, t].exp()[..., None, None]
+        written = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]) if delta else v[:, t]
+        state = state + k[:, t, :, :, None] * (beta[:, t, :, None] * written)[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out, state
+
+
+def chunked_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    *,
+    delta: bool,
+    chunk: int = CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """The recurrence, ``chunk`` tokens per step, differentiable, in the inputs' dtype.
+
+    Inside a chunk with ``b_i = g_1 + ... + g_i`` and start state ``S0``, the state after
+    token ``i`` is ``exp(b_i) S0 + sum_{j <= i} exp(b_i - b_j) k_j u_j^T``. The delta
+    form's writes then satisfy ``(I + A) U = beta * (V - exp(b) * (K S0))`` with
+    ``A_ij = beta_i exp(b_i - b_j) (k_i . k_j)`` for ``j < i``, a unit lower-triangular
+    system; the plain form has ``U = beta * V``.
+    """
+    b, s, h, dk = k.shape
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    pad = (-s) % chunk
+    # [B, H, n, C, D] and [B, H, n, C]; the zero padding rows at the end are exact no-ops.
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).unflatten(2, (-1, chunk))
+               for x in (q, k, v))
+    g, beta = (torch.nn.functional.pad(x, (0, 0, 0, pad)).transpose(1, 2).unflatten(2, (-1, chunk)) for x in (g, beta))
+    idx = torch.arange(chunk, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    outs = []
+    for c in range(q.shape[2]):
+        qc, kc, vc, gc, bc = q[:, :, c], k[:, :, c], v[:, :, c], g[:, :, c], beta[:, :, c]
+        cum = gc.cumsum(-1)  # [B, H, C]
+        # exp(b_i - b_j) for j <= i, 0 above the diagonal (masked before exp: no overflow).
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        start = cum.exp()[..., None]  # exp(b_i) [B, H, C, 1]
+        if delta:
+            a = (bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
+            rhs = bc[..., None] * (vc - start * (kc @ state))
+            eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+            u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        else:
+            u = bc[..., None] * vc
+        outs.append(start * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
+        tail = (cum[..., -1:] - cum).exp()[..., None]  # exp(b_C - b_j) [B, H, C, 1]
+        state = cum[..., -1].exp()[..., None, None] * state + (kc * tail).transpose(-1, -2) @ u
+    out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s].transpose(1, 2)
+    return out, state
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def node_levels(node_table: Tensor) -> list[np.ndarray]:
+    """Node ids grouped by depth (roots first), each group in preorder."""
+    parent = node_table[:, 2].numpy()
+    depth = np.zeros(len(parent), dtype=np.int64)
+    for n, p in enumerate(parent.tolist()):  # preorder: a parent's depth is known first
+        if p >= 0:
+            depth[n] = depth[p] + 1
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(int(depth.max(initial=-1)) + 2))
+    return [order[bounds[d]:bounds[d + 1]] for d in range(len(bounds) - 1)]
+
+
+def tree_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    node_table: Tensor,
+    *,
+    delta: bool,
+    chunk: int = CHUNK,
+) -> Tensor:
+    """The recurrence on a packed tree (one row, ``B = 1``), differentiable: ``out [1, S, H, Dv]``.
+
+    Each depth level is one batch of its nodes' rows, right-padded with zero rows to the
+    longest node of the level, started from the parents' final states.
+    """
+    if q.shape[0] != 1:
+        raise ValueError(f"the tree recurrence runs one packed row, got a batch of {q.shape[0]}")
+    s, h, dk = k.shape[1:]
+    dv = v.shape[-1]
+    root = q.new_zeros(h, dk, dv) if initial_state is None else initial_state[0].to(q.dtype)
+    table = node_table.numpy()
+    start, end, parent = table[:, 0], table[:, 1], table[:, 2]
+    # A zero row at index S for the padding.
+    padded = [torch.cat([x[0], x.new_zeros(1, *x.shape[2:])]) for x in (q, k, v, g, beta)]
+    finals: list[Tensor | None] = [None] * len(table)
+    rows_out, vals_out = [], []
+    for level in node_levels(node_table):
+        lengths = end[level] - start[level]
+        width = int(lengths.max())
+        offs = np.arange(width)[None, :]
+        valid = offs < lengths[:, None]
+        rows = np.where(valid, start[level][:, None] + offs, s)
+        index = torch.from_numpy(rows).to(q.device, non_blocking=True)
+        inputs = [x[index] for x in padded]  # [n, width, H, D]
+        init = torch.stack([root if parent[n] < 0 else finals[parent[n]] for n in level.tolist()])
+        out, final = chunked_recurrence(*inputs, init, delta=delta, chunk=chunk)
+        for i, n in enumerate(level.tolist()):
+            finals[n] = final[i]
+        mask = torch.from_numpy(valid).to(q.device, non_blocking=True)
+        rows_out.append(rows[valid])
+        vals_out.append(out[mask])
+    order = np.argsort(np.concatenate(rows_out), kind="stable")
+    return torch.cat(vals_out)[torch.from_numpy(order).to(q.device)][None]
+
+
+# ----------------------------------------------------------------------------- ops
+
+# The dispatch keys excluded outside any op (autocast's, by default): see `_autograd_inside`.
+_DEFAULT_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+@contextlib.contextmanager
+def _autograd_inside():
+    """Autograd inside a custom op's implementation.
+
+    A custom op runs below the autograd dispatch keys (they are excluded for the ops it
+    calls); the backward ops here differentiate a recomputed forward, so they restore the
+    default exclusions and turn grad mode on for that.
+    """
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _DEFAULT_EXCLUDE):
+        with torch.enable_grad():
+            yield
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest, delta: bool):
+    ct = _compute_dtype(inputs[0].dtype)
+    init = None if initial_state is None else initial_state.to(ct)
+    return fn(*(x.to(ct) for x in inputs), init, *rest, delta=delta)
+
+
+def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_outs: list, *rest, delta: bool):
+    """Gradients of ``fn``'s outputs (weighted by ``d_outs``; None skips one) for every input."""
+    with _autograd_inside():
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        init = None if initial_state is None else initial_state.detach().requires_grad_()
+        outs = _run(fn, leaves, init, *rest, delta=delta)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, d.to(o.dtype)) for o, d in zip(outs, d_outs) if d is not None]
+        wrt = leaves + ([init] if init is not None else [])
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [d for _, d in pairs], allow_unused=True)
+    grads = [torch.zeros_like(x) if gr is None else gr.to(x.dtype) for gr, x in zip(grads, wrt)]
+    d_init = grads[5] if init is not None else inputs[0].new_zeros(0)
+    return (*grads[:5], d_init)
+
+
+def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
+    """Registers ``treecompile::{kind}``, ``treecompile::tree_{kind}`` and their backward.
+
+    Returns the linear and the tree op.
+    """
+    lib = f"treecompile::{kind}"
+
+    @torch.library.custom_op(lib, mutates_args=())
+    def linear(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None
+               ) -> tuple[Tensor, Tensor]:
+        out, final = _run(chunked_recurrence, [q, k, v, g, beta], initial_state, delta=delta)
+        return out.to(v.dtype).contiguous(), final.to(v.dtype).contiguous()
+
+    @linear.register_fake
+    def _linear_fake(q, k, v, g, beta, initial_state):
+        b, _, h, dk = k.shape
+        return v.new_empty(v.shape), v.new_empty(b, h, dk, v.shape[-1])
+
+    @torch.library.custom_op(f"treecompile::tree_{kind}", mutates_args=())
+    def tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+             node_table: Tensor) -> Tensor:
+        return _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, delta=delta).to(v.dtype).contiguous()
+
+    @tree.register_fake
+    def _tree_fake(q, k, v, g, beta, initial_state, node_table):
+        return v.new_empty(v.shape)
+
+    # d_initial_state is empty ([0]) when there is no initial state.
+    @torch.library.custom_op(f"treecompile::{kind}_backward", mutates_args=())
+    def backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        inputs = [q, k, v, g, beta]
+        if node_table is None:
+            return _grads(chunked_recurrence, inputs, initial_state, [d_out, d_final], delta=delta)
+        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table, delta=delta)
+
+    @backward.register_fake
+    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table):
+        d_init = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+        return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), d_init)
+
+    def setup_linear(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward_linear(ctx, d_out, d_final):
+        q, k, v, g, beta, init = ctx.saved_tensors
+        grads = backward(q, k, v, g, beta, init, d_out, d_final, None)
+        return (*grads[:5], grads[5] if init is not None else None)
+
+    def setup_tree(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward_tree(ctx, d_out):
+        q, k, v, g, beta, init, node_table = ctx.saved_tensors
+        grads = backward(q, k, v, g, beta, init, d_out, None, node_table)
+        return (*grads[:5], grads[5] if init is not None else None, None)
+
+    linear.register_autograd(backward_linear, setup_context=setup_linear)
+    tree.register_autograd(backward_tree, setup_context=setup_tree)
+    return linear, tree
