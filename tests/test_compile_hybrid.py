@@ -20,7 +20,9 @@ import random
 
 import pytest
 import torch
-from test_compile_models import compare_with_paths, make_batch
+import torch.nn.functional as F
+from test_compile_models import SdpaBlock, compare_with_paths, make_batch, tiny
+from torch import nn
 from testing import TOLERANCES, assert_grads_close, param_grads
 
 import treecompile as tc
@@ -395,3 +397,138 @@ def test_hybrid_without_its_pass_is_refused(missing, name):
     compiled = TreeCompiledModel(_model(name), mask="interval", backend=None, verify=False, passes=passes)
     with pytest.raises(UnsupportedModelError, match="sequence kernel"):
         compiled(make_batch("branchy")[0])
+
+
+# --------------------------------------------------------------------------- a custom fla-style model
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """flash-linear-attention's ``chunk_gated_delta_rule`` signature and semantics, as plain torch
+    (``q, k`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``, log decay ``g``): a user's model calls
+    it by this name, as it would call fla's Triton kernel on a GPU."""
+    if use_qk_l2norm_in_kernel:  # fla's l2norm: x / sqrt(sum(x^2) + eps)
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    rep = v.shape[2] // k.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    out, final = gdn.gated_delta_rule_reference(q, k, v, g, beta, initial_state)
+    return out, (final if output_final_state else None)
+
+
+class ShortConv(nn.Conv1d):
+    """A depthwise causal conv written as fla's ShortConvolution is: ``padding=K - 1``, keep the first T."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__(channels, channels, kernel, groups=channels, padding=kernel - 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
+        t = x.shape[1]
+        return F.silu(super().forward(x.transpose(1, 2))[..., :t].transpose(1, 2))
+
+
+class LeftPadConv(nn.Module):
+    """The other spelling: zero left padding, then a depthwise conv without padding."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / kernel)
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.conv1d(F.pad(x.transpose(1, 2), (self.kernel - 1, 0)), self.weight, self.bias, groups=x.shape[-1])
+        return F.silu(y.transpose(1, 2))
+
+
+class GatedDeltaNetLayer(nn.Module):
+    """A Gated DeltaNet layer as flash-linear-attention writes it (GVA, short convs, gated output norm)."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, v_heads: int = 4, head_dim: int = 8, conv: int = 4,
+                 left_pad: bool = False) -> None:
+        super().__init__()
+        self.heads, self.v_heads, self.head_dim = heads, v_heads, head_dim
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, v_heads * head_dim, bias=False)
+        self.a_proj = nn.Linear(dim, v_heads, bias=False)
+        self.b_proj = nn.Linear(dim, v_heads, bias=False)
+        self.g_proj = nn.Linear(dim, v_heads * head_dim, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1, 4, v_heads)))
+        self.dt_bias = nn.Parameter(torch.randn(v_heads) * 0.1)
+        make = LeftPadConv if left_pad else ShortConv
+        self.q_conv, self.k_conv = make(heads * head_dim, conv), make(heads * head_dim, conv)
+        self.v_conv = make(v_heads * head_dim, conv)
+        self.o_norm = nn.RMSNorm(head_dim, eps=1e-6)
+        self.o_proj = nn.Linear(v_heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_conv(self.q_proj(x)).view(b, t, self.heads, self.head_dim)
+        k = self.k_conv(self.k_proj(x)).view(b, t, self.heads, self.head_dim)
+        v = self.v_conv(self.v_proj(x)).view(b, t, self.v_heads, self.head_dim)
+        g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
+        beta = self.b_proj(x).sigmoid()
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        gate = self.g_proj(x).view(b, t, self.v_heads, self.head_dim)
+        o = self.o_norm(o) * F.silu(gate)
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+class FlaStyleHybridLM(nn.Module):
+    """GDN (nn.Conv1d short convs), SDPA attention, GDN (left-padded functional convs)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.gdn1, self.gdn2 = GatedDeltaNetLayer(dim), GatedDeltaNetLayer(dim, left_pad=True)
+        self.norms = nn.ModuleList(nn.RMSNorm(dim) for _ in range(2))
+        self.attn = SdpaBlock(dim, 4, 2)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.emb(idx)
+        x = x + self.gdn1(self.norms[0](x))
+        x = self.attn(x, pos)
+        x = x + self.gdn2(self.norms[1](x))
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def fla_style():
+    model = tiny(FlaStyleHybridLM)
+    return model, tree_compile(model)
+
+
+@pytest.mark.parametrize("name", ["branchy", "forest", *TREES])
+def test_fla_style_model_matches_per_path_training(fla_style, name):
+    """A custom model calling fla's kernel by name and plain depthwise convs: float64, rounding only."""
+    model, compiled = fla_style
+    batch, trees = make_batch(name) if name in ("branchy", "forest") else _pack(TREES[name])
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    counters = compiled.counters
+    assert counters["ssm_state"] == {"gated_delta_rule": 2}
+    assert counters["conv_context"] == {"depthwise_conv1d": 6, "causal_conv1d": 6}
+    assert counters["attention"] == {"sdpa": 1}
+
+
+@pytest.mark.parametrize("padding", [2, 3], ids=["padding-short", "padding-K-1"])
+def test_non_causal_conv_is_refused(padding):
+    """A conv that is not causal (or keeps the wrong rows) stays a conv, and the verify pass refuses it."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 8)
+            self.conv = nn.Conv1d(8, 8, 4, groups=8, padding=padding)
+            self.head = nn.Linear(8, 64)
+
+        def forward(self, idx):
+            x = self.emb(idx).transpose(1, 2)
+            t = idx.shape[1]
+            y = self.conv(x)[..., 1 : t + 1] if padding == 3 else self.conv(x)[..., :t]
+            return self.head(y.transpose(1, 2))
+
+    with pytest.raises(UnsupportedModelError, match="convolution over the sequence"):
+        tree_compile(tiny(Model))(make_batch("branchy")[0])

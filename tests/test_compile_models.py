@@ -165,12 +165,16 @@ class CachedRopeLM(nn.Module):
 
 
 class ConvLM(nn.Module):
-    """A causal depthwise convolution over the sequence (Mamba/Hyena-style short conv)."""
+    """A causal convolution over the sequence that mixes channels (``groups=1``).
+
+    (A causal *depthwise* conv, the short conv of Mamba and Gated DeltaNet layers, is
+    supported: see the hybrid tests.)
+    """
 
     def __init__(self, vocab: int = VOCAB, dim: int = 16, kernel: int = 3):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1)
+        self.conv = nn.Conv1d(dim, dim, kernel, padding=kernel - 1)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
