@@ -24,10 +24,11 @@ check that both agree.
 Layouts (the tree content, every path's tokens, weight and loss mask, and so the loss, are
 the same under each):
 
-* ``current``: children in first-insertion order, as `TrajectoryTree.from_sequences` builds;
+* ``insertion``: children in first-insertion order (``from_sequences(child_order="insertion")``);
 * ``largest-first`` / ``smallest-first``: every node's children (and a tree's roots)
-  sorted by subtree size in tokens, descending / ascending (stable);
-* ``align-trees`` / ``align-subtrees`` / ``align-nodes``: the current order with padding
+  sorted by subtree size in tokens, descending / ascending (stable); largest-first is what
+  `TrajectoryTree.from_sequences` builds by default;
+* ``align-trees`` / ``align-subtrees`` / ``align-nodes``: the insertion order with padding
   rows inserted so that every tree start / every subtree boundary (a tree start or a child
   that is not the first) / every node start falls on a block boundary. A padding row has
   target weight 0, no real row sees it (its ``subtree_end`` is itself + 1), and as a query
@@ -318,6 +319,15 @@ def synthetic_workloads() -> list[tuple[str, list[TrajectoryTree]]]:
     return out
 
 
+def insertion_order(tree: TrajectoryTree) -> TrajectoryTree:
+    """The same tree with children in first-insertion order (paths in path order, as built)."""
+    paths = tree.paths()
+    return TrajectoryTree.from_sequences(
+        [p.tokens for p in paths], weights=[p.weight for p in paths], loss_masks=[p.loss_mask for p in paths],
+        metadata=tree.metadata, child_order="insertion",
+    )
+
+
 def rows_of(trees: Sequence[TrajectoryTree], row_tokens: int | None) -> list[list[TrajectoryTree]]:
     """Trees in order, each alone (``row_tokens`` None) or greedily filled into rows of at most ``row_tokens``."""
     if row_tokens is None:
@@ -334,7 +344,7 @@ def rows_of(trees: Sequence[TrajectoryTree], row_tokens: int | None) -> list[lis
 
 
 ORDERS: dict[str, Callable[[TrajectoryTree], TrajectoryTree]] = {
-    "current": lambda t: t,
+    "insertion": lambda t: t,
     "largest-first": largest_first,
     "smallest-first": smallest_first,
 }
@@ -353,7 +363,7 @@ def measure(rows: list[list[TrajectoryTree]], block_size: int) -> dict[str, Bloc
         for name, order in ORDERS.items():
             batch = pack([order(t) for t in trees])
             add(name, count_blocks(batch.subtree_end.numpy(), block_size))
-            if name == "current":
+            if name == "insertion":
                 for a in ALIGNMENTS:
                     se, real = aligned_subtree_end(batch.subtree_end.numpy(), boundaries(batch, a), block_size)
                     add(f"align-{a}", count_blocks(se, block_size, real))
@@ -364,7 +374,7 @@ def measure(rows: list[list[TrajectoryTree]], block_size: int) -> dict[str, Bloc
 
 Result = tuple[str, str, dict[str, BlockCounts]]  # (workload, rows of, counts per layout)
 
-DETAIL_COLUMNS = ("workload", "rows of", "layout", "rows", "+pad", "live", "vs current", "partial", "off-diag",
+DETAIL_COLUMNS = ("workload", "rows of", "layout", "rows", "+pad", "live", "vs insertion", "partial", "off-diag",
                   "partial %", "masked")
 SUMMARY_COLUMNS = ("workload", "rows of", "tokens", "live", "partial", "partial %", "masked", *LAYOUTS[1:])
 
@@ -373,7 +383,7 @@ def detail_table(results: list[Result]) -> list[list[str]]:
     """One line per (workload, rows of, layout) with every count."""
     out = []
     for workload, packing, by_layout in results:
-        base = by_layout["current"]
+        base = by_layout["insertion"]
         for layout, c in by_layout.items():
             out.append([
                 workload, packing, layout, str(c.rows), str(c.pad_rows), str(c.live),
@@ -384,11 +394,11 @@ def detail_table(results: list[Result]) -> list[list[str]]:
 
 
 def summary_table(results: list[Result]) -> list[list[str]]:
-    """One line per (workload, rows of): the current layout's counts, then each other layout's
+    """One line per (workload, rows of): the insertion layout's counts, then each other layout's
     change in live and in partial blocks (and its padding rows as a share of the tokens)."""
     out = []
     for workload, packing, by_layout in results:
-        base = by_layout["current"]
+        base = by_layout["insertion"]
         cells = [workload, packing, str(base.rows), str(base.live), str(base.partial),
                  f"{base.partial / base.live:.1%}", f"{base.masked:.0f}"]
         for layout in LAYOUTS[1:]:
@@ -422,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer, tok_note = _tokenizer()
     workloads = real_workloads(args.data, tokenizer) if args.data.is_dir() else []
     workloads += synthetic_workloads()
+    # The baseline layout: first-insertion order (the loaders build largest-first).
+    workloads = [(name, [insertion_order(t) for t in trees]) for name, trees in workloads]
     bullet = "- " if args.markdown else ""
     argv = sys.argv[1:] if argv is None else list(argv)
     print(f"{bullet}machine: {platform.machine()}; python {platform.python_version()}, torch {torch.__version__} "
@@ -435,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = [t.num_tokens for t in trees]
         print(f"{bullet}{name}: {len(trees)} trees, {sum(s)} tokens (per tree {min(s)} to {max(s)}, "
               f"median {int(np.median(s))}), {sum(t.num_nodes for t in trees)} nodes")
-    print(f"{bullet}columns live, partial, partial %, masked: the current layout; each other layout: change in "
+    print(f"{bullet}columns live, partial, partial %, masked: the insertion layout; each other layout: change in "
           "live blocks / change in partial blocks (/ padding rows inserted, as a share of the tokens)")
     for bs in BLOCK_SIZES:
         results = []

@@ -58,13 +58,28 @@ def test_attention_rule_is_the_ancestor_relation(forest):
 
 
 def test_layout_of_a_small_tree():
-    tree = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]])
+    tree = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]], child_order="insertion")
     b = pack(tree)
     assert b.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 9]
     assert b.position_ids.tolist() == [0, 1, 2, 3, 3, 4, 1]
     assert b.subtree_end.tolist() == [7, 6, 6, 4, 6, 6, 7]
     # Both children of node [2, 3] are predicted by its last row (2).
     assert b.pred_index.tolist() == [-1, 0, 1, 2, 2, 4, 0]
+
+
+def test_largest_subtree_follows_its_parent_by_default():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9], [7], [7, 8, 8]]
+    b = pack(TrajectoryTree.from_sequences(seqs))
+    # Under [2, 3] the 2-token child [5, 6] comes before [4]; under [1] the 4-token subtree
+    # [2, 3, ...] before [9]. Roots keep their order: [1] before [7].
+    assert b.input_ids.tolist() == [1, 2, 3, 5, 6, 4, 9, 7, 8, 8]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 1, 0, 1, 2]
+    # The paths are the same as in insertion order, only their rows moved.
+    other = pack(TrajectoryTree.from_sequences(seqs, child_order="insertion"))
+    for p in range(len(seqs)):
+        assert b.input_ids[b.path_rows(p)].tolist() == other.input_ids[other.path_rows(p)].tolist() == seqs[p]
+    with pytest.raises(TreeInputError, match="child_order"):
+        TrajectoryTree.from_sequences(seqs, child_order="random")
 
 
 def test_bitmask_needs_more_than_one_chunk():

@@ -74,15 +74,32 @@ class TreeStats:
         return dict(self.__dict__)
 
 
+#: Child orders `TrajectoryTree.from_sequences` accepts.
+CHILD_ORDERS = ("largest_first", "insertion")
+
+
 class _Node:
     """Mutable node used only while building; frozen into arrays afterwards."""
 
-    __slots__ = ("tokens", "children", "paths_ending")
+    __slots__ = ("tokens", "children", "paths_ending", "size")
 
     def __init__(self, tokens: np.ndarray) -> None:
         self.tokens = tokens
         self.children: dict[int, _Node] = {}
         self.paths_ending: list[int] = []
+        self.size = 0  # tokens in the subtree, set by _subtree_sizes
+
+
+def _subtree_sizes(roots: Iterable[_Node]) -> None:
+    """Sets every node's ``size`` (tokens in its subtree), children before parents, without recursion."""
+    stack: list[tuple[_Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            node.size = len(node.tokens) + sum(c.size for c in node.children.values())
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in node.children.values())
 
 
 def _as_token_array(seq: Any, index: int, vocab_size: int | None) -> np.ndarray:
@@ -223,6 +240,7 @@ class TrajectoryTree:
         vocab_size: int | None = None,
         max_tokens: int | None = None,
         metadata: dict[str, Any] | None = None,
+        child_order: str = "largest_first",
     ) -> TrajectoryTree:
         """Merges token sequences into one compressed prefix tree.
 
@@ -234,6 +252,13 @@ class TrajectoryTree:
             vocab_size: if given, ids at or above it are refused.
             max_tokens: if given, a tree with more tokens than this is refused.
             metadata: free-form, kept with the tree (and in JSONL).
+            child_order: ``"largest_first"`` (default) numbers every node's children by
+                decreasing subtree size in tokens (ties in first-insertion order; roots stay
+                in first-insertion order); ``"insertion"`` keeps first-insertion order. The largest subtree then
+                follows its parent directly in the packed row, so more attention blocks
+                see one unbroken run of ancestor keys: fewer blocks to compute on real trees
+                (docs/benchmarks.md, "Block layout"). The paths, and what they train, are
+                the same either way.
 
         Returns:
             The tree. Sequences that share no first token become separate roots.
@@ -245,6 +270,8 @@ class TrajectoryTree:
         """
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
             raise TreeInputError("seqs must be a list of token-id sequences")
+        if child_order not in CHILD_ORDERS:
+            raise TreeInputError(f"child_order must be one of {CHILD_ORDERS}, got {child_order!r}")
         seqs = list(seqs)
         if not seqs:
             raise TreeInputError("seqs is empty: a tree needs at least one sequence")
@@ -263,8 +290,11 @@ class TrajectoryTree:
         roots: dict[int, _Node] = {}
         for p, seq in enumerate(arrays):
             _insert(roots, seq, p)
+        if child_order == "largest_first":
+            _subtree_sizes(roots.values())
 
-        # Freeze into preorder arrays; children keep their first-insertion order.
+        # Freeze into preorder arrays: roots in first-insertion order, children in child_order.
+        order = _largest_first if child_order == "largest_first" else lambda nodes: nodes
         node_tokens: list[np.ndarray] = []
         parent: list[int] = []
         path_node = np.full(len(arrays), -1, dtype=np.int64)
@@ -276,7 +306,7 @@ class TrajectoryTree:
             parent.append(par)
             for p in node.paths_ending:
                 path_node[p] = nid
-            for child in reversed(list(node.children.values())):
+            for child in reversed(order(list(node.children.values()))):
                 stack.append((child, nid))
         lengths = np.array([len(t) for t in node_tokens], dtype=np.int64)
         offsets = np.zeros(len(node_tokens) + 1, dtype=np.int64)
@@ -497,6 +527,11 @@ class TrajectoryTree:
             mask_exceptions=exceptions,
             metadata=d.get("metadata"),
         )
+
+
+def _largest_first(nodes: list[_Node]) -> list[_Node]:
+    """``nodes`` by decreasing subtree size in tokens, ties in their given order."""
+    return sorted(nodes, key=lambda n: -n.size)
 
 
 def _insert(roots: dict[int, _Node], seq: np.ndarray, path: int) -> None:
