@@ -72,3 +72,14 @@ def test_cli_parses_bench():
     args = build_parser().parse_args(["bench", "--tiny", "--por", "0.5", "--methods", "packed", "interval"])
     assert args.tiny and args.por == [0.5] and args.methods == ["packed", "interval"]
     assert main  # the entry point exists; the full run is covered by run_bench above
+
+
+def test_hybrid_arch_runs_exactly():
+    cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0,
+                               pors=(0.5,))
+    result = bench.run_bench(cfg, device="cpu", command="pytest")
+    assert {r.method for r in result.rows} == {"packed", "interval"}
+    assert all(r.exact for r in result.rows), [(r.method, r.loss_rel_diff) for r in result.rows]
+    assert "Qwen3-Next" in bench.markdown_table(result)
+    with pytest.raises(ValueError, match="arch"):
+        bench.run_bench(bench.with_overrides(bench.TINY, arch="mamba"), device="cpu")

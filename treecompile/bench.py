@@ -65,7 +65,10 @@ class BenchConfig:
         pors: target POR of each synthetic workload.
         tau_tasks: bundled tau-bench tasks, one workload each (0: none).
         gsm8k_groups: bundled GSM8K groups packed as one workload of that many trees (0: none).
-        hidden, layers, heads, kv_heads, head_dim, intermediate: the Qwen3-shaped model.
+        arch: ``"qwen3"`` (attention only) or ``"qwen3_next"`` (a hybrid: Gated DeltaNet and
+            attention layers alternating, no experts), one of :data:`ARCHS`.
+        hidden, layers, heads, kv_heads, head_dim, intermediate: the model's shape (the
+            Gated DeltaNet layers use ``heads`` / ``kv_heads`` value / key heads of ``head_dim``).
         vocab: model vocabulary (at least the sample tokenizer's 2048 for real trees).
         warmup: steps before timing (the first compiles).
         repeats: timed steps; the median is reported.
@@ -91,7 +94,11 @@ class BenchConfig:
     methods: tuple[str, ...] = tuple(METHODS)
     dtype: str = "float32"
     seed: int = 0
+    arch: str = "qwen3"
 
+
+#: Model families `BenchConfig.arch` accepts.
+ARCHS = ("qwen3", "qwen3_next")
 
 #: ``treecompile bench --quick``: a few minutes on 2 CPU cores.
 QUICK = BenchConfig()
@@ -199,14 +206,25 @@ def _per_path_trees(trees: list[TrajectoryTree]) -> list[TrajectoryTree]:
 
 
 def _model(cfg: BenchConfig) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {cfg.arch!r}")
     torch.manual_seed(cfg.seed)
-    config = Qwen3Config(
+    shape = dict(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=1 << 17,
     )
+    if cfg.arch == "qwen3":
+        config = transformers.Qwen3Config(**shape)
+    else:
+        config = transformers.Qwen3NextConfig(
+            **shape, layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(cfg.layers)],
+            linear_num_key_heads=cfg.kv_heads, linear_num_value_heads=cfg.heads, linear_key_head_dim=cfg.head_dim,
+            linear_value_head_dim=cfg.head_dim, linear_conv_kernel_dim=4, num_experts=0,
+        )
     return AutoModelForCausalLM.from_config(config).to(getattr(torch, cfg.dtype)).train()
 
 
@@ -332,6 +350,9 @@ def _cells(r: BenchRow) -> list[str]:
     ]
 
 
+_ARCH_NAMES = {"qwen3": "Qwen3", "qwen3_next": "Qwen3-Next (Gated DeltaNet + attention)"}
+
+
 def _header(result: BenchResult) -> list[str]:
     e = result.env
     return [
@@ -339,7 +360,7 @@ def _header(result: BenchResult) -> list[str]:
         f"treecompile {e['treecompile']}, python {e['python']}",
         f"command: {e['command']}",
         f"date: {e['date']}",
-        f"model: Qwen3-shaped, {result.config.layers} layers, hidden {result.config.hidden}, vocab "
+        f"model: {_ARCH_NAMES[result.config.arch]}-shaped, {result.config.layers} layers, hidden {result.config.hidden}, vocab "
         f"{result.config.vocab}, {result.config.dtype}; step = forward + backward, median of "
         f"{result.config.repeats} after {result.config.warmup} warm-up (compile)",
     ]

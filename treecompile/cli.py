@@ -384,6 +384,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=None, metavar="N", help="timed steps (median reported)")
     p.add_argument("--methods", nargs="+", default=None, metavar="M", help="subset of: packed bitmask interval")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),
+                   help="model family: qwen3 (default) or qwen3_next (Gated DeltaNet + attention)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=cmd_bench)
@@ -399,6 +401,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.TINY if args.tiny else bench.QUICK,
         path_tokens=args.path_tokens, paths=args.paths, repeats=args.repeats,
         pors=tuple(args.por) if args.por else None, methods=tuple(args.methods) if args.methods else None,
+        arch=args.arch,
     )
     err = Console(stderr=True)
     quiet = args.json or args.markdown
