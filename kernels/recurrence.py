@@ -24,7 +24,11 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
   row sees exactly the state of its own path, never a sibling's. Nodes at the same depth
   run together as one zero-padded batch, so there are as many sequential steps as the
   tree is deep in nodes, not as it has nodes. Siblings read the same parent state tensor,
-  so autograd sums their gradients into it, as it does per path.
+  so autograd sums their gradients into it, as it does per path. Where a variable-length
+  kernel is registered for the device (flash-linear-attention's Triton kernels on CUDA
+  when installed: one sequence per node, the parents' final states as initial states), a
+  level runs through it unpadded instead, once it has matched the torch scan on a small
+  problem (`varlen_kernel`).
 
 Each kind is registered as three ops (:func:`register`), e.g. for ``gated_delta_rule``:
 ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
@@ -48,7 +52,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK"]
+__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK",
+           "register_varlen_kernel", "varlen_kernel"]
 
 Tensor = torch.Tensor
 
@@ -158,29 +163,159 @@ def tree_recurrence(
     s, h, dk = k.shape[1:]
     dv = v.shape[-1]
     root = q.new_zeros(h, dk, dv) if initial_state is None else initial_state[0].to(q.dtype)
-    table = node_table.numpy()
+    table = node_table.cpu().numpy()
     start, end, parent = table[:, 0], table[:, 1], table[:, 2]
+    varlen = varlen_kernel(q.device, delta, q.dtype)
     # A zero row at index S for the padding.
     padded = [torch.cat([x[0], x.new_zeros(1, *x.shape[2:])]) for x in (q, k, v, g, beta)]
     finals: list[Tensor | None] = [None] * len(table)
     rows_out, vals_out = [], []
     for level in node_levels(node_table):
         lengths = end[level] - start[level]
-        width = int(lengths.max())
-        offs = np.arange(width)[None, :]
-        valid = offs < lengths[:, None]
-        rows = np.where(valid, start[level][:, None] + offs, s)
-        index = torch.from_numpy(rows).to(q.device, non_blocking=True)
-        inputs = [x[index] for x in padded]  # [n, width, H, D]
         init = torch.stack([root if parent[n] < 0 else finals[parent[n]] for n in level.tolist()])
-        out, final = chunked_recurrence(*inputs, init, delta=delta, chunk=chunk)
+        if varlen is not None:
+            # The level's rows back to back, one sequence per node.
+            rows = np.concatenate([np.arange(a, b) for a, b in zip(start[level], end[level])])
+            index = torch.from_numpy(rows).to(q.device, non_blocking=True)
+            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(q.device, non_blocking=True)
+            out, final = varlen(*(x[index][None] for x in padded), init, cu)
+            rows_out.append(rows)
+            vals_out.append(out[0])
+        else:
+            width = int(lengths.max())
+            offs = np.arange(width)[None, :]
+            valid = offs < lengths[:, None]
+            rows = np.where(valid, start[level][:, None] + offs, s)
+            index = torch.from_numpy(rows).to(q.device, non_blocking=True)
+            out, final = chunked_recurrence(*(x[index] for x in padded), init, delta=delta, chunk=chunk)
+            rows_out.append(rows[valid])
+            vals_out.append(out[torch.from_numpy(valid).to(q.device, non_blocking=True)])
         for i, n in enumerate(level.tolist()):
             finals[n] = final[i]
-        mask = torch.from_numpy(valid).to(q.device, non_blocking=True)
-        rows_out.append(rows[valid])
-        vals_out.append(out[mask])
     order = np.argsort(np.concatenate(rows_out), kind="stable")
     return torch.cat(vals_out)[torch.from_numpy(order).to(q.device)][None]
+
+
+# ----------------------------------------------------------------------------- variable-length kernels
+
+#: Variable-length scan kernels by (device type, delta form): ``fn(q, k, v, g, beta,
+#: initial_state, cu_seqlens) -> (out, final)`` with ``q, k`` ``[1, T, H, Dk]``, ``v``
+#: ``[1, T, H, Dv]``, ``g, beta`` ``[1, T, H]`` (``q`` already scaled), one initial state per
+#: sequence ``[N, H, Dk, Dv]`` and ``cu_seqlens`` ``[N + 1]``; returns ``out`` ``[1, T, H, Dv]``
+#: and the final states ``[N, H, Dk, Dv]``. flash-linear-attention's Triton kernels are
+#: registered for CUDA when the package is installed; `register_varlen_kernel` adds others.
+_VARLEN: dict[tuple[str, bool], Callable] = {}
+#: Kernels checked against the torch scan, by (device type, delta form, dtype): the kernel,
+#: or None if it disagreed (or none is registered).
+_CHECKED: dict[tuple[str, bool, torch.dtype], Callable | None] = {}
+
+
+def register_varlen_kernel(device_type: str, delta: bool, fn: Callable | None) -> None:
+    """Registers ``fn`` (None removes it) as the variable-length scan for ``device_type``.
+
+    A kernel is used only after it agrees with the torch scan on a small random problem
+    (outputs, final states and every input's gradient, see `varlen_kernel`).
+    """
+    if fn is None:
+        _VARLEN.pop((device_type, delta), None)
+    else:
+        _VARLEN[(device_type, delta)] = fn
+    for key in [k for k in _CHECKED if k[:2] == (device_type, delta)]:
+        del _CHECKED[key]
+
+
+def _fla_kernel(delta: bool) -> Callable | None:
+    """flash-linear-attention's chunked kernel for the form, or None when it is not installed."""
+    try:
+        if delta:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as fla_fn
+    except ImportError:
+        return None
+
+    def run(q, k, v, g, beta, initial_state, cu_seqlens):
+        if delta:
+            return fla_fn(q, k, v, g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
+                          cu_seqlens=cu_seqlens)
+        # The plain form is fla's simple GLA (scalar decay per head) with the write scaled by beta.
+        return fla_fn(q, k, v * beta[..., None], g, scale=1.0, initial_state=initial_state, output_final_state=True,
+                      cu_seqlens=cu_seqlens)
+
+    return run
+
+
+def varlen_kernel(device: torch.device, delta: bool, dtype: torch.dtype) -> Callable | None:
+    """The variable-length kernel to run a depth level with, or None for the padded torch scan.
+
+    On first use per (device type, form, dtype) the kernel runs a small random tree level
+    (sequences of 70, 1 and 5 tokens, initial states) next to the torch scan; if outputs, final
+    states or gradients differ by more than the dtype allows, it is not used, with a warning
+    naming what differed, rather than risk a wrong gradient.
+    """
+    key = (device.type, delta, dtype)
+    if key not in _CHECKED:
+        if device.type == "cuda" and (device.type, delta) not in _VARLEN:
+            fla = _fla_kernel(delta)
+            if fla is not None:
+                _VARLEN[(device.type, delta)] = fla
+        fn = _VARLEN.get((device.type, delta))
+        _CHECKED[key] = fn if fn is not None and _agrees(fn, device, delta, dtype) else None
+    return _CHECKED[key]
+
+
+def _agrees(fn: Callable, device: torch.device, delta: bool, dtype: torch.dtype) -> bool:
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, h, d = [70, 1, 5], 2, 16
+    t = sum(lengths)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, v = rand(1, t, h, d) * d**-0.5, rand(1, t, h, d)
+    k = torch.nn.functional.normalize(rand(1, t, h, d), dim=-1)
+    g, beta = -torch.rand(1, t, h, generator=gen, dtype=torch.float64), torch.rand(1, t, h, generator=gen,
+                                                                                       dtype=torch.float64)
+    init = rand(len(lengths), h, d, d) * 0.1
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    weights = [rand(1, t, h, d), rand(len(lengths), h, d, d)]
+
+    def grads(run, ct):
+        leaves = [x.to(device, ct).requires_grad_() for x in (q, k, v, g, beta, init)]
+        out, final = run(*leaves)
+        loss = (out * weights[0].to(device, out.dtype)).sum() + (final * weights[1].to(device, final.dtype)).sum()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [out, final, *(torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves))]
+
+    def reference(q, k, v, g, beta, init):
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            o, f = chunked_recurrence(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], init[i:i + 1],
+                                      delta=delta)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1), torch.cat(finals)
+
+    what = f"the variable-length {'delta-rule' if delta else 'SSD'} scan kernel on {device.type} ({dtype})"
+    with _autograd_inside():
+        want = grads(reference, torch.float64)
+        try:
+            got = grads(lambda *x: fn(*x[:5], x[5], cu.to(device)), dtype)
+        except Exception as e:  # a kernel that cannot run this problem is not used either
+            warnings.warn(f"treecompile: {what} failed on a check problem ({type(e).__name__}: {e}); using the "
+                          "torch scan instead", RuntimeWarning, stacklevel=3)
+            return False
+    tol = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+    names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
+    for name, a, b in zip(names, got, want):
+        err = ((a.double().cpu() - b.cpu()).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        if not err <= tol:
+            warnings.warn(f"treecompile: {what} differs from the torch scan in {name} by {err:.3g} (relative, over "
+                          f"{tol:g}); using the torch scan instead", RuntimeWarning, stacklevel=3)
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------- ops

@@ -532,3 +532,59 @@ def test_non_causal_conv_is_refused(padding):
 
     with pytest.raises(UnsupportedModelError, match="convolution over the sequence"):
         tree_compile(tiny(Model))(make_batch("branchy")[0])
+
+
+# --------------------------------------------------------------------------- variable-length kernels
+
+
+def _varlen_stand_in(delta: bool, calls: list, broken: bool = False):
+    """A variable-length kernel with fla's calling convention, from the token loop: one
+    sequence per ``cu_seqlens`` span, each from its own initial state (``broken``: from zero)."""
+
+    def run(q, k, v, g, beta, initial_state, cu_seqlens):
+        calls.append(len(cu_seqlens) - 1)
+        outs, finals = [], []
+        bounds = cu_seqlens.tolist()
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            init = None if broken else initial_state[i:i + 1]
+            o, f = recurrence.recurrence_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], init,
+                                                   delta=delta)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1), torch.cat(finals)
+
+    return run
+
+
+@pytest.fixture
+def varlen_registry():
+    yield recurrence.register_varlen_kernel
+    for delta in (True, False):
+        recurrence.register_varlen_kernel("cpu", delta, None)
+
+
+@pytest.mark.parametrize("kind,delta", [("gated_delta_rule", True), ("ssd_scan", False)])
+def test_tree_scan_runs_levels_through_a_registered_varlen_kernel(varlen_registry, kind, delta):
+    calls: list[int] = []
+    varlen_registry("cpu", delta, _varlen_stand_in(delta, calls))
+    batch, _ = _pack(TREES["deep-chain"])
+    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    out = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, h0, _node_table(batch))
+    # First the agreement check (3 sequences), then one call per depth level, one sequence per node.
+    levels = recurrence.node_levels(_node_table(batch))
+    assert calls == [3] + [len(lv) for lv in levels]
+    ref = _tree_reference(KINDS[kind], q, k, v, g, beta, h0, batch)
+    _close([out], [ref], "forward")
+    inputs = [q, k, v, g, beta, h0]
+    _close(_grads([out], inputs), _grads([ref], inputs), "grad")
+
+
+def test_a_varlen_kernel_that_disagrees_is_not_used(varlen_registry):
+    calls: list[int] = []
+    varlen_registry("cpu", True, _varlen_stand_in(True, calls, broken=True))
+    batch, _ = _pack(TREES["siblings"])
+    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    with pytest.warns(RuntimeWarning, match="differs from the torch scan in out"):
+        out = torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, _node_table(batch))
+    assert calls == [3]  # the check only
+    _close([out], [_tree_reference(KINDS["gated_delta_rule"], q, k, v, g, beta, h0, batch)], "forward")
