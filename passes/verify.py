@@ -127,17 +127,17 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     if is_call(node, _REDUCTIONS, _REDUCTION_METHODS):
         x = node.args[0] if node.args else None
         dims = _dims_arg(node)
-        in_dims = seq_dims(x, s)
+        in_dims = _row_dims(x, s)
         if in_dims and (dims is None or any(_norm(d, x) in in_dims for d in dims)):
             return f"reduces or reorders ({_name(node)}) along the sequence"
     if is_call(node, _MATMULS, ("matmul", "bmm", "mm")) and target is not torch.einsum:
         a = node.args[0]
         av = value(a)
-        if isinstance(av, torch.Tensor) and av.dim() >= 1 and (av.dim() - 1) in seq_dims(a, s):
+        if isinstance(av, torch.Tensor) and av.dim() >= 1 and (av.dim() - 1) in _row_dims(a, s):
             return "contracts over the sequence (a matmul whose inner dim is S)"
     if is_call(node, (torch.einsum,)):
         ins = [a for a in node.args[1:] if isinstance(a, fx.Node)]
-        if any(seq_dims(a, s) for a in ins) and not out_dims:
+        if any(_row_dims(a, s) for a in ins) and not _row_dims(node, s):
             return "contracts over the sequence (einsum)"
     if _changes_length(node, s):
         return "changes the sequence length (a shift, pad or cat along the sequence)"
@@ -161,8 +161,20 @@ def _norm(d: int, x) -> int:
 
 def _is_seq_dim(x, dim, s) -> bool:
     if dim is None or not isinstance(dim, int):
-        return bool(seq_dims(x, s))
-    return _norm(dim, x) in seq_dims(x, s)
+        return bool(_row_dims(x, s))
+    return _norm(dim, x) in _row_dims(x, s)
+
+
+def _row_dims(x, s) -> list[int]:
+    """Dims that run over the packed rows: of size S, or ``c * S`` (the rows merged with other
+    dims by a reshape, ``[B, S, H, D] -> [B * S * H, D]``); a scan, reduction or contraction
+    along one mixes tokens."""
+    v = value(x)
+    if not isinstance(v, torch.Tensor):
+        return []
+    return [d for d, size in enumerate(v.shape)
+            if same_size(size, s) or (isinstance(size, torch.SymInt) and isinstance(s, torch.SymInt)
+                                      and _multiple_of(size, s))]
 
 
 def _dims_arg(node: fx.Node):

@@ -78,6 +78,35 @@ class DropoutAttentionLM(nn.Module):
         return self.head(F.scaled_dot_product_attention(x, x, x, is_causal=True, dropout_p=0.1)[:, 0])
 
 
+class MergedRowsPoolLM(nn.Module):
+    """Merges the rows with the heads ([B, S, H, D] -> [B * S * H, D]), then pools over them."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        rows = x.view(b, t, 4, -1).reshape(-1, x.shape[-1] // 4)
+        pooled = rows.amax(0)
+        return self.head(x + pooled.repeat(4))
+
+
+class MergedRowsCumsumLM(nn.Module):
+    """A running sum over the merged [S * H] rows: each token sees the ones before it in the row."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        rows = x.reshape(b, t * 4, -1).cumsum(1)
+        return self.head(x + rows.reshape(b, t, -1))
+
+
 REFUSED = {
     # model -> (op named in the message, source fragment named in the message)
     "conv1d": (ConvLM, "convolution over the sequence", "self.conv("),
@@ -88,6 +117,8 @@ REFUSED = {
     "mean-pool": (MeanPoolLM, "along the sequence", "x.mean(dim=1"),
     "token-shift": (TokenShiftLM, "changes the sequence length", "x[:, :-1]"),
     "attention-dropout": (DropoutAttentionLM, "dropout", "dropout_p=0.1"),
+    "merged-rows-pool": (MergedRowsPoolLM, "along the sequence", "rows.amax(0)"),
+    "merged-rows-cumsum": (MergedRowsCumsumLM, "along the sequence", ".cumsum(1)"),
 }
 
 
