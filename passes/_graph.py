@@ -7,6 +7,7 @@ and ``call_method`` on tensors), so matchers here accept every spelling of an op
 from __future__ import annotations
 
 import operator
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -148,8 +149,12 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
 def source_of(node: fx.Node) -> str:
-    """The user source line that produced ``node`` (last frame of its stack trace)."""
+    """The user source line that produced ``node``: the last frame of its stack trace outside
+    torch itself (``self.shift(x)``, not the ``F.pad`` an ``nn.ZeroPad2d`` calls)."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return "<no source recorded>"
@@ -157,7 +162,8 @@ def source_of(node: fx.Node) -> str:
     frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
     if not frames:
         return lines[-1]
-    i = frames[-1]
+    outside = [i for i in frames if _TORCH_DIR not in lines[i]]
+    i = (outside or frames)[-1]
     code = lines[i + 1] if i + 1 < len(lines) else ""
     return f"{lines[i]}: {code}"
 

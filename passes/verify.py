@@ -13,11 +13,14 @@ and the user source line. What it refuses:
   ``sum``/``mean``/``max``/``softmax`` ... with that dim), ``flip``/``roll`` on it;
 * convolutions with the sequence as a spatial dim, recurrent layers (GRU, LSTM, RNN);
 * matmuls that contract over the sequence (linear attention, ``k^T @ v``);
-* shifts: ``cat``/``pad``/``getitem`` that change the sequence length (token shift).
+* shifts: ``cat``/``pad``/``getitem`` that change the sequence length (token shift), and a
+  ``pad`` on the sequence dim that keeps it (``pad(x, (0, 0, 1, -1))``);
+* a graph in which the sequence length is a constant.
 
-Sequence dims are recognised by size: S is a symbol when the graph is dynamic in S, so
-the check is exact then; with a static S a model dim of equal size could be mistaken for
-it (a false refusal, never a silent error).
+Sequence dims are recognised by size: the wrapper makes S dynamic, so it is a symbol and
+the check is exact. A model that makes Dynamo specialise S to a number (a Python loop over
+the tokens, ``for t in range(S)``, or a branch on the length) leaves per-token ops that no
+size check can see, so such a graph is refused outright.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         why = _violation(node, ctx)
         if why:
             violations.append((node, why))
+    if not violations and not _symbolic(ctx.seq_len):
+        _refuse_static_length(gm, ctx)
     if violations:
         # Report an attention a pass looked at and left (it says why) before the first
         # violation in graph order, which is often just mask-building feeding it.
@@ -141,7 +146,64 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
             return "contracts over the sequence (einsum)"
     if _changes_length(node, s):
         return "changes the sequence length (a shift, pad or cat along the sequence)"
+    if is_call(node, _PADS) and _pads_rows(node, s):
+        return "pads or shifts along the sequence"
     return None
+
+
+_PADS = {F.pad, torch._C._nn.pad, torch.constant_pad_nd}
+
+
+def _pads_rows(node: fx.Node, s) -> bool:
+    """A pad whose amounts on a row dim are not both literally 0 (``(l, r)`` pairs from the last dim)."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    xv = value(x)
+    if not (isinstance(xv, torch.Tensor) and isinstance(pad, (tuple, list))):
+        return bool(_row_dims(x, s))
+    rows = set(_row_dims(x, s))
+    for i in range(0, len(pad) - 1, 2):
+        dim = xv.dim() - 1 - i // 2
+        if dim in rows and not (pad[i] == 0 and pad[i + 1] == 0):
+            return True
+    return False
+
+
+def _symbolic(s) -> bool:
+    """Whether the sequence length is a symbol (not a number, nor a SymInt specialised to one)."""
+    return isinstance(s, torch.SymInt) and bool(s.node.expr.free_symbols)
+
+
+def _refuse_static_length(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Raises: the captured graph has a constant sequence length; names a per-token op if it finds one."""
+    s = ctx.seq_len
+    culprit = next((n for n in gm.graph.nodes if n not in ctx.created and _indexes_one_token(n, s)), None)
+    where = (f" {describe(culprit)} takes one token of the row at a time.\n  at {source_of(culprit)}\n"
+             if culprit is not None else "\n")
+    raise UnsupportedModelError(
+        f"treecompile cannot make this model exact on a tree: the model makes the sequence length a constant "
+        f"({s}) in the captured graph, typically a Python loop over the tokens (for t in range(seq_len)) or a "
+        f"branch on the length, so its per-token ops cannot be checked.{where}"
+        "Write the recurrence as a scan kernel treecompile knows (see docs/hybrid.md), or as ops over the whole "
+        "sequence."
+    )
+
+
+def _indexes_one_token(node: fx.Node, s) -> bool:
+    """``x[:, t]`` / ``x.select(1, t)`` / ``x.unbind(1)`` on a dim of the row length."""
+    x = node.args[0] if node.args else None
+    xv = value(x)
+    if not isinstance(xv, torch.Tensor):
+        return False
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], tuple):
+        index = node.args[1]
+        if Ellipsis in index:
+            return False
+        return any(isinstance(i, int) and d < xv.dim() and same_size(xv.shape[d], s) for d, i in enumerate(index))
+    if is_call(node, (torch.select, torch.unbind), ("select", "unbind")):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        return isinstance(dim, int) and same_size(xv.shape[dim], s)
+    return False
 
 
 def _is_sequence_kernel(node: fx.Node) -> bool:

@@ -4,10 +4,13 @@ Two layers of tests. The kernels (`treecompile.kernels.recurrence` for Gated Del
 Mamba2's scan, `.conv`) against their plain token-by-token reference loops, in float64 to
 rounding, forward and backward, on a row and on a tree (where the tree reference composes
 the reference loop node by node from the parent's final state, so autograd sums the
-siblings' gradients). Then tiny hybrid models in float64 through `tree_compile` (Qwen3-Next
-with Gated DeltaNet; Bamba, Mamba2, FalconH1 and NemotronH with Mamba2 layers) against
-the unmodified model run on each path alone (HF's own chunked fallbacks): loss, log-probs
-and every gradient.
+siblings' gradients). Then tiny hybrid models in float64 through `tree_compile` (Qwen3-Next,
+Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid and Qwen4-Exp with Gated DeltaNet; Bamba, Mamba2, FalconH1,
+NemotronH, Zamba2 and GraniteMoeHybrid with Mamba2 layers; LFM2, LFM2-MoE and LFM3 with gated
+short convs only) against the unmodified model run on each path alone (HF's own chunked
+fallbacks): loss, log-probs and every gradient. Families whose sequence mixing has no tree
+form (Mamba's selective scan in Mamba, FalconMamba, Jamba and Zamba; Kimi Delta Attention in
+Kimi-Linear and Bailing-Hybrid; Qwen4-Exp's n-gram embeddings) are refused, naming the op.
 
 Trees cover: 1-token nodes, nodes shorter than the conv kernel (so a window reaches into
 the grandparent), a node that straddles the 64-token chunk boundary, many siblings and a
@@ -323,6 +326,83 @@ def _nemotron_h():
     )
 
 
+def _gdn_layer(**overrides):
+    """Qwen3-Next-style Gated DeltaNet sizes, shared by its descendants."""
+    return dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    ) | overrides
+
+
+def _qwen3_5():
+    return transformers.Qwen3_5TextConfig(**_gdn_layer(intermediate_size=64))
+
+
+def _qwen3_5_moe():
+    return transformers.Qwen3_5MoeTextConfig(**_gdn_layer(
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+    ))
+
+
+def _olmo_hybrid():
+    # Its delta rule may have negative eigenvalues (beta in [0, 2]).
+    config = _gdn_layer(intermediate_size=64, pad_token_id=0, eos_token_id=1, linear_allow_neg_eigval=True)
+    del config["head_dim"]  # hidden_size // num_attention_heads
+    return transformers.OlmoHybridConfig(**config)
+
+
+def _qwen4_exp():
+    # Hyper-connection residual streams and MoE around two Gated DeltaNet layers.
+    return transformers.Qwen4ExpTextConfig(**_gdn_layer(
+        layer_types=["linear_attention", "linear_attention"], moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+    ))
+
+
+def _zamba2():
+    # A Mamba2 layer, then a shared attention block before a second Mamba2 layer.
+    return transformers.Zamba2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_ngroups=2, n_mamba_heads=4, use_mamba_kernels=False, chunk_size=16, adapter_rank=8,
+    )
+
+
+def _granite_moe_hybrid():
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, layer_types=["mamba", "attention"],
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=32, position_embedding_type="rope", mamba_n_heads=4, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    )
+
+
+def _lfm2():
+    # Gated short conv (kernel 3) with no scan after it.
+    return transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+    )
+
+
+def _lfm2_moe():
+    return transformers.Lfm2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+
+
+def _lfm3():
+    # Short conv, full attention and sliding-window attention (window 4, shorter than the paths).
+    return transformers.Lfm3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "sliding_attention"], sliding_window=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, conv_L_cache=3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
 #: name -> (config, the SSM state pass's counters, trees to train on).
 MODELS = {
     "qwen3_next": (_qwen3_next, {"gated_delta_rule": 1}, ["branchy", "forest", *TREES]),
@@ -330,12 +410,26 @@ MODELS = {
     "mamba2": (_mamba2, {"ssd_scan": 2}, ["branchy", "short-nodes"]),
     "falcon_h1": (_falcon_h1, {"ssd_scan": 2}, ["branchy", "deep-chain"]),
     "nemotron_h": (_nemotron_h, {"ssd_scan": 1}, ["branchy", "siblings"]),
+    "qwen3_5": (_qwen3_5, {"gated_delta_rule": 1}, ["branchy", "chunk-straddle"]),
+    "qwen3_5_moe": (_qwen3_5_moe, {"gated_delta_rule": 1}, ["branchy", "siblings"]),
+    "olmo_hybrid": (_olmo_hybrid, {"gated_delta_rule": 1}, ["branchy", "short-nodes"]),
+    "qwen4_exp": (_qwen4_exp, {"gated_delta_rule": 2}, ["branchy", "deep-chain"]),
+    "zamba2": (_zamba2, {"ssd_scan": 2}, ["branchy", "short-nodes"]),
+    "granitemoehybrid": (_granite_moe_hybrid, {"ssd_scan": 1}, ["branchy", "siblings"]),
+    "lfm2": (_lfm2, {}, ["branchy", "short-nodes"]),
+    "lfm2_moe": (_lfm2_moe, {}, ["branchy", "deep-chain"]),
+    "lfm3": (_lfm3, {}, ["branchy", "forest"]),
 }
+
+#: Causal convs where a model has more than one per recurrent layer, or convs without a scan.
+CONV_LAYERS = {"lfm2": 1, "lfm2_moe": 2, "lfm3": 1}
 
 
 def _model(name: str):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(MODELS[name][0]()).double().eval()
+    # Eager experts: HF's grouped_mm has no float64 kernel on the CPU (per-path reference).
+    config = MODELS[name][0]()
+    return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
 
 
 _COMPILED: dict[str, tuple] = {}
@@ -367,9 +461,9 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     assert_grads_close(tree_grads, param_grads(model), ("float64", "hf"))
     model.zero_grad(set_to_none=True)
     counters = compiled.counters
-    layers = sum(MODELS[name][1].values())
+    layers = CONV_LAYERS.get(name, sum(MODELS[name][1].values()))
     assert counters["conv_context"] == {"causal_conv1d": layers}
-    assert counters["ssm_state"] == MODELS[name][1]
+    assert counters.get("ssm_state", {}) == MODELS[name][1]
 
 
 def test_qwen3_next_kernels_are_restored_after_each_call():
@@ -397,6 +491,126 @@ def test_hybrid_without_its_pass_is_refused(missing, name):
     compiled = TreeCompiledModel(_model(name), mask="interval", backend=None, verify=False, passes=passes)
     with pytest.raises(UnsupportedModelError, match="sequence kernel"):
         compiled(make_batch("branchy")[0])
+
+
+def _mamba():
+    return transformers.MambaConfig(
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+    )
+
+
+def _falcon_mamba():
+    return transformers.FalconMambaConfig(
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+    )
+
+
+def _jamba():
+    return transformers.JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+    )
+
+
+def _zamba():
+    return transformers.ZambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        layers_block_type=["mamba", "hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4,
+        n_mamba_heads=2, use_mamba_kernels=False, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+    )
+
+
+def _kimi_linear():
+    return transformers.KimiLinearConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"], num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _bailing_hybrid():
+    return transformers.BailingHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], first_k_dense_replace=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8,
+        n_group=1, topk_group=1, short_conv_kernel_size=4, num_mtp_layers=0, pad_token_id=0, eos_token_id=1,
+    )
+
+
+def _qwen4_exp_ngram():
+    # Per-layer embeddings of hashed n-grams of the previous tokens (PLE) on the second layer.
+    return transformers.Qwen4ExpTextConfig(**_gdn_layer(
+        layer_types=["linear_attention", "linear_attention"], moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+        ple_layer_ids=[2], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=97,
+        make_ngram_vocab_size_divisible_by=8, eos_token_id=2,
+    ))
+
+
+def _recurrent_gemma():
+    return transformers.RecurrentGemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=32, attention_window_size=8, conv1d_width=4,
+    )
+
+
+def _rwkv():
+    return transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, context_length=64,
+                                   intermediate_size=64)
+
+
+def _mamba_token_loop():
+    # The sequential scan (the path taken without an associative scan): a loop over the tokens.
+    return transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                    use_associative_scan=False)
+
+
+def _xlstm():
+    return transformers.xLSTMConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, mode="train", chunk_size=1,
+        autocast_kernel_dtype="float32", inference_state_dtype="float32", ffn_round_up_to_multiple_of=8,
+    )
+
+
+_TOKEN_LOOP = ("sequence length a constant", "takes one token of the row at a time")
+_SELECTIVE_SCAN = ("changes the sequence length", "in mamba_selective_scan: _, all_states = associative_scan(")
+_KDA_PAD = ("node 'pad' (call_function pad) changes the sequence length",)
+
+#: name -> (config, fragments of the refusal that name the op).
+REFUSED = {
+    # Mamba's selective scan (Dynamo captures it as an associative scan over the packed row).
+    "mamba": (_mamba, _SELECTIVE_SCAN),
+    "falcon_mamba": (_falcon_mamba, _SELECTIVE_SCAN),
+    "jamba": (_jamba, _SELECTIVE_SCAN),
+    "zamba": (_zamba, _SELECTIVE_SCAN),
+    # Kimi Delta Attention's chunked form pads the row to whole chunks.
+    "kimi_linear": (_kimi_linear, _KDA_PAD),
+    "bailing_hybrid": (_bailing_hybrid, _KDA_PAD),
+    # The n-gram embedding reads the previous tokens of the packed row.
+    "qwen4_exp_ngram": (_qwen4_exp_ngram, ("changes the sequence length", "token_history = torch.cat(")),
+    # Recurrences written as Python loops over the tokens: Dynamo makes the length a constant.
+    "recurrent_gemma": (_recurrent_gemma, _TOKEN_LOOP),
+    "mamba_token_loop": (_mamba_token_loop, _TOKEN_LOOP),
+    "xlstm": (_xlstm, _TOKEN_LOOP),
+    # RWKV's time shift: the previous row, padded back to the same length.
+    "rwkv": (_rwkv, ("pads or shifts along the sequence", "shifted = self.time_shift(hidden)")),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_hybrid_is_refused(name):
+    """Sequence mixing without a tree form is refused, naming the op, never trained wrong."""
+    config, fragments = REFUSED[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(), experts_implementation="eager").double().eval()
+    with pytest.raises(UnsupportedModelError) as refusal:
+        tree_compile(model)(make_batch("branchy")[0])
+    message = str(refusal.value)
+    for fragment in fragments:
+        assert fragment in message, message
 
 
 # --------------------------------------------------------------------------- a custom fla-style model

@@ -107,6 +107,36 @@ class MergedRowsCumsumLM(nn.Module):
         return self.head(x + rows.reshape(b, t, -1))
 
 
+class TokenLoopLM(nn.Module):
+    """A linear recurrence as a Python loop over the tokens: Dynamo makes the length a constant."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        h = torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(x.shape[1]):
+            h = 0.5 * h + x[:, t]
+            outs.append(h)
+        return self.head(torch.stack(outs, 1))
+
+
+class ZeroPadShiftLM(nn.Module):
+    """RWKV's time shift, ``ZeroPad2d((0, 0, 1, -1))``: the previous row, at the same length."""
+
+    def __init__(self, vocab=VOCAB, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.shift = nn.ZeroPad2d((0, 0, 1, -1))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.head(x + self.shift(x))
+
+
 REFUSED = {
     # model -> (op named in the message, source fragment named in the message)
     "conv1d": (ConvLM, "convolution over the sequence", "self.conv("),
@@ -119,6 +149,8 @@ REFUSED = {
     "attention-dropout": (DropoutAttentionLM, "dropout", "dropout_p=0.1"),
     "merged-rows-pool": (MergedRowsPoolLM, "along the sequence", "rows.amax(0)"),
     "merged-rows-cumsum": (MergedRowsCumsumLM, "along the sequence", ".cumsum(1)"),
+    "token-loop": (TokenLoopLM, "sequence length a constant", "takes one token of the row at a time"),
+    "zero-pad-shift": (ZeroPadShiftLM, "pads or shifts along the sequence", "self.shift(x)"),
 }
 
 
