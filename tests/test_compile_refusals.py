@@ -13,24 +13,24 @@ from treecompile import UnsupportedModelError
 from treecompile.compile import tree_compile
 
 
-class BidirectionalLM(nn.Module):
-    """SDPA without a causal mask: every token sees the whole row."""
+class _EmbedHeadLM(nn.Module):
+    """An embedding and a head; each model below puts one sequence-mixing op between them."""
 
     def __init__(self, vocab=VOCAB, dim=16):
         super().__init__()
         self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+
+class BidirectionalLM(_EmbedHeadLM):
+    """SDPA without a causal mask: every token sees the whole row."""
 
     def forward(self, idx):
         x = self.emb(idx)[:, None]
         return self.head(F.scaled_dot_product_attention(x, x, x)[:, 0])
 
 
-class PrefixLMMaskLM(nn.Module):
+class PrefixLMMaskLM(_EmbedHeadLM):
     """Manual attention whose structural mask is not causal (a bidirectional prefix of 3)."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         t = idx.shape[1]
@@ -41,24 +41,16 @@ class PrefixLMMaskLM(nn.Module):
         return self.head((att @ x)[:, 0])
 
 
-class MeanPoolLM(nn.Module):
+class MeanPoolLM(_EmbedHeadLM):
     """Adds the mean over the whole sequence to every token (global pooling)."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         x = self.emb(idx)
         return self.head(x + x.mean(dim=1, keepdim=True))
 
 
-class TokenShiftLM(nn.Module):
+class TokenShiftLM(_EmbedHeadLM):
     """RWKV-style token shift: mixes each token with the previous row of the packed sequence."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -66,24 +58,16 @@ class TokenShiftLM(nn.Module):
         return self.head(x + shifted)
 
 
-class DropoutAttentionLM(nn.Module):
+class DropoutAttentionLM(_EmbedHeadLM):
     """Causal SDPA with dropout: random per call, so no tree can match it."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         x = self.emb(idx)[:, None]
         return self.head(F.scaled_dot_product_attention(x, x, x, is_causal=True, dropout_p=0.1)[:, 0])
 
 
-class MergedRowsPoolLM(nn.Module):
+class MergedRowsPoolLM(_EmbedHeadLM):
     """Merges the rows with the heads ([B, S, H, D] -> [B * S * H, D]), then pools over them."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         b, t = idx.shape
@@ -93,12 +77,8 @@ class MergedRowsPoolLM(nn.Module):
         return self.head(x + pooled.repeat(4))
 
 
-class MergedRowsCumsumLM(nn.Module):
+class MergedRowsCumsumLM(_EmbedHeadLM):
     """A running sum over the merged [S * H] rows: each token sees the ones before it in the row."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         b, t = idx.shape
@@ -107,12 +87,8 @@ class MergedRowsCumsumLM(nn.Module):
         return self.head(x + rows.reshape(b, t, -1))
 
 
-class TokenLoopLM(nn.Module):
+class TokenLoopLM(_EmbedHeadLM):
     """A linear recurrence as a Python loop over the tokens: Dynamo makes the length a constant."""
-
-    def __init__(self, vocab=VOCAB, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -124,12 +100,11 @@ class TokenLoopLM(nn.Module):
         return self.head(torch.stack(outs, 1))
 
 
-class ZeroPadShiftLM(nn.Module):
+class ZeroPadShiftLM(_EmbedHeadLM):
     """RWKV's time shift, ``ZeroPad2d((0, 0, 1, -1))``: the previous row, at the same length."""
 
-    def __init__(self, vocab=VOCAB, dim=16):
+    def __init__(self) -> None:
         super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.shift = nn.ZeroPad2d((0, 0, 1, -1))
 
     def forward(self, idx):
