@@ -25,9 +25,9 @@ Layouts (the tree content, every path's tokens, weight and loss mask, and so the
 the same under each):
 
 * ``insertion``: children in first-insertion order (``from_sequences(child_order="insertion")``);
-* ``largest-first`` / ``smallest-first``: every node's children (and a tree's roots)
-  sorted by subtree size in tokens, descending / ascending (stable); largest-first is what
-  `TrajectoryTree.from_sequences` builds by default;
+* ``largest-first``: every node's children sorted by subtree size in tokens, descending
+  (stable), as `TrajectoryTree.from_sequences` builds by default; ``smallest-first``: the
+  children, and a tree's roots, ascending;
 * ``align-trees`` / ``align-subtrees`` / ``align-nodes``: the insertion order with padding
   rows inserted so that every tree start / every subtree boundary (a tree start or a child
   that is not the first) / every node start falls on a block boundary. A padding row has
@@ -112,9 +112,9 @@ def reorder_children(tree: TrajectoryTree, key: Callable[[int], float]) -> Traje
 
 
 def largest_first(tree: TrajectoryTree) -> TrajectoryTree:
-    """Children sorted by subtree size in tokens, largest first."""
-    size = subtree_tokens(tree)
-    return reorder_children(tree, lambda v: -int(size[v]))
+    """Children sorted by subtree size in tokens, largest first: what `TrajectoryTree.from_sequences`
+    builds by default (roots keep their order)."""
+    return rebuilt(tree, "largest_first")
 
 
 def smallest_first(tree: TrajectoryTree) -> TrajectoryTree:
@@ -319,13 +319,18 @@ def synthetic_workloads() -> list[tuple[str, list[TrajectoryTree]]]:
     return out
 
 
-def insertion_order(tree: TrajectoryTree) -> TrajectoryTree:
-    """The same tree with children in first-insertion order (paths in path order, as built)."""
+def rebuilt(tree: TrajectoryTree, child_order: str) -> TrajectoryTree:
+    """The same tree built again from its paths (in path order) with ``child_order``."""
     paths = tree.paths()
     return TrajectoryTree.from_sequences(
         [p.tokens for p in paths], weights=[p.weight for p in paths], loss_masks=[p.loss_mask for p in paths],
-        metadata=tree.metadata, child_order="insertion",
+        metadata=tree.metadata, child_order=child_order,
     )
+
+
+def insertion_order(tree: TrajectoryTree) -> TrajectoryTree:
+    """The same tree with children in first-insertion order."""
+    return rebuilt(tree, "insertion")
 
 
 def rows_of(trees: Sequence[TrajectoryTree], row_tokens: int | None) -> list[list[TrajectoryTree]]:

@@ -22,8 +22,9 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
 * `tree_recurrence`: the recurrence on a packed tree. Each tree node's rows run from its
   *parent node's final state* (roots from the call's initial state, or zeros), so every
   row sees exactly the state of its own path, never a sibling's. Nodes at the same depth
-  run together as one zero-padded batch, so there are as many sequential steps as the
-  tree is deep in nodes, not as it has nodes. Siblings read the same parent state tensor,
+  run together as one zero-padded batch (split where lengths differ widely, so padding at
+  most doubles the rows), so the sequential steps follow how deep the tree is in nodes,
+  not how many nodes it has. Siblings read the same parent state tensor,
   so autograd sums their gradients into it, as it does per path. Where a variable-length
   kernel is registered for the device (flash-linear-attention's Triton kernels on CUDA
   when installed: one sequence per node, the parents' final states as initial states), a
@@ -131,7 +132,7 @@ def chunked_recurrence(
 
 def node_levels(node_table: Tensor) -> list[np.ndarray]:
     """Node ids grouped by depth (roots first), each group in preorder."""
-    parent = node_table[:, 2].numpy()
+    parent = node_table[:, 2].cpu().numpy()
     depth = np.zeros(len(parent), dtype=np.int64)
     for n, p in enumerate(parent.tolist()):  # preorder: a parent's depth is known first
         if p >= 0:
@@ -156,7 +157,9 @@ def tree_recurrence(
     """The recurrence on a packed tree (one row, ``B = 1``), differentiable: ``out [1, S, H, Dv]``.
 
     Each depth level is one batch of its nodes' rows, right-padded with zero rows to the
-    longest node of the level, started from the parents' final states.
+    longest node of the level, started from the parents' final states (a level whose
+    lengths differ widely is split so that padding at most doubles its rows; a registered
+    variable-length kernel needs no padding).
     """
     if q.shape[0] != 1:
         raise ValueError(f"the tree recurrence runs one packed row, got a batch of {q.shape[0]}")
@@ -181,19 +184,39 @@ def tree_recurrence(
             out, final = varlen(*(x[index][None] for x in padded), init, cu)
             rows_out.append(rows)
             vals_out.append(out[0])
-        else:
-            width = int(lengths.max())
+            for i, n in enumerate(level.tolist()):
+                finals[n] = final[i]
+            continue
+        for group in _padding_groups(lengths, chunk):
+            width = int(lengths[group].max())
             offs = np.arange(width)[None, :]
-            valid = offs < lengths[:, None]
-            rows = np.where(valid, start[level][:, None] + offs, s)
+            valid = offs < lengths[group][:, None]
+            rows = np.where(valid, start[level][group][:, None] + offs, s)
             index = torch.from_numpy(rows).to(q.device, non_blocking=True)
-            out, final = chunked_recurrence(*(x[index] for x in padded), init, delta=delta, chunk=chunk)
+            group_init = init[torch.from_numpy(group).to(init.device)]
+            out, final = chunked_recurrence(*(x[index] for x in padded), group_init, delta=delta, chunk=chunk)
             rows_out.append(rows[valid])
             vals_out.append(out[torch.from_numpy(valid).to(q.device, non_blocking=True)])
-        for i, n in enumerate(level.tolist()):
-            finals[n] = final[i]
+            for i, n in enumerate(level[group].tolist()):
+                finals[n] = final[i]
     order = np.argsort(np.concatenate(rows_out), kind="stable")
     return torch.cat(vals_out)[torch.from_numpy(order).to(q.device)][None]
+
+
+def _padding_groups(lengths: np.ndarray, chunk: int) -> list[np.ndarray]:
+    """Splits a level's nodes (by index) into batches padded to their longest node, longest first,
+    each with at most ``2 * tokens + chunk`` rows padded: O(S) memory whatever the lengths (one
+    long node beside many short ones would otherwise pad every short one to its length)."""
+    groups, current, tokens = [], [], 0
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[i])
+        if current and int(lengths[current[0]]) * (len(current) + 1) > 2 * (tokens + n) + chunk:
+            groups.append(np.array(current))
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    groups.append(np.array(current))
+    return groups
 
 
 # ----------------------------------------------------------------------------- variable-length kernels
@@ -383,7 +406,8 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
     @torch.library.custom_op(f"treecompile::tree_{kind}", mutates_args=())
     def tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
              node_table: Tensor) -> Tensor:
-        return _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, delta=delta).to(v.dtype).contiguous()
+        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, delta=delta)
+        return out.to(v.dtype).contiguous()
 
     @tree.register_fake
     def _tree_fake(q, k, v, g, beta, initial_state, node_table):
@@ -404,7 +428,7 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
         d_init = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
         return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), d_init)
 
-    def setup_linear(ctx, inputs, output):
+    def save_inputs(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
 
     def backward_linear(ctx, d_out, d_final):
@@ -412,14 +436,11 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
         grads = backward(q, k, v, g, beta, init, d_out, d_final, None)
         return (*grads[:5], grads[5] if init is not None else None)
 
-    def setup_tree(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
     def backward_tree(ctx, d_out):
         q, k, v, g, beta, init, node_table = ctx.saved_tensors
         grads = backward(q, k, v, g, beta, init, d_out, None, node_table)
         return (*grads[:5], grads[5] if init is not None else None, None)
 
-    linear.register_autograd(backward_linear, setup_context=setup_linear)
-    tree.register_autograd(backward_tree, setup_context=setup_tree)
+    linear.register_autograd(backward_linear, setup_context=save_inputs)
+    tree.register_autograd(backward_tree, setup_context=save_inputs)
     return linear, tree

@@ -39,7 +39,7 @@ from torch import fx
 
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
-from treecompile.passes._graph import PassContext, bind, describe, is_call, is_op, same_size, source_of, value
+from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call, is_op, same_size, source_of, value
 
 __all__ = ["rewrite_conv_context_pass"]
 
@@ -81,7 +81,6 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
 
 
 _CONV1D = (torch.conv1d, F.conv1d)
-_PADS = (F.pad, torch._C._nn.pad, torch.constant_pad_nd)
 _CONV1D_ARGS = ["input", "weight", "bias", "stride", "padding", "dilation", "groups"]
 _CONV1D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
@@ -154,7 +153,7 @@ def _keeps_first(node: fx.Node, seq_len) -> bool:
 
 def _left_padded(x, kk: int) -> bool:
     """``pad(x, (K - 1, 0))`` with zeros."""
-    if not (isinstance(x, fx.Node) and is_call(x, _PADS)):
+    if not (isinstance(x, fx.Node) and is_call(x, PADS)):
         return False
     pad = x.args[1] if len(x.args) > 1 else x.kwargs.get("pad")
     mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")

@@ -42,7 +42,7 @@ __all__ = ["route_ssm_state_pass"]
 NAME = "ssm_state"
 
 #: The linear-sequence scan ops this pass rewrites, by counter name.
-SCANS = ("gated_delta_rule", "ssd_scan")
+SCAN_OPS = ("gated_delta_rule", "ssd_scan")
 
 
 def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -50,7 +50,8 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
     Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``, ``ssd_scan``.
     """
-    calls = [(n, kind) for n in gm.graph.nodes for kind in SCANS if is_op(n, getattr(torch.ops.treecompile, kind))]
+    calls = [(n, kind) for n in gm.graph.nodes for kind in SCAN_OPS
+             if is_op(n, getattr(torch.ops.treecompile, kind))]
     if not calls:
         return gm
     if ctx.node_table is None:

@@ -34,6 +34,7 @@ from torch import fx
 from treecompile.errors import UnsupportedModelError
 from treecompile.passes._graph import (
     ARANGE,
+    PADS,
     SDPA,
     PassContext,
     bind,
@@ -46,6 +47,7 @@ from treecompile.passes._graph import (
     value,
 )
 from treecompile.passes.markers import is_marker
+from treecompile.passes.ssm_state import SCAN_OPS
 
 __all__ = ["verify_graph_pass"]
 
@@ -146,12 +148,9 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
             return "contracts over the sequence (einsum)"
     if _changes_length(node, s):
         return "changes the sequence length (a shift, pad or cat along the sequence)"
-    if is_call(node, _PADS) and _pads_rows(node, s):
+    if is_call(node, PADS) and _pads_rows(node, s):
         return "pads or shifts along the sequence"
     return None
-
-
-_PADS = {F.pad, torch._C._nn.pad, torch.constant_pad_nd}
 
 
 def _pads_rows(node: fx.Node, s) -> bool:
@@ -208,7 +207,7 @@ def _indexes_one_token(node: fx.Node, s) -> bool:
 
 def _is_sequence_kernel(node: fx.Node) -> bool:
     """The linear-sequence kernel ops the wrapper swaps in (their tree forms are created nodes)."""
-    ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", "gated_delta_rule", "ssd_scan")]
+    ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", *SCAN_OPS)]
     return any(op is not None and is_op(node, op) for op in ops)
 
 

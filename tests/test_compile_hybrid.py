@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from test_compile_models import SdpaBlock, compare_with_paths, make_batch, tiny
 from torch import nn
-from testing import TOLERANCES, assert_grads_close, param_grads
+from testing import TOLERANCES, assert_grads_close, backward_grads
 
 import treecompile as tc
 from treecompile.compile import TreeCompiledModel, _sequence_kernels, _swapped, tree_compile
@@ -201,6 +201,26 @@ def test_tree_state_routing_matters(kind):
     tree = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, None, _node_table(batch))
     linear, _ = getattr(torch.ops.treecompile, kind)(q, k, v, g, beta, None)
     assert (tree - linear).abs().max() > 1e-3
+
+
+def test_uneven_level_pads_at_most_twice_its_rows(monkeypatch):
+    """One 150-token node beside 30 one-token siblings: split into batches, not 31 x 150 rows."""
+    paths = [[1, 2] + list(range(3, 153))] + [[1, 2, 200 + i] for i in range(30)]
+    batch, _ = _pack(paths)
+    shapes = []
+    real = recurrence.chunked_recurrence
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(args[0].shape[:2]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recurrence, "chunked_recurrence", recording)
+    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    out = torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, _node_table(batch))
+    level_tokens = 150 + 30
+    padded = sum(n * w for n, w in shapes[1:])  # after the root's batch
+    assert len(shapes) >= 3 and padded <= 2 * level_tokens + 2 * recurrence.CHUNK, shapes
+    _close([out], [_tree_reference(KINDS["gated_delta_rule"], q, k, v, g, beta, h0, batch)], "forward")
 
 
 @pytest.mark.parametrize("name,steps", [("siblings", 2), ("deep-chain", 7), ("chunk-straddle", 3)])
@@ -452,14 +472,10 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     # Against per-path training with the same linear-sequence kernels swapped in (checked
     # against the reference loop and HF's kernels above): float64 but for HF's float32 norms,
     # so every gradient, however small, within the scaled ("float64", "hf") budget.
-    model.zero_grad(set_to_none=True)
-    compiled(batch).loss.backward()
-    tree_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
+    _, tree_grads = backward_grads(model, lambda: compiled(batch))
     with _swapped(_sequence_kernels(model)):
-        per_path_loss(model, trees).loss.backward()
-    assert_grads_close(tree_grads, param_grads(model), ("float64", "hf"))
-    model.zero_grad(set_to_none=True)
+        _, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees))
+    assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
     counters = compiled.counters
     layers = CONV_LAYERS.get(name, sum(MODELS[name][1].values()))
     assert counters["conv_context"] == {"causal_conv1d": layers}

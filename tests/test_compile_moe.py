@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 from test_compile_models import TOL, make_batch
-from testing import assert_grads_close, param_grads
+from testing import assert_grads_close, backward_grads
 
 import treecompile as tc
 from treecompile.compile import tree_compile
@@ -59,15 +59,8 @@ def _compiled(coef: float):
 
 
 def _tree_and_reference(model, compiled, batch, trees, coef):
-    model.zero_grad(set_to_none=True)
-    out = compiled(batch)
-    out.loss.backward()
-    tree_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
-    ref = per_path_loss(model, trees, router_aux_loss_coef=coef)
-    ref.loss.backward()
-    ref_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
+    out, tree_grads = backward_grads(model, lambda: compiled(batch))
+    ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, router_aux_loss_coef=coef))
     return out, tree_grads, ref, ref_grads
 
 

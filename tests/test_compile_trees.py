@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from strategies import path_sets
 from test_compile_models import NanoGPT, compare_with_paths, tiny
-from testing import TOLERANCES, assert_grads_close, param_grads
+from testing import TOLERANCES, assert_grads_close, backward_grads
 
 from treecompile import TrajectoryTree, pack, tree_compile
 
@@ -86,15 +86,10 @@ def test_qwen3_on_real_gsm8k_and_tau_bench_trees(mode):
     assert batch.num_paths == sum(t.num_paths for t in trees) == 4 + 4 + 8
     from treecompile.reference import per_path_loss
 
-    model.zero_grad(set_to_none=True)
-    out = compiled(batch)
-    out.loss.backward()
-    tree_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
-    ref = per_path_loss(model, trees, loss_mode=mode)
-    ref.loss.backward()
+    out, tree_grads = backward_grads(model, lambda: compiled(batch))
+    ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, loss_mode=mode))
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-7)
-    assert_grads_close(tree_grads, param_grads(model), ("float64", "hf"))
+    assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
 
 
 def test_verify_on_a_float32_hf_model_checks_in_float64():

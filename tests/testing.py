@@ -62,6 +62,17 @@ def param_grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def backward_grads(model, run):
+    """``(out, grads)``: ``out = run()`` with ``out.loss`` backpropagated from fresh gradients;
+    the model's gradients are cleared again afterwards."""
+    model.zero_grad(set_to_none=True)
+    out = run()
+    out.loss.backward()
+    grads = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
 def hash_logits(prefix: tuple[int, ...], vocab: int) -> np.ndarray:
     """Logits that are a fixed pseudo-random function of the whole prefix."""
     digest = hashlib.blake2b(repr(prefix).encode(), digest_size=8).digest()

@@ -46,7 +46,7 @@ import torch
 
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
-from treecompile.partition import loss_denominator, partition_tree, path_lengths, reuse_ratios
+from treecompile.partition import ReuseStats, loss_denominator, partition_tree, path_lengths
 from treecompile.shard import Sharding, shard_paths
 from treecompile.tree import TrajectoryTree
 
@@ -91,7 +91,7 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]
 
 
 @dataclass
-class StepPlan:
+class StepPlan(ReuseStats):
     """One global step: for each rank, its micro-steps, each a list of trees packed in one row.
 
     Attributes:
@@ -134,21 +134,6 @@ class StepPlan:
     def partition_tokens(self) -> int:
         """Tokens computed over all ranks and micro-steps (padding excluded)."""
         return int(sum(self.rank_tokens))
-
-    @property
-    def duplicated_tokens(self) -> int:
-        """Tokens computed more than once, by sharding and by partitioning together."""
-        return self.partition_tokens - self.tree_tokens
-
-    @property
-    def por(self) -> float:
-        """``1 - tree_tokens / path_tokens`` over the step (`treecompile.partition.reuse_ratios`)."""
-        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[0]
-
-    @property
-    def err(self) -> float:
-        """``1 - partition_tokens / path_tokens``: the reuse left after sharding and partitioning."""
-        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[1]
 
     def batches(self, rank: int, *, device: torch.device | str | None = None) -> list[TreeBatch]:
         """This rank's micro-batches, packed with the step's global ``denominator``."""

@@ -302,7 +302,8 @@ def example_trees(vocab_size: int | None = None) -> list[Any]:
         return [t % vocab_size for t in seq] if vocab_size else list(seq)
 
     # Insertion order: the rows stay in the order the sequences list them (the docs describe them).
-    return [TrajectoryTree.from_sequences([ids(s) for s in tree], child_order="insertion") for tree in EXAMPLE_SEQUENCES]
+    return [TrajectoryTree.from_sequences([ids(s) for s in tree], child_order="insertion")
+            for tree in EXAMPLE_SEQUENCES]
 
 
 def mask_matrix(batch: Any, mask: str = "interval") -> Any:

@@ -510,8 +510,28 @@ METHODS: dict[str, Callable[[TrajectoryTree, int], np.ndarray]] = {
 """Partitioning methods: name -> ``fn(tree, capacity) -> [P] part index of each path``."""
 
 
+class ReuseStats:
+    """Duplicated tokens, POR and ERR of a split, from its ``tree_tokens``, ``path_tokens`` and
+    ``partition_tokens`` (tokens computed over all its parts), which subclasses provide."""
+
+    @property
+    def duplicated_tokens(self) -> int:
+        """Tokens computed more than once because parts share them: ``partition - tree``."""
+        return self.partition_tokens - self.tree_tokens
+
+    @property
+    def por(self) -> float:
+        """``1 - tree_tokens / path_tokens``: the reuse of the whole tree (see `reuse_ratios`)."""
+        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[0]
+
+    @property
+    def err(self) -> float:
+        """``1 - partition_tokens / path_tokens``: the reuse the split keeps."""
+        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[1]
+
+
 @dataclass
-class Partition:
+class Partition(ReuseStats):
     """A tree split into parts of at most ``capacity`` tokens.
 
     Attributes:
@@ -541,21 +561,6 @@ class Partition:
     def partition_tokens(self) -> int:
         """Tokens over all parts (what training computes)."""
         return int(sum(self.part_tokens))
-
-    @property
-    def duplicated_tokens(self) -> int:
-        """Tokens computed more than once because parts share them: ``partition - tree``."""
-        return self.partition_tokens - self.tree_tokens
-
-    @property
-    def por(self) -> float:
-        """``1 - tree_tokens / path_tokens``: the reuse of the whole tree."""
-        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[0]
-
-    @property
-    def err(self) -> float:
-        """``1 - partition_tokens / path_tokens``: the reuse this partition keeps."""
-        return reuse_ratios(self.tree_tokens, self.path_tokens, self.partition_tokens)[1]
 
     def summary(self) -> dict[str, Any]:
         """Plain-dict summary: sizes, POR, ERR, duplicated tokens."""
