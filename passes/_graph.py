@@ -173,3 +173,112 @@ def describe(node: fx.Node) -> str:
     """``name = target(...)`` for error messages."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"node {node.name!r} ({node.op} {target})"
+
+
+# ----------------------------------------------------------------------------- mutations
+
+# ``x += y`` on a tensor is recorded as ``operator.iadd`` (an in-place op on ``x``).
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+}
+
+
+def mutated_args(node: fx.Node) -> list[fx.Node]:
+    """The graph values whose memory ``node`` writes in place ([] for a pure op).
+
+    Covers tensor methods with a trailing underscore (``add_``, ``copy_``, ``index_add_``,
+    ``masked_fill_``, ``scatter_``, ``index_put_`` ...), their function spellings
+    (``torch.relu_``), in-place operators (``x += y``), ``x[i] = v``, ``out=`` and
+    ``inplace=True`` forms, and ops whose schema declares a mutation.
+    """
+    out: list[fx.Node] = []
+    first = node.args[0] if node.args else None
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    inplace_name = isinstance(name, str) and name.endswith("_") and not name.startswith("__") and name != "_"
+    if node.op == "call_method":
+        if inplace_name or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+            out.append(first)
+    elif node.op == "call_function":
+        if node.target is operator.setitem or node.target in _INPLACE_OPERATORS or inplace_name:
+            out.append(first)
+        elif node.kwargs.get("inplace") is True:
+            out.append(first)
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and getattr(schema, "is_mutable", False):
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    out.append(node.kwargs.get("out"))
+    flat: list[fx.Node] = []
+    for a in out:
+        if isinstance(a, fx.Node):
+            flat.append(a)
+        elif isinstance(a, (list, tuple)):
+            flat.extend(x for x in a if isinstance(x, fx.Node))
+    return flat
+
+
+def storage_of(node: Any) -> int | None:
+    """An id of the memory the node's tensor lives in (views share it), or None if unknown."""
+    v = value(node)
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return v.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (sparse, nested): unknown
+        return None
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> int:
+    """Dead-code elimination that keeps every observable mutation; returns nodes removed.
+
+    ``fx.Graph.eliminate_dead_code`` treats tensor methods as pure, so an ``add_`` /
+    ``copy_`` / ``index_add_`` whose return value is unused would be deleted even though a
+    later node reads the tensor it wrote (experts accumulating into a buffer, a tensor filled
+    by ``copy_``): silently wrong values and gradients. Here an in-place op is live if it
+    writes a graph input, a parameter or buffer, memory of unknown origin, or memory that a
+    live node reads (found through the storage of Dynamo's example values, so writes through
+    views count). Only a write into a fresh tensor that nothing live reads is removed (e.g.
+    the in-place building of a causal mask the attention pass made unnecessary).
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    external = {storage_of(n) for n in nodes if n.op in ("placeholder", "get_attr")} - {None}
+    writes: dict[fx.Node, set[int | None]] = {}
+    for n in nodes:
+        targets = mutated_args(n)
+        if targets:
+            writes[n] = {storage_of(t) for t in targets}
+    live: set[fx.Node] = set()
+
+    def mark(n: fx.Node) -> None:
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            if m in live:
+                continue
+            live.add(m)
+            stack.extend(m.all_input_nodes)
+
+    for n in nodes:
+        impure = n.op in ("placeholder", "output", "call_module") or (n.op == "call_function" and n.is_impure())
+        storages = writes.get(n)
+        if impure or (storages is not None and (None in storages or storages & external)):
+            mark(n)
+    # A write into fresh memory is live once a live node reads that memory; iterate to a fixed point.
+    changed = True
+    while changed:
+        changed = False
+        read = {storage_of(i) for m in live for i in m.all_input_nodes} | {storage_of(m) for m in live}
+        for n, storages in writes.items():
+            if n not in live and storages & read:
+                mark(n)
+                changed = True
+    removed = 0
+    for n in reversed(nodes):
+        if n not in live and not n.users:
+            graph.erase_node(n)
+            removed += 1
+    return removed

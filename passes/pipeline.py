@@ -1,8 +1,11 @@
 """The pass pipeline and the Dynamo backend that runs it.
 
 Order (each pass is a plain ``<verb>_<noun>_pass(gm, ctx) -> gm``; dead code is removed
-after each):
+after each, keeping every in-place op whose write is observable, see
+:func:`treecompile.passes._graph.eliminate_dead_code`):
 
+0. ``inline_subgraphs_pass``: activation-checkpoint bodies are inlined (tagged for
+   recomputation), so that every later pass and the verification see their ops.
 1. ``rewrite_attention_pass``: causal attention becomes tree FlexAttention. First, so
    that the model's own mask building (aranges compared with each other, tril buffers)
    is dead and removed before positions are looked for.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from treecompile.kernels.flex import MASK_KINDS, BlockLayout
-from treecompile.passes._graph import PassContext, value
+from treecompile.passes._graph import PassContext, describe, eliminate_dead_code, mutated_args, source_of, value
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.loss import fuse_lm_head_pass, gather_logits_pass
@@ -38,6 +41,7 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
+from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
 __all__ = ["PASSES", "LM_HEAD_PASSES", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
@@ -48,6 +52,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 #: The passes in the order they run.
 PASSES: tuple[Pass, ...] = (
+    inline_subgraphs_pass,
     rewrite_attention_pass,
     rewrite_positions_pass,
     rewrite_conv_context_pass,
@@ -100,23 +105,39 @@ class CompileRecord:
         counters: per pass name, a Counter of rewrites by kind.
         graph_module: the rewritten graph (before lowering), for inspection.
         seq_len: S as the graph saw it (an int, or a symbol when dynamic).
+        in_place_ops: the number of in-place ops (``add_``, ``copy_``, ``out=`` ...) in the
+            captured graph, before the passes.
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = None
     seq_len: str = ""
+    in_place_ops: int = 0
 
 
 def run_passes(
     gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = PASSES
 ) -> fx.GraphModule:
-    """Runs ``passes`` in order with dead-code elimination after each."""
+    """Runs ``passes`` in order with mutation-safe dead-code elimination after each.
+
+    Every in-place op (``add_``, ``copy_``, ``index_put_``, ``out=`` ...) must survive every
+    pass unless the dead-code elimination proved its write unobservable: a pass that drops
+    one would silently change what the model computes, so that raises.
+    """
     for p in passes:
+        before = {n for n in gm.graph.nodes if mutated_args(n)}
         gm = p(gm, ctx)
-        gm.graph.eliminate_dead_code()
+        after = set(gm.graph.nodes)
+        lost = [n for n in before if n not in after]
+        if lost:
+            raise RuntimeError(
+                f"treecompile internal error: {p.__name__} removed the in-place op {describe(lost[0])}\n"
+                f"  at {source_of(lost[0])}"
+            )
+        removed = eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
-        log.debug("%s: %s", p.__name__, dict(ctx.counters.get(p.__name__, {})))
+        log.debug("%s: %s; %d dead nodes removed", p.__name__, dict(ctx.counters.get(p.__name__, {})), removed)
     return gm
 
 
@@ -146,8 +167,9 @@ def make_backend(
     def treecompile_backend(gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
+        in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
         gm = run_passes(gm, ctx, passes)
-        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len)))
+        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place))
         return lower(gm, example_inputs)
 
     return treecompile_backend

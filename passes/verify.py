@@ -114,6 +114,9 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         return "is the tree input marker, which must have been removed"
     if node.op == "call_function" and target is torch.ops.higher_order.flex_attention:
         return "is a FlexAttention call with the model's own mask, which is not the tree mask"
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return (f"is a higher-order op ({getattr(target, '__name__', target)}: torch.cond, a torch.autograd.Function, "
+                "a loop or region with its own subgraph) whose body the passes do not rewrite or check")
     if node.op == "call_function" and target in _RNNS or node.op == "call_module":
         return "is a recurrent layer (or an opaque module) over the sequence"
     if is_call(node, _CONVS, ("conv1d", "conv2d")):
@@ -146,6 +149,19 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         ins = [a for a in node.args[1:] if isinstance(a, fx.Node)]
         if any(_row_dims(a, s) for a in ins) and not _row_dims(node, s):
             return "contracts over the sequence (einsum)"
+    if is_call(node, _NORMS, _NORM_METHODS) and _normalises_rows(node, s):
+        return "normalises over the sequence (statistics shared by the tokens of the row)"
+    gathered = _row_index_source(node, s)
+    if gathered is not None:
+        return (f"gathers or scatters rows of the sequence at indices computed from {gathered} (e.g. a token "
+                "shift x[:, arange(T) - 1]): the row before a token in the packed row is not its predecessor on "
+                "the path")
+    length_use = _length_as_value(node, s)
+    if length_use is not None:
+        return (f"uses the sequence length as a value ({length_use}), e.g. arange(T) / T or a log(T) temperature: "
+                "each path has its own length, which one packed row does not have")
+    if _is_opaque_custom_op(node) and any(_row_dims(a, s) for a in node.all_input_nodes):
+        return "is a custom op treecompile does not know, applied to the sequence (it may mix tokens)"
     if _changes_length(node, s):
         return "changes the sequence length (a shift, pad or cat along the sequence)"
     if is_call(node, PADS) and _pads_rows(node, s):
@@ -286,3 +302,173 @@ def _multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:
     ratio = sympy.simplify(size.node.expr / s.node.expr)
     return bool(ratio.is_integer) and bool(ratio.is_positive)
 
+
+
+# ----------------------------------------------------------------------------- row movement
+
+_NORMS = {F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm, F.instance_norm, torch.instance_norm,
+          F.batch_norm, torch.batch_norm}
+_NORM_METHODS: set[str] = set()
+
+
+def _normalises_rows(node: fx.Node, s) -> bool:
+    """A norm whose statistics run over a row dim: ``layer_norm`` over a shape that includes
+    the sequence, group / instance norm over a sequence spatial dim, batch norm in training."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    rows = _row_dims(x, s)
+    if not rows:
+        return False
+    xv = value(x)
+    if node.target in (F.layer_norm, torch.layer_norm):
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        shape = value(shape) if isinstance(shape, fx.Node) else shape
+        n = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+        return any(d >= xv.dim() - n for d in rows)
+    if node.target in (F.batch_norm, torch.batch_norm):
+        training = bind(node, ["input", "running_mean", "running_var", "weight", "bias", "training"],
+                        {"training": False, "running_mean": None})
+        # Eval mode with running statistics is a per-channel affine map of each token.
+        return bool(training["training"]) or training["running_mean"] is None
+    return True
+
+
+# Ops that index along one dim of their first argument: (dim argument position, name, index argument
+# position, name); getitem is handled separately.
+_INDEX_OPS = {
+    "index_select": (1, "dim", 2, "index"), "gather": (1, "dim", 2, "index"),
+    "take_along_dim": (2, "dim", 1, "indices"), "index_add": (1, "dim", 2, "index"),
+    "index_add_": (1, "dim", 2, "index"), "index_copy": (1, "dim", 2, "index"), "index_copy_": (1, "dim", 2, "index"),
+    "index_fill": (1, "dim", 2, "index"), "index_fill_": (1, "dim", 2, "index"), "scatter": (1, "dim", 2, "index"),
+    "scatter_": (1, "dim", 2, "index"), "scatter_add": (1, "dim", 2, "index"), "scatter_add_": (1, "dim", 2, "index"),
+    "scatter_reduce": (1, "dim", 2, "index"), "scatter_reduce_": (1, "dim", 2, "index"),
+    "index_reduce": (1, "dim", 2, "index"), "index_reduce_": (1, "dim", 2, "index"),
+}
+
+
+def _op_name(node: fx.Node) -> str:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _row_index_source(node: fx.Node, s) -> str | None:
+    """For an op that indexes a row dim with a tensor: what positional quantity the index is
+    computed from (``arange``, the positions, the sequence length), else None.
+
+    Indices from the data (an MoE router's token lists) keep each token's row and are left to
+    the other rules; indices built from the row index move a token's neighbour in the packed
+    row into it, which is not its neighbour on the path.
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    x = node.args[0] if node.args else None
+    rows = _row_dims(x, s)
+    if not rows:
+        return None
+    xv = value(x)
+    indices: list = []
+    if node.target in (operator.getitem, operator.setitem) and len(node.args) > 1:
+        index = node.args[1]
+        items = list(index) if isinstance(index, tuple) else [index]
+        dim = 0
+        for k, item in enumerate(items):
+            if item is Ellipsis:
+                dim = xv.dim() - (len(items) - k - 1 - sum(1 for i in items[k + 1:] if i is None))
+                continue
+            if item is None:
+                continue
+            if isinstance(item, fx.Node) and isinstance(value(item), torch.Tensor) and dim in rows:
+                indices.append(item)
+            dim += 1
+    elif _op_name(node) in _INDEX_OPS or node.target in (torch.index_select, torch.gather, torch.take_along_dim,
+                                                           torch.index_add, torch.index_copy, torch.scatter,
+                                                           torch.scatter_add, torch.scatter_reduce):
+        name = _op_name(node)
+        dim_pos, dim_name, idx_pos, idx_name = _INDEX_OPS.get(name, (1, "dim", 2, "index"))
+        dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get(dim_name)
+        index = node.args[idx_pos] if len(node.args) > idx_pos else node.kwargs.get(idx_name)
+        if isinstance(dim, int) and _norm(dim, x) in rows and isinstance(index, fx.Node):
+            indices.append(index)
+    elif node.target is torch.take and _row_dims(x, s):
+        indices.append(node.args[1])
+    for index in indices:
+        source = _positional_source(index, s)
+        if source:
+            return source
+    return None
+
+
+def _positional_source(index: fx.Node, s) -> str | None:
+    """``arange`` / ``the tree positions`` / ``the sequence length`` if ``index`` depends on one."""
+    stack, seen = [index], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_call(n, ARANGE):
+            return "arange"
+        if n.op == "placeholder" and "position" in str(n.target).lower():
+            return "the positions"
+        v = value(n)
+        if isinstance(v, (torch.SymInt, torch.SymFloat)) and _mentions(v, s):
+            return "the sequence length"
+        stack.extend(n.all_input_nodes)
+    return None
+
+
+_VALUE_OPS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+              operator.pow, operator.radd if hasattr(operator, "radd") else operator.add,
+              torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.floor_divide, torch.pow,
+              torch.rsub, torch.remainder, torch.fmod, torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max,
+              torch.minimum, torch.maximum, torch.where, torch.masked_fill, torch.lerp, torch.full_like,
+              torch.tensor, torch.scalar_tensor, torch.as_tensor}
+_VALUE_METHODS = {"add", "sub", "mul", "div", "true_divide", "floor_divide", "pow", "rsub", "remainder", "fmod",
+                  "clamp", "clip", "clamp_min", "clamp_max", "masked_fill", "masked_fill_", "fill_", "lerp",
+                  "add_", "sub_", "mul_", "div_", "pow_", "clamp_", "__radd__", "__rsub__", "__rmul__",
+                  "__rtruediv__", "__truediv__", "__mul__", "__add__", "__sub__"}
+
+
+def _length_as_value(node: fx.Node, s) -> str | None:
+    """The argument through which the sequence length enters a tensor's values, if any.
+
+    Sizes (``view(b, T, -1)``, ``new_zeros(T, d)``) are fine; a value is not: ``x / T``,
+    ``full(.., fill_value=T)``, ``clamp(max=T - 1)``.
+    """
+    if not isinstance(value(node), torch.Tensor):
+        return None
+    if node.op == "call_function" and node.target in (torch.full, torch.Tensor.new_full) or _op_name(node) == "new_full":
+        fill = node.args[-1] if len(node.args) >= 2 else node.kwargs.get("fill_value")
+        candidates = [fill]
+    elif is_call(node, _VALUE_OPS, _VALUE_METHODS):
+        candidates = list(node.args) + list(node.kwargs.values())
+    else:
+        return None
+    for a in candidates:
+        if isinstance(a, fx.Node):
+            v = value(a)
+            if isinstance(v, (torch.SymInt, torch.SymFloat)) and _mentions(v, s):
+                return "the length S itself" if same_size(v, s) else f"{v}, computed from the length S"
+    return None
+
+
+def _mentions(v, s) -> bool:
+    if not isinstance(s, torch.SymInt):
+        return False
+    try:
+        return bool(v.node.expr.free_symbols & s.node.expr.free_symbols)
+    except AttributeError:
+        return False
+
+
+def _is_opaque_custom_op(node: fx.Node) -> bool:
+    """A call to a registered op outside torch's own namespaces and treecompile's."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    ns = getattr(t, "namespace", None)
+    if ns is None and hasattr(t, "overloadpacket"):
+        ns = getattr(t.overloadpacket, "namespace", None)
+    if ns is None and type(t).__name__ in ("OpOverload", "OpOverloadPacket"):
+        ns = str(t).split(".")[0]
+    return ns is not None and ns not in ("aten", "prims", "treecompile", "higher_order", "_c10d_functional",
+                                         "c10d_functional", "profiler", "inductor")

@@ -28,7 +28,7 @@ from torch import nn
 from treecompile.batch import TreeBatch
 from treecompile.reference import logits_of
 from treecompile.tree import TrajectoryTree
-from treecompile.errors import TreeInputError, UnsupportedModelError
+from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
 from treecompile.kernels.conv import hf_causal_conv1d_fn
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
 from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
@@ -131,6 +131,7 @@ def tree_compile(
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
             per path (see :func:`treecompile.passes.moe.router_aux_of`).
     """
+    _check_model(model)
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:
@@ -174,6 +175,7 @@ class TreeCompiledModel(nn.Module):
         self._layout = None
         self._chunks = 0
         self._is_hf = _is_hf_model(model)
+        self._vocab_size = _vocab_size(model, self._is_hf)
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
@@ -259,6 +261,12 @@ class TreeCompiledModel(nn.Module):
         """
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"expected a TreeBatch (treecompile.pack), got {type(batch).__name__}")
+        # Every batch is checked before it runs (O(S + N)): a malformed one (two batches
+        # concatenated field by field, ids beyond the vocabulary, NaN weights) would otherwise
+        # give NaN or silently wrong results, or fail deep inside the compiled graph.
+        batch.validate(vocab_size=self._vocab_size)
+        if self.mask == "bitmask" and batch.path_bits is None:
+            raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = _device_of(self._inner)
         batch = batch.to(device) if batch.device != device else batch
         rows = batch.num_tokens
@@ -279,12 +287,12 @@ class TreeCompiledModel(nn.Module):
                     if isinstance(e.inner_exception, UnsupportedModelError):
                         raise e.inner_exception from None
                     raise
-                except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+                except torch._dynamo.exc.TorchDynamoException as e:
                     # A graph break (or data-dependent control flow) would run part of the
-                    # model outside the rewritten graph.
-                    raise UnsupportedModelError(
-                        f"treecompile needs the model as one graph, but Dynamo cannot capture part of it: {e}"
-                    ) from None
+                    # model outside the rewritten graph; a model that fails under tracing
+                    # (FakeTensor errors, exceptions in its code) is refused the same way, with
+                    # Dynamo's message condensed to what failed, where and why.
+                    raise capture_error(e) from None
         out = TreeOutput(
             loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
         )
@@ -387,6 +395,36 @@ def _gathered_entropy(
     logp = torch.log_softmax(z, dim=-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
     return ent.new_zeros(like.shape[0]).index_put((dest,), ent[slot])
+
+
+def _check_model(model: Any) -> None:
+    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap."""
+    expected = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
+                "mapping token ids [1, S] to logits [1, S, vocab]")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
+    if isinstance(model, TreeCompiledModel):
+        raise TypeError(f"{expected}; got a model that is already tree-compiled (pass its .model)")
+    if type(model).__module__.startswith("torch.nn.") and not any(True for _ in model.children()):
+        raise TypeError(f"{expected}; got a bare torch.nn.{type(model).__name__}, which is one layer, not a model")
+    if _is_hf_model(model):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None and not hasattr(model, "lm_head"):
+            raise TypeError(
+                f"{expected}; got {type(model).__name__}, a base model without an LM head "
+                "(load it with AutoModelForCausalLM)"
+            )
+
+
+def _vocab_size(model: nn.Module, is_hf: bool) -> int | None:
+    """The number of token ids the model's input embedding takes, where it is known."""
+    if is_hf and hasattr(model, "get_input_embeddings"):
+        emb = model.get_input_embeddings()
+        if isinstance(emb, nn.Embedding):
+            return emb.num_embeddings
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # Only one embedding: it must be the token embedding (with more, one may be a position table).
+    return embeddings[0].num_embeddings if len(embeddings) == 1 else None
 
 
 def _device_of(model: nn.Module) -> torch.device:

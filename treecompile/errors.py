@@ -1,6 +1,8 @@
 """Exceptions raised by treecompile."""
 
-__all__ = ["TreeInputError", "UnsupportedModelError"]
+import re
+
+__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error"]
 
 
 class TreeInputError(ValueError):
@@ -9,3 +11,68 @@ class TreeInputError(ValueError):
 
 class UnsupportedModelError(RuntimeError):
     """A model contains an operation that treecompile cannot make exact on a tree."""
+
+
+def capture_error(exc: BaseException) -> UnsupportedModelError:
+    """Turns an error raised while Dynamo captures the model into a refusal whose first line
+    says what failed, where in the model's source, and why.
+
+    Dynamo's own message (a graph-break type such as "Observed exception", an explanation,
+    hints and developer context) is condensed: its user-code frame gives the source line, its
+    explanation or the exception the model raised gives the reason. Dynamo's full message is
+    not repeated (it would bury the reason); ``TORCHDYNAMO_VERBOSE=1`` shows its trace.
+    """
+    text = str(exc)
+    lines = text.splitlines()
+    kind = lines[0].strip() if lines else type(exc).__name__
+    where, code = _user_frame(lines)
+    raised = _after(text, "Developer debug context: raised exception ")
+    explanation = _after(text, "Explanation: ")
+    fake = re.search(r"got (\w+(?:Error|Exception)\(.*?\))\s*$", text, re.MULTILINE)
+    if fake and not raised:
+        raised = fake.group(1)
+    if raised:
+        why = f"it raises {raised} when traced"
+        hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
+               "tensor need it built, which tree batches do not do"
+    elif kind.lower().startswith("data-dependent branching"):
+        why = "it branches on a tensor's value, which cannot be captured as one graph"
+        hint = "make the code branchless (torch.where) or move the decision out of the model"
+    elif explanation:
+        why = explanation.rstrip(".")
+        hint = "the model must run on one packed row of any length; see docs/supported-models.md"
+    else:
+        why = kind
+        hint = "see docs/supported-models.md"
+    site = f"`{code}` at {where}" if where else "the model"
+    return UnsupportedModelError(
+        f"treecompile cannot capture this model: {site}: {why} ({kind}).\n  What to do: {hint}.\n"
+        f"  (Dynamo: {kind}; set TORCHDYNAMO_VERBOSE=1 for its full trace.)"
+    )
+
+
+def _after(text: str, marker: str) -> str:
+    i = text.find(marker)
+    if i < 0:
+        return ""
+    rest = text[i + len(marker):].strip().splitlines()
+    return rest[0].strip() if rest else ""
+
+
+def _user_frame(lines: list[str]) -> tuple[str, str]:
+    """``("file:line", code)`` of the innermost frame under "from user code:" outside treecompile."""
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == "from user code:")
+    except StopIteration:
+        return "", ""
+    frames = []
+    for i in range(start + 1, len(lines)):
+        ln = lines[i].strip()
+        if ln.startswith('File "'):
+            path = ln.split('"')[1]
+            lineno = ln.split("line ")[1].split(",")[0] if "line " in ln else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            frames.append((f"{path}:{lineno}", code, path))
+    outside = [f for f in frames if "/treecompile/" not in f[2] or "/tests/" in f[2]]
+    chosen = (outside or frames or [("", "", "")])[-1]
+    return chosen[0], chosen[1]

@@ -1,0 +1,108 @@
+"""What the compiled model accepts: every batch is validated before it runs, and
+``tree_compile`` names what it expects when given something that is not a causal LM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from test_compile_models import NanoGPT, make_batch, tiny
+
+import treecompile as tc
+from treecompile.errors import TreeInputError
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return tc.tree_compile(tiny(NanoGPT, vocab=64))
+
+
+def _concatenated(a: tc.TreeBatch, b: tc.TreeBatch) -> tc.TreeBatch:
+    """Two batches glued field by field, as a careless collator would."""
+    fields = {}
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        fields[f.name] = torch.cat([x, y]) if isinstance(x, torch.Tensor) and x.dim() == 1 else x
+    return tc.TreeBatch(**fields)
+
+
+def _snapshot(batch: tc.TreeBatch) -> dict:
+    return {f.name: getattr(batch, f.name).clone() for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)}
+
+
+def _assert_untouched(batch: tc.TreeBatch, before: dict) -> None:
+    for name, t in before.items():
+        assert torch.equal(getattr(batch, name).nan_to_num(7.5), t.nan_to_num(7.5)), f"{name} was modified"
+
+
+def test_concatenated_batches_are_refused_before_running(compiled):
+    a, _ = make_batch("branchy", path_bits=False)
+    b, _ = make_batch("forest", path_bits=False)
+    bad = _concatenated(a, b)
+    before = _snapshot(bad)
+    with pytest.raises(TreeInputError, match=r"^invalid TreeBatch: nodes must tile the row"):
+        compiled(bad)
+    _assert_untouched(bad, before)
+
+
+def test_ids_beyond_the_vocabulary_are_refused(compiled):
+    batch, _ = make_batch("single", path_bits=False)
+    batch = dataclasses.replace(batch, input_ids=batch.input_ids.clone())
+    batch.input_ids[3] = 64
+    with pytest.raises(TreeInputError, match=r"input_ids\[3\] = 64 is out of range for vocab_size=64"):
+        compiled(batch)
+
+
+def test_nan_weights_are_refused(compiled):
+    batch, _ = make_batch("branchy", path_bits=False)
+    weight = batch.target_weight.clone()
+    weight[2] = float("nan")
+    bad = dataclasses.replace(batch, target_weight=weight)
+    before = _snapshot(bad)
+    with pytest.raises(TreeInputError, match=r"target_weight\[2\] = nan: weights must be finite"):
+        compiled(bad)
+    _assert_untouched(bad, before)
+
+
+def test_mismatched_field_shapes_are_refused(compiled):
+    batch, _ = make_batch("branchy", path_bits=False)
+    bad = dataclasses.replace(batch, position_ids=batch.position_ids[:-1])
+    with pytest.raises(TreeInputError, match=r"position_ids has shape \(10,\), expected \(11,\)"):
+        compiled(bad)
+
+
+def test_bitmask_without_path_bits_is_refused():
+    compiled = tc.tree_compile(tiny(NanoGPT), mask="bitmask")
+    batch, _ = make_batch("branchy", path_bits=False)
+    with pytest.raises(TreeInputError, match=r"mask='bitmask' needs path bits"):
+        compiled(batch)
+
+
+@pytest.mark.parametrize(
+    "thing, what",
+    [
+        ("Qwen/Qwen3-0.6B", r"got str 'Qwen/Qwen3-0.6B'"),
+        (nn.Linear(4, 4), r"got a bare torch.nn.Linear, which is one layer, not a model"),
+        (None, r"got NoneType"),
+    ],
+    ids=["string", "linear", "none"],
+)
+def test_tree_compile_names_what_it_expects(thing, what):
+    with pytest.raises(TypeError, match=r"^tree_compile expects a causal language model: .*" + what):
+        tc.tree_compile(thing)
+
+
+def test_a_hugging_face_base_model_without_lm_head_is_refused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(TypeError, match=r"got Qwen3Model, a base model without an LM head"):
+        tc.tree_compile(transformers.AutoModel.from_config(cfg))
+
+
+def test_an_already_compiled_model_is_refused(compiled):
+    with pytest.raises(TypeError, match="already tree-compiled"):
+        tc.tree_compile(compiled)

@@ -1,0 +1,222 @@
+"""In-place ops survive every pass: each mutation form, in a model and at pass level.
+
+A mutation's return value is usually unused (``buf.index_add_(...)``, ``out.copy_(h)``), so a
+dead-code elimination that treats tensor methods as pure deletes it: expert gradients become
+exactly zero, a tensor filled by ``copy_`` is read uninitialised. Each form below writes into
+memory that the model reads afterwards; the tree-compiled model must match per-path training
+in float64, and the rewritten graph must still hold every in-place op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from test_compile_models import SdpaBlock, compare_with_paths, make_batch
+
+import treecompile as tc
+from treecompile.passes._graph import eliminate_dead_code, mutated_args
+
+DIM, VOCAB = 16, 64
+
+
+class Mix(nn.Module):
+    """A token-wise layer that writes its result in place, in one of several spellings."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form  # fixed per module: Dynamo specialises on it
+        self.a, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        # Channel slots for the scatter-style forms (a permutation of the hidden dim).
+        self.register_buffer("slots", torch.randperm(DIM, generator=torch.Generator().manual_seed(1)))
+        self.register_buffer("keep", torch.arange(DIM) % 3 != 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        g = self.b(x)
+        f = self.form
+        if f == "add_":  # in-place residual, return value unused
+            x = x.clone()
+            x.add_(h)
+            return x
+        if f == "iadd":
+            x = x.clone()
+            x += h
+            return x
+        if f == "copy_":  # fill an uninitialised buffer (MLA-style)
+            buf = torch.empty_like(h)
+            buf.copy_(h * g)
+            return x + buf
+        if f == "index_add_":  # experts accumulate into a preallocated buffer
+            buf = torch.zeros_like(h)
+            buf.index_add_(2, self.slots, h)
+            buf.index_add_(2, self.slots, g * 0.5)
+            return x + buf
+        if f == "scatter_":
+            buf = torch.zeros_like(h)
+            buf.scatter_(2, self.slots.expand_as(h), h)
+            return x + buf
+        if f == "masked_fill_":
+            h = h * g
+            h.masked_fill_(~self.keep, 0.25)
+            return x + h
+        if f == "index_put_":
+            buf = torch.zeros(DIM, *h.shape[:2], dtype=h.dtype)
+            buf.index_put_((self.slots,), h.permute(2, 0, 1))
+            return x + buf.permute(1, 2, 0)
+        if f == "setitem":
+            buf = torch.zeros_like(h)
+            buf[..., : DIM // 2] = h[..., : DIM // 2]
+            buf[..., DIM // 2 :] = g[..., DIM // 2 :]
+            return x + buf
+        if f == "view_mul_":  # a write through a view
+            buf = h.clone()
+            buf[..., : DIM // 2].mul_(3.0)
+            return x + buf
+        if f == "out=":  # (autograd refuses out= on tensors that need grad: a constant here)
+            scale = torch.empty(DIM, dtype=h.dtype)
+            torch.add(self.keep.to(h.dtype), 0.5, out=scale)
+            return x + h * g * scale
+        if f == "relu_":
+            h = h * g
+            F.relu(h, inplace=True)
+            return x + h
+        raise AssertionError(f)
+
+
+FORMS = ["add_", "iadd", "copy_", "index_add_", "scatter_", "masked_fill_", "index_put_", "setitem", "view_mul_",
+         "out=", "relu_"]
+
+
+class MutatingLM(nn.Module):
+    """Causal SDPA blocks (RoPE at ``arange``), each followed by every `Mix` form in turn."""
+
+    def __init__(self, forms: list[str]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(SdpaBlock(DIM, 2, 1) for _ in range(2))
+        self.mixes = nn.ModuleList(nn.Sequential(*(Mix(f) for f in forms)) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.emb(idx)
+        for blk, mix in zip(self.blocks, self.mixes):
+            x = mix(blk(x, pos))
+        return self.head(x)
+
+
+def _model(forms: list[str]) -> nn.Module:
+    torch.manual_seed(0)
+    model = MutatingLM(forms).double().eval()
+    with torch.no_grad():  # no zero bias, no identity norm: those hide a dropped write
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _count_mutations(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if mutated_args(n))
+
+
+# In-place ops each form records in the captured graph.
+WRITES = {"add_": 1, "iadd": 1, "copy_": 1, "index_add_": 2, "scatter_": 1, "masked_fill_": 1, "index_put_": 1,
+          "setitem": 2, "view_mul_": 1, "out=": 1, "relu_": 1}
+
+
+def test_every_in_place_form_matches_per_path_training():
+    """One model with every form (one compile): per-path equality on two batches of different
+    lengths, and every in-place op of the capture still in the rewritten graph."""
+    model = _model(FORMS)
+    compiled = tc.tree_compile(model)
+    for name in ("branchy", "forest"):  # two batches of different lengths, one graph
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="pure")
+    (record,) = compiled.compile_records
+    assert record.in_place_ops == 2 * sum(WRITES.values())
+    assert _count_mutations(record.graph_module) == record.in_place_ops
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_dropping_the_write_changes_the_model(form):
+    """The fixture cannot pass by accident: without its in-place op each form computes
+    something else."""
+    mix = Mix(form).double()
+    with torch.no_grad():
+        for p in mix.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(1, 5, DIM, dtype=torch.float64)
+    seen: list[int] = []
+
+    def drop_writes(gm, example_inputs):
+        seen.append(_count_mutations(gm))
+        for n in list(gm.graph.nodes):
+            if mutated_args(n):
+                n.replace_all_uses_with(mutated_args(n)[0])
+                gm.graph.erase_node(n)
+        gm.recompile()
+        return gm.forward
+
+    expected = mix(x)
+    # One cache entry per form on Mix.forward's code object.
+    with torch._dynamo.config.patch(recompile_limit=len(FORMS) + 1):
+        got = torch.compile(mix, backend=drop_writes, fullgraph=True)(x)
+    assert seen == [WRITES[form]]
+    assert not torch.allclose(got, expected), form
+
+
+def _graph_of(fn, *args) -> fx.GraphModule:
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=keep, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_dead_code_elimination_keeps_observed_writes_and_drops_unobserved_ones():
+    def fn(x, w):
+        seen = torch.zeros(3, 4)
+        seen[:, :2].add_(x @ w)  # read later through `seen`: kept
+        unseen = torch.ones(3, 4)
+        unseen.mul_(2.0)  # nothing reads `unseen`: removable
+        x.add_(1.0)  # writes an input: kept even though nothing reads it
+        return seen.sum()
+
+    gm = _graph_of(fn, torch.randn(3, 5), torch.randn(5, 2))
+    names = lambda: [n.target for n in gm.graph.nodes if mutated_args(n)]  # noqa: E731
+    assert names() == ["add_", "mul_", "add_"]
+    eliminate_dead_code(gm)
+    assert names() == ["add_", "add_"]
+    gm.recompile()
+    x = torch.randn(3, 5)
+    w = torch.randn(5, 2)
+    x0 = x.clone()
+    out = gm(x, w)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, (x0 @ w).sum())
+    torch.testing.assert_close(x, x0 + 1)
+
+
+def test_a_pass_that_drops_an_in_place_op_is_an_error():
+    from treecompile.passes.pipeline import run_passes
+
+    def fn(x):
+        buf = torch.zeros_like(x)
+        buf.copy_(x)
+        return buf * 2
+
+    gm = _graph_of(fn, torch.randn(3))
+
+    def careless_pass(gm, ctx):
+        for n in list(gm.graph.nodes):
+            if n.target == "copy_":
+                n.replace_all_uses_with(n.args[0])
+                gm.graph.erase_node(n)
+        return gm
+
+    with pytest.raises(RuntimeError, match="careless_pass removed the in-place op .*copy_"):
+        run_passes(gm, ctx=None, passes=[careless_pass])
+

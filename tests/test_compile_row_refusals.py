@@ -1,0 +1,118 @@
+"""Every way of moving data between rows that the passes cannot prove tree-exact is refused
+by name: gathers at positional indices (token shift), roll / narrow / unfold along the
+sequence, values computed from the sequence length, norms over the sequence, opaque modules
+and custom ops. Each model here trains silently wrong on a tree if it is let through."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from test_compile_models import NanoGPT, make_batch, tiny
+
+import treecompile as tc
+from treecompile.errors import UnsupportedModelError
+
+HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) "
+
+
+def _with_mix(name: str, mix):
+    """NanoGPT whose embeddings go through ``mix(x, idx)`` first; the mix is sensitive to what
+    it moves (no norm right after it would cancel it out)."""
+
+    class Mixed(NanoGPT):
+        def forward(self, idx):
+            pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+            x = self.emb(idx)
+            x = x * (1.0 + 0.1 * torch.tanh(mix(x, idx)))
+            for blk in self.blocks:
+                x = blk(x, pos)
+            return self.head(self.norm(x))
+
+    Mixed.__name__ = Mixed.__qualname__ = name
+    return Mixed
+
+
+def _t(x):
+    return x.shape[1]
+
+
+CASES = {
+    "gather-token-shift": (lambda x, idx: x[:, (torch.arange(_t(x), device=x.device) - 1).clamp(min=0)],
+                           r"gathers or scatters rows of the sequence at indices computed from the positions"),
+    "index-select-shift": (lambda x, idx: x.index_select(1, (torch.arange(_t(x)) - 1).clamp(min=0)),
+                           r"gathers or scatters rows of the sequence at indices computed from the positions"),
+    "gather-last-row": (lambda x, idx: x.gather(1, torch.full_like(idx, _t(x) - 1)[..., None].expand_as(x)),
+                        r"uses the sequence length as a value|gathers or scatters rows"),
+    "roll": (lambda x, idx: torch.roll(x, 1, dims=1), r"reduces or reorders \(roll\) along the sequence"),
+    "narrow-shift": (lambda x, idx: torch.cat([x[:, :1], x.narrow(1, 0, _t(x) - 1)], 1),
+                     r"changes the sequence length"),
+    "unfold-window": (lambda x, idx: F.pad(x, (0, 0, 1, 0)).unfold(1, 2, 1).mean(-1), r"changes the sequence length"),
+    "length-normalised-position": (lambda x, idx: (torch.arange(_t(x), dtype=x.dtype) / _t(x))[None, :, None] * x,
+                                   r"uses the sequence length as a value \(the length S itself\)"),
+    "length-scaled": (lambda x, idx: x * (_t(x) - 1), r"uses the sequence length as a value \(s\d+ - 1, computed"),
+    "layer-norm-over-sequence": (lambda x, idx: F.layer_norm(x, x.shape[1:]),
+                                 r"normalises over the sequence"),
+    "group-norm": (lambda x, idx: F.group_norm(x.transpose(1, 2), 4).transpose(1, 2),
+                   r"normalises over the sequence"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_row_movement_is_refused_by_name(case):
+    mix, why = CASES[case]
+    batch, _ = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(tiny(_with_mix(case, mix)))(batch)
+    first = str(info.value).splitlines()[0]
+    assert __import__("re").search(HEAD + ".*(" + why + ")", first), first
+    assert "test_compile_row_refusals.py" in str(info.value).splitlines()[1], str(info.value)
+
+
+def test_a_length_temperature_is_refused():
+    """``math.log(T)`` makes Dynamo specialise the length: the graph is refused as a whole."""
+    batch, _ = make_batch("branchy")
+    model = tiny(_with_mix("log-length", lambda x, idx: x * math.log(_t(x))))
+    with pytest.raises(UnsupportedModelError, match=r"makes the sequence length a constant"):
+        tc.tree_compile(model)(batch)
+
+
+class TorchMHA(NanoGPT):
+    """``nn.MultiheadAttention`` with an additive causal mask built from the length."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        t = idx.shape[1]
+        m = torch.triu(torch.full((t, t), float("-inf")), 1)
+        y, _ = self.mha(x, x, x, attn_mask=m, need_weights=False)
+        return self.head(self.norm(x + y))
+
+
+def test_torch_multihead_attention_is_refused():
+    batch, _ = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError, match=HEAD + r"produces a \[\.\., S, S\] tensor"):
+        tc.tree_compile(tiny(TorchMHA))(batch)
+
+
+@torch.library.custom_op("tctest::smooth", mutates_args=())
+def _smooth(x: torch.Tensor) -> torch.Tensor:
+    return (x + x.roll(1, 1)) / 2
+
+
+@_smooth.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_an_unknown_custom_op_over_the_sequence_is_refused():
+    batch, _ = make_batch("branchy")
+    model = tiny(_with_mix("custom-op", lambda x, idx: torch.ops.tctest.smooth(x)))
+    with pytest.raises(UnsupportedModelError, match=r"custom op treecompile does not know, applied to the sequence"):
+        tc.tree_compile(model)(batch)
