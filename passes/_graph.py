@@ -19,7 +19,7 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 
-__all__ = ["PassContext", "is_call", "is_op", "value", "seq_dims", "source_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "is_call", "is_op", "value", "seq_dims", "source_of", "location_of", "describe", "bind", "ancestors"]
 
 
 @dataclass
@@ -44,6 +44,12 @@ class PassContext:
             root), when the model has recurrent or conv layers (else None).
         node_table: the ``[N, 3]`` CPU placeholder of (start row, end row, parent node) per
             tree node, when the model has recurrent or conv layers (else None).
+        max_rows: the longest path for which what the passes judged from example values
+            holds (a structural mask evaluated at the example length S shows its pattern for
+            sequences up to S only); None if nothing was judged that way. The wrapper
+            recompiles for a batch with a longer path.
+        probe_rows: the length at which to judge such things when it exceeds the example
+            length (the wrapper asks for twice the longest path it has seen), or 0.
     """
 
     mask: str
@@ -60,6 +66,8 @@ class PassContext:
     notes: dict[fx.Node, str] = field(default_factory=dict)
     pred_index: fx.Node | None = None
     node_table: fx.Node | None = None
+    max_rows: int | None = None
+    probe_rows: int = 0
 
     def count(self, pass_name: str, kind: str, n: int = 1) -> None:
         self.counters.setdefault(pass_name, Counter())[kind] += n
@@ -167,6 +175,16 @@ def source_of(node: fx.Node) -> str:
     i = (outside or frames)[-1]
     code = lines[i + 1] if i + 1 < len(lines) else ""
     return f"{lines[i]}: {code}"
+
+
+def location_of(node: fx.Node) -> str:
+    """``file.py:line`` of the user source line that produced ``node`` (see `source_of`)."""
+    src = source_of(node)
+    if not src.startswith("File "):
+        return src
+    path = src.split('"')[1] if '"' in src else ""
+    line = src.split("line ")[1].split(",")[0] if "line " in src else "?"
+    return f"{os.path.basename(path)}:{line}"
 
 
 def describe(node: fx.Node) -> str:

@@ -276,8 +276,21 @@ def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[i
         return None, "not a tensor"
     if _depends_on_inputs(ctx, mask):
         return None, "computed from the inputs or parameters (a padding or data-dependent mask)"
-    m = _evaluate(ctx, mask)
+    m = None
+    if ctx.probe_rows and _symbolic_length(ctx):
+        # Judge the mask at the length the wrapper asks for (longer than this batch), so that
+        # the judgement covers the paths it has seen; a mask that cannot be built that long
+        # (a fixed-size buffer) is judged at the example length.
+        try:
+            m = _evaluate(ctx, mask, rows=max(ctx.probe_rows, ctx.seq_len.node.hint))
+        except Exception:
+            m = None
+    if m is None:
+        m = _evaluate(ctx, mask)
     s = m.shape[-1]
+    # What the evaluation shows holds for sequences up to s long: a longer path (a window or
+    # chunk wider than s) must be judged again (the wrapper recompiles, see PassContext.max_rows).
+    ctx.max_rows = s if ctx.max_rows is None else min(ctx.max_rows, s)
     if m.dim() < 2 or m.shape[-2] != s:
         return None, f"of shape {tuple(m.shape)}, not [.., S, S]"
     flat = m.reshape(-1, s, s)
@@ -308,15 +321,26 @@ def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[i
     return None, "causal but not a plain causal or sliding-window pattern"
 
 
-def _evaluate(ctx: PassContext, node: fx.Node) -> torch.Tensor:
-    """Runs the subgraph that computes ``node`` on the example inputs."""
+def _symbolic_length(ctx: PassContext) -> bool:
+    return isinstance(ctx.seq_len, torch.SymInt) and ctx.seq_len.node.hint is not None
+
+
+def _evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.Tensor:
+    """Runs the subgraph that computes ``node`` on the example inputs (with the sequence
+    length taken as ``rows`` if given)."""
     needed = ancestors(node) | {node}
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, object] = {}
+    length = ctx.seq_len.node.expr if rows is not None else None
     for p, ex in zip(placeholders, ctx.example_inputs):
         # Symbolic sizes are evaluated at their example value without guarding on it
         # (a guard would specialize the whole graph to this S).
-        env[p] = ex.node.hint if isinstance(ex, torch.SymInt) else ex
+        if isinstance(ex, torch.SymInt):
+            env[p] = rows if length is not None and ex.node.expr == length else ex.node.hint
+        elif rows is not None and p in needed and isinstance(ex, torch.Tensor):
+            raise ValueError("the mask reads a tensor input; it is judged at the example length")
+        else:
+            env[p] = ex
     sub = fx.Graph()
     remap: dict[fx.Node, fx.Node] = {}
     inputs = []

@@ -247,9 +247,11 @@ def hf_causal_attention(
     Registered under the name ``"treecompile"``; the wrapper selects it for the duration of
     each call. Whatever kernel the model was configured with (eager, sdpa, flex, flash),
     the call's meaning is "causal attention over the sequence with this scale, window and
-    soft-cap", which is what the marker records. ``attention_mask`` is ignored: the
-    wrapper never passes a mask, so any mask HF builds is structural (causal, window,
-    packing) and the tree rule replaces all of it.
+    soft-cap", which is what the marker records. ``attention_mask`` is what the model's
+    ``masking_utils`` builders returned during the call, a :class:`~treecompile.capture.TreeMask`
+    (see :mod:`treecompile.capture`): causal, or a sliding window (its size is used when the
+    call passes none); any other kind, and a mask tensor built by the model's own code,
+    are refused, since the tree rule would drop them.
 
     Returns:
         ``([B, S, Hq, Dv], None)`` like HF's implementations.
@@ -269,9 +271,38 @@ def hf_causal_attention(
             raise UnsupportedModelError(
                 f"{name}: attention argument {key_name!r} is not supported by treecompile yet"
             )
+    sliding_window = _window_from_mask(name, attention_mask, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window_from_mask(name: str, mask: Any, window: int | None) -> int | None:
+    """The sliding window a Hugging Face attention call means, from its mask and its argument."""
+    from treecompile.capture import TreeMask
+
+    if mask is None:
+        return window
+    if isinstance(mask, TreeMask):
+        if mask.kind == "causal":
+            return window
+        if mask.kind == "sliding" and mask.size is not None:
+            if window is not None and window != mask.size:
+                raise UnsupportedModelError(
+                    f"{name}: the attention call's sliding_window={window} differs from the mask's "
+                    f"{mask.builder} window {mask.size}"
+                )
+            return mask.size
+        raise UnsupportedModelError(
+            f"{name}: {mask.kind} attention mask ({mask.builder}"
+            + (f", size {mask.size}" if mask.size else "")
+            + ") is not reproduced on a tree; treecompile supports causal and sliding-window attention"
+        )
+    raise UnsupportedModelError(
+        f"{name}: receives an attention mask {type(mask).__name__} built by the model's own code (a custom causal "
+        "mask, or a bias such as ALiBi carried in the mask), not by transformers.masking_utils; treecompile cannot "
+        "reproduce it on a tree"
+    )
 
 
 def hf_experts(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

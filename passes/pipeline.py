@@ -107,12 +107,15 @@ class CompileRecord:
         seq_len: S as the graph saw it (an int, or a symbol when dynamic).
         in_place_ops: the number of in-place ops (``add_``, ``copy_``, ``out=`` ...) in the
             captured graph, before the passes.
+        max_rows: the longest path this graph is proven exact for (see
+            ``PassContext.max_rows``), or None for any length.
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = None
     seq_len: str = ""
     in_place_ops: int = 0
+    max_rows: int | None = None
 
 
 def run_passes(
@@ -149,6 +152,7 @@ def make_backend(
     lowering: str,
     records: list[CompileRecord],
     passes: Sequence[Pass] = PASSES,
+    probe_rows_of: Callable[[], int] = lambda: 0,
 ) -> Callable:
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
@@ -159,6 +163,8 @@ def make_backend(
         lowering: a key of :data:`LOWERINGS`.
         records: each compile appends its :class:`CompileRecord` here.
         passes: the passes to run (tests may run a prefix).
+        probe_rows_of: the length at which to judge structural masks (see
+            ``PassContext.probe_rows``).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
@@ -167,9 +173,10 @@ def make_backend(
     def treecompile_backend(gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
+        ctx.probe_rows = probe_rows_of()
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
         gm = run_passes(gm, ctx, passes)
-        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place))
+        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows))
         return lower(gm, example_inputs)
 
     return treecompile_backend

@@ -40,6 +40,7 @@ from treecompile.passes._graph import (
     bind,
     describe,
     is_call,
+    location_of,
     is_op,
     same_size,
     seq_dims,
@@ -93,7 +94,8 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         note = ctx.notes.get(node)
         extra = f" ({note})" if note else ""
         raise UnsupportedModelError(
-            f"treecompile cannot make this model exact on a tree: {describe(node)} {why}{extra}.\n"
+            f"treecompile cannot make this model exact on a tree: {describe(node)} at {location_of(node)} "
+            f"{why}{extra}.\n"
             f"  at {source_of(node)}\n"
             "Every op that mixes tokens along the sequence must be rewritten to follow the tree; "
             "see passes/README.md for what is supported."

@@ -16,7 +16,7 @@ from test_compile_models import NanoGPT, make_batch, tiny
 import treecompile as tc
 from treecompile.errors import UnsupportedModelError
 
-HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) "
+HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) at test_compile_row_refusals\.py:\d+ "
 
 
 def _with_mix(name: str, mix):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from treecompile.batch import TreeBatch
+from treecompile.capture import hf_mask_builders
 from treecompile.reference import logits_of
 from treecompile.tree import TrajectoryTree
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
@@ -185,6 +186,9 @@ class TreeCompiledModel(nn.Module):
         self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
         self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
+        self._first_record = 0
+        self._proven_rows: int | None = None
+        self._probe_rows = 0
         self._passes = passes
         self._outputs = outputs
         self.verified: VerifyReport | None = None
@@ -268,17 +272,26 @@ class TreeCompiledModel(nn.Module):
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = _device_of(self._inner)
-        batch = batch.to(device) if batch.device != device else batch
         rows = batch.num_tokens
         # Torch specialises a size-1 dimension as a constant, which would both recompile and
         # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
         # isolated padding row of weight 0 changes nothing else).
+        longest = int(batch.position_ids.max()) + 1
+        if self._proven_rows is not None and longest > self._proven_rows:
+            # The compiled graph rests on a judgement made at a shorter length (the model's own
+            # mask evaluated at the example length): compile again, judging at twice this
+            # path's length so that growing batches recompile O(log) times.
+            self._compiled, self._proven_rows = None, None
+            self._probe_rows = 2 * longest
         batch = batch.padded(MIN_ROWS)
+        batch = batch.to(device) if batch.device != device else batch
         args = self._inputs(batch)
         if self._compiled is None:
             self._compiled = self._build(device)
+            self._first_record = len(self.compile_records)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), _swapped(self._kernels):
+        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), _swapped(self._kernels), \
+                hf_mask_builders(self._inner) if self._is_hf else contextlib.nullcontext():
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
@@ -293,6 +306,8 @@ class TreeCompiledModel(nn.Module):
                     # (FakeTensor errors, exceptions in its code) is refused the same way, with
                     # Dynamo's message condensed to what failed, where and why.
                     raise capture_error(e) from None
+        bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
+        self._proven_rows = min(bounds) if bounds else None
         out = TreeOutput(
             loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
         )
@@ -309,6 +324,7 @@ class TreeCompiledModel(nn.Module):
             lowering=lowering,
             records=self.compile_records,
             passes=self._passes,
+            probe_rows_of=lambda: self._probe_rows,
         )
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs

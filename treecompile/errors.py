@@ -1,5 +1,6 @@
 """Exceptions raised by treecompile."""
 
+import ast
 import re
 
 __all__ = ["TreeInputError", "UnsupportedModelError", "capture_error"]
@@ -31,6 +32,17 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
     fake = re.search(r"got (\w+(?:Error|Exception)\(.*?\))\s*$", text, re.MULTILINE)
     if fake and not raised:
         raised = fake.group(1)
+    if raised.startswith(f"{UnsupportedModelError.__name__}("):
+        # One of treecompile's own refusals, raised inside the model's call (an attention or
+        # mask marker): its text is the reason, the model's call site the place.
+        try:
+            reason = ast.literal_eval(raised[len(UnsupportedModelError.__name__):].strip()[1:-1].rstrip(","))
+        except (ValueError, SyntaxError):
+            reason = raised
+        short = where.rsplit("/", 1)[-1]
+        return UnsupportedModelError(
+            f"treecompile cannot make this model exact on a tree: {reason} (called at {short}).\n  at {where}: {code}"
+        )
     if raised:
         why = f"it raises {raised} when traced"
         hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
@@ -73,6 +85,21 @@ def _user_frame(lines: list[str]) -> tuple[str, str]:
             lineno = ln.split("line ")[1].split(",")[0] if "line " in ln else "?"
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             frames.append((f"{path}:{lineno}", code, path))
-    outside = [f for f in frames if "/treecompile/" not in f[2] or "/tests/" in f[2]]
+    ours = _package_dirs()
+    outside = [f for f in frames if not any(f[2].startswith(d) for d in ours)]
     chosen = (outside or frames or [("", "", "")])[-1]
     return chosen[0], chosen[1]
+
+
+def _package_dirs() -> list[str]:
+    """Directories of treecompile's own code (its passes and kernels may live apart from it)."""
+    import os
+    import sys
+
+    dirs = []
+    for name in ("treecompile", "treecompile.passes", "treecompile.kernels"):
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path) + os.sep)
+    return dirs

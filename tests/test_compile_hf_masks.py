@@ -1,0 +1,71 @@
+"""Hugging Face masks are reproduced or refused, never dropped: each layer's mask kind comes
+from the ``masking_utils`` builder the model calls (see treecompile/capture.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compile_models import compare_with_paths, make_batch
+
+import treecompile as tc
+from treecompile.capture import TreeMask, _replacement
+from treecompile.errors import UnsupportedModelError
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+
+
+def _perturbed(cfg):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_chunked_attention_is_refused_by_name():
+    cfg = transformers.Llama4TextConfig(**{**SMALL, "intermediate_size_mlp": 64}, attention_chunk_size=4,
+                                        num_local_experts=2, interleave_moe_layer_step=1, output_router_logits=False)
+    batch, _ = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(_perturbed(cfg))(batch)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(
+        "treecompile cannot make this model exact on a tree: Llama4TextAttention: chunked attention mask "
+        "(create_chunked_causal_mask, size 4) is not reproduced on a tree"
+    ), first
+    assert "(called at modeling_llama4.py:" in first, first
+
+
+def test_a_window_that_exists_only_in_the_mask_is_kept():
+    """Mistral's layers pass ``sliding_window`` to the attention; with that argument gone, the
+    window lives only in the mask the model builds, and must still be applied."""
+    model = _perturbed(transformers.MistralConfig(**SMALL, sliding_window=3))
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    compiled = tc.tree_compile(model)
+    for name in ("branchy", "single"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="hf")
+
+
+def test_extra_mask_functions_are_refused():
+    build = _replacement("create_causal_mask", "causal", {})
+    with pytest.raises(UnsupportedModelError, match=r"create_causal_mask with an extra mask function"):
+        build(None, None, None, None, None, or_mask_function=lambda *a: True)
+
+
+def test_the_marker_refuses_a_mask_tensor_built_by_the_model():
+    from treecompile.passes.markers import _window_from_mask
+
+    assert _window_from_mask("Attn", None, 5) == 5
+    assert _window_from_mask("Attn", TreeMask("sliding", "create_sliding_window_causal_mask", 4), None) == 4
+    with pytest.raises(UnsupportedModelError, match=r"differs from the mask's"):
+        _window_from_mask("Attn", TreeMask("sliding", "create_sliding_window_causal_mask", 4), 3)
+    with pytest.raises(UnsupportedModelError, match=r"^Attn: bidirectional attention mask"):
+        _window_from_mask("Attn", TreeMask("bidirectional", "create_bidirectional_mask"), None)
+    with pytest.raises(UnsupportedModelError, match=r"^Attn: receives an attention mask Tensor built by the model's own"):
+        _window_from_mask("Attn", torch.zeros(1, 1, 4, 4), None)
