@@ -26,6 +26,8 @@ from treecompile.passes._graph import PassContext
 
 __all__ = ["inline_subgraphs_pass", "CHECKPOINT_OPS"]
 
+NAME = "subgraphs"
+
 #: Higher-order ops whose body is inlined (activation checkpointing only: same values,
 #: recomputed or stored).
 CHECKPOINT_OPS = tuple(
@@ -48,7 +50,7 @@ def inline_subgraphs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             return gm
         for node in regions:
             _inline(gm, node, region_id, CheckpointPolicy.PREFER_RECOMPUTE)
-            ctx.count("subgraphs", "checkpoint")
+            ctx.count(NAME, "checkpoint")
             region_id += 1
 
 
