@@ -305,6 +305,18 @@ class AttentionSpec:
     layout: BlockLayout
 
 
+def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in the dtype the attention computes in: the autocast dtype when autocast is on
+    (as scaled_dot_product_attention, which this call replaces, casts them), else their
+    common promoted dtype."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 @functools.cache
 def tree_attention_fn(spec: AttentionSpec) -> Callable:
     """The function a rewritten graph calls in place of a causal attention.
@@ -323,6 +335,7 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
         raise RuntimeError(f"unexpected BlockMask tuple layout {spec.layout.slots}; cannot apply a sliding window")
 
     def tree_flex_attention(q, k, v, positions, *tensors):
+        q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
         block_tensors = tensors[n_buf:]
         if spec.window is not None:
