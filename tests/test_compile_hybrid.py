@@ -29,7 +29,8 @@ from torch import nn
 from testing import TOLERANCES, assert_grads_close, backward_grads
 
 import treecompile as tc
-from treecompile.compile import TreeCompiledModel, _sequence_kernels, _swapped, tree_compile
+from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
+from treecompile.compile import TreeCompiledModel, tree_compile
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import conv, gdn, mamba2, recurrence
 from treecompile.passes.conv_context import rewrite_conv_context_pass

@@ -1,4 +1,18 @@
-"""Model surgery for the duration of a capture: Hugging Face's attention masks.
+"""Model surgery for the duration of a capture: everything treecompile changes in a model
+before Dynamo sees it, and restores after each call.
+
+* Hugging Face attention and experts interfaces routed to the tree markers
+  (:func:`hf_interfaces`), and HF's output-capturing hooks installed up front.
+* Module-level sequence kernels of hybrid models swapped for treecompile's ops
+  (:data:`SEQUENCE_KERNELS`, :func:`sequence_kernels`, :func:`swapped_kernels`).
+* Hugging Face's attention-mask builders swapped for ones that say which mask each layer
+  asked for (:func:`hf_mask_builders`), described below.
+
+The user's model is unchanged outside a call: running it per path, saving or generating
+sees the original functions and settings.
+
+Attention masks
+---------------
 
 Hugging Face models build their attention masks with ``transformers.masking_utils``
 (``create_causal_mask``, ``create_sliding_window_causal_mask``, ``create_chunked_causal_mask``,
@@ -19,6 +33,7 @@ is refused too.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -27,8 +42,36 @@ from typing import Any
 from torch import nn
 
 from treecompile.errors import UnsupportedModelError
+from treecompile.kernels.conv import hf_causal_conv1d_fn
+from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
+from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
+from treecompile.passes import markers
 
-__all__ = ["TreeMask", "hf_mask_builders"]
+__all__ = [
+    "TreeMask", "hf_mask_builders", "HF_ATTENTION_NAME", "SEQUENCE_KERNELS", "hf_interfaces", "install_output_hooks",
+    "sequence_kernels", "swapped_kernels", "plain_experts",
+]
+
+#: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
+HF_ATTENTION_NAME = "treecompile"
+
+
+#: Module-level sequence kernels of hybrid models (Hugging Face's, behind
+#: ``use_kernel_func_from_hub_with_fallback``, and flash-linear-attention's), by name: the
+#: leading parameters a function of that name must take to be swapped, and its drop-in,
+#: which calls a treecompile custom op with the same linear-sequence semantics (one node
+#: per layer for the passes to find).
+SEQUENCE_KERNELS = {
+    "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
+    "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
+    "chunk_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
+    "fused_recurrent_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
+    "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
+    "mamba2_chunk_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba2_chunk_scan),
+    "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
+}
+
+
 
 
 @dataclass(frozen=True)
@@ -141,3 +184,123 @@ def hf_mask_builders(model: nn.Module):
     finally:
         for module, attr, original in saved:
             setattr(module, attr, original)
+
+
+# --------------------------------------------------------------------------- interfaces and kernels
+
+_HF_REGISTERED = False
+
+
+def register_hf_interfaces() -> None:
+    global _HF_REGISTERED
+    if _HF_REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
+
+    AttentionInterface.register(HF_ATTENTION_NAME, markers.hf_causal_attention)
+    ExpertsInterface.register(HF_ATTENTION_NAME, markers.hf_experts)
+    _HF_REGISTERED = True
+
+
+def install_output_hooks(model: nn.Module) -> None:
+    """Installs HF's output-capturing hooks (which record the router logits) before capture:
+    HF installs them lazily under a thread lock, which Dynamo cannot trace."""
+    from transformers.utils import output_capturing
+
+    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    if install is not None:
+        install(model)
+
+
+@contextlib.contextmanager
+def hf_interfaces(model: nn.Module):
+    """Routes the model's HF attention and experts interfaces to the tree markers for one
+    call, then restores them.
+
+    The user's model keeps its own ``attn_implementation`` / ``experts_implementation``
+    outside calls (so running it per path afterwards, or saving it, sees no change). Dynamo
+    guards on the values, which are the same on every call.
+    """
+    register_hf_interfaces()
+    from transformers import PretrainedConfig
+
+    configs: dict[int, PretrainedConfig] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            stack = [cfg]
+            while stack:
+                c = stack.pop()
+                if id(c) in configs:
+                    continue
+                configs[id(c)] = c
+                stack.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None))
+    saved = {k: c._attn_implementation_internal for k, c in configs.items()}
+    # Only configs of models with experts have an experts implementation to route.
+    saved_experts = {
+        k: c._experts_implementation_internal
+        for k, c in configs.items()
+        if getattr(c, "_experts_implementation_internal", None) is not None
+    }
+    try:
+        for k, c in configs.items():
+            c._attn_implementation_internal = HF_ATTENTION_NAME
+            if k in saved_experts:
+                c._experts_implementation_internal = HF_ATTENTION_NAME
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation_internal = saved[k]
+            if k in saved_experts:
+                c._experts_implementation_internal = saved_experts[k]
+
+
+def sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
+    """``(module, name, drop-in)`` for each known sequence kernel the model's modules call.
+
+    Looked up in the modules defining the model's layer classes; a function is swapped only
+    if it takes the expected leading parameters (a same-named function of another kind is
+    left alone, and the verify pass judges what it does).
+    """
+    found: dict[tuple[str, str], tuple[types.ModuleType, str, Any]] = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is None:
+            continue
+        for name, (params, replacement) in SEQUENCE_KERNELS.items():
+            fn = getattr(module, name, None)
+            if not callable(fn) or (module.__name__, name) in found:
+                continue
+            try:
+                names = tuple(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):
+                continue
+            if names[: len(params)] == params:
+                found[(module.__name__, name)] = (module, name, replacement)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def swapped_kernels(kernels: list[tuple[types.ModuleType, str, Any]]):
+    """Swaps the model's sequence kernels for treecompile's drop-ins for one call, then
+    restores them (the model run outside the wrapper, e.g. per path, is unchanged). Dynamo
+    guards on the globals, which hold the same drop-ins on every call."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in kernels]
+    try:
+        for module, name, replacement in kernels:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def plain_experts(model: nn.Module) -> None:
+    """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
+    and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts
+    itself, whatever is set)."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_experts_implementation_internal", None) not in (None, "eager"):
+            cfg._experts_implementation_internal = "eager"

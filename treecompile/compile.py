@@ -13,7 +13,6 @@ as inputs through a marker op; the BlockMask is built once per batch, outside th
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import sys
 import types
@@ -26,17 +25,20 @@ import torch
 from torch import nn
 
 from treecompile.batch import TreeBatch
-from treecompile.capture import hf_mask_builders
-from treecompile.reference import logits_of
-from treecompile.tree import TrajectoryTree
+from treecompile.capture import (
+    hf_interfaces,
+    hf_mask_builders,
+    install_output_hooks,
+    sequence_kernels,
+    swapped_kernels,
+)
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
-from treecompile.kernels.conv import hf_causal_conv1d_fn
 from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
-from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
-from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.reference import logits_of
+from treecompile.selfcheck import VerifyReport, verify_tree_compile
 
 __all__ = [
     "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
@@ -52,24 +54,6 @@ BACKENDS = tuple(LOWERINGS)
 
 #: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
 MIN_ROWS = 2
-
-#: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
-HF_ATTENTION_NAME = "treecompile"
-
-#: Module-level sequence kernels of hybrid models (Hugging Face's, behind
-#: ``use_kernel_func_from_hub_with_fallback``, and flash-linear-attention's), by name: the
-#: leading parameters a function of that name must take to be swapped, and its drop-in,
-#: which calls a treecompile custom op with the same linear-sequence semantics (one node
-#: per layer for the passes to find).
-SEQUENCE_KERNELS = {
-    "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "chunk_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
-    "fused_recurrent_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
-    "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
-    "mamba2_chunk_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba2_chunk_scan),
-    "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
-}
 
 @dataclass
 class TreeOutput:
@@ -181,7 +165,7 @@ class TreeCompiledModel(nn.Module):
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
         # Sequence kernels swapped for treecompile ops during each call (hybrid models).
-        self._kernels = _sequence_kernels(model)
+        self._kernels = sequence_kernels(model)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
         self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
@@ -290,7 +274,7 @@ class TreeCompiledModel(nn.Module):
             self._compiled = self._build(device)
             self._first_record = len(self.compile_records)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        with _hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), _swapped(self._kernels), \
+        with hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), swapped_kernels(self._kernels), \
                 hf_mask_builders(self._inner) if self._is_hf else contextlib.nullcontext():
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
@@ -329,7 +313,7 @@ class TreeCompiledModel(nn.Module):
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs
         if router is not None:
-            _install_output_hooks(inner)
+            install_output_hooks(inner)
 
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
                          path_count):
@@ -486,236 +470,3 @@ _DYNAMO_CONFIG = {
     if k in torch._dynamo.config._config
 }
 
-_HF_REGISTERED = False
-
-
-def _register_hf_interfaces() -> None:
-    global _HF_REGISTERED
-    if _HF_REGISTERED:
-        return
-    from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
-
-    AttentionInterface.register(HF_ATTENTION_NAME, markers.hf_causal_attention)
-    ExpertsInterface.register(HF_ATTENTION_NAME, markers.hf_experts)
-    _HF_REGISTERED = True
-
-
-def _install_output_hooks(model: nn.Module) -> None:
-    """Installs HF's output-capturing hooks (which record the router logits) before capture:
-    HF installs them lazily under a thread lock, which Dynamo cannot trace."""
-    from transformers.utils import output_capturing
-
-    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
-    if install is not None:
-        install(model)
-
-
-@contextlib.contextmanager
-def _hf_interfaces(model: nn.Module):
-    """Routes the model's HF attention and experts interfaces to the tree markers for one
-    call, then restores them.
-
-    The user's model keeps its own ``attn_implementation`` / ``experts_implementation``
-    outside calls (so running it per path afterwards, or saving it, sees no change). Dynamo
-    guards on the values, which are the same on every call.
-    """
-    _register_hf_interfaces()
-    from transformers import PretrainedConfig
-
-    configs: dict[int, PretrainedConfig] = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if isinstance(cfg, PretrainedConfig):
-            stack = [cfg]
-            while stack:
-                c = stack.pop()
-                if id(c) in configs:
-                    continue
-                configs[id(c)] = c
-                stack.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None))
-    saved = {k: c._attn_implementation_internal for k, c in configs.items()}
-    # Only configs of models with experts have an experts implementation to route.
-    saved_experts = {
-        k: c._experts_implementation_internal
-        for k, c in configs.items()
-        if getattr(c, "_experts_implementation_internal", None) is not None
-    }
-    try:
-        for k, c in configs.items():
-            c._attn_implementation_internal = HF_ATTENTION_NAME
-            if k in saved_experts:
-                c._experts_implementation_internal = HF_ATTENTION_NAME
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation_internal = saved[k]
-            if k in saved_experts:
-                c._experts_implementation_internal = saved_experts[k]
-
-
-def _sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
-    """``(module, name, drop-in)`` for each known sequence kernel the model's modules call.
-
-    Looked up in the modules defining the model's layer classes; a function is swapped only
-    if it takes the expected leading parameters (a same-named function of another kind is
-    left alone, and the verify pass judges what it does).
-    """
-    found: dict[tuple[str, str], tuple[types.ModuleType, str, Any]] = {}
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        if module is None:
-            continue
-        for name, (params, replacement) in SEQUENCE_KERNELS.items():
-            fn = getattr(module, name, None)
-            if not callable(fn) or (module.__name__, name) in found:
-                continue
-            try:
-                names = tuple(inspect.signature(fn).parameters)
-            except (TypeError, ValueError):
-                continue
-            if names[: len(params)] == params:
-                found[(module.__name__, name)] = (module, name, replacement)
-    return list(found.values())
-
-
-@contextlib.contextmanager
-def _swapped(kernels: list[tuple[types.ModuleType, str, Any]]):
-    """Swaps the model's sequence kernels for treecompile's drop-ins for one call, then
-    restores them (the model run outside the wrapper, e.g. per path, is unchanged). Dynamo
-    guards on the globals, which hold the same drop-ins on every call."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in kernels]
-    try:
-        for module, name, replacement in kernels:
-            setattr(module, name, replacement)
-        yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
-
-
-def _plain_experts(model: nn.Module) -> None:
-    """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
-    and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts
-    itself, whatever is set)."""
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if getattr(cfg, "_experts_implementation_internal", None) not in (None, "eager"):
-            cfg._experts_implementation_internal = "eager"
-
-
-@dataclass
-class VerifyReport:
-    """What ``verify=True`` checked.
-
-    Attributes:
-        dtype: the dtype the check ran in.
-        paths: paths of the check tree.
-        loss_diff: ``|tree loss - per-path loss|``.
-        worst_param: the parameter whose gradient differs most (relative to its largest entry).
-        worst_grad_diff: that relative difference.
-        tolerance: the relative tolerance applied.
-    """
-
-    dtype: torch.dtype
-    paths: int
-    loss_diff: float
-    worst_param: str
-    worst_grad_diff: float
-    tolerance: float
-
-
-# verify=True: largest gradient difference allowed, relative to the gradient's largest entry,
-# by the dtype the check runs in. float64: HF norms compute in float32 (a ~1e-7 floor), with
-# margin; a structural error (wrong mask, position or weight) shows as 1e-4 or worse.
-VERIFY_GRAD_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
-# A float64 copy larger than this is not made; the check then runs on the model itself.
-VERIFY_COPY_LIMIT_BYTES = 2 << 30
-
-
-def _check_tree(batch: TreeBatch, seed: int = 0) -> TrajectoryTree:
-    """A small tree with every awkward feature: a branch point, a 1-token node, a path that
-    ends inside another, a duplicate path and a second root. Tokens are drawn from the batch,
-    so they are valid ids for the model."""
-    g = torch.Generator().manual_seed(seed)
-    ids = batch.input_ids.cpu()
-
-    def draw(n: int) -> list[int]:
-        return ids[torch.randint(0, ids.shape[0], (n,), generator=g)].tolist()
-
-    root, a, b, c = draw(5), draw(1), draw(4), draw(3)
-    if len({a[0], b[0], c[0]}) < 3:  # children must start differently to branch
-        a, b, c = [0], [1], [2]
-    seqs = [root + a + draw(3), root + b, root + b + draw(2), root + c, root + c, draw(4)]
-    return TrajectoryTree.from_sequences(seqs, weights=[1.0, 0.5, 2.0, 1.0, 1.0, 1.5])
-
-
-def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> VerifyReport:
-    """Checks a tree-compiled model against per-path training on a small random tree.
-
-    Runs the model's compiled form and the unmodified model on each path (a hybrid model's
-    sequence kernels swapped, on both sides, for treecompile's ops of the same
-    linear-sequence semantics), compares the loss and every parameter's gradient, and
-    raises `UnsupportedModelError` naming the parameter that differs most. The user's model, its gradients and its train/eval mode are left as
-    they were.
-    """
-    from treecompile.batch import pack
-    from treecompile.reference import per_path_loss
-
-    model = compiled.model
-    n_bytes = sum(p.numel() for p in model.parameters()) * 8
-    tree = _check_tree(batch)
-    check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask")
-    if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
-        subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
-        _plain_experts(subject)
-    else:
-        subject = model
-    was_training = model.training
-    saved = {n: p.grad for n, p in model.named_parameters()}
-    dtype = next(subject.parameters()).dtype
-    try:
-        subject.eval()  # dropout would make the two runs differ for no fault of the tree
-        for p in subject.parameters():
-            p.grad = None
-        twin = compiled if subject is model else type(compiled)(
-            subject, mask=compiled.mask, backend=None, verify=False, passes=compiled._passes,
-            outputs=compiled._outputs,
-        )
-        loss = twin(check_batch.to(_device_of(subject))).loss
-        loss.backward()
-        tree_grads = {n: p.grad for n, p in subject.named_parameters()}
-        for p in subject.parameters():
-            p.grad = None
-        router = compiled._router_aux
-        # A hybrid model's per-path run uses the same linear-sequence kernels the tree side was
-        # swapped to (tested against HF's): HF's GDN fallback computes in float32 even in a
-        # float64 model, which would put a float32 floor under this float64 check.
-        with _swapped(compiled._kernels):
-            ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
-        ref.loss.backward()
-        worst, worst_name = 0.0, ""
-        for n, p in subject.named_parameters():
-            r, t = p.grad, tree_grads[n]
-            if r is None and t is None:
-                continue
-            r = torch.zeros_like(p) if r is None else r
-            t = torch.zeros_like(p) if t is None else t
-            err = ((t - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-            if err >= worst:
-                worst, worst_name = err, n
-        tol = VERIFY_GRAD_TOLERANCE.get(dtype, 1e-3)
-        loss_diff = abs(loss.item() - ref.loss.item())
-        report = VerifyReport(dtype, tree.num_paths, loss_diff, worst_name, worst, tol)
-        if worst > tol or not loss_diff <= tol * max(1.0, abs(ref.loss.item())):
-            raise UnsupportedModelError(
-                f"verify: the tree-compiled model disagrees with per-path training on a {tree.num_paths}-path "
-                f"check tree ({dtype}): loss differs by {loss_diff:.3g}; gradient of {worst_name!r} differs by "
-                f"{worst:.3g} of its largest entry (tolerance {tol:g}). The model does something the passes do "
-                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect`."
-            )
-        return report
-    finally:
-        for n, p in model.named_parameters():
-            p.grad = saved[n]
-        model.train(was_training)

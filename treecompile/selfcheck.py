@@ -1,0 +1,141 @@
+"""``tree_compile(verify=True)``: the compiled model checked against per-path training.
+
+On the first call the wrapper runs :func:`verify_tree_compile`: a small random tree with
+every awkward feature, the compiled model against the unmodified model on each path, loss
+and every parameter's gradient, in float64 on a CPU copy where it fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from treecompile.batch import TreeBatch
+from treecompile.capture import plain_experts, swapped_kernels
+from treecompile.errors import UnsupportedModelError
+from treecompile.tree import TrajectoryTree
+
+if TYPE_CHECKING:
+    from treecompile.compile import TreeCompiledModel
+
+__all__ = ["VerifyReport", "verify_tree_compile", "VERIFY_GRAD_TOLERANCE", "VERIFY_COPY_LIMIT_BYTES"]
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify=True`` checked.
+
+    Attributes:
+        dtype: the dtype the check ran in.
+        paths: paths of the check tree.
+        loss_diff: ``|tree loss - per-path loss|``.
+        worst_param: the parameter whose gradient differs most (relative to its largest entry).
+        worst_grad_diff: that relative difference.
+        tolerance: the relative tolerance applied.
+    """
+
+    dtype: torch.dtype
+    paths: int
+    loss_diff: float
+    worst_param: str
+    worst_grad_diff: float
+    tolerance: float
+
+
+# verify=True: largest gradient difference allowed, relative to the gradient's largest entry,
+# by the dtype the check runs in. float64: HF norms compute in float32 (a ~1e-7 floor), with
+# margin; a structural error (wrong mask, position or weight) shows as 1e-4 or worse.
+VERIFY_GRAD_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# A float64 copy larger than this is not made; the check then runs on the model itself.
+VERIFY_COPY_LIMIT_BYTES = 2 << 30
+
+
+def _check_tree(batch: TreeBatch, seed: int = 0) -> TrajectoryTree:
+    """A small tree with every awkward feature: a branch point, a 1-token node, a path that
+    ends inside another, a duplicate path and a second root. Tokens are drawn from the batch,
+    so they are valid ids for the model."""
+    g = torch.Generator().manual_seed(seed)
+    ids = batch.input_ids.cpu()
+
+    def draw(n: int) -> list[int]:
+        return ids[torch.randint(0, ids.shape[0], (n,), generator=g)].tolist()
+
+    root, a, b, c = draw(5), draw(1), draw(4), draw(3)
+    if len({a[0], b[0], c[0]}) < 3:  # children must start differently to branch
+        a, b, c = [0], [1], [2]
+    seqs = [root + a + draw(3), root + b, root + b + draw(2), root + c, root + c, draw(4)]
+    return TrajectoryTree.from_sequences(seqs, weights=[1.0, 0.5, 2.0, 1.0, 1.0, 1.5])
+
+
+def verify_tree_compile(compiled: TreeCompiledModel, batch: TreeBatch) -> VerifyReport:
+    """Checks a tree-compiled model against per-path training on a small random tree.
+
+    Runs the model's compiled form and the unmodified model on each path (a hybrid model's
+    sequence kernels swapped, on both sides, for treecompile's ops of the same
+    linear-sequence semantics), compares the loss and every parameter's gradient, and
+    raises `UnsupportedModelError` naming the parameter that differs most. The user's model, its gradients and its train/eval mode are left as
+    they were.
+    """
+    from treecompile.batch import pack
+    from treecompile.reference import per_path_loss
+
+    model = compiled.model
+    n_bytes = sum(p.numel() for p in model.parameters()) * 8
+    tree = _check_tree(batch)
+    check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask")
+    if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
+        subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+        plain_experts(subject)
+    else:
+        subject = model
+    was_training = model.training
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    dtype = next(subject.parameters()).dtype
+    try:
+        subject.eval()  # dropout would make the two runs differ for no fault of the tree
+        for p in subject.parameters():
+            p.grad = None
+        twin = compiled if subject is model else type(compiled)(
+            subject, mask=compiled.mask, backend=None, verify=False, passes=compiled._passes,
+            outputs=compiled._outputs,
+        )
+        loss = twin(check_batch.to(next(subject.parameters()).device)).loss
+        loss.backward()
+        tree_grads = {n: p.grad for n, p in subject.named_parameters()}
+        for p in subject.parameters():
+            p.grad = None
+        router = compiled._router_aux
+        # A hybrid model's per-path run uses the same linear-sequence kernels the tree side was
+        # swapped to (tested against HF's): HF's GDN fallback computes in float32 even in a
+        # float64 model, which would put a float32 floor under this float64 check.
+        with swapped_kernels(compiled._kernels):
+            ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
+        ref.loss.backward()
+        worst, worst_name = 0.0, ""
+        for n, p in subject.named_parameters():
+            r, t = p.grad, tree_grads[n]
+            if r is None and t is None:
+                continue
+            r = torch.zeros_like(p) if r is None else r
+            t = torch.zeros_like(p) if t is None else t
+            err = ((t - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+            if err >= worst:
+                worst, worst_name = err, n
+        tol = VERIFY_GRAD_TOLERANCE.get(dtype, 1e-3)
+        loss_diff = abs(loss.item() - ref.loss.item())
+        report = VerifyReport(dtype, tree.num_paths, loss_diff, worst_name, worst, tol)
+        if worst > tol or not loss_diff <= tol * max(1.0, abs(ref.loss.item())):
+            raise UnsupportedModelError(
+                f"verify: the tree-compiled model disagrees with per-path training on a {tree.num_paths}-path "
+                f"check tree ({dtype}): loss differs by {loss_diff:.3g}; gradient of {worst_name!r} differs by "
+                f"{worst:.3g} of its largest entry (tolerance {tol:g}). The model does something the passes do "
+                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect`."
+            )
+        return report
+    finally:
+        for n, p in model.named_parameters():
+            p.grad = saved[n]
+        model.train(was_training)
