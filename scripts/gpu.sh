@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# treecompile on a CUDA machine: install without touching torch, then check or benchmark, with a report.
+#
+#   scripts/gpu.sh check [--out DIR] [--dry-run] [--no-install]   # tests/gpu/, in sections (< 8 min on an H100)
+#   scripts/gpu.sh bench [--out DIR] [--dry-run] [--no-install]   # treecompile bench --device cuda (< 8 min)
+#   scripts/gpu.sh tune  [--out DIR] [--no-install]               # treecompile tune: a new FlexAttention options table
+#   scripts/gpu.sh install                                        # only the install step
+#
+# Needs a CUDA build of torch >= 2.11 already installed (it is never installed, upgraded or
+# downgraded here: every pip call is --no-deps). Offline machines: put the wheels that
+# requirements-gpu.txt names in .whl/ (or WHEELS=DIR) and they are installed from there.
+# Writes DIR/gpu-COMMAND.md, DIR/gpu-COMMAND.json and DIR/gpu-COMMAND-raw.tar.gz (default DIR:
+# gpu-report). A failing section never stops the others. See docs/gpu.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+out=gpu-report dry=0 install=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    --dry-run) dry=1; shift ;;
+    --no-install) install=0; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+case "$cmd" in
+  check|bench|tune|install) ;;
+  *) usage >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+
+install_project() {
+  # torch must be there already, and new enough; nothing below may replace it.
+  "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 11) else 1)' \
+    || { echo "torch >= 2.11 is not installed for $PY"; return 1; }
+  local args=(--no-deps --no-build-isolation --no-input --disable-pip-version-check -q)
+  local wheels=${WHEELS:-.whl}
+  [ -d "$wheels" ] && args+=(--no-index --find-links "$wheels")
+  "$PY" -m pip install "${args[@]}" -e . || return 1
+  "$PY" -m pip install "${args[@]}" -r requirements-gpu.txt || return 1
+}
+
+note="not run"
+if [ "$cmd" = install ] || { [ "$dry" = 0 ] && [ "$install" = 1 ]; }; then
+  if install_project >"$out/gpu-install.log" 2>&1; then
+    note="ok (pip --no-deps: the project and requirements-gpu.txt)"
+  else
+    note="FAILED, see gpu-install.log: $(tail -n 1 "$out/gpu-install.log")"
+  fi
+  echo "[gpu.sh] install: $note" >&2
+  [ "$cmd" = install ] && { [ "${note%% *}" = ok ]; exit $?; }
+elif [ "$dry" = 1 ]; then
+  note="skipped: dry run"
+else
+  note="skipped: --no-install"
+fi
+
+args=("$cmd" --out "$out" --install "$note" --invocation "scripts/gpu.sh $cmd")
+[ "$dry" = 1 ] && args+=(--dry-run)
+exec "$PY" scripts/gpu_check.py "${args[@]}"
