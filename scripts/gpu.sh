@@ -5,6 +5,7 @@
 #   scripts/gpu.sh bench [--out DIR] [--dry-run] [--no-install]   # treecompile bench --device cuda (< 8 min)
 #   scripts/gpu.sh tune  [--out DIR] [--no-install]               # treecompile tune: a new FlexAttention options table
 #   scripts/gpu.sh install                                        # only the install step
+#   --sections a,b: run only those sections (e.g. one that ran out of time)
 #
 # Needs a CUDA build of torch >= 2.11 already installed (it is never installed, upgraded or
 # downgraded here: every pip call is --no-deps). Offline machines: put the wheels that
@@ -14,17 +15,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-out=gpu-report dry=0 install=1
+out=gpu-report dry=0 install=1 sections=
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --out=*) out=${1#--out=}; shift ;;
     --dry-run) dry=1; shift ;;
     --no-install) install=0; shift ;;
+    --sections) sections=${2:?--sections needs names}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -63,4 +65,5 @@ fi
 
 args=("$cmd" --out "$out" --install "$note" --invocation "scripts/gpu.sh $cmd")
 [ "$dry" = 1 ] && args+=(--dry-run)
+[ -n "$sections" ] && args+=(--sections "$sections")
 exec "$PY" scripts/gpu_check.py "${args[@]}"

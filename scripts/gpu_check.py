@@ -31,12 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: (section, what it runs, time limit in seconds). The check's limits add up to 8 minutes.
+#: (section, what it runs, time limit in seconds). The check's limits add up to 8 minutes; a
+#: section that runs out of time keeps the results of the tests it finished, and can be run
+#: again alone (``--sections NAME``).
 CHECK_SECTIONS = [
-    ("fused-head", "tests/gpu/test_gpu_fused_head.py", 60),
-    ("blockmask", "tests/gpu/test_gpu_blockmask.py", 40),
+    ("fused-head", "tests/gpu/test_gpu_fused_head.py", 45),
+    ("blockmask", "tests/gpu/test_gpu_blockmask.py", 30),
     ("compile-behaviour", "tests/gpu/test_gpu_compile_behaviour.py", 120),
-    ("exactness", "tests/gpu/test_gpu_exactness.py", 260),
+    ("exactness-fp32", "tests/gpu/test_gpu_exactness.py -k float32", 165),
+    ("exactness-bf16", "tests/gpu/test_gpu_exactness.py -k bfloat16", 120),
 ]
 BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
 TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
@@ -136,22 +139,27 @@ def _run(cmd: list[str], log: Path, limit: int) -> tuple[int | None, float]:
     return rc, time.perf_counter() - t0
 
 
-def collect_only(files: list[str], work: Path) -> dict[str, list[str]]:
-    """The test ids each file holds (``pytest --collect-only``), for sections that do not run."""
+def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, list[str]]:
+    """The test ids each test section would run (one ``pytest --collect-only`` for all), for
+    sections that do not run. A section's ``-k WORD`` keeps the ids containing ``WORD``."""
+    files = sorted({what.split()[0] for _, what, _ in sections if what.startswith("tests/")})
+    if not files:
+        return {}
     log = work / "collect.log"
-    _run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-o", "addopts=", "-p",
-          "no:cacheprovider", *files], log, 300)
-    ids: dict[str, list[str]] = {f: [] for f in files}
-    for line in log.read_text().splitlines():
-        for f in files:
-            if line.startswith(f + "::"):
-                ids[f].append(line.strip())
-    return ids
+    _run([sys.executable, "-m", "pytest", "-q", "--collect-only", *files, "-m", "gpu", "-o", "addopts=", "-p",
+          "no:cacheprovider"], log, 300)
+    ids = [line.strip() for line in log.read_text().splitlines() if line.startswith("tests/") and "::" in line]
+    out = {}
+    for name, what, _ in sections:
+        parts = what.split()
+        word = parts[parts.index("-k") + 1] if "-k" in parts else ""
+        out[name] = [i for i in ids if i.startswith(parts[0] + "::") and word in i]
+    return out
 
 
-def run_test_section(name: str, path: str, limit: int, work: Path) -> dict:
+def run_test_section(name: str, what: str, limit: int, work: Path) -> dict:
     junit, log = work / f"junit-{name}.xml", work / f"{name}.log"
-    cmd = [sys.executable, "-m", "pytest", path, "-m", "gpu", "-v", "-rA", "-o", "addopts=", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", *what.split(), "-m", "gpu", "-v", "-rA", "-o", "addopts=", "-p", "no:cacheprovider",
            f"--junitxml={junit}", "-o", "junit_family=xunit1"]
     rc, secs = _run(cmd, log, limit)
     text = log.read_text(errors="replace")
@@ -237,20 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="run nothing; every section reports why it was skipped")
     p.add_argument("--install", default=None, help="one line on how the install went (from gpu.sh)")
     p.add_argument("--invocation", default=None)
+    p.add_argument("--sections", default=None, help="comma-separated section names to run (default: all)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     sections = SECTIONS[args.command]
+    if args.sections:
+        wanted = args.sections.split(",")
+        unknown = [w for w in wanted if w not in {n for n, _, _ in sections}]
+        if unknown:
+            p.error(f"unknown sections {unknown}; {args.command} has: {', '.join(n for n, _, _ in sections)}")
+        sections = [s for s in sections if s[0] in wanted]
     skip = "skipped: no CUDA" if not env.get("cuda_available") else ("skipped: dry run" if args.dry_run else None)
     report = {"command": args.command, "invocation": args.invocation or " ".join(["scripts/gpu.sh", *sys.argv[1:]]),
               "env": env, "install": args.install, "sections": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        listed = collect_only([path for _, path, _ in sections if path.endswith(".py")], work) if skip else {}
+        listed = collect_only(sections, work) if skip else {}
         for name, what, limit in sections:
             if skip:
                 tests = [{"name": t, "outcome": "skipped", "seconds": None, "message": skip.removeprefix("skipped: "),
-                          "traceback": "", "properties": {}} for t in listed.get(what, [])]
+                          "traceback": "", "properties": {}} for t in listed.get(name, [])]
                 report["sections"].append({"name": name, "status": skip, "seconds": None, "tests": tests})
                 continue
             print(f"[gpu.sh] {name}: up to {limit} s", file=sys.stderr, flush=True)

@@ -37,9 +37,11 @@ def test_check_dry_run_reports_every_gpu_test_skipped(tmp_path):
     files = {t["name"].split("::")[0] for t in tests}
     assert files == {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
     assert len(tests) >= 40 and {t["outcome"] for t in tests} == {"skipped"}
+    by = {s["name"]: {t["name"] for t in s["tests"]} for s in report["sections"]}
+    assert by["exactness-fp32"] and by["exactness-bf16"] and not by["exactness-fp32"] & by["exactness-bf16"]
     assert report["env"]["device"] == "no CUDA device" and report["env"]["torch"] == torch.__version__
     md = (tmp_path / "gpu-check.md").read_text()
-    assert "| exactness | skipped: no CUDA |" in md and (tmp_path / "gpu-check-raw.tar.gz").exists()
+    assert "| exactness-fp32 | skipped: no CUDA |" in md and (tmp_path / "gpu-check-raw.tar.gz").exists()
 
 
 @no_cuda
@@ -53,6 +55,16 @@ def test_bench_dry_run_writes_the_report(tmp_path):
 
 def test_unknown_command_exits_2(tmp_path):
     assert _gpu_sh("prove", "--out", str(tmp_path)).returncode == 2
+
+
+@no_cuda
+def test_sections_option_selects_and_checks_names(tmp_path):
+    proc = _gpu_sh("check", "--dry-run", "--sections", "blockmask", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [s["name"] for s in report["sections"]] == ["blockmask"] and len(report["sections"][0]["tests"]) == 3
+    bad = _gpu_sh("check", "--dry-run", "--sections", "nonsense", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "unknown sections" in bad.stderr
 
 
 def _write_tests(tmp_path: Path, body: str) -> str:
