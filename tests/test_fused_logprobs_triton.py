@@ -29,7 +29,7 @@ EXPECTED = [
     f"{case}-float32-{variant}"
     for case in ("R1-V5", "R9-V97-B32", "R12-V64-B16", "R10-V33-sparse")
     for variant in ("nobias-nocap", "bias-cap3")
-] + ["R9-V97-B32-float64-bias-nocap", "public-kernel-triton"]
+] + ["R9-V97-B32-float64-bias-nocap", "public-kernel-triton", "compiled-dynamic-rows"]
 DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64}
 
 

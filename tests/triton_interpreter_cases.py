@@ -78,6 +78,17 @@ def main() -> None:
         "errors": {"logprobs": (lp - reference_target_logprobs(*args[:5])).abs().max().item()},
         "lp_dtype": str(lp.dtype),
     }
+    # Inside a compiled graph (the fake and autograd registrations), two row counts, one graph.
+    fn = torch.compile(lambda h, w, s, t: fused_target_logprobs(h, w, None, s, t, chunk=8, kernel="triton"),
+                       backend="aot_eager", fullgraph=True, dynamic=True)
+    worst = 0.0
+    for r, m in [(20, 30), (41, 17)]:
+        args = inputs((r, 8, 33, m, 8, 16), torch.float32, False, 50 + r)
+        lp, grads = run(lambda h, w, b, s, t: fn(h, w, s, t), *args)
+        ref, ref_grads = run(reference_target_logprobs, *args)
+        worst = max(worst, (lp - ref).abs().max().item(), *[(g - rg).abs().max().item()
+                                                            for g, rg in zip(grads, ref_grads)])
+    out["compiled-dynamic-rows"] = {"dtype": "torch.float32", "errors": {"all": worst}, "lp_dtype": str(lp.dtype)}
     hidden, weight, b, slot, target, _ = inputs(CASES["R1-V5"], torch.float32, True, 7)
     torch.library.opcheck(torch.ops.treecompile.triton_target_logprobs, (hidden, weight, b, slot, target, 2.0, 1, 16))
     out["opcheck"] = {"ok": True}
