@@ -356,7 +356,9 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
             result["rows"] = [_row_dict(r) for r in rows]
             if on_row is not None:
                 on_row(result)
-        del model
+        # The compiled functions hold the model: drop both, and Dynamo's caches, before the next.
+        model, fns = None, {}
+        torch._dynamo.reset()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     result["rows"] = [_row_dict(r) for r in rows]
