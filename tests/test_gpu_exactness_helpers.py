@@ -71,3 +71,17 @@ def test_bf16_budget_compares_relative_errors():
     bad = Measured(torch.tensor(1.0), torch.ones(10) * 1.02, {"w": torch.ones(4) * 1.01})
     assert bf16_failures(ok, path, ref) == {}
     assert set(bf16_failures(bad, path, ref)) == {"logprobs"}
+
+
+# The float32 procedure for every model the GPU runs, on the CPU (aot_eager, torch scans): what a
+# GPU session should see before its first compile. About 5 minutes on 2 cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_fp32_procedure_on_cpu_for_every_gpu_model(name):
+    base = build_model(name)
+    trees = exactness_trees()
+    ref64 = run_paths(copy_as(base, torch.float64, "cpu"), trees)
+    path32 = run_paths(copy_as(base, torch.float32, "cpu"), trees)
+    tree32 = run_tree(tc.tree_compile(copy_as(base, torch.float32, "cpu")), tc.pack(trees))
+    chk = fp32_check(tree32, path32, ref64)
+    assert not chk.failures(), (chk.budget, chk.failures())
