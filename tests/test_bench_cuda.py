@@ -50,3 +50,8 @@ def test_unknown_model_is_refused():
 def test_cli_bench_device_cuda_without_cuda_exits_2(capsys):
     assert cli_main(["bench", "--device", "cuda"]) == 2
     assert "no CUDA" in capsys.readouterr().err
+
+
+def test_cpu_bench_flags_are_refused_with_device_cuda(capsys):
+    assert cli_main(["bench", "--device", "cuda", "--arch", "qwen3_next"]) == 2
+    assert "--arch do not apply with --device cuda" in capsys.readouterr().err

@@ -460,6 +460,12 @@ def mismatches(result: dict) -> list[str]:
 def cmd_bench_cuda(args: argparse.Namespace) -> int:
     """``treecompile bench --device cuda``: the common bench options that apply here override
     :data:`DEFAULT` (``--path-tokens``, ``--paths``, ``--por``, ``--repeats``, ``--methods``)."""
+    ignored = [flag for flag, on in (("--arch", getattr(args, "arch", None) not in (None, "qwen3")),
+                                      ("--tiny", getattr(args, "tiny", False))) if on]
+    if ignored:
+        print(f"treecompile bench: error: {', '.join(ignored)} do not apply with --device cuda (Qwen3 shapes; "
+              "python -m treecompile.bench_cuda --help for its options)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("treecompile bench: error: --device cuda: no CUDA device", file=sys.stderr)
         return 2
