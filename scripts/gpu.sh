@@ -44,16 +44,33 @@ install_project() {
   local args=(--no-deps --no-build-isolation --no-input --disable-pip-version-check -q)
   local wheels=${WHEELS:-.whl}
   [ -d "$wheels" ] && args+=(--no-index --find-links "$wheels")
-  "$PY" -m pip install "${args[@]}" -e . || return 1
+  if "$PY" -m pip install "${args[@]}" -e .; then
+    project="pip install -e ."
+  else  # e.g. a setuptools too old for this pyproject, and no network to fetch a newer one
+    echo "pip install -e . failed: using the checkout through PYTHONPATH"
+    link_checkout
+    project="the checkout through PYTHONPATH (pip install -e . failed)"
+  fi
   "$PY" -m pip install "${args[@]}" -r requirements-gpu.txt || return 1
 }
 
-note="not run"
+link_checkout() {
+  # The package as setuptools would map it (treecompile/, passes/ and kernels/ as subpackages),
+  # made of links into the checkout: nothing to build.
+  local site="${TMPDIR:-/tmp}/treecompile-checkout"
+  rm -rf "$site" && mkdir -p "$site/treecompile"
+  for f in "$PWD"/treecompile/*; do ln -s "$f" "$site/treecompile/"; done
+  ln -s "$PWD/passes" "$site/treecompile/passes"
+  ln -s "$PWD/kernels" "$site/treecompile/kernels"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+note="not run" project="not installed"
 if [ "$cmd" = install ] || { [ "$dry" = 0 ] && [ "$install" = 1 ]; }; then
   if install_project >"$out/gpu-install.log" 2>&1; then
-    note="ok (pip --no-deps: the project and requirements-gpu.txt)"
+    note="ok (--no-deps; project: $project; requirements-gpu.txt installed)"
   else
-    note="FAILED, see gpu-install.log: $(tail -n 1 "$out/gpu-install.log")"
+    note="FAILED (project: $project), see gpu-install.log: $(tail -n 1 "$out/gpu-install.log")"
   fi
   echo "[gpu.sh] install: $note" >&2
   [ "$cmd" = install ] && { [ "${note%% *}" = ok ]; exit $?; }
