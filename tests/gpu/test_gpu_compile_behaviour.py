@@ -81,7 +81,8 @@ def _syncs(name: str, layers: int, lm_head: str) -> list[str]:
 def test_host_syncs_do_not_grow_with_layers(name, lm_head, record_property):
     """The step's host syncs (batch preparation: the predicting rows, the block tables) are a
     constant: doubling the layers adds none."""
-    two, four = _syncs(name, 2, lm_head), _syncs(name, 4, lm_head)
+    # 1 and 2 layers (small graphs compile fastest); Bamba's second layer is its attention layer.
+    one, two = _syncs(name, 1, lm_head), _syncs(name, 2, lm_head)
+    record_property("syncs_1_layer", len(one))
     record_property("syncs_2_layers", len(two))
-    record_property("syncs_4_layers", len(four))
-    assert len(four) == len(two), f"2 layers: {len(two)} syncs, 4 layers: {len(four)}: {four}"
+    assert len(two) == len(one), f"1 layer: {len(one)} syncs, 2 layers: {len(two)}: {two}"
