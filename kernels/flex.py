@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
 
 from treecompile.blockmask import tree_block_mask
+from treecompile.kernels.flex_options import MASK_BLOCK, flex_kernel_options
 from treecompile.masks import bitmask_rule, interval_rule
 
 __all__ = [
@@ -46,8 +47,9 @@ __all__ = [
     "tree_attention_fn",
 ]
 
-#: Rows per BlockMask block (FlexAttention's default tile).
-BLOCK_SIZE = 128
+#: Rows per BlockMask block (FlexAttention's default tile; every kernel tile in
+#: `treecompile.kernels.flex_options` divides it).
+BLOCK_SIZE = MASK_BLOCK
 
 #: Mask encodings and the tree tensors their ``mask_mod`` reads, in buffer order.
 MASK_KINDS: dict[str, tuple[str, ...]] = {
@@ -217,8 +219,9 @@ def _kernel_options_fn() -> Callable:
 
     def options(q, k, v):
         kwargs = {"return_aux": None} if "return_aux" in params else {}
-        # The log-sum-exp is kept for the backward pass.
-        return dict(apply(q, k, v, True, None, **kwargs))
+        # The log-sum-exp is kept for the backward pass. Tiles, warps and stages on CUDA come
+        # from one table (kernels/flex_options.py); {} leaves them to torch.
+        return dict(apply(q, k, v, True, flex_kernel_options(q) or None, **kwargs))
 
     return options
 

@@ -26,12 +26,16 @@ float32, as `treecompile.passes.markers.tree_logprobs` does. Its gradient with r
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "KERNELS",
     "default_chunk",
+    "default_kernel",
     "fused_target_logprobs",
     "reference_target_logprobs",
 ]
@@ -41,6 +45,17 @@ Tensor = torch.Tensor
 #: Default bound on the elements of one chunk's ``[chunk, V]`` logits (64 MiB in float32).
 #: A memory bound, not a tuned speed optimum: at V = 152k it gives chunks of 110 rows.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
+
+
+#: Implementations ``fused_target_logprobs(kernel=...)`` accepts.
+KERNELS = ("torch", "triton")
+
+
+def default_kernel(device: torch.device) -> str:
+    """``"triton"`` for CUDA tensors when Triton is installed, else ``"torch"``."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
 
 
 def default_chunk(vocab: int) -> int:
@@ -178,6 +193,7 @@ def fused_target_logprobs(
     *,
     softcap: float | None = None,
     chunk: int | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
     """Per-target log-probabilities without forming the ``[R, V]`` logits.
 
@@ -189,10 +205,16 @@ def fused_target_logprobs(
         target: ``[M]`` int64 token ids.
         softcap: final logit soft-cap (``softcap * tanh(logits / softcap)``), or None.
         chunk: rows per chunk; None picks :func:`default_chunk` ``(V)``.
+        kernel: a name from :data:`KERNELS`; None picks :func:`default_kernel` for
+            ``hidden``'s device.
 
     Returns:
         ``[M]`` ``log softmax(cap(hidden[slot] @ weight.T + bias))[target]`` in at least
         float32, differentiable with respect to ``hidden``, ``weight`` and ``bias``.
+
+    Raises:
+        ValueError: mismatched shapes, a chunk below 1, or an unknown ``kernel``.
+        RuntimeError: ``kernel="triton"`` without Triton or on a device it cannot run on.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [R, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -201,6 +223,15 @@ def fused_target_logprobs(
     chunk = default_chunk(weight.shape[0]) if chunk is None else int(chunk)
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+    kernel = default_kernel(hidden.device) if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; valid kernels: {', '.join(KERNELS)}")
+    if kernel == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("kernel='triton' needs the triton package (pip install triton)")
+        from treecompile.kernels.fused_logprobs_triton import triton_target_logprobs
+
+        return triton_target_logprobs(hidden, weight, bias, slot, target, softcap=softcap, chunk=chunk)
     lp, _ = torch.ops.treecompile.fused_target_logprobs(
         hidden, weight, bias, slot, target, None if softcap is None else float(softcap), chunk
     )

@@ -365,6 +365,12 @@ def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     add_inspect_command(sub)
 
 
+def _add_tune_parser(sub: argparse._SubParsersAction) -> None:
+    from treecompile.kernels.flex_options import add_tune_command
+
+    add_tune_command(sub)
+
+
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -393,6 +399,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Runs the benchmark; exit status 1 if some method's loss differs from the per-path loss."""
+    if args.device == "cuda":  # real model shapes and HF baselines: treecompile/bench_cuda.py
+        from treecompile.bench_cuda import cmd_bench_cuda
+
+        return cmd_bench_cuda(args)
     from rich.console import Console
 
     from treecompile import bench
@@ -421,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_stats_parser, _add_plan_parser, _add_inspect_parser, _add_bench_parser
+    _add_stats_parser, _add_plan_parser, _add_inspect_parser, _add_bench_parser, _add_tune_parser
 ]
 
 

@@ -1,0 +1,250 @@
+"""FlexAttention kernel options (tile sizes, warps, stages) per GPU, head dim and dtype.
+
+    opts = flex_kernel_options(q)          # {} on CPU or for a shape the table lacks
+    treecompile tune                       # measures candidates on this GPU, prints a new table
+
+:func:`treecompile.kernels.flex.call_flex_hop` passes these to FlexAttention on CUDA; the
+table below is the one place they are written. Its entries restate torch 2.13's own
+defaults for Hopper (``torch/_inductor/template_heuristics/triton.py``, sm90), so that a
+compiled step behaves as with torch's defaults until ``treecompile tune`` has measured
+better ones on an H100 and its printed table replaces these lines. **No entry here has been
+measured by treecompile yet.**
+
+Tree masks give a constraint torch's defaults need not meet: treecompile's BlockMasks use
+128-row blocks (:data:`treecompile.kernels.flex.BLOCK_SIZE`), and FlexAttention needs the
+mask's block size to be a multiple of every kernel tile, so every tile here divides 128.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FlexOptions", "FLEX_OPTIONS", "arch_of", "candidates", "flex_kernel_options", "tune", "format_table",
+           "add_tune_command"]
+
+#: Rows per BlockMask block; each tile must divide it (kept equal to ``kernels.flex.BLOCK_SIZE``).
+MASK_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class FlexOptions:
+    """One FlexAttention configuration.
+
+    Attributes:
+        fwd: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward kernel.
+        bwd: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` of the backward.
+    """
+
+    fwd: tuple[int, int, int, int]
+    bwd: tuple[int, int, int, int, int, int]
+
+    def __post_init__(self) -> None:
+        tiles = (*self.fwd[:2], *self.bwd[:4])
+        if any(t < 16 or MASK_BLOCK % t for t in tiles):
+            raise ValueError(f"every tile must divide the {MASK_BLOCK}-row mask block: {self}")
+        m1, n1, m2, n2 = self.bwd[:4]
+        if n1 % m1 or m2 % n2:
+            raise ValueError(f"backward tiles need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0: {self}")
+
+    def as_kernel_options(self) -> dict[str, int]:
+        """FlexAttention ``kernel_options`` (``fwd_`` / ``bwd_`` prefixed keys)."""
+        bm, bn, fw, fs = self.fwd
+        m1, n1, m2, n2, bw, bs = self.bwd
+        return {
+            "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn, "fwd_num_warps": fw, "fwd_num_stages": fs,
+            "bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2,
+            "bwd_num_warps": bw, "bwd_num_stages": bs,
+        }
+
+
+#: (GPU arch, head dim, dtype) -> options. Restated torch 2.13 sm90 defaults (see the module
+#: docstring); replace with the table `treecompile tune` prints on an H100.
+FLEX_OPTIONS: dict[tuple[str, int, str], FlexOptions] = {
+    ("sm90", 64, "bfloat16"): FlexOptions(fwd=(128, 128, 4, 3), bwd=(64, 128, 128, 64, 8, 3)),
+    ("sm90", 128, "bfloat16"): FlexOptions(fwd=(128, 64, 8, 3), bwd=(64, 128, 128, 64, 8, 3)),
+    ("sm90", 64, "float32"): FlexOptions(fwd=(128, 32, 4, 3), bwd=(16, 16, 16, 16, 4, 1)),
+    ("sm90", 128, "float32"): FlexOptions(fwd=(32, 64, 4, 3), bwd=(16, 16, 16, 16, 4, 1)),
+}
+
+
+def arch_of(device: torch.device) -> str:
+    """``"sm90"`` for a Hopper GPU (compute capability 9.0), and so on."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def flex_kernel_options(q: torch.Tensor, table: dict | None = None) -> dict[str, int]:
+    """The table's kernel options for queries ``q`` ``[B, H, S, D]``; ``{}`` (torch's own
+    choice) off CUDA or for a (GPU, head dim, dtype) the table lacks."""
+    if q.device.type != "cuda":
+        return {}
+    entry = (FLEX_OPTIONS if table is None else table).get((arch_of(q.device), q.shape[-1], _dtype_name(q.dtype)))
+    return entry.as_kernel_options() if entry is not None else {}
+
+
+def candidates(head_dim: int, dtype: torch.dtype) -> list[FlexOptions]:
+    """Configurations `tune` times: a small grid around torch's defaults (tiles dividing 128)."""
+    out: list[FlexOptions] = []
+    small = dtype == torch.float32 or head_dim > 128
+    fwd_tiles = [(64, 64), (128, 32), (32, 64)] if small else [(128, 128), (128, 64), (64, 64), (64, 128)]
+    bwd_tiles = [(16, 16, 16, 16), (32, 32, 32, 32)] if small else [(64, 128, 128, 64), (32, 64, 64, 32),
+                                                                   (64, 64, 64, 64)]
+    for bm, bn in fwd_tiles:
+        for warps in (4, 8):
+            out.append(FlexOptions(fwd=(bm, bn, warps, 3), bwd=(*bwd_tiles[0], 8 if not small else 4, 3 if not small
+                                                                else 1)))
+    for tiles in bwd_tiles[1:]:
+        for warps in (4, 8):
+            out.append(FlexOptions(fwd=out[0].fwd, bwd=(*tiles, warps, 2 if small else 3)))
+    return out
+
+
+def _synthetic_subtree_end(rows: int, paths: int, device) -> torch.Tensor:
+    """``subtree_end`` of a tree with one shared prefix of half the rows and ``paths`` leaves."""
+    from treecompile.batch import pack
+    from treecompile.tree import TrajectoryTree
+
+    prefix = rows // 2
+    leaf = (rows - prefix) // paths
+    seqs = [list(range(prefix)) + [prefix + i] * leaf for i in range(paths)]
+    return pack([TrajectoryTree.from_sequences(seqs)], device=device).subtree_end
+
+
+def _time_config(opts: dict, q, k, v, block_mask, repeats: int) -> float:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = torch.compile(flex_attention, dynamic=False)
+
+    def step():
+        out = fn(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=opts or None)
+        out.sum().backward()
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tune(
+    head_dims: Sequence[int] = (64, 128),
+    dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
+    *,
+    rows: int = 16384,
+    heads: int = 16,
+    kv_heads: int = 8,
+    repeats: int = 10,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict[tuple[str, int, str], FlexOptions], list[dict]]:
+    """Times every candidate (forward + backward of one tree attention, median of ``repeats``
+    CUDA-event timings after a compiling call) and returns ``(best per key, all timings)``.
+
+    The tree has one shared prefix of half the ``rows`` and 8 leaves, masked with the
+    interval rule through treecompile's own BlockMask builder.
+
+    Raises:
+        RuntimeError: no CUDA device.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: FlexAttention kernel options are tuned on the GPU they run on")
+    from treecompile.blockmask import tree_block_mask
+
+    dev = torch.device("cuda")
+    arch = arch_of(dev)
+    # The interval rule's BlockMask, its mask_mod reading subtree_end (as a closure here).
+    block_mask = tree_block_mask(_synthetic_subtree_end(rows, 8, dev), block_size=MASK_BLOCK)
+    best: dict[tuple[str, int, str], FlexOptions] = {}
+    timings: list[dict] = []
+    for dtype in dtypes:
+        for d in head_dims:
+            g = torch.Generator(device=dev).manual_seed(0)
+            q = torch.randn(1, heads, rows, d, device=dev, dtype=dtype, generator=g, requires_grad=True)
+            k = torch.randn(1, kv_heads, rows, d, device=dev, dtype=dtype, generator=g, requires_grad=True)
+            v = torch.randn(1, kv_heads, rows, d, device=dev, dtype=dtype, generator=g, requires_grad=True)
+            key = (arch, d, _dtype_name(dtype))
+            scored: list[tuple[float, FlexOptions | None]] = []
+            for opts in [None, *candidates(d, dtype)]:
+                label = "torch default" if opts is None else str(opts)
+                try:
+                    ms = _time_config({} if opts is None else opts.as_kernel_options(), q, k, v, block_mask, repeats)
+                except Exception as e:  # a configuration the compiler rejects (e.g. out of shared memory)
+                    timings.append({"key": list(key), "options": label, "ms": None, "error": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                timings.append({"key": list(key), "options": label, "ms": ms})
+                if progress is not None:
+                    progress(f"{key}: {label}: {ms:.3f} ms")
+                scored.append((ms, opts))
+            if scored:
+                ms, opts = min(scored, key=lambda s: s[0])
+                if opts is not None:
+                    best[key] = opts
+    return best, timings
+
+
+def format_table(table: dict[tuple[str, int, str], FlexOptions], note: str = "") -> str:
+    """``table`` as the Python literal that replaces :data:`FLEX_OPTIONS`."""
+    lines = [f"# {note}"] if note else []
+    lines.append("FLEX_OPTIONS: dict[tuple[str, int, str], FlexOptions] = {")
+    for key, o in sorted(table.items()):
+        lines.append(f"    {key!r}: FlexOptions(fwd={o.fwd!r}, bwd={o.bwd!r}),")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def add_tune_command(sub) -> None:
+    """Registers ``treecompile tune``."""
+    p = sub.add_parser(
+        "tune",
+        help="time FlexAttention kernel options on this GPU and print a new options table",
+        description=(
+            "Times FlexAttention forward + backward on a tree mask for candidate tile sizes, warps and stages "
+            "per head dim and dtype, and prints the fastest as the table for treecompile/kernels/flex_options.py. "
+            "Needs a CUDA GPU (exit status 2 without one)."
+        ),
+    )
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--rows", type=int, default=16384, metavar="S", help="tree rows (default 16384)")
+    p.add_argument("--repeats", type=int, default=10, metavar="N")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every timing to FILE")
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    if not torch.cuda.is_available():
+        print("treecompile tune: no CUDA device; kernel options are tuned on the GPU they run on", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    best, timings = tune(
+        args.head_dims, [getattr(torch, d) for d in args.dtypes], rows=args.rows, repeats=args.repeats,
+        progress=lambda s: print(s, file=sys.stderr),
+    )
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(timings, f, indent=2)
+    device = torch.cuda.get_device_name()
+    note = f"measured by `treecompile tune --rows {args.rows}` on {device}, torch {torch.__version__}, " \
+           f"{time.perf_counter() - t0:.0f} s; keys where torch's default won are absent"
+    print(format_table(best, note))
+    return 0

@@ -1,0 +1,292 @@
+"""Runs the GPU check or benchmark in sections and writes one report (Markdown + JSON).
+
+Called by ``scripts/gpu.sh`` (which installs the project first); see docs/gpu.md.
+
+    python scripts/gpu_check.py check --out DIR [--dry-run]
+    python scripts/gpu_check.py bench --out DIR [--dry-run]
+
+Each section runs in its own process under a time limit, so a failing, crashing or hanging
+section never stops the others. Writes ``DIR/gpu-COMMAND.md``, ``DIR/gpu-COMMAND.json`` and
+``DIR/gpu-COMMAND-raw.tar.gz`` (every section's log and JUnit XML). Exit status: 0 when every
+section passed or was skipped, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (section, what it runs, time limit in seconds). The check's limits add up to 8 minutes; a
+#: section that runs out of time keeps the results of the tests it finished, and can be run
+#: again alone (``--sections NAME``).
+CHECK_SECTIONS = [
+    ("fused-head", "tests/gpu/test_gpu_fused_head.py", 45),
+    ("blockmask", "tests/gpu/test_gpu_blockmask.py", 30),
+    ("compile-behaviour", "tests/gpu/test_gpu_compile_behaviour.py", 120),
+    ("exactness-fp32", "tests/gpu/test_gpu_exactness.py -k float32", 165),
+    ("exactness-bf16", "tests/gpu/test_gpu_exactness.py -k bfloat16", 120),
+]
+BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
+TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
+SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS}
+
+
+def _version(pkg: str) -> str:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "host": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["cuda_runtime"] = str(torch.version.cuda)
+        env["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env["device"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, " \
+                            f"compute capability {p.major}.{p.minor}"
+        else:
+            env["device"] = "no CUDA device"
+    except Exception as e:  # the report is written whatever is broken
+        env["torch"] = f"import failed: {e}"
+        env["cuda_available"] = False
+        env["device"] = "unknown (torch failed to import)"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            env["driver"] = subprocess.run(
+                [smi, "--query-gpu=driver_version,name", "--format=csv,noheader"], capture_output=True, text=True,
+                timeout=30).stdout.strip()
+        except Exception as e:
+            env["driver"] = f"nvidia-smi failed: {e}"
+    else:
+        env["driver"] = "nvidia-smi not found"
+    for pkg in ("triton", "transformers", "flash-linear-attention", "fla-core", "treecompile", "pytest"):
+        env[pkg] = _version(pkg)
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        env["commit"] = "unknown"
+    return env
+
+
+def parse_junit(path: Path) -> list[dict]:
+    """Every test case of a JUnit XML file: name, outcome, seconds, message, traceback, properties."""
+    tests = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        t = {"name": f"{case.get('classname', '')}::{case.get('name', '')}", "seconds": float(case.get("time", 0)),
+             "outcome": "passed", "message": "", "traceback": "", "properties": {}}
+        for prop in case.iter("property"):
+            t["properties"][prop.get("name")] = prop.get("value")
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                t["outcome"] = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+                t["message"] = el.get("message", "")
+                t["traceback"] = (el.text or "").strip()
+        tests.append(t)
+    return tests
+
+
+_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+
+
+def parse_verbose_log(text: str) -> list[dict]:
+    """Results of a pytest -v log cut short (a timed-out section has no JUnit file)."""
+    out = []
+    for line in text.splitlines():
+        m = _VERBOSE.match(line.strip())
+        if m:
+            out.append({"name": m.group(1), "outcome": m.group(2).lower(), "seconds": None, "message": "",
+                        "traceback": "", "properties": {}})
+    return out
+
+
+def _run(cmd: list[str], log: Path, limit: int) -> tuple[int | None, float]:
+    """``(return code or None if it ran past the limit, seconds)``; output to ``log``."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    return rc, time.perf_counter() - t0
+
+
+def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, list[str]]:
+    """The test ids each test section would run (one ``pytest --collect-only`` for all), for
+    sections that do not run. A section's ``-k WORD`` keeps the ids containing ``WORD``."""
+    files = sorted({what.split()[0] for _, what, _ in sections if what.startswith("tests/")})
+    if not files:
+        return {}
+    log = work / "collect.log"
+    _run([sys.executable, "-m", "pytest", "-q", "--collect-only", *files, "-m", "gpu", "-o", "addopts=", "-p",
+          "no:cacheprovider"], log, 300)
+    ids = [line.strip() for line in log.read_text().splitlines() if line.startswith("tests/") and "::" in line]
+    out = {}
+    for name, what, _ in sections:
+        parts = what.split()
+        word = parts[parts.index("-k") + 1] if "-k" in parts else ""
+        out[name] = [i for i in ids if i.startswith(parts[0] + "::") and word in i]
+    return out
+
+
+def run_test_section(name: str, what: str, limit: int, work: Path) -> dict:
+    junit, log = work / f"junit-{name}.xml", work / f"{name}.log"
+    cmd = [sys.executable, "-m", "pytest", *what.split(), "-m", "gpu", "-v", "-rA", "-o", "addopts=", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    rc, secs = _run(cmd, log, limit)
+    text = log.read_text(errors="replace")
+    tests = parse_junit(junit) if junit.exists() else parse_verbose_log(text)
+    if rc is None:
+        status = f"timed out after {limit} s ({len(tests)} tests finished)"
+    elif rc == 0:
+        status = "passed"
+    elif rc == 5:
+        status = "no tests ran"
+    else:
+        status = "failed" if tests else f"crashed (exit {rc})"
+    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": tests, "log_tail": text[-3000:]}
+
+
+def run_bench_section(name: str, limit: int, work: Path) -> dict:
+    out, mdfile, log = work / "bench.json", work / "bench.md", work / "bench.log"
+    cmd = [sys.executable, "-m", "treecompile.bench_cuda", "--out", str(out), "--markdown", str(mdfile),
+           "--time-budget", str(int(limit * 0.8))]
+    rc, secs = _run(cmd, log, limit)
+    text = log.read_text(errors="replace")
+    result = json.loads(out.read_text()) if out.exists() else None
+    table = None
+    if result is not None:
+        sys.path.insert(0, str(ROOT))
+        from treecompile.bench_cuda import markdown_table
+
+        table = markdown_table(result)
+    status = {None: f"timed out after {limit} s (rows so far kept)", 0: "passed", 1: "loss mismatch"}.get(
+        rc, f"failed (exit {rc})")
+    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": [], "bench": result,
+            "table": table, "log_tail": text[-3000:]}
+
+
+def run_tune_section(name: str, limit: int, work: Path) -> dict:
+    log, out = work / "tune.log", work / "tune.json"
+    rc, secs = _run([sys.executable, "-m", "treecompile.cli", "tune", "--json", str(out)], log, limit)
+    text = log.read_text(errors="replace")
+    status = {None: f"timed out after {limit} s", 0: "passed"}.get(rc, f"failed (exit {rc})")
+    table = text[text.rfind("# measured by"):] if "# measured by" in text else None
+    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": [], "table": table,
+            "log_tail": text[-3000:]}
+
+
+def render_markdown(report: dict) -> str:
+    env = report["env"]
+    lines = [f"# treecompile GPU {report['command']}", "",
+             f"Written by `{report['invocation']}` on {env['date']}.", "", "## Environment", "",
+             "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    if report.get("install"):
+        lines += ["", f"Install: {report['install']}"]
+    lines += ["", "## Sections", "", "| section | status | tests | seconds |", "|---|---|---|---|"]
+    for s in report["sections"]:
+        counts = {}
+        for t in s["tests"]:
+            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "–"
+        lines.append(f"| {s['name']} | {s['status']} | {summary} | {s['seconds'] if s['seconds'] is not None else '–'} |")
+    for s in report["sections"]:
+        lines += ["", f"## {s['name']}: {s['status']}", ""]
+        if s["tests"]:
+            lines += ["| test | result | seconds | measured |", "|---|---|---|---|"]
+            for t in s["tests"]:
+                props = "; ".join(f"{k}={v}" for k, v in t["properties"].items()).replace("|", "/")
+                secs = "–" if t["seconds"] is None else f"{t['seconds']:.1f}"
+                outcome = t["outcome"] + (f": {t['message']}" if t["outcome"] == "skipped" and t["message"] else "")
+                lines.append(f"| `{t['name']}` | {outcome} | {secs} | {props} |")
+            for t in s["tests"]:
+                if t["outcome"] in ("failed", "error"):
+                    lines += ["", f"### {t['name']}", "", "```", (t["traceback"] or t["message"])[-6000:], "```"]
+        if s.get("table"):
+            lines += ["", s["table"]]
+        if s["status"] not in ("passed",) and not s["status"].startswith("skipped") and s.get("log_tail"):
+            lines += ["", "Log tail:", "", "```", s["log_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="treecompile GPU check / benchmark report")
+    p.add_argument("command", choices=sorted(SECTIONS))
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--dry-run", action="store_true", help="run nothing; every section reports why it was skipped")
+    p.add_argument("--install", default=None, help="one line on how the install went (from gpu.sh)")
+    p.add_argument("--invocation", default=None)
+    p.add_argument("--sections", default=None, help="comma-separated section names to run (default: all)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    sections = SECTIONS[args.command]
+    if args.sections:
+        wanted = args.sections.split(",")
+        unknown = [w for w in wanted if w not in {n for n, _, _ in sections}]
+        if unknown:
+            p.error(f"unknown sections {unknown}; {args.command} has: {', '.join(n for n, _, _ in sections)}")
+        sections = [s for s in sections if s[0] in wanted]
+    skip = "skipped: no CUDA" if not env.get("cuda_available") else ("skipped: dry run" if args.dry_run else None)
+    report = {"command": args.command, "invocation": args.invocation or " ".join(["scripts/gpu.sh", *sys.argv[1:]]),
+              "env": env, "install": args.install, "sections": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        listed = collect_only(sections, work) if skip else {}
+        for name, what, limit in sections:
+            if skip:
+                tests = [{"name": t, "outcome": "skipped", "seconds": None, "message": skip.removeprefix("skipped: "),
+                          "traceback": "", "properties": {}} for t in listed.get(name, [])]
+                report["sections"].append({"name": name, "status": skip, "seconds": None, "tests": tests})
+                continue
+            print(f"[gpu.sh] {name}: up to {limit} s", file=sys.stderr, flush=True)
+            if args.command == "check":
+                section = run_test_section(name, what, limit, work)
+            elif args.command == "bench":
+                section = run_bench_section(name, limit, work)
+            else:
+                section = run_tune_section(name, limit, work)
+            print(f"[gpu.sh] {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
+            report["sections"].append(section)
+        with tarfile.open(args.out / f"gpu-{args.command}-raw.tar.gz", "w:gz") as tar:
+            for f in sorted(work.iterdir()):
+                tar.add(f, arcname=f.name)
+    (args.out / f"gpu-{args.command}.json").write_text(json.dumps(report, indent=2))
+    text = render_markdown(report)
+    (args.out / f"gpu-{args.command}.md").write_text(text)
+    print(text)
+    ok = all(s["status"] == "passed" or s["status"].startswith("skipped") for s in report["sections"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""treecompile/bench_cuda.py end to end on the CPU with a tiny model (the GPU run uses Qwen3 shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from treecompile import bench_cuda
+from treecompile.cli import main as cli_main
+
+pytest.importorskip("transformers")
+
+
+def test_all_methods_run_and_agree_on_the_loss(tmp_path):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    rc = bench_cuda.main(["--device", "cpu", "--models", "tiny", "--path-tokens", "96", "--por", "0.5",
+                          "--repeats", "1", "--no-real-data", "--dtype", "float32", "--out", str(out),
+                          "--markdown", str(md)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == list(bench_cuda.METHODS)
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["loss_rel_diff"] <= bench_cuda.LOSS_RTOL["float32"], r
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["speedup_vs_packed"] > 0
+    assert rows["tree"]["rows"] < rows["hf-packed-flex"]["rows"] == rows["tree"]["path_tokens"]
+    assert rows["tree"]["bound"] == pytest.approx(1 / (1 - rows["tree"]["por"]))
+    assert rows["hf-packed-flex"]["speedup_vs_packed"] == 1.0
+    assert "| tiny | 96 POR 0.5 |" in md.read_text()
+
+
+def test_time_budget_marks_rows_not_run():
+    cfg = dataclasses.replace(bench_cuda.DEFAULT, models=("tiny",), path_tokens=(64,), pors=(0.0,), real_data=False,
+                              time_budget_s=0.0)
+    result = bench_cuda.run_cuda_bench(cfg, device="cpu")
+    assert [r["status"].split(":")[0] for r in result["rows"]] == ["not run"] * len(bench_cuda.METHODS)
+    assert "not run" in bench_cuda.markdown_table(result)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="models: qwen3-0.6b"):
+        bench_cuda.run_cuda_bench(dataclasses.replace(bench_cuda.DEFAULT, models=("qwen9",)), device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_cli_bench_device_cuda_without_cuda_exits_2(capsys):
+    assert cli_main(["bench", "--device", "cuda"]) == 2
+    assert "no CUDA" in capsys.readouterr().err
+
+
+def test_cpu_bench_flags_are_refused_with_device_cuda(capsys):
+    assert cli_main(["bench", "--device", "cuda", "--arch", "qwen3_next"]) == 2
+    assert "--arch do not apply with --device cuda" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""The FlexAttention kernel-options table (kernels/flex_options.py) and `treecompile tune` on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treecompile.cli import main
+from treecompile.kernels import flex_options as fo
+from treecompile.kernels.flex import BLOCK_SIZE
+
+
+def test_every_table_entry_fits_the_tree_block_mask():
+    assert fo.MASK_BLOCK == BLOCK_SIZE
+    assert fo.FLEX_OPTIONS, "the table is empty"
+    for (arch, head_dim, dtype), opts in fo.FLEX_OPTIONS.items():
+        assert arch.startswith("sm") and head_dim > 0 and hasattr(torch, dtype)
+        kw = opts.as_kernel_options()
+        for key in ("fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2"):
+            assert BLOCK_SIZE % kw[key] == 0, (arch, head_dim, dtype, key)
+
+
+@pytest.mark.parametrize("fwd, bwd", [((96, 64, 4, 3), (64, 128, 128, 64, 8, 3)),
+                                      ((128, 64, 4, 3), (64, 32, 128, 64, 8, 3))], ids=["tile-not-dividing", "bwd-order"])
+def test_options_that_cannot_run_are_refused(fwd, bwd):
+    with pytest.raises(ValueError):
+        fo.FlexOptions(fwd=fwd, bwd=bwd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_candidates_are_valid_and_distinct(head_dim, dtype):
+    cands = fo.candidates(head_dim, dtype)
+    assert len(cands) >= 4 and len(set(cands)) == len(cands)
+
+
+def test_cpu_tensors_get_torch_defaults():
+    q = torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)
+    assert fo.flex_kernel_options(q) == {}
+
+
+def test_printed_table_is_the_literal_it_replaces():
+    text = fo.format_table(fo.FLEX_OPTIONS, note="test")
+    scope = {"FlexOptions": fo.FlexOptions}
+    exec(text, scope)
+    assert scope["FLEX_OPTIONS"] == fo.FLEX_OPTIONS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_tune_without_cuda_exits_2(capsys):
+    assert main(["tune"]) == 2
+    assert "no CUDA" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        fo.tune()

@@ -1,0 +1,110 @@
+"""scripts/gpu.sh and scripts/gpu_check.py on the CPU: dry runs write the report; sections are isolated."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a machine without CUDA")
+
+
+def _gpu_sh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHON": sys.executable})
+
+
+@no_cuda
+def test_check_dry_run_reports_every_gpu_test_skipped(tmp_path):
+    proc = _gpu_sh("check", "--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [s["name"] for s in report["sections"]] == [name for name, _, _ in gpu_check.CHECK_SECTIONS]
+    assert {s["status"] for s in report["sections"]} == {"skipped: no CUDA"}
+    tests = [t for s in report["sections"] for t in s["tests"]]
+    files = {t["name"].split("::")[0] for t in tests}
+    assert files == {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    assert len(tests) >= 40 and {t["outcome"] for t in tests} == {"skipped"}
+    by = {s["name"]: {t["name"] for t in s["tests"]} for s in report["sections"]}
+    assert by["exactness-fp32"] and by["exactness-bf16"] and not by["exactness-fp32"] & by["exactness-bf16"]
+    assert report["env"]["device"] == "no CUDA device" and report["env"]["torch"] == torch.__version__
+    md = (tmp_path / "gpu-check.md").read_text()
+    assert "| exactness-fp32 | skipped: no CUDA |" in md and (tmp_path / "gpu-check-raw.tar.gz").exists()
+
+
+@no_cuda
+def test_bench_dry_run_writes_the_report(tmp_path):
+    proc = _gpu_sh("bench", "--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu-bench.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["sections"]] == [("bench", "skipped: no CUDA")]
+    assert "## bench: skipped: no CUDA" in (tmp_path / "gpu-bench.md").read_text()
+
+
+def test_unknown_command_exits_2(tmp_path):
+    assert _gpu_sh("prove", "--out", str(tmp_path)).returncode == 2
+
+
+@no_cuda
+def test_sections_option_selects_and_checks_names(tmp_path):
+    proc = _gpu_sh("check", "--dry-run", "--sections", "blockmask", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [s["name"] for s in report["sections"]] == ["blockmask"] and len(report["sections"][0]["tests"]) == 3
+    bad = _gpu_sh("check", "--dry-run", "--sections", "nonsense", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "unknown sections" in bad.stderr
+
+
+def _write_tests(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "test_section.py"
+    path.write_text("import pytest\npytestmark = pytest.mark.gpu\n" + textwrap.dedent(body))
+    return str(path)
+
+
+def test_section_results_tracebacks_and_properties(tmp_path):
+    path = _write_tests(tmp_path, """
+        def test_ok(record_property):
+            record_property("build_ms", "1.25")
+        def test_bad():
+            assert 1 + 1 == 3, "arithmetic"
+        def test_skipped():
+            pytest.skip("needs something")
+    """)
+    work = tmp_path / "work"
+    work.mkdir()
+    section = gpu_check.run_test_section("demo", path, 120, work)
+    assert section["status"] == "failed"
+    by = {t["name"].split("::")[-1]: t for t in section["tests"]}
+    assert by["test_ok"]["outcome"] == "passed" and by["test_ok"]["properties"] == {"build_ms": "1.25"}
+    assert by["test_bad"]["outcome"] == "failed" and "arithmetic" in by["test_bad"]["traceback"]
+    assert by["test_skipped"]["outcome"] == "skipped"
+    text = gpu_check.render_markdown({"command": "check", "invocation": "test", "env": {"date": "now"},
+                                      "install": None, "sections": [section]})
+    assert "### " in text and "arithmetic" in text and "build_ms=1.25" in text
+
+
+def test_a_hanging_section_is_stopped_and_keeps_its_results(tmp_path):
+    path = _write_tests(tmp_path, """
+        import time
+        def test_first():
+            pass
+        def test_hangs():
+            time.sleep(600)
+    """)
+    work = tmp_path / "work"
+    work.mkdir()
+    section = gpu_check.run_test_section("hang", path, 20, work)
+    assert section["status"].startswith("timed out after 20 s")
+    assert [(t["name"].split("::")[-1], t["outcome"]) for t in section["tests"]] == [("test_first", "passed")]
