@@ -88,6 +88,20 @@ class TreeMask:
     builder: str
     size: int | None = None
 
+    def __getitem__(self, index: Any):
+        raise UnsupportedModelError(
+            f"the model's own code reads the attention mask built by {self.builder} (e.g. a sparse-attention "
+            "indexer slicing it): that mask is not built on a tree, so such code cannot be made exact"
+        )
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedModelError(
+            f"the model's own code reads the attention mask built by {self.builder} (.{name}): that mask is not "
+            "built on a tree, so such code cannot be made exact"
+        )
+
 
 # masking_utils builder -> the kind of mask it builds. Builders not named here are refused when called.
 _BUILDERS = {
