@@ -96,6 +96,29 @@ class BenchConfig:
     seed: int = 0
     arch: str = "qwen3"
 
+    def __post_init__(self) -> None:
+        # Checked here, so a bad value fails before a model is built, with the option named.
+        for name in ("warmup", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.paths < 2:
+            raise ValueError(f"paths (--paths) must be at least 2, got {self.paths}")
+        path_len = self.path_tokens // self.paths
+        if path_len < 2:
+            raise ValueError(
+                f"--path-tokens {self.path_tokens} over --paths {self.paths} leaves {path_len} token(s) a path; "
+                "every path needs at least 2"
+            )
+        reachable = (self.paths - 1) * (path_len - 1) / (self.paths * path_len)
+        for por in self.pors:
+            if not 0.0 <= por < 1.0:
+                raise ValueError(f"POR (--por) must be in [0, 1), got {por}")
+            if por > reachable + 1e-9:
+                raise ValueError(
+                    f"POR (--por) {por} cannot be reached by {self.paths} paths of {path_len} tokens "
+                    f"(at most {reachable:.3f}: every path keeps one token of its own)"
+                )
+
 
 #: Model families `BenchConfig.arch` accepts.
 ARCHS = ("qwen3", "qwen3_next")

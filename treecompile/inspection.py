@@ -671,6 +671,8 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
 
 def add_inspect_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
+    from treecompile.cli import int_at_least
+
     p = sub.add_parser(
         "inspect",
         help="show what the passes do to a model: graph diffs, rewrite counts, the tree mask",
@@ -688,10 +690,10 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
     p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
-    p.add_argument("--context", type=int, default=2, metavar="N", help="context lines of each diff (default 2)")
+    p.add_argument("--context", type=int_at_least(0), default=2, metavar="N", help="context lines of each diff (default 2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--png", metavar="PATH", default=None, help="also write the tree mask as a PNG")
-    p.add_argument("--png-cell", type=int, default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
+    p.add_argument("--png-cell", type=int_at_least(1), default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
     p.add_argument(
         "--dtype", choices=_DTYPES, default=None,
         help="parameter dtype (default: float32 for HF configs, unchanged for factories)",
