@@ -14,6 +14,7 @@ and exit with status 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -92,6 +93,14 @@ def device_name(text: str) -> str:
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
     return text
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a blocked or half-removed module
+        return False
 
 
 def check_cuda(device: str | None) -> None:
@@ -474,6 +483,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Runs the benchmark; exit status 1 if some method's loss differs from the per-path loss."""
     check_cuda(args.device)  # before the model and the workloads are built
+    if not _installed("transformers"):
+        raise ImportError("treecompile bench trains a Hugging Face Qwen3 model: pip install 'treecompile[hf]'")
 
     from rich.console import Console
 
