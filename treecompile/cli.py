@@ -506,6 +506,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         # Wide enough for every column even when the output is not a terminal (rich assumes 80).
         Console(width=max(Console().width, 150)).print(bench.render_table(result))
+    for line in bench.noise_warnings(result):
+        print(f"treecompile bench: warning: {line}", file=sys.stderr)
     bad = [f"{r.workload}/{r.method}" for r in result.rows if not r.exact]
     if bad:
         print(f"treecompile bench: loss differs from per-path training: {', '.join(bad)}", file=sys.stderr)
