@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treecompile.advice import low_por_advice
 from treecompile.errors import TreeInputError
 
 __all__ = ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
@@ -329,6 +330,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "trees": [{"name": n, **s.as_dict()} for n, s in zip(names, stats)],
             "total": total,
             "drift": drift,
+            "advice": low_por_advice(total["por"]),
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -420,6 +422,9 @@ def _print_stats(
         f"total POR {total['por']:.3f} (per tree {min(pors):.3f} to {max(pors):.3f}); "
         f"speed-up bound 1/(1-POR) = {1 / max(1 - total['por'], 1e-12):.2f}x; built in {header['seconds']:.2f} s"
     )
+    advice = low_por_advice(total["por"])
+    if advice is not None:
+        console.print(f"[yellow]advice:[/yellow] {advice}")
     console.print(_drift_line(drift))
 
 
