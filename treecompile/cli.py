@@ -104,6 +104,12 @@ def _installed(module: str) -> bool:
         return False
 
 
+def require_plot(option: str) -> None:
+    """Raises ImportError naming the extra if matplotlib, which ``option`` needs, is missing."""
+    if not _installed("matplotlib"):
+        raise ImportError(f"{option} draws with matplotlib: pip install 'treecompile[plot]'")
+
+
 def check_cuda(device: str | None) -> None:
     """Raises ValueError if ``device`` names CUDA and this torch cannot reach that device."""
     if device is None or not device.startswith("cuda"):
@@ -176,6 +182,10 @@ def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="only the first N trees")
     p.add_argument("--rows", type=int_at_least(0), default=_DEFAULT_ROWS, metavar="N", help="table rows to print (all with --json)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="also draw histograms of the trees' POR, depth and branching as a PNG (needs the [plot] extra)",
+    )
     p.set_defaults(func=cmd_stats)
 
 
@@ -291,6 +301,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from treecompile.io import detect_kind
     from treecompile.tokenizer import load_tokenizer
 
+    if args.plot is not None:
+        require_plot("--plot")
     path = _resolve_file(args.file)
     kind = detect_kind(path)
     chat_input = kind in _CHAT_KINDS
@@ -324,6 +336,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "group_by": args.group_by,
         "seconds": round(seconds, 3),
     }
+    if args.plot is not None:
+        from treecompile.plots import save_png, stats_figure
+
+        save_png(stats_figure(names, stats, total, title=str(path)), args.plot)
+        header["plot"] = str(args.plot)
     if args.json:
         out = {
             **header,
@@ -425,6 +442,8 @@ def _print_stats(
     advice = low_por_advice(total["por"])
     if advice is not None:
         console.print(f"[yellow]advice:[/yellow] {advice}")
+    if "plot" in header:
+        console.print(f"charts of POR, depth and branching written to {header['plot']}")
     console.print(_drift_line(drift))
 
 
