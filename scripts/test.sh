@@ -10,9 +10,10 @@ echo "setup: $((SECONDS - start)) s"
 # One torch thread per worker: the workers already use every core.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 tests_start=$SECONDS
-# -m "": every marker, overriding the project's default `not slow`; --dist loadfile keeps each
-# file's shared compiled fixtures on one worker; --durations lists the slowest cases.
-python3 -m pytest -n auto --dist loadfile -m "" --durations=25 -q "$@"
+# -m "": every marker, overriding the project's default `not slow`; --dist loadgroup keeps tests
+# that share a compiled model on one worker (tests/conftest.py) and spreads the rest;
+# --durations lists the slowest cases.
+python3 -m pytest -n auto --dist loadgroup -m "" --durations=25 -q "$@"
 echo "tests: $((SECONDS - tests_start)) s on $(python3 -c 'import os; print(os.cpu_count())') cores"
 
 docs_start=$SECONDS

@@ -75,7 +75,7 @@ def test_cli_parses_bench():
 
 
 def test_hybrid_arch_runs_exactly():
-    cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0,
+    cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0, path_tokens=64,
                                pors=(0.5,))
     result = bench.run_bench(cfg, device="cpu", command="pytest")
     assert {r.method for r in result.rows} == {"packed", "interval"}

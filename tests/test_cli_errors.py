@@ -108,10 +108,10 @@ def test_cuda_requested_without_cuda(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--paths", "40"], "treecompile bench: error: --path-tokens 64 over --paths 40 leaves 1 token(s) a path; "
-                            "every path needs at least 2"),
-        (["--por", "0.9"], "treecompile bench: error: POR (--por) 0.9 cannot be reached by 4 paths of 16 tokens "
-                           "(at most 0.703: every path keeps one token of its own)"),
+        (["--paths", "300"], "treecompile bench: error: --path-tokens 512 over --paths 300 leaves 1 token(s) a "
+                             "path; every path needs at least 2"),
+        (["--por", "0.9"], "treecompile bench: error: POR (--por) 0.9 cannot be reached by 4 paths of 128 tokens "
+                           "(at most 0.744: every path keeps one token of its own)"),
     ],
     ids=["paths-too-many-for-tokens", "por-unreachable"],
 )
