@@ -119,3 +119,14 @@ def test_unknown_choice_is_refused_by_argparse(capsys):
         main(["stats", "sample:tau_bench", "--samples", "turns"])
     assert exc.value.code == 2
     assert "invalid choice: 'turns'" in capsys.readouterr().err
+
+
+def test_progress_bar_only_on_a_terminal_and_for_many_trees(monkeypatch):
+    from treecompile.cli import _PROGRESS_MIN_TREES, progress_bar
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "dumb")
+    assert progress_bar("trees", 1000).disable  # stderr is not a terminal: error lines stay clean
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then treats stderr as a terminal
+    assert not progress_bar("trees", _PROGRESS_MIN_TREES).disable
+    assert progress_bar("trees", _PROGRESS_MIN_TREES - 1).disable

@@ -95,7 +95,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if capacity is None:
         capacity = max(-(-max(t.num_tokens for t in trees) // 2), longest)
     check_capacity_all(names, trees, capacity)
-    parts = [partition_tree(t, capacity, method=args.method) for t in trees]
+    from treecompile.cli import progress_bar
+
+    parts = []
+    with progress_bar("partitioning", len(trees)) as bar:
+        for t in trees:
+            parts.append(partition_tree(t, capacity, method=args.method))
+            bar.advance(bar.task_ids[0])
     step = plan_step(trees, capacity=capacity, ranks=args.ranks, method=args.method, shard_method=args.shard)
     baseline = shard_paths(trees, args.ranks, method="greedy_tokens") if args.ranks > 1 else None
     tree_tokens = sum(p.tree_tokens for p in parts)
