@@ -14,7 +14,8 @@ TORCH="torch==2.13.0"
 CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 torch_build() {
-    python3 -c 'import torch; print(f"torch {torch.__version__} (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build") + ")")'
+    # (stderr dropped: torch warns when numpy, installed with treecompile below, is not there yet)
+    python3 -c 'import torch; print(f"torch {torch.__version__} (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build") + ")")' 2>/dev/null
 }
 
 if python3 -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then

@@ -430,7 +430,8 @@ def noise_warnings(result: BenchResult) -> list[str]:
             out.append(
                 f"{r.workload} / {r.method}: speedup {r.speedup:.2f}x is within the spread of the "
                 f"{result.config.repeats} repeats (packed {base.step_ms_min:.1f}-{base.step_ms_max:.1f} ms, "
-                f"{r.method} {r.step_ms_min:.1f}-{r.step_ms_max:.1f} ms: {r.speedup_low:.2f}x to {r.speedup_high:.2f}x); "
+                f"{r.method} {r.step_ms_min:.1f}-{r.step_ms_max:.1f} ms: "
+                f"{r.speedup_low:.2f}x to {r.speedup_high:.2f}x); "
                 "measure on an idle machine or with more --repeats"
             )
     return out

@@ -491,12 +491,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="the quick configuration (default; a few minutes on CPU)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long configuration (smoke test)")
-    p.add_argument("--path-tokens", type=int_at_least(4), default=None, metavar="N", help="path tokens per synthetic workload")
+    p.add_argument("--path-tokens", type=int_at_least(4), default=None, metavar="N",
+                   help="path tokens per synthetic workload")
     p.add_argument("--paths", type=int_at_least(2), default=None, metavar="P", help="paths per synthetic tree")
     p.add_argument("--por", type=por_value, nargs="+", default=None, metavar="X", help="synthetic POR values")
     p.add_argument("--repeats", type=int_at_least(1), default=None, metavar="N", help="timed steps (median reported)")
     p.add_argument("--methods", nargs="+", default=None, metavar="M", help="subset of: packed bitmask interval")
-    p.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),
                    help="model family: qwen3 (default) or qwen3_next (Gated DeltaNet + attention)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")

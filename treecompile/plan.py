@@ -155,7 +155,9 @@ def check_capacity_all(names: list[str], trees: list[Any], capacity: int) -> Non
     from treecompile.partition import CapacityError, path_lengths
 
     lengths = [path_lengths(t) for t in trees]
-    over = [(name, int((ls > capacity).sum()), int(ls.max())) for name, ls in zip(names, lengths) if ls.max() > capacity]
+    over = [
+        (name, int((ls > capacity).sum()), int(ls.max())) for name, ls in zip(names, lengths) if ls.max() > capacity
+    ]
     if not over:
         return
     longest = max(m for _, _, m in over)
