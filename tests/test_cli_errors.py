@@ -198,3 +198,24 @@ def test_capacity_advice_covers_every_tree(capsys):
         f"({n_paths} of {sum(t.num_paths for t in trees.values())} paths; a path is never split): {shown}. "
         f"--capacity {max(longest.values())} fits every path of every tree.",
     )
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"messages": [{"role": "user", "content": 5}], "group": "b"}',
+         "message 0: content must be a string, a list of text parts or null, got int"),
+        ('{"messages": ["just text"], "group": "b"}', "message 0: expected a dict, got str"),
+        ('{"messages": [{"role": "user", "content": "hi"}, {"content": "no role"}], "group": "b"}',
+         "message 1: unknown role None; expected one of ['assistant', 'developer', 'function', 'system', 'tool', "
+         "'user']"),
+        ('{"messages": [], "group": "b"}', "expected a non-empty 'messages' list"),
+    ],
+    ids=["content-int", "message-str", "no-role", "empty"],
+)
+def test_a_bad_line_in_grouped_conversations_names_file_and_line(bad_line, message, tmp_path, capsys):
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "group": "a"}'
+    path = tmp_path / "chats.jsonl"
+    path.write_text(f"{good}\n{good}\n{bad_line}\n")
+    assert_one_line(*run(["stats", str(path), "--tokenizer", "bytes"], capsys),
+                    f"treecompile stats: error: {path}:3: {message}")

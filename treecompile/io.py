@@ -259,9 +259,21 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
         weight = obj.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise TreeInputError(f"{path}:{n}: 'weight' must be a number, got {weight!r}")
+        _check_conversation_line(path, n, messages)
         extra = {k: v for k, v in obj.items() if k not in ("messages", "group", "weight")}
         out.append(ConversationRecord(messages, None if group is None else str(group), float(weight), extra))
     return out
+
+
+def _check_conversation_line(path: str | Path, n: int, messages: list[Any]) -> None:
+    """The message checks of `treecompile.chat`, here where the file line is known."""
+    from treecompile.chat import normalize_conversation
+
+    try:
+        normalize_conversation(messages, index=0)
+    except TreeInputError as exc:
+        text = str(exc).replace("conversation 0, ", "", 1).replace("conversation 0: ", "", 1)
+        raise TreeInputError(f"{path}:{n}: {text}") from None
 
 
 def save_conversations(path: str | Path, records: Iterable[ConversationRecord | Sequence[dict[str, Any]]]) -> int:
