@@ -126,3 +126,10 @@ def test_measured_rows_carry_their_spread(tiny_result):
     for r in tiny_result.rows:
         assert 0 < r.step_ms_min <= r.step_ms <= r.step_ms_max
         assert r.speedup_low <= r.speedup <= r.speedup_high
+
+
+def test_the_progress_bar_counts_every_measurement(tiny_result):
+    from treecompile.cli import _bench_measurements
+
+    assert _bench_measurements(bench.TINY) == len(tiny_result.rows)
+    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 4

@@ -367,7 +367,7 @@ def progress_bar(label: str, total: int, *, min_total: int = _PROGRESS_MIN_TREES
 
     console = Console(stderr=True)
     progress = Progress(
-        TextColumn(label),
+        TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -524,7 +524,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     err = Console(stderr=True)
     quiet = args.json or args.markdown
-    result = bench.run_bench(cfg, device=args.device, progress=None if quiet else (lambda s: err.print(f"[dim]{s}")))
+    bar = progress_bar("bench", _bench_measurements(cfg), min_total=1)
+    with bar:
+        def step(text: str) -> None:
+            # One call per (workload, method) measurement: a line in logs, a bar on a terminal.
+            if bar.disable:
+                err.print(f"[dim]{text}")
+            else:
+                bar.update(bar.task_ids[0], description=text)
+                bar.advance(bar.task_ids[0])
+
+        result = bench.run_bench(cfg, device=args.device, progress=None if quiet else step)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     elif args.markdown:
@@ -539,6 +549,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"treecompile bench: loss differs from per-path training: {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_measurements(cfg: Any) -> int:
+    """How many (workload, method) measurements ``bench.run_bench(cfg)`` makes."""
+    from treecompile import data
+
+    workloads = len(cfg.pors) + min(cfg.tau_tasks, len(data.sample_tau_bench())) + (1 if cfg.gsm8k_groups else 0)
+    return workloads * len(cfg.methods)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
