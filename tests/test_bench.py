@@ -132,4 +132,6 @@ def test_the_progress_bar_counts_every_measurement(tiny_result):
     from treecompile.cli import _bench_measurements
 
     assert _bench_measurements(bench.TINY) == len(tiny_result.rows)
-    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 4
+    # 2 synthetic PORs, the tau-bench tasks asked for (the sample holds 4), one GSM8K workload.
+    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 5
+    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
