@@ -30,6 +30,7 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into groups
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): tests that share a
     module-scoped fixture, or a module's compile cache keyed by the parameter the module names

@@ -135,3 +135,11 @@ def test_the_progress_bar_counts_every_measurement(tiny_result):
     # 2 synthetic PORs, the tau-bench tasks asked for (the sample holds 4), one GSM8K workload.
     assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 5
     assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
+
+
+def test_tests_sharing_the_run_are_one_xdist_group(request, tiny_result):
+    # tests/conftest.py groups them, so under `--dist loadgroup` (scripts/test.sh) one worker
+    # runs the bench once; the group must be set before pytest-xdist reads it into the node id.
+    assert request.node.get_closest_marker("xdist_group").args == ("test_bench:tiny_result",)
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@test_bench:tiny_result"), request.node.nodeid
