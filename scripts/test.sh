@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
-# The test suite: installs what it needs, runs pytest, then builds the docs strictly.
+# The test suite: installs what it needs, runs every test (slow ones included) on parallel
+# workers, then builds the docs strictly. Extra arguments go to pytest (e.g. -n 0, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 bash scripts/setup.sh "test,docs"
-python3 -m pytest -q "$@"
+echo "setup: $((SECONDS - start)) s"
+
+# One torch thread per worker: the workers already use every core.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+tests_start=$SECONDS
+# -m "": every marker, overriding the project's default `not slow`; --dist loadgroup keeps tests
+# that share a compiled model on one worker (tests/conftest.py) and spreads the rest;
+# --durations lists the slowest cases.
+python3 -m pytest -n auto --dist loadgroup -m "" --durations=25 -q "$@"
+echo "tests: $((SECONDS - tests_start)) s on $(python3 -c 'import os; print(os.cpu_count())') cores"
+
+docs_start=$SECONDS
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/treecompile-site"
+echo "docs: $((SECONDS - docs_start)) s; total $((SECONDS - start)) s"

@@ -28,3 +28,26 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared trajectory data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into groups
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): tests that share a
+    module-scoped fixture, or a module's compile cache keyed by the parameter the module names
+    in ``XDIST_GROUP_BY``, run on one worker, so what they share is built once; every other
+    test goes to whichever worker is free."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        shared = sorted(
+            name
+            for name, defs in item._fixtureinfo.name2fixturedefs.items()
+            if any(d.scope == "module" and getattr(d.func, "__module__", None) == module.__name__ for d in defs)
+        )
+        by = getattr(module, "XDIST_GROUP_BY", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{module.__name__}:{shared[0]}"))
+        elif by is not None and by in params:
+            item.add_marker(pytest.mark.xdist_group(f"{module.__name__}:{by}={params[by]}"))

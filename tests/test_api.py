@@ -1,5 +1,9 @@
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
+
+import pytest
 
 import treecompile
 
@@ -62,3 +66,15 @@ def test_works_without_transformers():
     r = _run(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "4"
+
+
+def test_version_is_the_package_version(capsys):
+    from treecompile.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert treecompile.__version__ == version
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"treecompile {version}\n"
+    assert f"## [{version}]" in (root / "CHANGELOG.md").read_text(), "CHANGELOG.md has no entry for this version"

@@ -75,7 +75,7 @@ def test_cli_parses_bench():
 
 
 def test_hybrid_arch_runs_exactly():
-    cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0,
+    cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0, path_tokens=64,
                                pors=(0.5,))
     result = bench.run_bench(cfg, device="cpu", command="pytest")
     assert {r.method for r in result.rows} == {"packed", "interval"}
@@ -83,3 +83,63 @@ def test_hybrid_arch_runs_exactly():
     assert "Qwen3-Next" in bench.markdown_table(result)
     with pytest.raises(ValueError, match="arch"):
         bench.run_bench(bench.with_overrides(bench.TINY, arch="mamba"), device="cpu")
+
+
+def _row(method: str, times_ms: list[float]) -> bench.BenchRow:
+    import statistics
+
+    step = statistics.median(times_ms)
+    return bench.BenchRow(
+        workload="w", method=method, por=0.5, path_tokens=64, rows=32, step_ms=step, tokens_per_s=64e3 / step,
+        loss=1.0, loss_rel_diff=0.0, exact=True, first_step_s=0.1, step_ms_min=min(times_ms), step_ms_max=max(times_ms),
+    )
+
+
+def _result(rows: list[bench.BenchRow], repeats: int = 3) -> bench.BenchResult:
+    base = rows[0]
+    for r in rows:
+        r.speedup = base.step_ms / r.step_ms
+        r.speedup_low = base.step_ms_min / r.step_ms_max
+        r.speedup_high = base.step_ms_max / r.step_ms_min
+    return bench.BenchResult(rows, bench.with_overrides(bench.TINY, repeats=repeats), bench.environment("pytest"))
+
+
+def test_a_speedup_inside_the_spread_of_the_repeats_is_flagged():
+    packed = _row("packed", [10.0, 11.0, 12.0])
+    noisy = _row("interval", [9.5, 10.4, 11.0])  # 1.06x, but 10 / 11 < 1 < 12 / 9.5
+    clear = _row("bitmask", [5.0, 5.2, 5.5])  # 2.1x, at least 10 / 5.5 = 1.8x
+    result = _result([packed, noisy, clear])
+    assert packed.spread == pytest.approx(2 / 11) and noisy.spread == pytest.approx(1.5 / 10.4)
+    assert noisy.within_noise and not clear.within_noise and not packed.within_noise
+    assert bench.noise_warnings(result) == [
+        "w / interval: speedup 1.06x is within the spread of the 3 repeats (packed 10.0-12.0 ms, interval 9.5-11.0 ms: "
+        "0.91x to 1.26x); measure on an idle machine or with more --repeats"
+    ]
+    md = bench.markdown_table(result)
+    assert "| 1.06x ~ |" in md and "| 2.12x |" in md and "| 18% |" in md
+    assert bench.noise_warnings(_result([_row("packed", [10.0]), _row("interval", [9.0])], repeats=1)) == [
+        "one timed step per measurement: no spread measured, the speedups may be noise (--repeats 5 or more)"
+    ]
+
+
+def test_measured_rows_carry_their_spread(tiny_result):
+    for r in tiny_result.rows:
+        assert 0 < r.step_ms_min <= r.step_ms <= r.step_ms_max
+        assert r.speedup_low <= r.speedup <= r.speedup_high
+
+
+def test_the_progress_bar_counts_every_measurement(tiny_result):
+    from treecompile.cli import _bench_measurements
+
+    assert _bench_measurements(bench.TINY) == len(tiny_result.rows)
+    # 2 synthetic PORs, the tau-bench tasks asked for (the sample holds 4), one GSM8K workload.
+    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 5
+    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
+
+
+def test_tests_sharing_the_run_are_one_xdist_group(request, tiny_result):
+    # tests/conftest.py groups them, so under `--dist loadgroup` (scripts/test.sh) one worker
+    # runs the bench once; the group must be set before pytest-xdist reads it into the node id.
+    assert request.node.get_closest_marker("xdist_group").args == ("test_bench:tiny_result",)
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@test_bench:tiny_result"), request.node.nodeid

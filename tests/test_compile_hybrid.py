@@ -454,6 +454,7 @@ def _model(name: str):
 
 
 _COMPILED: dict[str, tuple] = {}
+XDIST_GROUP_BY = "name"  # tests sharing a compiled model run on one xdist worker (conftest)
 
 
 def _compiled(name: str):

@@ -48,6 +48,7 @@ def _model(cls=None, **overrides):
 
 
 _COMPILED: dict = {}
+XDIST_GROUP_BY = "coef"  # tests sharing a compiled model run on one xdist worker (conftest)
 
 
 def _compiled(coef: float):

@@ -24,11 +24,13 @@ from treecompile.partition import (
 )
 from treecompile.reference import per_path_loss
 
-# The greedy heuristic's total tokens are at most this factor times the optimum (exact DP)
-# on random small trees. Measured: worst 1.034 over ~5,000 random trees of 3 to 10 leaves
-# (99.8% optimal, mean 1.00004; see docs/partitioning.md); the bound leaves room for
-# unseen shapes but fails on a heuristic that stops merging at branch points (1.3x and more).
-GREEDY_FACTOR = 1.10
+# The greedy heuristic's factor (greedy total / optimal total) on the fixed sample of
+# `_seeded_trees(200)`. Measured: worst 30 / 28 = 1.071, mean 1.0004, 99.5% optimal (the same
+# worst as on the first 2,000 trees of that generator). No constant factor is proven: these
+# guard the heuristic against regressions (one that stops merging at branch points gives
+# 1.3x and more); what holds for every tree is tested by `test_greedy_between_provable_bounds`.
+SAMPLE_WORST_FACTOR = 1.08
+SAMPLE_MEAN_FACTOR = 1.001
 
 VOCAB = 8  # path_sets draws token ids below 5
 
@@ -123,11 +125,50 @@ def test_dynamic_program_is_optimal(tc):
 
 
 @given(tc=st.one_of(layered_tree(max_leaves=8), tree_and_capacity(max_paths=8)))
-def test_greedy_is_within_the_stated_factor_of_optimal(tc):
+def test_greedy_between_provable_bounds(tc):
+    """tree tokens <= optimum <= greedy <= path tokens, and one part whenever the tree fits.
+
+    Every token of the tree is in some part (first inequality); the optimum is the least
+    total (second); each part is the union of its paths' tokens, at most their sum, and a path
+    ending inside another path's root path adds nothing (third). When the whole tree fits,
+    every merge of best-fit decreasing succeeds bottom-up, so greedy returns the tree itself.
+    """
     tree, capacity = tc
-    greedy = partition_tree(tree, capacity, method="greedy").partition_tokens
+    greedy = partition_tree(tree, capacity, method="greedy")
     best = partition_tree(tree, capacity, method="optimal").partition_tokens
-    assert best <= greedy <= GREEDY_FACTOR * best, f"greedy {greedy} vs optimum {best} at C={capacity}"
+    path_tokens = int(path_lengths(tree).sum())
+    assert tree.num_tokens <= best <= greedy.partition_tokens <= path_tokens, (
+        f"tree {tree.num_tokens}, optimum {best}, greedy {greedy.partition_tokens}, paths {path_tokens} at C={capacity}"
+    )
+    if tree.num_tokens <= capacity:
+        assert len(greedy.parts) == 1 and greedy.partition_tokens == best == tree.num_tokens
+
+
+def _seeded_trees(n: int, seed: int = 0):
+    """``n`` random (tree, capacity): 2 to 9 paths, each branching off an earlier one at a random
+    point, tokens below 5, C between the longest path and twice it (version-independent: numpy)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        seqs = [rng.integers(0, 5, int(rng.integers(1, 13))).tolist()]
+        for _ in range(int(rng.integers(1, 9))):
+            base = seqs[int(rng.integers(len(seqs)))]
+            cut = int(rng.integers(0, len(base) + 1))
+            seqs.append(base[:cut] + rng.integers(0, 5, int(rng.integers(1, 13))).tolist())
+        tree = TrajectoryTree.from_sequences(seqs)
+        longest = int(path_lengths(tree).max())
+        yield tree, int(rng.integers(longest, max(longest, min(tree.num_tokens, 2 * longest)) + 1))
+
+
+def test_greedy_factor_on_a_fixed_sample():
+    factors = []
+    for tree, capacity in _seeded_trees(200):
+        greedy = partition_tree(tree, capacity, method="greedy").partition_tokens
+        best = partition_tree(tree, capacity, method="optimal").partition_tokens
+        factors.append(greedy / best)
+    factors = np.array(factors)
+    assert factors.min() >= 1.0
+    assert factors.max() <= SAMPLE_WORST_FACTOR, f"worst factor {factors.max():.3f} (measured 1.071)"
+    assert factors.mean() <= SAMPLE_MEAN_FACTOR, f"mean factor {factors.mean():.5f} (measured 1.0004)"
 
 
 def test_a_known_split():

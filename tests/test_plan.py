@@ -44,5 +44,5 @@ def test_plan_table_on_tau_bench_err_close_to_por(shared_data, capsys):
 def test_plan_capacity_below_a_path_is_a_clear_error(capsys):
     from treecompile.partition import CapacityError
 
-    with pytest.raises(CapacityError, match="at least"):
+    with pytest.raises(CapacityError, match="fits every path of every tree"):
         _run(["sample:tau_bench", "--tokenizer", "sample", "--capacity", "100"], capsys)

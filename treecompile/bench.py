@@ -40,7 +40,7 @@ import torch
 from treecompile.tree import TrajectoryTree
 
 __all__ = ["BenchConfig", "BenchRow", "BenchResult", "METHODS", "QUICK", "TINY", "run_bench", "render_table",
-           "markdown_table", "synthetic_tree"]
+           "markdown_table", "noise_warnings", "synthetic_tree"]
 
 #: Methods compared, in table order: name -> (what is packed, mask, LM head).
 METHODS: dict[str, tuple[str, str, str]] = {
@@ -96,14 +96,39 @@ class BenchConfig:
     seed: int = 0
     arch: str = "qwen3"
 
+    def __post_init__(self) -> None:
+        # Checked here, so a bad value fails before a model is built, with the option named.
+        for name in ("warmup", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.paths < 2:
+            raise ValueError(f"paths (--paths) must be at least 2, got {self.paths}")
+        path_len = self.path_tokens // self.paths
+        if path_len < 2:
+            raise ValueError(
+                f"--path-tokens {self.path_tokens} over --paths {self.paths} leaves {path_len} token(s) a path; "
+                "every path needs at least 2"
+            )
+        reachable = (self.paths - 1) * (path_len - 1) / (self.paths * path_len)
+        for por in self.pors:
+            if not 0.0 <= por < 1.0:
+                raise ValueError(f"POR (--por) must be in [0, 1), got {por}")
+            if por > reachable + 1e-9:
+                raise ValueError(
+                    f"POR (--por) {por} cannot be reached by {self.paths} paths of {path_len} tokens "
+                    f"(at most {reachable:.3f}: every path keeps one token of its own)"
+                )
+
 
 #: Model families `BenchConfig.arch` accepts.
 ARCHS = ("qwen3", "qwen3_next")
 
 #: ``treecompile bench --quick``: a few minutes on 2 CPU cores.
 QUICK = BenchConfig()
-#: Seconds: for tests.
-TINY = BenchConfig(path_tokens=64, paths=4, pors=(0.0, 0.5), tau_tasks=0, gsm8k_groups=1, hidden=32, layers=1,
+#: Seconds: for tests. 512 path tokens: every workload, the GSM8K one included, has more rows than
+#: one attention block (128), so each method compiles once for all of them (at 64 path tokens the
+#: GSM8K workload recompiled every method: 42 s of CPU against 34.5 s, 2 cores).
+TINY = BenchConfig(path_tokens=512, paths=4, pors=(0.0, 0.5), tau_tasks=0, gsm8k_groups=1, hidden=32, layers=1,
                    heads=2, kv_heads=1, head_dim=16, intermediate=64, warmup=1, repeats=1)
 
 
@@ -125,10 +150,25 @@ class BenchRow:
     peak_mem_mib: float | None = None
     speedup: float = 1.0
     bound: float = 1.0
+    step_ms_min: float = 0.0
+    step_ms_max: float = 0.0
+    speedup_low: float = 1.0
+    speedup_high: float = 1.0
 
     @property
     def bound_fraction(self) -> float:
         return self.speedup / self.bound
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median`` of the timed steps: how far one repeat can be off."""
+        return (self.step_ms_max - self.step_ms_min) / self.step_ms
+
+    @property
+    def within_noise(self) -> bool:
+        """The speedup over packed is smaller than the spread of the repeats: the range of
+        ratios the repeats allow (fastest over slowest and back) includes 1."""
+        return self.method != "packed" and self.speedup_low <= 1.0 <= self.speedup_high
 
 
 @dataclass
@@ -143,7 +183,9 @@ class BenchResult:
         return {
             "env": self.env,
             "config": asdict(self.config),
-            "rows": [{**asdict(r), "bound_fraction": r.bound_fraction} for r in self.rows],
+            "rows": [{**asdict(r), "bound_fraction": r.bound_fraction, "spread": r.spread,
+                      "within_noise": r.within_noise} for r in self.rows],
+            "warnings": noise_warnings(self),
         }
 
 
@@ -260,8 +302,8 @@ def _step(compiled, batch) -> torch.Tensor:
     return out.loss.detach()
 
 
-def _time(compiled, batch, cfg: BenchConfig, device: torch.device) -> tuple[float, float, float, float | None]:
-    """``(loss, first step s, median step s, peak MiB)``."""
+def _time(compiled, batch, cfg: BenchConfig, device: torch.device) -> tuple[float, float, list[float], float | None]:
+    """``(loss, first step s, every timed step s, peak MiB)``."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     loss = float(_step(compiled, batch))
@@ -279,7 +321,7 @@ def _time(compiled, batch, cfg: BenchConfig, device: torch.device) -> tuple[floa
         sync()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    return loss, first, statistics.median(times), peak
+    return loss, first, times, peak
 
 
 def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: str | None = None,
@@ -318,7 +360,8 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
                 continue
             if progress is not None:
                 progress(f"{name}: {method} ({batch.num_tokens} rows)")
-            loss, first, step, peak = _time(compiled[method], batch, cfg, dev)
+            loss, first, times, peak = _time(compiled[method], batch, cfg, dev)
+            step = statistics.median(times)
             if method == "packed":
                 ref_loss = loss
             diff = abs(loss - ref_loss) / max(1.0, abs(ref_loss))
@@ -326,25 +369,28 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
                 workload=name, method=method, por=por, path_tokens=path_tokens, rows=batch.num_tokens,
                 step_ms=step * 1e3, tokens_per_s=path_tokens / step, loss=loss, loss_rel_diff=diff,
                 exact=diff <= LOSS_RTOL.get(dtype, 1e-4), first_step_s=first, peak_mem_mib=peak,
-                bound=1.0 / (1.0 - por),
+                bound=1.0 / (1.0 - por), step_ms_min=min(times) * 1e3, step_ms_max=max(times) * 1e3,
             ))
         base = {r.method: r for r in rows if r.workload == name}.get("packed")
         for r in rows:
             if r.workload == name and base is not None:
                 r.speedup = base.step_ms / r.step_ms
+                r.speedup_low = base.step_ms_min / r.step_ms_max
+                r.speedup_high = base.step_ms_max / r.step_ms_min
     return BenchResult(rows, cfg, environment(command))
 
 
 # ---------------------------------------------------------------------------- output
 
-_COLUMNS = ("workload", "POR", "path tok", "rows", "method", "step ms", "path tok/s", "speedup", "bound",
+_COLUMNS = ("workload", "POR", "path tok", "rows", "method", "step ms", "spread", "path tok/s", "speedup", "bound",
             "of bound", "loss Δrel", "peak MiB")
 
 
 def _cells(r: BenchRow) -> list[str]:
     return [
         r.workload, f"{r.por:.3f}", str(r.path_tokens), str(r.rows), r.method, f"{r.step_ms:.1f}",
-        f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", f"{r.bound:.2f}x", f"{r.bound_fraction:.0%}",
+        f"{r.spread:.0%}", f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x" + (" ~" if r.within_noise else ""),
+        f"{r.bound:.2f}x", f"{r.bound_fraction:.0%}",
         f"{r.loss_rel_diff:.1e}" + ("" if r.exact else " MISMATCH"),
         "n/a" if r.peak_mem_mib is None else f"{r.peak_mem_mib:.0f}",
     ]
@@ -362,8 +408,33 @@ def _header(result: BenchResult) -> list[str]:
         f"date: {e['date']}",
         f"model: {_ARCH_NAMES[result.config.arch]}-shaped, {result.config.layers} layers, hidden {result.config.hidden}, vocab "
         f"{result.config.vocab}, {result.config.dtype}; step = forward + backward, median of "
-        f"{result.config.repeats} after {result.config.warmup} warm-up (compile)",
+        f"{result.config.repeats} after {result.config.warmup} warm-up (compile); spread = (max - min) / median "
+        "of the repeats; ~ marks a speedup the spread could explain",
     ]
+
+
+def noise_warnings(result: BenchResult) -> list[str]:
+    """One line per speedup that the spread of the repeats could explain (marked ``~`` in the tables).
+
+    The spread of a method is ``(max - min) / median`` of its timed steps; a speedup is within
+    the noise when the ratio of the fastest packed step to the slowest step of the method, and
+    of the slowest packed step to the fastest, lie on both sides of 1.
+    """
+    if result.config.repeats < 2:
+        return ["one timed step per measurement: no spread measured, the speedups may be noise (--repeats 5 or more)"]
+    out = []
+    packed = {r.workload: r for r in result.rows if r.method == "packed"}
+    for r in result.rows:
+        if r.within_noise:
+            base = packed[r.workload]
+            out.append(
+                f"{r.workload} / {r.method}: speedup {r.speedup:.2f}x is within the spread of the "
+                f"{result.config.repeats} repeats (packed {base.step_ms_min:.1f}-{base.step_ms_max:.1f} ms, "
+                f"{r.method} {r.step_ms_min:.1f}-{r.step_ms_max:.1f} ms: "
+                f"{r.speedup_low:.2f}x to {r.speedup_high:.2f}x); "
+                "measure on an idle machine or with more --repeats"
+            )
+    return out
 
 
 def render_table(result: BenchResult) -> Any:

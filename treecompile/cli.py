@@ -14,7 +14,9 @@ and exit with status 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treecompile.advice import low_por_advice
 from treecompile.errors import TreeInputError
 
 __all__ = ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
@@ -41,6 +44,86 @@ _KIND_LABELS = {
 }
 _CHAT_KINDS = ("conversations", "tau_bench", "tau2", "gsm8k")
 _DEFAULT_CHAT_TOKENIZER = "cl100k"
+
+
+# ---------------------------------------------------------------------------- argument checks
+# Checked while parsing, before any command imports torch: a bad value costs no start-up time.
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``treecompile CMD: error: ...``, status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def por_value(text: str) -> float:
+    """An argparse ``type``: a prefix overlap ratio, a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(
+            f"a prefix overlap ratio must be in [0, 1) (POR = 1 - tree tokens / path tokens), got {text}"
+        )
+    return value
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is present is checked later)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a blocked or half-removed module
+        return False
+
+
+def require_plot(option: str) -> None:
+    """Raises ImportError naming the extra if matplotlib, which ``option`` needs, is missing."""
+    if not _installed("matplotlib"):
+        raise ImportError(f"{option} draws with matplotlib: pip install 'treecompile[plot]'")
+
+
+def check_cuda(device: str | None) -> None:
+    """Raises ValueError if ``device`` names CUDA and this torch cannot reach that device."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: no CUDA device is available (torch {torch.__version__}, "
+            "torch.cuda.is_available() is False); use --device cpu"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 # ---------------------------------------------------------------------------- stats
@@ -96,9 +179,13 @@ def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
         default="task",
         help="task: one tree per task / group (default); all: the whole file as one tree",
     )
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N trees")
-    p.add_argument("--rows", type=int, default=_DEFAULT_ROWS, metavar="N", help="table rows to print (all with --json)")
+    p.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="only the first N trees")
+    p.add_argument("--rows", type=int_at_least(0), default=_DEFAULT_ROWS, metavar="N", help="table rows to print (all with --json)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="also draw histograms of the trees' POR, depth and branching as a PNG (needs the [plot] extra)",
+    )
     p.set_defaults(func=cmd_stats)
 
 
@@ -108,6 +195,8 @@ def _resolve_file(spec: str) -> Path:
 
         return sample_path(spec[len("sample:") :])
     path = Path(spec).expanduser()
+    if path.is_dir():
+        raise TreeInputError(f"{spec} is a directory; expected a data file (JSON or JSONL)")
     if not path.is_file():
         raise TreeInputError(f"no such file: {spec}")
     return path
@@ -212,6 +301,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from treecompile.io import detect_kind
     from treecompile.tokenizer import load_tokenizer
 
+    if args.plot is not None:
+        require_plot("--plot")
     path = _resolve_file(args.file)
     kind = detect_kind(path)
     chat_input = kind in _CHAT_KINDS
@@ -245,12 +336,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "group_by": args.group_by,
         "seconds": round(seconds, 3),
     }
+    if args.plot is not None:
+        from treecompile.plots import save_png, stats_figure
+
+        save_png(stats_figure(names, stats, total, title=str(path)), args.plot)
+        header["plot"] = str(args.plot)
     if args.json:
         out = {
             **header,
             "trees": [{"name": n, **s.as_dict()} for n, s in zip(names, stats)],
             "total": total,
             "drift": drift,
+            "advice": low_por_advice(total["por"]),
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -259,25 +356,36 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_all(groups: list[_Group], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+def progress_bar(label: str, total: int, *, min_total: int = _PROGRESS_MIN_TREES) -> Any:
+    """A transient rich progress bar on stderr (``with bar: ... bar.advance(bar.task_ids[0])``).
+
+    Shown only on a terminal and for at least ``min_total`` steps, so that piped output and
+    error messages stay clean.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
     progress = Progress(
-        TextColumn("building trees"),
+        TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=console,
         transient=True,
-        disable=len(groups) < _PROGRESS_MIN_TREES,
+        disable=total < min_total or not console.is_terminal,
     )
+    progress.add_task(label, total=total)
+    return progress
+
+
+def _build_all(groups: list[_Group], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    progress = progress_bar("building trees", len(groups))
     trees = []
     with progress:
-        task = progress.add_task("trees", total=len(groups))
         for g in groups:
             trees.append(_build_tree(g, args, tokenizer))
-            progress.advance(task)
+            progress.advance(progress.task_ids[0])
     return trees
 
 
@@ -331,6 +439,11 @@ def _print_stats(
         f"total POR {total['por']:.3f} (per tree {min(pors):.3f} to {max(pors):.3f}); "
         f"speed-up bound 1/(1-POR) = {1 / max(1 - total['por'], 1e-12):.2f}x; built in {header['seconds']:.2f} s"
     )
+    advice = low_por_advice(total["por"])
+    if advice is not None:
+        console.print(f"[yellow]advice:[/yellow] {advice}")
+    if "plot" in header:
+        console.print(f"charts of POR, depth and branching written to {header['plot']}")
     console.print(_drift_line(drift))
 
 
@@ -384,12 +497,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="the quick configuration (default; a few minutes on CPU)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long configuration (smoke test)")
-    p.add_argument("--path-tokens", type=int, default=None, metavar="N", help="path tokens per synthetic workload")
-    p.add_argument("--paths", type=int, default=None, metavar="P", help="paths per synthetic tree")
-    p.add_argument("--por", type=float, nargs="+", default=None, metavar="X", help="synthetic POR values")
-    p.add_argument("--repeats", type=int, default=None, metavar="N", help="timed steps (median reported)")
+    p.add_argument("--path-tokens", type=int_at_least(4), default=None, metavar="N",
+                   help="path tokens per synthetic workload")
+    p.add_argument("--paths", type=int_at_least(2), default=None, metavar="P", help="paths per synthetic tree")
+    p.add_argument("--por", type=por_value, nargs="+", default=None, metavar="X", help="synthetic POR values")
+    p.add_argument("--repeats", type=int_at_least(1), default=None, metavar="N", help="timed steps (median reported)")
     p.add_argument("--methods", nargs="+", default=None, metavar="M", help="subset of: packed bitmask interval")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),
                    help="model family: qwen3 (default) or qwen3_next (Gated DeltaNet + attention)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
@@ -399,10 +514,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Runs the benchmark; exit status 1 if some method's loss differs from the per-path loss."""
+    check_cuda(args.device)  # before the model and the workloads are built
+    if not _installed("transformers"):
+        raise ImportError("treecompile bench trains a Hugging Face Qwen3 model: pip install 'treecompile[hf]'")
     if args.device == "cuda":  # real model shapes and HF baselines: treecompile/bench_cuda.py
         from treecompile.bench_cuda import cmd_bench_cuda
 
         return cmd_bench_cuda(args)
+
     from rich.console import Console
 
     from treecompile import bench
@@ -415,7 +534,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     err = Console(stderr=True)
     quiet = args.json or args.markdown
-    result = bench.run_bench(cfg, device=args.device, progress=None if quiet else (lambda s: err.print(f"[dim]{s}")))
+    bar = progress_bar("bench", _bench_measurements(cfg), min_total=1)
+    with bar:
+        def step(text: str) -> None:
+            # One call per (workload, method) measurement: a line in logs, a bar on a terminal.
+            if bar.disable:
+                err.print(f"[dim]{text}")
+            else:
+                bar.update(bar.task_ids[0], description=text)
+                bar.advance(bar.task_ids[0])
+
+        result = bench.run_bench(cfg, device=args.device, progress=None if quiet else step)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     elif args.markdown:
@@ -423,11 +552,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         # Wide enough for every column even when the output is not a terminal (rich assumes 80).
         Console(width=max(Console().width, 150)).print(bench.render_table(result))
+    for line in bench.noise_warnings(result):
+        print(f"treecompile bench: warning: {line}", file=sys.stderr)
     bad = [f"{r.workload}/{r.method}" for r in result.rows if not r.exact]
     if bad:
         print(f"treecompile bench: loss differs from per-path training: {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_measurements(cfg: Any) -> int:
+    """How many (workload, method) measurements ``bench.run_bench(cfg)`` makes."""
+    from treecompile import data
+
+    workloads = len(cfg.pors) + min(cfg.tau_tasks, len(data.sample_tau_bench())) + (1 if cfg.gsm8k_groups else 0)
+    return workloads * len(cfg.methods)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
@@ -438,7 +577,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 def build_parser() -> argparse.ArgumentParser:
     from treecompile import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="treecompile", description="Exact language-model training on prefix trees of trajectories."
     )
     parser.add_argument("--version", action="version", version=f"treecompile {__version__}")

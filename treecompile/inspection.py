@@ -671,6 +671,8 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
 
 def add_inspect_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
+    from treecompile.cli import int_at_least
+
     p = sub.add_parser(
         "inspect",
         help="show what the passes do to a model: graph diffs, rewrite counts, the tree mask",
@@ -688,10 +690,13 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
     p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
-    p.add_argument("--context", type=int, default=2, metavar="N", help="context lines of each diff (default 2)")
+    p.add_argument("--context", type=int_at_least(0), default=2, metavar="N", help="context lines of each diff (default 2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--png", metavar="PATH", default=None, help="also write the tree mask as a PNG")
-    p.add_argument("--png-cell", type=int, default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
+    p.add_argument(
+        "--png", metavar="PATH", default=None,
+        help="also draw the tree mask as a PNG with axes, row labels and a legend (needs the [plot] extra)",
+    )
+    p.add_argument("--png-cell", type=int_at_least(1), default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
     p.add_argument(
         "--dtype", choices=_DTYPES, default=None,
         help="parameter dtype (default: float32 for HF configs, unchanged for factories)",
@@ -709,10 +714,16 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
+    if args.png:
+        from treecompile.cli import require_plot
+
+        require_plot("--png")  # before the model is built
     model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
     insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source)
     if args.png:
-        Path(args.png).expanduser().write_bytes(png_bytes(insp.batch, insp.mask, cell=args.png_cell))
+        from treecompile.plots import mask_figure, save_png
+
+        save_png(mask_figure(insp.batch, insp.mask, cell=args.png_cell), args.png)
     if args.json:
         data = as_json(insp, full=args.full)
         if args.png:

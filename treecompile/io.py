@@ -114,6 +114,37 @@ def _open(path: str | Path, mode: str) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def _lines(f: IO[str], path: str | Path) -> Iterator[str]:
+    """The lines of ``f``; a file that is not UTF-8 text is a `TreeInputError` naming it and the line."""
+    while True:
+        try:
+            line = f.readline()
+        except UnicodeDecodeError:
+            raise TreeInputError(_not_text(path)) from None
+        except OSError as exc:  # e.g. a .gz name on a file that is not gzip
+            raise TreeInputError(f"{path}: cannot be read: {exc}") from None
+        if not line:
+            return
+        yield line
+
+
+def _not_text(path: str | Path) -> str:
+    """Where the first byte that is not UTF-8 is (text files are decoded in chunks, so the
+    error the decoder raises does not say which line)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return (
+            f"{path}:{line}: not a UTF-8 text file (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "expected JSON or JSONL"
+        )
+    return f"{path}: not a UTF-8 text file; expected JSON or JSONL"
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yields ``(line number, object)`` for each non-blank line.
 
@@ -121,7 +152,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         TreeInputError: on a line that is not a JSON object, naming the file and line.
     """
     with _open(path, "r") as f:
-        for n, line in enumerate(f, start=1):
+        for n, line in enumerate(_lines(f, path), start=1):
             if not line.strip():
                 continue
             try:
@@ -164,9 +195,25 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
         weight = obj.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise TreeInputError(f"{path}:{n}: 'weight' must be a number, got {weight!r}")
+        _check_sequence_line(path, n, ids, mask)
         group = obj.get("group")
         out.append(SequenceRecord(ids, float(weight), mask, None if group is None else str(group)))
     return out
+
+
+def _check_sequence_line(path: str | Path, n: int, ids: list[Any], mask: list[Any] | None) -> None:
+    """The checks `TrajectoryTree.from_sequences` makes, here where the file line is known."""
+    from treecompile.tree import _as_mask_array, _as_token_array
+
+    try:
+        arr = _as_token_array(ids, 0, None)
+        if mask is not None:
+            _as_mask_array(mask, 0, len(arr))
+    except TreeInputError as exc:
+        # The tree's messages say "sequence 0" / "loss_masks[0]"; here the line says which.
+        text = str(exc).replace("sequence 0 is empty", "'input_ids' is empty", 1)
+        text = text.replace("sequence 0: ", "'input_ids': ", 1).replace("loss_masks[0]: ", "'loss_mask': ", 1)
+        raise TreeInputError(f"{path}:{n}: {text}") from None
 
 
 def save_sequences(path: str | Path, records: Iterable[SequenceRecord | dict[str, Any]]) -> int:
@@ -212,9 +259,21 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
         weight = obj.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise TreeInputError(f"{path}:{n}: 'weight' must be a number, got {weight!r}")
+        _check_conversation_line(path, n, messages)
         extra = {k: v for k, v in obj.items() if k not in ("messages", "group", "weight")}
         out.append(ConversationRecord(messages, None if group is None else str(group), float(weight), extra))
     return out
+
+
+def _check_conversation_line(path: str | Path, n: int, messages: list[Any]) -> None:
+    """The message checks of `treecompile.chat`, here where the file line is known."""
+    from treecompile.chat import normalize_conversation
+
+    try:
+        normalize_conversation(messages, index=0)
+    except TreeInputError as exc:
+        text = str(exc).replace("conversation 0, ", "", 1).replace("conversation 0: ", "", 1)
+        raise TreeInputError(f"{path}:{n}: {text}") from None
 
 
 def save_conversations(path: str | Path, records: Iterable[ConversationRecord | Sequence[dict[str, Any]]]) -> int:
@@ -264,7 +323,7 @@ def detect_kind(path: str | Path) -> str:
     """
     first_line = ""
     with _open(path, "r") as f:
-        for line in f:
+        for line in _lines(f, path):
             if line.strip():
                 first_line = line
                 break
@@ -277,7 +336,7 @@ def detect_kind(path: str | Path) -> str:
     if obj is None or isinstance(obj, list):
         try:
             with _open(path, "r") as f:
-                data = json.load(f)
+                data = json.loads("".join(_lines(f, path)))
         except json.JSONDecodeError as exc:
             raise TreeInputError(f"{path}: neither JSON nor JSONL ({exc.msg} at line {exc.lineno})") from None
         if isinstance(data, list) and data and isinstance(data[0], dict) and "traj" in data[0]:

@@ -26,6 +26,7 @@ __all__ = ["add_plan_command", "run_plan"]
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``plan`` subcommand to the CLI's subparsers."""
     from treecompile.chat import SAMPLES, THINK
+    from treecompile.cli import int_at_least
     from treecompile.partition import METHODS
     from treecompile.shard import SHARD_METHODS
 
@@ -40,10 +41,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", help="the same inputs as 'treecompile stats' (tau-bench JSON, JSONL, sample:tau_bench)")
     p.add_argument(
-        "--capacity", type=int, default=None, metavar="N",
+        "--capacity", type=int_at_least(1), default=None, metavar="N",
         help="tokens per part / micro-batch (default: half the largest tree, at least the longest path)",
     )
-    p.add_argument("--ranks", type=int, default=1, metavar="K", help="data-parallel ranks (default 1)")
+    p.add_argument("--ranks", type=int_at_least(1), default=1, metavar="K", help="data-parallel ranks (default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
     p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
     p.add_argument("--tokenizer", default=None, help="for chat input (default cl100k)")
@@ -51,8 +52,8 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")
     p.add_argument("--keep-tool-call-ids", action="store_true", help="keep tool-call ids as they are (chat input)")
     p.add_argument("--group-by", choices=("task", "all"), default="task", help="one tree per task, or one in all")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N trees")
-    p.add_argument("--rows", type=int, default=60, metavar="N", help="table rows to print")
+    p.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="only the first N trees")
+    p.add_argument("--rows", type=int_at_least(0), default=60, metavar="N", help="table rows to print")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=run_plan)
 
@@ -93,7 +94,14 @@ def run_plan(args: argparse.Namespace) -> int:
     capacity = args.capacity
     if capacity is None:
         capacity = max(-(-max(t.num_tokens for t in trees) // 2), longest)
-    parts = [partition_tree(t, capacity, method=args.method) for t in trees]
+    check_capacity_all(names, trees, capacity)
+    from treecompile.cli import progress_bar
+
+    parts = []
+    with progress_bar("partitioning", len(trees)) as bar:
+        for t in trees:
+            parts.append(partition_tree(t, capacity, method=args.method))
+            bar.advance(bar.task_ids[0])
     step = plan_step(trees, capacity=capacity, ranks=args.ranks, method=args.method, shard_method=args.shard)
     baseline = shard_paths(trees, args.ranks, method="greedy_tokens") if args.ranks > 1 else None
     tree_tokens = sum(p.tree_tokens for p in parts)
@@ -136,6 +144,32 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     _print_plan(out, args.rows)
     return 0
+
+
+def check_capacity_all(names: list[str], trees: list[Any], capacity: int) -> None:
+    """Raises `CapacityError` if a path of any tree is longer than ``capacity``.
+
+    The advice covers every tree: how many trees and paths do not fit, the worst few trees,
+    and the one capacity that fits every path of every tree.
+    """
+    from treecompile.partition import CapacityError, path_lengths
+
+    lengths = [path_lengths(t) for t in trees]
+    over = [
+        (name, int((ls > capacity).sum()), int(ls.max())) for name, ls in zip(names, lengths) if ls.max() > capacity
+    ]
+    if not over:
+        return
+    longest = max(m for _, _, m in over)
+    n_paths = sum(len(ls) for ls in lengths)
+    over.sort(key=lambda o: -o[2])
+    shown = ", ".join(f"{name} ({k} path(s), longest {m})" for name, k, m in over[:5])
+    shown += f", and {len(over) - 5} more" if len(over) > 5 else ""
+    raise CapacityError(
+        f"--capacity {capacity}: {len(over)} of {len(trees)} trees have paths longer than C "
+        f"({sum(k for _, k, _ in over)} of {n_paths} paths; a path is never split): {shown}. "
+        f"--capacity {longest} fits every path of every tree."
+    )
 
 
 def _print_plan(out: dict[str, Any], rows: int) -> None:

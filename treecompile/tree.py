@@ -148,7 +148,7 @@ def _as_mask_array(mask: Any, index: int, length: int) -> np.ndarray:
         bad = np.flatnonzero((arr != 0) & (arr != 1))
         if bad.size:
             raise TreeInputError(
-                f"loss_masks[{index}]: values must be 0 or 1; position {int(bad[0])} holds {arr[bad[0]]!r}"
+                f"loss_masks[{index}]: values must be 0 or 1; position {int(bad[0])} holds {arr[bad[0]].item()!r}"
             )
         arr = arr.astype(bool)
     return arr

@@ -1,0 +1,221 @@
+"""Bad input to the CLI: one line on stderr, exit status 2, no traceback, before anything heavy loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treecompile.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str]:
+    """``main(argv)``'s exit status and stderr; argument errors exit through argparse."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def assert_one_line(code: int, err: str, expected: str) -> None:
+    assert "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.endswith("\n"), f"expected one line on stderr, got:\n{err}"
+    assert err.rstrip("\n") == expected
+    assert code == 2
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "--paths", "0"],
+         "treecompile bench: error: argument --paths: must be at least 2, got 0 (see treecompile bench --help)"),
+        (["bench", "--paths", "two"],
+         "treecompile bench: error: argument --paths: expected an integer, got 'two' (see treecompile bench --help)"),
+        (["bench", "--device", "tpu"],
+         "treecompile bench: error: argument --device: must be cpu, cuda or cuda:N, got 'tpu' "
+         "(see treecompile bench --help)"),
+        (["bench", "--por", "1.5"],
+         "treecompile bench: error: argument --por: a prefix overlap ratio must be in [0, 1) "
+         "(POR = 1 - tree tokens / path tokens), got 1.5 (see treecompile bench --help)"),
+        (["bench", "--por", "nan"],
+         "treecompile bench: error: argument --por: a prefix overlap ratio must be in [0, 1) "
+         "(POR = 1 - tree tokens / path tokens), got nan (see treecompile bench --help)"),
+        (["bench", "--repeats", "0"],
+         "treecompile bench: error: argument --repeats: must be at least 1, got 0 (see treecompile bench --help)"),
+        (["stats", "sample:gsm8k", "--limit", "0"],
+         "treecompile stats: error: argument --limit: must be at least 1, got 0 (see treecompile stats --help)"),
+        (["plan", "sample:gsm8k", "--ranks", "0"],
+         "treecompile plan: error: argument --ranks: must be at least 1, got 0 (see treecompile plan --help)"),
+        (["plan", "sample:gsm8k", "--capacity", "-5"],
+         "treecompile plan: error: argument --capacity: must be at least 1, got -5 (see treecompile plan --help)"),
+        (["inspect", "x.json", "--png-cell", "0"],
+         "treecompile inspect: error: argument --png-cell: must be at least 1, got 0 (see treecompile inspect --help)"),
+    ],
+    ids=["paths-0", "paths-word", "device-tpu", "por-1.5", "por-nan", "repeats-0", "limit-0", "ranks-0",
+         "capacity-negative", "png-cell-0"],
+)
+def test_bad_arguments(argv, expected, capsys):
+    assert_one_line(*run(argv, capsys), expected)
+
+
+def test_a_bad_choice_is_one_line(capsys):
+    # argparse's own wording of the choices differs between Python versions; the line's shape does not.
+    code, err = run(["stats", "sample:gsm8k", "--samples", "turns"], capsys)
+    assert_one_line(code, err, err.rstrip("\n"))
+    assert err.startswith("treecompile stats: error: argument --samples: invalid choice: 'turns'")
+    assert err.endswith("(see treecompile stats --help)\n")
+
+
+def test_bad_arguments_are_refused_before_torch_is_imported():
+    # Each case in a fresh interpreter would cost a second of start-up; one interpreter checks all.
+    cases = [["bench", "--paths", "0"], ["bench", "--device", "tpu"], ["bench", "--por", "1.5"],
+             ["bench", "--repeats", "0"], ["stats", "sample:gsm8k", "--limit", "0"], ["plan", "x", "--ranks", "0"],
+             ["stats", str(ROOT)]]
+    code = (
+        "import contextlib, io, sys\n"
+        "from treecompile.cli import main\n"
+        f"for argv in {cases!r}:\n"
+        "    with contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as exc:\n"
+        "            code = exc.code\n"
+        "    assert code == 2, (argv, code)\n"
+        "    heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "    assert not heavy, (argv, heavy)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_cuda_requested_without_cuda(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = run(["bench", "--tiny", "--device", "cuda"], capsys)
+    assert_one_line(
+        code, err,
+        f"treecompile bench: error: --device cuda: no CUDA device is available (torch {torch.__version__}, "
+        "torch.cuda.is_available() is False); use --device cpu",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--paths", "300"], "treecompile bench: error: --path-tokens 512 over --paths 300 leaves 1 token(s) a "
+                             "path; every path needs at least 2"),
+        (["--por", "0.9"], "treecompile bench: error: POR (--por) 0.9 cannot be reached by 4 paths of 128 tokens "
+                           "(at most 0.744: every path keeps one token of its own)"),
+    ],
+    ids=["paths-too-many-for-tokens", "por-unreachable"],
+)
+def test_bench_options_that_do_not_fit_together(argv, expected, capsys):
+    assert_one_line(*run(["bench", "--tiny", *argv], capsys), expected)
+
+
+def test_a_directory_as_data_file(tmp_path, capsys):
+    for command in ("stats", "plan"):
+        code, err = run([command, str(tmp_path)], capsys)
+        assert_one_line(code, err, f"treecompile {command}: error: {tmp_path} is a directory; "
+                                   "expected a data file (JSON or JSONL)")
+
+
+def test_a_missing_file(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    assert_one_line(*run(["stats", str(missing)], capsys), f"treecompile stats: error: no such file: {missing}")
+
+
+def test_a_binary_file_is_named(tmp_path, capsys):
+    png = tmp_path / "picture.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    assert_one_line(
+        *run(["stats", str(png)], capsys),
+        f"treecompile stats: error: {png}:1: not a UTF-8 text file (byte 0x89 at offset 0); expected JSON or JSONL",
+    )
+    # The bad byte on a later line: the line is found although text is decoded in chunks.
+    half = tmp_path / "half.jsonl"
+    half.write_bytes(b'{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 4]}\n\xff\xfe\n')
+    assert_one_line(
+        *run(["stats", str(half)], capsys),
+        f"treecompile stats: error: {half}:3: not a UTF-8 text file (byte 0xff at offset 50); expected JSON or JSONL",
+    )
+
+
+def test_a_gz_name_on_a_file_that_is_not_gzip(tmp_path, capsys):
+    fake = tmp_path / "seqs.jsonl.gz"
+    fake.write_text('{"input_ids": [1]}\n')
+    assert_one_line(
+        *run(["stats", str(fake)], capsys),
+        f"treecompile stats: error: {fake}: cannot be read: Not a gzipped file (b'{{\"')",
+    )
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"input_ids": [1, "x", 4], "group": "b"}', "'input_ids': token ids must be integers, got dtype <U21"),
+        ('{"input_ids": [1, -5, 4], "group": "b"}', "'input_ids': negative token id -5 at position 1"),
+        ('{"input_ids": [], "group": "b"}', "'input_ids' is empty: every path needs at least one token"),
+        ('{"input_ids": [1, 2], "loss_mask": [1, 2], "group": "b"}',
+         "'loss_mask': values must be 0 or 1; position 1 holds 2"),
+        ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a number, got 'heavy'"),
+        ('{"input_ids": [1, 2], "group": "b"', "not valid JSON (Expecting ',' delimiter)"),
+    ],
+    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "broken-json"],
+)
+def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_path, capsys):
+    path = tmp_path / "grouped.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3], "group": "a"}\n{"input_ids": [1, 2, 4], "group": "a"}\n\n'
+                    f"{bad_line}\n")
+    for command in ("stats", "plan"):
+        assert_one_line(*run([command, str(path)], capsys), f"treecompile {command}: error: {path}:4: {message}")
+
+
+def test_capacity_advice_covers_every_tree(capsys):
+    from treecompile.chat import tree_from_messages
+    from treecompile.data import sample_gsm8k
+    from treecompile.partition import path_lengths
+
+    trees = {k: tree_from_messages(v, "bytes") for k, v in sample_gsm8k().items()}
+    longest = {k: int(path_lengths(t).max()) for k, t in trees.items()}
+    capacity = sorted(longest.values())[-4]  # three trees have a longer path, not only the first
+    over = {k: m for k, m in longest.items() if m > capacity}
+    n_paths = sum(int((path_lengths(trees[k]) > capacity).sum()) for k in over)
+    shown = ", ".join(
+        f"{k} ({int((path_lengths(trees[k]) > capacity).sum())} path(s), longest {m})"
+        for k, m in sorted(over.items(), key=lambda kv: -kv[1])
+    )
+    code, err = run(["plan", "sample:gsm8k", "--tokenizer", "bytes", "--capacity", str(capacity)], capsys)
+    assert_one_line(
+        code, err,
+        f"treecompile plan: error: --capacity {capacity}: 3 of {len(trees)} trees have paths longer than C "
+        f"({n_paths} of {sum(t.num_paths for t in trees.values())} paths; a path is never split): {shown}. "
+        f"--capacity {max(longest.values())} fits every path of every tree.",
+    )
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"messages": [{"role": "user", "content": 5}], "group": "b"}',
+         "message 0: content must be a string, a list of text parts or null, got int"),
+        ('{"messages": ["just text"], "group": "b"}', "message 0: expected a dict, got str"),
+        ('{"messages": [{"role": "user", "content": "hi"}, {"content": "no role"}], "group": "b"}',
+         "message 1: unknown role None; expected one of ['assistant', 'developer', 'function', 'system', 'tool', "
+         "'user']"),
+        ('{"messages": [], "group": "b"}', "expected a non-empty 'messages' list"),
+    ],
+    ids=["content-int", "message-str", "no-role", "empty"],
+)
+def test_a_bad_line_in_grouped_conversations_names_file_and_line(bad_line, message, tmp_path, capsys):
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "group": "a"}'
+    path = tmp_path / "chats.jsonl"
+    path.write_text(f"{good}\n{good}\n{bad_line}\n")
+    assert_one_line(*run(["stats", str(path), "--tokenizer", "bytes"], capsys),
+                    f"treecompile stats: error: {path}:3: {message}")
