@@ -106,3 +106,16 @@ def test_a_hugging_face_base_model_without_lm_head_is_refused():
 def test_an_already_compiled_model_is_refused(compiled):
     with pytest.raises(TypeError, match="already tree-compiled"):
         tc.tree_compile(compiled)
+
+
+def test_a_path_longer_than_the_model_context_warns():
+    transformers = pytest.importorskip("transformers")
+    from treecompile.advice import TreeWarning
+
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    batch, _ = make_batch("single", path_bits=False)  # one path of 9 tokens
+    with pytest.warns(TreeWarning, match=r"the longest path has 9 tokens \(tree 0\), more than the model.s max_position_embeddings = 8"):
+        tc.tree_compile(model)(batch)

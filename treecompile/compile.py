@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
 from treecompile.capture import (
     hf_interfaces,
@@ -253,6 +254,9 @@ class TreeCompiledModel(nn.Module):
         # concatenated field by field, ids beyond the vocabulary, NaN weights) would otherwise
         # give NaN or silently wrong results, or fail deep inside the compiled graph.
         batch.validate(vocab_size=self._vocab_size)
+        # A path longer than the model's context trains exactly as per path, which is itself
+        # out of the model's range: say so (once per call site, as warnings do).
+        warn_position_overflow(batch, self._inner, stacklevel=2)
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = _device_of(self._inner)
