@@ -408,8 +408,13 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
     takes_cache = is_hf or "use_cache" in params
     takes_router = "output_router_logits" in params
 
+    # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
+    own_attention = is_hf and not markers.uses_attention_interface(model)
+
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if own_attention:
+            out["attention_mask"] = positions.new_ones(positions.shape)[None]
         if takes_pos:
             out["position_ids"] = positions[None]
         if takes_cache:
@@ -487,9 +492,12 @@ def _hf_interfaces(model: nn.Module):
         for k, c in configs.items()
         if getattr(c, "_experts_implementation_internal", None) is not None
     }
+    # A model whose attention does not use the interface keeps its implementation (and mask).
+    attention = markers.uses_attention_interface(model)
     try:
         for k, c in configs.items():
-            c._attn_implementation_internal = HF_ATTENTION_NAME
+            if attention:
+                c._attn_implementation_internal = HF_ATTENTION_NAME
             if k in saved_experts:
                 c._experts_implementation_internal = HF_ATTENTION_NAME
         yield
