@@ -102,6 +102,8 @@ MASK_ONLY = "feature carried only in the HF attention mask"
 BLIND = "verify blind spot: a gather along the rows"
 LENGTH = "verify blind spot: a value computed from the sequence length"
 SUBGRAPH = "verify blind spot: a higher-order op's subgraph (torch.utils.checkpoint) is not visited"
+ROWS = ("sized by the row count: a buffer sliced [:T] shorter than the tree's rows makes Dynamo guard "
+        "T <= its size; the next longer batch fails in capture with a raw error")
 OWN_ATTN = "attention outside HF's attention interface gets a None mask (FakeTensor crash)"
 
 CASES: list[Case] = [
@@ -123,6 +125,10 @@ CASES: list[Case] = [
     Case("no-head-dim", "custom: 3-D attention on [B, T, D], no head dim", _custom(zc.NoHeadAttnLM)),
     Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
          _custom(zc.WpeShortTableLM)),
+    Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows",
+         _custom(zc.ShortTrilLM), expect="xfail", reason=ROWS),
+    Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
+         _custom(zc.ShortRopeTableLM), expect="xfail", reason=ROWS),
     Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer", _custom(zc.InplaceMoELM), expect="xfail", reason=DCE),
     Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_", _custom(zc.MlaEmptyLM), expect="xfail", reason=DCE),
     Case("mla-empty-setitem", "custom: MLA keys written into new_empty(...) by slice assignment",
@@ -190,6 +196,13 @@ CASES: list[Case] = [
     Case("biogpt", "BioGPT: learned positions", hf=True,
          build=_hf("BioGptConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
+    Case("gpt2-16-positions", "GPT-2 with 16 positions, on a tree of 35 rows whose paths fit", hf=True,
+         build=_hf("GPT2Config", common=False, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                   bos_token_id=0, eos_token_id=0)),
+    Case("opt-16-positions", "OPT with 16 positions (offset 2), on a tree of 35 rows", hf=True,
+         build=_hf("OPTConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=4, ffn_dim=64, max_position_embeddings=16, word_embed_proj_dim=32,
+                   bos_token_id=0, eos_token_id=0, pad_token_id=1)),
     Case("gpt-bigcode", "GPT-BigCode: multi-query attention", hf=True,
          build=_hf("GPTBigCodeConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                    n_positions=64, bos_token_id=0, eos_token_id=0)),

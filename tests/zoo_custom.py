@@ -435,3 +435,45 @@ class CheckpointLM(_LM):
         for blk in self.blocks:
             x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
         return self.head(self.norm(x))
+
+
+class ShortTrilLM(_LM):
+    """A 16-entry causal ``tril`` buffer sliced ``[:T, :T]`` (nanoGPT's ``block_size``): a tree
+    may have more rows than the buffer as long as every path fits."""
+
+    class _Block(_Attn):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("causal", torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+
+        def attend(self, q, k, v):
+            t = q.shape[2]
+            att = (q @ k.transpose(-2, -1)) * HD**-0.5
+            att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+            return att.softmax(-1) @ v
+
+    block_cls = _Block
+
+
+class ShortRopeTableLM(_LM):
+    """RoPE from 16-entry cos/sin tables sliced ``[:T]``, on trees with more rows than that."""
+
+    class _Block(_Attn):
+        def __init__(self) -> None:
+            super().__init__()
+            inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2).double() / HD))
+            ang = torch.outer(torch.arange(16).double(), inv)
+            self.register_buffer("cos_cached", torch.cat([ang.cos(), ang.cos()], -1), persistent=False)
+            self.register_buffer("sin_cached", torch.cat([ang.sin(), ang.sin()], -1), persistent=False)
+
+        def attend(self, q, k, v):
+            t = q.shape[2]
+            cos, sin = self.cos_cached[:t], self.sin_cached[:t]
+
+            def rot(z):
+                z1, z2 = z[..., : HD // 2], z[..., HD // 2 :]
+                return z * cos + torch.cat([-z2, z1], -1) * sin
+
+            return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+
+    block_cls = _Block
