@@ -98,6 +98,9 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
     if not dims <= {3, 4}:
         ctx.notes[output] = f"attention over tensors of {sorted(dims)} dims: the tree kernel takes [B, H, S, D]"
         return False
+    if any(t.dim() - 2 not in seq_dims(x, ctx.seq_len) for x, t in zip((q, k, v), vals) if not callable(x)):
+        ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
+        return False
     three_d = out_dim == 3
     dtype = vals[0].dtype
     for t in vals[1:]:
