@@ -375,6 +375,8 @@ def _very_negative(ctx: PassContext, x) -> bool:
         return x <= -1e30
     if not isinstance(x, fx.Node) or _depends_on_inputs(ctx, x):
         return False
+    if is_call(x, (torch.full,), ()) and len(x.args) >= 2 and _is_scalar(x.args[1]):
+        return x.args[1] <= -1e30  # torch.tensor(finfo(float64).min) is captured as full((), value)
     v = value(x)
     if not isinstance(v, torch.Tensor) or v.numel() != 1:
         return False

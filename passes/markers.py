@@ -55,6 +55,7 @@ __all__ = [
     "hf_causal_attention",
     "hf_experts",
     "uses_attention_interface",
+    "has_own_attention",
     "OPS",
     "is_marker",
 ]
@@ -322,6 +323,26 @@ def _calls_attention_interface(cls: type) -> bool:
     except (OSError, TypeError, AttributeError):
         return False
     return "ALL_ATTENTION_FUNCTIONS" in src
+
+
+@functools.lru_cache(maxsize=None)
+def _computes_attention(cls: type) -> bool:
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "softmax(" in src or "scaled_dot_product_attention(" in src
+
+
+def has_own_attention(model: torch.nn.Module) -> bool:
+    """Whether the model computes attention in its own code and never through Hugging
+    Face's attention interface (see `uses_attention_interface`): some module's ``forward``
+    calls ``softmax`` or ``scaled_dot_product_attention`` itself. Models without attention
+    (Mamba, RWKV) are neither."""
+    modules = list(model.modules())
+    return not any(_calls_attention_interface(type(m)) for m in modules) and any(
+        _computes_attention(type(m)) for m in modules
+    )
 
 
 def uses_attention_interface(model: torch.nn.Module) -> bool:

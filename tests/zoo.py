@@ -41,6 +41,8 @@ class Case:
         reason: for ``refused``, a fragment of the error's first line; for ``xfail``, the
             class of bug.
         hf: a Hugging Face model (its source lives in transformers).
+        attention: for an exact case, the attention rewrites it must show
+            (``compiled.counters["attention"]``), so a spelling is known to be matched.
     """
 
     id: str
@@ -49,6 +51,7 @@ class Case:
     expect: str = "exact"
     reason: str = ""
     hf: bool = False
+    attention: dict | None = None
 
 
 def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -106,66 +109,81 @@ READS_MASK = ("model code reads HF's attention_mask (the sparse-attention indexe
               "capture with a raw error instead of a refusal by name")
 ROWS = ("sized by the row count: a buffer sliced [:T] shorter than the tree's rows makes Dynamo guard "
         "T <= its size; the next longer batch fails in capture with a raw error")
-OWN_ATTN = "attention outside HF's attention interface gets a None mask (FakeTensor crash)"
 
 CASES: list[Case] = [
     # ------------------------------------------------------------------ custom spellings
-    Case("bmm-tril", "custom: bmm scores over [B*H, T, d], tril buffer [:T, :T], masked_fill", _custom(zc.BmmLM)),
-    Case("baddbmm", "custom: Bloom-style baddbmm(beta=0, alpha=scale) scores", _custom(zc.BaddbmmLM)),
-    Case("einsum", "custom: einsum scores and einsum output", _custom(zc.EinsumLM)),
-    Case("softmax-type-as", "custom: softmax(scores.float()).type_as(q)", _custom(zc.TypeAsLM)),
+    Case("bmm-tril", "custom: bmm scores over [B*H, T, d], tril buffer [:T, :T], masked_fill",
+         _custom(zc.BmmLM), attention={"softmax_attention": 2}),
+    Case("baddbmm", "custom: Bloom-style baddbmm(beta=0, alpha=scale) scores",
+         _custom(zc.BaddbmmLM), attention={"softmax_attention": 2}),
+    Case("einsum", "custom: einsum scores and einsum output", _custom(zc.EinsumLM), attention={"softmax_attention": 2}),
+    Case("softmax-type-as", "custom: softmax(scores.float()).type_as(q)",
+         _custom(zc.TypeAsLM), attention={"softmax_attention": 2}),
     Case("softmax-to-dtype", "custom: softmax(dtype=float32).to(q.dtype), additive triu(-inf) mask",
-         _custom(zc.ToDtypeLM)),
-    Case("masked-fill-triu", "custom: masked_fill(ones(T, T).triu(1), -inf)", _custom(zc.MaskedFillInfLM)),
-    Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]", _custom(zc.SdpaTrilMaskLM)),
+         _custom(zc.ToDtypeLM), attention={"softmax_attention": 2}),
+    Case("masked-fill-triu", "custom: masked_fill(ones(T, T).triu(1), -inf)",
+         _custom(zc.MaskedFillInfLM), attention={"softmax_attention": 2}),
+    Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
+         _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
     Case("complex-rope", "custom: RoPE by polar(arange(T) x inv) and view_as_complex", _custom(zc.ComplexRopeLM)),
     Case("complex-rope-table", "custom: complex freqs_cis table sliced [:T]", _custom(zc.ComplexRopeTableLM)),
-    Case("alibi", "custom: ALiBi slope * (j - i) from arange(T)", _custom(zc.AlibiLM)),
+    Case("alibi", "custom: ALiBi slope * (j - i) from arange(T)",
+         _custom(zc.AlibiLM), attention={"softmax_attention": 2}),
     Case("t5-bias", "custom: T5-style learned relative position bias", _custom(zc.T5BiasLM),
          expect="refused", reason="a learned T5-style relative position bias"),
-    Case("sinks", "custom: gpt-oss-style attention sinks (a learned logit column)", _custom(zc.SinkLM)),
-    Case("no-head-dim", "custom: 3-D attention on [B, T, D], no head dim", _custom(zc.NoHeadAttnLM)),
+    Case("sinks", "custom: gpt-oss-style attention sinks (a learned logit column)",
+         _custom(zc.SinkLM), attention={"softmax_attention": 2}),
+    Case("no-head-dim", "custom: 3-D attention on [B, T, D], no head dim",
+         _custom(zc.NoHeadAttnLM), attention={"softmax_attention": 1}),
     Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
          _custom(zc.WpeShortTableLM)),
     Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows",
          _custom(zc.ShortTrilLM), expect="xfail", reason=ROWS),
     Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
          _custom(zc.ShortRopeTableLM), expect="xfail", reason=ROWS),
-    Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer", _custom(zc.InplaceMoELM), expect="xfail", reason=DCE),
-    Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_", _custom(zc.MlaEmptyLM), expect="xfail", reason=DCE),
+    Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
+         _custom(zc.InplaceMoELM), expect="xfail", reason=DCE),
+    Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",
+         _custom(zc.MlaEmptyLM), expect="xfail", reason=DCE),
     Case("mla-empty-setitem", "custom: MLA keys written into new_empty(...) by slice assignment",
          _custom(zc.MlaEmptyLM, copy=False)),
-    Case("inplace-residual", "custom: in-place residual x += attn(x)", _custom(zc.InplaceResidualLM), expect="xfail", reason=DCE),
+    Case("inplace-residual", "custom: in-place residual x += attn(x)",
+         _custom(zc.InplaceResidualLM), expect="xfail", reason=DCE),
     Case("clamp-max-eps", "custom: element-wise torch.max(rms, eps) in a norm", _custom(zc.ClampMinNormLM)),
-    Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)]", _custom(zc.GatherShiftLM), expect="xfail", reason=BLIND),
-    Case("length-norm-pos", "custom: positions arange(T) / T", _custom(zc.LengthNormPosLM), expect="xfail", reason=LENGTH),
-    Case("checkpoint", "custom: blocks under torch.utils.checkpoint", _custom(zc.CheckpointLM), expect="xfail", reason=SUBGRAPH),
+    Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)]",
+         _custom(zc.GatherShiftLM), expect="xfail", reason=BLIND),
+    Case("length-norm-pos", "custom: positions arange(T) / T",
+         _custom(zc.LengthNormPosLM), expect="xfail", reason=LENGTH),
+    Case("checkpoint", "custom: blocks under torch.utils.checkpoint",
+         _custom(zc.CheckpointLM), expect="xfail", reason=SUBGRAPH),
     # ------------------------------------------------------------------ Hugging Face
     Case("gptj", "GPT-J: own attention, interleaved partial RoPE", hf=True,
          build=_hf("GPTJConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, bos_token_id=0, eos_token_id=0)),
+                   n_positions=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
     Case("codegen", "CodeGen: own attention, fused qkv, partial RoPE", hf=True,
          build=_hf("CodeGenConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0)),
+                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
     Case("falcon-alibi", "Falcon: ALiBi", hf=True,
          build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                   num_attention_heads=4, alibi=True, bos_token_id=0, eos_token_id=0)),
+                   num_attention_heads=4, alibi=True, bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
     Case("falcon-rotary", "Falcon: rotary, multi-query", hf=True,
          build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                   num_attention_heads=4, alibi=False, multi_query=True, bos_token_id=0, eos_token_id=0)),
+                   num_attention_heads=4, alibi=False, multi_query=True, bos_token_id=0, eos_token_id=0),
+                   attention={"sdpa": 2}),
     Case("falcon-new-arch", "Falcon: new decoder architecture (GQA, parallel attention)", hf=True,
          build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                    num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, alibi=False,
-                   bos_token_id=0, eos_token_id=0)),
+                   bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
     Case("mpt", "MPT: ALiBi, own attention", hf=True,
-         build=_hf("MptConfig", common=False, vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)),
+         build=_hf("MptConfig", common=False, vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64),
+         attention={"softmax_attention": 2}),
     Case("bloom", "Bloom: ALiBi through baddbmm", hf=True,
          build=_hf("BloomConfig", common=False, vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
-                   bos_token_id=0, eos_token_id=0)),
+                   bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
     Case("gpt-neo", "GPT-Neo: alternating global / local attention", hf=True,
          build=_hf("GPTNeoConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                    attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=64,
-                   bos_token_id=0, eos_token_id=0)),
+                   bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
     Case("gpt-neox", "GPT-NeoX: partial RoPE, parallel residual", hf=True,
          build=_hf("GPTNeoXConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                    num_attention_heads=4, intermediate_size=64, rotary_pct=0.5, max_position_embeddings=64,
@@ -191,10 +209,6 @@ CASES: list[Case] = [
     Case("persimmon", "Persimmon: q/k layer norms, partial RoPE", hf=True,
          build=_hf("PersimmonConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
-    Case("xglm", "XGLM: sinusoidal positions with offset", hf=True,
-         build=_hf("XGLMConfig", common=False, vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2,
-                   attention_heads=4, max_position_embeddings=64),
-         expect="refused", reason="is an index over the packed row that is not a position"),
     Case("biogpt", "BioGPT: learned positions", hf=True,
          build=_hf("BioGptConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
@@ -228,7 +242,8 @@ CASES: list[Case] = [
     Case("deepseek-v3", "DeepSeek-V3: MLA and MoE", hf=True,
          build=_hf("DeepseekV3Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
-                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1), expect="xfail", reason=DCE),
+                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1),
+                   expect="xfail", reason=DCE),
     Case("gpt-oss", "gpt-oss: attention sinks, sliding layers, MoE", hf=True,
          build=_hf("GptOssConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                    layer_types=["sliding_attention", "full_attention"]),
@@ -243,7 +258,8 @@ CASES: list[Case] = [
     Case("dbrx", "DBRX: fused MoE, clipped qkv", hf=True,
          build=_hf("DbrxConfig", common=False, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                    attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
-                   ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}), expect="refused", reason="Dynamo cannot capture"),
+                   ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}),
+                   expect="refused", reason="Dynamo cannot capture"),
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
          build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
@@ -256,7 +272,8 @@ CASES: list[Case] = [
                    v_head_dim=8, n_shared_experts=1, n_group=1, topk_group=1), expect="xfail", reason=DCE),
     Case("minimax", "MiniMax: lightning (linear) attention layers", hf=True,
          build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-                   layer_types=["linear_attention", "full_attention"], block_size=4), expect="refused", reason="changes the sequence length"),
+                   layer_types=["linear_attention", "full_attention"], block_size=4),
+                   expect="refused", reason="changes the sequence length"),
     Case("recurrent-gemma", "RecurrentGemma: RG-LRU recurrence", hf=True,
          build=_hf("RecurrentGemmaConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, lru_width=32, attention_window_size=8,
@@ -308,7 +325,8 @@ def compare(model: nn.Module, compiled, batch, trees) -> dict:
     for i in range(batch.num_paths):
         torch.testing.assert_close(out.logprobs.detach()[batch.path_rows(i)], ref.logprobs[i].detach(),
                                    rtol=rel, atol=rel, msg=lambda m, i=i: f"logprobs of path {i}: {m}")
-    assert tree_grads.keys() == ref_grads.keys(), f"gradients cover different parameters: {tree_grads.keys() ^ ref_grads.keys()}"
+    differ = tree_grads.keys() ^ ref_grads.keys()
+    assert not differ, f"gradients cover different parameters: {sorted(differ)}"
     # A parameter whose true gradient is 0 by symmetry (a key bias shifts every score of a
     # query alike, and softmax ignores that) has a per-path gradient of rounding noise;
     # relative to itself that noise is 100%. Such gradients are compared on the scale of
@@ -319,7 +337,9 @@ def compare(model: nn.Module, compiled, batch, trees) -> dict:
         scale = max(r.abs().max().item(), floor)
         err = (tree_grads[name] - r).abs().max().item() / scale
         worst = max(worst, err)
-        assert err <= rel, f"gradient of {name}: max |diff| {err * scale:.3e}, scale {scale:.3e} -> {err:.3e} > {rel:.0e}"
+        assert err <= rel, (
+            f"gradient of {name}: max |diff| {err * scale:.3e}, scale {scale:.3e} -> {err:.3e} > {rel:.0e}"
+        )
     return {"loss": loss_diff, "grad": worst}
 
 
@@ -334,4 +354,7 @@ def run(case: Case) -> list[dict]:
 
     model = case.build()
     compiled = tree_compile(model, backend="eager")
-    return [compare(model, compiled, batch, trees) for _, batch, trees in batches()]
+    diffs = [compare(model, compiled, batch, trees) for _, batch, trees in batches()]
+    if case.attention is not None:
+        assert dict(compiled.counters["attention"]) == case.attention, compiled.counters["attention"]
+    return diffs

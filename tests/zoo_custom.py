@@ -147,7 +147,8 @@ def _spelling(attn_cls):
 
 
 BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM = (
-    _spelling(c) for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn)
+    _spelling(c)
+    for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn)
 )
 
 
