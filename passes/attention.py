@@ -518,16 +518,11 @@ def _structural_causal(
     what per-path training adds; the kernel computes it from the tree positions.
 
     Returns:
-        ``(window or None, None)`` on success, ``(None, reason)`` otherwise; with ``heads``
-        also the per-head ALiBi slopes (or None) and whether the mask itself is causal
-        (False for a bias over the keys alone, ``[.., 1, S]``).
+        ``(window or None, None, slopes, causal)`` on success, ``(None, reason, None,
+        False)`` otherwise: ``slopes`` the per-head ALiBi slopes or None (always None without
+        ``heads``), ``causal`` whether the term masks causally (False for a bias alone).
     """
-    window, why, slopes, causal = _structural_causal_bias(ctx, mask, kind, heads)
-    if heads is not None:
-        return window, why, slopes, causal
-    if slopes is not None or (why is None and not causal):
-        return None, "an ALiBi bias where only a mask is supported"
-    return window, why
+    return _structural_causal_bias(ctx, mask, kind, heads)
 
 
 def _structural_causal_bias(ctx, mask, kind, heads):

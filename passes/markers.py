@@ -328,16 +328,16 @@ def _calls_attention_interface(cls: type) -> bool:
 @functools.lru_cache(maxsize=None)
 def _computes_attention(cls: type) -> bool:
     try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError, AttributeError):
+        src = inspect.getsource(cls)  # the whole class: GPT-J's forward calls its own _attn
+    except (OSError, TypeError):
         return False
     return "softmax(" in src or "scaled_dot_product_attention(" in src
 
 
 def has_own_attention(model: torch.nn.Module) -> bool:
     """Whether the model computes attention in its own code and never through Hugging
-    Face's attention interface (see `uses_attention_interface`): some module's ``forward``
-    calls ``softmax`` or ``scaled_dot_product_attention`` itself. Models without attention
+    Face's attention interface (see `uses_attention_interface`): some module's class calls
+    ``softmax`` or ``scaled_dot_product_attention`` itself. Models without attention
     (Mamba, RWKV) are neither."""
     modules = list(model.modules())
     return not any(_calls_attention_interface(type(m)) for m in modules) and any(
