@@ -331,6 +331,7 @@ def _computes_attention(cls: type) -> bool:
         src = inspect.getsource(cls)  # the whole class: GPT-J's forward calls its own _attn
     except (OSError, TypeError):
         return False
+    src = src.lower()  # nn.Softmax(dim=-1)(scores) too (CodeGen)
     return "softmax(" in src or "scaled_dot_product_attention(" in src
 
 
