@@ -546,6 +546,7 @@ def _structural_causal_bias(ctx, mask, kind, heads):
             if heads is None:
                 return None, "an additive bias, not a 0/-inf mask", None, False
             slopes, why = _alibi_slopes(bias, blocked, heads)
+            why = why or _uses_length(mask)
             if why:
                 return None, why, None, False
         flat = blocked  # what is left is a 0/-inf mask, as "masked_fill" reads it
@@ -581,6 +582,25 @@ def _structural_causal_bias(ctx, mask, kind, heads):
     if window >= 1 and torch.equal(allowed, causal & (idx[:, None] - idx[None, :] < window)):
         return window, None, slopes, True
     return None, "causal but not a plain causal or sliding-window pattern", None, False
+
+
+# Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).
+_SHAPE_OPS = {"arange", "full", "ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "new_full", "view",
+              "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like"}
+
+
+def _uses_length(mask: fx.Node) -> str | None:
+    """A reason if the bias uses the sequence length as a value (``j / S``): its slope, read at
+    the example length, would be wrong for any other."""
+    for n in ancestors(mask) | {mask}:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if name in _SHAPE_OPS or not isinstance(value(n), torch.Tensor):
+            continue
+        if any(isinstance(value(a), torch.SymInt) for a in n.args if isinstance(a, fx.Node)):
+            return f"an additive score bias computed from the sequence length ({describe(n)})"
+    return None
 
 
 def _alibi_slopes(bias: torch.Tensor, blocked: torch.Tensor, heads: int) -> tuple[tuple[float, ...] | None, str | None]:

@@ -478,3 +478,18 @@ class ShortRopeTableLM(_LM):
             return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
 
     block_cls = _Block
+
+
+class LengthScaledAlibiAttn(_Attn):
+    """An ALiBi-like bias ``(j - i) / T``: its slope depends on the row count, not only on positions."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)
+        rel = (pos[None, :] - pos[:, None]).to(q.dtype) / t
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + rel
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+LengthScaledAlibiLM = _spelling(LengthScaledAlibiAttn)
