@@ -409,7 +409,7 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
     takes_router = "output_router_logits" in params
 
     # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
-    own_attention = is_hf and markers.has_own_attention(model)
+    own_attention = is_hf and "attention_mask" in params and markers.has_own_attention(model)
 
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}
