@@ -9,7 +9,13 @@ Three spellings of causal attention are matched, each once for all models:
   is structural (computed from no activation) and evaluates to the causal mask,
   optionally with a sliding window.
 * manual softmax attention: ``softmax(scale * (q @ k^T) masked by a structural causal
-  mask) @ v``.
+  mask) @ v``, with scores by ``matmul``, ``bmm``, ``baddbmm`` or ``einsum``, casts and
+  views in between, with or without a head dim.
+
+A structural additive term that is linear in the key index per head is ALiBi: the kernel
+adds ``slope * (positions[kv] - positions[q])``. A sink logit concatenated to the scores
+(or HF's ``s_aux``) is one more term in each softmax denominator: the kernel output is
+scaled by ``sigmoid(lse - sink)``.
 
 Why the rewrite is exact: per-path training lets token ``q`` of a path attend to the
 tokens before it on that path. In the packed row those are exactly the keys ``kv`` with
