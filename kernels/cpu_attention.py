@@ -32,13 +32,30 @@ def _visible(kind: str, q_rows: Tensor, kv_rows: Tensor, buffers: list[Tensor], 
     q, kv = q_rows[:, None], kv_rows[None, :]
     if kind == "interval":
         ok = interval_rule(q, kv, buffers[0])
-        positions = buffers[1] if window > 0 else None
     else:
         ok = bitmask_rule(q, kv, buffers[0], buffers[1], chunks)
-        positions = buffers[2] if window > 0 else None
+    positions = _positions(kind, buffers) if window > 0 else None
     if positions is not None:
         ok = ok & (positions[q] - positions[kv] < window)
     return ok
+
+
+def _positions(kind: str, buffers: list[Tensor]) -> Tensor:
+    """The ``positions`` buffer, after the rule's own tensors."""
+    return buffers[1] if kind == "interval" else buffers[2]
+
+
+def _alibi_bias(alibi: list[float], kind: str, buffers: list[Tensor], q_rows: Tensor, kv_rows: Tensor, hkv: int,
+                like: Tensor) -> Tensor | None:
+    """``[Hkv, g, Bq, L]`` ALiBi bias ``slope[h] * (positions[kv] - positions[q])``, or None.
+
+    A function of the two tokens' path positions, so it is the bias per-path training adds.
+    """
+    if not alibi:
+        return None
+    pos = _positions(kind, buffers)
+    slopes = torch.tensor(alibi, dtype=like.dtype, device=like.device).view(hkv, -1, 1, 1)
+    return slopes * (pos[kv_rows][None, :] - pos[q_rows][:, None]).to(like.dtype)
 
 
 def _live_rows(i: int, bs: int, s: int, nums: list[list[int]], idxs: list[Tensor], device) -> Tensor:
@@ -48,13 +65,17 @@ def _live_rows(i: int, bs: int, s: int, nums: list[list[int]], idxs: list[Tensor
     return rows[rows < s]
 
 
-def _scores(qb: Tensor, kb: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:
-    """``[Hkv, g, Bq, L]`` scores (after soft-capping) and ``tanh`` for its derivative."""
+def _scores(qb: Tensor, kb: Tensor, scale: float, softcap: float, bias: Tensor | None = None):
+    """``[Hkv, g, Bq, L]`` scores (after soft-capping, plus ``bias``) and ``tanh`` for the
+    soft-cap's derivative."""
     raw = torch.einsum("hgqd,hld->hgql", qb, kb) * scale
+    t = None
     if softcap > 0:
         t = torch.tanh(raw / softcap)
-        return t * softcap, t
-    return raw, None
+        raw = t * softcap
+    if bias is not None:
+        raw = raw + bias
+    return raw, t
 
 
 def _plan(kv_num: Tensor, kv_idx: Tensor, full_num: Tensor, full_idx: Tensor):
@@ -77,13 +98,14 @@ def tree_attention_cpu(
     softcap: float,
     window: int,
     chunks: int,
+    alibi: list[float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tree attention over live blocks.
 
     Args:
         q: ``[1, Hq, S, D]``; k: ``[1, Hkv, S, D]``; v: ``[1, Hkv, S, Dv]`` (``Hq % Hkv == 0``).
         buffers: the rule's tensors: ``[subtree_end]`` (interval) or ``[tree_ids, path_bits]``
-            (bitmask), then ``positions`` if ``window > 0``.
+            (bitmask), then ``positions`` if ``window > 0`` or ``alibi``.
         kv_num, kv_idx, full_num, full_idx: the BlockMask's kv tables ``[1, 1, nb]`` and
             ``[1, 1, nb, nb]``.
         kind: ``"interval"`` or ``"bitmask"``.
@@ -92,6 +114,8 @@ def tree_attention_cpu(
         softcap: logit soft-capping value, 0 for none.
         window: sliding window along the path, 0 for none.
         chunks: ``path_bits.shape[1]`` (bitmask).
+        alibi: per query head, the ALiBi slope: ``slope * (positions[kv] - positions[q])``
+            is added to each score (after soft-capping); empty or None for none.
 
     Returns:
         ``(out [1, Hq, S, Dv], lse [1, Hq, S])``.
@@ -108,8 +132,10 @@ def tree_attention_cpu(
         rows = _live_rows(i, block_size, s, nums, idxs, q.device)
         if rows.numel() == 0:
             continue
-        sc, _ = _scores(q4[:, :, q0:q1], k[0][:, rows], scale, softcap)
-        ok = _visible(kind, torch.arange(q0, q1, device=q.device), rows, buffers, window, chunks)
+        q_rows = torch.arange(q0, q1, device=q.device)
+        bias = _alibi_bias(alibi, kind, buffers, q_rows, rows, hkv, q)
+        sc, _ = _scores(q4[:, :, q0:q1], k[0][:, rows], scale, softcap, bias)
+        ok = _visible(kind, q_rows, rows, buffers, window, chunks)
         sc = sc.masked_fill(~ok, float("-inf"))
         m = torch.logsumexp(sc, dim=-1, keepdim=True)  # every query sees itself: finite
         p = torch.exp(sc - m)
@@ -120,7 +146,8 @@ def tree_attention_cpu(
 
 
 @tree_attention_cpu.register_fake
-def _(q, k, v, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap, window, chunks):
+def _(q, k, v, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap, window, chunks,
+      alibi=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
 
 
@@ -143,8 +170,14 @@ def tree_attention_cpu_backward(
     softcap: float,
     window: int,
     chunks: int,
+    alibi: list[float] | None = None,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of `tree_attention_cpu` from the saved ``out`` and ``lse``."""
+    """Gradients ``(dq, dk, dv)`` of `tree_attention_cpu` from the saved ``out`` and ``lse``
+    (the ALiBi bias is a constant of the positions: it changes the scores, not the formula).
+
+    ``dlse`` ``[1, Hq, S]``, the gradient of the returned log-sum-exp (attention sinks use
+    it), adds ``dlse * P`` to the scores' gradient (``d lse / d s = P``); None for none."""
     _, hq, s, d = q.shape
     hkv, dv_ = k.shape[1], v.shape[-1]
     g = hq // hkv
@@ -157,6 +190,8 @@ def tree_attention_cpu_backward(
     lse4 = lse[0].view(hkv, g, s)
     # delta_q = sum_d dO * O: the softmax backward's row term.
     delta4 = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
+    if dlse is not None:
+        delta4 = delta4 - dlse[0].view(hkv, g, s)
     for i in range(-(-s // block_size)):
         q0, q1 = i * block_size, min((i + 1) * block_size, s)
         rows = _live_rows(i, block_size, s, nums, idxs, q.device)
@@ -164,8 +199,9 @@ def tree_attention_cpu_backward(
             continue
         kb, vb = k[0][:, rows], v[0][:, rows]
         qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
-        sc, t = _scores(qb, kb, scale, softcap)
-        ok = _visible(kind, torch.arange(q0, q1, device=q.device), rows, buffers, window, chunks)
+        q_rows = torch.arange(q0, q1, device=q.device)
+        sc, t = _scores(qb, kb, scale, softcap, _alibi_bias(alibi, kind, buffers, q_rows, rows, hkv, q))
+        ok = _visible(kind, q_rows, rows, buffers, window, chunks)
         p = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
         dv.index_add_(2, rows, torch.einsum("hgql,hgqd->hld", p, dob)[None])
         dp = torch.einsum("hgqd,hld->hgql", dob, vb)
@@ -179,11 +215,11 @@ def tree_attention_cpu_backward(
 
 @tree_attention_cpu_backward.register_fake
 def _(dout, q, k, v, out, lse, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap,
-      window, chunks):
+      window, chunks, alibi=None, dlse=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_STATIC = ("kind", "block_size", "scale", "softcap", "window", "chunks")
+_STATIC = ("kind", "block_size", "scale", "softcap", "window", "chunks", "alibi")
 _TABLES = ("kv_num", "kv_idx", "full_num", "full_idx")
 
 
@@ -197,10 +233,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, kv_num, kv_idx, full_num, full_idx, *buffers = ctx.saved_tensors
+    static = list(ctx.static) + [None] * (len(_STATIC) - len(ctx.static))  # a default left out
     dq, dk, dv = torch.ops.treecompile.tree_attention_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, list(buffers), kv_num, kv_idx, full_num, full_idx, *ctx.static
+        dout.contiguous(), q, k, v, out, lse, list(buffers), kv_num, kv_idx, full_num, full_idx, *static,
+        None if dlse is None else dlse.contiguous(),
     )
-    return dq, dk, dv, [None] * ctx.n_buffers, None, None, None, None, None, None, None, None, None, None
+    # No gradient for the buffers, block tables and static arguments, in the structure of the
+    # call's arguments (``needs_input_grad`` has it: a default left out, an empty list kept).
+    rest = [[None] * len(x) if isinstance(x, list) else None for x in ctx.needs_input_grad[3:]]
+    return (dq, dk, dv, *rest)
 
 
 tree_attention_cpu.register_autograd(_backward, setup_context=_setup_context)

@@ -40,6 +40,7 @@ __all__ = [
     "interval_mask_mod",
     "bitmask_mask_mod",
     "softcap_score_mod",
+    "alibi_score_mod",
     "interval_block_mask",
     "demote_full_blocks",
     "split_block_mask",
@@ -132,6 +133,28 @@ def softcap_score_mod(cap: float | None) -> Callable:
 
     capped.__name__ = f"softcap_score_{cap:g}".replace(".", "p")
     return capped
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per query: ``sum_j e^s_j v_j / (sum_j e^s_j + e^sink)``.
+
+    That is the attention output times ``sum_j e^s_j / (sum_j e^s_j + e^sink)``, i.e. times
+    ``sigmoid(lse - sink)``; the gradient reaches the scores through ``lse``.
+    """
+    w = torch.sigmoid(lse - sinks.to(lse.dtype))
+    return out * w.unsqueeze(-1).to(out.dtype)
+
+
+def alibi_score_mod(inner: Callable) -> Callable:
+    """``score_mod(score, b, h, q, kv, slopes, positions)``: ``inner``, then the ALiBi bias
+    ``slopes[h] * (positions[kv] - positions[q])`` in path positions."""
+
+    def alibi(score, b, h, q_idx, kv_idx, slopes, positions):
+        rel = (positions[kv_idx] - positions[q_idx]).to(score.dtype)
+        return inner(score, b, h, q_idx, kv_idx) + slopes[h].to(score.dtype) * rel
+
+    alibi.__name__ = f"alibi_{inner.__name__}"
+    return alibi
 
 
 # --------------------------------------------------------------------------- BlockMasks
@@ -237,7 +260,9 @@ def call_flex_hop(
     layout: BlockLayout,
     mask_buffers: Sequence[torch.Tensor],
     scale: float,
-) -> torch.Tensor:
+    score_buffers: Sequence[torch.Tensor] = (),
+    return_lse: bool = False,
+):
     """Calls ``torch._higher_order_ops.flex_attention`` and returns the output ``[B, Hq, S, Dv]``.
 
     Args:
@@ -248,14 +273,20 @@ def call_flex_hop(
         block_tensors, layout: from :func:`split_block_mask`.
         mask_buffers: tensors the mask_mod reads.
         scale: multiplies ``q @ k^T`` before ``score_mod``.
+        score_buffers: tensors the score_mod reads.
+        return_lse: also return the natural log-sum-exp ``[B, Hq, S]`` (the op's is base 2).
     """
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
 
     block = _block_tuple(layout, block_tensors, q.shape[-2], k.shape[-2], mask_mod)
-    out, _lse, _max = flex_hop(
-        q, k, v, score_mod, block, float(scale), _kernel_options_fn()(q, k, v), (), tuple(mask_buffers)
-    )
-    return out
+    options = _kernel_options_fn()(q, k, v)
+    out, lse, _max = flex_hop(q, k, v, score_mod, block, float(scale), options, tuple(score_buffers),
+                              tuple(mask_buffers))
+    if not return_lse:
+        return out
+    if options.get("BACKEND") != "FLASH":
+        lse = lse * math.log(2.0)
+    return out, lse
 
 
 def _merge_block_lists(num, idx, full_num, full_idx):
@@ -298,6 +329,11 @@ class AttentionSpec:
         softcap: logit soft-capping value, or None.
         chunks: ``path_bits.shape[1]`` for the bitmask rule.
         layout: the BlockMask tuple layout.
+        alibi: per query head, an ALiBi slope: ``slope * (positions[kv] - positions[q])`` is
+            added to each score (path positions, the bias per-path training adds); None for none.
+        sinks: the call passes ``sinks=`` logits ``[1, Hq, S]`` (or broadcastable): one more
+            logit per query in the softmax denominator, with no value (gpt-oss attention
+            sinks); the output is scaled by ``sigmoid(lse - sink)``.
     """
 
     kind: str
@@ -306,6 +342,8 @@ class AttentionSpec:
     softcap: float | None
     chunks: int
     layout: BlockLayout
+    alibi: tuple[float, ...] | None = None
+    sinks: bool = False
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -337,34 +375,44 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
     if spec.window is not None and spec.layout.slots[2:10] != tuple(("tensor", i) for i in range(8)):
         raise RuntimeError(f"unexpected BlockMask tuple layout {spec.layout.slots}; cannot apply a sliding window")
 
-    def tree_flex_attention(q, k, v, positions, *tensors):
+    def tree_flex_attention(q, k, v, positions, *tensors, sinks=None):
         q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
         block_tensors = tensors[n_buf:]
-        if spec.window is not None:
+        if spec.window is not None or spec.alibi:
             buffers = (*buffers, positions)
+        if spec.window is not None:
             block_tensors = demote_full_blocks(block_tensors)
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.device.type == "cpu":
             # FlexAttention has no sparse CPU kernel (its op evaluates all S x S pairs):
             # walk the live blocks instead, exact and without S x S memory.
-            out, _ = torch.ops.treecompile.tree_attention_cpu(
+            out, lse = torch.ops.treecompile.tree_attention_cpu(
                 q, k, v, list(buffers), *block_tensors[:4], spec.kind, _block_size(spec.layout), float(scale),
                 float(spec.softcap or 0.0), int(spec.window or 0), int(spec.chunks),
+                list(spec.alibi) if spec.alibi else None,
             )
-            return out
-        return call_flex_hop(
+            return out if sinks is None else _with_sinks(out, lse, sinks)
+        score_buffers = ()
+        if spec.alibi:
+            slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
+            score_buffers = (slopes, positions)
+        out, lse = call_flex_hop(
             q,
             k,
             v,
-            score_mod=score_mod,
+            score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
             mask_mod=mask_mod,
             block_tensors=block_tensors,
             layout=spec.layout,
             mask_buffers=buffers,
             scale=scale,
+            score_buffers=score_buffers,
+            return_lse=True,
         )
+        return out if sinks is None else _with_sinks(out, lse, sinks)
 
-    parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else ""]
+    parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
+             "alibi" if spec.alibi else "", "sinks" if spec.sinks else ""]
     tree_flex_attention.__name__ = "tree_flex_attention_" + "_".join(p for p in parts if p)
     return tree_flex_attention

@@ -9,7 +9,13 @@ Three spellings of causal attention are matched, each once for all models:
   is structural (computed from no activation) and evaluates to the causal mask,
   optionally with a sliding window.
 * manual softmax attention: ``softmax(scale * (q @ k^T) masked by a structural causal
-  mask) @ v``.
+  mask) @ v``, with scores by ``matmul``, ``bmm``, ``baddbmm`` or ``einsum``, casts and
+  views in between, with or without a head dim.
+
+A structural additive term that is linear in the key index per head is ALiBi: the kernel
+adds ``slope * (positions[kv] - positions[q])``. A sink logit concatenated to the scores
+(or HF's ``s_aux``) is one more term in each softmax denominator: the kernel output is
+scaled by ``sigmoid(lse - sink)``.
 
 Why the rewrite is exact: per-path training lets token ``q`` of a path attend to the
 tokens before it on that path. In the packed row those are exactly the keys ``kv`` with
@@ -63,9 +69,13 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """
     for node in list(gm.graph.nodes):
         if is_marker(node, "causal_attention"):
-            q, k, v, scale, window, softcap = node.args
-            _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap)
-            ctx.count(NAME, "hf_interface")
+            q, k, v, scale, window, softcap, *rest = node.args
+            sinks = rest[0] if rest else node.kwargs.get("sinks")
+            if sinks is not None:
+                with gm.graph.inserting_before(node):  # [Hq] -> [1, Hq, 1], broadcast over the rows
+                    sinks = ctx.mark(gm.graph.call_method("view", (sinks, 1, -1, 1)), like=node)
+            if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks):
+                ctx.count(NAME, "hf_interface")
         elif is_call(node, SDPA):
             _rewrite_sdpa(gm, ctx, node)
         elif is_call(node, SOFTMAX, ("softmax",)):
@@ -73,9 +83,43 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     return gm
 
 
-def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None) -> None:
-    """Inserts the tree attention call and redirects the users of ``output`` (default ``node``)."""
+def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post=None, alibi=None,
+             sinks=None) -> bool:
+    """Inserts the tree attention call and redirects the users of ``output`` (default ``node``).
+
+    ``q``, ``k``, ``v`` are ``[B, H, S, D]`` or ``[B * H, S, D]`` (``[B, S, D]`` for attention
+    without a head dim); the batch is 1 (the wrapper's), so a 3-D tensor's leading dim is the
+    kernel's heads, and the result gets ``output``'s layout back. Inputs of different
+    dtypes (scores in float32, values in float64, as GPT-J does) are promoted to one dtype
+    (the most precise of them) for the kernel, and the result cast to ``output``'s dtype.
+    """
     output = output or node
+    vals = [value(x) for x in (q, k, v)]
+    out_val = value(output)
+    if any(not isinstance(t, torch.Tensor) for t in (*vals, out_val)):
+        return False
+    # The kernel's result has q's dims; ``post`` (an einsum layout) maps it to ``output``'s.
+    out_dim = vals[0].dim() if post is not None else out_val.dim()
+    dims = {t.dim() for t in vals} | {out_dim}
+    if not dims <= {3, 4}:
+        ctx.notes[output] = f"attention over tensors of {sorted(dims)} dims: the tree kernel takes [B, H, S, D]"
+        return False
+    if any(t.dim() - 2 not in seq_dims(x, ctx.seq_len) for x, t in zip((q, k, v), vals) if not callable(x)):
+        ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
+        return False
+    three_d = out_dim == 3
+    dtype = vals[0].dtype
+    for t in vals[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    with gm.graph.inserting_before(output):
+        args = []
+        for x, t in zip((q, k, v), vals):
+            if t.dtype != dtype:
+                x = ctx.mark(gm.graph.call_method("to", (x, dtype)), like=output)
+            if t.dim() == 3:  # [B * H, S, D] or [B, S, D] with B = 1: the leading dim is the heads
+                x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
+            args.append(x)
+    q, k, v = args
     spec = AttentionSpec(
         kind=ctx.mask,
         scale=None if scale is None else float(scale),
@@ -83,13 +127,23 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None) -> 
         softcap=None if softcap is None else float(softcap),
         chunks=ctx.chunks,
         layout=ctx.layout,
+        alibi=alibi,
+        sinks=sinks is not None,
     )
     fn = tree_attention_fn(spec)
     with gm.graph.inserting_before(output):
-        new = gm.graph.call_function(fn, (q, k, v, ctx.positions, *ctx.mask_buffers, *ctx.block_tensors))
+        kwargs = {} if sinks is None else {"sinks": sinks}
+        new = ctx.mark(gm.graph.call_function(fn, (q, k, v, ctx.positions, *ctx.mask_buffers, *ctx.block_tensors),
+                                              kwargs), like=output)
+        if three_d:
+            new = ctx.mark(gm.graph.call_method("squeeze", (new, 0)), like=output)
+        if dtype != value(output).dtype:
+            new = ctx.mark(gm.graph.call_method("to", (new, value(output).dtype)), like=output)
+        if post is not None:
+            new = ctx.mark(post(gm.graph, new), like=output)
     new.meta["example_value"] = value(output)
-    ctx.mark(new, like=output)
     output.replace_all_uses_with(new)
+    return True
 
 
 # --------------------------------------------------------------------------- SDPA
@@ -105,18 +159,35 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     if not seq_dims(a["query"], ctx.seq_len):
         return  # attention over something other than the sequence (e.g. over heads or patches)
     mask = a["attn_mask"]
+    alibi = None
     if mask is None:
         if not a["is_causal"]:
             ctx.notes[node] = "non-causal attention over the sequence (is_causal=False, no mask)"
             return
         window = None
     else:
-        window, why = _structural_causal(ctx, mask, kind="sdpa")
+        window, why, alibi, causal = _structural_causal(ctx, mask, kind="sdpa", heads=_heads(node))
         if why:
             ctx.notes[node] = f"attn_mask is {why}"
             return
-    _replace(gm, ctx, node, a["query"], a["key"], a["value"], scale=a["scale"], window=window, softcap=None)
-    ctx.count(NAME, "sdpa")
+        if not causal and not a["is_causal"]:
+            ctx.notes[node] = "non-causal attention over the sequence (attn_mask is a bias without a causal mask)"
+            return
+    if _replace(gm, ctx, node, a["query"], a["key"], a["value"], scale=a["scale"], window=window, softcap=None,
+                alibi=alibi):
+        ctx.count(NAME, "sdpa")
+
+
+def _heads(node: fx.Node) -> int | None:
+    """The kernel's heads for an attention whose output (or scores) is ``node``: the product
+    of its leading dims (the batch is 1), or None if one is symbolic."""
+    v = value(node)
+    n = 1
+    for d in v.shape[:-2]:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n
 
 
 # --------------------------------------------------------------------------- manual softmax
@@ -134,13 +205,27 @@ def _is_scalar(x) -> bool:
 _NEG = ("masked_fill",)
 
 
+_VIEWS = ("view", "reshape", "contiguous")
+_CASTS = ("float", "double", "to", "type", "type_as")
+
+
 def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
-    """Matches ``softmax(chain(q @ k^T), dim=-1) @ v`` where ``chain`` scales and masks."""
+    """Matches ``softmax(chain(q @ k^T), dim=-1) @ v`` where ``chain`` scales, masks, casts
+    and reshapes.
+
+    Scores by ``matmul`` / ``@``, ``bmm``, ``baddbmm`` or a two-operand ``einsum``; the
+    output by ``matmul``, ``bmm`` or ``einsum``; casts (``.float()``, ``.to(dtype)``,
+    ``.type_as(q)``) and views anywhere in between.
+    """
     args = bind(node, ["input", "dim"], {"dim": None})
     scores = args["input"]
     sv = value(scores)
     if not isinstance(sv, torch.Tensor) or sv.dim() < 2 or args["dim"] not in (-1, sv.dim() - 1):
         return
+    sink = _sink_column(ctx, scores)
+    if sink is not None:
+        # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
+        scores = scores.args[0][0]
     if len(seq_dims(scores, ctx.seq_len)) < 2:
         return
     # Walk back from the softmax input to q @ k^T, collecting the scale and the masks.
@@ -148,7 +233,17 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
     masks: list[tuple[str, fx.Node]] = []
     cur = scores
     while True:
-        if is_call(cur, MATMUL, ("matmul",)):
+        if is_call(cur, MATMUL, ("matmul", "bmm")) or is_call(cur, (torch.einsum,)):
+            break
+        if is_call(cur, (torch.baddbmm,), ("baddbmm",)):
+            b = bind(cur, ["input", "batch1", "batch2"], {"beta": 1.0, "alpha": 1.0})
+            if not (_is_scalar(b["beta"]) and _is_scalar(b["alpha"])):
+                return
+            if b["beta"] != 0:
+                if b["beta"] != 1 or not isinstance(b["input"], fx.Node):
+                    return
+                masks.append(("additive", b["input"]))
+            scale *= b["alpha"]
             break
         if cur.op == "call_function" and cur.target in (operator.mul, torch.mul) or is_call(cur, (), ("mul",)):
             a, b = cur.args[:2]
@@ -179,21 +274,38 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
                 masks.append(("additive", a))
                 cur = b
             else:
+                ctx.notes[node] = (
+                    "the scores get an additive bias computed from parameters or the inputs (e.g. a learned "
+                    "T5-style relative position bias), which treecompile cannot express in path positions yet"
+                )
                 return
-        elif is_call(cur, (), ("float", "double", "to")):
+        elif is_call(cur, (torch.where,), ("where",)) and len(cur.args) == 3:
+            # torch.where(mask, scores, very_negative) (GPT-Neo): the mask says what is allowed.
+            cond, x, fill = cur.args
+            if not (isinstance(cond, fx.Node) and isinstance(x, fx.Node) and _very_negative(ctx, fill)):
+                return
+            masks.append(("where", cond))
+            cur = x
+        elif is_call(cur, (torch.max, torch.maximum), ("max", "maximum")) and len(cur.args) == 2 \
+                and _very_negative(ctx, cur.args[1]):
+            cur = cur.args[0]  # clamping the scores to the dtype's minimum (XGLM): masked stays masked
+        elif is_call(cur, (torch.reshape,), _CASTS + _VIEWS):
             cur = cur.args[0]
         else:
             return
         if not isinstance(cur, fx.Node):
             return
-    qk = cur
-    q, kt = qk.args[:2]
-    k = _untranspose(kt)
-    if k is None:
+    qk = _scores_operands(cur)
+    if qk is None:
         return
-    # Forward: softmax -> [dropout(p=0) | cast] -> @ v.
+    q, k, q_layout = qk
+    # Forward: softmax -> [dropout(p=0) | cast | view] -> @ v.
     out = _single_user(node)
-    while out is not None and is_call(out, (torch.nn.functional.dropout,), ("to", "type", "float", "double")):
+    if sink is not None:
+        if out is None or not _drops_last_column(out):
+            return
+        out = _single_user(out)
+    while out is not None and is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
         if is_call(out, (torch.nn.functional.dropout,)):
             p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
             if p["p"] and p["training"]:
@@ -201,24 +313,157 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
                     f"{describe(out)} at {source_of(out)}: attention dropout cannot match per-path training"
                 )
         out = _single_user(out)
-    if out is None or not is_call(out, MATMUL, ("matmul",)):
+    if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
         return
-    v = out.args[1]
-    if out.args[0] is not _chain_end(node, out):
+    pv = _output_operands(out, q_layout)
+    if pv is None:
         return
-    window = None
+    p_arg, v, post = pv
+    if p_arg is not _chain_end(node, out):
+        return
+    window, alibi, causal = None, None, False
     if not masks:
         ctx.notes[out] = "softmax attention without a causal mask (bidirectional)"
         return
+    heads = _heads(node)
     for kind, m in masks:
-        w, why = _structural_causal(ctx, m, kind=kind)
+        w, why, slopes, is_mask = _structural_causal(ctx, m, kind=kind, heads=heads)
         if why:
             ctx.notes[node] = f"the attention mask is {why}"
             return
+        if slopes is not None:
+            if alibi is not None:
+                ctx.notes[node] = "the scores get two ALiBi biases"
+                return
+            alibi = slopes
+        causal = causal or is_mask
         if w is not None:
             window = w if window is None else min(window, w)
-    _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=out)
-    ctx.count(NAME, "softmax_attention")
+    if not causal:
+        ctx.notes[out] = "softmax attention without a causal mask (bidirectional)"
+        return
+    with gm.graph.inserting_before(out):
+        q, k, v = (ctx.mark(x(gm.graph), like=out) if callable(x) else x for x in (q, k, v))
+        if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
+            sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=out)
+    if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=out, post=post,
+                alibi=alibi, sinks=sink):
+        ctx.count(NAME, "softmax_attention")
+
+
+def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
+    """``sink`` if ``cat`` is ``torch.cat([scores, sink], dim=-1)`` with ``sink`` ``[.., S, 1]``."""
+    if not is_call(cat, (torch.cat,), ()):
+        return None
+    b = bind(cat, ["tensors", "dim"], {"dim": 0})
+    parts, dim = b["tensors"], b["dim"]
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not all(isinstance(p, fx.Node) for p in parts):
+        return None
+    sv, kv = value(parts[0]), value(parts[1])
+    if not (isinstance(sv, torch.Tensor) and isinstance(kv, torch.Tensor)) or sv.dim() != kv.dim():
+        return None
+    if dim not in (-1, sv.dim() - 1) or len(seq_dims(parts[0], ctx.seq_len)) < 2 or kv.shape[-1] != 1:
+        return None
+    return parts[1]
+
+
+def _drops_last_column(node: fx.Node) -> bool:
+    """``x[..., :-1]``."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return False
+    idx = node.args[1]
+    return isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis and idx[1] == slice(None, -1, None)
+
+
+def _very_negative(ctx: PassContext, x) -> bool:
+    """Whether ``x`` is a constant (a number or a structural scalar tensor) <= -1e30."""
+    if _is_scalar(x):
+        return x <= -1e30
+    if not isinstance(x, fx.Node) or _depends_on_inputs(ctx, x):
+        return False
+    if is_call(x, (torch.full,), ()) and len(x.args) >= 2 and _is_scalar(x.args[1]):
+        return x.args[1] <= -1e30  # torch.tensor(finfo(float64).min) is captured as full((), value)
+    v = value(x)
+    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+        return False
+    try:
+        return bool(_evaluate(ctx, x).max() <= -1e30)
+    except RuntimeError:  # e.g. torch.full((), float64 min) in float32: no constant to compare
+        return False
+
+
+def _einsum_spec(node: fx.Node) -> tuple[str, str, str] | None:
+    """``(in0, in1, out)`` letters of a two-operand einsum without ellipsis, else None."""
+    eq = node.args[0]
+    if not isinstance(eq, str) or "..." in eq or "->" not in eq or len(node.args) != 3:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    return parts[0], parts[1], out
+
+
+def _permute(spec_in: str, spec_out: str, x: fx.Node):
+    """A graph builder for ``einsum('in->out', x)`` (a permutation), or ``x`` if none is needed."""
+    if spec_in == spec_out:
+        return x
+    perm = [spec_in.index(c) for c in spec_out]
+
+    def build(g: fx.Graph) -> fx.Node:
+        n = g.call_function(torch.einsum, (f"{spec_in}->{spec_out}", x))
+        n.meta["example_value"] = value(x).permute(perm)
+        return n
+
+    return build
+
+
+def _scores_operands(qk: fx.Node):
+    """``(q, k, layout)`` for a scores node ``q @ k^T``; q and k are ``[..., S, D]`` nodes (or
+    graph builders of them) and ``layout`` the einsum letters of the scores (None for a matmul)."""
+    if is_call(qk, (torch.einsum,)):
+        spec = _einsum_spec(qk)
+        if spec is None:
+            return None
+        a, b, out = spec
+        contracted = [c for c in a if c in b and c not in out]
+        ql = [c for c in a if c not in b and c in out]
+        kl = [c for c in b if c not in a and c in out]
+        batch = [c for c in out if c in a and c in b]
+        if len(contracted) != 1 or len(ql) != 1 or len(kl) != 1 or out != "".join(batch) + ql[0] + kl[0]:
+            return None
+        if set(a) != set(batch + ql + contracted) or set(b) != set(batch + kl + contracted):
+            return None
+        d, bt = contracted[0], "".join(batch)
+        return _permute(a, bt + ql[0] + d, qk.args[1]), _permute(b, bt + kl[0] + d, qk.args[2]), out
+    if is_call(qk, (torch.baddbmm,), ("baddbmm",)):
+        b = bind(qk, ["input", "batch1", "batch2"], {})
+        q, kt = b["batch1"], b["batch2"]
+    else:
+        q, kt = qk.args[:2]
+    k = _untranspose(kt)
+    return None if k is None else (q, k, None)
+
+
+def _output_operands(out: fx.Node, layout: str | None):
+    """``(probs, v, post)`` for ``probs @ v``: ``v`` as ``[..., S, Dv]`` (or a builder) and
+    ``post`` the layout change from the kernel's ``[..., S, Dv]`` to ``out``'s (or None)."""
+    if not is_call(out, (torch.einsum,)):
+        return out.args[0], out.args[1], None
+    spec = _einsum_spec(out)
+    if spec is None:
+        return None
+    a, b, res = spec
+    contracted = [c for c in a if c in b and c not in res]
+    if len(a) < 2 or len(contracted) != 1 or contracted[0] != a[-1]:
+        return None
+    batch, ql, kl = a[:-2], a[-2], a[-1]
+    dl = [c for c in b if c not in a]
+    if len(dl) != 1 or set(b) != set(batch + kl + dl[0]) or set(res) != set(batch + ql + dl[0]):
+        return None
+    canon = batch + ql + dl[0]
+    post = None if res == canon else (lambda g, x: g.call_function(torch.einsum, (f"{canon}->{res}", x)))
+    return out.args[1], _permute(b, batch + kl + dl[0], out.args[2]), post
 
 
 def _chain_end(softmax: fx.Node, matmul: fx.Node) -> fx.Node:
@@ -260,7 +505,9 @@ def _depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
     return False
 
 
-def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[int | None, str | None]:
+def _structural_causal(
+    ctx: PassContext, mask: fx.Node, *, kind: str, heads: int | None = None
+) -> tuple:
     """Evaluates a structural mask on the example inputs; returns ``(window, None)`` if causal.
 
     A structural mask is computed only from sizes, constants and buffers (not from token
@@ -269,13 +516,26 @@ def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[i
     only if it allows exactly the causal pattern, optionally limited to a window.
     Costs one ``[S, S]`` evaluation per compile (the graph's own mask, not a new one).
 
+    With ``heads`` (additive masks), the finite part may also be an ALiBi bias: per head
+    ``slope * j`` plus anything constant along the keys (``slope * (j - i)``, or the
+    key-only ``slope * j`` of Bloom and MPT, which differ by a per-query constant that
+    softmax ignores), given ``[.., S, S]`` or broadcast over the queries ``[.., 1, S]``.
+    The bias is a function of the key's and query's positions, so in path positions it is
+    what per-path training adds; the kernel computes it from the tree positions.
+
     Returns:
-        ``(window or None, None)`` on success, ``(None, reason)`` otherwise.
+        ``(window or None, None, slopes, causal)`` on success, ``(None, reason, None,
+        False)`` otherwise: ``slopes`` the per-head ALiBi slopes or None (always None without
+        ``heads``), ``causal`` whether the term masks causally (False for a bias alone).
     """
+    return _structural_causal_bias(ctx, mask, kind, heads)
+
+
+def _structural_causal_bias(ctx, mask, kind, heads):
     if not isinstance(mask, fx.Node):
-        return None, "not a tensor"
+        return None, "not a tensor", None, False
     if _depends_on_inputs(ctx, mask):
-        return None, "computed from the inputs or parameters (a padding or data-dependent mask)"
+        return None, "computed from the inputs or parameters (a padding or data-dependent mask)", None, False
     m = None
     if ctx.probe_rows and _symbolic_length(ctx):
         # Judge the mask at the length the wrapper asks for (longer than this batch), so that
@@ -287,15 +547,37 @@ def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[i
             m = None
     if m is None:
         m = _evaluate(ctx, mask)
+    if not isinstance(m, torch.Tensor):
+        return None, "not a tensor", None, False
     s = m.shape[-1]
     # What the evaluation shows holds for sequences up to s long: a longer path (a window or
     # chunk wider than s) must be judged again (the wrapper recompiles, see PassContext.max_rows).
     ctx.max_rows = s if ctx.max_rows is None else min(ctx.max_rows, s)
-    if m.dim() < 2 or m.shape[-2] != s:
-        return None, f"of shape {tuple(m.shape)}, not [.., S, S]"
-    flat = m.reshape(-1, s, s)
+    if m.dim() < 2 or m.shape[-2] not in (1, s):
+        return None, f"of shape {tuple(m.shape)}, not [.., S, S]", None, False
+    rows = m.shape[-2]
+    flat = m.reshape(-1, rows, s)
+    slopes = None
+    if (kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool)) and m.is_floating_point():
+        blocked = flat <= torch.finfo(m.dtype).min / 2
+        bias = flat.masked_fill(blocked, 0.0)
+        if torch.any(bias != 0):
+            if heads is None:
+                return None, "an additive bias, not a 0/-inf mask", None, False
+            slopes, why = _alibi_slopes(bias, blocked, heads)
+            why = why or _uses_length(mask)
+            if why:
+                return None, why, None, False
+        flat = blocked  # what is left is a 0/-inf mask, as "masked_fill" reads it
+        kind = "masked_fill"
+    if slopes is not None and not torch.any(flat):
+        return None, None, slopes, False  # a bias and no mask: causality must come from elsewhere
+    if rows == 1:
+        if slopes is None or torch.any(flat.bool()):
+            return None, f"of shape {tuple(m.shape)}, not [.., S, S]", None, False
+        return None, None, slopes, False  # a bias over the keys and no mask: causality must come from elsewhere
     if not all(torch.equal(flat[0], f) for f in flat[1:]):
-        return None, "different across batch or heads"
+        return None, "different across batch or heads", None, False
     m = flat[0]
     if kind == "masked_fill":
         allowed = ~m.bool()
@@ -303,22 +585,63 @@ def _structural_causal(ctx: PassContext, mask: fx.Node, *, kind: str) -> tuple[i
         if m.is_floating_point():
             blocked = m <= torch.finfo(m.dtype).min / 2
             if not torch.all((m == 0) | blocked):
-                return None, "an additive bias, not a 0/-inf mask"
+                return None, "an additive bias, not a 0/-inf mask", None, False
             allowed = ~blocked
         else:
-            return None, f"of dtype {m.dtype}"
+            return None, f"of dtype {m.dtype}", None, False
     else:
         allowed = m.bool()
     causal = torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril()
     if torch.equal(allowed, causal):
-        return None, None
+        return None, None, slopes, True
     if torch.any(allowed & ~causal):
-        return None, "not causal (some token sees a later one)"
+        return None, "not causal (some token sees a later one)", None, False
     window = int(allowed.sum(-1).max())
     idx = torch.arange(s, device=allowed.device)
     if window >= 1 and torch.equal(allowed, causal & (idx[:, None] - idx[None, :] < window)):
-        return window, None
-    return None, "causal but not a plain causal or sliding-window pattern"
+        return window, None, slopes, True
+    return None, "causal but not a plain causal or sliding-window pattern", None, False
+
+
+# Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).
+_SHAPE_OPS = {"arange", "full", "ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "new_full", "view",
+              "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like"}
+
+
+def _uses_length(mask: fx.Node) -> str | None:
+    """A reason if the bias uses the sequence length as a value (``j / S``): its slope, read at
+    the example length, would be wrong for any other."""
+    for n in ancestors(mask) | {mask}:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if name in _SHAPE_OPS or not isinstance(value(n), torch.Tensor):
+            continue
+        if any(isinstance(value(a), torch.SymInt) for a in n.args if isinstance(a, fx.Node)):
+            return f"an additive score bias computed from the sequence length ({describe(n)})"
+    return None
+
+
+def _alibi_slopes(bias: torch.Tensor, blocked: torch.Tensor, heads: int) -> tuple[tuple[float, ...] | None, str | None]:
+    """Per-head slopes if ``bias`` ``[L, R, S]`` is ``slope[l] * j`` plus a constant per query
+    row on the entries not blocked (``L`` is 1 or ``heads``), else ``(None, reason)``."""
+    n, _, s = bias.shape
+    if n not in (1, heads) or s < 2:
+        return None, "an additive score bias that is not ALiBi (not one slope per head)"
+    b = bias.double()
+    j = torch.arange(s, dtype=torch.float64, device=b.device)
+    ok = ~blocked
+    # The slope from the last query row, which sees keys 0 and 1 under a causal mask.
+    slope = b[:, -1, 1] - b[:, -1, 0]
+    if not torch.all(ok[:, -1, :2]):
+        return None, "an additive score bias that is not ALiBi (keys 0 and 1 are not visible)"
+    rest = b - slope[:, None, None] * j
+    const = rest[:, :, :1]
+    scale = max(b.abs().max().item(), 1.0)
+    if not torch.all((~ok) | ((rest - const).abs() <= 1e-6 * scale)):
+        return None, "an additive score bias that is not ALiBi (not linear in the key position)"
+    vals = slope.tolist()
+    return tuple(vals * heads if n == 1 else vals), None
 
 
 def _symbolic_length(ctx: PassContext) -> bool:

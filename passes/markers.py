@@ -8,9 +8,10 @@
   with dynamic shapes they share S's symbol. ``structure`` is empty, or, for a model with
   recurrent or conv layers, ``[pred_index [S], node_table [N, 3]]`` (the node table on the
   CPU; the conv context and SSM state passes read them). The pipeline removes it first.
-* ``treecompile::causal_attention(q, k, v, scale, window, softcap)`` is what
+* ``treecompile::causal_attention(q, k, v, scale, window, softcap, sinks)`` is what
   :func:`hf_causal_attention` emits for Hugging Face attention-interface calls: one
-  opaque node carrying the call's semantics (scale, sliding window, soft-capping) instead
+  opaque node carrying the call's semantics (scale, sliding window, soft-capping, attention
+  sinks) instead
   of whichever kernel the model was configured with. The attention pass rewrites it; the
   verify pass refuses it if it survives. Its eager body is plain per-sequence causal
   attention, the reference semantics.
@@ -34,6 +35,8 @@ in a graph that is lowered.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Any
 
@@ -51,6 +54,8 @@ __all__ = [
     "router_aux_end",
     "hf_causal_attention",
     "hf_experts",
+    "uses_attention_interface",
+    "has_own_attention",
     "OPS",
     "is_marker",
 ]
@@ -77,7 +82,8 @@ def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
     return torch.empty_like(input_ids)
 
 
-def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None):
+def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None,
+                      sinks: Tensor | None = None):
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -90,19 +96,26 @@ def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int
     if window is not None:
         allowed &= idx[:, None] - idx[None, :] < window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 @torch.library.custom_op("treecompile::causal_attention", mutates_args=())
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None
+    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Per-sequence causal attention ``[B, Hq, S, Dv]``; a marker the attention pass rewrites."""
-    return _reference_causal(q, k, v, scale, window, softcap)
+    """Per-sequence causal attention ``[B, Hq, S, Dv]``; a marker the attention pass rewrites.
+
+    ``sinks`` ``[Hq]``: a learned logit per head in every softmax denominator (gpt-oss).
+    """
+    return _reference_causal(q, k, v, scale, window, softcap, sinks)
 
 
 @causal_attention.register_fake
-def _causal_attention_fake(q, k, v, scale, window, softcap):
+def _causal_attention_fake(q, k, v, scale, window, softcap, sinks=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -264,8 +277,12 @@ def hf_causal_attention(
         )
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"{name}: non-causal attention cannot be trained on a tree")
+    sinks = None
     for key_name, val in kwargs.items():
         if key_name in _IGNORED_HF_KWARGS or val is None:
+            continue
+        if key_name in ("s_aux", "sinks") and isinstance(val, Tensor) and val.dim() == 1:
+            sinks = val  # one learned logit per head, in every softmax denominator
             continue
         if key_name in ("s_aux", "sinks") or isinstance(val, Tensor):
             raise UnsupportedModelError(
@@ -273,7 +290,7 @@ def hf_causal_attention(
             )
     sliding_window = _window_from_mask(name, attention_mask, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap)
+    out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -328,3 +345,47 @@ def hf_experts(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tens
 
     h, idx, w = torch.ops.treecompile.experts_begin(hidden_states, top_k_index, top_k_weights)
     return torch.ops.treecompile.experts_end(grouped_mm_experts_forward(module, h, idx, w))
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_attention_interface(cls: type) -> bool:
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in src
+
+
+@functools.lru_cache(maxsize=None)
+def _computes_attention(cls: type) -> bool:
+    try:
+        src = inspect.getsource(cls)  # the whole class: GPT-J's forward calls its own _attn
+    except (OSError, TypeError):
+        return False
+    src = src.lower()  # nn.Softmax(dim=-1)(scores) too (CodeGen)
+    return "softmax(" in src or "scaled_dot_product_attention(" in src
+
+
+def has_own_attention(model: torch.nn.Module) -> bool:
+    """Whether the model computes attention in its own code and never through Hugging
+    Face's attention interface (see `uses_attention_interface`): some module's class calls
+    ``softmax`` or ``scaled_dot_product_attention`` itself. Models without attention
+    (Mamba, RWKV) are neither."""
+    modules = list(model.modules())
+    return not any(_calls_attention_interface(type(m)) for m in modules) and any(
+        _computes_attention(type(m)) for m in modules
+    )
+
+
+def uses_attention_interface(model: torch.nn.Module) -> bool:
+    """Whether the model's attention goes through Hugging Face's attention interface.
+
+    True if some module's ``forward`` looks its attention function up in
+    ``ALL_ATTENTION_FUNCTIONS`` (most families since transformers 4.48). Older families
+    (GPT-J, CodeGen, Falcon, MPT, Bloom, GPT-Neo, XGLM ...) compute attention in their own
+    code from the mask HF builds; for them the wrapper leaves the attention implementation
+    as it is and passes an all-ones ``attention_mask`` (so HF builds its plain causal mask
+    from sizes alone, not a packed-sequence mask from the tree's position ids), and the
+    attention pass recognises their attention like a custom model's.
+    """
+    return any(_calls_attention_interface(type(m)) for m in model.modules())

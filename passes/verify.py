@@ -136,7 +136,7 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         dim = bind(node, ["input", "dim"], {"dim": None})["dim"]
         if _is_seq_dim(node.args[0], dim, s):
             return f"is a scan ({_name(node)}) along the sequence"
-    if is_call(node, _REDUCTIONS, _REDUCTION_METHODS):
+    if is_call(node, _REDUCTIONS, _REDUCTION_METHODS) and not _elementwise_min_max(node):
         x = node.args[0] if node.args else None
         dims = _dims_arg(node)
         in_dims = _row_dims(x, s)
@@ -169,6 +169,14 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     if is_call(node, PADS) and _pads_rows(node, s):
         return "pads or shifts along the sequence"
     return None
+
+
+def _elementwise_min_max(node: fx.Node) -> bool:
+    """``torch.max(a, b)`` / ``a.min(b)`` with a tensor ``b``: element-wise, not a reduction."""
+    if node.target not in (torch.max, torch.min, "max", "min"):
+        return False
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    return isinstance(other, fx.Node) and isinstance(value(other), torch.Tensor)
 
 
 def _pads_rows(node: fx.Node, s) -> bool:

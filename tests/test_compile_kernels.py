@@ -97,3 +97,34 @@ def test_windowed_layers_get_no_full_blocks(block):
     assert torch.equal(demoted[4], merged.q_num_blocks)
     for row, count in enumerate(demoted[4][0, 0].tolist()):
         assert demoted[5][0, 0, row, :count].tolist() == merged.q_indices[0, 0, row, :count].tolist()
+
+
+def test_flex_path_alibi_and_sinks_match_dense_reference():
+    """The FlexAttention branch (the CUDA path; its higher-order op also runs eagerly on CPU):
+    the ALiBi score_mod in path positions, the natural log-sum-exp it returns, and sinks
+    through that log-sum-exp, forward and every gradient, against dense softmax."""
+    batch = _batch("tiny")
+    s, h = batch.num_tokens, 2
+    bm = flex.interval_block_mask(batch.subtree_end, 16)
+    tensors, layout = flex.split_block_mask(bm)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, generator=g, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
+    pos = batch.position_ids
+    out, lse = flex.call_flex_hop(
+        q, k, v, score_mod=flex.alibi_score_mod(flex.softcap_score_mod(None)), mask_mod=flex.interval_mask_mod(),
+        block_tensors=tensors, layout=layout, mask_buffers=[batch.subtree_end], scale=0.3,
+        score_buffers=(slopes, pos), return_lse=True,
+    )
+    got_out = flex._with_sinks(out, lse, sinks.view(1, -1, 1))
+    bias = slopes[:, None, None] * (pos[None, :] - pos[:, None]).to(torch.float64)
+    scores = ((q @ k.transpose(-1, -2)) * 0.3 + bias).masked_fill(~tree_visibility(batch), float("-inf"))
+    ref = torch.softmax(torch.cat([scores, sinks.view(1, -1, 1, 1).expand(1, h, s, 1)], -1), -1)[..., :-1] @ v
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(got_out, (q, k, v, sinks), dout)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), dout)
+    rtol, atol = TOL["pure"]
+    torch.testing.assert_close(got_out, ref, rtol=rtol, atol=atol)
+    for n, a, b in zip(("q", "k", "v", "sinks"), got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=n: f"d{n}: {m}")

@@ -69,3 +69,58 @@ def test_opcheck():
     args = (q, k, v, [batch.subtree_end], bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
             bm.full_kv_indices, "interval", 2, 0.5, 0.0, 0, 0)
     torch.library.opcheck(torch.ops.treecompile.tree_attention_cpu.default, args)
+
+
+@pytest.mark.parametrize("kind", ["interval", "bitmask"])
+def test_alibi_bias_is_in_path_positions(kind):
+    """ALiBi adds ``slope[h] * (positions[kv] - positions[q])``: against dense SDPA with that bias."""
+    trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8, 9], [1, 2, 10], [1, 11]])]
+    batch = pack(trees, path_bits=True)
+    s, hq, hkv, d = batch.num_tokens, 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, hq, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(1, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(1, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    slopes = [0.5, 0.25, 0.125, 0.0625]
+    bm = tree_block_mask(batch.subtree_end, block_size=4)
+    rule = [batch.subtree_end] if kind == "interval" else [batch.tree_ids, batch.path_bits]
+    chunks = 0 if kind == "interval" else batch.path_bits.shape[1]
+    out, _ = tree_attention_cpu(q, k, v, [*rule, batch.position_ids], bm.kv_num_blocks, bm.kv_indices,
+                                bm.full_kv_num_blocks, bm.full_kv_indices, kind, 4, 0.3, 0.0, 0, chunks, slopes)
+    pos = batch.position_ids.to(torch.float64)
+    bias = torch.tensor(slopes, dtype=torch.float64)[:, None, None] * (pos[None, :] - pos[:, None])
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kk.transpose(-1, -2)) * 0.3 + bias
+    ref = torch.softmax(scores.masked_fill(~tree_visibility(batch), float("-inf")), -1) @ vv
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_sinks_through_the_log_sum_exp():
+    """A sink logit per head in every softmax denominator (gpt-oss): the kernel output times
+    ``sigmoid(lse - sink)``, gradients through ``lse`` included, against dense softmax with a sink column."""
+    from treecompile.kernels.flex import _with_sinks
+
+    trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8, 9], [1, 2, 10], [1, 11]])]
+    batch = pack(trees)
+    s, h, d = batch.num_tokens, 2, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, s, d, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, dtype=torch.float64, generator=g, requires_grad=True)
+    bm = tree_block_mask(batch.subtree_end, block_size=4)
+    out, lse = tree_attention_cpu(q, k, v, [batch.subtree_end], bm.kv_num_blocks, bm.kv_indices,
+                                  bm.full_kv_num_blocks, bm.full_kv_indices, "interval", 4, 0.3, 0.0, 0, 0)
+    got_out = _with_sinks(out, lse, sinks.view(1, -1, 1))
+    scores = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~tree_visibility(batch), float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(1, h, s, 1)
+    ref = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
+    dout = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(got_out, (q, k, v, sinks), dout)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), dout)
+    torch.testing.assert_close(got_out, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("q", "k", "v", "sinks"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")

@@ -237,19 +237,7 @@ def hf_interfaces(model: nn.Module):
     guards on the values, which are the same on every call.
     """
     register_hf_interfaces()
-    from transformers import PretrainedConfig
-
-    configs: dict[int, PretrainedConfig] = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if isinstance(cfg, PretrainedConfig):
-            stack = [cfg]
-            while stack:
-                c = stack.pop()
-                if id(c) in configs:
-                    continue
-                configs[id(c)] = c
-                stack.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None))
+    configs = {id(c): c for c in _configs(model)}
     saved = {k: c._attn_implementation_internal for k, c in configs.items()}
     # Only configs of models with experts have an experts implementation to route.
     saved_experts = {
@@ -257,9 +245,12 @@ def hf_interfaces(model: nn.Module):
         for k, c in configs.items()
         if getattr(c, "_experts_implementation_internal", None) is not None
     }
+    # A model whose attention does not use the interface keeps its implementation (and mask).
+    attention = markers.uses_attention_interface(model)
     try:
         for k, c in configs.items():
-            c._attn_implementation_internal = HF_ATTENTION_NAME
+            if attention:
+                c._attn_implementation_internal = HF_ATTENTION_NAME
             if k in saved_experts:
                 c._experts_implementation_internal = HF_ATTENTION_NAME
         yield

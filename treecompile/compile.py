@@ -162,6 +162,9 @@ class TreeCompiledModel(nn.Module):
         self._chunks = 0
         self._is_hf = _is_hf_model(model)
         self._vocab_size = _vocab_size(model, self._is_hf)
+        # Hugging Face attention-interface calls become tree markers, and the masks they are
+        # handed become TreeMasks; a model that computes attention itself keeps both.
+        self._routes_attention = self._is_hf and markers.uses_attention_interface(model)
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
@@ -279,7 +282,7 @@ class TreeCompiledModel(nn.Module):
             self._first_record = len(self.compile_records)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
         with hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), swapped_kernels(self._kernels), \
-                hf_mask_builders(self._inner) if self._is_hf else contextlib.nullcontext():
+                hf_mask_builders(self._inner) if self._routes_attention else contextlib.nullcontext():
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
@@ -450,8 +453,13 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
     takes_cache = is_hf or "use_cache" in params
     takes_router = "output_router_logits" in params
 
+    # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
+    own_attention = is_hf and "attention_mask" in params and markers.has_own_attention(model)
+
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if own_attention:
+            out["attention_mask"] = positions.new_ones(positions.shape)[None]
         if takes_pos:
             out["position_ids"] = positions[None]
         if takes_cache:

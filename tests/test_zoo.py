@@ -1,0 +1,54 @@
+"""The architecture zoo (tests/zoo.py): every model exact on a tree or refused by name.
+
+Each case runs ``tree_compile`` on a tiny float64 model with perturbed weights and
+compares loss, per-path log-probs and every gradient with per-path training on two
+trees of different lengths, or checks the refusal's first line. Cases that are silently
+wrong today for a known class of bug are strict xfails: they fail the day they pass, so
+the mark goes with the fix. ``docs/supported-models.md`` is generated from the same table.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import zoo
+
+from treecompile.errors import UnsupportedModelError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _param(case: zoo.Case):
+    marks = [pytest.mark.xfail(strict=True, reason=case.reason)] if case.expect == "xfail" else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in zoo.CASES])
+def test_zoo_model_is_exact_or_refused_by_name(case):
+    if case.hf:
+        pytest.importorskip("transformers")
+    if case.expect == "refused":
+        with pytest.raises(UnsupportedModelError) as info:
+            zoo.run(case)
+        first = str(info.value).splitlines()[0]
+        assert case.reason in first, first
+    else:
+        zoo.run(case)
+
+
+def test_zoo_has_distinct_ids_and_known_outcomes():
+    assert len(zoo.BY_ID) == len(zoo.CASES)
+    assert {c.expect for c in zoo.CASES} <= {"exact", "refused", "xfail"}
+    assert all(c.reason for c in zoo.CASES if c.expect != "exact")
+
+
+def test_supported_models_page_is_up_to_date():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import supported_models
+
+    page = ROOT / "docs" / "supported-models.md"
+    assert page.read_text() == supported_models.render(), (
+        "docs/supported-models.md is out of date: run python scripts/supported_models.py"
+    )

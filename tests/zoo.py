@@ -1,0 +1,363 @@
+"""The architecture zoo: tiny models of many families, each exact on a tree or refused.
+
+Each `Case` builds a tiny float64 model with perturbed weights (no zero bias, no
+identity norm: zero init hides wrong masks and dropped terms) and states what
+``tree_compile`` must do with it:
+
+* ``exact``: loss and every parameter gradient equal per-path training
+  (:func:`treecompile.reference.per_path_loss`, the unmodified model run on each
+  root-to-leaf path alone), to ``ZOO_TOLERANCE``, on two trees of different lengths;
+* ``refused``: `UnsupportedModelError` whose first line contains ``reason``;
+* ``xfail``: today silently wrong or crashing, for the class of bug named in ``reason``
+  (the test is a strict xfail: it fails the day the case becomes exact, so the mark is
+  removed with the fix).
+
+`tests/test_zoo.py` runs the cases; `scripts/supported_models.py` writes
+``docs/supported-models.md`` from the same table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import zoo_custom as zc
+
+VOCAB = zc.VOCAB
+
+
+@dataclass(frozen=True)
+class Case:
+    """One zoo model and what tree_compile must do with it.
+
+    Attributes:
+        id: test id and table key.
+        what: one line for the docs (family, and what the case exercises).
+        build: ``() -> nn.Module`` (float64, eval, perturbed).
+        expect: ``"exact"``, ``"refused"`` or ``"xfail"``.
+        reason: for ``refused``, a fragment of the error's first line; for ``xfail``, the
+            class of bug.
+        hf: a Hugging Face model (its source lives in transformers).
+        attention: for an exact case, the attention rewrites it must show
+            (``compiled.counters["attention"]``), so a spelling is known to be matched.
+    """
+
+    id: str
+    what: str
+    build: Callable[[], nn.Module]
+    expect: str = "exact"
+    reason: str = ""
+    hf: bool = False
+    attention: dict | None = None
+
+
+def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Gives every parameter non-trivial values, in place: matrices ``N(0, 1/fan_in)``,
+    vectors (biases, norm weights, sinks, slopes) their value plus ``N(0, 0.1)``, so no
+    bias is zero and no norm is the identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            if p.dim() >= 2:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:
+                p.add_(0.1 * noise)
+    return model
+
+
+def _custom(cls, **kw) -> Callable[[], nn.Module]:
+    def build():
+        torch.manual_seed(0)
+        return perturb(cls(**kw).double().eval())
+
+    return build
+
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool = True, **kw):
+    def build():
+        import transformers
+
+        args = {**_COMMON, **kw} if common else kw
+        config = getattr(transformers, config_name)(**args)
+        torch.manual_seed(0)
+        cls = getattr(transformers, model_name)
+        model = cls.from_config(config) if model_name.startswith("Auto") else cls(config)
+        if getattr(model.config, "_experts_implementation_internal", None) not in (None, "eager"):
+            model.config._experts_implementation_internal = "eager"
+        return perturb(model.double().eval())
+
+    return build
+
+
+_OLD = dict(vocab_size=VOCAB)  # families with their own config names
+
+# Classes of silently wrong results, named in the xfail reasons.
+DCE = "dead-code elimination of in-place ops"
+MASK_ONLY = "feature carried only in the HF attention mask"
+BLIND = "verify blind spot: a gather along the rows"
+LENGTH = "verify blind spot: a value computed from the sequence length"
+SUBGRAPH = "verify blind spot: a higher-order op's subgraph (torch.utils.checkpoint) is not visited"
+READS_MASK = ("model code reads HF's attention_mask (the sparse-attention indexer): it gets None and fails in "
+              "capture with a raw error instead of a refusal by name")
+ROWS = ("sized by the row count: a buffer sliced [:T] shorter than the tree's rows makes Dynamo guard "
+        "T <= its size; the next longer batch fails in capture with a raw error")
+
+CASES: list[Case] = [
+    # ------------------------------------------------------------------ custom spellings
+    Case("bmm-tril", "custom: bmm scores over [B*H, T, d], tril buffer [:T, :T], masked_fill",
+         _custom(zc.BmmLM), attention={"softmax_attention": 2}),
+    Case("baddbmm", "custom: Bloom-style baddbmm(beta=0, alpha=scale) scores",
+         _custom(zc.BaddbmmLM), attention={"softmax_attention": 2}),
+    Case("einsum", "custom: einsum scores and einsum output", _custom(zc.EinsumLM), attention={"softmax_attention": 2}),
+    Case("softmax-type-as", "custom: softmax(scores.float()).type_as(q)",
+         _custom(zc.TypeAsLM), attention={"softmax_attention": 2}),
+    Case("softmax-to-dtype", "custom: softmax(dtype=float32).to(q.dtype), additive triu(-inf) mask",
+         _custom(zc.ToDtypeLM), attention={"softmax_attention": 2}),
+    Case("masked-fill-triu", "custom: masked_fill(ones(T, T).triu(1), -inf)",
+         _custom(zc.MaskedFillInfLM), attention={"softmax_attention": 2}),
+    Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
+         _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
+    Case("complex-rope", "custom: RoPE by polar(arange(T) x inv) and view_as_complex", _custom(zc.ComplexRopeLM)),
+    Case("complex-rope-table", "custom: complex freqs_cis table sliced [:T]", _custom(zc.ComplexRopeTableLM)),
+    Case("alibi", "custom: ALiBi slope * (j - i) from arange(T)",
+         _custom(zc.AlibiLM), attention={"softmax_attention": 2}),
+    Case("alibi-over-length", "custom: a bias (j - i) / T, linear in j but scaled by the row count",
+         _custom(zc.LengthScaledAlibiLM), expect="refused",
+         reason="an additive score bias computed from the sequence length"),
+    Case("t5-bias", "custom: T5-style learned relative position bias", _custom(zc.T5BiasLM),
+         expect="refused", reason="a learned T5-style relative position bias"),
+    Case("sinks", "custom: gpt-oss-style attention sinks (a learned logit column)",
+         _custom(zc.SinkLM), attention={"softmax_attention": 2}),
+    Case("no-head-dim", "custom: 3-D attention on [B, T, D], no head dim",
+         _custom(zc.NoHeadAttnLM), attention={"softmax_attention": 1}),
+    Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
+         _custom(zc.WpeShortTableLM)),
+    Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows",
+         _custom(zc.ShortTrilLM), expect="xfail", reason=ROWS),
+    Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
+         _custom(zc.ShortRopeTableLM), expect="xfail", reason=ROWS),
+    Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
+         _custom(zc.InplaceMoELM), expect="xfail", reason=DCE),
+    Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",
+         _custom(zc.MlaEmptyLM), expect="xfail", reason=DCE),
+    Case("mla-empty-setitem", "custom: MLA keys written into new_empty(...) by slice assignment",
+         _custom(zc.MlaEmptyLM, copy=False)),
+    Case("inplace-residual", "custom: in-place residual x += attn(x)",
+         _custom(zc.InplaceResidualLM), expect="xfail", reason=DCE),
+    Case("clamp-max-eps", "custom: element-wise torch.max(rms, eps) in a norm", _custom(zc.ClampMinNormLM)),
+    Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)]",
+         _custom(zc.GatherShiftLM), expect="xfail", reason=BLIND),
+    Case("length-norm-pos", "custom: positions arange(T) / T",
+         _custom(zc.LengthNormPosLM), expect="xfail", reason=LENGTH),
+    Case("checkpoint", "custom: blocks under torch.utils.checkpoint",
+         _custom(zc.CheckpointLM), expect="xfail", reason=SUBGRAPH),
+    # ------------------------------------------------------------------ Hugging Face
+    Case("gptj", "GPT-J: own attention, interleaved partial RoPE", hf=True,
+         build=_hf("GPTJConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                   n_positions=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
+    Case("codegen", "CodeGen: own attention, fused qkv, partial RoPE", hf=True,
+         build=_hf("CodeGenConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
+    Case("falcon-alibi", "Falcon: ALiBi", hf=True,
+         build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, alibi=True, bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
+    Case("falcon-rotary", "Falcon: rotary, multi-query", hf=True,
+         build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, alibi=False, multi_query=True, bos_token_id=0, eos_token_id=0),
+                   attention={"sdpa": 2}),
+    Case("falcon-new-arch", "Falcon: new decoder architecture (GQA, parallel attention)", hf=True,
+         build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, alibi=False,
+                   bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
+    Case("mpt", "MPT: ALiBi, own attention", hf=True,
+         build=_hf("MptConfig", common=False, vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64),
+         attention={"softmax_attention": 2}),
+    Case("bloom", "Bloom: ALiBi through baddbmm", hf=True,
+         build=_hf("BloomConfig", common=False, vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                   bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
+    Case("gpt-neo", "GPT-Neo: alternating global / local attention", hf=True,
+         build=_hf("GPTNeoConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                   attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=64,
+                   bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
+    Case("gpt-neox", "GPT-NeoX: partial RoPE, parallel residual", hf=True,
+         build=_hf("GPTNeoXConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, intermediate_size=64, rotary_pct=0.5, max_position_embeddings=64,
+                   bos_token_id=0, eos_token_id=0)),
+    Case("opt", "OPT: learned positions with offset 2", hf=True,
+         build=_hf("OPTConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32,
+                   bos_token_id=0, eos_token_id=0, pad_token_id=1)),
+    Case("phi", "Phi: partial RoPE, parallel block", hf=True,
+         build=_hf("PhiConfig", partial_rotary_factor=0.5, bos_token_id=0, eos_token_id=0)),
+    Case("phi3", "Phi-3: fused qkv, RoPE", hf=True, build=_hf("Phi3Config", pad_token_id=0)),
+    Case("stablelm", "StableLM: partial RoPE, qkv bias", hf=True,
+         build=_hf("StableLmConfig", partial_rotary_factor=0.5, use_qkv_bias=True)),
+    Case("olmo2", "OLMo-2: q/k norms", hf=True, build=_hf("Olmo2Config", pad_token_id=0)),
+    Case("gemma3-text", "Gemma-3 text: sliding / global layers, q/k norms", hf=True,
+         build=_hf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"])),
+    Case("cohere2", "Cohere-2: sliding layers, parallel block", hf=True,
+         build=_hf("Cohere2Config", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                   pad_token_id=0)),
+    Case("starcoder2", "StarCoder-2: sliding window, biases", hf=True,
+         build=_hf("Starcoder2Config", sliding_window=4)),
+    Case("persimmon", "Persimmon: q/k layer norms, partial RoPE", hf=True,
+         build=_hf("PersimmonConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
+    Case("biogpt", "BioGPT: learned positions", hf=True,
+         build=_hf("BioGptConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
+    Case("gpt2-16-positions", "GPT-2 with 16 positions, on a tree of 35 rows whose paths fit", hf=True,
+         build=_hf("GPT2Config", common=False, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                   bos_token_id=0, eos_token_id=0)),
+    Case("opt-16-positions", "OPT with 16 positions (offset 2), on a tree of 35 rows", hf=True,
+         build=_hf("OPTConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=4, ffn_dim=64, max_position_embeddings=16, word_embed_proj_dim=32,
+                   bos_token_id=0, eos_token_id=0, pad_token_id=1)),
+    Case("gpt-bigcode", "GPT-BigCode: multi-query attention", hf=True,
+         build=_hf("GPTBigCodeConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                   n_positions=64, bos_token_id=0, eos_token_id=0)),
+    Case("ctrl", "CTRL: sinusoidal positions, own attention", hf=True,
+         build=_hf("CTRLConfig", common=False, vocab_size=VOCAB, n_embd=32, dff=64, n_layer=2, n_head=4,
+                   n_positions=64)),
+    Case("mixtral", "Mixtral: sparse MoE", hf=True,
+         build=_hf("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)),
+    Case("qwen2-moe", "Qwen2-MoE: MoE with a shared expert", hf=True,
+         build=_hf("Qwen2MoeConfig", moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                   num_experts_per_tok=2)),
+    Case("olmoe", "OLMoE: MoE, q/k norms", hf=True,
+         build=_hf("OlmoeConfig", num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    Case("granite", "Granite: multipliers on embeddings, residuals, logits", hf=True,
+         build=_hf("GraniteConfig", embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
+                   attention_multiplier=0.3)),
+    Case("llama4-text", "Llama-4 text: chunked attention, MoE, NoPE layers", hf=True,
+         build=_hf("Llama4TextConfig", "Llama4ForCausalLM", head_dim=8, intermediate_size_mlp=64,
+                   num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=4, interleave_moe_layer_step=1,
+                   no_rope_layers=[1, 0], pad_token_id=0), expect="xfail", reason=DCE + "; " + MASK_ONLY),
+    Case("deepseek-v3", "DeepSeek-V3: MLA and MoE", hf=True,
+         build=_hf("DeepseekV3Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                   n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
+                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1),
+                   expect="xfail", reason=DCE),
+    Case("gpt-oss", "gpt-oss: attention sinks, sliding layers, MoE", hf=True,
+         build=_hf("GptOssConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"]),
+         expect="xfail", reason=DCE + " (out.add_(bias) in HF's grouped_mm experts: the expert biases)"),
+    Case("jamba-attn-moe", "Jamba: attention-only layers with MoE", hf=True,
+         build=_hf("JambaConfig", num_experts=4, num_experts_per_tok=2, attn_layer_period=1, attn_layer_offset=0,
+                   expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False)),
+    Case("jamba-attn-moe-aux", "Jamba: MoE with the router auxiliary loss", hf=True,
+         build=_hf("JambaConfig", num_experts=4, num_experts_per_tok=2, attn_layer_period=1, attn_layer_offset=0,
+                   expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False, output_router_logits=True,
+                   router_aux_loss_coef=0.5)),
+    Case("dbrx", "DBRX: fused MoE, clipped qkv", hf=True,
+         build=_hf("DbrxConfig", common=False, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                   attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+                   ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}),
+                   expect="refused", reason="Dynamo cannot capture"),
+    Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
+         build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                   n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
+                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, index_topk=4,
+                   index_head_dim=8, index_n_heads=2, head_dim=4),
+         expect="xfail", reason=READS_MASK),
+    Case("deepseek-v2", "DeepSeek-V2: MLA, complex RoPE, MoE", hf=True,
+         build=_hf("DeepseekV2Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                   first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                   v_head_dim=8, n_shared_experts=1, n_group=1, topk_group=1), expect="xfail", reason=DCE),
+    Case("minimax", "MiniMax: lightning (linear) attention layers", hf=True,
+         build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                   layer_types=["linear_attention", "full_attention"], block_size=4),
+                   expect="refused", reason="changes the sequence length"),
+    Case("recurrent-gemma", "RecurrentGemma: RG-LRU recurrence", hf=True,
+         build=_hf("RecurrentGemmaConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, lru_width=32, attention_window_size=8,
+                   block_types=["recurrent", "attention"]), expect="refused", reason="sequence length a constant"),
+]
+
+BY_ID = {c.id: c for c in CASES}
+
+
+# ---------------------------------------------------------------------- running a case
+
+#: Two trees of different lengths (two different structures): shared prefixes, a 1-token
+#: node, a path ending inside another, a duplicate path, a forest; the second has more rows
+#: (26) than a 16-entry position table while its longest path has 9 tokens.
+TREES = {
+    "branchy": [[[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [1, 2, 5], [1, 7, 8, 9, 10, 11]]],
+    "wide": [[[3, 4, 5] + [6 + i, 7 + i, 8 + i] + ([20 + i] * (i % 3)) for i in range(6)],
+             [[9, 10], [9, 11, 12, 13, 14, 15, 16]]],
+}
+
+
+def batches():
+    import treecompile as tc
+
+    out = []
+    for name, forest in TREES.items():
+        trees = [tc.TrajectoryTree.from_sequences(paths) for paths in forest]
+        out.append((name, tc.pack(trees), trees))
+    return out
+
+
+def compare(model: nn.Module, compiled, batch, trees) -> dict:
+    """Loss, per-path log-probs and every gradient of the tree vs per-path training.
+
+    Returns ``{"loss": rel diff, "grad": worst scaled diff, "param": its name}``; raises
+    AssertionError naming what differs beyond ``ZOO_TOLERANCE``.
+    """
+    from testing import ZOO_TOLERANCE, backward_grads
+
+    from treecompile.reference import per_path_loss
+
+    out, tree_grads = backward_grads(model, lambda: compiled(batch))
+    router = getattr(compiled, "_router_aux", None)
+    coef = None if router is None else router.coef
+    ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, router_aux_loss_coef=coef))
+    rel = ZOO_TOLERANCE
+    loss_diff = abs(out.loss.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1e-30)
+    assert loss_diff <= rel, f"loss {out.loss.item():.10g} vs per path {ref.loss.item():.10g} (rel {loss_diff:.3e})"
+    for i in range(batch.num_paths):
+        torch.testing.assert_close(out.logprobs.detach()[batch.path_rows(i)], ref.logprobs[i].detach(),
+                                   rtol=rel, atol=rel, msg=lambda m, i=i: f"logprobs of path {i}: {m}")
+    differ = tree_grads.keys() ^ ref_grads.keys()
+    assert not differ, f"gradients cover different parameters: {sorted(differ)}"
+    # A parameter whose true gradient is 0 by symmetry (a key bias shifts every score of a
+    # query alike, and softmax ignores that) has a per-path gradient of rounding noise;
+    # relative to itself that noise is 100%. Such gradients are compared on the scale of
+    # the model's largest gradient instead.
+    floor = rel * max(g.abs().max().item() for g in ref_grads.values())
+    worst = 0.0
+    for name, r in ref_grads.items():
+        scale = max(r.abs().max().item(), floor)
+        err = (tree_grads[name] - r).abs().max().item() / scale
+        worst = max(worst, err)
+        assert err <= rel, (
+            f"gradient of {name}: max |diff| {err * scale:.3e}, scale {scale:.3e} -> {err:.3e} > {rel:.0e}"
+        )
+    return {"loss": loss_diff, "grad": worst}
+
+
+def run(case: Case) -> list[dict]:
+    """Builds the case, compiles it once, compares both trees; returns per-tree diffs.
+
+    The rewritten graph runs as it is (``backend="eager"``): the passes are what the zoo
+    tests, and lowering with AOTAutograd (tested on its own in test_compile_custom.py)
+    would triple the compile time of every case.
+    """
+    from treecompile.compile import tree_compile
+
+    model = case.build()
+    compiled = tree_compile(model, backend="eager")
+    diffs = [compare(model, compiled, batch, trees) for _, batch, trees in batches()]
+    if case.attention is not None:
+        assert dict(compiled.counters["attention"]) == case.attention, compiled.counters["attention"]
+    return diffs

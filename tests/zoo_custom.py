@@ -1,0 +1,495 @@
+"""Custom (plain PyTorch) causal LMs for the architecture zoo, one manual spelling each.
+
+Every model here is causal and written the way real model code writes it: scores by
+``matmul`` / ``bmm`` / ``baddbmm`` / ``einsum``, causal masks from a ``tril`` buffer sliced
+``[:T, :T]`` or ``masked_fill(-inf)``, softmax cast back with ``type_as`` / ``.to``, complex
+RoPE, ALiBi, T5-style relative position bias, attention sinks, 3-D attention without a
+head dim, an in-place MoE, an MLA that copies into an ``empty`` buffer, and so on. Each
+takes ``idx [B, T]`` and returns logits ``[B, T, V]``. Models are tiny (dim 16-32, 1-2
+layers, vocab 32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 32
+DIM = 32
+HEADS = 4
+HD = DIM // HEADS
+MAX_LEN = 64
+
+
+class _LM(nn.Module):
+    """Embedding, ``layers`` pre-norm blocks (``block(x) -> x``), final norm, head."""
+
+    block_cls: type = nn.Module
+
+    def __init__(self, layers: int = 2, **kw) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(self.block_cls(**kw) for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+class _Attn(nn.Module):
+    """Shared projections: ``qkv(x) -> q, k, v`` as ``[B, H, T, hd]``; subclasses write ``attend``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.o = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.ln2 = nn.LayerNorm(DIM)
+        self.register_buffer("causal", torch.tril(torch.ones(MAX_LEN, MAX_LEN)).view(1, 1, MAX_LEN, MAX_LEN))
+
+    def heads(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(DIM, dim=-1)
+        return [z.view(b, t, HEADS, HD).transpose(1, 2) for z in (q, k, v)]
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.attend(*self.heads(x))
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+# ----------------------------------------------------------------------- score spellings
+
+
+class BmmAttn(_Attn):
+    """Scores with ``torch.bmm`` over ``[B*H, T, hd]``; mask ``masked_fill`` from the tril buffer."""
+
+    def attend(self, q, k, v):
+        b, h, t, d = q.shape
+        qf, kf, vf = (z.reshape(b * h, t, d) for z in (q, k, v))
+        att = torch.bmm(qf, kf.transpose(1, 2)) / math.sqrt(d)
+        att = att.view(b, h, t, t).masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1).view(b * h, t, t)
+        return torch.bmm(att, vf).view(b, h, t, d)
+
+
+class BaddbmmAttn(_Attn):
+    """Bloom-style ``baddbmm(zeros, q, k^T, beta=0, alpha=scale)`` scores."""
+
+    def attend(self, q, k, v):
+        b, h, t, d = q.shape
+        qf, kf = q.reshape(b * h, t, d), k.reshape(b * h, t, d)
+        base = torch.zeros(b * h, t, t, dtype=q.dtype, device=q.device)
+        att = torch.baddbmm(base, qf, kf.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(d)).view(b, h, t, t)
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+class EinsumAttn(_Attn):
+    """``einsum('bhqd,bhkd->bhqk')`` scores and ``einsum('bhqk,bhkd->bhqd')`` output."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = torch.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return torch.einsum("bhqk,bhkd->bhqd", att.softmax(dim=-1), v)
+
+
+class TypeAsAttn(_Attn):
+    """``softmax(scores.float(), dim=-1).type_as(q)`` (Llama-1 / Mistral reference code)."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(HD)
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return torch.matmul(F.softmax(att.float(), dim=-1).type_as(q), v)
+
+
+class ToDtypeAttn(_Attn):
+    """``softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)`` with an additive triu mask."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        mask = torch.full((t, t), float("-inf"), device=q.device).triu(1)
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + mask
+        return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class MaskedFillInfAttn(_Attn):
+    """``masked_fill(ones(T, T).triu(1).bool(), -inf)`` built inline from the length."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        upper = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        att = (q @ k.mT) * HD**-0.5
+        return att.masked_fill(upper, float("-inf")).softmax(-1) @ v
+
+
+class SdpaTrilMaskAttn(_Attn):
+    """``scaled_dot_product_attention(attn_mask=tril_buffer[:T, :T].bool())``."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[0, 0, :t, :t].bool())
+
+
+def _spelling(attn_cls):
+    return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
+
+
+BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM = (
+    _spelling(c)
+    for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn)
+)
+
+
+# ----------------------------------------------------------------------- positions
+
+
+class ComplexRopeAttn(_Attn):
+    """Llama-1 reference RoPE: ``freqs_cis = polar(1, outer(arange(T), inv))``, ``view_as_complex``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv", 1.0 / (10000.0 ** (torch.arange(0, HD, 2).double() / HD)), persistent=False)
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        ang = torch.outer(torch.arange(t, device=q.device, dtype=self.inv.dtype), self.inv)
+        freqs = torch.polar(torch.ones_like(ang), ang)
+
+        def rot(z):
+            zc = torch.view_as_complex(z.reshape(*z.shape[:-1], -1, 2).contiguous())
+            return torch.view_as_real(zc * freqs).flatten(-2)
+
+        return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+
+
+class _TableRopeAttn(_Attn):
+    """RoPE from a precomputed complex ``freqs_cis`` table sliced ``[:T]`` (Llama-1 / Mistral reference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2).double() / HD))
+        ang = torch.outer(torch.arange(MAX_LEN).double(), inv)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(ang), ang), persistent=False)
+
+    def attend(self, q, k, v):
+        freqs = self.freqs_cis[: q.shape[2]]
+
+        def rot(z):
+            zc = torch.view_as_complex(z.reshape(*z.shape[:-1], -1, 2).contiguous())
+            return torch.view_as_real(zc * freqs).flatten(-2)
+
+        return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+
+
+ComplexRopeLM = _spelling(ComplexRopeAttn)
+ComplexRopeTableLM = _spelling(_TableRopeAttn)
+
+
+class AlibiAttn(_Attn):
+    """ALiBi: ``scores + slope[h] * (j - i)`` from ``arange(T)``, then the tril buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, HEADS + 1) / HEADS), persistent=False)
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)
+        rel = (pos[None, :] - pos[:, None]).to(q.dtype)
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + self.slopes.to(q.dtype)[:, None, None] * rel
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+AlibiLM = _spelling(AlibiAttn)
+
+
+class T5BiasAttn(_Attn):
+    """T5-style relative position bias: a learned ``[buckets, H]`` table at ``bucket(i - j)``."""
+
+    BUCKETS = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = nn.Embedding(self.BUCKETS, HEADS)
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        ctx = torch.arange(t, device=q.device)[:, None]
+        mem = torch.arange(t, device=q.device)[None, :]
+        bucket = (ctx - mem).clamp(0, self.BUCKETS - 1)
+        bias = self.rel(bucket).permute(2, 0, 1)[None]
+        att = q @ k.transpose(-2, -1) + bias
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+T5BiasLM = _spelling(T5BiasAttn)
+
+
+class SinkAttn(_Attn):
+    """gpt-oss attention sinks: a learned per-head logit concatenated to the scores, dropped after softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks = nn.Parameter(torch.zeros(HEADS))
+
+    def attend(self, q, k, v):
+        b, h, t, _ = q.shape
+        att = q @ k.transpose(-2, -1) * HD**-0.5
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        sink = self.sinks.view(1, h, 1, 1).expand(b, h, t, 1)
+        probs = torch.cat([att, sink], dim=-1).softmax(-1)[..., :-1]
+        return probs @ v
+
+
+SinkLM = _spelling(SinkAttn)
+
+
+class NoHeadAttnLM(nn.Module):
+    """3-D single-head attention: ``softmax(q @ k^T masked) @ v`` on ``[B, T, D]``, no head dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.q, self.k, self.v = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.register_buffer("causal", torch.tril(torch.ones(MAX_LEN, MAX_LEN)))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.emb(idx)
+        att = self.q(x) @ self.k(x).transpose(1, 2) / math.sqrt(DIM)
+        att = att.masked_fill(self.causal[:t, :t] == 0, float("-inf")).softmax(-1)
+        return self.head(self.ln(x + att @ self.v(x)))
+
+
+class WpeShortTableLM(nn.Module):
+    """Learned positions ``wpe(arange(T))`` from a 16-entry table: trees may have more rows
+    than the table has positions, as long as every path fits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(16, DIM)
+        self.blocks = nn.ModuleList([SdpaTrilMaskAttn()])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+# ----------------------------------------------------------------------- in-place code
+
+
+class IndexAddMoE(nn.Module):
+    """Top-2 of 4 experts; each expert's output is accumulated with ``index_add_`` into a zero buffer."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.SiLU(), nn.Linear(DIM, DIM))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        w, idx = self.router(flat).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            hit = (idx == e).to(flat.dtype)  # [N, 2]
+            weight = (w * hit).sum(-1, keepdim=True)  # 0 where the expert is not chosen
+            rows = torch.arange(flat.shape[0], device=x.device)
+            out.index_add_(0, rows, weight * expert(flat))
+        return out.view(b, t, d)
+
+
+class InplaceMoEBlock(SdpaTrilMaskAttn):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = IndexAddMoE()
+
+
+InplaceMoELM = type("InplaceMoELM", (_LM,), {"block_cls": InplaceMoEBlock, "__doc__": IndexAddMoE.__doc__})
+
+
+class MlaEmptyAttn(_Attn):
+    """DeepSeek-style MLA: a low-rank KV, a decoupled key part, keys assembled by writing
+    both parts into ``new_empty(...)``: ``k[..., :n].copy_(k_nope)`` as DeepSeek-V2/V3 do,
+    or by slice assignment ``k[..., :n] = k_nope`` (``copy=False``)."""
+
+    NOPE, ROPE = 6, 2
+
+    def __init__(self, copy: bool = True) -> None:
+        super().__init__()
+        self.copy = copy
+        self.kv_down = nn.Linear(DIM, 8)
+        self.kv_up = nn.Linear(8, HEADS * (self.NOPE + HD))
+        self.k_rope = nn.Linear(DIM, self.ROPE, bias=False)
+        self.q = nn.Linear(DIM, HEADS * (self.NOPE + self.ROPE))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln(x)
+        q = self.q(h).view(b, t, HEADS, -1).transpose(1, 2)
+        kv = self.kv_up(self.kv_down(h)).view(b, t, HEADS, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.NOPE, HD], dim=-1)
+        k_pe = self.k_rope(h).view(b, 1, t, self.ROPE).expand(b, HEADS, t, self.ROPE)
+        k = k_nope.new_empty(b, HEADS, t, self.NOPE + self.ROPE)
+        if self.copy:
+            k[..., : self.NOPE].copy_(k_nope)
+            k[..., self.NOPE :].copy_(k_pe)
+        else:
+            k[..., : self.NOPE] = k_nope
+            k[..., self.NOPE :] = k_pe
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+MlaEmptyLM = type("MlaEmptyLM", (_LM,), {"block_cls": MlaEmptyAttn, "__doc__": MlaEmptyAttn.__doc__})
+
+
+class InplaceResidualAttn(SdpaTrilMaskAttn):
+    """A block whose residual adds are in place: ``x += attn(x)``, ``x += mlp(x)``."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        a = self.o(self.attend(*self.heads(x)).transpose(1, 2).reshape(b, t, DIM))
+        x = x + 0.0  # a fresh tensor no autograd node saved
+        x += a
+        m = self.mlp(self.ln2(x))
+        x = x.clone()
+        x.add_(m)
+        return x
+
+
+InplaceResidualLM = _spelling(InplaceResidualAttn)
+
+
+# ----------------------------------------------------------------------- other mixing
+
+
+class ClampMinNormLM(_LM):
+    """RMS norm written with an element-wise ``torch.max(rms, eps)`` (not a reduction)."""
+
+    class _Block(SdpaTrilMaskAttn):
+        def forward(self, x):
+            rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+            x = x / torch.max(rms, torch.tensor(1e-6, dtype=x.dtype))
+            return super().forward(x)
+
+    block_cls = _Block
+
+
+class GatherShiftLM(_LM):
+    """Token shift as a gather along the row: ``x[:, (arange(T) - 1).clamp(min=0)]``."""
+
+    class _Block(SdpaTrilMaskAttn):
+        def forward(self, x):
+            t = x.shape[1]
+            prev = x[:, (torch.arange(t, device=x.device) - 1).clamp(min=0)]
+            return super().forward(x + 0.5 * prev)
+
+    block_cls = _Block
+
+
+class LengthNormPosLM(_LM):
+    """Length-normalised positions ``arange(T) / T`` added to the embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_dir = nn.Parameter(torch.linspace(-1.0, 1.0, DIM))  # not constant: survives the norms
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.emb(idx) + (torch.arange(t, device=idx.device) / t).to(self.emb.weight.dtype)[:, None] * self.pos_dir
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+    block_cls = SdpaTrilMaskAttn
+
+
+class CheckpointLM(_LM):
+    """Blocks run under ``torch.utils.checkpoint`` (a higher-order op with its own subgraph)."""
+
+    block_cls = SdpaTrilMaskAttn
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+class ShortTrilLM(_LM):
+    """A 16-entry causal ``tril`` buffer sliced ``[:T, :T]`` (nanoGPT's ``block_size``): a tree
+    may have more rows than the buffer as long as every path fits."""
+
+    class _Block(_Attn):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("causal", torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+
+        def attend(self, q, k, v):
+            t = q.shape[2]
+            att = (q @ k.transpose(-2, -1)) * HD**-0.5
+            att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+            return att.softmax(-1) @ v
+
+    block_cls = _Block
+
+
+class ShortRopeTableLM(_LM):
+    """RoPE from 16-entry cos/sin tables sliced ``[:T]``, on trees with more rows than that."""
+
+    class _Block(_Attn):
+        def __init__(self) -> None:
+            super().__init__()
+            inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2).double() / HD))
+            ang = torch.outer(torch.arange(16).double(), inv)
+            self.register_buffer("cos_cached", torch.cat([ang.cos(), ang.cos()], -1), persistent=False)
+            self.register_buffer("sin_cached", torch.cat([ang.sin(), ang.sin()], -1), persistent=False)
+
+        def attend(self, q, k, v):
+            t = q.shape[2]
+            cos, sin = self.cos_cached[:t], self.sin_cached[:t]
+
+            def rot(z):
+                z1, z2 = z[..., : HD // 2], z[..., HD // 2 :]
+                return z * cos + torch.cat([-z2, z1], -1) * sin
+
+            return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+
+    block_cls = _Block
+
+
+class LengthScaledAlibiAttn(_Attn):
+    """An ALiBi-like bias ``(j - i) / T``: its slope depends on the row count, not only on positions."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)
+        rel = (pos[None, :] - pos[:, None]).to(q.dtype) / t
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + rel
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+LengthScaledAlibiLM = _spelling(LengthScaledAlibiAttn)
