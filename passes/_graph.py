@@ -300,3 +300,94 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
             graph.erase_node(n)
             removed += 1
     return removed
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def row_dims(x, s) -> list[int]:
+    """Dims that run over the packed rows: of size S, or ``c * S`` (the rows merged with other
+    dims by a reshape, ``[B, S, H, D] -> [B * S * H, D]``); a scan, reduction or contraction
+    along one mixes tokens."""
+    v = value(x)
+    if not isinstance(v, torch.Tensor):
+        return []
+    return [d for d, size in enumerate(v.shape)
+            if same_size(size, s) or (isinstance(size, torch.SymInt) and isinstance(s, torch.SymInt)
+                                      and multiple_of(size, s))]
+
+
+def multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:
+    """Whether ``size`` is provably an integer multiple of ``s`` (``c * S``)."""
+    import sympy
+
+    ratio = sympy.simplify(size.node.expr / s.node.expr)
+    return bool(ratio.is_integer) and bool(ratio.is_positive)
+
+
+# Ops that index along one dim of their first argument: (dim argument position, name, index argument
+# position, name); getitem / setitem are handled separately.
+_INDEX_OPS = {
+    "index_select": (1, "dim", 2, "index"), "gather": (1, "dim", 2, "index"),
+    "take_along_dim": (2, "dim", 1, "indices"), "index_add": (1, "dim", 2, "index"),
+    "index_add_": (1, "dim", 2, "index"), "index_copy": (1, "dim", 2, "index"), "index_copy_": (1, "dim", 2, "index"),
+    "index_fill": (1, "dim", 2, "index"), "index_fill_": (1, "dim", 2, "index"), "scatter": (1, "dim", 2, "index"),
+    "scatter_": (1, "dim", 2, "index"), "scatter_add": (1, "dim", 2, "index"), "scatter_add_": (1, "dim", 2, "index"),
+    "scatter_reduce": (1, "dim", 2, "index"), "scatter_reduce_": (1, "dim", 2, "index"),
+    "index_reduce": (1, "dim", 2, "index"), "index_reduce_": (1, "dim", 2, "index"),
+}
+_INDEX_FUNCTIONS = {torch.index_select, torch.gather, torch.take_along_dim, torch.index_add, torch.index_copy,
+                    torch.scatter, torch.scatter_add, torch.scatter_reduce}
+
+
+def op_name(node: fx.Node) -> str:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def row_indices(node: fx.Node, s: Any) -> list[tuple[fx.Node, int]]:
+    """``(index tensor, dim)`` for each tensor index ``node`` applies along a row dim of its
+    first argument (``x[:, idx]``, ``index_select``, ``gather``, ``index_add_``, ``scatter_`` ...)."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return []
+    x = node.args[0]
+    rows = row_dims(x, s)
+    if not rows:
+        return []
+    xv = value(x)
+    found: list[tuple[fx.Node, int]] = []
+    if node.target in (operator.getitem, operator.setitem) and len(node.args) > 1:
+        index = node.args[1]
+        items = list(index) if isinstance(index, tuple) else [index]
+        dim = 0
+        for k, item in enumerate(items):
+            if item is Ellipsis:
+                dim = xv.dim() - (len(items) - k - 1 - sum(1 for i in items[k + 1:] if i is None))
+                continue
+            if item is None:
+                continue
+            if isinstance(item, fx.Node) and isinstance(value(item), torch.Tensor) and dim in rows:
+                found.append((item, dim))
+            dim += 1
+    elif op_name(node) in _INDEX_OPS or node.target in _INDEX_FUNCTIONS:
+        dim_pos, dim_name, idx_pos, idx_name = _INDEX_OPS.get(op_name(node), (1, "dim", 2, "index"))
+        dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get(dim_name)
+        index = node.args[idx_pos] if len(node.args) > idx_pos else node.kwargs.get(idx_name)
+        if isinstance(dim, int) and isinstance(index, fx.Node) and dim % xv.dim() in rows:
+            found.append((index, dim % xv.dim()))
+    elif node.target is torch.take and isinstance(node.args[1], fx.Node):
+        found.append((node.args[1], 0))
+    return found
+
+
+def is_identity_row_index(index: fx.Node, s: Any) -> bool:
+    """Whether ``index`` is ``arange(S)`` itself (start 0, step 1): as an index along the rows
+    it moves nothing."""
+    if not is_call(index, ARANGE):
+        return False
+    args = list(index.args)
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + [1])[:3] if len(args) >= 2 else (0, None, 1)
+    start = index.kwargs.get("start", start)
+    end = index.kwargs.get("end", end)
+    step = index.kwargs.get("step", step)
+    return start == 0 and step == 1 and end is not None and same_size(end, s)

@@ -26,7 +26,7 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, same_size, value
+from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_indices, same_size, value
 
 __all__ = ["rewrite_positions_pass"]
 
@@ -53,7 +53,10 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         if node in ctx.created:
             continue
         offset = _row_index_offset(node, ctx) if is_call(node, ARANGE) else None
-        if offset is not None and not _feeds_comparison(node):
+        # An arange used as an index along the rows is a row index, not a position (the
+        # verify pass accepts it only as the identity).
+        as_row_index = any(any(i is node for i, _ in row_indices(u, ctx.seq_len)) for u in node.users)
+        if offset is not None and not _feeds_comparison(node) and not as_row_index:
             dtype = value(node).dtype
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_method("to", (ctx.positions,), {"dtype": dtype})

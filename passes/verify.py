@@ -40,7 +40,12 @@ from treecompile.passes._graph import (
     bind,
     describe,
     is_call,
+    is_identity_row_index,
     location_of,
+    multiple_of,
+    op_name,
+    row_dims,
+    row_indices,
     is_op,
     same_size,
     seq_dims,
@@ -116,6 +121,8 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         return "is the tree input marker, which must have been removed"
     if node.op == "call_function" and target is torch.ops.higher_order.flex_attention:
         return "is a FlexAttention call with the model's own mask, which is not the tree mask"
+    if node.op == "call_function" and target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
+        return _autograd_function_violation(node, ctx)
     if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
         return (f"is a higher-order op ({getattr(target, '__name__', target)}: torch.cond, a torch.autograd.Function, "
                 "a loop or region with its own subgraph) whose body the passes do not rewrite or check")
@@ -130,7 +137,7 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         return "produces a [.., S, S] tensor (attention scores or a mask built from the sequence length)"
     if is_call(node, _MASK_BUILDERS, ("tril", "triu")) and seq_dims(node.args[0], s):
         return "builds a triangular mask over the sequence"
-    if is_call(node, ARANGE) and out_dims:
+    if is_call(node, ARANGE) and out_dims and not _only_identity_index(node, s):
         return "is an index over the packed row that is not a position (e.g. feeds a mask)"
     if is_call(node, _SCANS, _SCAN_METHODS):
         dim = bind(node, ["input", "dim"], {"dim": None})["dim"]
@@ -139,17 +146,17 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     if is_call(node, _REDUCTIONS, _REDUCTION_METHODS) and not _elementwise_min_max(node):
         x = node.args[0] if node.args else None
         dims = _dims_arg(node)
-        in_dims = _row_dims(x, s)
+        in_dims = row_dims(x, s)
         if in_dims and (dims is None or any(_norm(d, x) in in_dims for d in dims)):
             return f"reduces or reorders ({_name(node)}) along the sequence"
     if is_call(node, _MATMULS, ("matmul", "bmm", "mm")) and target is not torch.einsum:
         a = node.args[0]
         av = value(a)
-        if isinstance(av, torch.Tensor) and av.dim() >= 1 and (av.dim() - 1) in _row_dims(a, s):
+        if isinstance(av, torch.Tensor) and av.dim() >= 1 and (av.dim() - 1) in row_dims(a, s):
             return "contracts over the sequence (a matmul whose inner dim is S)"
     if is_call(node, (torch.einsum,)):
         ins = [a for a in node.args[1:] if isinstance(a, fx.Node)]
-        if any(_row_dims(a, s) for a in ins) and not _row_dims(node, s):
+        if any(row_dims(a, s) for a in ins) and not row_dims(node, s):
             return "contracts over the sequence (einsum)"
     if is_call(node, _NORMS, _NORM_METHODS) and _normalises_rows(node, s):
         return "normalises over the sequence (statistics shared by the tokens of the row)"
@@ -162,7 +169,7 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     if length_use is not None:
         return (f"uses the sequence length as a value ({length_use}), e.g. arange(T) / T or a log(T) temperature: "
                 "each path has its own length, which one packed row does not have")
-    if _is_opaque_custom_op(node) and any(_row_dims(a, s) for a in node.all_input_nodes):
+    if _is_opaque_custom_op(node) and any(row_dims(a, s) for a in node.all_input_nodes):
         return "is a custom op treecompile does not know, applied to the sequence (it may mix tokens)"
     if _changes_length(node, s):
         return "changes the sequence length (a shift, pad or cat along the sequence)"
@@ -179,14 +186,34 @@ def _elementwise_min_max(node: fx.Node) -> bool:
     return isinstance(other, fx.Node) and isinstance(value(other), torch.Tensor)
 
 
+def _autograd_function_violation(node: fx.Node, ctx: PassContext) -> str | None:
+    """A ``torch.autograd.Function`` is accepted if neither its forward nor its backward body
+    mixes rows (checked node by node like the main graph); a body op whose shapes Dynamo did
+    not record cannot be checked and is refused."""
+    gm = node.graph.owning_module
+    bodies = [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    if not bodies:
+        return "is a torch.autograd.Function whose body treecompile cannot see"
+    for body in bodies:
+        for inner in body.graph.nodes:
+            if inner.op not in ("call_function", "call_method", "call_module"):
+                continue
+            if value(inner) is None and not isinstance(inner.target, str):
+                continue  # no value recorded: a non-tensor helper call (checked through its users)
+            why = _violation(inner, ctx)
+            if why:
+                return f"is a torch.autograd.Function whose body has {describe(inner)} that {why}"
+    return None
+
+
 def _pads_rows(node: fx.Node, s) -> bool:
     """A pad whose amounts on a row dim are not both literally 0 (``(l, r)`` pairs from the last dim)."""
     x = node.args[0] if node.args else node.kwargs.get("input")
     pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
     xv = value(x)
     if not (isinstance(xv, torch.Tensor) and isinstance(pad, (tuple, list))):
-        return bool(_row_dims(x, s))
-    rows = set(_row_dims(x, s))
+        return bool(row_dims(x, s))
+    rows = set(row_dims(x, s))
     for i in range(0, len(pad) - 1, 2):
         dim = xv.dim() - 1 - i // 2
         if dim in rows and not (pad[i] == 0 and pad[i + 1] == 0):
@@ -248,20 +275,8 @@ def _norm(d: int, x) -> int:
 
 def _is_seq_dim(x, dim, s) -> bool:
     if dim is None or not isinstance(dim, int):
-        return bool(_row_dims(x, s))
-    return _norm(dim, x) in _row_dims(x, s)
-
-
-def _row_dims(x, s) -> list[int]:
-    """Dims that run over the packed rows: of size S, or ``c * S`` (the rows merged with other
-    dims by a reshape, ``[B, S, H, D] -> [B * S * H, D]``); a scan, reduction or contraction
-    along one mixes tokens."""
-    v = value(x)
-    if not isinstance(v, torch.Tensor):
-        return []
-    return [d for d, size in enumerate(v.shape)
-            if same_size(size, s) or (isinstance(size, torch.SymInt) and isinstance(s, torch.SymInt)
-                                      and _multiple_of(size, s))]
+        return bool(row_dims(x, s))
+    return _norm(dim, x) in row_dims(x, s)
 
 
 def _dims_arg(node: fx.Node):
@@ -287,7 +302,7 @@ def _changes_length(node: fx.Node, s) -> bool:
     merges_rows = is_call(node, (torch.reshape, torch.flatten), _RESHAPE_METHODS)
     for size in v.shape:
         if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & sym and not same_size(size, s):
-            if _multiple_of(size, s) and (merges_rows or _passes_through(node, size)):
+            if multiple_of(size, s) and (merges_rows or _passes_through(node, size)):
                 continue
             return True
     return False
@@ -305,14 +320,6 @@ def _passes_through(node: fx.Node, size) -> bool:
     return False
 
 
-def _multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:
-    """Whether ``size`` is provably an integer multiple of ``s`` (``c * S``)."""
-    import sympy
-
-    ratio = sympy.simplify(size.node.expr / s.node.expr)
-    return bool(ratio.is_integer) and bool(ratio.is_positive)
-
-
 
 # ----------------------------------------------------------------------------- row movement
 
@@ -325,7 +332,7 @@ def _normalises_rows(node: fx.Node, s) -> bool:
     """A norm whose statistics run over a row dim: ``layer_norm`` over a shape that includes
     the sequence, group / instance norm over a sequence spatial dim, batch norm in training."""
     x = node.args[0] if node.args else node.kwargs.get("input")
-    rows = _row_dims(x, s)
+    rows = row_dims(x, s)
     if not rows:
         return False
     xv = value(x)
@@ -342,69 +349,27 @@ def _normalises_rows(node: fx.Node, s) -> bool:
     return True
 
 
-# Ops that index along one dim of their first argument: (dim argument position, name, index argument
-# position, name); getitem is handled separately.
-_INDEX_OPS = {
-    "index_select": (1, "dim", 2, "index"), "gather": (1, "dim", 2, "index"),
-    "take_along_dim": (2, "dim", 1, "indices"), "index_add": (1, "dim", 2, "index"),
-    "index_add_": (1, "dim", 2, "index"), "index_copy": (1, "dim", 2, "index"), "index_copy_": (1, "dim", 2, "index"),
-    "index_fill": (1, "dim", 2, "index"), "index_fill_": (1, "dim", 2, "index"), "scatter": (1, "dim", 2, "index"),
-    "scatter_": (1, "dim", 2, "index"), "scatter_add": (1, "dim", 2, "index"), "scatter_add_": (1, "dim", 2, "index"),
-    "scatter_reduce": (1, "dim", 2, "index"), "scatter_reduce_": (1, "dim", 2, "index"),
-    "index_reduce": (1, "dim", 2, "index"), "index_reduce_": (1, "dim", 2, "index"),
-}
-
-
-def _op_name(node: fx.Node) -> str:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name if isinstance(name, str) else ""
-
-
 def _row_index_source(node: fx.Node, s) -> str | None:
     """For an op that indexes a row dim with a tensor: what positional quantity the index is
     computed from (``arange``, the positions, the sequence length), else None.
 
     Indices from the data (an MoE router's token lists) keep each token's row and are left to
-    the other rules; indices built from the row index move a token's neighbour in the packed
+    the other rules; an index that is the identity (``arange(S)`` over a dim of S rows) moves
+    nothing; other indices built from the row index move a token's neighbour in the packed
     row into it, which is not its neighbour on the path.
     """
-    if node.op not in ("call_function", "call_method"):
-        return None
-    x = node.args[0] if node.args else None
-    rows = _row_dims(x, s)
-    if not rows:
-        return None
-    xv = value(x)
-    indices: list = []
-    if node.target in (operator.getitem, operator.setitem) and len(node.args) > 1:
-        index = node.args[1]
-        items = list(index) if isinstance(index, tuple) else [index]
-        dim = 0
-        for k, item in enumerate(items):
-            if item is Ellipsis:
-                dim = xv.dim() - (len(items) - k - 1 - sum(1 for i in items[k + 1:] if i is None))
-                continue
-            if item is None:
-                continue
-            if isinstance(item, fx.Node) and isinstance(value(item), torch.Tensor) and dim in rows:
-                indices.append(item)
-            dim += 1
-    elif _op_name(node) in _INDEX_OPS or node.target in (torch.index_select, torch.gather, torch.take_along_dim,
-                                                           torch.index_add, torch.index_copy, torch.scatter,
-                                                           torch.scatter_add, torch.scatter_reduce):
-        name = _op_name(node)
-        dim_pos, dim_name, idx_pos, idx_name = _INDEX_OPS.get(name, (1, "dim", 2, "index"))
-        dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get(dim_name)
-        index = node.args[idx_pos] if len(node.args) > idx_pos else node.kwargs.get(idx_name)
-        if isinstance(dim, int) and _norm(dim, x) in rows and isinstance(index, fx.Node):
-            indices.append(index)
-    elif node.target is torch.take and _row_dims(x, s):
-        indices.append(node.args[1])
-    for index in indices:
+    for index, _dim in row_indices(node, s):
+        if is_identity_row_index(index, s):
+            continue
         source = _positional_source(index, s)
         if source:
             return source
     return None
+
+
+def _only_identity_index(node: fx.Node, s) -> bool:
+    """An ``arange(S)`` used only as the index along the rows of S-row tensors (the identity)."""
+    return is_identity_row_index(node, s) and all(any(i is node for i, _ in row_indices(u, s)) for u in node.users)
 
 
 def _positional_source(index: fx.Node, s) -> str | None:
@@ -446,7 +411,7 @@ def _length_as_value(node: fx.Node, s) -> str | None:
     """
     if not isinstance(value(node), torch.Tensor):
         return None
-    if node.op == "call_function" and node.target in (torch.full, torch.Tensor.new_full) or _op_name(node) == "new_full":
+    if node.op == "call_function" and node.target in (torch.full, torch.Tensor.new_full) or op_name(node) == "new_full":
         fill = node.args[-1] if len(node.args) >= 2 else node.kwargs.get("fill_value")
         candidates = [fill]
     elif is_call(node, _VALUE_OPS, _VALUE_METHODS):

@@ -100,13 +100,6 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
 _OLD = dict(vocab_size=VOCAB)  # families with their own config names
 
 # Classes of silently wrong results, named in the xfail reasons.
-DCE = "dead-code elimination of in-place ops"
-MASK_ONLY = "feature carried only in the HF attention mask"
-BLIND = "verify blind spot: a gather along the rows"
-LENGTH = "verify blind spot: a value computed from the sequence length"
-SUBGRAPH = "verify blind spot: a higher-order op's subgraph (torch.utils.checkpoint) is not visited"
-READS_MASK = ("model code reads HF's attention_mask (the sparse-attention indexer): it gets None and fails in "
-              "capture with a raw error instead of a refusal by name")
 ROWS = ("sized by the row count: a buffer sliced [:T] shorter than the tree's rows makes Dynamo guard "
         "T <= its size; the next longer batch fails in capture with a raw error")
 
@@ -145,20 +138,20 @@ CASES: list[Case] = [
     Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
          _custom(zc.ShortRopeTableLM), expect="xfail", reason=ROWS),
     Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
-         _custom(zc.InplaceMoELM), expect="xfail", reason=DCE),
+         _custom(zc.InplaceMoELM), expect="exact"),
     Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",
-         _custom(zc.MlaEmptyLM), expect="xfail", reason=DCE),
+         _custom(zc.MlaEmptyLM), expect="exact"),
     Case("mla-empty-setitem", "custom: MLA keys written into new_empty(...) by slice assignment",
          _custom(zc.MlaEmptyLM, copy=False)),
     Case("inplace-residual", "custom: in-place residual x += attn(x)",
-         _custom(zc.InplaceResidualLM), expect="xfail", reason=DCE),
+         _custom(zc.InplaceResidualLM), expect="exact"),
     Case("clamp-max-eps", "custom: element-wise torch.max(rms, eps) in a norm", _custom(zc.ClampMinNormLM)),
     Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)]",
-         _custom(zc.GatherShiftLM), expect="xfail", reason=BLIND),
+         _custom(zc.GatherShiftLM), expect="refused", reason="gathers or scatters rows of the sequence at indices computed from"),
     Case("length-norm-pos", "custom: positions arange(T) / T",
-         _custom(zc.LengthNormPosLM), expect="xfail", reason=LENGTH),
+         _custom(zc.LengthNormPosLM), expect="refused", reason="uses the sequence length as a value"),
     Case("checkpoint", "custom: blocks under torch.utils.checkpoint",
-         _custom(zc.CheckpointLM), expect="xfail", reason=SUBGRAPH),
+         _custom(zc.CheckpointLM), expect="exact"),
     # ------------------------------------------------------------------ Hugging Face
     Case("gptj", "GPT-J: own attention, interleaved partial RoPE", hf=True,
          build=_hf("GPTJConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
@@ -241,16 +234,16 @@ CASES: list[Case] = [
     Case("llama4-text", "Llama-4 text: chunked attention, MoE, NoPE layers", hf=True,
          build=_hf("Llama4TextConfig", "Llama4ForCausalLM", head_dim=8, intermediate_size_mlp=64,
                    num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=4, interleave_moe_layer_step=1,
-                   no_rope_layers=[1, 0], pad_token_id=0), expect="xfail", reason=DCE + "; " + MASK_ONLY),
+                   no_rope_layers=[1, 0], pad_token_id=0), expect="refused", reason="chunked attention mask (create_chunked_causal_mask, size 4) is not reproduced on a tree"),
     Case("deepseek-v3", "DeepSeek-V3: MLA and MoE", hf=True,
          build=_hf("DeepseekV3Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
                    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1),
-                   expect="xfail", reason=DCE),
+                   expect="exact"),
     Case("gpt-oss", "gpt-oss: attention sinks, sliding layers, MoE", hf=True,
          build=_hf("GptOssConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                    layer_types=["sliding_attention", "full_attention"]),
-         expect="xfail", reason=DCE + " (out.add_(bias) in HF's grouped_mm experts: the expert biases)"),
+         expect="exact"),
     Case("jamba-attn-moe", "Jamba: attention-only layers with MoE", hf=True,
          build=_hf("JambaConfig", num_experts=4, num_experts_per_tok=2, attn_layer_period=1, attn_layer_offset=0,
                    expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False)),
@@ -262,17 +255,17 @@ CASES: list[Case] = [
          build=_hf("DbrxConfig", common=False, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                    attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
                    ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}),
-                   expect="refused", reason="Dynamo cannot capture"),
+                   expect="refused", reason="treecompile cannot capture this model"),
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
          build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
                    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, index_topk=4,
                    index_head_dim=8, index_n_heads=2, head_dim=4),
-         expect="xfail", reason=READS_MASK),
+         expect="refused", reason="the model's own code reads the attention mask built by"),
     Case("deepseek-v2", "DeepSeek-V2: MLA, complex RoPE, MoE", hf=True,
          build=_hf("DeepseekV2Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                   v_head_dim=8, n_shared_experts=1, n_group=1, topk_group=1), expect="xfail", reason=DCE),
+                   v_head_dim=8, n_shared_experts=1, n_group=1, topk_group=1), expect="exact"),
     Case("minimax", "MiniMax: lightning (linear) attention layers", hf=True,
          build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                    layer_types=["linear_attention", "full_attention"], block_size=4),
