@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["FlexOptions", "FLEX_OPTIONS", "arch_of", "candidates", "flex_kernel_options", "tune", "format_table",
-           "add_tune_command"]
+           "cmd_tune"]
 
 #: Rows per BlockMask block; each tile must divide it (kept equal to ``kernels.flex.BLOCK_SIZE``).
 MASK_BLOCK = 128
@@ -208,25 +208,6 @@ def format_table(table: dict[tuple[str, int, str], FlexOptions], note: str = "")
 
 
 # ---------------------------------------------------------------------------- CLI
-
-
-def add_tune_command(sub) -> None:
-    """Registers ``treecompile tune``."""
-    p = sub.add_parser(
-        "tune",
-        help="time FlexAttention kernel options on this GPU and print a new options table",
-        description=(
-            "Times FlexAttention forward + backward on a tree mask for candidate tile sizes, warps and stages "
-            "per head dim and dtype, and prints the fastest as the table for treecompile/kernels/flex_options.py. "
-            "Needs a CUDA GPU (exit status 2 without one)."
-        ),
-    )
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D")
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--rows", type=int, default=16384, metavar="S", help="tree rows (default 16384)")
-    p.add_argument("--repeats", type=int, default=10, metavar="N")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write every timing to FILE")
-    p.set_defaults(func=cmd_tune)
 
 
 def cmd_tune(args) -> int:

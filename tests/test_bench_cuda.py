@@ -52,6 +52,10 @@ def test_cli_bench_device_cuda_without_cuda_exits_2(capsys):
     assert "no CUDA" in capsys.readouterr().err
 
 
-def test_cpu_bench_flags_are_refused_with_device_cuda(capsys):
+def test_cpu_bench_flags_are_refused_with_device_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the no-CUDA check, to the flags
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert cli_main(["bench", "--device", "cuda", "--arch", "qwen3_next"]) == 2
     assert "--arch do not apply with --device cuda" in capsys.readouterr().err

@@ -595,7 +595,7 @@ def _xlstm():
 
 _TOKEN_LOOP = ("sequence length a constant", "takes one token of the row at a time")
 _SELECTIVE_SCAN = ("changes the sequence length", "in mamba_selective_scan: _, all_states = associative_scan(")
-_KDA_PAD = ("node 'pad' (call_function pad) changes the sequence length",)
+_KDA_PAD = ("node 'pad' (call_function pad) at ", "changes the sequence length")
 
 #: name -> (config, fragments of the refusal that name the op).
 REFUSED = {

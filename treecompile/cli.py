@@ -479,9 +479,28 @@ def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tune_parser(sub: argparse._SubParsersAction) -> None:
-    from treecompile.kernels.flex_options import add_tune_command
+    p = sub.add_parser(
+        "tune",
+        help="time FlexAttention kernel options on this GPU and print a new options table",
+        description=(
+            "Times FlexAttention forward + backward on a tree mask for candidate tile sizes, warps and stages "
+            "per head dim and dtype, and prints the fastest as the table for treecompile/kernels/flex_options.py. "
+            "Needs a CUDA GPU (exit status 2 without one)."
+        ),
+    )
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--rows", type=int, default=16384, metavar="S", help="tree rows (default 16384)")
+    p.add_argument("--repeats", type=int, default=10, metavar="N")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every timing to FILE")
+    p.set_defaults(func=cmd_tune)
 
-    add_tune_command(sub)
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Times FlexAttention kernel options on this GPU (treecompile/kernels/flex_options.py)."""
+    from treecompile.kernels.flex_options import cmd_tune as tune
+
+    return tune(args)
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
