@@ -99,10 +99,6 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
 
 _OLD = dict(vocab_size=VOCAB)  # families with their own config names
 
-# Classes of silently wrong results, named in the xfail reasons.
-ROWS = ("sized by the row count: a buffer sliced [:T] shorter than the tree's rows makes Dynamo guard "
-        "T <= its size; the next longer batch fails in capture with a raw error")
-
 CASES: list[Case] = [
     # ------------------------------------------------------------------ custom spellings
     Case("bmm-tril", "custom: bmm scores over [B*H, T, d], tril buffer [:T, :T], masked_fill",
@@ -134,9 +130,11 @@ CASES: list[Case] = [
     Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
          _custom(zc.WpeShortTableLM)),
     Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows",
-         _custom(zc.ShortTrilLM), expect="xfail", reason=ROWS),
+         _custom(zc.ShortTrilLM), expect="refused",
+         reason="rows: it slices buffer 'blocks.0.causal' (16 entries) by the sequence length"),
     Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
-         _custom(zc.ShortRopeTableLM), expect="xfail", reason=ROWS),
+         _custom(zc.ShortRopeTableLM), expect="refused",
+         reason="rows: it slices buffer 'blocks.0.cos_cached' (16 entries) by the sequence length"),
     Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
          _custom(zc.InplaceMoELM), expect="exact"),
     Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",

@@ -296,7 +296,7 @@ class TreeCompiledModel(nn.Module):
                     # model outside the rewritten graph; a model that fails under tracing
                     # (FakeTensor errors, exceptions in its code) is refused the same way, with
                     # Dynamo's message condensed to what failed, where and why.
-                    raise capture_error(e) from None
+                    raise _row_count_error(self._inner, rows, longest, capture_error(e)) from None
         bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
         self._proven_rows = min(bounds) if bounds else None
         out = TreeOutput(
@@ -402,6 +402,25 @@ def _gathered_entropy(
     logp = torch.log_softmax(z, dim=-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
     return ent.new_zeros(like.shape[0]).index_put((dest,), ent[slot])
+
+
+def _row_count_error(model: nn.Module, rows: int, longest: int, error: UnsupportedModelError) -> UnsupportedModelError:
+    """``error``, or, if the model has a buffer shorter than the batch's rows but as long as
+    every path, a refusal that names it: a buffer sliced by the sequence length (``tril[:T, :T]``,
+    ``cos_cached[:T]``) is sliced by the row count on a packed row, and Dynamo cannot capture
+    a row longer than the buffer, though each path alone fits."""
+    for name, buf in model.named_buffers():
+        sizes = [d for d in buf.shape if longest <= d < rows]
+        if sizes:
+            first, _, rest = str(error).partition("\n")
+            return UnsupportedModelError(
+                f"treecompile cannot capture this model on a batch of {rows} rows: it slices buffer {name!r} "
+                f"({sizes[0]} entries) by the sequence length, and the packed row is longer than the buffer although "
+                f"every path fits ({longest} tokens).\n"
+                f"  What to do: pack at most {sizes[0]} rows per batch (treecompile.partition with that capacity), or "
+                f"enlarge the buffer.\n  The capture failed with: {first}"
+            )
+    return error
 
 
 def _check_model(model: Any) -> None:
