@@ -147,8 +147,12 @@ def seq_dims(node: Any, seq_len: Any) -> list[int]:
 
 def ancestors(node: fx.Node) -> set[fx.Node]:
     """All nodes ``node`` depends on, itself excluded."""
-    seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
+    return _add_upstream(node.all_input_nodes, set())
+
+
+def _add_upstream(nodes: Iterable[fx.Node], seen: set[fx.Node]) -> set[fx.Node]:
+    """Adds ``nodes`` and everything they depend on to ``seen`` (skipping what it holds); returns it."""
+    stack = list(nodes)
     while stack:
         n = stack.pop()
         if n in seen:
@@ -272,13 +276,7 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
     live: set[fx.Node] = set()
 
     def mark(n: fx.Node) -> None:
-        stack = [n]
-        while stack:
-            m = stack.pop()
-            if m in live:
-                continue
-            live.add(m)
-            stack.extend(m.all_input_nodes)
+        _add_upstream([n], live)
 
     for n in nodes:
         impure = n.op in ("placeholder", "output", "call_module") or (n.op == "call_function" and n.is_impure())

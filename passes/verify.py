@@ -142,13 +142,13 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
     if is_call(node, _SCANS, _SCAN_METHODS):
         dim = bind(node, ["input", "dim"], {"dim": None})["dim"]
         if _is_seq_dim(node.args[0], dim, s):
-            return f"is a scan ({_name(node)}) along the sequence"
+            return f"is a scan ({(op_name(node) or str(node.target))}) along the sequence"
     if is_call(node, _REDUCTIONS, _REDUCTION_METHODS) and not _elementwise_min_max(node):
         x = node.args[0] if node.args else None
         dims = _dims_arg(node)
         in_dims = row_dims(x, s)
         if in_dims and (dims is None or any(_norm(d, x) in in_dims for d in dims)):
-            return f"reduces or reorders ({_name(node)}) along the sequence"
+            return f"reduces or reorders ({(op_name(node) or str(node.target))}) along the sequence"
     if is_call(node, _MATMULS, ("matmul", "bmm", "mm")) and target is not torch.einsum:
         a = node.args[0]
         av = value(a)
@@ -262,10 +262,6 @@ def _is_sequence_kernel(node: fx.Node) -> bool:
     """The linear-sequence kernel ops the wrapper swaps in (their tree forms are created nodes)."""
     ops = [getattr(torch.ops.treecompile, name, None) for name in ("causal_conv1d", *SCAN_OPS)]
     return any(op is not None and is_op(node, op) for op in ops)
-
-
-def _name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _norm(d: int, x) -> int:

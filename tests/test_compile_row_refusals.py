@@ -116,3 +116,43 @@ def test_an_unknown_custom_op_over_the_sequence_is_refused():
     model = tiny(_with_mix("custom-op", lambda x, idx: torch.ops.tctest.smooth(x)))
     with pytest.raises(UnsupportedModelError, match=r"custom op treecompile does not know, applied to the sequence"):
         tc.tree_compile(model)(batch)
+
+
+class _RunningMean(torch.autograd.Function):
+    """A custom autograd function whose forward mixes the rows (a running mean)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        n = torch.ones_like(x).cumsum(1)
+        ctx.save_for_backward(n)
+        return x.cumsum(1) / n
+
+    @staticmethod
+    def backward(ctx, g):
+        (n,) = ctx.saved_tensors
+        return (g / n).flip(1).cumsum(1).flip(1)
+
+
+class _Scale(torch.autograd.Function):
+    """A token-wise custom autograd function: accepted."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+def test_an_autograd_function_that_mixes_rows_is_refused_and_a_token_wise_one_is_exact():
+    from test_compile_models import compare_with_paths
+
+    batch, trees = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError, match=r"torch\.autograd\.Function whose body has node .*cumsum"):
+        tc.tree_compile(tiny(_with_mix("autograd-running-mean", lambda x, idx: _RunningMean.apply(x))))(batch)
+    model = tiny(_with_mix("autograd-token-wise", lambda x, idx: _Scale.apply(x)))
+    compare_with_paths(model, tc.tree_compile(model), batch, trees, tol="pure")

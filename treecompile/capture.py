@@ -6,7 +6,7 @@ before Dynamo sees it, and restores after each call.
 * Module-level sequence kernels of hybrid models swapped for treecompile's ops
   (:data:`SEQUENCE_KERNELS`, :func:`sequence_kernels`, :func:`swapped_kernels`).
 * Hugging Face's attention-mask builders swapped for ones that say which mask each layer
-  asked for (:func:`hf_mask_builders`), described below.
+  asked for (:func:`mask_builder_swaps`), described below.
 
 The user's model is unchanged outside a call: running it per path, saving or generating
 sees the original functions and settings.
@@ -48,7 +48,7 @@ from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_con
 from treecompile.passes import markers
 
 __all__ = [
-    "TreeMask", "hf_mask_builders", "HF_ATTENTION_NAME", "SEQUENCE_KERNELS", "hf_interfaces", "install_output_hooks",
+    "TreeMask", "mask_builder_swaps", "HF_ATTENTION_NAME", "SEQUENCE_KERNELS", "hf_interfaces", "install_output_hooks",
     "sequence_kernels", "swapped_kernels", "plain_experts",
 ]
 
@@ -178,26 +178,17 @@ def _builder_sites(model: nn.Module) -> list[tuple[types.ModuleType, str, str]]:
     return list(sites.values())
 
 
-@contextlib.contextmanager
-def hf_mask_builders(model: nn.Module):
-    """Swaps the model's ``masking_utils`` builders for `TreeMask` builders for one call.
-
-    Dynamo guards on the module globals, which hold the same functions on every call; the
-    model run outside the wrapper (per path, saved, generating) sees the originals.
-    """
-    sites = _builder_sites(model)
+def mask_builder_swaps(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
+    """``(module, attribute, drop-in)`` for each ``masking_utils`` builder the model's modules
+    reference: the drop-in returns the `TreeMask` for the layer's config. Built once per
+    wrapped model and applied for each call by `swapped_kernels`, like the sequence kernels
+    (Dynamo guards on the module globals, which hold the same functions on every call; the
+    model run outside the wrapper sees the originals)."""
     masks: dict[tuple[int, str], TreeMask] = {}
     for cfg in _configs(model):
         for name, kind in _BUILDERS.items():
             masks[(id(cfg), kind)] = TreeMask(kind, name, _size_of(cfg, kind))
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in sites]
-    try:
-        for module, attr, name in sites:
-            setattr(module, attr, _replacement(name, _BUILDERS[name], masks))
-        yield
-    finally:
-        for module, attr, original in saved:
-            setattr(module, attr, original)
+    return [(module, attr, _replacement(name, _BUILDERS[name], masks)) for module, attr, name in _builder_sites(model)]
 
 
 # --------------------------------------------------------------------------- interfaces and kernels
@@ -228,7 +219,7 @@ def install_output_hooks(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def hf_interfaces(model: nn.Module):
+def hf_interfaces(model: nn.Module, route_attention: bool):
     """Routes the model's HF attention and experts interfaces to the tree markers for one
     call, then restores them.
 
@@ -245,11 +236,10 @@ def hf_interfaces(model: nn.Module):
         for k, c in configs.items()
         if getattr(c, "_experts_implementation_internal", None) is not None
     }
-    # A model whose attention does not use the interface keeps its implementation (and mask).
-    attention = markers.uses_attention_interface(model)
     try:
         for k, c in configs.items():
-            if attention:
+            # A model whose attention does not use the interface keeps its implementation (and mask).
+            if route_attention:
                 c._attn_implementation_internal = HF_ATTENTION_NAME
             if k in saved_experts:
                 c._experts_implementation_internal = HF_ATTENTION_NAME

@@ -28,8 +28,8 @@ from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
 from treecompile.capture import (
     hf_interfaces,
-    hf_mask_builders,
     install_output_hooks,
+    mask_builder_swaps,
     sequence_kernels,
     swapped_kernels,
 )
@@ -165,6 +165,7 @@ class TreeCompiledModel(nn.Module):
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
         self._routes_attention = self._is_hf and markers.uses_attention_interface(model)
+        self._mask_swaps = mask_builder_swaps(model) if self._routes_attention else []
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
@@ -281,8 +282,8 @@ class TreeCompiledModel(nn.Module):
             self._compiled = self._build(device)
             self._first_record = len(self.compile_records)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        with hf_interfaces(self._inner) if self._is_hf else contextlib.nullcontext(), swapped_kernels(self._kernels), \
-                hf_mask_builders(self._inner) if self._routes_attention else contextlib.nullcontext():
+        hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels(self._kernels + self._mask_swaps):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
