@@ -12,6 +12,7 @@ page's path as file name and padded to its line in the page.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import linecache
 import os
@@ -19,6 +20,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -137,19 +139,177 @@ def test_parse_blocks_reads_fences_and_skip_markers():
     assert blocks[0].code == "x = 1\n"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed (pip install -e '.[docs]')")
-def test_mkdocs_build_strict(tmp_path):
-    """The site builds with no warning: broken links, bad cross-references, failed imports."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once with ``mkdocs build --strict`` for every test that reads it."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
     if importlib.util.find_spec("mkdocstrings_handlers") is None or importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs-material or mkdocstrings[python] is not installed (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
+         "--site-dir", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
-    assert (tmp_path / "site" / "index.html").is_file()
+    return out
+
+
+def test_mkdocs_build_strict(site: Path):
+    """The site builds with no warning: broken links, bad cross-references, failed imports."""
+    assert (site / "index.html").is_file()
+
+
+class _Text(HTMLParser):
+    """A page's text, split into what is inside ``<pre>``/``<code>`` and what is not, and the
+    text of each ``<blockquote>``."""
+
+    SKIP = {"script", "style"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.prose: list[str] = []
+        self.code: list[str] = []
+        self.quotes: list[str] = []
+        self.ids: set[str] = set()
+        self.refs: list[tuple[str, str]] = []  # (tag, url) of every src= and stylesheet/script href=
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "a" and a.get("href"):
+            self.hrefs.append(a["href"])
+        if tag in ("img", "script") and a.get("src"):
+            self.refs.append((tag, a["src"]))
+        if tag == "link" and a.get("rel") in ("stylesheet", "preconnect") and a.get("href"):
+            self.refs.append((tag, a["href"]))
+        if tag not in ("br", "img", "input", "link", "meta", "hr", "source", "wbr"):
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.stack:
+            while self.stack and self.stack.pop() != tag:
+                pass
+
+    def handle_data(self, data):
+        if any(t in self.SKIP for t in self.stack):
+            return
+        (self.code if {"pre", "code"} & set(self.stack) else self.prose).append(data)
+        if "blockquote" in self.stack:
+            self.quotes.append(data)
+
+
+def _pages(site: Path) -> dict[str, _Text]:
+    pages = {}
+    for path in sorted(site.rglob("*.html")):
+        rel = path.relative_to(site).as_posix()
+        if rel.startswith(("assets/", "search/")):
+            continue
+        parser = _Text()
+        parser.feed(path.read_text(encoding="utf-8"))
+        pages[rel] = parser
+    return pages
+
+
+@pytest.fixture(scope="module")
+def site_pages(site: Path) -> dict[str, _Text]:
+    return _pages(site)
+
+
+RAW_MATH = re.compile(r"\$\$|(?<![\w$])\$[^\s$][^$\n]*?\$(?![\w$])")
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`")
+
+
+def test_site_has_no_raw_math_roles_or_doctest_quotes(site_pages):
+    """What rendered wrong before: LaTeX left as ``$...$``, Sphinx roles shown as text, and
+    ``>>>`` examples turned into block quotes or prose."""
+    problems = []
+    for name, page in site_pages.items():
+        prose = "".join(page.prose)
+        if m := RAW_MATH.search(prose):
+            problems.append(f"{name}: raw math {m.group(0)[:60]!r}")
+        text = prose + "".join(page.code)
+        if m := ROLE.search(text):
+            problems.append(f"{name}: Sphinx role {text[m.start():m.start() + 40]!r}")
+        if any(">>>" in q for q in page.quotes):
+            problems.append(f"{name}: '>>>' inside a block quote")
+        if ">>>" in prose:
+            problems.append(f"{name}: '>>>' outside a code block")
+    assert not problems, "\n".join(problems)
+
+
+def test_rl_page_math_is_rendered(site_pages):
+    """The RL page's formulas reach KaTeX: arithmatex spans, no dollar signs left."""
+    page = site_pages["rl/index.html"]
+    math = [t for t in page.prose if t.startswith(("\\(", "\\["))]
+    assert len(math) >= 40, f"only {len(math)} formulas found on the RL page"
+    assert "$" not in "".join(page.prose)
+
+
+def test_site_loads_nothing_from_outside(site_pages, site: Path):
+    """Works offline: scripts, stylesheets (KaTeX, fonts) and images are files of the site."""
+    problems = []
+    for name, page in site_pages.items():
+        for tag, url in page.refs:
+            if re.match(r"^(https?:)?//", url):
+                problems.append(f"{name}: <{tag}> loads {url}")
+            elif not url.startswith("data:"):
+                path = url.split("#")[0].split("?")[0]
+                # 404.html links from the site root; every other page relatively
+                target = site / path.lstrip("/") if path.startswith("/") else (site / name).parent / path
+                if not target.resolve().is_file():
+                    problems.append(f"{name}: <{tag}> {url} is not in the site")
+    assert not problems, "\n".join(problems)
+    for figure in ("tree-row-mask.svg", "partition.svg", "speedup.svg"):
+        assert (site / "figures" / figure).stat().st_size > 1000, f"figures/{figure} was not drawn"
+
+
+def test_every_public_name_is_on_an_api_page(site_pages):
+    import treecompile
+
+    api = {name: page for name, page in site_pages.items() if name.startswith("api/")}
+    ids = set().union(*(page.ids for page in api.values()))
+    missing = [n for n in treecompile.__all__ if f"{treecompile._EXPORTS[n]}.{n}" not in ids]
+    assert not missing, f"no API page documents {missing}"
+    links = api["api/index.html"].hrefs
+    unlinked = [n for n in treecompile.__all__ if not any(h.endswith(f"#{treecompile._EXPORTS[n]}.{n}") for h in links)]
+    assert not unlinked, f"the API index page does not link {unlinked}"
+
+
+def test_every_cli_subcommand_and_option_is_on_the_cli_page(site_pages):
+    from treecompile.cli import build_parser
+
+    page = site_pages["cli/index.html"]
+    text = "".join(page.prose + page.code)
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) >= {"stats", "plan", "bench", "inspect"}
+    for name, parser in subs.items():
+        assert f"treecompile-{name}" in page.ids, f"the CLI page has no section for `treecompile {name}`"
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, f"the CLI page does not list `treecompile {name} {flag}`"
+
+
+def test_home_page_speedups_are_the_measured_ones():
+    """The speedups quoted on the home page are rows of the tables in docs/benchmarks.md."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from docs_figures import measured_speedups
+
+    measured = measured_speedups((DOCS / "benchmarks.md").read_text(encoding="utf-8"))
+    interval = {(r["workload"].split()[0].lower(), round(r["por"], 2)): r["speedup"] for r in measured
+                if r["method"] == "interval" and r["section"].startswith("CPU")}
+    rows = re.findall(r"^\| (synthetic|GSM8K|tau-bench)[^|]* \| ([\d.]+) \| ([\d.]+)x",
+                      (DOCS / "index.md").read_text(encoding="utf-8"), re.M)
+    assert len(rows) >= 5, rows
+    for workload, por, speedup in rows:
+        key = (workload.lower(), round(float(por), 2))
+        close = [v for (w, p), v in interval.items() if w == key[0] and abs(p - key[1]) < 0.01]
+        assert close == [float(speedup)], f"home page: {workload} POR {por} {speedup}x; benchmarks.md: {close}"
 
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):

@@ -68,6 +68,9 @@ class TreeOutput:
         aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
             weighted by ``path_count``), unscaled, as per-path training computes it; None for
             a model without one (see :mod:`treecompile.passes.moe`).
+        entropy: ``[S]`` entropy of the distribution that predicts each row's token, aligned
+            with ``logprobs`` (0 where ``pred_index`` is -1), differentiable; only with
+            ``tree_compile(outputs=("entropy",))``, else None.
     """
 
     loss: torch.Tensor
@@ -138,6 +141,9 @@ class TreeCompiledModel(nn.Module):
     go straight to it, so optimizers, checkpoints and keys are unchanged (no prefix).
 
     Attributes:
+        mask: the mask encoding, ``"interval"`` or ``"bitmask"``.
+        verify: whether the first call checks the compiled model against per-path training.
+        verified: the report of that check once it has run, else None.
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
             (re)compile, with the per-pass rewrite counters.
     """

@@ -55,6 +55,19 @@ class TreeStats:
     ``por`` (potential overlap ratio) is the share of path tokens that the tree
     removes: ``1 - tree_tokens / path_tokens``. ``1 / (1 - por)`` bounds the
     speed-up of training on the tree over training on each path.
+
+    Attributes:
+        tree_tokens: tokens of the tree, each shared prefix counted once (the packed rows).
+        path_tokens: tokens of all paths, each counted on its own (per-path training).
+        por: potential overlap ratio, ``1 - tree_tokens / path_tokens``.
+        n_paths: root-to-leaf paths (sequences), duplicates included.
+        n_nodes: nodes of the compressed tree (runs of tokens without a branch).
+        n_leaves: nodes without children.
+        n_roots: nodes without a parent (more than one when sequences differ at the first token).
+        depth_nodes: most nodes on one root path.
+        depth_tokens: tokens of the longest path.
+        max_branching: most children of one node.
+        mean_branching: mean number of children of the nodes that have any.
     """
 
     tree_tokens: int

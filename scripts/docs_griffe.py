@@ -1,0 +1,282 @@
+"""A griffe extension for the API pages: reads the reStructuredText habits of the docstrings
+(Sphinx roles, ``::`` literal blocks, ``Example:`` sections of ``>>>`` lines) as Markdown.
+
+The docstrings stay as they are in the source (they read well in ``help()``); mkdocstrings
+sees them rewritten:
+
+* ``:class:`~treecompile.TreeBatch```, ``:func:`pack``` and the other roles become
+  cross-references, resolved in the docstring's own scope; a name that is not on any page is
+  shown as code rather than as a broken link (an *optional* autorefs reference);
+* a single-backticked name that resolves to a treecompile object becomes such a link too;
+* ``Text::`` followed by an indented block becomes ``Text:`` and a fenced code block
+  (``bash`` for ``treecompile ...`` commands, ``python`` for code that parses, else ``text``);
+* an ``Example:`` section of ``>>>`` lines becomes an ``Examples:`` section, which griffe
+  renders as code;
+* methods of an ``nn.Module`` subclass without a docstring (the forwarded ``parameters``,
+  ``state_dict``, ...) are left out of the page.
+
+mkdocs.yml loads it through the python handler's ``extensions`` option.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import griffe
+
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(~?)([^`<>]+?)`")
+BACKTICK = re.compile(r"(?<![`\w])`([A-Za-z_][\w.]*)(\(\))?`(?![`\w])")
+LITERAL_INTRO = re.compile(r"^(?P<indent>\s*)(?P<text>.*?)(?P<sp>\s?)::\s*$")
+FENCE = re.compile(r"^\s*(```|~~~)")
+MODULE_BASES = {"nn.Module", "torch.nn.Module", "Module", "torch.nn.modules.module.Module"}
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _language(block: list[str]) -> str:
+    text = "\n".join(block)
+    if all(line.lstrip().startswith(("treecompile ", "python ", "pip ", "bash ", "torchrun ", "#")) or not line.strip()
+           for line in block):
+        return "bash"
+    try:
+        ast.parse(text)
+    except SyntaxError:
+        return "text"
+    return "python"
+
+
+def _fence_literal_blocks(lines: list[str]) -> list[str]:
+    """``Intro::`` + blank line + indented block -> ``Intro:`` + a fenced block at the intro's indent."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = LITERAL_INTRO.match(line)
+        if m and not line.lstrip().startswith((">>>", "...")):
+            # the literal block: the next non-blank lines indented deeper than the intro
+            j = i + 1
+            while j < len(lines) and not lines[j].strip():
+                j += 1
+            base = _indent(line)
+            if j < len(lines) and _indent(lines[j]) > base:
+                k = j
+                block: list[str] = []
+                while k < len(lines) and (not lines[k].strip() or _indent(lines[k]) > base):
+                    block.append(lines[k])
+                    k += 1
+                while block and not block[-1].strip():
+                    block.pop()
+                    k -= 1
+                inner = min(_indent(b) for b in block if b.strip())
+                body = [b[inner:] if b.strip() else "" for b in block]
+                text = m.group("text")
+                header = text.rstrip() + ":" if text.strip() else ""
+                # "Example::" reads as a section title; "see this::" as the end of a sentence.
+                pad = " " * m.group("indent").__len__()
+                if header:
+                    out.append(pad + header)
+                    out.append("")
+                lang = _language(body)
+                # Inside a Google section title ("Example:") the block must be indented under it.
+                sub = pad + ("    " if re.fullmatch(r"\s*Examples?:", pad + header) else "")
+                out.append(sub + "```" + lang)
+                out.extend(sub + b if b else "" for b in body)
+                out.append(sub + "```")
+                i = k
+                continue
+        out.append(line)
+        i += 1
+    return out
+
+
+def _examples_sections(lines: list[str]) -> list[str]:
+    """``Example:`` whose body starts with ``>>>`` -> ``Examples:`` (griffe's code section)."""
+    out = list(lines)
+    for n, line in enumerate(lines):
+        if line.strip() == "Example:":
+            nxt = next((x for x in lines[n + 1:] if x.strip()), "")
+            if nxt.lstrip().startswith(">>>"):
+                out[n] = line.replace("Example:", "Examples:")
+    return out
+
+
+class SphinxToMarkdown(griffe.Extension):
+    """Rewrites every docstring of the loaded package (see the module docstring)."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        for obj in _walk(pkg):
+            if obj.is_attribute and obj.docstring is None:
+                _comment_docstring(obj)
+            if obj.docstring is not None:
+                obj.docstring.value = self.rewrite(obj, obj.docstring.value)
+            if obj.is_class:
+                tabled = _documented_attributes(obj)
+                for name, member in list(obj.members.items()):
+                    if member.is_alias or member.docstring is not None:
+                        continue
+                    if (member.is_function and _is_module_subclass(obj)) or (member.is_attribute and name in tabled):
+                        del obj.members[name]
+            if obj.is_attribute and obj.parent is not None and obj.parent.is_module:
+                _show_value(obj)
+
+    def rewrite(self, obj: griffe.Object, text: str) -> str:
+        lines = _examples_sections(_fence_literal_blocks(text.split("\n")))
+        out = []
+        in_fence = False
+        for line in lines:
+            if FENCE.match(line):
+                in_fence = not in_fence
+                out.append(line)
+                continue
+            if in_fence or line.lstrip().startswith((">>>", "... ")):
+                out.append(line)
+                continue
+            line = ROLE.sub(lambda m: self.ref(obj, m.group(2), short=bool(m.group(1)), required=True), line)
+            line = BACKTICK.sub(lambda m: self.ref(obj, m.group(1), call=m.group(2) or "", required=False), line)
+            out.append(line)
+        return "\n".join(out)
+
+    def ref(self, obj: griffe.Object, name: str, *, short: bool = False, call: str = "", required: bool) -> str:
+        name = name.strip()
+        title = (name.rsplit(".", 1)[-1] if short else name) + call
+        target = _resolve(obj, name)
+        if target is None:
+            return f"`{title}`"
+        if not required and not target.startswith("treecompile"):
+            return f"`{title}`"
+        return f'<autoref identifier="{target}" optional><code>{title}</code></autoref>'
+
+
+def _documented_attributes(cls: griffe.Class) -> set[str]:
+    """Names in the class docstring's ``Attributes:`` table (shown there, not again below it)."""
+    if cls.docstring is None:
+        return set()
+    sections = griffe.parse_google(cls.docstring, warnings=False)
+    return {a.name for s in sections if s.kind is griffe.DocstringSectionKind.attributes for a in s.value}
+
+
+def _comment_docstring(attr: griffe.Attribute) -> None:
+    """Sphinx's ``#:`` comments above an attribute become its docstring."""
+    try:
+        lines = attr.parent.lines if attr.parent is not None else []
+    except Exception:
+        return
+    n = (attr.lineno or 0) - 2  # the line above, 0-based
+    comment: list[str] = []
+    while 0 <= n < len(lines) and lines[n].strip().startswith("#:"):
+        comment.insert(0, lines[n].strip()[2:].strip())
+        n -= 1
+    if comment:
+        attr.docstring = griffe.Docstring("\n".join(comment), parent=attr, lineno=n + 2)
+
+
+def _show_value(attr: griffe.Attribute) -> None:
+    """A module constant built from another one (``MASKS = tuple(MASK_KINDS)``) shows its value.
+
+    Evaluated statically, without importing the library: ``tuple``/``list``/``sorted`` of a
+    literal, or of the keys of a dict display, and integer arithmetic (``2 << 30``).
+    """
+    value = attr.value
+    if value is None or attr.docstring is None:
+        return
+    text = str(value)
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return
+    shown = None
+    if isinstance(tree, ast.BinOp):
+        try:
+            shown = repr(eval(compile(ast.Expression(tree), "<value>", "eval"), {"__builtins__": {}}))
+        except Exception:
+            return
+    elif (isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id in {"tuple", "list", "sorted"}
+          and len(tree.args) == 1 and not tree.keywords and isinstance(tree.args[0], ast.Name)):
+        items = _literal_items(attr, tree.args[0].id)
+        if items is not None:
+            shown = repr(tuple(items) if tree.func.id == "tuple" else sorted(items) if tree.func.id == "sorted" else list(items))
+    if shown is not None and len(shown) <= 200:
+        attr.value = shown
+
+
+def _literal_items(scope: griffe.Object, name: str) -> list | None:
+    """The elements of the literal tuple/list/set named ``name``, or the keys of its dict display.
+
+    The defining module's source is read with ``ast`` (found with ``importlib.util.find_spec``,
+    which imports no torch), as the ``treecompile.kernels`` and ``treecompile.passes`` packages
+    live outside the ``treecompile/`` folder that griffe scans.
+    """
+    try:
+        target = _canonical(scope, scope.parent.resolve(name))
+        module, _, attr = target.rpartition(".")
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+            if any(isinstance(t, ast.Name) and t.id == attr for t in targets) and node.value is not None:
+                if isinstance(node.value, ast.Dict):
+                    return [ast.literal_eval(k) for k in node.value.keys]
+                return list(ast.literal_eval(node.value))
+    except Exception:
+        return None
+    return None
+
+
+def _walk(obj: griffe.Object):
+    yield obj
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        yield from _walk(member)
+
+
+def _is_module_subclass(cls: griffe.Class) -> bool:
+    return any(str(base) in MODULE_BASES for base in cls.bases)
+
+
+def _resolve(obj: griffe.Object, name: str) -> str | None:
+    """The canonical path of ``name`` as written in ``obj``'s docstring, or None."""
+    first, _, rest = name.partition(".")
+    root = obj
+    while root.parent is not None:
+        root = root.parent
+    if first == root.name:
+        return _canonical(obj, name)
+    scope = obj
+    path = None
+    while scope is not None and path is None:
+        try:
+            path = scope.resolve(first)
+        except Exception:  # griffe.NameResolutionError and friends: try the enclosing scope
+            scope = scope.parent
+    if path is None:
+        return None
+    path = f"{path}.{rest}" if rest else path
+    return _canonical(obj, path)
+
+
+def _canonical(obj: griffe.Object, path: str) -> str:
+    """Follows aliases (``treecompile.TreeBatch`` -> ``treecompile.batch.TreeBatch``)."""
+    root = obj
+    while root.parent is not None:
+        root = root.parent
+    if not path.startswith(root.path):
+        return path
+    try:
+        found = root[path[len(root.path) + 1:]] if path != root.path else root
+    except Exception:
+        return path
+    for _ in range(5):
+        if not found.is_alias:
+            break
+        try:
+            found = found.final_target
+        except Exception:
+            return found.target_path
+    return found.path
