@@ -32,6 +32,7 @@ ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(~
 BACKTICK = re.compile(r"(?<![`\w])`([A-Za-z_][\w.]*)(\(\))?`(?![`\w])")
 LITERAL_INTRO = re.compile(r"^(?P<indent>\s*)(?P<text>.*?)(?P<sp>\s?)::\s*$")
 FENCE = re.compile(r"^\s*(```|~~~)")
+DOCS_PAGE = re.compile(r"``?docs/([\w-]+)\.md``?")
 MODULE_BASES = {"nn.Module", "torch.nn.Module", "Module", "torch.nn.modules.module.Module"}
 
 
@@ -116,14 +117,16 @@ class SphinxToMarkdown(griffe.Extension):
             if obj.docstring is not None:
                 obj.docstring.value = self.rewrite(obj, obj.docstring.value)
             if obj.is_class:
-                tabled = _documented_attributes(obj)
+                _attributes_to_members(obj)
                 for name, member in list(obj.members.items()):
                     if member.is_alias or member.docstring is not None:
                         continue
-                    if (member.is_function and _is_module_subclass(obj)) or (member.is_attribute and name in tabled):
+                    if member.is_function and _is_module_subclass(obj):
                         del obj.members[name]
             if obj.is_attribute and obj.parent is not None and obj.parent.is_module:
                 _show_value(obj)
+            if obj.is_attribute and obj.parent is not None and obj.parent.is_class and str(obj.value) == obj.name:
+                obj.value = None  # `self.mask = mask` says nothing
 
     def rewrite(self, obj: griffe.Object, text: str) -> str:
         lines = _examples_sections(_fence_literal_blocks(text.split("\n")))
@@ -139,6 +142,7 @@ class SphinxToMarkdown(griffe.Extension):
                 continue
             line = ROLE.sub(lambda m: self.ref(obj, m.group(2), short=bool(m.group(1)), required=True), line)
             line = BACKTICK.sub(lambda m: self.ref(obj, m.group(1), call=m.group(2) or "", required=False), line)
+            line = DOCS_PAGE.sub(lambda m: _page_ref(m.group(1)), line)
             out.append(line)
         return "\n".join(out)
 
@@ -153,12 +157,41 @@ class SphinxToMarkdown(griffe.Extension):
         return f'<autoref identifier="{target}" optional><code>{title}</code></autoref>'
 
 
-def _documented_attributes(cls: griffe.Class) -> set[str]:
-    """Names in the class docstring's ``Attributes:`` table (shown there, not again below it)."""
+ITEM = re.compile(r"^    (\w+)(?: \(([^)]*)\))?:\s?(.*)$")
+
+
+def _attributes_to_members(cls: griffe.Class) -> None:
+    """Each entry of the class docstring's ``Attributes:`` section becomes the docstring of the
+    attribute it names, so every attribute is documented once, under its own heading with its
+    type; the section is dropped when all its names are members."""
     if cls.docstring is None:
-        return set()
-    sections = griffe.parse_google(cls.docstring, warnings=False)
-    return {a.name for s in sections if s.kind is griffe.DocstringSectionKind.attributes for a in s.value}
+        return
+    lines = cls.docstring.value.split("\n")
+    try:
+        start = lines.index("Attributes:")
+    except ValueError:
+        return
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end].startswith(" ")):
+        end += 1
+    items: dict[str, list[str]] = {}
+    current = None
+    for line in lines[start + 1:end]:
+        m = ITEM.match(line)
+        if m:
+            current = m.group(1)
+            items[current] = [m.group(3)]
+        elif current is not None and line.strip():
+            items[current].append(line.strip())
+    members = {n: m for n, m in cls.members.items() if not m.is_alias and m.is_attribute}
+    if not items or not set(items) <= set(members):
+        return
+    for name, text in items.items():
+        member = members[name]
+        if member.docstring is None:
+            body = " ".join(text).strip()
+            member.docstring = griffe.Docstring(body[:1].upper() + body[1:], parent=member, lineno=member.lineno)
+    cls.docstring.value = "\n".join(lines[:start] + lines[end:]).strip()
 
 
 def _comment_docstring(attr: griffe.Attribute) -> None:
@@ -226,6 +259,12 @@ def _literal_items(scope: griffe.Object, name: str) -> list | None:
     except Exception:
         return None
     return None
+
+
+def _page_ref(name: str) -> str:
+    """``docs/NAME.md`` in a docstring: a link to that page (``scripts/docs_hooks.py`` registers
+    each page under that identifier)."""
+    return f'<autoref identifier="docs/{name}.md" optional><code>docs/{name}.md</code></autoref>'
 
 
 def _walk(obj: griffe.Object):

@@ -36,6 +36,14 @@ def on_files(files: Files, config, **kwargs) -> Files:
     return files
 
 
+def on_page_content(html: str, page, config, **kwargs) -> str:
+    """Registers each page as ``docs/<path>.md`` for cross-references from docstrings."""
+    autorefs = config.plugins.get("autorefs")
+    if autorefs is not None and page.toc.items:
+        autorefs.register_anchor(page, f"docs/{page.file.src_uri}", anchor=page.toc.items[0].id, primary=True)
+    return html
+
+
 # ------------------------------------------------------------------------------ CLI page
 
 
