@@ -163,7 +163,9 @@ ITEM = re.compile(r"^    (\w+)(?: \(([^)]*)\))?:\s?(.*)$")
 def _attributes_to_members(cls: griffe.Class) -> None:
     """Each entry of the class docstring's ``Attributes:`` section becomes the docstring of the
     attribute it names, so every attribute is documented once, under its own heading with its
-    type; the section is dropped when all its names are members."""
+    type; the section is dropped when all its names are members. An attribute that is also a
+    constructor argument (``Args:``, in the class or ``__init__`` docstring) gets that text."""
+    _args_to_members(cls)
     if cls.docstring is None:
         return
     lines = cls.docstring.value.split("\n")
@@ -192,6 +194,38 @@ def _attributes_to_members(cls: griffe.Class) -> None:
             body = " ".join(text).strip()
             member.docstring = griffe.Docstring(body[:1].upper() + body[1:], parent=member, lineno=member.lineno)
     cls.docstring.value = "\n".join(lines[:start] + lines[end:]).strip()
+
+
+def _section_items(text: str, title: str) -> dict[str, str]:
+    """``name: text`` entries of a Google-style section, continuation lines joined."""
+    lines = text.split("\n")
+    if title not in lines:
+        return {}
+    start = lines.index(title)
+    items: dict[str, list[str]] = {}
+    current = None
+    for line in lines[start + 1:]:
+        if line.strip() and not line.startswith(" "):
+            break
+        m = ITEM.match(line)
+        if m:
+            current = m.group(1)
+            items[current] = [m.group(3)]
+        elif current is not None and line.strip():
+            items[current].append(line.strip())
+    return {k: " ".join(v).strip() for k, v in items.items()}
+
+
+def _args_to_members(cls: griffe.Class) -> None:
+    args: dict[str, str] = {}
+    init = cls.members.get("__init__")
+    for doc in (cls.docstring, getattr(init, "docstring", None) if init is not None and not init.is_alias else None):
+        if doc is not None:
+            args.update(_section_items(doc.value, "Args:"))
+    for name, text in args.items():
+        member = cls.members.get(name)
+        if member is not None and not member.is_alias and member.is_attribute and member.docstring is None and text:
+            member.docstring = griffe.Docstring(text[:1].upper() + text[1:], parent=member, lineno=member.lineno)
 
 
 def _comment_docstring(attr: griffe.Attribute) -> None:

@@ -100,7 +100,7 @@ def _cli_page() -> str:
     out = [
         "# Command line",
         "",
-        "`pip install treecompile` installs the `treecompile` command. This page is generated from its",
+        "Installing treecompile (`pip install .` in a checkout) adds the `treecompile` command. This page is generated from its",
         "argparse definitions (`treecompile/cli.py` and the modules it registers) when the site is built,",
         "so it lists exactly the options the installed version takes. Every command also answers `--help`.",
         "Errors in the input print one line and exit with status 2.",
