@@ -143,6 +143,7 @@ class SphinxToMarkdown(griffe.Extension):
             line = ROLE.sub(lambda m: self.ref(obj, m.group(2), short=bool(m.group(1)), required=True), line)
             line = BACKTICK.sub(lambda m: self.ref(obj, m.group(1), call=m.group(2) or "", required=False), line)
             line = DOCS_PAGE.sub(lambda m: _page_ref(m.group(1)), line)
+            line = _cite(line)
             out.append(line)
         return "\n".join(out)
 
@@ -293,6 +294,22 @@ def _literal_items(scope: griffe.Object, name: str) -> list | None:
     except Exception:
         return None
     return None
+
+
+PAPERS = {"Tree Training": "ref-tree-training", "AReaL-DTA": "ref-areal-dta", "Prompt Trees": "ref-prompt-trees"}
+CITE = re.compile("|".join(re.escape(p) for p in PAPERS))
+
+
+def _cite(line: str) -> str:
+    """A paper named outside code links to the home page's reference list."""
+    out, last = [], 0
+    for m in CITE.finditer(line):
+        if line[:m.start()].count("`") % 2:
+            continue
+        out.append(line[last:m.start()])
+        out.append(f'<autoref identifier="{PAPERS[m.group(0)]}" optional>{m.group(0)}</autoref>')
+        last = m.end()
+    return "".join(out) + line[last:]
 
 
 def _page_ref(name: str) -> str:

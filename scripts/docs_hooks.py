@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,9 @@ def on_page_content(html: str, page, config, **kwargs) -> str:
     autorefs = config.plugins.get("autorefs")
     if autorefs is not None and page.toc.items:
         autorefs.register_anchor(page, f"docs/{page.file.src_uri}", anchor=page.toc.items[0].id, primary=True)
+    if autorefs is not None:  # the home page's reference list, for citations in docstrings
+        for anchor in re.findall(r'<span id="(ref-[\w-]+)"></span>', html):
+            autorefs.register_anchor(page, anchor, anchor=anchor, primary=True)
     return html
 
 

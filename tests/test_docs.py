@@ -240,6 +240,8 @@ def test_site_has_no_raw_math_roles_or_doctest_quotes(site_pages):
             problems.append(f"{name}: '>>>' inside a block quote")
         if ">>>" in prose:
             problems.append(f"{name}: '>>>' outside a code block")
+        if m := re.search(r"\S::(?=\s|$)", prose):
+            problems.append(f"{name}: reStructuredText '::' left in {prose[max(0, m.start() - 40):m.end()]!r}")
     assert not problems, "\n".join(problems)
 
 
