@@ -11,7 +11,7 @@ Both are added to the site's files in memory; nothing is written to ``docs/``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import logging
 import os
 import re
 import sys
@@ -22,10 +22,12 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT))  # the checkout's treecompile, also when it is not installed
 
 import docs_figures  # noqa: E402
 
 FIGURES = "figures"
+log = logging.getLogger("mkdocs.hooks.treecompile")
 
 
 def on_files(files: Files, config, **kwargs) -> Files:
@@ -33,7 +35,7 @@ def on_files(files: Files, config, **kwargs) -> Files:
     start = time.perf_counter()
     for name, data in docs_figures.make_figures().items():
         files.append(File.generated(config, f"{FIGURES}/{name}", content=data))
-    print(f"docs hooks: figures in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    log.info("diagrams drawn in %.1f s (scripts/docs_figures.py)", time.perf_counter() - start)
     return files
 
 
@@ -139,6 +141,3 @@ def _cli_page() -> str:
             out += ["Options:", ""] + [_option_line(a) for a in options] + [""]
     return "\n".join(out) + "\n"
 
-
-if importlib.util.find_spec("treecompile") is None:  # pragma: no cover - mkdocs run outside the checkout
-    sys.path.insert(0, str(ROOT))
