@@ -8,6 +8,8 @@
   row (`treecompile.inspection.mask_matrix`), with axes and a legend;
 * ``partition.svg``: a tree split into parts under a token capacity (`partition_tree`), the
   nodes each part computes and the duplicated ones;
+* ``sharding.svg``: the paths of a small forest split across 2 ranks (`shard_paths`), in
+  contiguous depth-first groups and greedily by token count, with the tokens both ranks compute;
 * ``speedup.svg``: the measured speedups over per-path packing against POR, read from the
   tables of ``docs/benchmarks.md`` (no number is typed here), with the bound ``1 / (1 - POR)``.
 
@@ -36,6 +38,7 @@ PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F
 VISIBLE, HIDDEN = "#264696", "#f4f4f4"
 SEQUENCES = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8]]  # the example of the home page and Concepts
 PARTITIONED = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 8, 9]]  # treecompile.partition's example
+SHARDED = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7, 8, 9], [10, 11, 12], [10, 11, 13]]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 
 
@@ -200,6 +203,35 @@ def partition() -> Figure:
     return fig
 
 
+def sharding() -> Figure:
+    """The paths of a forest split across 2 ranks: contiguous DFS groups against greedy by tokens."""
+    from treecompile import TrajectoryTree
+    from treecompile.shard import shard_paths
+
+    tree = TrajectoryTree.from_sequences(SHARDED)
+    ranks = 2
+    fig = _figure(9.0, 3.2)
+    axes = fig.subplots(1, 2)
+    for ax, method, label in zip(axes, ("dfs", "greedy_tokens"), ("contiguous DFS groups",
+                                                                    "longest path first")):
+        s = shard_paths([tree], ranks=ranks, method=method)
+        used: dict[int, set[int]] = {v: set() for v in range(tree.num_nodes)}
+        for rank, shard in enumerate(s.shards):
+            for _, paths in shard.pieces:
+                for p in paths.tolist():
+                    for v in tree.path_nodes(p):
+                        used[int(v)].add(rank)
+        colours = [PALETTE[min(used[v])] if len(used[v]) == 1 else "#777777" for v in range(tree.num_nodes)]
+        _draw_tree(ax, tree, colours, hatched={v for v in used if len(used[v]) > 1})
+        ax.set_title(f"shard_paths(..., method=\"{method}\"): {label}\n"
+                     f"tokens per rank {s.rank_tokens}, {s.duplicated_tokens} computed twice", fontsize=10, loc="left")
+    fig.legend(handles=[Patch(facecolor=PALETTE[0], label="rank 0"), Patch(facecolor=PALETTE[1], label="rank 1"),
+                        Patch(facecolor="#777777", hatch="///", label="computed on both ranks")],
+               loc="lower center", ncols=3, fontsize=9, frameon=False, bbox_to_anchor=(0.5, -0.02))
+    fig.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
+    return fig
+
+
 def measured_speedups(text: str) -> list[dict]:
     """The rows of every measured table of ``docs/benchmarks.md`` that has POR, method and speedup
     columns, with the section they belong to."""
@@ -261,7 +293,7 @@ def speedup() -> Figure:
     return fig
 
 
-FIGURES = {"tree-row-mask": tree_row_mask, "partition": partition, "speedup": speedup}
+FIGURES = {"tree-row-mask": tree_row_mask, "partition": partition, "sharding": sharding, "speedup": speedup}
 
 
 def make_figures(fmt: str = "svg") -> dict[str, bytes]:

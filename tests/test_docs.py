@@ -271,7 +271,7 @@ def test_site_loads_nothing_from_outside(site_pages, site: Path):
                 if not target.resolve().is_file():
                     problems.append(f"{name}: <{tag}> {url} is not in the site")
     assert not problems, "\n".join(problems)
-    for figure in ("tree-row-mask.svg", "partition.svg", "speedup.svg"):
+    for figure in ("tree-row-mask.svg", "partition.svg", "sharding.svg", "speedup.svg"):
         assert (site / "figures" / figure).stat().st_size > 1000, f"figures/{figure} was not drawn"
 
 
