@@ -111,11 +111,13 @@ class SphinxToMarkdown(griffe.Extension):
     """Rewrites every docstring of the loaded package (see the module docstring)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
-        for obj in _walk(pkg):
+        objects = list(_walk(pkg))
+        for obj in objects:  # first every docstring, once, so that the texts moved below are Markdown
             if obj.is_attribute and obj.docstring is None:
                 _comment_docstring(obj)
             if obj.docstring is not None:
                 obj.docstring.value = self.rewrite(obj, obj.docstring.value)
+        for obj in objects:
             if obj.is_class:
                 _attributes_to_members(obj)
                 for name, member in list(obj.members.items()):
