@@ -330,3 +330,25 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
         exec(compile(source, filename, "exec"), namespace)
     capsys.readouterr()
+
+
+def test_docstring_conversion_reads_rest_habits_as_markdown():
+    """scripts/docs_griffe.py: literal blocks become fences, '>>>' examples an Examples section,
+    roles links (optional ones, so a name on no page stays code)."""
+    pytest.importorskip("griffe")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import griffe
+    from docs_griffe import SphinxToMarkdown
+
+    doc = (
+        "Summary.\n\nExample::\n\n    treecompile stats x.jsonl\n\nRendered as::\n\n    a = 1\n\n"
+        "See :class:`~treecompile.batch.TreeBatch` and :func:`nowhere_at_all`.\n\n"
+        "Example:\n    >>> 1 + 1\n    2\n"
+    )
+    module = griffe.Module("treecompile")
+    text = SphinxToMarkdown().rewrite(module, doc)
+    assert "Example:\n\n    ```bash\n    treecompile stats x.jsonl\n    ```" in text
+    assert "Rendered as:\n\n```python\na = 1\n```" in text
+    assert '<autoref identifier="treecompile.batch.TreeBatch" optional><code>TreeBatch</code></autoref>' in text
+    assert "`nowhere_at_all`" in text and ":func:" not in text and ":class:" not in text
+    assert "Examples:\n    >>> 1 + 1\n    2" in text
