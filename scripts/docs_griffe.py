@@ -13,7 +13,13 @@ sees them rewritten:
 * an ``Example:`` section of ``>>>`` lines becomes an ``Examples:`` section, which griffe
   renders as code;
 * methods of an ``nn.Module`` subclass without a docstring (the forwarded ``parameters``,
-  ``state_dict``, ...) are left out of the page.
+  ``state_dict``, ...) are left out of the page;
+* an ``Attributes:`` entry becomes its attribute's docstring (and a constructor argument's text
+  that of the attribute it sets), Sphinx ``#:`` comments document constants, and a constant
+  built from a literal shows its value;
+* ``docs/NAME.md`` and the papers' short names link to their page and reference;
+* ``treecompile.kernels`` and ``treecompile.passes``, which live beside ``treecompile/``
+  (pyproject's package-dir), are attached so that pages can document them.
 
 mkdocs.yml loads it through the python handler's ``extensions`` option.
 """
@@ -111,6 +117,8 @@ class SphinxToMarkdown(griffe.Extension):
     """Rewrites every docstring of the loaded package (see the module docstring)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        if pkg.name == "treecompile":
+            _attach_mapped_subpackages(pkg)
         objects = list(_walk(pkg))
         for obj in objects:  # first every docstring, once, so that the texts moved below are Markdown
             if obj.is_attribute and obj.docstring is None:
@@ -318,6 +326,25 @@ def _page_ref(name: str) -> str:
     """``docs/NAME.md`` in a docstring: a link to that page (``scripts/docs_hooks.py`` registers
     each page under that identifier)."""
     return f'<autoref identifier="docs/{name}.md" optional><code>docs/{name}.md</code></autoref>'
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# pyproject.toml's package-dir: these subpackages of treecompile live beside treecompile/, not in it.
+MAPPED_SUBPACKAGES = {"kernels": ROOT / "kernels", "passes": ROOT / "passes"}
+
+
+def _attach_mapped_subpackages(pkg: griffe.Module) -> None:
+    """``treecompile.kernels`` and ``treecompile.passes``, loaded from their folders, so that API
+    pages and cross-references can name them."""
+    for name, folder in MAPPED_SUBPACKAGES.items():
+        if name in pkg.members or not (folder / "__init__.py").is_file():
+            continue
+        try:
+            sub = griffe.load(name, search_paths=[str(folder.parent)], docstring_parser="google",
+                              resolve_aliases=False)
+        except Exception:  # noqa: BLE001 - a folder griffe cannot read is simply not documented
+            continue
+        pkg.set_member(name, sub)
 
 
 def _walk(obj: griffe.Object):
