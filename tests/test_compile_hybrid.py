@@ -31,6 +31,7 @@ from testing import TOLERANCES, assert_grads_close, backward_grads
 import treecompile as tc
 from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
 from treecompile.compile import TreeCompiledModel, tree_compile
+from treecompile.selfcheck import verify_tree_compile
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import conv, gdn, mamba2, recurrence
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -477,11 +478,12 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     batch, trees = make_batch(tree) if tree in ("branchy", "forest") else _pack(TREES[tree])
     # Against the unmodified model per path. HF's GDN and Mamba2 fallbacks compute in
     # float32 (they cast), so this comparison has a float32 floor: absolute TOL["hf"].
-    compare_with_paths(model, compiled, batch, trees, tol="hf")
+    tree_run = backward_grads(model, lambda: compiled(batch))
+    compare_with_paths(model, compiled, batch, trees, tol="hf", tree_run=tree_run)
     # Against per-path training with the same linear-sequence kernels swapped in (checked
     # against the reference loop and HF's kernels above): float64 but for HF's float32 norms,
     # so every gradient, however small, within the scaled ("float64", "hf") budget.
-    _, tree_grads = backward_grads(model, lambda: compiled(batch))
+    tree_grads = tree_run[1]
     with _swapped(_sequence_kernels(model)):
         _, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees))
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
@@ -502,9 +504,9 @@ def test_qwen3_next_kernels_are_restored_after_each_call():
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
 def test_hybrid_verify_passes(name):
-    compiled = tree_compile(_model(name), verify=True)
-    compiled(make_batch("branchy")[0])
-    assert compiled.verified.worst_grad_diff < compiled.verified.tolerance
+    _, compiled = _compiled(name)
+    report = verify_tree_compile(compiled, make_batch("branchy")[0])
+    assert report.worst_grad_diff < report.tolerance
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
@@ -520,19 +522,19 @@ def test_hybrid_without_its_pass_is_refused(missing, name):
 
 def _mamba():
     return transformers.MambaConfig(
-        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=1, expand=2, conv_kernel=4,
     )
 
 
 def _falcon_mamba():
     return transformers.FalconMambaConfig(
-        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=1, expand=2, conv_kernel=4,
     )
 
 
 def _jamba():
     return transformers.JambaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False,
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
     )
@@ -540,16 +542,16 @@ def _jamba():
 
 def _zamba():
     return transformers.ZambaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        layers_block_type=["mamba", "hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        layers_block_type=["mamba"], num_attention_heads=4, num_key_value_heads=4,
         n_mamba_heads=2, use_mamba_kernels=False, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
     )
 
 
 def _kimi_linear():
     return transformers.KimiLinearConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"], num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        layer_types=["linear_attention"], mlp_layer_types=["dense"], num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
         qk_nope_head_dim=8, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0,
         bos_token_id=1, eos_token_id=2,
@@ -558,8 +560,8 @@ def _kimi_linear():
 
 def _bailing_hybrid():
     return transformers.BailingHybridConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], first_k_dense_replace=2, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        layer_types=["linear_attention"], first_k_dense_replace=1, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8,
         n_group=1, topk_group=1, short_conv_kernel_size=4, num_mtp_layers=0, pad_token_id=0, eos_token_id=1,
     )

@@ -19,7 +19,7 @@ from torch import nn
 import treecompile as tc
 from treecompile.reference import per_path_loss
 
-from testing import COMPILE_TOL
+from testing import COMPILE_TOL, backward_grads
 
 VOCAB = 64
 
@@ -216,18 +216,18 @@ def tiny(cls, seed: int = 0, **kw) -> nn.Module:
     return cls(**kw).double().eval()
 
 
-def compare_with_paths(model: nn.Module, compiled, batch, trees, tol: str | None = None) -> dict[str, float]:
+def compare_with_paths(
+    model: nn.Module, compiled, batch, trees, tol: str | None = None, tree_run: tuple | None = None
+) -> dict[str, float]:
     """Runs the tree and the per-path reference; returns max |diff| of loss, logprobs and grads.
 
     Both sides get fresh gradients; the reference runs the unmodified model on each
     root-to-leaf path alone. The batch uses the default token-mean loss on both sides.
     With ``tol`` (a key of :data:`TOL`), also asserts loss, logprobs and every gradient
-    are within it, naming the parameter that is not.
+    are within it, naming the parameter that is not. ``tree_run``: the tree side's
+    ``(out, grads)`` from :func:`testing.backward_grads`, when the caller already ran it.
     """
-    model.zero_grad(set_to_none=True)
-    out = compiled(batch)
-    out.loss.backward()
-    tree_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, tree_grads = tree_run if tree_run is not None else backward_grads(model, lambda: compiled(batch))
     tree_loss = out.loss.detach().clone()
     model.zero_grad(set_to_none=True)
     ref = per_path_loss(model, trees)

@@ -64,10 +64,11 @@ def test_generated_trees_reuse_one_graph():
     assert len(compiled.compile_records) == 1
 
 
-@pytest.mark.parametrize("mode", LOSS_MODES)
-def test_qwen3_on_real_gsm8k_and_tau_bench_trees(mode):
+@pytest.fixture(scope="module")
+def real_trees():
     """Trees from the bundled real data (GSM8K groups of 4 solutions; tau-bench trials cut
-    after their second assistant turn), tokenized with the bundled 2048-token BPE."""
+    after their second assistant turn), tokenized with the bundled 2048-token BPE, and one
+    compiled Qwen3 that every loss mode reuses."""
     from treecompile.data import sample_gsm8k, sample_tau_bench
     from treecompile.tokenizer import load_tokenizer
 
@@ -81,7 +82,12 @@ def test_qwen3_on_real_gsm8k_and_tau_bench_trees(mode):
     trees = [TrajectoryTree.from_messages(g, tok) for g in gsm]
     trees.append(TrajectoryTree.from_messages(cut, tok, samples="assistant_turns"))
     model = _qwen3(tok.vocab_size)
-    compiled = tree_compile(model)
+    return trees, model, tree_compile(model)
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_qwen3_on_real_gsm8k_and_tau_bench_trees(real_trees, mode):
+    trees, model, compiled = real_trees
     batch = pack(trees, loss_mode=mode)
     assert batch.num_paths == sum(t.num_paths for t in trees) == 4 + 4 + 8
     from treecompile.reference import per_path_loss
