@@ -75,6 +75,14 @@ class TreeOutput:
     aux_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
+    def __getitem__(self, key: int | str) -> torch.Tensor | None:
+        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
+        if key == 0:
+            return self.loss
+        if isinstance(key, str) and key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
+
 
 def tree_compile(
     model: nn.Module,
@@ -227,7 +235,16 @@ class TreeCompiledModel(nn.Module):
 
     def train(self, mode: bool = True) -> TreeCompiledModel:
         self._inner.train(mode)
+        self.training = mode
         return self
+
+    @property
+    def __class__(self) -> type:
+        # A Hugging Face model's wrapper passes isinstance checks as the model (as a transparent
+        # proxy does), so that Trainer.save_model saves the plain model with save_pretrained;
+        # type() still gives TreeCompiledModel. See treecompile/integrations/hf.py.
+        state = object.__getattribute__(self, "__dict__")
+        return type(state["_inner"]) if state.get("_is_hf") else type(self)
 
     def _apply(self, fn, recurse=True):
         self._inner._apply(fn, recurse)
@@ -461,8 +478,11 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
+    ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
     tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
+    base = model.get_base_model() if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model") else model
+    return tf is not None and isinstance(base, tf.PreTrainedModel)
 
 
 def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
