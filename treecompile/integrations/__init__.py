@@ -6,6 +6,7 @@ transformers nor trl.
 
 - :mod:`treecompile.integrations.hf`: Hugging Face ``Trainer`` (a collator).
 - :mod:`treecompile.integrations.trl`: TRL's ``SFTTrainer`` and ``GRPOTrainer``.
+- :mod:`treecompile.integrations.verl`: verl rollout batches to tree batches and back.
 """
 
 from __future__ import annotations
