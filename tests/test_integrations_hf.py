@@ -217,3 +217,15 @@ def test_collator_refuses_records_it_cannot_train_exactly(record, match):
 def test_collator_refuses_an_unknown_loss_mode():
     with pytest.raises(ValueError, match="unknown loss_mode 'mean'; valid modes: token-mean"):
         TreeCollator(loss_mode="mean")
+
+
+def test_importing_the_integrations_imports_no_framework():
+    code = (
+        "import sys\n"
+        "import treecompile, treecompile.integrations\n"
+        "from treecompile.integrations import hf, verl\n"
+        "loaded = sorted(m for m in ('transformers', 'trl', 'verl', 'ray', 'accelerate') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "assert treecompile.integrations.hf is hf\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
