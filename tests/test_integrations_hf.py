@@ -70,10 +70,15 @@ def _pad(features: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(base, *, tree: bool, tmp_path, **args):
+def _train(base, *, tree: bool, tmp_path, lora: bool = False, **args):
     """``(losses [STEPS], updates [STEPS] of {name: tensor}, trainer, model)`` of a 3-step run
-    on a copy of ``base``."""
+    on a copy of ``base`` (with random LoRA adapters on q and v if ``lora``)."""
     model = copy.deepcopy(base)
+    if lora:
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
     seen, losses, updates = [], [], []
     before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
 
@@ -140,6 +145,20 @@ def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, tmp_pa
     if checkpointing:
         assert dict(trainer.model.counters["subgraphs"]) == {"checkpoint": 2}
         _assert_saved_model_loads_without_treecompile(trainer, model, tmp_path / "final")
+
+
+def test_trainer_on_trees_trains_lora_adapters_as_the_stock_trainer(tmp_path):
+    base = _qwen3().double()
+    stock_losses, stock_updates, *_ = _train(base, tree=False, tmp_path=tmp_path, lora=True)
+    tree_losses, tree_updates, _, trainer, model = _train(base, tree=True, tmp_path=tmp_path, lora=True)
+    loss_rtol, update_tol = TRAINER_TOLERANCE["float64"]
+    torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(stock_losses), rtol=loss_rtol, atol=0)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    _assert_updates_close([{n: u[n] for n in trained} for u in tree_updates],
+                          [{n: u[n] for n in trained} for u in stock_updates], update_tol)
+    trainer.save_model(str(tmp_path / "adapter"))  # the adapter, as PEFT saves it
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
 
 
 def test_trainer_bf16_autocast_error_is_within_the_stock_trainers(tmp_path):
