@@ -66,8 +66,10 @@ def test_wrapper_passes_as_the_model_and_keeps_its_attributes():
 
 
 def test_train_and_eval_reach_the_model_and_the_wrapper():
-    model = _qwen3()
+    model = _qwen3().eval()
     compiled = tc.tree_compile(model)
+    assert not compiled.training  # the model's mode at compile time
+    compiled.train()
     assert compiled.eval() is compiled
     assert not compiled.training and not model.training and not any(m.training for m in model.modules())
     compiled.train()

@@ -162,6 +162,7 @@ class TreeCompiledModel(nn.Module):
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
+        self.training = model.training
         self.mask = mask
         self.verify = verify
         self._backend_name = backend
