@@ -57,7 +57,8 @@ def _rollout(tp: int = 6, tr: int = 6) -> dict[str, torch.Tensor]:
             response_mask[i, :n] = 1
     response_mask[1, 2] = 0  # a tool output inside response 1: context, not trained
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0], dtype=torch.float64)
-    adv = (rewards.view(2, 3) - rewards.view(2, 3).mean(1, keepdim=True)) / (rewards.view(2, 3).std(1, keepdim=True) + 1e-6)
+    groups = rewards.view(2, 3)
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
     return {
         "prompts": prompts, "responses": responses, "attention_mask": attention, "response_mask": response_mask,
         "input_ids": torch.cat([prompts, responses], 1),

@@ -482,7 +482,8 @@ def _is_hf_model(model: nn.Module) -> bool:
     """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
     ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
     tf = sys.modules.get("transformers")
-    base = model.get_base_model() if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model") else model
+    peft = type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
     return tf is not None and isinstance(base, tf.PreTrainedModel)
 
 
