@@ -3,6 +3,8 @@ generate, train/eval, state dicts, gradient checkpointing and PEFT adapters."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_compile_models import compare_with_paths, make_batch
@@ -86,6 +88,22 @@ def test_load_state_dict_loads_the_model():
     assert not result.missing_keys and not result.unexpected_keys
     for (n, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_deepcopy_copies_the_model_and_keeps_the_options():
+    model = _qwen3()
+    compiled = tc.tree_compile(model, mask="bitmask", outputs=("entropy",))
+    batch, _ = make_batch("branchy")
+    first = compiled(batch)
+    twin = copy.deepcopy(compiled)
+    assert type(twin) is TreeCompiledModel and twin.model is not model
+    assert (twin.mask, twin._outputs) == ("bitmask", ("entropy",))
+    assert all(p is not q and torch.equal(p, q) for p, q in zip(twin.parameters(), model.parameters()))
+    out = twin(batch)
+    torch.testing.assert_close(out.loss, first.loss, rtol=0, atol=0)
+    assert out.entropy is not None
+    out.loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # the copy trains its own parameters
 
 
 def test_generate_runs_the_original_model():

@@ -13,6 +13,7 @@ as inputs through a marker op; the BlockMask is built once per batch, outside th
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import sys
 import types
@@ -253,6 +254,12 @@ class TreeCompiledModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none)
+
+    def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
+        # A copy of the model, wrapped with the same options (compiled again at its first call),
+        # as a reference-model copy of a trainer expects.
+        return type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
+                          verify=self.verify, passes=self._passes, outputs=self._outputs)
 
     @property
     def counters(self) -> dict[str, Counter]:
