@@ -137,3 +137,17 @@ def dense_tree_attention(q, k, v, visible, scale: float, softcap: float | None) 
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+
+# Hugging Face Trainer on trees against the stock Trainer (tests/test_integrations_hf.py):
+# dtype -> (loss rtol, update tolerance relative to each parameter's largest update entry).
+# The stock causal-LM loss casts the logits to float32 (transformers' ForCausalLMLoss), so even
+# a float64 model's stock loss and gradients carry float32 rounding. Measured over 3 SGD steps
+# on tiny Qwen3: float64 loss 1e-7 relative, updates 1.1e-6; float32 loss 1.1e-7, updates
+# 3.7e-5 (norm weights, whose updates are small). A wrong mask or normalisation shows as 1e-3.
+TRAINER_TOLERANCE = {
+    "float64": (1e-6, 1e-5),
+    "float32": (1e-6, 2e-4),
+}
+#: bf16 autocast: how much farther from the float32 stock run the tree run may be than the
+#: stock bf16 run (the GPU check's and tests/test_compile_mixed_precision.py's rule).
+TRAINER_ERROR_RATIO = 1.5

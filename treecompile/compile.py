@@ -13,6 +13,7 @@ as inputs through a marker op; the BlockMask is built once per batch, outside th
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import sys
 import types
@@ -77,6 +78,14 @@ class TreeOutput:
     logprobs: torch.Tensor
     aux_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+    def __getitem__(self, key: int | str) -> torch.Tensor | None:
+        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
+        if key == 0:
+            return self.loss
+        if isinstance(key, str) and key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
 
 
 def tree_compile(
@@ -160,6 +169,7 @@ class TreeCompiledModel(nn.Module):
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
+        self.training = model.training
         self.mask = mask
         self.verify = verify
         self._backend_name = backend
@@ -233,7 +243,16 @@ class TreeCompiledModel(nn.Module):
 
     def train(self, mode: bool = True) -> TreeCompiledModel:
         self._inner.train(mode)
+        self.training = mode
         return self
+
+    @property
+    def __class__(self) -> type:
+        # A Hugging Face model's wrapper passes isinstance checks as the model (as a transparent
+        # proxy does), so that Trainer.save_model saves the plain model with save_pretrained;
+        # type() still gives TreeCompiledModel. See treecompile/integrations/hf.py.
+        state = object.__getattribute__(self, "__dict__")
+        return type(state["_inner"]) if state.get("_is_hf") else type(self)
 
     def _apply(self, fn, recurse=True):
         self._inner._apply(fn, recurse)
@@ -241,6 +260,12 @@ class TreeCompiledModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none)
+
+    def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
+        # A copy of the model, wrapped with the same options (compiled again at its first call),
+        # as a reference-model copy of a trainer expects.
+        return type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
+                          verify=self.verify, passes=self._passes, outputs=self._outputs)
 
     @property
     def counters(self) -> dict[str, Counter]:
@@ -467,8 +492,12 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
+    ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
     tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
+    peft = type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    return tf is not None and isinstance(base, tf.PreTrainedModel)
 
 
 def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):

@@ -1,0 +1,250 @@
+"""Hugging Face ``Trainer`` on tree batches (`treecompile.integrations.hf`) against the stock
+``Trainer`` on the same records, step for step.
+
+The stock run is the unmodified model on the padded records with ``labels`` (-100 on prompt
+and padding tokens): Hugging Face's causal-LM loss, the mean over every trained token of the
+micro-batch. The tree run merges each micro-batch into one prefix tree (``token-mean``: the
+same mean). Both use SGD with a constant learning rate and the default gradient clipping, so
+each step's parameter update is the (clipped) gradient times the learning rate: comparing
+updates compares gradients. (Adam's first update is ``lr * sign(grad)``, so a rounding
+difference in a near-zero gradient would move a parameter by ``2 * lr``: not a fair test.)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from testing import TRAINER_ERROR_RATIO, TRAINER_TOLERANCE
+
+import treecompile as tc
+from treecompile.errors import TreeInputError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer's own requirement
+from treecompile.integrations.hf import TreeCollator  # noqa: E402
+
+STEPS, BATCH = 3, 4
+
+
+def _qwen3():
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # no identity norms
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _records() -> list[dict]:
+    """12 records (3 micro-batches of 4): prompts sharing prefixes of one system prompt, responses
+    of 1 to 6 tokens, prompt tokens masked with -100; a repeated record and one that is a
+    prefix of another, so that trees have paths ending inside them and repeated paths."""
+    g = torch.Generator().manual_seed(1)
+    system = [5, 6, 7, 8]
+    out = []
+    for i in range(10):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        response = torch.randint(1, 64, (n,), generator=g).tolist()
+        prompt = system[: 2 + i % 3]
+        out.append({"input_ids": prompt + response, "labels": [-100] * len(prompt) + response})
+    out.append(dict(out[0]))
+    out.append({"input_ids": out[1]["input_ids"][:-1], "labels": out[1]["labels"][:-1]})
+    return out
+
+
+def _pad(features: list[dict]) -> dict[str, torch.Tensor]:
+    """The stock collator: right padding, -100 labels and a zero attention mask on the padding."""
+    longest = max(len(f["input_ids"]) for f in features)
+    fill = [longest - len(f["input_ids"]) for f in features]
+    return {
+        "input_ids": torch.tensor([f["input_ids"] + [0] * n for f, n in zip(features, fill)]),
+        "labels": torch.tensor([f["labels"] + [-100] * n for f, n in zip(features, fill)]),
+        "attention_mask": torch.tensor([[1] * len(f["input_ids"]) + [0] * n for f, n in zip(features, fill)]),
+    }
+
+
+def _train(base, *, tree: bool, tmp_path, lora: bool = False, **args):
+    """``(losses [STEPS], updates [STEPS] of {name: tensor}, trainer, model)`` of a 3-step run
+    on a copy of ``base`` (with random LoRA adapters on q and v if ``lora``)."""
+    model = copy.deepcopy(base)
+    if lora:
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+    seen, losses, updates = [], [], []
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+    class Record(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            now = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            updates.append({n: now[n] - before[n] for n in now})
+            before.update(now)
+
+    collator = TreeCollator() if tree else _pad
+
+    def collate(features):
+        seen.append([f["input_ids"] for f in features])
+        return collator(features)
+
+    training_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("tree" if tree else "stock")), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", use_cpu=True, report_to="none",
+        save_strategy="no", remove_unused_columns=False, seed=0, disable_tqdm=True, **args,
+    )
+    trainer = transformers.Trainer(
+        model=tc.tree_compile(model) if tree else model, args=training_args, train_dataset=_records(),
+        data_collator=collate, callbacks=[Record()],
+    )
+    compute_loss = trainer.compute_loss
+
+    def recorded(*a, **k):
+        loss = compute_loss(*a, **k)
+        losses.append(loss.detach().double().item())
+        return loss
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    assert len(losses) == len(updates) == STEPS
+    return losses, updates, seen, trainer, model
+
+
+def _assert_updates_close(got: list[dict], want: list[dict], tol: float) -> None:
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name, ref in w.items():
+            scale = max(ref.abs().max().item(), 1e-30)
+            err = (g[name] - ref).abs().max().item() / scale
+            assert err <= tol, f"step {step}, {name}: update differs by {err:.2e} of its largest entry > {tol:.0e}"
+
+
+def _rel_error(updates: list[dict], ref: list[dict]) -> float:
+    num = sum(((got[n] - want[n]) ** 2).sum() for got, want in zip(updates, ref) for n in want)
+    den = sum((r**2).sum() for want in ref for r in want.values())
+    return (num / den).sqrt().item()
+
+
+@pytest.mark.parametrize("dtype, checkpointing", [(torch.float64, False), (torch.float32, True)],
+                         ids=["float64", "float32-checkpointing"])
+def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, tmp_path):
+    base = _qwen3().to(dtype)
+    stock_losses, stock_updates, stock_seen, _, _ = _train(base, tree=False, tmp_path=tmp_path,
+                                                           gradient_checkpointing=checkpointing)
+    tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path,
+                                                              gradient_checkpointing=checkpointing)
+    assert tree_seen == stock_seen  # the same records in the same micro-batches
+    loss_rtol, update_tol = TRAINER_TOLERANCE[str(dtype).removeprefix("torch.")]
+    torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(stock_losses), rtol=loss_rtol, atol=0)
+    _assert_updates_close(tree_updates, stock_updates, update_tol)
+    if checkpointing:
+        assert dict(trainer.model.counters["subgraphs"]) == {"checkpoint": 2}
+        _assert_saved_model_loads_without_treecompile(trainer, model, tmp_path / "final")
+
+
+def test_trainer_on_trees_trains_lora_adapters_as_the_stock_trainer(tmp_path):
+    base = _qwen3().double()
+    stock_losses, stock_updates, *_ = _train(base, tree=False, tmp_path=tmp_path, lora=True)
+    tree_losses, tree_updates, _, trainer, model = _train(base, tree=True, tmp_path=tmp_path, lora=True)
+    loss_rtol, update_tol = TRAINER_TOLERANCE["float64"]
+    torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(stock_losses), rtol=loss_rtol, atol=0)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    _assert_updates_close([{n: u[n] for n in trained} for u in tree_updates],
+                          [{n: u[n] for n in trained} for u in stock_updates], update_tol)
+    trainer.save_model(str(tmp_path / "adapter"))  # the adapter, as PEFT saves it
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+
+
+def test_trainer_bf16_autocast_error_is_within_the_stock_trainers(tmp_path):
+    """bf16 autocast and gradient checkpointing on (TRL's defaults): the tree run's distance from
+    the float32 stock run is at most the stock bf16 run's, times the GPU check's ratio."""
+    base = _qwen3()
+    ref_losses, ref_updates, *_ = _train(base, tree=False, tmp_path=tmp_path, gradient_checkpointing=True)
+    runs = {tree: _train(base, tree=tree, tmp_path=tmp_path, gradient_checkpointing=True, bf16=True)
+            for tree in (False, True)}
+    (stock_losses, stock_updates, *_), (tree_losses, tree_updates, *_) = runs[False], runs[True]
+    stock_err, tree_err = _rel_error(stock_updates, ref_updates), _rel_error(tree_updates, ref_updates)
+    assert 0 < tree_err <= TRAINER_ERROR_RATIO * stock_err, (tree_err, stock_err)
+    stock_loss_err = max(abs(a - b) for a, b in zip(stock_losses, ref_losses))
+    tree_loss_err = max(abs(a - b) for a, b in zip(tree_losses, ref_losses))
+    assert tree_loss_err <= TRAINER_ERROR_RATIO * stock_loss_err, (tree_loss_err, stock_loss_err)
+
+
+def _assert_saved_model_loads_without_treecompile(trainer, model, path) -> None:
+    """``trainer.save_model`` wrote the plain model: a fresh interpreter that never imports
+    treecompile loads it with ``from_pretrained``, with the trained weights."""
+    trainer.save_model(str(path))
+    load = (
+        "import json, sys, transformers\n"
+        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
+        "assert 'treecompile' not in sys.modules\n"
+        "sums = {k: v.double().sum().item() for k, v in m.state_dict().items()}\n"
+        "print(json.dumps({'class': type(m).__name__, 'dtype': str(m.dtype), 'sums': sums}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, check=True, timeout=300)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (loaded["class"], loaded["dtype"]) == (type(model).__name__, str(model.dtype))
+    assert loaded["sums"] == {k: v.double().sum().item() for k, v in model.state_dict().items()}
+
+
+def test_trainer_dropping_the_columns_is_told_how_to_keep_them(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                          per_device_train_batch_size=BATCH)
+    assert args.remove_unused_columns  # the default
+    trainer = transformers.Trainer(model=tc.tree_compile(_qwen3()), args=args, train_dataset=_records(),
+                                   data_collator=TreeCollator())
+    with pytest.raises(TreeInputError, match=r"has no 'input_ids'.*remove_unused_columns=False"):
+        next(iter(trainer.get_train_dataloader()))
+
+
+# ----------------------------------------------------------------------------- the collator alone
+
+
+def test_collator_merges_the_micro_batch_into_one_tree_and_leaves_records_alone():
+    records = _records()[:BATCH]
+    kept = copy.deepcopy(records)
+    batch = TreeCollator()(records)["batch"]
+    assert records == kept
+    assert batch.num_paths == BATCH
+    assert batch.num_tokens < sum(len(r["input_ids"]) for r in records)  # the shared prompt once
+    # token-mean over the trained (label != -100) tokens; position 0 never trains.
+    trained = sum(sum(y != -100 for y in r["labels"][1:]) for r in records)
+    torch.testing.assert_close(batch.target_weight.sum(), torch.tensor(1.0, dtype=batch.target_weight.dtype))
+    assert int((batch.target_weight > 0).sum()) <= trained
+    # Unlabelled records train every token after the first; trees pass through.
+    tree = tc.TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    both = TreeCollator(loss_mode="sum")([{"input_ids": torch.tensor([9, 8, 7])}, tree])["batch"]
+    assert both.num_paths == 3 and float(both.target_weight.sum()) == 2 + 2 + 2
+
+
+@pytest.mark.parametrize("record, match", [
+    ({"input_ids": [1, 2, 3], "labels": [-100, 2]}, "2 labels for 3 input_ids"),
+    ({"input_ids": [1, 2, 3], "labels": [-100, 5, 3]}, r"labels\[1\] = 5 is neither input_ids\[1\] = 2"),
+    ([1, 2, 3], "record 0 is a list"),
+], ids=["length", "other-token", "not-a-record"])
+def test_collator_refuses_records_it_cannot_train_exactly(record, match):
+    with pytest.raises(TreeInputError, match=match):
+        TreeCollator()([record])
+
+
+def test_collator_refuses_an_unknown_loss_mode():
+    with pytest.raises(ValueError, match="unknown loss_mode 'mean'; valid modes: token-mean"):
+        TreeCollator(loss_mode="mean")
+
+
+def test_importing_the_integrations_imports_no_framework():
+    code = (
+        "import sys\n"
+        "import treecompile, treecompile.integrations\n"
+        "from treecompile.integrations import hf, verl\n"
+        "loaded = sorted(m for m in ('transformers', 'trl', 'verl', 'ray', 'accelerate') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "assert treecompile.integrations.hf is hf\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
