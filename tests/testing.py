@@ -137,3 +137,15 @@ def dense_tree_attention(q, k, v, visible, scale: float, softcap: float | None) 
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+
+#: How much farther from the stock trainer's float64 run a tree-packed TRL run in float32 (or
+#: bf16 autocast) may be than the stock trainer's own run in that precision, per step, for the
+#: loss, the gradients and the parameters (tests/test_integration_trl.py). Both runs round
+#: the same sums in a different order, so the tree run's error is of the stock run's size;
+#: measured ratios are given in that test's module docstring.
+TRL_NOISE_FACTOR = 4.0
+
+#: Floor of that comparison for the logged loss: the Trainer accumulates the logged loss in a
+#: float32 tensor, so a float64 run's loss is rounded to float32 and the stock float32 run often
+#: shows no error at all; two float32 ulps (relative 2 * 2**-23) is the resolution of the log.
+TRL_LOSS_RESOLUTION = 2 * 2.0**-23
