@@ -311,11 +311,25 @@ def test_grpo_float64_matches_stock(grpo_setup, loss, tmp_path):
 @pytest.mark.parametrize("loss", ["grpo", pytest.param("dapo", marks=pytest.mark.slow),
                                   pytest.param("cispo", marks=pytest.mark.slow), pytest.param("sapo", marks=pytest.mark.slow)])
 def test_grpo_float32_within_stock_noise(grpo_setup, loss, tmp_path):
-    kw = {"loss_type": loss, **LOSS_TYPES[loss]}
+    # SGD: at this learning rate Adam's first steps (lr * g / (|g| + eps)) turn float32 noise on
+    # near-zero gradients into parameter differences of order lr, in both runs alike, which
+    # makes the parameter comparison a draw of a few flipped signs rather than a measurement.
+    kw = {"loss_type": loss, **LOSS_TYPES[loss], "optim": "sgd"}
     ref, _ = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
     stock, _ = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float32, str(tmp_path), **kw)
     tree, _ = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float32, str(tmp_path), **kw)
     _assert_within_stock_noise(tree, stock, ref, f"GRPO {loss} float32")
+
+
+@pytest.mark.slow
+def test_grpo_bf16_checkpointing_within_stock_noise(grpo_setup, tmp_path):
+    """bf16 autocast and gradient checkpointing (TRL's defaults) on, float32 weights."""
+    kw = {"loss_type": "dapo", "optim": "sgd"}  # SGD: see test_grpo_float32_within_stock_noise
+    ref, _ = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
+    kw.update(bf16=True, gradient_checkpointing=True)
+    stock, _ = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float32, str(tmp_path), **kw)
+    tree, _ = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float32, str(tmp_path), **kw)
+    _assert_within_stock_noise(tree, stock, ref, "GRPO dapo bf16 + checkpointing")
 
 
 @pytest.mark.slow
@@ -328,3 +342,46 @@ def test_grpo_temperature_and_entropy(grpo_setup, tmp_path):
     for hs, ht in zip(st.state.log_history, tt.state.log_history):
         if "entropy" in hs:
             assert ht["entropy"] == pytest.approx(hs["entropy"], rel=1e-6)
+
+
+# --------------------------------------------------------------------------- records_from_trl
+
+def test_records_from_trl_chat_uses_the_template_and_its_assistant_mask():
+    """Conversational prompt/completion rows from a datasets.Dataset: rendered by the
+    tokenizer's own chat template; only the {% generation %} tokens are trained."""
+    from treecompile.rl_data import RLCollator, records_from_trl
+
+    tok = _tokenizer()
+    rows = _gsm8k(8)
+    ds = datasets.Dataset.from_list([{"prompt": r["messages"][:1], "completion": r["messages"][1:], "reward": k % 3}
+                                     for k, r in enumerate(rows)])
+    recs = records_from_trl(ds, tok, on_drift="error")
+    for rec, r in zip(recs, rows):
+        full = tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+        assert rec.prompt_ids + rec.completion_ids == list(full["input_ids"])
+        assert rec.prompt_ids == list(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True,
+                                                              tokenize=True, return_dict=True)["input_ids"])
+        trained = [t for t, m in zip(rec.completion_ids, rec.completion_mask) if m]
+        assert tok.decode(trained) == r["messages"][1]["content"] + "<|im_end|>"
+    samples = RLCollator(max_tokens=4096).samples(recs)
+    assert len(samples) == 2  # 2 questions x 4 solutions: one tree per question
+
+
+def test_records_from_trl_text_and_drift():
+    from treecompile.chat import RetokenizationDriftWarning
+    from treecompile.rl_data import records_from_trl
+
+    tok = _tokenizer()
+    [rec] = records_from_trl([{"prompt": "The answer is", "completion": " 42.", "reward": 1.0}], tok)
+    assert tok.decode(rec.prompt_ids) == "The answer is" and tok.decode(rec.completion_ids) == " 42."
+    # "Answer: 1" + "8" tokenizes "18" as one token: the prompt alone is not a prefix of the
+    # whole. The record's prompt is cut to the common prefix and the drift is reported.
+    row = {"prompt": "Answer: 1", "completion": "8", "reward": 0.0}
+    alone, together = tok("Answer: 1")["input_ids"], tok("Answer: 18")["input_ids"]
+    assert together[: len(alone)] != alone
+    with pytest.warns(RetokenizationDriftWarning, match="record 0"):
+        [rec] = records_from_trl([row], tok)
+    assert rec.prompt_ids + rec.completion_ids == together
+    with pytest.raises(TreeInputError, match="differs from its rendering"):
+        records_from_trl([row], tok, on_drift="error")

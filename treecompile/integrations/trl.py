@@ -147,7 +147,7 @@ def rows_to_tree(
                 f"token there ({int(toks[j])}); tree packing reads unshifted HF labels (labels[t] = input_ids[t])"
             )
         masks.append(target.to(torch.int64).numpy())
-    return TrajectoryTree.from_sequences(seqs, loss_masks=masks, child_order="insertion")
+    return TrajectoryTree.from_sequences(seqs, loss_masks=masks)
 
 
 def tree_logprob_index(batch: TreeBatch, starts: Sequence[int], lengths: Sequence[int], width: int) -> torch.Tensor:
