@@ -178,9 +178,11 @@ class _TreeModels:
     """The `TreeCompiledModel` of each model a trainer runs (the policy, a reference model).
 
     The trainer holds them; a registry of weak references lets a second live trainer on the
-    same model object with the same options (an evaluation trainer, a rerun with other
-    arguments) reuse the compiled graph instead of compiling again. Nothing outlives the
-    trainers that use it.
+    same model object with the same options and the same precision and checkpointing (an
+    evaluation trainer, a rerun with another loss type) reuse the compiled graph instead of
+    compiling again. Each of those settings is a different graph, so a trainer that changes
+    one gets a graph of its own rather than another recompile of a shared one (Dynamo fails
+    after 8). Nothing outlives the trainers that use it.
     """
 
     _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -189,9 +191,9 @@ class _TreeModels:
         self.options = dict(options)
         self._held: dict[tuple[int, str], TreeCompiledModel] = {}
 
-    def __call__(self, model: torch.nn.Module, **extra: Any) -> TreeCompiledModel:
+    def __call__(self, model: torch.nn.Module, setting: tuple = (), **extra: Any) -> TreeCompiledModel:
         options = {**self.options, **extra}
-        key = (id(model), repr(sorted(options.items())))
+        key = (id(model), repr(sorted(options.items())), setting)
         compiled = self._held.get(key) or self._registry.get(key)
         if compiled is None or compiled.model is not model:
             compiled = tree_compile(model, **options)
@@ -215,6 +217,12 @@ def _class_forward(model: torch.nn.Module) -> Iterator[None]:
     finally:
         if patched is not None:
             model.__dict__["forward"] = patched
+
+
+def _setting(trainer: Any, model: torch.nn.Module) -> tuple:
+    """What else the compiled graph depends on: mixed precision and activation checkpointing."""
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    return (bool(trainer.args.bf16), bool(trainer.args.fp16), checkpointing)
 
 
 def _unwrap(trainer: Any, model: torch.nn.Module) -> torch.nn.Module:
@@ -268,7 +276,7 @@ class TreeSFTMixin:
             raise ValueError(f"tree packing in SFTTrainer takes text batches only; got extra inputs {sorted(unknown)}")
         mode = "train" if self.model.training else "eval"
         inner = _unwrap(self, model)
-        compiled = self._tree_models(inner, outputs=("entropy",))
+        compiled = self._tree_models(inner, _setting(self, inner), outputs=("entropy",))
         tree = rows_to_tree(inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                             labels=inputs.get("labels"), position_ids=inputs.get("position_ids"))
         # loss mode "sum": each target's weight counts the sequences training it.
@@ -327,7 +335,8 @@ class TreeGRPOMixin:
                              "model.config.output_router_logits=False or use the stock GRPOTrainer")
         inner = _unwrap(self, model)
         # Entropy always: one compiled graph for the loss pass and the old-log-prob pass.
-        compiled = self._tree_models(inner, outputs=("entropy",), temperature=self.temperature)
+        compiled = self._tree_models(inner, _setting(self, inner), outputs=("entropy",),
+                                     temperature=self.temperature)
         k = int(logits_to_keep)
         batch_size = batch_size or input_ids.size(0)
         all_logps, all_entropies = [], []
