@@ -317,7 +317,8 @@ def _grpo_run(setup, cls, dtype, out, **kw):
     return run, trainer
 
 
-@pytest.mark.parametrize("loss", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss", [pytest.param(name, marks=pytest.mark.slow) if name in ("bnpo", "dr_grpo", "gspo")
+                                  else name for name in LOSS_TYPES])
 def test_grpo_float64_matches_stock(grpo_setup, loss, tmp_path):
     kw = {"loss_type": loss, **LOSS_TYPES[loss], "optim": "sgd"}
     stock, st = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
