@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-bash scripts/setup.sh "test,docs"
+bash scripts/setup.sh "test,docs,trl"
 echo "setup: $((SECONDS - start)) s"
 
 # One torch thread per worker: the workers already use every core.

@@ -156,3 +156,42 @@ def test_verify_catches_a_silently_wrong_model():
     batch, _ = make_batch("forest")
     with pytest.raises(UnsupportedModelError, match="gradient of '.*' differs by"):
         LeakyMask(model, mask="interval", backend=None, verify=True)(batch)
+
+
+def test_temperature_divides_the_logits_exactly():
+    """``temperature=T``: log-probs, entropy and gradients of the logits divided by T, per path;
+    the LM head still reads only the gathered rows."""
+    from testing import COMPILE_TOL, assert_grads_close, backward_grads
+
+    from treecompile.reference import model_logits, path_logprobs
+
+    model = tiny(NanoGPT)
+    batch, trees = make_batch("branchy")
+    t = 0.7
+    compiled = tree_compile(model, temperature=t, outputs=("entropy",))
+    out, grads = backward_grads(model, lambda: compiled(batch))
+    assert compiled.counters["loss"] == {"gather_before_lm_head": 1}
+
+    def scaled(m, ids):
+        return model_logits(m, ids) / t
+
+    def reference():
+        loss, ents = 0.0, []
+        for p, path in enumerate(t_.path(q) for t_ in trees for q in range(t_.num_paths)):
+            lp = path_logprobs(model, path.tokens, forward=scaled)
+            rows = batch.path_rows(p)
+            torch.testing.assert_close(out.logprobs[rows][1:].detach(), lp[1:].detach(), rtol=1e-12, atol=1e-12)
+            logits = scaled(model, torch.as_tensor(path.tokens)[None])[0, :-1]
+            ent = -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)
+            torch.testing.assert_close(out.entropy[rows][1:].detach(), ent.detach(), rtol=1e-12, atol=1e-12)
+            mask = torch.as_tensor(path.loss_mask, dtype=lp.dtype)
+            mask[0] = 0
+            loss = loss - batch.path_coef[p].to(lp.dtype) * (mask * lp).sum()  # c_p already holds the weight
+        return type("Out", (), {"loss": loss})()
+
+    ref, ref_grads = backward_grads(model, reference)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=COMPILE_TOL["pure"][0], atol=COMPILE_TOL["pure"][1])
+    assert_grads_close(grads, ref_grads, ("float64", "pure"))
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+            tree_compile(model, temperature=bad)

@@ -116,8 +116,8 @@ def test_page_examples_run(page: Path, tmp_path, monkeypatch, capsys):
         try:
             exec(code, namespace)
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.split(".")[0] == "transformers":
-                pytest.skip(f"{_page_id(page)} block {n} (line {block.line}) needs transformers")
+            if exc.name and exc.name.split(".")[0] in ("transformers", "trl", "datasets"):
+                pytest.skip(f"{_page_id(page)} block {n} (line {block.line}) needs {exc.name.split('.')[0]}")
             raise
         ran += 1
     capsys.readouterr()  # examples print; keep the test output quiet

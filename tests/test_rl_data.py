@@ -169,3 +169,35 @@ def test_collator_refusals():
         RLCollator(max_tokens=64)(rows)
     with pytest.raises(ValueError, match="valid"):
         RLCollator(max_tokens=64, loss_agg_mode="mean")
+
+
+def test_trl_padded_records_keep_their_masks():
+    """TRL's padded layout: prompt padding dropped, completion padding dropped, tool outputs
+    inside a completion kept as context but not trained; per-token values cut to match."""
+    rows = {
+        "prompt_ids": torch.tensor([[0, 0, 5, 6], [0, 4, 5, 6]]),
+        "prompt_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
+        "completion_ids": torch.tensor([[7, 8, 9, 0, 0], [7, 3, 0, 0, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]),
+        "tool_mask": torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        "advantages": torch.tensor([0.5, -0.5]),
+        "old_per_token_logps": torch.tensor([[-1.0, -2.0, -3.0, 0.0, 0.0], [-4.0, -5.0, 0.0, 0.0, 0.0]]),
+    }
+    before = {k: v.clone() for k, v in rows.items()}
+    a, b = records_from_trl(rows)
+    assert (a.prompt_ids, a.completion_ids, a.completion_mask) == ([5, 6], [7, 8, 9], [1, 0, 1])
+    assert (b.prompt_ids, b.completion_ids, b.completion_mask) == ([4, 5, 6], [7, 3], [1, 1])
+    assert a.advantages == 0.5 and b.old_logprobs.tolist() == [-4.0, -5.0]
+    assert all(torch.equal(rows[k], before[k]) for k in rows)
+    [s1, s2] = RLCollator(max_tokens=32).samples([a, b])
+    assert s1.tree.sequences() == [[5, 6, 7, 8, 9]]  # no pad token is a path token, none is trained
+    assert s1.tree.path(0).loss_mask.tolist() == [0, 0, 1, 0, 1]
+
+
+def test_trl_records_refuse_misaligned_masks():
+    with pytest.raises(TreeInputError, match="completion_mask has 2 values for 3"):
+        records_from_trl([{"prompt_ids": [1], "completion_ids": [2, 3, 4], "completion_mask": [1, 1]}])
+    with pytest.raises(TreeInputError, match="prompt is empty"):
+        records_from_trl([{"prompt_ids": [0, 0], "prompt_mask": [0, 0], "completion_ids": [2]}])
+    with pytest.raises(TreeInputError, match="needs prompt_ids and completion_ids, or prompt and completion"):
+        records_from_trl([{"prompt_ids": [1]}])

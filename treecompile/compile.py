@@ -96,6 +96,7 @@ def tree_compile(
     verify: bool = False,
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
+    temperature: float = 1.0,
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -118,6 +119,8 @@ def tree_compile(
             ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
             computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
             never formed (other heads, e.g. with final soft-capping, fall back to gather).
+        temperature: the logits are divided by it before the log-softmax and the entropy,
+            as a sampler and RL trainers (TRL's GRPO) do; 1 leaves them as they are.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -137,8 +140,11 @@ def tree_compile(
     unknown = [o for o in outputs if o not in OUTPUTS]
     if unknown or isinstance(outputs, str):
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     return TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head)
+        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head),
+        temperature=float(temperature),
     )
 
 
@@ -166,6 +172,7 @@ class TreeCompiledModel(nn.Module):
         verify: bool,
         passes: tuple = PASSES,
         outputs: tuple[str, ...] = (),
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -196,6 +203,7 @@ class TreeCompiledModel(nn.Module):
         self._probe_rows = 0
         self._passes = passes
         self._outputs = outputs
+        self.temperature = temperature
         self.verified: VerifyReport | None = None
 
     # ------------------------------------------------------------------ delegation
@@ -351,6 +359,7 @@ class TreeCompiledModel(nn.Module):
         )
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs
+        temperature = self.temperature
         if router is not None:
             install_output_hooks(inner)
 
@@ -361,6 +370,9 @@ class TreeCompiledModel(nn.Module):
             )
             out = inner(ids, **kwargs_of(positions))
             logits = logits_of(out)
+            if temperature != 1.0:
+                # A row-wise scalar division: the loss pass still gathers before the LM head.
+                logits = logits / temperature
             logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
             loss = -(weight.to(logprobs.dtype) * logprobs).sum()
             aux = None
