@@ -31,7 +31,7 @@ class PassContext:
         input_ids: the ``[1, S]`` ids placeholder.
         positions: the ``[S]`` tree positions placeholder.
         mask_buffers: the placeholders the tree ``mask_mod`` reads, in
-            :data:`treecompile.kernels.flex.MASK_KINDS` order.
+            :data:`treecompile.kernels.masks.MASK_KINDS` order.
         block_tensors: the BlockMask tensor placeholders.
         layout: the BlockMask tuple layout.
         chunks: ``path_bits.shape[1]`` (bitmask rule), else 0.

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from treecompile.kernels.flex import MASK_KINDS, BlockLayout
+from treecompile.kernels.flex import BlockLayout
+from treecompile.kernels.masks import MASK_KINDS
 from treecompile.passes._graph import PassContext, describe, eliminate_dead_code, mutated_args, source_of, value
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -157,7 +158,7 @@ def make_backend(
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
     Args:
-        mask: a key of :data:`treecompile.kernels.flex.MASK_KINDS`.
+        mask: a key of :data:`treecompile.kernels.masks.MASK_KINDS`.
         layout_of, chunks_of: the current batch's BlockMask layout and path-bit chunks
             (static per compiled graph; Dynamo guards on the shapes that determine them).
         lowering: a key of :data:`LOWERINGS`.

@@ -7,6 +7,7 @@ from testing import dense_tree_attention, tree_visibility
 
 import treecompile as tc
 from treecompile.kernels import flex
+from treecompile.kernels.masks import interval_mask_mod
 
 SEQS = {
     # 1-token nodes and a prefix path.
@@ -113,7 +114,7 @@ def test_flex_path_alibi_and_sinks_match_dense_reference():
     slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
     pos = batch.position_ids
     out, lse = flex.call_flex_hop(
-        q, k, v, score_mod=flex.alibi_score_mod(flex.softcap_score_mod(None)), mask_mod=flex.interval_mask_mod(),
+        q, k, v, score_mod=flex.alibi_score_mod(flex.softcap_score_mod(None)), mask_mod=interval_mask_mod(),
         block_tensors=tensors, layout=layout, mask_buffers=[batch.subtree_end], scale=0.3,
         score_buffers=(slopes, pos), return_lse=True,
     )

@@ -34,7 +34,8 @@ from treecompile.capture import (
     swapped_kernels,
 )
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
-from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
+from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.kernels.masks import MASK_KINDS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for

@@ -310,11 +310,11 @@ def mask_matrix(batch: Any, mask: str = "interval") -> Any:
     """``[S, S]`` bool, ``[q, k]`` true iff query row ``q`` sees key row ``k`` under ``mask``.
 
     Evaluates the same rule functions the FlexAttention ``mask_mod`` calls
-    (:mod:`treecompile.masks`) densely, so the picture is the kernel's rule, not a redrawing.
+    (:mod:`treecompile.kernels.masks`) densely, so the picture is the kernel's rule, not a redrawing.
     """
     import torch
 
-    from treecompile.masks import bitmask_rule, interval_rule
+    from treecompile.kernels.masks import bitmask_rule, interval_rule
 
     idx = torch.arange(batch.num_tokens)
     q, k = idx[:, None], idx[None, :]
