@@ -336,6 +336,33 @@ def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _flex_hop_attention(spec: AttentionSpec, mask_mod: Callable, score_mod: Callable, q, k, v, positions,
+                        buffers: tuple[torch.Tensor, ...], tables: BlockTensors, scale: float):
+    """``(out, lse)`` of one tree attention call through FlexAttention's higher-order op.
+
+    The ``mask_mod`` reads the rule's tensors, then ``positions`` under a sliding window; the
+    ALiBi ``score_mod`` reads the slopes and ``positions``.
+    """
+    mask_buffers = (*buffers, positions) if spec.window is not None else buffers
+    score_buffers = ()
+    if spec.alibi:
+        slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
+        score_buffers = (slopes, positions)
+    return call_flex_hop(
+        q,
+        k,
+        v,
+        score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
+        mask_mod=mask_mod,
+        block_tensors=tables,
+        layout=spec.layout,
+        mask_buffers=mask_buffers,
+        scale=scale,
+        score_buffers=score_buffers,
+        return_lse=True,
+    )
+
+
 @functools.cache
 def tree_attention_fn(spec: AttentionSpec) -> Callable:
     """The function a rewritten graph calls in place of a causal attention.
@@ -351,38 +378,22 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
         q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
         tables = BlockTensors(*tensors[n_buf:])
-        if spec.window is not None or spec.alibi:
-            buffers = (*buffers, positions)
         if spec.window is not None:
             tables = demote_full_blocks(tables)
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.device.type == "cpu":
             # FlexAttention has no sparse CPU kernel (its op evaluates all S x S pairs):
             # walk the live blocks instead, exact and without S x S memory.
+            if spec.window is not None or spec.alibi:
+                buffers = (*buffers, positions)
             out, lse = torch.ops.treecompile.tree_attention_cpu(
                 q, k, v, list(buffers), tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks,
                 tables.full_kv_indices, spec.kind, _block_size(spec.layout), float(scale),
                 float(spec.softcap or 0.0), int(spec.window or 0), int(spec.chunks),
                 list(spec.alibi) if spec.alibi else None,
             )
-            return out if sinks is None else _with_sinks(out, lse, sinks)
-        score_buffers = ()
-        if spec.alibi:
-            slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
-            score_buffers = (slopes, positions)
-        out, lse = call_flex_hop(
-            q,
-            k,
-            v,
-            score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
-            mask_mod=mask_mod,
-            block_tensors=tables,
-            layout=spec.layout,
-            mask_buffers=buffers,
-            scale=scale,
-            score_buffers=score_buffers,
-            return_lse=True,
-        )
+        else:
+            out, lse = _flex_hop_attention(spec, mask_mod, score_mod, q, k, v, positions, buffers, tables, scale)
         return out if sinks is None else _with_sinks(out, lse, sinks)
 
     parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
