@@ -46,15 +46,13 @@ from treecompile.passes._graph import (
     bind,
     describe,
     is_call,
-    seq_dims,
+    row_dims,
     source_of,
     value,
 )
 from treecompile.passes.markers import is_marker
 
 __all__ = ["rewrite_attention_pass"]
-
-NAME = "attention"
 
 _SDPA_ARGS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -63,7 +61,7 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces causal attention calls with tree FlexAttention; counts them by kind.
 
-    Counters (``ctx.counters["attention"]``): ``hf_interface``, ``sdpa``,
+    Counters (``ctx.counters["rewrite_attention_pass"]``): ``hf_interface``, ``sdpa``,
     ``softmax_attention``. Calls that are not provably causal are left in place with a
     note; the verify pass refuses them.
     """
@@ -75,7 +73,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 with gm.graph.inserting_before(node):  # [Hq] -> [1, Hq, 1], broadcast over the rows
                     sinks = ctx.mark(gm.graph.call_method("view", (sinks, 1, -1, 1)), like=node)
             if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks):
-                ctx.count(NAME, "hf_interface")
+                ctx.count("hf_interface")
         elif is_call(node, SDPA):
             _rewrite_sdpa(gm, ctx, node)
         elif is_call(node, SOFTMAX, ("softmax",)):
@@ -104,7 +102,7 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
     if not dims <= {3, 4}:
         ctx.notes[output] = f"attention over tensors of {sorted(dims)} dims: the tree kernel takes [B, H, S, D]"
         return False
-    if any(t.dim() - 2 not in seq_dims(x, ctx.seq_len) for x, t in zip((q, k, v), vals) if not callable(x)):
+    if any(t.dim() - 2 not in row_dims(x, ctx.seq_len, "seq") for x, t in zip((q, k, v), vals) if not callable(x)):
         ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
         return False
     three_d = out_dim == 3
@@ -156,7 +154,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             f"{describe(node)} at {source_of(node)}: attention dropout {a['dropout_p']} cannot match "
             "per-path training (it is random per call); use model.eval() or dropout_p=0"
         )
-    if not seq_dims(a["query"], ctx.seq_len):
+    if not row_dims(a["query"], ctx.seq_len, "seq"):
         return  # attention over something other than the sequence (e.g. over heads or patches)
     mask = a["attn_mask"]
     alibi = None
@@ -175,7 +173,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             return
     if _replace(gm, ctx, node, a["query"], a["key"], a["value"], scale=a["scale"], window=window, softcap=None,
                 alibi=alibi):
-        ctx.count(NAME, "sdpa")
+        ctx.count("sdpa")
 
 
 def _heads(node: fx.Node) -> int | None:
@@ -226,7 +224,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
     if sink is not None:
         # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
         scores = scores.args[0][0]
-    if len(seq_dims(scores, ctx.seq_len)) < 2:
+    if len(row_dims(scores, ctx.seq_len, "seq")) < 2:
         return
     # Walk back from the softmax input to q @ k^T, collecting the scale and the masks.
     scale = 1.0
@@ -348,7 +346,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=out)
     if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=out, post=post,
                 alibi=alibi, sinks=sink):
-        ctx.count(NAME, "softmax_attention")
+        ctx.count("softmax_attention")
 
 
 def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
@@ -362,7 +360,7 @@ def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
     sv, kv = value(parts[0]), value(parts[1])
     if not (isinstance(sv, torch.Tensor) and isinstance(kv, torch.Tensor)) or sv.dim() != kv.dim():
         return None
-    if dim not in (-1, sv.dim() - 1) or len(seq_dims(parts[0], ctx.seq_len)) < 2 or kv.shape[-1] != 1:
+    if dim not in (-1, sv.dim() - 1) or len(row_dims(parts[0], ctx.seq_len, "seq")) < 2 or kv.shape[-1] != 1:
         return None
     return parts[1]
 

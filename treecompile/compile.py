@@ -85,6 +85,7 @@ def tree_compile(
     verify: bool = False,
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
+    disable_passes: tuple[str, ...] = (),
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -107,12 +108,14 @@ def tree_compile(
             ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
             computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
             never formed (other heads, e.g. with final soft-capping, fall back to gather).
+        disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
+            which rewrite a model needs; the verification still refuses a graph left inexact.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
 
     Raises:
-        ValueError: an unknown ``mask`` or ``backend``.
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head`` or pass name.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
@@ -126,9 +129,8 @@ def tree_compile(
     unknown = [o for o in outputs if o not in OUTPUTS]
     if unknown or isinstance(outputs, str):
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
-    return TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head)
-    )
+    passes = passes_for(lm_head, disable_passes=disable_passes)
+    return TreeCompiledModel(model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes)
 
 
 class TreeCompiledModel(nn.Module):

@@ -9,9 +9,10 @@ Example::
 
 The model is built (a Hugging Face config with small random weights; a ``module:factory``
 by calling it), compiled with :func:`treecompile.tree_compile` on a small example forest
-and run once. Each pass of :data:`treecompile.passes.pipeline.PASSES` is wrapped to record
-the graph it receives and the counters it bumps; the pipeline's own dead-code elimination
-runs between passes as usual, so "after pass i" is exactly "before pass i + 1". The
+and run once, through the pipeline ``tree_compile`` builds
+(:func:`treecompile.passes.pipeline.passes_for`, so ``--lm-head fused`` shows the fused
+head), with before/after hooks that record the graph each pass receives, the graph after
+it and the pipeline's dead-code elimination, and the rewrites it counted. The
 command prints, per pass, a unified diff of the graph code and the rewrite counts, then
 the tree attention mask of the example as a grid of ``█``/``·`` (and as a PNG with
 ``--png``). A refused model prints the refusal and exits with status 1.
@@ -80,8 +81,8 @@ class PassStep:
     """One pass as it ran on the captured graph.
 
     Attributes:
-        name: the pass function's name (``rewrite_attention_pass`` ...).
-        group: the counter group the pass bumps (``attention`` ...).
+        name: the pass function's name (``rewrite_attention_pass`` ...), the key of its
+            rewrite counters.
         counts: rewrites by kind that this pass counted.
         before: graph code the pass received.
         after: graph code after the pass and dead-code elimination; None if it refused.
@@ -89,7 +90,6 @@ class PassStep:
     """
 
     name: str
-    group: str
     counts: dict[str, int] = field(default_factory=dict)
     before: str = ""
     after: str | None = None
@@ -121,6 +121,7 @@ class Inspection:
         source: ``"hf-config"``, ``"factory"`` or ``"module"`` (given as an object).
         mask: ``"interval"`` or ``"bitmask"``.
         backend: the lowering after the passes.
+        lm_head: ``"gather"`` or ``"fused"``, as ``tree_compile(lm_head=...)``.
         steps: one :class:`PassStep` per pass that ran, in order.
         batch: the packed example forest (a :class:`~treecompile.TreeBatch` with path bits).
         trees: the example trees.
@@ -141,16 +142,12 @@ class Inspection:
     refusal: str | None = None
     loss: float | None = None
     parameters: int = 0
+    lm_head: str = "gather"
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:
-        """Rewrite counts per counter group, over all passes that ran ({} if none counted)."""
-        out: dict[str, dict[str, int]] = {}
-        for s in self.steps:
-            group = out.setdefault(s.group, {})
-            for k, v in sorted(s.counts.items()):
-                group[k] = group.get(k, 0) + v
-        return out
+        """Rewrite counts per pass name, for the passes that counted any."""
+        return {s.name: dict(sorted(s.counts.items())) for s in self.steps if s.counts}
 
     @property
     def refused_at(self) -> str | None:
@@ -458,30 +455,21 @@ def _code(gm: Any) -> str:
     return "\n".join(_FREES.sub("", line).rstrip() for line in src.strip("\n").splitlines())
 
 
-def _recording(p: Any, steps: list[PassStep]) -> Any:
-    """``p`` wrapped so that each run appends a :class:`PassStep` to ``steps``."""
-    group = getattr(sys.modules.get(p.__module__), "NAME", p.__name__)
+def _recording_hooks(steps: list[PassStep]) -> tuple[Any, Any]:
+    """Pipeline hooks ``(before, after)`` that append one :class:`PassStep` per pass to ``steps``."""
+    seen: dict[str, Counter] = {}
 
-    def run(gm, ctx):
-        code = _code(gm)
-        n = len(gm.graph.nodes)
-        if steps and steps[-1].after is None:
-            # The graph this pass receives is the previous pass's output after the
-            # pipeline's dead-code elimination.
-            steps[-1].after, steps[-1].nodes_after = code, n
-        step = PassStep(name=p.__name__, group=group, before=code, nodes_before=n)
-        steps.append(step)
-        seen = Counter(ctx.counters.get(group, Counter()))
-        try:
-            return p(gm, ctx)
-        finally:
-            now = ctx.counters.get(group, Counter())
-            step.counts = {k: now[k] - seen[k] for k in now if now[k] != seen[k]}
+    def before(name, gm, ctx):
+        steps.append(PassStep(name=name, before=_code(gm), nodes_before=len(gm.graph.nodes)))
+        seen[name] = Counter(ctx.counters.get(name, Counter()))
 
-    run.__name__ = p.__name__
-    run.__qualname__ = p.__qualname__
-    run.__doc__ = p.__doc__
-    return run
+    def after(name, gm, ctx):
+        step = steps[-1]
+        step.after, step.nodes_after = _code(gm), len(gm.graph.nodes)
+        now = ctx.counters.get(name, Counter())
+        step.counts = {k: now[k] - seen[name][k] for k in now if now[k] != seen[name][k]}
+
+    return before, after
 
 
 def inspect_model(
@@ -491,6 +479,7 @@ def inspect_model(
     backend: str = "eager",
     trees: list[Any] | None = None,
     source: str = "module",
+    lm_head: str = "gather",
 ) -> Inspection:
     """Compiles ``model`` for one example batch and records every pass.
 
@@ -500,6 +489,7 @@ def inspect_model(
         backend: lowering after the passes (``"eager"`` is enough to see the rewrites).
         trees: the example trees (default :func:`example_trees`).
         source: how the model was given, for the report.
+        lm_head: ``"gather"`` or ``"fused"``, as ``tree_compile(lm_head=...)``.
 
     Returns:
         An :class:`Inspection`; ``refusal`` holds the message if the model was refused.
@@ -509,7 +499,7 @@ def inspect_model(
     from treecompile.batch import pack
     from treecompile.compile import MASKS, TreeCompiledModel
     from treecompile.errors import UnsupportedModelError
-    from treecompile.passes.pipeline import PASSES
+    from treecompile.passes.pipeline import passes_for
 
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
@@ -523,10 +513,10 @@ def inspect_model(
     description = f"{type(model).__name__} ({n_params:,} parameters, {dtype})"
 
     steps: list[PassStep] = []
-    compiled = TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=False, passes=tuple(_recording(p, steps) for p in PASSES)
-    )
-    out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params)
+    before, after = _recording_hooks(steps)
+    pipeline = passes_for(lm_head, before=before, after=after)
+    compiled = TreeCompiledModel(model, mask=mask, backend=backend, verify=False, passes=pipeline)
+    out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params, lm_head=lm_head)
     device = next(iter(params)).device if params else torch.device("cpu")
     try:
         result = compiled(batch.to(device))
@@ -545,9 +535,6 @@ def inspect_model(
         )
         return out
     record = compiled.compile_records[-1]
-    if steps and steps[-1].after is None:
-        steps[-1].after = _code(record.graph_module)
-        steps[-1].nodes_after = len(record.graph_module.graph.nodes)
     out.seq_len = record.seq_len
     out.loss = float(result.loss.detach())
     return out
@@ -567,7 +554,8 @@ def render_text(
     b = insp.batch
     path_tokens = sum(t.stats().path_tokens for t in insp.trees)
     out = [
-        f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}",
+        f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}"
+        + (f", lm_head={insp.lm_head}" if insp.lm_head != "gather" else ""),
         f"example: {b.num_trees} trees, {b.num_paths} paths, {b.num_nodes} nodes, S={b.num_tokens} rows "
         f"(from {path_tokens} path tokens)",
     ]
@@ -579,18 +567,18 @@ def render_text(
     for i, s in enumerate(insp.steps, 1):
         out.append("")
         if s.after is None:
-            out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]: REFUSED")
+            out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{_counts_text(s.counts)}]: REFUSED")
             continue
         delta = s.nodes_after - s.nodes_before
         change = f"nodes {s.nodes_before} -> {s.nodes_after} ({delta:+d})" if s.changed else "graph unchanged"
-        out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]; {change}")
+        out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{_counts_text(s.counts)}]; {change}")
         if s.changed:
             out.append(s.after if full else s.diff(context))
     out += ["", "rewrites per pass:"]
     width = max((len(s.name) for s in insp.steps), default=4)
     for s in insp.steps:
         nodes = f"{s.nodes_before} -> {s.nodes_after}" if s.after is not None else f"{s.nodes_before} -> refused"
-        out.append(f"  {s.name:<{width}}  {nodes:<16} {s.group}: {_counts_text(s.counts)}")
+        out.append(f"  {s.name:<{width}}  {nodes:<16} {_counts_text(s.counts)}")
     if insp.refusal is None:
         out.append(f"S in the graph: {insp.seq_len}; loss on the example: {insp.loss:.6g}")
     if show_mask:
@@ -608,7 +596,6 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
     for s in insp.steps:
         entry: dict[str, Any] = {
             "name": s.name,
-            "group": s.group,
             "counts": dict(sorted(s.counts.items())),
             "nodes_before": s.nodes_before,
             "nodes_after": s.nodes_after,
@@ -626,6 +613,7 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
         "source": insp.source,
         "mask": insp.mask,
         "backend": insp.backend,
+        "lm_head": insp.lm_head,
         "refused": insp.refusal is not None,
         "refusal": insp.refusal,
         "refused_at": insp.refused_at,
@@ -689,6 +677,10 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
         "weights) or module:factory (a callable returning an nn.Module; the current directory is importable)",
     )
     p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
+    p.add_argument(
+        "--lm-head", choices=("gather", "fused"), default="gather",
+        help="LM head rewrite, as tree_compile(lm_head=...) (default gather)",
+    )
     p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
     p.add_argument("--context", type=int_at_least(0), default=2, metavar="N", help="context lines of each diff (default 2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -719,7 +711,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         require_plot("--png")  # before the model is built
     model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
-    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source)
+    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head)
     if args.png:
         from treecompile.plots import mask_figure, save_png
 
