@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from treecompile.errors import TreeInputError
+from treecompile.preorder import root_path_sum, subtree_sum
 
 if TYPE_CHECKING:
     import torch
@@ -109,12 +110,9 @@ def _effective_masks(tree: TrajectoryTree) -> tuple[np.ndarray, dict[tuple[int, 
 def path_target_counts(tree: TrajectoryTree) -> np.ndarray:
     """``[P]`` number of target tokens of each path, in O(nodes + exceptions)."""
     node_mask, exceptions = _effective_masks(tree)
-    per_node = np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes else []
-    acc = np.zeros(tree.num_nodes, dtype=np.int64)
-    for v in range(tree.num_nodes):
-        p = tree.parent[v]
-        acc[v] = per_node[v] + (acc[p] if p >= 0 else 0)
-    counts = acc[tree.path_node].copy()
+    per_node = (np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes
+                else np.zeros(0, dtype=np.int64))
+    counts = root_path_sum(tree.parent, per_node)[tree.path_node]
     for (p, v), m in exceptions.items():
         a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
         counts[p] += int(m.sum()) - int(node_mask[a:b].sum())
@@ -131,11 +129,7 @@ def tree_target_weights(tree: TrajectoryTree, coef: np.ndarray) -> np.ndarray:
     node_mask, exceptions = _effective_masks(tree)
     through = np.zeros(tree.num_nodes, dtype=np.float64)
     np.add.at(through, tree.path_node, coef)
-    # Preorder: children have larger ids, so a reverse sweep sums each subtree.
-    for v in range(tree.num_nodes - 1, 0, -1):
-        p = tree.parent[v]
-        if p >= 0:
-            through[p] += through[v]
+    through = subtree_sum(tree.parent, through)
     lengths = tree.node_lengths
     weight = node_mask * np.repeat(through, lengths)
     for (p, v), m in exceptions.items():

@@ -41,6 +41,7 @@ import torch
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
 from treecompile.loss import path_loss_coefficients
+from treecompile.preorder import climb
 from treecompile.tree import TrajectoryTree
 
 __all__ = [
@@ -279,10 +280,7 @@ def build_rl_batch(
     node_parent = batch.node_parent.cpu().numpy()
     for p, path in enumerate(paths):
         length = len(path.tokens)
-        chain, v = [], int(batch.path_node[p])
-        while v >= 0:
-            chain.append(v)
-            v = int(node_parent[v])
+        chain = list(climb(node_parent, batch.path_node[p]))
         rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)])
         t = targets[p]
         a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
