@@ -25,7 +25,7 @@ from torch import fx
 
 from treecompile.kernels.fused_logprobs import fused_target_logprobs
 from treecompile.passes._graph import PassContext, is_call, value
-from treecompile.passes.markers import _upcast, is_marker
+from treecompile.passes.markers import is_marker, logprobs_at_rows, scatter_to_rows
 
 __all__ = ["gather_logits_pass", "fuse_lm_head_pass", "gathered_logprobs", "fused_logprobs_at_rows"]
 
@@ -46,9 +46,7 @@ def gathered_logprobs(
         slot, target, dest: ``[M]`` (see :func:`treecompile.passes.markers.tree_logprobs`).
         like: any ``[S]`` tensor (gives S and the device).
     """
-    lp = torch.log_softmax(_upcast(logits_rows[0]), dim=-1)
-    out = lp.new_zeros(like.shape[0])
-    return out.index_put((dest,), lp[slot, target])
+    return logprobs_at_rows(logits_rows[0], slot, target, dest, like.shape[0])
 
 
 def fused_logprobs_at_rows(
@@ -68,7 +66,7 @@ def fused_logprobs_at_rows(
         slot, target, dest, like: as in `gathered_logprobs`.
     """
     lp = fused_target_logprobs(head_rows[0], weight, bias, slot, target)
-    return lp.new_zeros(like.shape[0]).index_put((dest,), lp)
+    return scatter_to_rows(lp, dest, like.shape[0])
 
 
 def gather_logits_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

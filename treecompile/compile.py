@@ -405,7 +405,7 @@ def _gathered_entropy(
     z = markers._upcast(logits[0].index_select(0, rows))
     logp = torch.log_softmax(z, dim=-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
-    return ent.new_zeros(like.shape[0]).index_put((dest,), ent[slot])
+    return markers.scatter_to_rows(ent[slot], dest, like.shape[0])
 
 
 def _row_count_error(model: nn.Module, rows: int, longest: int, error: UnsupportedModelError) -> UnsupportedModelError:

@@ -156,11 +156,13 @@ def gather_logprobs(logits: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
     """
     import torch
 
+    from treecompile.kernels.dtypes import compute_dtype
+
     if logits.dim() == 3:
         if logits.shape[0] != 1:
             raise ValueError(f"expected one packed row, got logits of shape {tuple(logits.shape)}")
         logits = logits[0]
-    dtype = torch.promote_types(logits.dtype, torch.float32)
+    dtype = compute_dtype(logits.dtype)
     has_pred = batch.pred_index >= 0
     src = batch.pred_index.clamp(min=0)
     lse = torch.logsumexp(logits.to(dtype), dim=-1)
@@ -181,9 +183,11 @@ def tree_loss(logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
     """
     import torch
 
+    from treecompile.kernels.dtypes import compute_dtype
+
     if logprobs.shape != batch.target_weight.shape:
         raise ValueError(
             f"logprobs has shape {tuple(logprobs.shape)}, expected {tuple(batch.target_weight.shape)} (one per row)"
         )
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    dtype = compute_dtype(logprobs.dtype)
     return -(batch.target_weight.to(dtype) * logprobs.to(dtype)).sum()

@@ -40,6 +40,7 @@ import torch
 
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
+from treecompile.kernels.dtypes import compute_dtype
 from treecompile.loss import path_loss_coefficients
 from treecompile.preorder import climb
 from treecompile.tree import TrajectoryTree
@@ -393,7 +394,7 @@ def policy_loss(
     """
     if logprobs.shape != (rl.batch.num_tokens,):
         raise ValueError(f"logprobs has shape {tuple(logprobs.shape)}, expected ({rl.batch.num_tokens},)")
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    dtype = compute_dtype(logprobs.dtype)
     lp = logprobs.to(dtype)[:, None]
     apos, aneg, w = (x.to(dtype) for x in (rl.adv_pos, rl.adv_neg, rl.weight))
     if config.objective == "pg":
