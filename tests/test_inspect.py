@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from treecompile.cli import main
-from treecompile.inspection import EXAMPLE_SEQUENCES, example_trees, mask_matrix, mask_picture, png_bytes
+from treecompile.inspection import EXAMPLE_SEQUENCES, example_trees
+from treecompile.maskview import mask_matrix, mask_picture, png_bytes
 from treecompile.passes.pipeline import PASSES
 
 ROOT = Path(__file__).resolve().parents[1]
