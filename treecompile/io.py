@@ -418,15 +418,15 @@ def _resolve_file(spec: str) -> Path:
 
 
 def _read_groups(path: Path, kind: str) -> list[_Group]:
-    from treecompile import chat
+    from treecompile import datasets
 
     if kind == "tau_bench":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau_bench(path).items()]
+        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_tau_bench(path).items()]
     if kind == "tau2":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau2(path).items()]
+        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_tau2(path).items()]
     if kind == "gsm8k":
         return [
-            _Group(k, conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_gsm8k_solutions(path).items()
+            _Group(k, conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_gsm8k_solutions(path).items()
         ]
     if kind == "conversations":
         return [
