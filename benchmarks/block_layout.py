@@ -18,7 +18,7 @@ reports, per block size (128, and 64 for comparison):
   and pairs that involve padding rows), in units of block pairs.
 
 Blocks are classified here from per-block counts of visible pairs (full iff all
-``block_size^2`` pairs are visible), independently of `treecompile.blockmask`; the tests
+``block_size^2`` pairs are visible), independently of `treecompile.kernels.blockmask`; the tests
 check that both agree.
 
 Layouts (the tree content, every path's tokens, weight and loss mask, and so the loss, are
@@ -229,7 +229,7 @@ def block_pair_counts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(visible, real_visible)``: ``[nb, nb]`` int64 visible pairs per (query block, key block).
 
-    Dense tables, for checking against `treecompile.blockmask` on small rows; `count_blocks`
+    Dense tables, for checking against `treecompile.kernels.blockmask` on small rows; `count_blocks`
     streams the same counts.
     """
     nb = -(-subtree_end.shape[0] // block_size)
@@ -281,7 +281,7 @@ def _tokenizer() -> tuple[object, str]:
 
 def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[TrajectoryTree]]]:
     """``(name, trees)`` per source file, built as ``treecompile stats`` builds them."""
-    from treecompile import chat
+    from treecompile import chat, datasets
     from treecompile.rl_data import tot_search_samples
 
     def tree(convs: list) -> TrajectoryTree:
@@ -289,8 +289,8 @@ def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[Trajec
 
     out = []
     for f in sorted((data / "tau_bench").glob("*.json")):
-        out.append((f"tau-bench {f.stem}", [tree(c) for c in chat.load_tau_bench(f).values()]))
-    tau2 = [tree(c) for f in sorted((data / "tau2").glob("*.json")) for c in chat.load_tau2(f).values()]
+        out.append((f"tau-bench {f.stem}", [tree(c) for c in datasets.load_tau_bench(f).values()]))
+    tau2 = [tree(c) for f in sorted((data / "tau2").glob("*.json")) for c in datasets.load_tau2(f).values()]
     if tau2:
         out.append(("tau2 airline", tau2))
     game24 = data / "tot" / "game24-search-tree-gpt-4.json"
@@ -303,7 +303,7 @@ def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[Trajec
         out.append(("ToT text CoT", [tree([[{"role": "assistant", "content": y}] for y in r["ys"]]) for r in records]))
     gsm8k = data / "gsm8k_example_model_solutions.jsonl"
     if gsm8k.is_file():
-        out.append(("GSM8K", [tree(c) for c in chat.load_gsm8k_solutions(gsm8k).values()]))
+        out.append(("GSM8K", [tree(c) for c in datasets.load_gsm8k_solutions(gsm8k).values()]))
     return out
 
 

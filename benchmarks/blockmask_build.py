@@ -1,4 +1,4 @@
-"""BlockMask build time: treecompile.blockmask.tree_block_mask vs create_block_mask.
+"""BlockMask build time: treecompile.kernels.blockmask.tree_block_mask vs create_block_mask.
 
     python benchmarks/blockmask_build.py            # 8k, 32k, 128k tokens
 
@@ -20,8 +20,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from treecompile.batch import pack
-from treecompile.blockmask import tree_block_mask
-from treecompile.masks import interval_mask_mod
+from treecompile.kernels.blockmask import tree_block_mask
+from treecompile.kernels.masks import bind_buffers, interval_mask_mod
 from treecompile.tree import TrajectoryTree
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         se = batch.subtree_end
         ours = timed(lambda: tree_block_mask(se), 5)
         if s <= 8192:
-            mm = interval_mask_mod(se)
+            mm = bind_buffers(interval_mask_mod(), se)
             ref_t = timed(lambda: create_block_mask(mm, 1, 1, se.shape[0], se.shape[0], device="cpu"), 1)
             a, b = tree_block_mask(se), create_block_mask(mm, 1, 1, se.shape[0], se.shape[0], device="cpu")
             same = all(torch.equal(x, y) for x, y in zip(a.as_tuple(), b.as_tuple()) if isinstance(x, torch.Tensor))

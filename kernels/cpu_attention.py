@@ -13,14 +13,14 @@ log-sum-exp: ``P = exp(s - lse)``, ``dV += P^T dO``, ``dS = P * (dO V^T - rowsum
 
 Both directions are ``torch.library`` custom ops, so a captured graph holds one opaque node
 per attention call (the Python loop over blocks is not traced). The mask rules are the
-ones in `treecompile.masks`; the reference is SDPA over the dense tree mask (tests).
+ones in `treecompile.kernels.masks`; the reference is SDPA over the dense tree mask (tests).
 """
 
 from __future__ import annotations
 
 import torch
 
-from treecompile.masks import bitmask_rule, interval_rule
+from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
 
 __all__ = ["tree_attention_cpu"]
 
@@ -29,20 +29,15 @@ Tensor = torch.Tensor
 
 def _visible(kind: str, q_rows: Tensor, kv_rows: Tensor, buffers: list[Tensor], window: int, chunks: int) -> Tensor:
     """``[Bq, L]`` bool: which of the gathered keys each query in the block may see."""
-    q, kv = q_rows[:, None], kv_rows[None, :]
-    if kind == "interval":
-        ok = interval_rule(q, kv, buffers[0])
-    else:
-        ok = bitmask_rule(q, kv, buffers[0], buffers[1], chunks)
-    positions = _positions(kind, buffers) if window > 0 else None
-    if positions is not None:
-        ok = ok & (positions[q] - positions[kv] < window)
-    return ok
+    # The rule's own tensors, then positions when a window reads them (ALiBi alone does not).
+    used = len(MASK_KINDS[kind]) + (1 if window > 0 else 0)
+    mask_mod = tree_mask_mod(kind, chunks=chunks, window=window if window > 0 else None)
+    return mask_mod(None, None, q_rows[:, None], kv_rows[None, :], *buffers[:used])
 
 
 def _positions(kind: str, buffers: list[Tensor]) -> Tensor:
     """The ``positions`` buffer, after the rule's own tensors."""
-    return buffers[1] if kind == "interval" else buffers[2]
+    return buffers[len(MASK_KINDS[kind])]
 
 
 def _alibi_bias(alibi: list[float], kind: str, buffers: list[Tensor], q_rows: Tensor, kv_rows: Tensor, hkv: int,

@@ -22,23 +22,22 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
 
-from treecompile.blockmask import tree_block_mask
+from treecompile.kernels.blockmask import tree_block_mask
 from treecompile.kernels.flex_options import MASK_BLOCK, flex_kernel_options
-from treecompile.masks import bitmask_rule, interval_rule
+from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
 
 __all__ = [
     "BLOCK_SIZE",
-    "MASK_KINDS",
     "BlockLayout",
+    "BlockTensors",
     "AttentionSpec",
-    "interval_mask_mod",
-    "bitmask_mask_mod",
     "softcap_score_mod",
     "alibi_score_mod",
     "interval_block_mask",
@@ -52,67 +51,7 @@ __all__ = [
 #: `treecompile.kernels.flex_options` divides it).
 BLOCK_SIZE = MASK_BLOCK
 
-#: Mask encodings and the tree tensors their ``mask_mod`` reads, in buffer order.
-MASK_KINDS: dict[str, tuple[str, ...]] = {
-    "interval": ("subtree_end",),
-    "bitmask": ("tree_ids", "path_bits"),
-}
-
-
-# --------------------------------------------------------------------------- mask_mods
-
-
-def interval_mask_mod(window: int | None = None) -> Callable:
-    """``mask_mod(b, h, q, kv, subtree_end[, positions])`` for the interval rule.
-
-    Key ``kv`` is visible to query ``q`` iff ``kv <= q < subtree_end[kv]``: the rows of a
-    node's subtree are contiguous in DFS order, so this says "kv's node is an ancestor
-    of (or is) q's node and kv is not later in it", i.e. kv lies on q's root path. With a
-    sliding window the distance is measured along that path, ``positions[q] -
-    positions[kv] < window``, the distance per-path training sees (HF's rule
-    ``kv > q - window`` in path coordinates).
-    """
-    if window is None:
-
-        def mask_mod(b, h, q_idx, kv_idx, subtree_end):
-            return interval_rule(q_idx, kv_idx, subtree_end)
-
-        mask_mod.__name__ = "tree_interval_mask"
-        return mask_mod
-
-    def windowed(b, h, q_idx, kv_idx, subtree_end, positions):
-        on_path = interval_rule(q_idx, kv_idx, subtree_end)
-        return on_path & (positions[q_idx] - positions[kv_idx] < window)
-
-    windowed.__name__ = f"tree_interval_mask_w{window}"
-    return windowed
-
-
-def bitmask_mask_mod(chunks: int, window: int | None = None) -> Callable:
-    """``mask_mod(b, h, q, kv, tree_ids, path_bits[, positions])`` for the path-bit rule.
-
-    Key ``kv`` is visible iff it is in the same tree, not later than ``q``, and its path
-    vector is a subset of ``q``'s (``kv``'s node is on ``q``'s root path). ``chunks`` is
-    static (``path_bits.shape[1]``) so the loop unrolls in the generated kernel.
-    """
-
-    def on_path(q_idx, kv_idx, tree_ids, path_bits):
-        return bitmask_rule(q_idx, kv_idx, tree_ids, path_bits, chunks)
-
-    if window is None:
-
-        def mask_mod(b, h, q_idx, kv_idx, tree_ids, path_bits):
-            return on_path(q_idx, kv_idx, tree_ids, path_bits)
-
-        mask_mod.__name__ = f"tree_bitmask_mask_c{chunks}"
-        return mask_mod
-
-    def windowed(b, h, q_idx, kv_idx, tree_ids, path_bits, positions):
-        near = positions[q_idx] - positions[kv_idx] < window
-        return on_path(q_idx, kv_idx, tree_ids, path_bits) & near
-
-    windowed.__name__ = f"tree_bitmask_mask_c{chunks}_w{window}"
-    return windowed
+# --------------------------------------------------------------------------- score_mods
 
 
 def softcap_score_mod(cap: float | None) -> Callable:
@@ -163,7 +102,7 @@ def alibi_score_mod(inner: Callable) -> Callable:
 def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
     """The BlockMask of the interval rule, from per-block min/max of ``subtree_end``.
 
-    See `treecompile.blockmask.tree_block_mask`: no pair is evaluated, and the result
+    See `treecompile.kernels.blockmask.tree_block_mask`: no pair is evaluated, and the result
     equals ``create_block_mask``'s.
     """
     return tree_block_mask(subtree_end, block_size=block_size)
@@ -172,28 +111,65 @@ def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE)
 # --------------------------------------------------------------------------- version shim
 
 
+class BlockTensors(NamedTuple):
+    """The block tables of a ``BlockMask``: the tensors a rewritten graph takes as inputs.
+
+    Counts are ``[1, 1, nb]`` and index lists ``[1, 1, nb, nb]`` int32 (batch 1, shared by
+    all heads); ``full_*`` blocks skip the ``mask_mod``.
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
+
+    @classmethod
+    def of(cls, block_mask: BlockMask) -> BlockTensors:
+        """The tables of ``block_mask``, read by name.
+
+        Raises:
+            RuntimeError: a table is missing (a ``BlockMask`` built without full blocks).
+        """
+        tables = cls(*(getattr(block_mask, name) for name in cls._fields))
+        missing = [name for name, t in zip(cls._fields, tables) if not isinstance(t, torch.Tensor)]
+        if missing:
+            raise RuntimeError(f"BlockMask has no {', '.join(missing)}; build it with tree_block_mask")
+        return tables
+
+
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where the tensors of ``BlockMask.as_tuple()`` sit, so the tuple can be rebuilt in-graph.
+    """Where the items of ``BlockMask.as_tuple()`` sit, so the tuple can be rebuilt in-graph.
 
-    ``slots[i]`` is ``("tensor", n)`` for the n-th tensor, ``("q_len",)``/``("kv_len",)``
-    for the sequence lengths, ``("const", value)`` for anything else, and ``("mask_mod",)``
-    for the mask function. This is the one place that knows the tuple's layout, which
-    differs between torch versions (2.13 added ``dq_write_order`` entries).
+    ``slots[i]`` is ``("tensor", name)`` for the :class:`BlockTensors` field ``name``,
+    ``("q_len",)``/``("kv_len",)`` for the sequence lengths, ``("const", value)`` for
+    anything else, and ``("mask_mod",)`` for the mask function. This is the one place that
+    knows the tuple's layout, which differs between torch versions (2.13 added
+    ``dq_write_order`` entries).
     """
 
     slots: tuple[tuple, ...]
 
 
-def split_block_mask(block_mask: BlockMask) -> tuple[list[torch.Tensor], BlockLayout]:
-    """Splits a BlockMask into its tensors (graph inputs) and a static :class:`BlockLayout`."""
+def split_block_mask(block_mask: BlockMask) -> tuple[BlockTensors, BlockLayout]:
+    """Splits a BlockMask into its tables (graph inputs) and a static :class:`BlockLayout`.
+
+    Raises:
+        RuntimeError: ``as_tuple()`` holds a tensor that is not one of the :class:`BlockTensors`.
+    """
+    tables = BlockTensors.of(block_mask)
     items = block_mask.as_tuple()
-    tensors: list[torch.Tensor] = []
     slots: list[tuple] = []
     for pos, item in enumerate(items):
         if isinstance(item, torch.Tensor):
-            slots.append(("tensor", len(tensors)))
-            tensors.append(item)
+            name = next((n for n, t in zip(BlockTensors._fields, tables) if t is item), None)
+            if name is None:
+                raise RuntimeError(f"BlockMask.as_tuple() holds an unknown tensor at position {pos}")
+            slots.append(("tensor", name))
         elif pos == 0:
             slots.append(("q_len",))
         elif pos == 1:
@@ -202,7 +178,7 @@ def split_block_mask(block_mask: BlockMask) -> tuple[list[torch.Tensor], BlockLa
             slots.append(("mask_mod",))
         else:
             slots.append(("const", item))
-    return tensors, BlockLayout(tuple(slots))
+    return tables, BlockLayout(tuple(slots))
 
 
 def _block_size(layout: BlockLayout) -> int:
@@ -216,12 +192,12 @@ def _block_size(layout: BlockLayout) -> int:
     raise RuntimeError(f"no block size in BlockMask layout {layout.slots}")
 
 
-def _block_tuple(layout: BlockLayout, tensors: Sequence[torch.Tensor], q_len, kv_len, mask_mod: Callable) -> tuple:
+def _block_tuple(layout: BlockLayout, tables: BlockTensors, q_len, kv_len, mask_mod: Callable) -> tuple:
     out = []
     for slot in layout.slots:
         kind = slot[0]
         if kind == "tensor":
-            out.append(tensors[slot[1]])
+            out.append(getattr(tables, slot[1]))
         elif kind == "q_len":
             out.append(q_len)
         elif kind == "kv_len":
@@ -256,7 +232,7 @@ def call_flex_hop(
     *,
     score_mod: Callable,
     mask_mod: Callable,
-    block_tensors: Sequence[torch.Tensor],
+    block_tensors: BlockTensors,
     layout: BlockLayout,
     mask_buffers: Sequence[torch.Tensor],
     scale: float,
@@ -300,19 +276,21 @@ def _merge_block_lists(num, idx, full_num, full_idx):
     return (num + full_num).to(num.dtype), merged.clamp(max=n - 1).to(idx.dtype)
 
 
-def demote_full_blocks(block_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The same BlockMask tensors with every full block made partial.
+def demote_full_blocks(tables: BlockTensors) -> BlockTensors:
+    """The same block tables with every full block made partial.
 
     A full block skips the ``mask_mod``: right for the tree rule, wrong once a sliding
     window cuts through the block. Windowed layers therefore evaluate the mask in every
-    live block. Takes and returns the 8 block tensors in ``BlockMask.as_tuple()`` order
-    (kv counts and indices, full kv, q, full q).
+    live block.
     """
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, *rest = block_tensors
-    kv_num2, kv_idx2 = _merge_block_lists(kv_num, kv_idx, fkv_num, fkv_idx)
-    q_num2, q_idx2 = _merge_block_lists(q_num, q_idx, fq_num, fq_idx)
-    return (kv_num2, kv_idx2, torch.zeros_like(fkv_num), fkv_idx, q_num2, q_idx2, torch.zeros_like(fq_num), fq_idx,
-            *rest)
+    kv_num, kv_idx = _merge_block_lists(tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks,
+                                        tables.full_kv_indices)
+    q_num, q_idx = _merge_block_lists(tables.q_num_blocks, tables.q_indices, tables.full_q_num_blocks,
+                                      tables.full_q_indices)
+    return tables._replace(kv_num_blocks=kv_num, kv_indices=kv_idx,
+                           full_kv_num_blocks=torch.zeros_like(tables.full_kv_num_blocks),
+                           q_num_blocks=q_num, q_indices=q_idx,
+                           full_q_num_blocks=torch.zeros_like(tables.full_q_num_blocks))
 
 
 # --------------------------------------------------------------------------- graph entry point
@@ -358,6 +336,33 @@ def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _flex_hop_attention(spec: AttentionSpec, mask_mod: Callable, score_mod: Callable, q, k, v, positions,
+                        buffers: tuple[torch.Tensor, ...], tables: BlockTensors, scale: float):
+    """``(out, lse)`` of one tree attention call through FlexAttention's higher-order op.
+
+    The ``mask_mod`` reads the rule's tensors, then ``positions`` under a sliding window; the
+    ALiBi ``score_mod`` reads the slopes and ``positions``.
+    """
+    mask_buffers = (*buffers, positions) if spec.window is not None else buffers
+    score_buffers = ()
+    if spec.alibi:
+        slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
+        score_buffers = (slopes, positions)
+    return call_flex_hop(
+        q,
+        k,
+        v,
+        score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
+        mask_mod=mask_mod,
+        block_tensors=tables,
+        layout=spec.layout,
+        mask_buffers=mask_buffers,
+        scale=scale,
+        score_buffers=score_buffers,
+        return_lse=True,
+    )
+
+
 @functools.cache
 def tree_attention_fn(spec: AttentionSpec) -> Callable:
     """The function a rewritten graph calls in place of a causal attention.
@@ -366,50 +371,29 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
     One function object per distinct spec, so all layers with the same spec share it.
     """
     n_buf = len(MASK_KINDS[spec.kind])
-    if spec.kind == "interval":
-        mask_mod = interval_mask_mod(spec.window)
-    else:
-        mask_mod = bitmask_mask_mod(spec.chunks, spec.window)
+    mask_mod = tree_mask_mod(spec.kind, chunks=spec.chunks, window=spec.window)
     score_mod = softcap_score_mod(spec.softcap)
-
-    if spec.window is not None and spec.layout.slots[2:10] != tuple(("tensor", i) for i in range(8)):
-        raise RuntimeError(f"unexpected BlockMask tuple layout {spec.layout.slots}; cannot apply a sliding window")
 
     def tree_flex_attention(q, k, v, positions, *tensors, sinks=None):
         q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
-        block_tensors = tensors[n_buf:]
-        if spec.window is not None or spec.alibi:
-            buffers = (*buffers, positions)
+        tables = BlockTensors(*tensors[n_buf:])
         if spec.window is not None:
-            block_tensors = demote_full_blocks(block_tensors)
+            tables = demote_full_blocks(tables)
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.device.type == "cpu":
             # FlexAttention has no sparse CPU kernel (its op evaluates all S x S pairs):
             # walk the live blocks instead, exact and without S x S memory.
+            if spec.window is not None or spec.alibi:
+                buffers = (*buffers, positions)
             out, lse = torch.ops.treecompile.tree_attention_cpu(
-                q, k, v, list(buffers), *block_tensors[:4], spec.kind, _block_size(spec.layout), float(scale),
+                q, k, v, list(buffers), tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks,
+                tables.full_kv_indices, spec.kind, _block_size(spec.layout), float(scale),
                 float(spec.softcap or 0.0), int(spec.window or 0), int(spec.chunks),
                 list(spec.alibi) if spec.alibi else None,
             )
-            return out if sinks is None else _with_sinks(out, lse, sinks)
-        score_buffers = ()
-        if spec.alibi:
-            slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
-            score_buffers = (slopes, positions)
-        out, lse = call_flex_hop(
-            q,
-            k,
-            v,
-            score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
-            mask_mod=mask_mod,
-            block_tensors=block_tensors,
-            layout=spec.layout,
-            mask_buffers=buffers,
-            scale=scale,
-            score_buffers=score_buffers,
-            return_lse=True,
-        )
+        else:
+            out, lse = _flex_hop_attention(spec, mask_mod, score_mod, q, k, v, positions, buffers, tables, scale)
         return out if sinks is None else _with_sinks(out, lse, sinks)
 
     parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",

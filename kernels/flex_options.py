@@ -110,14 +110,16 @@ def candidates(head_dim: int, dtype: torch.dtype) -> list[FlexOptions]:
 
 
 def _synthetic_subtree_end(rows: int, paths: int, device) -> torch.Tensor:
-    """``subtree_end`` of a tree with one shared prefix of half the rows and ``paths`` leaves."""
-    from treecompile.batch import pack
-    from treecompile.tree import TrajectoryTree
+    """``subtree_end`` of a tree with one shared prefix of half the rows and ``paths`` leaves.
 
+    In DFS order the prefix's rows come first and its subtree ends at the last row; leaf
+    ``i``'s rows end where leaf ``i + 1`` starts.
+    """
     prefix = rows // 2
     leaf = (rows - prefix) // paths
-    seqs = [list(range(prefix)) + [prefix + i] * leaf for i in range(paths)]
-    return pack([TrajectoryTree.from_sequences(seqs)], device=device).subtree_end
+    total = prefix + paths * leaf
+    ends = [total] * prefix + [prefix + (i + 1) * leaf for i in range(paths) for _ in range(leaf)]
+    return torch.tensor(ends, dtype=torch.int64, device=device)
 
 
 def _time_config(opts: dict, q, k, v, block_mask, repeats: int) -> float:
@@ -163,7 +165,7 @@ def tune(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: FlexAttention kernel options are tuned on the GPU they run on")
-    from treecompile.blockmask import tree_block_mask
+    from treecompile.kernels.blockmask import tree_block_mask
 
     dev = torch.device("cuda")
     arch = arch_of(dev)

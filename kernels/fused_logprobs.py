@@ -31,6 +31,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from treecompile.kernels.dtypes import compute_dtype
+
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "KERNELS",
@@ -63,16 +65,11 @@ def default_chunk(vocab: int) -> int:
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, vocab))
 
 
-def _up(dtype: torch.dtype) -> torch.dtype:
-    # Log-probabilities in at least float32, like the per-path reference.
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> tuple[Tensor, Tensor]:
     """``(pre_cap, z)``: the chunk's projection ``[C, V]`` and its capped, upcast logits."""
     y = F.linear(h, weight, bias)
     z = torch.tanh(y / softcap) * softcap if softcap is not None else y
-    return y, z.to(_up(z.dtype))
+    return y, z.to(compute_dtype(z.dtype))
 
 
 def _by_row(slot: Tensor, rows: int, chunk: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -90,7 +87,7 @@ def _fused_forward(
 ) -> tuple[Tensor, Tensor]:
     """``([M] log-probs, [R] log-sum-exp)``; see :func:`fused_target_logprobs`."""
     rows = hidden.shape[0]
-    dtype = _up(hidden.dtype)
+    dtype = compute_dtype(hidden.dtype)
     lp = hidden.new_empty(slot.shape[0], dtype=dtype)
     lse = hidden.new_empty(rows, dtype=dtype)
     order, sorted_slot, bounds = _by_row(slot, rows, chunk)
@@ -109,7 +106,7 @@ def _fused_forward(
 
 @_fused_forward.register_fake
 def _fused_forward_fake(hidden, weight, bias, slot, target, softcap, chunk):
-    dtype = _up(hidden.dtype)
+    dtype = compute_dtype(hidden.dtype)
     return hidden.new_empty(slot.shape[0], dtype=dtype), hidden.new_empty(hidden.shape[0], dtype=dtype)
 
 
@@ -138,7 +135,7 @@ def _fused_backward(
     sorted_target, sorted_g = target[order], grad_lp[order]
     grad_hidden = torch.empty_like(hidden)
     # Accumulated over chunks in at least float32, cast once at the end.
-    grad_weight = torch.zeros(weight.shape, dtype=_up(weight.dtype), device=weight.device)
+    grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
     grad_bias = torch.zeros(bias.shape if bias is not None else (0,), dtype=up, device=hidden.device)
     for i, r0 in enumerate(range(0, rows, chunk)):
         r1 = min(r0 + chunk, rows)

@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from treecompile.kernels.dtypes import compute_dtype
+
 __all__ = ["MAX_BLOCK_V", "INTERPRETED", "check_device", "default_block_v", "triton_target_logprobs"]
 
 Tensor = torch.Tensor
@@ -138,10 +140,6 @@ def default_block_v(vocab: int) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
 
 
-def _up(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -165,7 +163,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     """``([M] log-probs, [R] log-sum-exp)``; see :func:`triton_target_logprobs`."""
     rows, vocab = hidden.shape[0], weight.shape[0]
-    up = _up(hidden.dtype)
+    up = compute_dtype(hidden.dtype)
     lp = hidden.new_empty(slot.shape[0], dtype=up)
     lse = hidden.new_empty(rows, dtype=up)
     tstart, tgt, order = _targets_by_row(slot, target, rows)
@@ -181,7 +179,7 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(hidden, weight, bias, slot, target, softcap, chunk, block_v):
-    up = _up(hidden.dtype)
+    up = compute_dtype(hidden.dtype)
     return hidden.new_empty(slot.shape[0], dtype=up), hidden.new_empty(hidden.shape[0], dtype=up)
 
 
@@ -202,7 +200,7 @@ def _backward_op(
     g_sorted = grad_lp[order].contiguous()
     grad_hidden = torch.empty_like(hidden)
     # Accumulated over chunks in at least float32, cast once at the end (as the torch op).
-    grad_weight = torch.zeros(weight.shape, dtype=_up(weight.dtype), device=weight.device)
+    grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
     grad_bias = torch.zeros(bias.shape if bias is not None else (0,), dtype=up, device=hidden.device)
     for r0 in range(0, rows, chunk):
         r1 = min(r0 + chunk, rows)

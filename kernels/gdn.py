@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from treecompile.kernels.recurrence import _compute_dtype, recurrence_reference, register
+from treecompile.kernels.dtypes import compute_dtype
+from treecompile.kernels.recurrence import recurrence_reference, register
 
 __all__ = ["gated_delta_rule_reference", "gated_delta_rule", "tree_gated_delta_rule", "hf_chunk_gated_delta_rule",
            "fla_chunk_gated_delta_rule"]
@@ -109,7 +110,7 @@ def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_f
     if kwargs.get("head_first"):
         raise ValueError("treecompile's gated delta rule takes [B, T, H, D] inputs: head_first=True is not supported")
     dtype = query.dtype
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     hk, hv = key.shape[2], value.shape[2]
     if hk != hv:
         query = query.repeat_interleave(hv // hk, dim=2)

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from treecompile.kernels.recurrence import _compute_dtype, recurrence_reference, register
+from treecompile.kernels.dtypes import compute_dtype
+from treecompile.kernels.recurrence import recurrence_reference, register
 
 __all__ = ["ssd_scan_reference", "ssd_scan", "tree_ssd_scan", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined"]
@@ -71,7 +72,7 @@ def hf_mamba2_chunk_scan(
         raise ValueError("treecompile's Mamba2 scan keeps packed sequences apart itself: pass no seq_idx / cu_seqlens")
     if kwargs.get("z") is not None:
         raise ValueError("treecompile's Mamba2 scan does not gate inside the kernel: pass z=None")
-    ct = _compute_dtype(hidden_states.dtype)
+    ct = compute_dtype(hidden_states.dtype)
     heads = hidden_states.shape[2]
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)

@@ -53,6 +53,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from treecompile.kernels.dtypes import compute_dtype
+
 __all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK",
            "register_varlen_kernel", "varlen_kernel"]
 
@@ -364,12 +366,8 @@ def _autograd_inside():
             yield
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest, delta: bool):
-    ct = _compute_dtype(inputs[0].dtype)
+    ct = compute_dtype(inputs[0].dtype)
     init = None if initial_state is None else initial_state.to(ct)
     return fn(*(x.to(ct) for x in inputs), init, *rest, delta=delta)
 

@@ -19,7 +19,7 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 
-__all__ = ["PassContext", "is_call", "is_op", "value", "seq_dims", "source_of", "location_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
 
 
 @dataclass
@@ -31,13 +31,14 @@ class PassContext:
         input_ids: the ``[1, S]`` ids placeholder.
         positions: the ``[S]`` tree positions placeholder.
         mask_buffers: the placeholders the tree ``mask_mod`` reads, in
-            :data:`treecompile.kernels.flex.MASK_KINDS` order.
+            :data:`treecompile.kernels.masks.MASK_KINDS` order.
         block_tensors: the BlockMask tensor placeholders.
         layout: the BlockMask tuple layout.
         chunks: ``path_bits.shape[1]`` (bitmask rule), else 0.
         seq_len: S, an int or the SymInt of the traced graph.
         example_inputs: the backend's example inputs, aligned with the placeholders.
-        counters: per pass name, a Counter of rewrites by kind.
+        counters: per pass function name, a Counter of rewrites by kind.
+        pass_name: the name of the pass now running; :meth:`count` records under it.
         created: nodes the passes inserted (the verify pass trusts them).
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
@@ -68,9 +69,13 @@ class PassContext:
     node_table: fx.Node | None = None
     max_rows: int | None = None
     probe_rows: int = 0
+    pass_name: str = ""
 
-    def count(self, pass_name: str, kind: str, n: int = 1) -> None:
-        self.counters.setdefault(pass_name, Counter())[kind] += n
+    def count(self, kind: str, n: int = 1) -> None:
+        """Adds ``n`` rewrites of ``kind`` to the running pass's counter."""
+        if not self.pass_name:
+            raise RuntimeError("treecompile internal error: a pass counted outside run_passes")
+        self.counters.setdefault(self.pass_name, Counter())[kind] += n
 
     def mark(self, node: fx.Node, like: fx.Node | None = None) -> fx.Node:
         """Records ``node`` as created by a pass, copying source info from ``like``."""
@@ -135,14 +140,6 @@ def same_size(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return False
-
-
-def seq_dims(node: Any, seq_len: Any) -> list[int]:
-    """Dims of the node's tensor whose size is the sequence length S."""
-    v = value(node)
-    if not isinstance(v, torch.Tensor):
-        return []
-    return [d for d, size in enumerate(v.shape) if same_size(size, seq_len)]
 
 
 def ancestors(node: fx.Node) -> set[fx.Node]:
@@ -303,16 +300,35 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
 # ----------------------------------------------------------------------------- rows
 
 
-def row_dims(x, s) -> list[int]:
-    """Dims that run over the packed rows: of size S, or ``c * S`` (the rows merged with other
-    dims by a reshape, ``[B, S, H, D] -> [B * S * H, D]``); a scan, reduction or contraction
-    along one mixes tokens."""
+def is_row_size(size: Any, s: Any, how: str = "rows") -> bool:
+    """Whether a dim of size ``size`` runs over the packed rows, S of them.
+
+    Args:
+        size: the dim's size (an int or a SymInt).
+        s: S, the graph's sequence length (None: nothing is a row dim).
+        how: ``"seq"``: exactly S, a dim that holds one entry per row. ``"rows"``: S, or
+            provably ``c * S`` (the rows merged with other dims by a reshape,
+            ``[B, S, H, D] -> [B * S * H, D]``). ``"derived"``: S, or any symbolic size whose
+            expression involves S (``S - 1``, ``S * k`` pairs): anything computed from the rows.
+    """
+    if s is None:
+        return False
+    if same_size(size, s):
+        return True
+    if how == "seq" or not (isinstance(size, torch.SymInt) and isinstance(s, torch.SymInt)):
+        return False
+    if how == "rows":
+        return multiple_of(size, s)
+    return bool(size.node.expr.free_symbols & s.node.expr.free_symbols)
+
+
+def row_dims(x: Any, s: Any, how: str = "rows") -> list[int]:
+    """Dims of ``x``'s tensor value that run over the packed rows (see :func:`is_row_size`);
+    a scan, reduction or contraction along one mixes tokens."""
     v = value(x)
     if not isinstance(v, torch.Tensor):
         return []
-    return [d for d, size in enumerate(v.shape)
-            if same_size(size, s) or (isinstance(size, torch.SymInt) and isinstance(s, torch.SymInt)
-                                      and multiple_of(size, s))]
+    return [d for d, size in enumerate(v.shape) if is_row_size(size, s, how)]
 
 
 def multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:

@@ -42,19 +42,17 @@ from treecompile.passes._graph import (
     SDPA,
     SOFTMAX,
     PassContext,
-    ancestors,
     bind,
     describe,
     is_call,
-    seq_dims,
+    row_dims,
     source_of,
     value,
 )
+from treecompile.passes._mask_eval import depends_on_inputs, evaluate, structural_causal
 from treecompile.passes.markers import is_marker
 
 __all__ = ["rewrite_attention_pass"]
-
-NAME = "attention"
 
 _SDPA_ARGS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -63,7 +61,7 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces causal attention calls with tree FlexAttention; counts them by kind.
 
-    Counters (``ctx.counters["attention"]``): ``hf_interface``, ``sdpa``,
+    Counters (``ctx.counters["rewrite_attention_pass"]``): ``hf_interface``, ``sdpa``,
     ``softmax_attention``. Calls that are not provably causal are left in place with a
     note; the verify pass refuses them.
     """
@@ -75,7 +73,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 with gm.graph.inserting_before(node):  # [Hq] -> [1, Hq, 1], broadcast over the rows
                     sinks = ctx.mark(gm.graph.call_method("view", (sinks, 1, -1, 1)), like=node)
             if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks):
-                ctx.count(NAME, "hf_interface")
+                ctx.count("hf_interface")
         elif is_call(node, SDPA):
             _rewrite_sdpa(gm, ctx, node)
         elif is_call(node, SOFTMAX, ("softmax",)):
@@ -104,7 +102,7 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
     if not dims <= {3, 4}:
         ctx.notes[output] = f"attention over tensors of {sorted(dims)} dims: the tree kernel takes [B, H, S, D]"
         return False
-    if any(t.dim() - 2 not in seq_dims(x, ctx.seq_len) for x, t in zip((q, k, v), vals) if not callable(x)):
+    if any(t.dim() - 2 not in row_dims(x, ctx.seq_len, "seq") for x, t in zip((q, k, v), vals) if not callable(x)):
         ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
         return False
     three_d = out_dim == 3
@@ -156,7 +154,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             f"{describe(node)} at {source_of(node)}: attention dropout {a['dropout_p']} cannot match "
             "per-path training (it is random per call); use model.eval() or dropout_p=0"
         )
-    if not seq_dims(a["query"], ctx.seq_len):
+    if not row_dims(a["query"], ctx.seq_len, "seq"):
         return  # attention over something other than the sequence (e.g. over heads or patches)
     mask = a["attn_mask"]
     alibi = None
@@ -166,7 +164,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             return
         window = None
     else:
-        window, why, alibi, causal = _structural_causal(ctx, mask, kind="sdpa", heads=_heads(node))
+        window, why, alibi, causal = structural_causal(ctx, mask, kind="sdpa", heads=_heads(node))
         if why:
             ctx.notes[node] = f"attn_mask is {why}"
             return
@@ -175,7 +173,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             return
     if _replace(gm, ctx, node, a["query"], a["key"], a["value"], scale=a["scale"], window=window, softcap=None,
                 alibi=alibi):
-        ctx.count(NAME, "sdpa")
+        ctx.count("sdpa")
 
 
 def _heads(node: fx.Node) -> int | None:
@@ -226,7 +224,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
     if sink is not None:
         # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
         scores = scores.args[0][0]
-    if len(seq_dims(scores, ctx.seq_len)) < 2:
+    if len(row_dims(scores, ctx.seq_len, "seq")) < 2:
         return
     # Walk back from the softmax input to q @ k^T, collecting the scale and the masks.
     scale = 1.0
@@ -267,10 +265,10 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         elif cur.op == "call_function" and cur.target in (operator.add, torch.add) or is_call(cur, (), ("add",)):
             a, b = cur.args[:2]
             # The scores branch is the one that comes from q @ k^T.
-            if isinstance(b, fx.Node) and _depends_on_inputs(ctx, b) is False:
+            if isinstance(b, fx.Node) and depends_on_inputs(ctx, b) is False:
                 masks.append(("additive", b))
                 cur = a
-            elif isinstance(a, fx.Node) and _depends_on_inputs(ctx, a) is False:
+            elif isinstance(a, fx.Node) and depends_on_inputs(ctx, a) is False:
                 masks.append(("additive", a))
                 cur = b
             else:
@@ -327,7 +325,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         return
     heads = _heads(node)
     for kind, m in masks:
-        w, why, slopes, is_mask = _structural_causal(ctx, m, kind=kind, heads=heads)
+        w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
         if why:
             ctx.notes[node] = f"the attention mask is {why}"
             return
@@ -348,7 +346,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=out)
     if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=out, post=post,
                 alibi=alibi, sinks=sink):
-        ctx.count(NAME, "softmax_attention")
+        ctx.count("softmax_attention")
 
 
 def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
@@ -362,7 +360,7 @@ def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
     sv, kv = value(parts[0]), value(parts[1])
     if not (isinstance(sv, torch.Tensor) and isinstance(kv, torch.Tensor)) or sv.dim() != kv.dim():
         return None
-    if dim not in (-1, sv.dim() - 1) or len(seq_dims(parts[0], ctx.seq_len)) < 2 or kv.shape[-1] != 1:
+    if dim not in (-1, sv.dim() - 1) or len(row_dims(parts[0], ctx.seq_len, "seq")) < 2 or kv.shape[-1] != 1:
         return None
     return parts[1]
 
@@ -379,7 +377,7 @@ def _very_negative(ctx: PassContext, x) -> bool:
     """Whether ``x`` is a constant (a number or a structural scalar tensor) <= -1e30."""
     if _is_scalar(x):
         return x <= -1e30
-    if not isinstance(x, fx.Node) or _depends_on_inputs(ctx, x):
+    if not isinstance(x, fx.Node) or depends_on_inputs(ctx, x):
         return False
     if is_call(x, (torch.full,), ()) and len(x.args) >= 2 and _is_scalar(x.args[1]):
         return x.args[1] <= -1e30  # torch.tensor(finfo(float64).min) is captured as full((), value)
@@ -387,7 +385,7 @@ def _very_negative(ctx: PassContext, x) -> bool:
     if not isinstance(v, torch.Tensor) or v.numel() != 1:
         return False
     try:
-        return bool(_evaluate(ctx, x).max() <= -1e30)
+        return bool(evaluate(ctx, x).max() <= -1e30)
     except RuntimeError:  # e.g. torch.full((), float64 min) in float32: no constant to compare
         return False
 
@@ -487,195 +485,3 @@ def _untranspose(kt) -> fx.Node | None:
     if kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT":
         return kt.args[0]
     return None
-
-
-# --------------------------------------------------------------------------- mask evaluation
-
-
-def _depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
-    """Whether ``node`` depends on the token ids or on a parameter (is not structural)."""
-    anc = ancestors(node) | {node}
-    for n in anc:
-        if n is ctx.input_ids:
-            return True
-        if n.op == "placeholder":
-            v = value(n)
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                return True
-    return False
-
-
-def _structural_causal(
-    ctx: PassContext, mask: fx.Node, *, kind: str, heads: int | None = None
-) -> tuple:
-    """Evaluates a structural mask on the example inputs; returns ``(window, None)`` if causal.
-
-    A structural mask is computed only from sizes, constants and buffers (not from token
-    ids or parameters), so the graph computes the same mask for every input of this
-    length; evaluating it once on the example inputs shows what it is. It is accepted
-    only if it allows exactly the causal pattern, optionally limited to a window.
-    Costs one ``[S, S]`` evaluation per compile (the graph's own mask, not a new one).
-
-    With ``heads`` (additive masks), the finite part may also be an ALiBi bias: per head
-    ``slope * j`` plus anything constant along the keys (``slope * (j - i)``, or the
-    key-only ``slope * j`` of Bloom and MPT, which differ by a per-query constant that
-    softmax ignores), given ``[.., S, S]`` or broadcast over the queries ``[.., 1, S]``.
-    The bias is a function of the key's and query's positions, so in path positions it is
-    what per-path training adds; the kernel computes it from the tree positions.
-
-    Returns:
-        ``(window or None, None, slopes, causal)`` on success, ``(None, reason, None,
-        False)`` otherwise: ``slopes`` the per-head ALiBi slopes or None (always None without
-        ``heads``), ``causal`` whether the term masks causally (False for a bias alone).
-    """
-    return _structural_causal_bias(ctx, mask, kind, heads)
-
-
-def _structural_causal_bias(ctx, mask, kind, heads):
-    if not isinstance(mask, fx.Node):
-        return None, "not a tensor", None, False
-    if _depends_on_inputs(ctx, mask):
-        return None, "computed from the inputs or parameters (a padding or data-dependent mask)", None, False
-    m = None
-    if ctx.probe_rows and _symbolic_length(ctx):
-        # Judge the mask at the length the wrapper asks for (longer than this batch), so that
-        # the judgement covers the paths it has seen; a mask that cannot be built that long
-        # (a fixed-size buffer) is judged at the example length.
-        try:
-            m = _evaluate(ctx, mask, rows=max(ctx.probe_rows, ctx.seq_len.node.hint))
-        except Exception:
-            m = None
-    if m is None:
-        m = _evaluate(ctx, mask)
-    if not isinstance(m, torch.Tensor):
-        return None, "not a tensor", None, False
-    s = m.shape[-1]
-    # What the evaluation shows holds for sequences up to s long: a longer path (a window or
-    # chunk wider than s) must be judged again (the wrapper recompiles, see PassContext.max_rows).
-    ctx.max_rows = s if ctx.max_rows is None else min(ctx.max_rows, s)
-    if m.dim() < 2 or m.shape[-2] not in (1, s):
-        return None, f"of shape {tuple(m.shape)}, not [.., S, S]", None, False
-    rows = m.shape[-2]
-    flat = m.reshape(-1, rows, s)
-    slopes = None
-    if (kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool)) and m.is_floating_point():
-        blocked = flat <= torch.finfo(m.dtype).min / 2
-        bias = flat.masked_fill(blocked, 0.0)
-        if torch.any(bias != 0):
-            if heads is None:
-                return None, "an additive bias, not a 0/-inf mask", None, False
-            slopes, why = _alibi_slopes(bias, blocked, heads)
-            why = why or _uses_length(mask)
-            if why:
-                return None, why, None, False
-        flat = blocked  # what is left is a 0/-inf mask, as "masked_fill" reads it
-        kind = "masked_fill"
-    if slopes is not None and not torch.any(flat):
-        return None, None, slopes, False  # a bias and no mask: causality must come from elsewhere
-    if rows == 1:
-        if slopes is None or torch.any(flat.bool()):
-            return None, f"of shape {tuple(m.shape)}, not [.., S, S]", None, False
-        return None, None, slopes, False  # a bias over the keys and no mask: causality must come from elsewhere
-    if not all(torch.equal(flat[0], f) for f in flat[1:]):
-        return None, "different across batch or heads", None, False
-    m = flat[0]
-    if kind == "masked_fill":
-        allowed = ~m.bool()
-    elif kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool):
-        if m.is_floating_point():
-            blocked = m <= torch.finfo(m.dtype).min / 2
-            if not torch.all((m == 0) | blocked):
-                return None, "an additive bias, not a 0/-inf mask", None, False
-            allowed = ~blocked
-        else:
-            return None, f"of dtype {m.dtype}", None, False
-    else:
-        allowed = m.bool()
-    causal = torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril()
-    if torch.equal(allowed, causal):
-        return None, None, slopes, True
-    if torch.any(allowed & ~causal):
-        return None, "not causal (some token sees a later one)", None, False
-    window = int(allowed.sum(-1).max())
-    idx = torch.arange(s, device=allowed.device)
-    if window >= 1 and torch.equal(allowed, causal & (idx[:, None] - idx[None, :] < window)):
-        return window, None, slopes, True
-    return None, "causal but not a plain causal or sliding-window pattern", None, False
-
-
-# Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).
-_SHAPE_OPS = {"arange", "full", "ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "new_full", "view",
-              "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like"}
-
-
-def _uses_length(mask: fx.Node) -> str | None:
-    """A reason if the bias uses the sequence length as a value (``j / S``): its slope, read at
-    the example length, would be wrong for any other."""
-    for n in ancestors(mask) | {mask}:
-        if n.op not in ("call_function", "call_method"):
-            continue
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        if name in _SHAPE_OPS or not isinstance(value(n), torch.Tensor):
-            continue
-        if any(isinstance(value(a), torch.SymInt) for a in n.args if isinstance(a, fx.Node)):
-            return f"an additive score bias computed from the sequence length ({describe(n)})"
-    return None
-
-
-def _alibi_slopes(bias: torch.Tensor, blocked: torch.Tensor, heads: int) -> tuple[tuple[float, ...] | None, str | None]:
-    """Per-head slopes if ``bias`` ``[L, R, S]`` is ``slope[l] * j`` plus a constant per query
-    row on the entries not blocked (``L`` is 1 or ``heads``), else ``(None, reason)``."""
-    n, _, s = bias.shape
-    if n not in (1, heads) or s < 2:
-        return None, "an additive score bias that is not ALiBi (not one slope per head)"
-    b = bias.double()
-    j = torch.arange(s, dtype=torch.float64, device=b.device)
-    ok = ~blocked
-    # The slope from the last query row, which sees keys 0 and 1 under a causal mask.
-    slope = b[:, -1, 1] - b[:, -1, 0]
-    if not torch.all(ok[:, -1, :2]):
-        return None, "an additive score bias that is not ALiBi (keys 0 and 1 are not visible)"
-    rest = b - slope[:, None, None] * j
-    const = rest[:, :, :1]
-    scale = max(b.abs().max().item(), 1.0)
-    if not torch.all((~ok) | ((rest - const).abs() <= 1e-6 * scale)):
-        return None, "an additive score bias that is not ALiBi (not linear in the key position)"
-    vals = slope.tolist()
-    return tuple(vals * heads if n == 1 else vals), None
-
-
-def _symbolic_length(ctx: PassContext) -> bool:
-    return isinstance(ctx.seq_len, torch.SymInt) and ctx.seq_len.node.hint is not None
-
-
-def _evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.Tensor:
-    """Runs the subgraph that computes ``node`` on the example inputs (with the sequence
-    length taken as ``rows`` if given)."""
-    needed = ancestors(node) | {node}
-    placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, object] = {}
-    length = ctx.seq_len.node.expr if rows is not None else None
-    for p, ex in zip(placeholders, ctx.example_inputs):
-        # Symbolic sizes are evaluated at their example value without guarding on it
-        # (a guard would specialize the whole graph to this S).
-        if isinstance(ex, torch.SymInt):
-            env[p] = rows if length is not None and ex.node.expr == length else ex.node.hint
-        elif rows is not None and p in needed and isinstance(ex, torch.Tensor):
-            raise ValueError("the mask reads a tensor input; it is judged at the example length")
-        else:
-            env[p] = ex
-    sub = fx.Graph()
-    remap: dict[fx.Node, fx.Node] = {}
-    inputs = []
-    for n in node.graph.nodes:
-        if n not in needed:
-            continue
-        if n.op == "placeholder":
-            remap[n] = sub.placeholder(n.name)
-            inputs.append(env[n])
-        else:
-            remap[n] = sub.node_copy(n, lambda x: remap[x])
-    sub.output(remap[node])
-    owner = node.graph.owning_module
-    with torch.no_grad():
-        return fx.GraphModule(owner, sub)(*inputs)

@@ -25,8 +25,8 @@ convolution over the sequence is left alone, and the verify pass refuses it.
 The ancestor table is built in the graph from ``pred_index`` with ``K - 2`` gathers, once
 per kernel size.
 
-Counters (``ctx.counters["conv_context"]``): ``causal_conv1d`` (rewritten conv calls), of
-which ``depthwise_conv1d`` were plain convs.
+Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
+calls), of which ``depthwise_conv1d`` were plain convs.
 """
 
 from __future__ import annotations
@@ -43,13 +43,11 @@ from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call
 
 __all__ = ["rewrite_conv_context_pass"]
 
-NAME = "conv_context"
-
 
 def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces each ``treecompile::causal_conv1d`` with its tree form.
 
-    Counters (``ctx.counters["conv_context"]``): ``causal_conv1d``.
+    Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d``.
     """
     _canonical_convs(gm, ctx)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
@@ -76,7 +74,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
         ctx.mark(new, like=node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        ctx.count(NAME, "causal_conv1d")
+        ctx.count("causal_conv1d")
     return gm
 
 
@@ -124,7 +122,7 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
         for dead in (node, padded):
             if dead is not None and dead is not replaced and not dead.users:
                 gm.graph.erase_node(dead)
-        ctx.count(NAME, "depthwise_conv1d")
+        ctx.count("depthwise_conv1d")
 
 
 def _ints(v) -> list | None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from treecompile.errors import UnsupportedModelError
+from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = [
     "tree_inputs",
@@ -130,14 +131,12 @@ def tree_logprobs(logits: Tensor, rows: Tensor, slot: Tensor, target: Tensor, de
         target: ``[M]`` token id of each target.
         dest: ``[M]`` row of each target in the packed sequence.
     """
-    lp = torch.log_softmax(_upcast(logits[0].index_select(0, rows)), dim=-1)
-    out = lp.new_zeros(logits.shape[1])
-    return out.index_put((dest,), lp[slot, target])
+    return logprobs_at_rows(logits[0].index_select(0, rows), slot, target, dest, logits.shape[1])
 
 
 @tree_logprobs.register_fake
 def _tree_logprobs_fake(logits, rows, slot, target, dest):
-    return logits.new_empty(logits.shape[1], dtype=_upcast_dtype(logits.dtype))
+    return logits.new_empty(logits.shape[1], dtype=compute_dtype(logits.dtype))
 
 
 def _tree_logprobs_setup(ctx, inputs, output):
@@ -160,13 +159,26 @@ def _tree_logprobs_backward(ctx, grad):
 tree_logprobs.register_autograd(_tree_logprobs_backward, setup_context=_tree_logprobs_setup)
 
 
-def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Log-probabilities in at least float32, as the per-path reference computes them.
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _upcast(x: Tensor) -> Tensor:
-    return x.to(_upcast_dtype(x.dtype))
+    return x.to(compute_dtype(x.dtype))
+
+
+def scatter_to_rows(values: Tensor, dest: Tensor, length: Any) -> Tensor:
+    """``[length]``: ``values[m]`` (``[M]``) at row ``dest[m]``, 0 at every other row."""
+    return values.new_zeros(length).index_put((dest,), values)
+
+
+def logprobs_at_rows(logits_rows: Tensor, slot: Tensor, target: Tensor, dest: Tensor, length: Any) -> Tensor:
+    """``[length]`` target log-probabilities, 0 at rows that are no target.
+
+    Args:
+        logits_rows: ``[R, V]`` logits of the predicting rows; the log-softmax is taken in at
+            least float32.
+        slot, target, dest: ``[M]`` (see `tree_logprobs`).
+        length: S.
+    """
+    lp = torch.log_softmax(_upcast(logits_rows), dim=-1)
+    return scatter_to_rows(lp[slot, target], dest, length)
 
 
 @torch.library.custom_op("treecompile::experts_begin", mutates_args=())

@@ -31,8 +31,9 @@ the rows (an input with a row dimension, ``S`` or ``S * k``, and an output witho
 depends on the weights, so a function that ignores its mask is refused, not silently
 unweighted.
 
-Counters (``ctx.counters["moe"]``): ``experts`` (MoE layers), ``router_aux_loss`` (1 when
-the loss is computed) and ``router_layers`` (layers whose router logits it reads).
+Counters (``ctx.counters["check_moe_regions_pass"]``): ``experts`` (MoE layers),
+``router_aux_loss`` (1 when the loss is computed) and ``router_layers`` (layers whose router
+logits it reads).
 """
 
 from __future__ import annotations
@@ -48,12 +49,10 @@ import torch
 from torch import fx
 
 from treecompile.errors import UnsupportedModelError
-from treecompile.passes._graph import PassContext, describe, same_size, source_of, value
+from treecompile.passes._graph import PassContext, describe, is_row_size, source_of, value
 from treecompile.passes.markers import is_marker
 
 __all__ = ["check_moe_regions_pass", "RouterAux", "router_aux_of"]
-
-NAME = "moe"
 
 #: The parameters HF's ``load_balancing_loss_func`` takes, in order (32 model families).
 AUX_LOSS_PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
@@ -146,14 +145,14 @@ def _module_attr(cls: type, name: str) -> Any:
 def check_moe_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Checks and accepts the experts and router-loss regions; removes their markers.
 
-    Counters (``ctx.counters["moe"]``): ``experts``, ``router_aux_loss``, ``router_layers``.
+    Counters (``ctx.counters["check_moe_regions_pass"]``): ``experts``, ``router_aux_loss``, ``router_layers``.
     """
     for begin in [n for n in gm.graph.nodes if is_marker(n, "experts_begin")]:
         region, end = _region(begin, "experts_end", ctx.seq_len)
         _check_reads(region, begin, ctx, "experts")
         ctx.created.update(region)
         _unwrap(gm, begin, list(begin.args), end)
-        ctx.count(NAME, "experts")
+        ctx.count("experts")
     for begin in [n for n in gm.graph.nodes if is_marker(n, "router_stats_begin")]:
         region, end = _region(begin, "router_aux_end", ctx.seq_len)
         _check_reads(region, begin, ctx, "router auxiliary loss")
@@ -162,8 +161,8 @@ def check_moe_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         _check_weighted(region, weight_uses, ctx)
         ctx.created.update(region)
         _unwrap(gm, begin, [*logits, weights], end)
-        ctx.count(NAME, "router_aux_loss")
-        ctx.count(NAME, "router_layers", len(logits))
+        ctx.count("router_aux_loss")
+        ctx.count("router_layers", len(logits))
     return gm
 
 
@@ -212,7 +211,7 @@ def _check_reads(region: set[fx.Node], begin: fx.Node, ctx: PassContext, what: s
             if m in region or m is begin:
                 continue
             v = value(m)
-            if isinstance(v, torch.Tensor) and any(_is_row_size(s, seq) for s in v.shape):
+            if isinstance(v, torch.Tensor) and any(is_row_size(s, seq, "derived") for s in v.shape):
                 raise UnsupportedModelError(
                     f"treecompile cannot make this model exact on a tree: the {what} region reads "
                     f"{describe(m)}, a sequence tensor that is not one of its inputs.\n  at {source_of(n)}"
@@ -247,21 +246,10 @@ def _topo(nodes: set[fx.Node]) -> list[fx.Node]:
 
 
 def _row_dims(node: fx.Node, seq: Any) -> bool:
-    """Whether the node's value is a tensor (or tuple of tensors) with a row dimension."""
+    """Whether the node's value is a tensor (or tuple of tensors) with a dim derived from the rows."""
     v = value(node)
     vals = v if isinstance(v, (tuple, list)) else [v]
-    return any(isinstance(t, torch.Tensor) and any(_is_row_size(s, seq) for s in t.shape) for t in vals)
-
-
-def _is_row_size(size: Any, seq: Any) -> bool:
-    """S, or a size derived from S (``S * k`` pairs) when S is symbolic."""
-    if seq is None:
-        return False
-    if same_size(size, seq):
-        return True
-    if isinstance(size, torch.SymInt) and isinstance(seq, torch.SymInt):
-        return bool(size.node.expr.free_symbols & seq.node.expr.free_symbols)
-    return False
+    return any(isinstance(t, torch.Tensor) and any(is_row_size(s, seq, "derived") for s in t.shape) for t in vals)
 
 
 def _getitem_index(node: fx.Node) -> int | None:

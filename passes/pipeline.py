@@ -11,12 +11,18 @@ after each, keeping every in-place op whose write is observable, see
    is dead and removed before positions are looked for.
 2. ``rewrite_positions_pass``: sequence-index positions become tree positions.
 3. ``rewrite_conv_context_pass``: causal depthwise convs read their window along the path.
-4. ``route_ssm_state_pass``: Gated DeltaNet layers start each node from its parent's state.
-5. ``gather_logits_pass``: only needed rows reach the vocabulary projection
-   (``fuse_lm_head_pass`` in its place with ``tree_compile(lm_head="fused")``).
+4. ``route_ssm_state_pass``: Gated DeltaNet and Mamba2 (SSD) layers start each node from
+   its parent's state.
+5. ``gather_logits_pass`` (``passes/lm_head.py``): only needed rows reach the vocabulary
+   projection (``fuse_lm_head_pass`` in its place with ``tree_compile(lm_head="fused")``).
 6. ``check_moe_regions_pass``: accepts the experts (token-wise) and the router auxiliary
    loss (rows weighted by ``path_count``) after checking them; removes their markers.
 7. ``verify_graph_pass``: refuses any remaining sequence mixing. Always last.
+
+A pass is known by its function name everywhere: its rewrite counters
+(``ctx.counters[name]``), the DEBUG log of logger ``treecompile.passes``,
+``tree_compile(disable_passes=...)`` and ``treecompile inspect``, which runs the pipeline
+``tree_compile`` builds (:func:`passes_for`) with a :class:`Pipeline`'s before/after hooks.
 
 The backend copies Dynamo's graph (editing it in place breaks Dynamo's bookkeeping),
 finds the ``tree_inputs`` marker to learn which placeholders hold the tree tensors,
@@ -32,11 +38,12 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from treecompile.kernels.flex import MASK_KINDS, BlockLayout
+from treecompile.kernels.flex import BlockLayout
+from treecompile.kernels.masks import MASK_KINDS
 from treecompile.passes._graph import PassContext, describe, eliminate_dead_code, mutated_args, source_of, value
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.conv_context import rewrite_conv_context_pass
-from treecompile.passes.loss import fuse_lm_head_pass, gather_logits_pass
+from treecompile.passes.lm_head import fuse_lm_head_pass, gather_logits_pass
 from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
@@ -44,11 +51,15 @@ from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
-__all__ = ["PASSES", "LM_HEAD_PASSES", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes"]
+__all__ = [
+    "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
+]
 
 log = logging.getLogger("treecompile.passes")
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+#: ``hook(pass_name, gm, ctx)``, called around each pass (see :func:`run_passes`).
+PassHook = Callable[[str, fx.GraphModule, PassContext], None]
 
 #: The passes in the order they run.
 PASSES: tuple[Pass, ...] = (
@@ -62,15 +73,62 @@ PASSES: tuple[Pass, ...] = (
     verify_graph_pass,
 )
 
-#: The loss pass for each ``tree_compile(lm_head=...)`` choice.
+#: The LM head pass for each ``tree_compile(lm_head=...)`` choice.
 LM_HEAD_PASSES: dict[str, Pass] = {"gather": gather_logits_pass, "fused": fuse_lm_head_pass}
 
+#: Passes ``disable_passes`` may not name: without the verification a graph that is not
+#: exact would train silently.
+_REQUIRED = (verify_graph_pass,)
 
-def passes_for(lm_head: str) -> tuple[Pass, ...]:
-    """`PASSES` with the loss pass chosen by ``lm_head`` (a key of `LM_HEAD_PASSES`)."""
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The passes one compile runs, in order, and hooks around each (see :func:`run_passes`).
+
+    Attributes:
+        passes: the pass functions.
+        before: ``before(pass_name, gm, ctx)``, before each pass.
+        after: ``after(pass_name, gm, ctx)``, after each pass and its dead-code elimination
+            (not called for a pass that raised).
+    """
+
+    passes: tuple[Pass, ...] = PASSES
+    before: PassHook | None = None
+    after: PassHook | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The passes' names, the keys of the rewrite counters and the log."""
+        return tuple(p.__name__ for p in self.passes)
+
+
+def passes_for(
+    lm_head: str = "gather",
+    *,
+    disable_passes: Sequence[str] = (),
+    before: PassHook | None = None,
+    after: PassHook | None = None,
+) -> Pipeline:
+    """The pipeline ``tree_compile`` runs: `PASSES` with the LM head pass chosen by ``lm_head``
+    (a key of `LM_HEAD_PASSES`), less the passes named in ``disable_passes``.
+
+    Raises:
+        ValueError: an unknown ``lm_head``; a name in ``disable_passes`` that is not a pass of
+            this pipeline, or that names ``verify_graph_pass``. The message lists the valid ones.
+    """
     if lm_head not in LM_HEAD_PASSES:
         raise ValueError(f"unknown lm_head {lm_head!r}; valid choices: {', '.join(LM_HEAD_PASSES)}")
-    return tuple(LM_HEAD_PASSES[lm_head] if p is gather_logits_pass else p for p in PASSES)
+    if isinstance(disable_passes, str):
+        raise ValueError(f"disable_passes takes a tuple of pass names, not the string {disable_passes!r}")
+    passes = tuple(LM_HEAD_PASSES[lm_head] if p is gather_logits_pass else p for p in PASSES)
+    optional = [p.__name__ for p in passes if p not in _REQUIRED]
+    bad = [n for n in disable_passes if n not in optional]
+    if bad:
+        raise ValueError(
+            f"cannot disable {', '.join(map(repr, bad))}; passes that can be disabled: {', '.join(optional)}"
+            f" ({', '.join(p.__name__ for p in _REQUIRED)} always runs)"
+        )
+    return Pipeline(tuple(p for p in passes if p.__name__ not in disable_passes), before, after)
 
 
 def _lower_eager(gm: fx.GraphModule, example_inputs):
@@ -102,7 +160,7 @@ class CompileRecord:
     """What one backend invocation (one compile of one graph) did.
 
     Attributes:
-        counters: per pass name, a Counter of rewrites by kind.
+        counters: per pass function name, a Counter of rewrites by kind.
         graph_module: the rewritten graph (before lowering), for inspection.
         seq_len: S as the graph saw it (an int, or a symbol when dynamic).
         in_place_ops: the number of in-place ops (``add_``, ``copy_``, ``out=`` ...) in the
@@ -119,28 +177,42 @@ class CompileRecord:
 
 
 def run_passes(
-    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = PASSES
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | Pipeline = PASSES
 ) -> fx.GraphModule:
     """Runs ``passes`` in order with mutation-safe dead-code elimination after each.
+
+    Each pass's rewrites are counted under its function name (``ctx.counters[name]``) and
+    logged under it (logger ``treecompile.passes``, level DEBUG). A :class:`Pipeline`'s
+    hooks run before each pass and after its dead-code elimination.
 
     Every in-place op (``add_``, ``copy_``, ``index_put_``, ``out=`` ...) must survive every
     pass unless the dead-code elimination proved its write unobservable: a pass that drops
     one would silently change what the model computes, so that raises.
     """
-    for p in passes:
-        before = {n for n in gm.graph.nodes if mutated_args(n)}
-        gm = p(gm, ctx)
+    pipeline = passes if isinstance(passes, Pipeline) else Pipeline(tuple(passes))
+    for p in pipeline.passes:
+        name = p.__name__
+        if pipeline.before is not None:
+            pipeline.before(name, gm, ctx)
+        ctx.pass_name = name
+        in_place = {n for n in gm.graph.nodes if mutated_args(n)}
+        try:
+            gm = p(gm, ctx)
+        finally:
+            ctx.pass_name = ""
         after = set(gm.graph.nodes)
-        lost = [n for n in before if n not in after]
+        lost = [n for n in in_place if n not in after]
         if lost:
             raise RuntimeError(
-                f"treecompile internal error: {p.__name__} removed the in-place op {describe(lost[0])}\n"
+                f"treecompile internal error: {name} removed the in-place op {describe(lost[0])}\n"
                 f"  at {source_of(lost[0])}"
             )
         removed = eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
-        log.debug("%s: %s; %d dead nodes removed", p.__name__, dict(ctx.counters.get(p.__name__, {})), removed)
+        log.debug("%s: %s; %d dead nodes removed", name, dict(ctx.counters.get(name, {})), removed)
+        if pipeline.after is not None:
+            pipeline.after(name, gm, ctx)
     return gm
 
 
@@ -151,18 +223,18 @@ def make_backend(
     chunks_of: Callable[[], int],
     lowering: str,
     records: list[CompileRecord],
-    passes: Sequence[Pass] = PASSES,
+    passes: Sequence[Pass] | Pipeline = PASSES,
     probe_rows_of: Callable[[], int] = lambda: 0,
 ) -> Callable:
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
     Args:
-        mask: a key of :data:`treecompile.kernels.flex.MASK_KINDS`.
+        mask: a key of :data:`treecompile.kernels.masks.MASK_KINDS`.
         layout_of, chunks_of: the current batch's BlockMask layout and path-bit chunks
             (static per compiled graph; Dynamo guards on the shapes that determine them).
         lowering: a key of :data:`LOWERINGS`.
         records: each compile appends its :class:`CompileRecord` here.
-        passes: the passes to run (tests may run a prefix).
+        passes: the passes to run, or a :class:`Pipeline` (passes and hooks).
         probe_rows_of: the length at which to judge structural masks (see
             ``PassContext.probe_rows``).
     """

@@ -30,8 +30,6 @@ from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_in
 
 __all__ = ["rewrite_positions_pass"]
 
-NAME = "positions"
-
 _COMPARISONS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
                 torch.lt, torch.le, torch.gt, torch.ge, torch.eq, torch.ne, torch.tril, torch.triu}
 _COMPARISON_METHODS = {"lt", "le", "gt", "ge", "eq", "ne", "tril", "triu", "masked_fill"}
@@ -43,12 +41,12 @@ _PASS_THROUGH_METHODS = {"view", "reshape", "unsqueeze", "expand", "to", "long",
 def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces sequence-index positions with tree positions.
 
-    Counters (``ctx.counters["positions"]``): ``arange``, ``table_slice``,
+    Counters (``ctx.counters["rewrite_positions_pass"]``): ``arange``, ``table_slice``,
     ``position_ids_input``.
     """
     external = [u for u in ctx.positions.users if u not in ctx.created]
     if external:
-        ctx.count(NAME, "position_ids_input", len(external))
+        ctx.count("position_ids_input", len(external))
     for node in list(gm.graph.nodes):
         if node in ctx.created:
             continue
@@ -65,7 +63,7 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             new.meta["example_value"] = value(node)
             ctx.mark(new, like=node)
             node.replace_all_uses_with(new)
-            ctx.count(NAME, "arange")
+            ctx.count("arange")
         elif node.op == "call_function" and node.target is operator.getitem:
             dim = _table_slice_dim(node, ctx)
             if dim is not None:
@@ -74,7 +72,7 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 new.meta["example_value"] = value(node)
                 ctx.mark(new, like=node)
                 node.replace_all_uses_with(new)
-                ctx.count(NAME, "table_slice")
+                ctx.count("table_slice")
     return gm
 
 

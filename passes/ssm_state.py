@@ -22,7 +22,8 @@ rows write only its own nodes' states.
 Refused: a layer whose final state is read (a cache being filled) — on a tree there is one
 final state per leaf, not per call — or a call whose input is not ``[1, S, H, D]``.
 
-Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``, ``ssd_scan`` (rewritten layers).
+Counters (``ctx.counters["route_ssm_state_pass"]``): ``gated_delta_rule``, ``ssd_scan``
+(rewritten layers).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ from treecompile.passes._graph import PassContext, describe, is_op, same_size, s
 
 __all__ = ["route_ssm_state_pass"]
 
-NAME = "ssm_state"
-
 #: The linear-sequence scan ops this pass rewrites, by counter name.
 SCAN_OPS = ("gated_delta_rule", "ssd_scan")
 
@@ -48,7 +47,7 @@ SCAN_OPS = ("gated_delta_rule", "ssd_scan")
 def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces each ``treecompile::gated_delta_rule`` / ``ssd_scan`` with its tree form.
 
-    Counters (``ctx.counters["ssm_state"]``): ``gated_delta_rule``, ``ssd_scan``.
+    Counters (``ctx.counters["route_ssm_state_pass"]``): ``gated_delta_rule``, ``ssd_scan``.
     """
     calls = [(n, kind) for n in gm.graph.nodes for kind in SCAN_OPS
              if is_op(n, getattr(torch.ops.treecompile, kind))]
@@ -87,5 +86,5 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         for user in outs.get(1, []):
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
-        ctx.count(NAME, kind)
+        ctx.count(kind)
     return gm

@@ -26,8 +26,6 @@ from treecompile.passes._graph import PassContext
 
 __all__ = ["inline_subgraphs_pass", "CHECKPOINT_OPS"]
 
-NAME = "subgraphs"
-
 #: Higher-order ops whose body is inlined (activation checkpointing only: same values,
 #: recomputed or stored).
 CHECKPOINT_OPS = tuple(
@@ -38,7 +36,7 @@ CHECKPOINT_OPS = tuple(
 def inline_subgraphs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Inlines every activation-checkpoint body.
 
-    Counters (``ctx.counters["subgraphs"]``): ``checkpoint`` per region inlined.
+    Counters (``ctx.counters["inline_subgraphs_pass"]``): ``checkpoint`` per region inlined.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -50,7 +48,7 @@ def inline_subgraphs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             return gm
         for node in regions:
             _inline(gm, node, region_id, CheckpointPolicy.PREFER_RECOMPUTE)
-            ctx.count(NAME, "checkpoint")
+            ctx.count("checkpoint")
             region_id += 1
 
 

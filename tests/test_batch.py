@@ -7,7 +7,7 @@ from hypothesis import given
 from strategies import forests, path_sets
 
 from treecompile import TrajectoryTree, TreeInputError, pack
-from treecompile.masks import bitmask_mask_mod, interval_mask_mod
+from treecompile.kernels.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
 
 
 def _trees(forest):
@@ -53,8 +53,8 @@ def test_attention_rule_is_the_ancestor_relation(forest):
     q = torch.arange(s)[:, None]
     k = torch.arange(s)[None, :]
     zero = torch.zeros((), dtype=torch.int64)
-    assert torch.equal(interval_mask_mod(batch.subtree_end)(zero, zero, q, k), ancestor)
-    assert torch.equal(bitmask_mask_mod(batch.path_bits, batch.tree_ids)(zero, zero, q, k), ancestor)
+    assert torch.equal(bind_buffers(interval_mask_mod(), batch.subtree_end)(zero, zero, q, k), ancestor)
+    assert torch.equal(bind_buffers(bitmask_mask_mod(batch.path_bits.shape[1]), batch.tree_ids, batch.path_bits)(zero, zero, q, k), ancestor)
 
 
 def test_layout_of_a_small_tree():
@@ -89,7 +89,7 @@ def test_bitmask_needs_more_than_one_chunk():
     s = b.num_tokens
     q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
     zero = torch.zeros((), dtype=torch.int64)
-    assert torch.equal(bitmask_mask_mod(b.path_bits, b.tree_ids)(zero, zero, q, k), b.reference_attention_mask())
+    assert torch.equal(bind_buffers(bitmask_mask_mod(b.path_bits.shape[1]), b.tree_ids, b.path_bits)(zero, zero, q, k), b.reference_attention_mask())
 
 
 CORRUPTIONS = {
@@ -153,5 +153,5 @@ def test_padding_rows_are_isolated_and_weightless(forest):
     assert torch.all(padded.target_weight[s:] == 0) and torch.all(padded.pred_index[s:] == -1)
     q, k = torch.arange(s + 3)[:, None], torch.arange(s + 3)[None, :]
     zero = torch.zeros((), dtype=torch.int64)
-    assert torch.equal(bitmask_mask_mod(padded.path_bits, padded.tree_ids)(zero, zero, q, k), mask)
+    assert torch.equal(bind_buffers(bitmask_mask_mod(padded.path_bits.shape[1]), padded.tree_ids, padded.path_bits)(zero, zero, q, k), mask)
     assert batch.padded(1) is batch

@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 from strategies import path_sets
 
 from treecompile import TrajectoryTree, pack
-from treecompile.blockmask import tree_block_mask
-from treecompile.masks import interval_mask_mod
+from treecompile.kernels.blockmask import tree_block_mask
+from treecompile.kernels.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
 from torch.nn.attention.flex_attention import create_block_mask
 
 
@@ -43,7 +43,7 @@ def assert_same_block_mask(ours, ref):
 def test_equals_create_block_mask(size, block):
     batch = random_tree_batch(seed=size * 7 + block, target_tokens=size)
     s = batch.num_tokens
-    mm = interval_mask_mod(batch.subtree_end)
+    mm = bind_buffers(interval_mask_mod(), batch.subtree_end)
     ref = create_block_mask(mm, 1, 1, s, s, device="cpu", BLOCK_SIZE=block)
     assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)
 
@@ -54,19 +54,17 @@ def test_equals_create_block_mask_on_hypothesis_trees(case, block):
     seqs, _, _ = case
     batch = pack(TrajectoryTree.from_sequences(seqs))
     s = batch.num_tokens
-    ref = create_block_mask(interval_mask_mod(batch.subtree_end), 1, 1, s, s, device="cpu", BLOCK_SIZE=block)
+    ref = create_block_mask(bind_buffers(interval_mask_mod(), batch.subtree_end), 1, 1, s, s, device="cpu", BLOCK_SIZE=block)
     assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)
 
 
 @pytest.mark.parametrize("block", [2, 4, 16])
 def test_interval_classes_are_the_bitmask_rules_classes(block):
     """The bitmask rule is the same relation, so its create_block_mask classes are ours."""
-    from treecompile.masks import bitmask_mask_mod
-
     trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 9], [1, 2, 3, 7, 10, 11, 12]]),
              TrajectoryTree.from_sequences([[5, 6, 7], [5, 8]])]
     batch = pack(trees, path_bits=True)
     s = batch.num_tokens
-    ref = create_block_mask(bitmask_mask_mod(batch.path_bits, batch.tree_ids), 1, 1, s, s, device="cpu",
+    ref = create_block_mask(bind_buffers(bitmask_mask_mod(batch.path_bits.shape[1]), batch.tree_ids, batch.path_bits), 1, 1, s, s, device="cpu",
                             BLOCK_SIZE=block)
     assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)

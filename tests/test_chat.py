@@ -12,14 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treecompile import TrajectoryTree, TreeInputError
-from treecompile.chat import (
-    RetokenizationDriftWarning,
-    load_gsm8k_solutions,
-    load_tau2,
-    load_tau_bench,
-    render_text,
-    tree_from_messages,
-)
+from treecompile.chat import RetokenizationDriftWarning, render_text, tree_from_messages
+from treecompile.datasets import load_gsm8k_solutions, load_tau2, load_tau_bench
 from treecompile.data import sample_conversations, sample_gsm8k, sample_tau_bench, sample_think
 from treecompile.tokenizer import load_tokenizer
 

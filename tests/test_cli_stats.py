@@ -122,7 +122,7 @@ def test_unknown_choice_is_refused_by_argparse(capsys):
 
 
 def test_progress_bar_only_on_a_terminal_and_for_many_trees(monkeypatch):
-    from treecompile.cli import _PROGRESS_MIN_TREES, progress_bar
+    from treecompile.cli_args import _PROGRESS_MIN_TREES, progress_bar
 
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.setenv("TERM", "dumb")

@@ -4,6 +4,8 @@ One compiled model per (model, mask) runs every tree: S, the number of targets a
 predicting rows are dynamic, so the trees also exercise reuse without recompiling.
 """
 
+import logging
+
 import pytest
 import torch
 from test_compile_models import (
@@ -17,12 +19,13 @@ from test_compile_models import (
 )
 
 from treecompile.compile import BACKENDS, MASKS, TreeCompiledModel, tree_compile
+from treecompile.errors import UnsupportedModelError
 
 MODELS = {
     # model -> the rewrites its graph must show, per pass.
-    "nanogpt-sdpa-rope-arange": (NanoGPT, {"attention": {"sdpa": 2}, "positions": {"arange": 1}}),
-    "manual-softmax-tril-wpe": (ManualGPT, {"attention": {"softmax_attention": 2}, "positions": {"arange": 1}}),
-    "sdpa-cached-rope-slice": (CachedRopeLM, {"attention": {"sdpa": 1}, "positions": {"table_slice": 2}}),
+    "nanogpt-sdpa-rope-arange": (NanoGPT, {"rewrite_attention_pass": {"sdpa": 2}, "rewrite_positions_pass": {"arange": 1}}),
+    "manual-softmax-tril-wpe": (ManualGPT, {"rewrite_attention_pass": {"softmax_attention": 2}, "rewrite_positions_pass": {"arange": 1}}),
+    "sdpa-cached-rope-slice": (CachedRopeLM, {"rewrite_attention_pass": {"sdpa": 1}, "rewrite_positions_pass": {"table_slice": 2}}),
 }
 
 
@@ -37,7 +40,7 @@ def test_custom_model_matches_per_path_training(model_id, mask):
         compare_with_paths(model, compiled, batch, trees, tol="pure")
     for pass_name, kinds in expected.items():
         assert dict(compiled.counters[pass_name]) == kinds, f"{pass_name}: {compiled.counters[pass_name]}"
-    assert compiled.counters["loss"] == {"gather_before_lm_head": 1}
+    assert compiled.counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
     # Dynamic S: one graph served trees of 11, 14 and 9 tokens.
     assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
 
@@ -113,6 +116,27 @@ def test_unknown_options_list_the_valid_ones():
         tree_compile(model, backend="tensorrt")
 
 
+def test_disable_passes_names_the_passes_that_can_be_left_out():
+    with pytest.raises(ValueError, match="cannot disable 'positions'; passes that can be disabled: "
+                                         "inline_subgraphs_pass, rewrite_attention_pass"):
+        tree_compile(tiny(NanoGPT), disable_passes=("positions",))
+    with pytest.raises(ValueError, match="verify_graph_pass always runs"):
+        tree_compile(tiny(NanoGPT), disable_passes=("verify_graph_pass",))
+    with pytest.raises(ValueError, match="a tuple of pass names"):
+        tree_compile(tiny(NanoGPT), disable_passes="rewrite_positions_pass")
+
+
+def test_a_disabled_rewrite_is_refused_by_the_verification_and_logged_by_name(caplog):
+    """Without the positions rewrite the model's arange positions are left over the packed
+    rows: refused by name, never trained wrong. Each pass logs its own counters."""
+    compiled = tree_compile(tiny(NanoGPT), disable_passes=("rewrite_positions_pass",))
+    with caplog.at_level(logging.DEBUG, logger="treecompile.passes"), pytest.raises(UnsupportedModelError):
+        compiled(make_batch("branchy")[0])
+    logged = {r.args[0]: r.args[1] for r in caplog.records if r.name == "treecompile.passes" and r.args}
+    assert "rewrite_positions_pass" not in logged
+    assert logged["rewrite_attention_pass"] == {"sdpa": 2}
+
+
 def test_bitmask_needs_path_bits():
     from treecompile import TreeInputError
 
@@ -170,7 +194,7 @@ def test_temperature_divides_the_logits_exactly():
     t = 0.7
     compiled = tree_compile(model, temperature=t, outputs=("entropy",))
     out, grads = backward_grads(model, lambda: compiled(batch))
-    assert compiled.counters["loss"] == {"gather_before_lm_head": 1}
+    assert compiled.counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
 
     def scaled(m, ids):
         return model_logits(m, ids) / t

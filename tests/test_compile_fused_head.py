@@ -29,7 +29,7 @@ def test_fused_head_matches_per_path_training(family):
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="hf")
-    assert dict(compiled.counters["loss"]) == {expected: 1}
+    assert dict(compiled.counters["fuse_lm_head_pass"]) == {expected: 1}
 
 
 def test_fused_head_on_a_custom_model_is_exact_to_rounding():
@@ -37,7 +37,7 @@ def test_fused_head_on_a_custom_model_is_exact_to_rounding():
     compiled = tree_compile(model, lm_head="fused")
     batch, trees = make_batch("branchy")
     compare_with_paths(model, compiled, batch, trees, tol="pure")
-    assert dict(compiled.counters["loss"]) == {"fused_lm_head": 1}
+    assert dict(compiled.counters["fuse_lm_head_pass"]) == {"fused_lm_head": 1}
 
 
 def test_unknown_lm_head_lists_the_choices():

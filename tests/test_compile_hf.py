@@ -52,9 +52,9 @@ def test_hf_model_matches_per_path_training(family, mask):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="hf")
     n_layers = 2
-    assert compiled.counters["attention"] == {"hf_interface": n_layers}
-    assert compiled.counters["positions"]["position_ids_input"] >= 1
-    assert compiled.counters["loss"] == {"gather_before_lm_head": 1}
+    assert compiled.counters["rewrite_attention_pass"] == {"hf_interface": n_layers}
+    assert compiled.counters["rewrite_positions_pass"]["position_ids_input"] >= 1
+    assert compiled.counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
 
 
 def test_sliding_window_matters_in_the_test_trees():

@@ -30,12 +30,11 @@ from testing import TOLERANCES, assert_grads_close, backward_grads
 
 import treecompile as tc
 from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
-from treecompile.compile import TreeCompiledModel, tree_compile
+from treecompile.compile import tree_compile
 from treecompile.selfcheck import verify_tree_compile
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import conv, gdn, mamba2, recurrence
 from treecompile.passes.conv_context import rewrite_conv_context_pass
-from treecompile.passes.pipeline import PASSES
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.reference import per_path_loss
 
@@ -489,8 +488,8 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
     counters = compiled.counters
     layers = CONV_LAYERS.get(name, sum(MODELS[name][1].values()))
-    assert counters["conv_context"] == {"causal_conv1d": layers}
-    assert counters.get("ssm_state", {}) == MODELS[name][1]
+    assert counters["rewrite_conv_context_pass"] == {"causal_conv1d": layers}
+    assert counters.get("route_ssm_state_pass", {}) == MODELS[name][1]
 
 
 def test_qwen3_next_kernels_are_restored_after_each_call():
@@ -510,12 +509,10 @@ def test_hybrid_verify_passes(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
-@pytest.mark.parametrize("missing", ["conv_context", "ssm_state"])
+@pytest.mark.parametrize("missing", [rewrite_conv_context_pass.__name__, route_ssm_state_pass.__name__])
 def test_hybrid_without_its_pass_is_refused(missing, name):
     """The verify pass names a sequence kernel left linear, never trains it wrong."""
-    drop = {"conv_context": rewrite_conv_context_pass, "ssm_state": route_ssm_state_pass}[missing]
-    passes = tuple(p for p in PASSES if p is not drop)
-    compiled = TreeCompiledModel(_model(name), mask="interval", backend=None, verify=False, passes=passes)
+    compiled = tree_compile(_model(name), disable_passes=(missing,))
     with pytest.raises(UnsupportedModelError, match="sequence kernel"):
         compiled(make_batch("branchy")[0])
 
@@ -749,9 +746,9 @@ def test_fla_style_model_matches_per_path_training(fla_style, name):
     batch, trees = make_batch(name) if name in ("branchy", "forest") else _pack(TREES[name])
     compare_with_paths(model, compiled, batch, trees, tol="pure")
     counters = compiled.counters
-    assert counters["ssm_state"] == {"gated_delta_rule": 2}
-    assert counters["conv_context"] == {"depthwise_conv1d": 6, "causal_conv1d": 6}
-    assert counters["attention"] == {"sdpa": 1}
+    assert counters["route_ssm_state_pass"] == {"gated_delta_rule": 2}
+    assert counters["rewrite_conv_context_pass"] == {"depthwise_conv1d": 6, "causal_conv1d": 6}
+    assert counters["rewrite_attention_pass"] == {"sdpa": 1}
 
 
 @pytest.mark.parametrize("padding", [2, 3], ids=["padding-short", "padding-K-1"])

@@ -7,6 +7,7 @@ from testing import dense_tree_attention, tree_visibility
 
 import treecompile as tc
 from treecompile.kernels import flex
+from treecompile.kernels.masks import interval_mask_mod, tree_mask_mod
 
 SEQS = {
     # 1-token nodes and a prefix path.
@@ -50,6 +51,28 @@ def test_tree_attention_matches_dense_reference(mask, window, softcap, name, hea
     torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
     for n, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("mask", ["interval", "bitmask"])
+@pytest.mark.parametrize("window,alibi", [(None, (0.5, 0.125)), (3, (0.5, 0.125)), (3, None)],
+                         ids=["alibi", "window3-alibi", "window3"])
+def test_flex_branch_takes_the_buffers_its_mods_read(mask, window, alibi):
+    """The CUDA branch of the tree attention function (FlexAttention's op, eager on CPU) hands
+    the mask_mod and the ALiBi score_mod the buffers each reads, and equals the CPU op."""
+    batch = _batch("tiny")
+    s = batch.num_tokens
+    tensors, layout = flex.split_block_mask(flex.interval_block_mask(batch.subtree_end, 16))
+    spec = flex.AttentionSpec(mask, None, window, None, batch.path_bits.shape[1], layout, alibi=alibi)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    buffers = (batch.subtree_end,) if mask == "interval" else (batch.tree_ids, batch.path_bits)
+    tables = flex.demote_full_blocks(tensors) if window is not None else tensors
+    got, _ = flex._flex_hop_attention(spec, tree_mask_mod(mask, chunks=spec.chunks, window=window),
+                                      flex.softcap_score_mod(None), q, k, v, batch.position_ids, buffers, tables, 0.3)
+    spec_scaled = flex.AttentionSpec(mask, 0.3, window, None, spec.chunks, layout, alibi=alibi)
+    want = flex.tree_attention_fn(spec_scaled)(q, k, v, batch.position_ids, *buffers, *tensors)
+    rtol, atol = TOL["pure"]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", list(SEQS))
@@ -113,7 +136,7 @@ def test_flex_path_alibi_and_sinks_match_dense_reference():
     slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
     pos = batch.position_ids
     out, lse = flex.call_flex_hop(
-        q, k, v, score_mod=flex.alibi_score_mod(flex.softcap_score_mod(None)), mask_mod=flex.interval_mask_mod(),
+        q, k, v, score_mod=flex.alibi_score_mod(flex.softcap_score_mod(None)), mask_mod=interval_mask_mod(),
         block_tensors=tensors, layout=layout, mask_buffers=[batch.subtree_end], scale=0.3,
         score_buffers=(slopes, pos), return_lse=True,
     )

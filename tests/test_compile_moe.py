@@ -81,7 +81,7 @@ def test_router_aux_loss_matches_per_path_training(coef, trees_name):
         torch.testing.assert_close(out.logprobs.detach()[batch.path_rows(i)], ref.logprobs[i], rtol=rtol, atol=atol)
     assert "model.layers.0.mlp.gate.weight" in ref_grads
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
-    assert compiled.counters["moe"] == {"experts": N_LAYERS, "router_aux_loss": 1, "router_layers": N_LAYERS}
+    assert compiled.counters["check_moe_regions_pass"] == {"experts": N_LAYERS, "router_aux_loss": 1, "router_layers": N_LAYERS}
 
 
 def test_path_count_weighting_is_detectable(monkeypatch):
@@ -135,7 +135,7 @@ def test_moe_without_aux_loss_matches_per_path_training(overrides):
     assert out.aux_loss is None
     torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=TOL["hf"][0], atol=TOL["hf"][1])
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
-    assert compiled.counters["moe"] == {"experts": N_LAYERS}
+    assert compiled.counters["check_moe_regions_pass"] == {"experts": N_LAYERS}
 
 
 def test_verify_checks_the_aux_loss():

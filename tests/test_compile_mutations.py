@@ -201,6 +201,8 @@ def test_dead_code_elimination_keeps_observed_writes_and_drops_unobserved_ones()
 
 
 def test_a_pass_that_drops_an_in_place_op_is_an_error():
+    from types import SimpleNamespace
+
     from treecompile.passes.pipeline import run_passes
 
     def fn(x):
@@ -218,5 +220,5 @@ def test_a_pass_that_drops_an_in_place_op_is_an_error():
         return gm
 
     with pytest.raises(RuntimeError, match="careless_pass removed the in-place op .*copy_"):
-        run_passes(gm, ctx=None, passes=[careless_pass])
+        run_passes(gm, ctx=SimpleNamespace(pass_name="", counters={}), passes=[careless_pass])
 

@@ -29,8 +29,8 @@ def test_attention_inside_checkpointed_blocks_is_rewritten_and_exact():
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="pure")
-    assert dict(compiled.counters["subgraphs"]) == {"checkpoint": 2}
-    assert dict(compiled.counters["attention"]) == {"sdpa": 2}
+    assert dict(compiled.counters["inline_subgraphs_pass"]) == {"checkpoint": 2}
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"sdpa": 2}
     (record,) = compiled.compile_records
     tagged = [n for n in record.graph_module.graph.nodes if "ac_graph_id" in n.meta]
     assert {n.meta["ac_graph_id"] for n in tagged} == {0, 1}
@@ -51,8 +51,8 @@ def test_hugging_face_gradient_checkpointing_is_exact():
     for name in ("branchy", "single"):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="hf")
-    assert dict(compiled.counters["subgraphs"]) == {"checkpoint": 2}
-    assert dict(compiled.counters["attention"]) == {"hf_interface": 2}
+    assert dict(compiled.counters["inline_subgraphs_pass"]) == {"checkpoint": 2}
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"hf_interface": 2}
 
 
 class CondGPT(NanoGPT):

@@ -124,15 +124,15 @@ def test_gradient_checkpointing_enabled_after_compile_is_exact():
     compiled = tc.tree_compile(model)
     batch, trees = make_batch("branchy")
     compare_with_paths(model, compiled, batch, trees, tol="hf")
-    assert "subgraphs" not in compiled.counters or not compiled.counters["subgraphs"]
+    assert "inline_subgraphs_pass" not in compiled.counters or not compiled.counters["inline_subgraphs_pass"]
     compiled.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.is_gradient_checkpointing
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="hf")
     # The graph was recaptured with the checkpointed layers, and they were rewritten.
-    assert dict(compiled.counters["subgraphs"]) == {"checkpoint": 2}
-    assert dict(compiled.counters["attention"]) == {"hf_interface": 2}
+    assert dict(compiled.counters["inline_subgraphs_pass"]) == {"checkpoint": 2}
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"hf_interface": 2}
 
 
 def test_tree_output_reads_as_trainer_reads_a_model_output():
@@ -167,8 +167,8 @@ def test_lora_adapters_applied_before_compile_are_exact(family):
         compare_with_paths(peft_model, compiled, batch, trees, tol="hf")
     # Only the adapters train, and the HF attention interface is routed as on the plain model.
     assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
-    assert dict(compiled.counters["attention"]) == {"hf_interface": 2}
-    assert compiled.counters["positions"]["position_ids_input"] >= 1
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"hf_interface": 2}
+    assert compiled.counters["rewrite_positions_pass"]["position_ids_input"] >= 1
     assert isinstance(compiled, peft.PeftModel)
     assert list(compiled.state_dict()) == list(peft_model.state_dict())
 

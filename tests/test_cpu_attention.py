@@ -8,7 +8,7 @@ from strategies import path_sets
 from testing import dense_tree_attention, tree_visibility
 
 from treecompile import TrajectoryTree, pack
-from treecompile.blockmask import tree_block_mask
+from treecompile.kernels.blockmask import tree_block_mask
 from treecompile.kernels.cpu_attention import tree_attention_cpu
 
 

@@ -52,3 +52,15 @@ def test_tune_without_cuda_exits_2(capsys):
     assert "no CUDA" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="no CUDA"):
         fo.tune()
+
+
+@pytest.mark.parametrize("rows, paths", [(64, 8), (100, 8), (33, 4), (1024, 8)], ids=lambda x: f"{x}")
+def test_tuning_tree_is_the_packed_tree(rows, paths):
+    """The tuning tree's subtree_end, written down directly, is what pack gives for its paths."""
+    from treecompile import TrajectoryTree, pack
+
+    prefix = rows // 2
+    leaf = (rows - prefix) // paths
+    seqs = [list(range(prefix)) + [prefix + i] * leaf for i in range(paths)]
+    want = pack([TrajectoryTree.from_sequences(seqs)]).subtree_end
+    assert torch.equal(fo._synthetic_subtree_end(rows, paths, "cpu"), want)

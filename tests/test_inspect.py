@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from treecompile.cli import main
-from treecompile.inspection import EXAMPLE_SEQUENCES, example_trees, mask_matrix, mask_picture, png_bytes
+from treecompile.inspection import EXAMPLE_SEQUENCES, example_trees
+from treecompile.maskview import mask_matrix, mask_picture, png_bytes
 from treecompile.passes.pipeline import PASSES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,10 +125,10 @@ def test_qwen3_config_file_json_and_png(tmp_path, capsys):
     assert not data["refused"] and data["refusal"] is None
     assert [p["name"] for p in data["passes"]] == PASS_NAMES
     counters = data["counters"]
-    assert counters["attention"] == {"hf_interface": QWEN3["num_hidden_layers"]}
-    assert counters["positions"] == {"position_ids_input": 1}
-    assert counters["loss"] == {"gather_before_lm_head": 1}
-    assert counters["verify"]["nodes_checked"] > 0
+    assert counters["rewrite_attention_pass"] == {"hf_interface": QWEN3["num_hidden_layers"]}
+    assert counters["rewrite_positions_pass"] == {"position_ids_input": 1}
+    assert counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
+    assert counters["verify_graph_pass"]["nodes_checked"] > 0
     # Each pass receives the graph the previous one left; sizes add up end to end.
     passes = data["passes"]
     assert data["captured"]["nodes"] == passes[0]["nodes_before"]
@@ -172,7 +173,7 @@ def test_factory_from_the_test_models_matches_the_docs(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     code, out, _ = run(capsys, "tests.test_compile_models:ManualGPT")
     assert code == 0
-    assert "attention: softmax_attention=2" in out and "positions: arange=1" in out
+    assert "rewrite_attention_pass [softmax_attention=2]" in out and "rewrite_positions_pass [arange=1]" in out
     assert re.search(r"^-    pos = torch\.arange\(0, s\d+", out, re.M)  # the row index the positions pass replaced
     assert_matches_docs("tests.test_compile_models:ManualGPT", out)
 
@@ -182,14 +183,27 @@ def test_factory_from_a_user_module_in_the_working_directory(user_module, capsys
     assert code == 0
     data = json.loads(out)
     assert data["source"] == "factory" and "float64" in data["model"]
-    assert data["counters"]["attention"] == {"softmax_attention": 3}
-    assert data["counters"]["positions"] == {"arange": 1}
-    assert data["counters"]["loss"] == {"gather_before_lm_head": 1}
+    assert data["counters"]["rewrite_attention_pass"] == {"softmax_attention": 3}
+    assert data["counters"]["rewrite_positions_pass"] == {"arange": 1}
+    assert data["counters"]["gather_logits_pass"] == {"gather_before_lm_head": 1}
     # The bitmask rule gives the same picture as the interval rule.
     assert data["attention_mask"]["kind"] == "bitmask"
     sub = data["example"]["subtree_end"]
     assert data["attention_mask"]["rows"] == [[int(k <= q < sub[k]) for k in range(len(sub))] for q in range(len(sub))]
     assert len(data["example"]["path_bits"]) == EXAMPLE_ROWS
+
+
+def test_fused_lm_head_is_inspected_through_the_pipeline_tree_compile_runs(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run(capsys, "tests.test_compile_models:ManualGPT", "--json", "--lm-head", "fused")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["lm_head"] == "fused"
+    assert [p["name"] for p in data["passes"]] == [
+        "fuse_lm_head_pass" if n == "gather_logits_pass" else n for n in PASS_NAMES
+    ]
+    assert data["counters"]["fuse_lm_head_pass"] == {"fused_lm_head": 1}
+    assert "gather_logits_pass" not in data["counters"]
 
 
 # ---------------------------------------------------------------------------- refusals and errors
@@ -357,8 +371,8 @@ def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys)
     assert code == 0, out
     data = json.loads(out)
     counters = data["counters"]
-    assert counters["conv_context"] == {"causal_conv1d": 1}
-    assert counters["ssm_state"] == {"gated_delta_rule": 1}
-    assert counters["attention"] == {"hf_interface": 1}
+    assert counters["rewrite_conv_context_pass"] == {"causal_conv1d": 1}
+    assert counters["route_ssm_state_pass"] == {"gated_delta_rule": 1}
+    assert counters["rewrite_attention_pass"] == {"hf_interface": 1}
     code, text, _ = run(capsys, str(tmp_path / "qwen3-next"))
     assert "tree_causal_conv1d" in text and "tree_gated_delta_rule" in text

@@ -143,7 +143,7 @@ def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, tmp_pa
     torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(stock_losses), rtol=loss_rtol, atol=0)
     _assert_updates_close(tree_updates, stock_updates, update_tol)
     if checkpointing:
-        assert dict(trainer.model.counters["subgraphs"]) == {"checkpoint": 2}
+        assert dict(trainer.model.counters["inline_subgraphs_pass"]) == {"checkpoint": 2}
         _assert_saved_model_loads_without_treecompile(trainer, model, tmp_path / "final")
 
 

@@ -96,7 +96,7 @@ def test_unknown_method_lists_the_valid_ones():
 
 
 def test_tau_bench_dfs_beats_greedy(shared_data):
-    from treecompile.chat import load_tau_bench
+    from treecompile.datasets import load_tau_bench
     from treecompile.tokenizer import load_tokenizer
 
     tok = load_tokenizer("cl100k")

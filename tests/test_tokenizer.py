@@ -112,15 +112,16 @@ def test_public_api_is_pinned():
     import treecompile.chat
     import treecompile.cli
     import treecompile.data
+    import treecompile.datasets
     import treecompile.io
     import treecompile.tokenizer
 
     assert treecompile.tokenizer.__all__ == ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
     assert treecompile.chat.__all__ == [
         "LOSS_ON", "ON_DRIFT", "SAMPLES", "TEMPLATES", "THINK", "RetokenizationDriftWarning",
-        "load_gsm8k_solutions", "load_tau2", "load_tau_bench", "normalize_conversation", "render_text",
-        "tree_from_messages",
+        "normalize_conversation", "render_text", "tree_from_messages",
     ]  # fmt: skip
+    assert treecompile.datasets.__all__ == ["GSM8K_SOLVERS", "load_gsm8k_solutions", "load_tau2", "load_tau_bench"]
     assert treecompile.io.__all__ == [
         "FILE_KINDS", "UNGROUPED", "ConversationRecord", "SequenceRecord", "detect_kind", "group_records",
         "iter_jsonl",

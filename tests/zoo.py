@@ -42,7 +42,7 @@ class Case:
             class of bug.
         hf: a Hugging Face model (its source lives in transformers).
         attention: for an exact case, the attention rewrites it must show
-            (``compiled.counters["attention"]``), so a spelling is known to be matched.
+            (``compiled.counters["rewrite_attention_pass"]``), so a spelling is known to be matched.
     """
 
     id: str
@@ -350,5 +350,5 @@ def run(case: Case) -> list[dict]:
     compiled = tree_compile(model, backend="eager")
     diffs = [compare(model, compiled, batch, trees) for _, batch, trees in batches()]
     if case.attention is not None:
-        assert dict(compiled.counters["attention"]) == case.attention, compiled.counters["attention"]
+        assert dict(compiled.counters["rewrite_attention_pass"]) == case.attention, compiled.counters["rewrite_attention_pass"]
     return diffs

@@ -40,6 +40,7 @@ import torch
 
 from treecompile.errors import TreeInputError
 from treecompile.loss import path_loss_coefficients, path_target_counts, tree_target_weights
+from treecompile.preorder import climb, subtree_max, subtree_sum
 from treecompile.tree import TrajectoryTree
 
 __all__ = ["TreeBatch", "pack"]
@@ -168,12 +169,7 @@ class TreeBatch:
     def path_rows(self, p: int) -> torch.Tensor:
         """``[T_p]`` rows of path ``p`` from its root, in path order."""
         starts, ends = self.node_start.tolist(), self.node_end.tolist()
-        parent = self.node_parent.tolist()
-        v = int(self.path_node[p])
-        chain = []
-        while v >= 0:
-            chain.append(v)
-            v = parent[v]
+        chain = list(climb(self.node_parent.tolist(), self.path_node[p]))
         rows = [torch.arange(starts[n], ends[n]) for n in reversed(chain)]
         return torch.cat(rows).to(self.device)
 
@@ -225,10 +221,7 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
         _fail("node_parent must point to an earlier node (preorder) or be -1")
     # Subtree ends from the parent pointers; then the children of each node must follow
     # it contiguously, which is exactly depth-first preorder.
-    sub_end_node = np.arange(1, n + 1)
-    for v in range(n - 1, -1, -1):
-        if parent[v] >= 0:
-            sub_end_node[parent[v]] = max(sub_end_node[parent[v]], sub_end_node[v])
+    sub_end_node = subtree_max(parent, np.arange(1, n + 1))
     open_stack: list[int] = []
     for v in range(n):
         while open_stack and sub_end_node[open_stack[-1]] <= v:
@@ -275,10 +268,7 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     # A node, or a link from a node to its parent, never crosses a tree boundary.
     if np.any(tid[start] != tid[end - 1]) or np.any((parent >= 0) & (tid[start] != tid[start[np.maximum(parent, 0)]])):
         _fail("a node or a parent link crosses a tree boundary")
-    through = np.bincount(b.path_node.cpu().numpy(), minlength=n)
-    for v in range(n - 1, -1, -1):
-        if parent[v] >= 0:
-            through[parent[v]] += through[v]
+    through = subtree_sum(parent, np.bincount(b.path_node.cpu().numpy(), minlength=n))
     bad = np.flatnonzero(b.path_count.cpu().numpy() != through[node_of_row])
     if bad.size:
         j = int(bad[0])

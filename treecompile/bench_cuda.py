@@ -237,7 +237,7 @@ class _Packed:
         self.ids, self.pos, self.labels = _packed_inputs(paths, device)
         self.mask = None
         if attention == "flex_attention":
-            from treecompile.blockmask import tree_block_mask
+            from treecompile.kernels.blockmask import tree_block_mask
 
             ends = torch.cat([torch.full((len(t),), 0, dtype=torch.int64) for t, _ in paths])
             total = 0

@@ -25,9 +25,13 @@ The model is a polynomial in the packed length ``S``, built with sympy::
   the attention backward's working memory, and the optimizer step's temporary.
 
 Attention working memory depends on the device. FlexAttention's GPU kernel keeps only
-``O(S * heads)`` statistics. On CPU, treecompile runs the eager (math) flex op, which
-materializes ``[H, S, S]`` scores in float32 (float64 for float64 inputs); its backward
-holds `CPU_FLEX_SCORE_COPIES` of them at once (torch 2.13), the only ``S^2`` term.
+``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
+(`treecompile.kernels.cpu_attention`, ``attention="cpu-blocks"``, the CPU default): the
+scores of one block of `CPU_BLOCK_ROWS` queries against that block's live keys, at most
+`CPU_BLOCK_SCORE_COPIES` such ``[H, block, live keys]`` tensors at once in the backward, so
+no ``S^2`` term. ``attention="flex-dense"`` models the eager (math) flex op treecompile ran
+on CPU before: ``[H, S, S]`` scores in float32 (float64 for float64 inputs), its backward
+holding `CPU_FLEX_SCORE_COPIES` of them at once (torch 2.13).
 
 Accuracy (``tests/test_budget.py``, measured with `measure_peak_bytes`, float32 Qwen3
 and Llama configs on CPU, no checkpointing, one gradient-accumulation micro-step plus

@@ -14,23 +14,27 @@ and exit with status 2, not a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from treecompile.advice import low_por_advice
+from treecompile.cli_args import _installed, check_cuda, device_name, int_at_least, por_value, progress_bar, require_plot
 from treecompile.errors import TreeInputError
+from treecompile.io import (
+    _CHAT_KINDS,
+    _DEFAULT_CHAT_TOKENIZER,
+    _build_all,
+    _merge_groups,
+    _read_groups,
+    _resolve_file,
+)
 
 __all__ = ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
 
-# Above this many trees, building them shows a progress bar (on stderr).
-_PROGRESS_MIN_TREES = 20
 # Tables longer than this show the first rows and a count of the rest (--rows changes it).
 _DEFAULT_ROWS = 60
 
@@ -42,8 +46,6 @@ _KIND_LABELS = {
     "tau2": "tau2 simulation JSON",
     "gsm8k": "GSM8K model solutions JSONL",
 }
-_CHAT_KINDS = ("conversations", "tau_bench", "tau2", "gsm8k")
-_DEFAULT_CHAT_TOKENIZER = "cl100k"
 
 
 # ---------------------------------------------------------------------------- argument checks
@@ -57,91 +59,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at least ``lo``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
-def por_value(text: str) -> float:
-    """An argparse ``type``: a prefix overlap ratio, a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value < 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(
-            f"a prefix overlap ratio must be in [0, 1) (POR = 1 - tree tokens / path tokens), got {text}"
-        )
-    return value
-
-
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-
-
-def device_name(text: str) -> str:
-    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is present is checked later)."""
-    if not _DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
-    return text
-
-
-def _installed(module: str) -> bool:
-    """Whether ``module`` can be imported, without importing it."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a blocked or half-removed module
-        return False
-
-
-def require_plot(option: str) -> None:
-    """Raises ImportError naming the extra if matplotlib, which ``option`` needs, is missing."""
-    if not _installed("matplotlib"):
-        raise ImportError(f"{option} draws with matplotlib: pip install 'treecompile[plot]'")
-
-
-def check_cuda(device: str | None) -> None:
-    """Raises ValueError if ``device`` names CUDA and this torch cannot reach that device."""
-    if device is None or not device.startswith("cuda"):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {device}: no CUDA device is available (torch {torch.__version__}, "
-            "torch.cuda.is_available() is False); use --device cpu"
-        )
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
 # ---------------------------------------------------------------------------- stats
-
-
-@dataclass
-class _Group:
-    """One tree to build: a name and what it is built from."""
-
-    name: str
-    conversations: list[Any] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    sequences: list[Any] = field(default_factory=list)  # SequenceRecord
-    trees: list[Any] = field(default_factory=list)  # TrajectoryTree, merged if several
-
-    @property
-    def size(self) -> int:
-        return len(self.conversations) + len(self.sequences) + len(self.trees)
 
 
 def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
@@ -187,80 +105,6 @@ def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
         help="also draw histograms of the trees' POR, depth and branching as a PNG (needs the [plot] extra)",
     )
     p.set_defaults(func=cmd_stats)
-
-
-def _resolve_file(spec: str) -> Path:
-    if spec.startswith("sample:"):
-        from treecompile.data import sample_path
-
-        return sample_path(spec[len("sample:") :])
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        raise TreeInputError(f"{spec} is a directory; expected a data file (JSON or JSONL)")
-    if not path.is_file():
-        raise TreeInputError(f"no such file: {spec}")
-    return path
-
-
-def _read_groups(path: Path, kind: str) -> list[_Group]:
-    from treecompile import chat, io
-
-    if kind == "tau_bench":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau_bench(path).items()]
-    if kind == "tau2":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_tau2(path).items()]
-    if kind == "gsm8k":
-        return [
-            _Group(k, conversations=v, weights=[1.0] * len(v)) for k, v in chat.load_gsm8k_solutions(path).items()
-        ]
-    if kind == "conversations":
-        return [
-            _Group(k, conversations=[r.messages for r in rs], weights=[r.weight for r in rs])
-            for k, rs in io.group_records(io.load_conversations(path)).items()
-        ]
-    if kind == "sequences":
-        return [_Group(k, sequences=rs) for k, rs in io.group_records(io.load_sequences(path)).items()]
-    if kind == "trees":
-        trees = io.load_trees(path)
-        return [_Group(str(t.metadata.get("group", f"tree-{i}")), trees=[t]) for i, t in enumerate(trees)]
-    raise TreeInputError(f"{path}: unsupported file kind {kind!r}")
-
-
-def _build_tree(group: _Group, args: argparse.Namespace, tokenizer: Any) -> Any:
-    from treecompile.chat import tree_from_messages
-    from treecompile.tree import TrajectoryTree
-
-    if group.conversations:
-        return tree_from_messages(
-            group.conversations,
-            tokenizer,
-            samples=args.samples,
-            think=args.think,
-            normalize_tool_call_ids=not args.keep_tool_call_ids,
-            on_drift="ignore",  # summarized once for the whole file below
-            weights=group.weights,
-        )
-    if group.sequences:
-        rs = group.sequences
-        return TrajectoryTree.from_sequences(
-            [r.input_ids for r in rs], weights=[r.weight for r in rs], loss_masks=[r.loss_mask for r in rs]
-        )
-    if len(group.trees) == 1:
-        return group.trees[0]
-    paths = [p for t in group.trees for p in t.paths()]
-    return TrajectoryTree.from_sequences(
-        [p.tokens for p in paths], weights=[p.weight for p in paths], loss_masks=[p.loss_mask for p in paths]
-    )
-
-
-def _merge_groups(groups: list[_Group]) -> _Group:
-    out = _Group("all")
-    for g in groups:
-        out.conversations += g.conversations
-        out.weights += g.weights
-        out.sequences += g.sequences
-        out.trees += g.trees
-    return out
 
 
 def _total(stats: list[Any]) -> dict[str, Any]:
@@ -354,39 +198,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     _print_stats(console, header, names, stats, total, drift, args)
     return 0
-
-
-def progress_bar(label: str, total: int, *, min_total: int = _PROGRESS_MIN_TREES) -> Any:
-    """A transient rich progress bar on stderr (``with bar: ... bar.advance(bar.task_ids[0])``).
-
-    Shown only on a terminal and for at least ``min_total`` steps, so that piped output and
-    error messages stay clean.
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=total < min_total or not console.is_terminal,
-    )
-    progress.add_task(label, total=total)
-    return progress
-
-
-def _build_all(groups: list[_Group], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    progress = progress_bar("building trees", len(groups))
-    trees = []
-    with progress:
-        for g in groups:
-            trees.append(_build_tree(g, args, tokenizer))
-            progress.advance(progress.task_ids[0])
-    return trees
 
 
 def _print_stats(

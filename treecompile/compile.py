@@ -35,7 +35,8 @@ from treecompile.capture import (
     swapped_kernels,
 )
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
-from treecompile.kernels.flex import BLOCK_SIZE, MASK_KINDS, interval_block_mask, split_block_mask
+from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.kernels.masks import MASK_KINDS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
@@ -97,6 +98,7 @@ def tree_compile(
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
     temperature: float = 1.0,
+    disable_passes: tuple[str, ...] = (),
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -121,12 +123,14 @@ def tree_compile(
             never formed (other heads, e.g. with final soft-capping, fall back to gather).
         temperature: the logits are divided by it before the log-softmax and the entropy,
             as a sampler and RL trainers (TRL's GRPO) do; 1 leaves them as they are.
+        disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
+            which rewrite a model needs; the verification still refuses a graph left inexact.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
 
     Raises:
-        ValueError: an unknown ``mask`` or ``backend``.
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head`` or pass name.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
@@ -142,8 +146,9 @@ def tree_compile(
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    passes = passes_for(lm_head, disable_passes=disable_passes)
     return TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head),
+        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature),
     )
 
@@ -445,7 +450,7 @@ def _gathered_entropy(
     z = markers._upcast(logits[0].index_select(0, rows))
     logp = torch.log_softmax(z, dim=-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
-    return ent.new_zeros(like.shape[0]).index_put((dest,), ent[slot])
+    return markers.scatter_to_rows(ent[slot], dest, like.shape[0])
 
 
 def _row_count_error(model: nn.Module, rows: int, longest: int, error: UnsupportedModelError) -> UnsupportedModelError:

@@ -9,9 +9,10 @@ Example::
 
 The model is built (a Hugging Face config with small random weights; a ``module:factory``
 by calling it), compiled with :func:`treecompile.tree_compile` on a small example forest
-and run once. Each pass of :data:`treecompile.passes.pipeline.PASSES` is wrapped to record
-the graph it receives and the counters it bumps; the pipeline's own dead-code elimination
-runs between passes as usual, so "after pass i" is exactly "before pass i + 1". The
+and run once, through the pipeline ``tree_compile`` builds
+(:func:`treecompile.passes.pipeline.passes_for`, so ``--lm-head fused`` shows the fused
+head), with before/after hooks that record the graph each pass receives, the graph after
+it and the pipeline's dead-code elimination, and the rewrites it counted. The
 command prints, per pass, a unified diff of the graph code and the rewrite counts, then
 the tree attention mask of the example as a grid of ``█``/``·`` (and as a PNG with
 ``--png``). A refused model prints the refusal and exits with status 1.
@@ -28,13 +29,13 @@ import importlib
 import json
 import os
 import re
-import struct
 import sys
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from treecompile.maskview import MASK_RULES, PNG_CELL, mask_matrix, mask_picture
 
 __all__ = [
     "EXAMPLE_SEQUENCES",
@@ -45,9 +46,6 @@ __all__ = [
     "example_trees",
     "inspect_model",
     "load_model",
-    "mask_matrix",
-    "mask_picture",
-    "png_bytes",
     "render_text",
     "run_inspect",
 ]
@@ -68,8 +66,6 @@ WARN_PARAMS = 100_000_000
 #: Backends the command accepts; ``eager`` skips AOTAutograd, which the passes do not need.
 _BACKENDS = ("eager", "aot_eager", "inductor")
 _DTYPES = ("float32", "float64", "bfloat16")
-#: Default pixels per token in the PNG.
-PNG_CELL = 16
 
 
 # --------------------------------------------------------------------------- records
@@ -80,8 +76,8 @@ class PassStep:
     """One pass as it ran on the captured graph.
 
     Attributes:
-        name: the pass function's name (``rewrite_attention_pass`` ...).
-        group: the counter group the pass bumps (``attention`` ...).
+        name: the pass function's name (``rewrite_attention_pass`` ...), the key of its
+            rewrite counters.
         counts: rewrites by kind that this pass counted.
         before: graph code the pass received.
         after: graph code after the pass and dead-code elimination; None if it refused.
@@ -89,7 +85,6 @@ class PassStep:
     """
 
     name: str
-    group: str
     counts: dict[str, int] = field(default_factory=dict)
     before: str = ""
     after: str | None = None
@@ -121,6 +116,7 @@ class Inspection:
         source: ``"hf-config"``, ``"factory"`` or ``"module"`` (given as an object).
         mask: ``"interval"`` or ``"bitmask"``.
         backend: the lowering after the passes.
+        lm_head: ``"gather"`` or ``"fused"``, as ``tree_compile(lm_head=...)``.
         steps: one :class:`PassStep` per pass that ran, in order.
         batch: the packed example forest (a :class:`~treecompile.TreeBatch` with path bits).
         trees: the example trees.
@@ -141,16 +137,12 @@ class Inspection:
     refusal: str | None = None
     loss: float | None = None
     parameters: int = 0
+    lm_head: str = "gather"
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:
-        """Rewrite counts per counter group, over all passes that ran ({} if none counted)."""
-        out: dict[str, dict[str, int]] = {}
-        for s in self.steps:
-            group = out.setdefault(s.group, {})
-            for k, v in sorted(s.counts.items()):
-                group[k] = group.get(k, 0) + v
-        return out
+        """Rewrite counts per pass name, for the passes that counted any."""
+        return {s.name: dict(sorted(s.counts.items())) for s in self.steps if s.counts}
 
     @property
     def refused_at(self) -> str | None:
@@ -306,142 +298,6 @@ def example_trees(vocab_size: int | None = None) -> list[Any]:
             for tree in EXAMPLE_SEQUENCES]
 
 
-def mask_matrix(batch: Any, mask: str = "interval") -> Any:
-    """``[S, S]`` bool, ``[q, k]`` true iff query row ``q`` sees key row ``k`` under ``mask``.
-
-    Evaluates the same rule functions the FlexAttention ``mask_mod`` calls
-    (:mod:`treecompile.masks`) densely, so the picture is the kernel's rule, not a redrawing.
-    """
-    import torch
-
-    from treecompile.masks import bitmask_rule, interval_rule
-
-    idx = torch.arange(batch.num_tokens)
-    q, k = idx[:, None], idx[None, :]
-    if mask == "interval":
-        return interval_rule(q, k, batch.subtree_end.cpu())
-    if mask == "bitmask":
-        if batch.path_bits is None:
-            raise ValueError("mask='bitmask' needs a batch packed with path_bits=True")
-        bits = batch.path_bits.cpu()
-        return bitmask_rule(q, k, batch.tree_ids.cpu(), bits, int(bits.shape[1]))
-    raise ValueError(f"unknown mask {mask!r}; valid masks: interval, bitmask")
-
-
-_RULES = {
-    "interval": "row q sees row k iff k <= q < subtree_end[k]",
-    "bitmask": "row q sees row k iff k <= q, same tree, and path_bits[k] is a subset of path_bits[q]",
-}
-
-
-def _boundaries(batch: Any) -> tuple[set[int], set[int]]:
-    """Rows that start a node, and rows that start a tree (row 0 excluded)."""
-    nodes = {int(x) for x in batch.node_start.tolist()} - {0}
-    trees = {int(x) for x in batch.tree_offsets[:-1].tolist()} - {0}
-    return nodes, trees
-
-
-def mask_picture(batch: Any, mask: str = "interval") -> str:
-    """The tree mask as text: ``█`` where row ``q`` (down) sees row ``k`` (across), ``·`` not.
-
-    Node boundaries are drawn as ``│``/``─`` and tree boundaries as ``║``/``═``. Each row
-    is labelled with its node, its position on its own path and its token.
-    """
-    m = mask_matrix(batch, mask).tolist()
-    s = len(m)
-    node_starts, tree_starts = _boundaries(batch)
-    node_of = []
-    for n, (a, b) in enumerate(zip(batch.node_start.tolist(), batch.node_end.tolist())):
-        node_of += [n] * (b - a)
-    pos, tok = batch.position_ids.tolist(), batch.input_ids.tolist()
-    tok_w = max(3, len(str(max(tok))))
-
-    def sep(k: int, vertical: bool = True) -> str:
-        """What follows column ``k``: a boundary mark if column ``k + 1`` starts a node or tree."""
-        if k + 1 in tree_starts:
-            return "║"
-        if k + 1 in node_starts:
-            return "│"
-        return " "
-
-    head = f"{'row':>4} {'node':>4} {'pos':>3} {'tok':>{tok_w}}  "
-    lines = [
-        f"tree mask ({mask}): {_RULES[mask]}",
-        "█ sees, · hidden; │ ─ node boundaries, ║ ═ tree boundaries",
-        "",
-        " " * len(head) + "".join(str(k % 10) + sep(k) for k in range(s)).rstrip(),
-    ]
-    for q in range(s):
-        if q in node_starts:
-            h = "═" if q in tree_starts else "─"
-            cells = []
-            for k in range(s):
-                c = sep(k)
-                cross = {" ": h, "│": "╪" if h == "═" else "┼", "║": "╬" if h == "═" else "╫"}[c]
-                cells.append(h + cross)
-            lines.append(" " * len(head) + "".join(cells)[:-1])
-        row = "".join(("█" if m[q][k] else "·") + sep(k) for k in range(s)).rstrip()
-        lines.append(f"{q:>4} {'n' + str(node_of[q]):>4} {pos[q]:>3} {tok[q]:>{tok_w}}  {row}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- PNG
-
-
-_PNG_COLORS = {
-    "visible": (38, 70, 150),
-    "hidden": (244, 244, 244),
-    "node": (170, 170, 170),
-    "tree": (200, 40, 40),
-}
-
-
-def png_bytes(batch: Any, mask: str = "interval", cell: int = PNG_CELL) -> bytes:
-    """The tree mask as an RGB PNG of ``S * cell`` pixels square (pure Python, zlib).
-
-    Visible pairs are blue, hidden ones light grey; a grey line starts each node and a red
-    line each tree, on both axes.
-    """
-    if cell < 1:
-        raise ValueError(f"PNG cell size must be at least 1 pixel, got {cell}")
-    m = mask_matrix(batch, mask).tolist()
-    s = len(m)
-    node_starts, tree_starts = _boundaries(batch)
-    colors = {k: bytes(v) for k, v in _PNG_COLORS.items()}
-
-    def line_color(i: int) -> bytes | None:
-        # The first pixel of a cell that starts a node or tree carries its boundary line.
-        if cell < 3:
-            return None  # lines would hide the cells
-        return colors["tree"] if i in tree_starts else colors["node"] if i in node_starts else None
-
-    raw = bytearray()
-    for y in range(s * cell):
-        q, first_y = divmod(y, cell)
-        h_line = line_color(q) if first_y == 0 else None
-        raw.append(0)  # filter type 0 (none) for this scanline
-        for x in range(s * cell):
-            k, first_x = divmod(x, cell)
-            v_line = line_color(k) if first_x == 0 else None
-            if v_line is not None and (h_line is None or v_line == colors["tree"]):
-                raw += v_line
-            elif h_line is not None:
-                raw += h_line
-            else:
-                raw += colors["visible"] if m[q][k] else colors["hidden"]
-    return _png(s * cell, s * cell, bytes(raw))
-
-
-def _png(width: int, height: int, scanlines: bytes) -> bytes:
-    """A PNG file: 8-bit RGB, no interlace; ``scanlines`` already carry their filter bytes."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(scanlines, 9)) + chunk(b"IEND", b"")
-
-
 # --------------------------------------------------------------------------- inspection
 
 
@@ -458,30 +314,21 @@ def _code(gm: Any) -> str:
     return "\n".join(_FREES.sub("", line).rstrip() for line in src.strip("\n").splitlines())
 
 
-def _recording(p: Any, steps: list[PassStep]) -> Any:
-    """``p`` wrapped so that each run appends a :class:`PassStep` to ``steps``."""
-    group = getattr(sys.modules.get(p.__module__), "NAME", p.__name__)
+def _recording_hooks(steps: list[PassStep]) -> tuple[Any, Any]:
+    """Pipeline hooks ``(before, after)`` that append one :class:`PassStep` per pass to ``steps``."""
+    seen: dict[str, Counter] = {}
 
-    def run(gm, ctx):
-        code = _code(gm)
-        n = len(gm.graph.nodes)
-        if steps and steps[-1].after is None:
-            # The graph this pass receives is the previous pass's output after the
-            # pipeline's dead-code elimination.
-            steps[-1].after, steps[-1].nodes_after = code, n
-        step = PassStep(name=p.__name__, group=group, before=code, nodes_before=n)
-        steps.append(step)
-        seen = Counter(ctx.counters.get(group, Counter()))
-        try:
-            return p(gm, ctx)
-        finally:
-            now = ctx.counters.get(group, Counter())
-            step.counts = {k: now[k] - seen[k] for k in now if now[k] != seen[k]}
+    def before(name, gm, ctx):
+        steps.append(PassStep(name=name, before=_code(gm), nodes_before=len(gm.graph.nodes)))
+        seen[name] = Counter(ctx.counters.get(name, Counter()))
 
-    run.__name__ = p.__name__
-    run.__qualname__ = p.__qualname__
-    run.__doc__ = p.__doc__
-    return run
+    def after(name, gm, ctx):
+        step = steps[-1]
+        step.after, step.nodes_after = _code(gm), len(gm.graph.nodes)
+        now = ctx.counters.get(name, Counter())
+        step.counts = {k: now[k] - seen[name][k] for k in now if now[k] != seen[name][k]}
+
+    return before, after
 
 
 def inspect_model(
@@ -491,6 +338,7 @@ def inspect_model(
     backend: str = "eager",
     trees: list[Any] | None = None,
     source: str = "module",
+    lm_head: str = "gather",
 ) -> Inspection:
     """Compiles ``model`` for one example batch and records every pass.
 
@@ -500,6 +348,7 @@ def inspect_model(
         backend: lowering after the passes (``"eager"`` is enough to see the rewrites).
         trees: the example trees (default :func:`example_trees`).
         source: how the model was given, for the report.
+        lm_head: ``"gather"`` or ``"fused"``, as ``tree_compile(lm_head=...)``.
 
     Returns:
         An :class:`Inspection`; ``refusal`` holds the message if the model was refused.
@@ -509,7 +358,7 @@ def inspect_model(
     from treecompile.batch import pack
     from treecompile.compile import MASKS, TreeCompiledModel
     from treecompile.errors import UnsupportedModelError
-    from treecompile.passes.pipeline import PASSES
+    from treecompile.passes.pipeline import passes_for
 
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
@@ -523,10 +372,10 @@ def inspect_model(
     description = f"{type(model).__name__} ({n_params:,} parameters, {dtype})"
 
     steps: list[PassStep] = []
-    compiled = TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=False, passes=tuple(_recording(p, steps) for p in PASSES)
-    )
-    out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params)
+    before, after = _recording_hooks(steps)
+    pipeline = passes_for(lm_head, before=before, after=after)
+    compiled = TreeCompiledModel(model, mask=mask, backend=backend, verify=False, passes=pipeline)
+    out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params, lm_head=lm_head)
     device = next(iter(params)).device if params else torch.device("cpu")
     try:
         result = compiled(batch.to(device))
@@ -545,9 +394,6 @@ def inspect_model(
         )
         return out
     record = compiled.compile_records[-1]
-    if steps and steps[-1].after is None:
-        steps[-1].after = _code(record.graph_module)
-        steps[-1].nodes_after = len(record.graph_module.graph.nodes)
     out.seq_len = record.seq_len
     out.loss = float(result.loss.detach())
     return out
@@ -567,7 +413,8 @@ def render_text(
     b = insp.batch
     path_tokens = sum(t.stats().path_tokens for t in insp.trees)
     out = [
-        f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}",
+        f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}"
+        + (f", lm_head={insp.lm_head}" if insp.lm_head != "gather" else ""),
         f"example: {b.num_trees} trees, {b.num_paths} paths, {b.num_nodes} nodes, S={b.num_tokens} rows "
         f"(from {path_tokens} path tokens)",
     ]
@@ -579,18 +426,18 @@ def render_text(
     for i, s in enumerate(insp.steps, 1):
         out.append("")
         if s.after is None:
-            out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]: REFUSED")
+            out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{_counts_text(s.counts)}]: REFUSED")
             continue
         delta = s.nodes_after - s.nodes_before
         change = f"nodes {s.nodes_before} -> {s.nodes_after} ({delta:+d})" if s.changed else "graph unchanged"
-        out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{s.group}: {_counts_text(s.counts)}]; {change}")
+        out.append(f"== pass {i}/{len(insp.steps)} {s.name} [{_counts_text(s.counts)}]; {change}")
         if s.changed:
             out.append(s.after if full else s.diff(context))
     out += ["", "rewrites per pass:"]
     width = max((len(s.name) for s in insp.steps), default=4)
     for s in insp.steps:
         nodes = f"{s.nodes_before} -> {s.nodes_after}" if s.after is not None else f"{s.nodes_before} -> refused"
-        out.append(f"  {s.name:<{width}}  {nodes:<16} {s.group}: {_counts_text(s.counts)}")
+        out.append(f"  {s.name:<{width}}  {nodes:<16} {_counts_text(s.counts)}")
     if insp.refusal is None:
         out.append(f"S in the graph: {insp.seq_len}; loss on the example: {insp.loss:.6g}")
     if show_mask:
@@ -608,7 +455,6 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
     for s in insp.steps:
         entry: dict[str, Any] = {
             "name": s.name,
-            "group": s.group,
             "counts": dict(sorted(s.counts.items())),
             "nodes_before": s.nodes_before,
             "nodes_after": s.nodes_after,
@@ -626,6 +472,7 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
         "source": insp.source,
         "mask": insp.mask,
         "backend": insp.backend,
+        "lm_head": insp.lm_head,
         "refused": insp.refusal is not None,
         "refusal": insp.refusal,
         "refused_at": insp.refused_at,
@@ -657,7 +504,7 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
         },
         "attention_mask": {
             "kind": insp.mask,
-            "rule": _RULES[insp.mask],
+            "rule": MASK_RULES[insp.mask],
             "rows": [[int(x) for x in row] for row in mask_matrix(b, insp.mask).tolist()],
         },
     }
@@ -671,7 +518,7 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
 
 def add_inspect_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
-    from treecompile.cli import int_at_least
+    from treecompile.cli_args import int_at_least
 
     p = sub.add_parser(
         "inspect",
@@ -689,6 +536,10 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
         "weights) or module:factory (a callable returning an nn.Module; the current directory is importable)",
     )
     p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
+    p.add_argument(
+        "--lm-head", choices=("gather", "fused"), default="gather",
+        help="LM head rewrite, as tree_compile(lm_head=...) (default gather)",
+    )
     p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
     p.add_argument("--context", type=int_at_least(0), default=2, metavar="N", help="context lines of each diff (default 2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -715,11 +566,11 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
     if args.png:
-        from treecompile.cli import require_plot
+        from treecompile.cli_args import require_plot
 
         require_plot("--png")  # before the model is built
     model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
-    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source)
+    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head)
     if args.png:
         from treecompile.plots import mask_figure, save_png
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from treecompile.errors import TreeInputError
+from treecompile.preorder import root_path_sum, subtree_sum
 
 if TYPE_CHECKING:
     import torch
@@ -109,12 +110,9 @@ def _effective_masks(tree: TrajectoryTree) -> tuple[np.ndarray, dict[tuple[int, 
 def path_target_counts(tree: TrajectoryTree) -> np.ndarray:
     """``[P]`` number of target tokens of each path, in O(nodes + exceptions)."""
     node_mask, exceptions = _effective_masks(tree)
-    per_node = np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes else []
-    acc = np.zeros(tree.num_nodes, dtype=np.int64)
-    for v in range(tree.num_nodes):
-        p = tree.parent[v]
-        acc[v] = per_node[v] + (acc[p] if p >= 0 else 0)
-    counts = acc[tree.path_node].copy()
+    per_node = (np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes
+                else np.zeros(0, dtype=np.int64))
+    counts = root_path_sum(tree.parent, per_node)[tree.path_node]
     for (p, v), m in exceptions.items():
         a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
         counts[p] += int(m.sum()) - int(node_mask[a:b].sum())
@@ -131,11 +129,7 @@ def tree_target_weights(tree: TrajectoryTree, coef: np.ndarray) -> np.ndarray:
     node_mask, exceptions = _effective_masks(tree)
     through = np.zeros(tree.num_nodes, dtype=np.float64)
     np.add.at(through, tree.path_node, coef)
-    # Preorder: children have larger ids, so a reverse sweep sums each subtree.
-    for v in range(tree.num_nodes - 1, 0, -1):
-        p = tree.parent[v]
-        if p >= 0:
-            through[p] += through[v]
+    through = subtree_sum(tree.parent, through)
     lengths = tree.node_lengths
     weight = node_mask * np.repeat(through, lengths)
     for (p, v), m in exceptions.items():
@@ -162,11 +156,13 @@ def gather_logprobs(logits: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
     """
     import torch
 
+    from treecompile.kernels.dtypes import compute_dtype
+
     if logits.dim() == 3:
         if logits.shape[0] != 1:
             raise ValueError(f"expected one packed row, got logits of shape {tuple(logits.shape)}")
         logits = logits[0]
-    dtype = torch.promote_types(logits.dtype, torch.float32)
+    dtype = compute_dtype(logits.dtype)
     has_pred = batch.pred_index >= 0
     src = batch.pred_index.clamp(min=0)
     lse = torch.logsumexp(logits.to(dtype), dim=-1)
@@ -187,9 +183,11 @@ def tree_loss(logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
     """
     import torch
 
+    from treecompile.kernels.dtypes import compute_dtype
+
     if logprobs.shape != batch.target_weight.shape:
         raise ValueError(
             f"logprobs has shape {tuple(logprobs.shape)}, expected {tuple(batch.target_weight.shape)} (one per row)"
         )
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    dtype = compute_dtype(logprobs.dtype)
     return -(batch.target_weight.to(dtype) * logprobs.to(dtype)).sum()

@@ -59,6 +59,7 @@ import numpy as np
 
 from treecompile.errors import TreeInputError
 from treecompile.loss import LOSS_MODES, path_target_counts
+from treecompile.preorder import climb
 from treecompile.tree import TrajectoryTree
 
 __all__ = [
@@ -112,11 +113,9 @@ def union_tokens(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> 
     parent = tree.parent
     total = 0
     for p in np.asarray(path_ids, dtype=np.int64).tolist():
-        v = int(tree.path_node[p])
-        while v >= 0 and not seen[v]:
+        for v in climb(parent, tree.path_node[p], stop=seen):
             seen[v] = True
             total += int(lengths[v])
-            v = int(parent[v])
     return total
 
 
@@ -202,10 +201,9 @@ def subtree(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> Traje
     parent = tree.parent
     keep = np.zeros(n, dtype=bool)
     ends = tree.path_node[ids]
-    for v in ends.tolist():
-        while v >= 0 and not keep[v]:
+    for end in ends.tolist():
+        for v in climb(parent, end, stop=keep):
             keep[v] = True
-            v = int(parent[v])
     kept = np.flatnonzero(keep)
     ends_here = np.zeros(n, dtype=bool)
     ends_here[ends] = True

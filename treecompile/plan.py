@@ -26,7 +26,7 @@ __all__ = ["add_plan_command", "run_plan"]
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``plan`` subcommand to the CLI's subparsers."""
     from treecompile.chat import SAMPLES, THINK
-    from treecompile.cli import int_at_least
+    from treecompile.cli_args import int_at_least
     from treecompile.partition import METHODS
     from treecompile.shard import SHARD_METHODS
 
@@ -60,22 +60,21 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[str, Any]]:
     # The reading and tree building of `treecompile stats`, so both commands see the same trees.
-    from treecompile import cli
-    from treecompile.io import detect_kind
+    from treecompile import io
     from treecompile.tokenizer import load_tokenizer
 
-    path = cli._resolve_file(args.file)
-    kind = detect_kind(path)
-    chat_input = kind in cli._CHAT_KINDS
-    tokenizer = load_tokenizer(args.tokenizer or cli._DEFAULT_CHAT_TOKENIZER) if chat_input else None
-    groups = cli._read_groups(path, kind)
+    path = io._resolve_file(args.file)
+    kind = io.detect_kind(path)
+    chat_input = kind in io._CHAT_KINDS
+    tokenizer = load_tokenizer(args.tokenizer or io._DEFAULT_CHAT_TOKENIZER) if chat_input else None
+    groups = io._read_groups(path, kind)
     if args.group_by == "all":
-        groups = [cli._merge_groups(groups)]
+        groups = [io._merge_groups(groups)]
     if args.limit is not None:
         if args.limit < 1:
             raise ValueError(f"--limit must be at least 1, got {args.limit}")
         groups = groups[: args.limit]
-    trees = cli._build_all(groups, args, tokenizer)
+    trees = io._build_all(groups, args, tokenizer)
     header = {"file": str(path), "kind": kind, "tokenizer": tokenizer.name if tokenizer is not None else None}
     return [g.name for g in groups], trees, header
 
@@ -95,7 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if capacity is None:
         capacity = max(-(-max(t.num_tokens for t in trees) // 2), longest)
     check_capacity_all(names, trees, capacity)
-    from treecompile.cli import progress_bar
+    from treecompile.cli_args import progress_bar
 
     parts = []
     with progress_bar("partitioning", len(trees)) as bar:

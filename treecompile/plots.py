@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["mask_figure", "save_png", "stats_figure"]
 
-# The colours of `treecompile.inspection.png_bytes`, so both pictures read the same.
+# The colours of `treecompile.maskview.png_bytes`, so both pictures read the same.
 _VISIBLE = "#264696"
 _HIDDEN = "#f4f4f4"
 _NODE = "#aaaaaa"
@@ -57,7 +57,7 @@ def mask_figure(batch: Any, mask: str = "interval", cell: int = 12) -> Any:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    from treecompile.inspection import _RULES, _boundaries, mask_matrix
+    from treecompile.maskview import MASK_RULES, boundary_rows, mask_matrix
 
     if cell < 1:
         raise ValueError(f"PNG cell size must be at least 1 pixel, got {cell}")
@@ -67,7 +67,7 @@ def mask_figure(batch: Any, mask: str = "interval", cell: int = 12) -> Any:
     fig = _figure(side + 2.5, side)
     ax = fig.add_subplot()
     ax.imshow(m, cmap=ListedColormap([_HIDDEN, _VISIBLE]), vmin=0, vmax=1, interpolation="nearest")
-    node_starts, tree_starts = _boundaries(batch)
+    node_starts, tree_starts = boundary_rows(batch)
     for i in sorted(node_starts - tree_starts):
         ax.axhline(i - 0.5, color=_NODE, lw=0.8)
         ax.axvline(i - 0.5, color=_NODE, lw=0.8)
@@ -86,7 +86,7 @@ def mask_figure(batch: Any, mask: str = "interval", cell: int = 12) -> Any:
     ax.xaxis.set_label_position("top")
     ax.set_xlabel("key row k (packed order)")
     ax.set_ylabel("query row q  (node n, position p on its path)")
-    ax.set_title(f"tree mask ({mask}): {_RULES[mask]}", fontsize=9, loc="left")
+    ax.set_title(f"tree mask ({mask}): {MASK_RULES[mask]}", fontsize=9, loc="left")
     ax.legend(
         handles=[
             Patch(facecolor=_VISIBLE, label="q sees k"),

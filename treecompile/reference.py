@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treecompile.kernels.dtypes import compute_dtype
 from treecompile.loss import LOSS_MODES
 from treecompile.tree import TrajectoryTree
 
@@ -83,7 +84,7 @@ def path_logprobs(model: torch.nn.Module, tokens: Sequence[int], *, forward: For
     device = next(model.parameters()).device
     ids = torch.as_tensor(np.asarray(tokens), dtype=torch.int64, device=device)[None]
     logits = (forward or model_logits)(model, ids)[0]
-    dtype = torch.promote_types(logits.dtype, torch.float32)
+    dtype = compute_dtype(logits.dtype)
     logp = torch.log_softmax(logits[:-1].to(dtype), dim=-1)
     picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
     return torch.cat([torch.zeros(1, dtype=dtype, device=device), picked])

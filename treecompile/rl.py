@@ -40,7 +40,9 @@ import torch
 
 from treecompile.batch import TreeBatch, pack
 from treecompile.errors import TreeInputError
+from treecompile.kernels.dtypes import compute_dtype
 from treecompile.loss import path_loss_coefficients
+from treecompile.preorder import climb
 from treecompile.tree import TrajectoryTree
 
 __all__ = [
@@ -279,10 +281,7 @@ def build_rl_batch(
     node_parent = batch.node_parent.cpu().numpy()
     for p, path in enumerate(paths):
         length = len(path.tokens)
-        chain, v = [], int(batch.path_node[p])
-        while v >= 0:
-            chain.append(v)
-            v = int(node_parent[v])
+        chain = list(climb(node_parent, batch.path_node[p]))
         rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)])
         t = targets[p]
         a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
@@ -395,7 +394,7 @@ def policy_loss(
     """
     if logprobs.shape != (rl.batch.num_tokens,):
         raise ValueError(f"logprobs has shape {tuple(logprobs.shape)}, expected ({rl.batch.num_tokens},)")
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    dtype = compute_dtype(logprobs.dtype)
     lp = logprobs.to(dtype)[:, None]
     apos, aneg, w = (x.to(dtype) for x in (rl.adv_pos, rl.adv_neg, rl.weight))
     if config.objective == "pg":

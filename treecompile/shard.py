@@ -40,6 +40,7 @@ import numpy as np
 
 from treecompile.errors import TreeInputError
 from treecompile.partition import path_lengths, subtree, union_tokens
+from treecompile.preorder import climb
 from treecompile.tree import TrajectoryTree
 
 __all__ = ["SHARD_METHODS", "Shard", "ShardCost", "Sharding", "dfs_path_order", "shard_paths"]
@@ -167,9 +168,8 @@ def dfs_path_order(trees: Sequence[TrajectoryTree]) -> tuple[list[tuple[int, int
             if prev < 0:
                 lcp = 0
             else:
-                x = v  # deepest ancestor-or-self of v whose subtree holds prev
-                while x >= 0 and not (x <= prev < sub_end[x]):
-                    x = parent[x]
+                # The deepest ancestor-or-self of v whose subtree holds prev.
+                x = next((u for u in climb(parent, v) if u <= prev < sub_end[u]), -1)
                 lcp = depth_end[x] if x >= 0 else 0
             order.append((ti, p))
             lens.append(int(plen[p]))
@@ -269,19 +269,14 @@ def _greedy_tree_groups(trees: Sequence[TrajectoryTree], ranks: int) -> list[lis
         for p in range(t.num_paths):
             best = None
             for r in range(ranks):
-                add, v = 0, int(t.path_node[p])
-                while v >= 0 and not covered[r][ti][v]:
-                    add += int(lengths[v])
-                    v = int(t.parent[v])
+                add = sum(int(lengths[v]) for v in climb(t.parent, t.path_node[p], stop=covered[r][ti]))
                 key = (load[r] + add, r)
                 if best is None or key < best[0]:
                     best = (key, add)
             (new_load, r), add = best
             load[r] = new_load
-            v = int(t.path_node[p])
-            while v >= 0 and not covered[r][ti][v]:
+            for v in climb(t.parent, t.path_node[p], stop=covered[r][ti]):
                 covered[r][ti][v] = True
-                v = int(t.parent[v])
             groups[r].append((ti, p))
     return groups
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.errors import TreeInputError
+from treecompile.preorder import climb, root_path_sum, subtree_max, subtree_sum
 
 __all__ = ["TrajectoryTree", "TreeStats", "Path"]
 
@@ -227,19 +228,9 @@ class TrajectoryTree:
         n = self.num_nodes
         lengths = self.node_lengths
         # Preorder numbering: a node's subtree ends where the next node that is not its
-        # descendant begins. Walking backwards, each node's end is the max of its children's.
-        end = np.arange(1, n + 1, dtype=np.int64)
-        for v in range(n - 1, -1, -1):
-            p = self.parent[v]
-            if p >= 0 and end[v] > end[p]:
-                end[p] = end[v]
-        self.subtree_end_node = end
-        depth = np.zeros(n, dtype=np.int64)
-        for v in range(n):
-            p = self.parent[v]
-            if p >= 0:
-                depth[v] = depth[p] + lengths[p]
-        self.depth_start = depth
+        # descendant begins, one past the largest id in it.
+        self.subtree_end_node = subtree_max(self.parent, np.arange(1, n + 1, dtype=np.int64))
+        self.depth_start = root_path_sum(self.parent, lengths.astype(np.int64)) - lengths
 
     # ------------------------------------------------------------------ building
 
@@ -376,12 +367,7 @@ class TrajectoryTree:
 
     def path_nodes(self, p: int) -> list[int]:
         """Node ids from the root to path ``p``'s end node."""
-        nodes = []
-        v = int(self.path_node[p])
-        while v >= 0:
-            nodes.append(v)
-            v = int(self.parent[v])
-        return nodes[::-1]
+        return list(climb(self.parent, self.path_node[p]))[::-1]
 
     def path_length(self, p: int) -> int:
         """Number of tokens on path ``p``."""
@@ -412,12 +398,7 @@ class TrajectoryTree:
 
     def path_counts(self) -> np.ndarray:
         """``[N]`` number of paths through each node (a node a path ends at counts it)."""
-        count = np.bincount(self.path_node, minlength=self.num_nodes).astype(np.int64)
-        for v in range(self.num_nodes - 1, 0, -1):
-            p = self.parent[v]
-            if p >= 0:
-                count[p] += count[v]
-        return count
+        return subtree_sum(self.parent, np.bincount(self.path_node, minlength=self.num_nodes).astype(np.int64))
 
     def stats(self) -> TreeStats:
         """Sizes and shape; ``por = 1 - tree_tokens / path_tokens``."""
@@ -426,10 +407,7 @@ class TrajectoryTree:
         tree_tokens = self.num_tokens
         n_children = np.bincount(self.parent[self.parent >= 0], minlength=self.num_nodes)
         internal = n_children[n_children > 0]
-        node_depth = np.zeros(self.num_nodes, dtype=np.int64)
-        for v in range(self.num_nodes):
-            p = self.parent[v]
-            node_depth[v] = 1 if p < 0 else node_depth[p] + 1
+        node_depth = root_path_sum(self.parent, np.ones(self.num_nodes, dtype=np.int64))
         return TreeStats(
             tree_tokens=tree_tokens,
             path_tokens=path_tokens,
@@ -597,13 +575,10 @@ def _node_masks(
     n = parent.shape[0]
     assigned = np.zeros(n, dtype=bool)
     exceptions: dict[tuple[int, int], np.ndarray] = {}
-    depth_start = np.zeros(n, dtype=np.int64)
-    for v in range(n):
-        if parent[v] >= 0:
-            depth_start[v] = depth_start[parent[v]] + offsets[parent[v] + 1] - offsets[parent[v]]
+    lengths = np.diff(offsets).astype(np.int64)
+    depth_start = root_path_sum(parent, lengths) - lengths
     for p, m in enumerate(masks):
-        v = int(path_node[p])
-        while v >= 0:
+        for v in climb(parent, path_node[p]):
             a, b = int(offsets[v]), int(offsets[v + 1])
             seg = np.ones(b - a, dtype=bool) if m is None else m[depth_start[v] : depth_start[v] + b - a]
             if not assigned[v]:
@@ -611,5 +586,4 @@ def _node_masks(
                 assigned[v] = True
             elif not np.array_equal(node_mask[a:b], seg):
                 exceptions[(p, v)] = seg.copy()
-            v = int(parent[v])
     return node_mask, exceptions

@@ -64,7 +64,7 @@ def _grouped_jsonl(name: str) -> dict[str, list[list[dict[str, Any]]]]:
 
 def sample_tau_bench() -> dict[int, list[list[dict[str, Any]]]]:
     """tau-bench airline sample: ``task_id -> [conversation per trial]`` (4 tasks x 4 trials)."""
-    from treecompile.chat import load_tau_bench
+    from treecompile.datasets import load_tau_bench
 
     return load_tau_bench(sample_path("tau_bench"))
 

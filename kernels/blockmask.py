@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from treecompile.masks import MaskMod, interval_mask_mod
+from treecompile.kernels.masks import MaskMod, bind_buffers, interval_mask_mod
 
 __all__ = ["tree_block_mask", "block_classes", "block_mask_from_classes"]
 
@@ -79,7 +79,8 @@ def tree_block_mask(
     Args:
         subtree_end: ``[S]`` int64, from `treecompile.TreeBatch`.
         block_size: FlexAttention block size for queries and keys.
-        mask_mod: evaluated inside partial blocks; defaults to the interval rule. Pass another
+        mask_mod: ``mask_mod(b, h, q, kv)``, evaluated inside partial blocks; defaults to the
+            interval rule over ``subtree_end``. Pass another
             rule only if it is the same relation (the bitmask rule, or one restricted further,
             as by a sliding window, in which case extra blocks are merely partial).
 
@@ -88,7 +89,7 @@ def tree_block_mask(
     """
     partial, full = block_classes(subtree_end, block_size)
     return block_mask_from_classes(
-        partial, full, subtree_end.shape[0], block_size, mask_mod or interval_mask_mod(subtree_end)
+        partial, full, subtree_end.shape[0], block_size, mask_mod or bind_buffers(interval_mask_mod(), subtree_end)
     )
 
 

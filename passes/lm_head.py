@@ -25,11 +25,9 @@ from torch import fx
 
 from treecompile.kernels.fused_logprobs import fused_target_logprobs
 from treecompile.passes._graph import PassContext, is_call, value
-from treecompile.passes.markers import _upcast, is_marker
+from treecompile.passes.markers import is_marker, logprobs_at_rows, scatter_to_rows
 
 __all__ = ["gather_logits_pass", "fuse_lm_head_pass", "gathered_logprobs", "fused_logprobs_at_rows"]
-
-NAME = "loss"
 
 _LINEAR = {F.linear, torch.ops.aten.linear.default}
 _UNARY = {torch.tanh, torch.ops.aten.tanh.default}
@@ -48,9 +46,7 @@ def gathered_logprobs(
         slot, target, dest: ``[M]`` (see :func:`treecompile.passes.markers.tree_logprobs`).
         like: any ``[S]`` tensor (gives S and the device).
     """
-    lp = torch.log_softmax(_upcast(logits_rows[0]), dim=-1)
-    out = lp.new_zeros(like.shape[0])
-    return out.index_put((dest,), lp[slot, target])
+    return logprobs_at_rows(logits_rows[0], slot, target, dest, like.shape[0])
 
 
 def fused_logprobs_at_rows(
@@ -70,13 +66,13 @@ def fused_logprobs_at_rows(
         slot, target, dest, like: as in `gathered_logprobs`.
     """
     lp = fused_target_logprobs(head_rows[0], weight, bias, slot, target)
-    return lp.new_zeros(like.shape[0]).index_put((dest,), lp)
+    return scatter_to_rows(lp, dest, like.shape[0])
 
 
 def gather_logits_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replaces ``tree_logprobs`` with a gather of the needed rows before the LM head.
 
-    Counters (``ctx.counters["loss"]``): ``gather_before_lm_head`` or ``gather_logits``.
+    Counters (``ctx.counters["gather_logits_pass"]``): ``gather_before_lm_head`` or ``gather_logits``.
     """
     return _rewrite_logprobs(gm, ctx, fuse=False)
 
@@ -87,7 +83,7 @@ def fuse_lm_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``[R, V]`` logits are never formed, forward or backward. Other heads are gathered as
     `gather_logits_pass` does.
 
-    Counters (``ctx.counters["loss"]``): ``fused_lm_head``, ``gather_before_lm_head`` or
+    Counters (``ctx.counters["fuse_lm_head_pass"]``): ``fused_lm_head``, ``gather_before_lm_head`` or
     ``gather_logits``.
     """
     return _rewrite_logprobs(gm, ctx, fuse=True)
@@ -115,7 +111,7 @@ def _rewrite_logprobs(gm: fx.GraphModule, ctx: PassContext, *, fuse: bool) -> fx
                 new.meta["example_value"] = value(node)
                 node.replace_all_uses_with(new)
                 gm.graph.erase_node(node)
-                ctx.count(NAME, "fused_lm_head")
+                ctx.count("fused_lm_head")
                 continue
             if chain is not None:
                 head_input = chain[0].args[0]
@@ -125,10 +121,10 @@ def _rewrite_logprobs(gm: fx.GraphModule, ctx: PassContext, *, fuse: bool) -> fx
                     remap[n] = ctx.mark(gm.graph.node_copy(n, lambda x: remap.get(x, x)), like=n)
                     remap[n].meta.pop("example_value", None)
                 logits_rows = remap[chain[-1]]
-                ctx.count(NAME, "gather_before_lm_head")
+                ctx.count("gather_before_lm_head")
             else:
                 logits_rows = ctx.mark(gm.graph.call_function(torch.index_select, (logits, 1, rows)), like=node)
-                ctx.count(NAME, "gather_logits")
+                ctx.count("gather_logits")
             new = ctx.mark(
                 gm.graph.call_function(gathered_logprobs, (logits_rows, slot, target, dest, ctx.positions)),
                 like=node,

@@ -1,0 +1,69 @@
+"""Tree primitives over a parent array in depth-first preorder, written once.
+
+A forest of ``N`` nodes is ``parent: [N]`` int, ``-1`` at a root, with every parent
+numbered before its children (``parent[v] < v``). Then a reverse sweep visits every child
+before its parent (sums and maxima over subtrees) and a forward sweep every parent before
+its children (sums along root paths). Each function here is that one loop, in O(N), so
+that `TrajectoryTree`, `TreeBatch`, the loss, the partitioner, RL and sharding do not
+each write it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["subtree_sum", "subtree_max", "root_path_sum", "climb"]
+
+
+def subtree_sum(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``[N]`` sum of ``values`` over each node's subtree (itself included); a new array."""
+    out = np.array(values, copy=True)
+    for v in range(len(parent) - 1, -1, -1):
+        p = parent[v]
+        if p >= 0:
+            out[p] += out[v]
+    return out
+
+
+def subtree_max(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``[N]`` maximum of ``values`` over each node's subtree (itself included); a new array.
+
+    With ``values = arange(1, N + 1)`` it is one past each subtree's last node.
+    """
+    out = np.array(values, copy=True)
+    for v in range(len(parent) - 1, -1, -1):
+        p = parent[v]
+        if p >= 0 and out[v] > out[p]:
+            out[p] = out[v]
+    return out
+
+
+def root_path_sum(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``[N]`` sum of ``values`` from each node's root down to the node (itself included).
+
+    ``root_path_sum(parent, lengths) - lengths`` is each node's first path position;
+    ``root_path_sum(parent, ones)`` its depth in nodes.
+    """
+    out = np.array(values, copy=True)
+    for v in range(len(parent)):
+        p = parent[v]
+        if p >= 0:
+            out[v] += out[p]
+    return out
+
+
+def climb(parent: np.ndarray, v: int, stop: np.ndarray | None = None) -> Iterator[int]:
+    """``v``, its parent, ... up to its root: the root path, leaf first.
+
+    Args:
+        parent: ``[N]`` parent ids.
+        v: the node to start from.
+        stop: ``[N]`` bool, read as the walk goes: it ends before the first node marked
+            (so a caller marking the nodes it is given walks each node once over many calls).
+    """
+    v = int(v)
+    while v >= 0 and (stop is None or not stop[v]):
+        yield v
+        v = int(parent[v])
