@@ -187,15 +187,7 @@ def _attributes_to_members(cls: griffe.Class) -> None:
     end = start + 1
     while end < len(lines) and (not lines[end].strip() or lines[end].startswith(" ")):
         end += 1
-    items: dict[str, list[str]] = {}
-    current = None
-    for line in lines[start + 1:end]:
-        m = ITEM.match(line)
-        if m:
-            current = m.group(1)
-            items[current] = [m.group(3)]
-        elif current is not None and line.strip():
-            items[current].append(line.strip())
+    items = _items(lines[start + 1:end])
     members = {n: m for n, m in cls.members.items() if not m.is_alias and m.is_attribute}
     if not items or not set(items) <= set(members):
         return
@@ -213,18 +205,24 @@ def _section_items(text: str, title: str) -> dict[str, str]:
     if title not in lines:
         return {}
     start = lines.index(title)
+    end = start + 1
+    while end < len(lines) and not (lines[end].strip() and not lines[end].startswith(" ")):
+        end += 1
+    return {k: " ".join(v).strip() for k, v in _items(lines[start + 1:end]).items()}
+
+
+def _items(lines: list[str]) -> dict[str, list[str]]:
+    """``name: text`` entries of a section's lines: each name with its text lines, stripped."""
     items: dict[str, list[str]] = {}
     current = None
-    for line in lines[start + 1:]:
-        if line.strip() and not line.startswith(" "):
-            break
+    for line in lines:
         m = ITEM.match(line)
         if m:
             current = m.group(1)
             items[current] = [m.group(3)]
         elif current is not None and line.strip():
             items[current].append(line.strip())
-    return {k: " ".join(v).strip() for k, v in items.items()}
+    return items
 
 
 def _args_to_members(cls: griffe.Class) -> None:

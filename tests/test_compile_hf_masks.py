@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_compile_models import compare_with_paths, make_batch
+from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.capture import TreeMask, _replacement
@@ -18,12 +19,7 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 def _perturbed(cfg):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed_hf_model(cfg)
 
 
 def test_chunked_attention_is_refused_by_name():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testing import COMPILE_TOL
+from testing import COMPILE_TOL, perturbed_hf_model
 
 import treecompile as tc
 from treecompile.errors import TreeInputError
@@ -29,12 +29,7 @@ CLIP, CLIP_C = 0.2, 3.0
 def _model():
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed_hf_model(cfg)
 
 
 def _rollout(tp: int = 6, tr: int = 6) -> dict[str, torch.Tensor]:

@@ -163,3 +163,16 @@ TRL_NOISE_FACTOR = 4.0
 #: float32 tensor, so a float64 run's loss is rounded to float32 and the stock float32 run often
 #: shows no error at all; two float32 ulps (relative 2 * 2**-23) is the resolution of the log.
 TRL_LOSS_RESOLUTION = 2 * 2.0**-23
+
+
+def perturbed_hf_model(config, dtype=torch.float64):
+    """A Hugging Face causal LM from ``config`` with every weight moved off its init (no zero
+    bias, no identity norm, which would hide bugs), in ``dtype``, in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
