@@ -19,7 +19,7 @@ import types
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.reference import logits_of
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
+
+if TYPE_CHECKING:
+    from treecompile.stream import StreamOptions
 
 __all__ = [
     "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
@@ -84,6 +87,7 @@ def tree_compile(
     verify: bool = False,
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
+    stream: StreamOptions | None = None,
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -106,6 +110,9 @@ def tree_compile(
             ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
             computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
             never formed (other heads, e.g. with final soft-capping, fall back to gather).
+        stream: a :class:`~treecompile.stream.StreamOptions`: a batch with more rows than
+            its ``budget_rows`` runs in parts with a KV stack (:mod:`treecompile.stream`);
+            smaller batches are unchanged. None: every batch runs as one call.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -125,9 +132,16 @@ def tree_compile(
     unknown = [o for o in outputs if o not in OUTPUTS]
     if unknown or isinstance(outputs, str):
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
-    return TreeCompiledModel(
+    compiled = TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes_for(lm_head)
     )
+    if stream is not None:
+        from treecompile.stream import StreamOptions, StreamRunner
+
+        if not isinstance(stream, StreamOptions):
+            raise TypeError(f"stream must be a treecompile.stream.StreamOptions, got {type(stream).__name__}")
+        compiled._stream = StreamRunner(compiled, stream)
+    return compiled
 
 
 class TreeCompiledModel(nn.Module):
@@ -181,6 +195,7 @@ class TreeCompiledModel(nn.Module):
         self._passes = passes
         self._outputs = outputs
         self.verified: VerifyReport | None = None
+        self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
 
     # ------------------------------------------------------------------ delegation
 
@@ -261,6 +276,8 @@ class TreeCompiledModel(nn.Module):
         # A path longer than the model's context trains exactly as per path, which is itself
         # out of the model's range: say so (once per call site, as warnings do).
         warn_position_overflow(batch, self._inner, stacklevel=2)
+        if self._stream is not None and self._stream.wants(batch):
+            return self._stream(batch)
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = _device_of(self._inner)

@@ -1,0 +1,203 @@
+"""Streaming execution with a KV stack (treecompile.stream) against per-path training.
+
+The plan (parts of consecutive rows, each row once, prefixes = root paths of the parts'
+first rows, backward order), the prefix attention kernel against its dense reference, and
+whole streamed steps in float64 against the unmodified model run on each path: loss,
+log-probs and every parameter gradient, with cuts inside nodes, one-token parts and a
+single deep chain. One compiled model per family and mode serves every budget (the graph
+does not depend on it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_compile_models import NanoGPT, tiny
+from testing import COMPILE_TOL, assert_grads_close
+
+from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.errors import UnsupportedModelError
+from treecompile.kernels.prefix_attention import prefix_attention_reference
+from treecompile.reference import per_path_loss
+from treecompile.stream import StreamOptions, plan_stream
+
+transformers = pytest.importorskip("transformers")
+
+# A prompt node of 5 tokens, branches of 1, 3 and 6 tokens, a 1-token node with two
+# children, and a second tree: cuts at 1, 3 and 4 rows fall inside nodes and on node ends.
+BRANCHY = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7, 8, 9], [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 17],
+           [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 18], [20, 21, 22, 23]]
+CHAIN = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]  # one path: every part's prefix is every row before it
+
+
+def _rows_of(batch, j, plan):
+    return np.arange(plan.starts[j], plan.starts[j + 1])
+
+
+@pytest.mark.parametrize("budget", [1, 2, 4, 7, 100])
+def test_plan_cuts_each_row_once_with_root_path_prefixes(budget):
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    plan = plan_stream(batch, budget)
+    rows = np.concatenate([_rows_of(batch, j, plan) for j in range(plan.num_parts)])
+    assert np.array_equal(rows, np.arange(batch.num_tokens))  # every row once, in order
+    assert all(plan.starts[j + 1] - plan.starts[j] <= budget for j in range(plan.num_parts))
+    pred = batch.pred_index.numpy()
+    for j in range(plan.num_parts):
+        # The prefix is the root path of the part's first row, before it (pred chain).
+        chain, r = [], pred[plan.starts[j]]
+        while r >= 0:
+            chain.append(r)
+            r = pred[r]
+        assert plan.prefix[j].tolist() == chain[::-1]
+        assert len(plan.prefix[j]) == int(batch.position_ids[plan.starts[j]])
+    # Backward order: a part goes back after every part that reads it.
+    order = [p for j in range(plan.num_parts) for p in plan.release[j]]
+    assert sorted(order) == list(range(plan.num_parts))
+    when = {p: i for i, p in enumerate(order)}
+    for j in range(plan.num_parts):
+        for q in set(plan.part_of(plan.prefix[j]).tolist()):
+            assert when[j] < when[q], (j, q)
+
+
+def test_plan_of_a_single_chain_keeps_every_part_until_the_end():
+    batch = pack(TrajectoryTree.from_sequences(CHAIN))
+    plan = plan_stream(batch, 1)
+    assert [len(p) for p in plan.prefix] == list(range(12))
+    assert plan.stack_depth == 12 and plan.release[-1] == list(range(11, -1, -1))
+
+
+@pytest.mark.parametrize("softcap,window", [(0.0, 0), (2.0, 3)], ids=["plain", "softcap-w3"])
+def test_prefix_kernel_matches_dense_reference(softcap, window):
+    torch.manual_seed(0)
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    plan = plan_stream(batch, 7)
+    j = 2  # starts inside the 13-token branch: prefix rows from the prompt and the branch
+    a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+    pre = plan.prefix[j]
+    sub, pos = batch.subtree_end, batch.position_ids
+    p = len(pre)
+    kv_end = torch.cat([p + sub[pre].clamp(max=b) - a, p + sub[a:b].clamp(max=b) - a])
+    kv_pos = torch.cat([pos[pre], pos[a:b]])
+    s, total = b - a, p + b - a
+    q = torch.randn(1, 4, s, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, total, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, total, 8, dtype=torch.float64, requires_grad=True)
+    out, _ = torch.ops.treecompile.prefix_tree_attention(q, k, v, kv_end, kv_pos, pos[a:b], 3, 0.3, softcap, window)
+    ref = prefix_attention_reference(q, k, v, kv_end, kv_pos, pos[a:b], scale=0.3, softcap=softcap, window=window)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    gr = torch.autograd.grad(ref, (q, k, v), do)
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    for x, y, name in zip(g, gr, "qkv"):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+    # The prefix rows get gradients (they flow back into the stack).
+    assert g[1][:, :, :p].abs().sum() > 0
+
+
+def _perturbed(cfg):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+_MODELS = {
+    "nanogpt": lambda: tiny(NanoGPT),
+    "qwen3": lambda: _perturbed(transformers.Qwen3Config(**SMALL, head_dim=8)),
+    # Window 3 < every part's prefix here: the window crosses part boundaries.
+    "gemma2-softcap-sw3": lambda: _perturbed(transformers.Gemma2Config(
+        **SMALL, head_dim=8, sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+}
+_COMPILED: dict = {}
+
+
+def _compiled(family, mode):
+    if (family, mode) not in _COMPILED:
+        model = _MODELS[family]()
+        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode))
+    return _COMPILED[family, mode]
+
+
+def _check(family, mode, seqs, budget, loss_mode="token-mean"):
+    model, compiled = _compiled(family, mode)
+    compiled._stream.options = StreamOptions(budget_rows=budget, mode=mode)
+    tree = TrajectoryTree.from_sequences(seqs)
+    batch = pack(tree, loss_mode=loss_mode)
+    model.zero_grad(set_to_none=True)
+    out = compiled(batch)
+    assert not out.logprobs.requires_grad  # a streamed call's logprobs are values
+    (2.0 * out.loss).backward()  # the held gradients are scaled by what backward brings
+    got = {n: p.grad / 2.0 for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ref = per_path_loss(model, [tree], loss_mode=loss_mode)
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    kind = "pure" if family == "nanogpt" else "hf"
+    rtol, atol = COMPILE_TOL[kind]
+    torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=rtol, atol=atol)
+    for i in range(batch.num_paths):
+        torch.testing.assert_close(out.logprobs[batch.path_rows(i)], ref.logprobs[i].detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, i=i: f"logprobs of path {i}: {m}")
+    assert_grads_close(got, want, ("float64", kind))
+    stats = compiled._stream.stats
+    assert stats.parts == -(-batch.num_tokens // budget)
+    if mode == "keep":
+        assert stats.forward_rows == batch.num_tokens  # every row forward once: ERR = POR
+    return stats
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_custom_model_streams_exactly(mode):
+    for budget in (1, 7) if mode == "keep" else (3,):  # one-token parts; cuts inside nodes
+        _check("nanogpt", mode, BRANCHY, budget)
+    _check("nanogpt", mode, CHAIN, 5)  # a single deep chain
+    _, compiled = _compiled("nanogpt", mode)
+    assert compiled.counters["stream"] == {"prefix_attention": 2, "kv_outputs": 4}
+
+
+@pytest.mark.parametrize("loss_mode", ["token-mean", "sum", "seq-mean-token-mean"])
+def test_qwen3_streams_exactly(loss_mode):
+    _check("qwen3", "keep", BRANCHY, 4, loss_mode)
+    if loss_mode == "token-mean":
+        _check("qwen3", "keep", CHAIN, 5, loss_mode)
+
+
+def test_gemma2_window_across_parts_streams_exactly():
+    stats = _check("gemma2-softcap-sw3", "recompute", BRANCHY, 5)
+    assert stats.forward_rows > 30  # parts read later ran forward twice
+
+
+def test_under_budget_runs_as_one_call():
+    model, compiled = _compiled("nanogpt", "keep")
+    compiled._stream.options = StreamOptions(budget_rows=100)
+    compiled._stream.stats = None
+    out = compiled(pack(TrajectoryTree.from_sequences(BRANCHY)))
+    assert out.logprobs.requires_grad and compiled._stream.stats is None
+
+
+def test_streaming_refuses_a_router_aux_loss_and_hybrids():
+    moe = transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    with pytest.raises(UnsupportedModelError, match="^Qwen3MoeForCausalLM: router auxiliary loss"):
+        tree_compile(_perturbed(moe), stream=StreamOptions(budget_rows=4))
+    nxt = transformers.Qwen3NextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=0)
+    with pytest.raises(UnsupportedModelError, match="^Qwen3NextForCausalLM: recurrent or convolutional"):
+        tree_compile(_perturbed(nxt), stream=StreamOptions(budget_rows=4))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="valid modes: keep, recompute"):
+        StreamOptions(budget_rows=4, mode="fast")
+    with pytest.raises(ValueError, match="positive int"):
+        StreamOptions(budget_rows=0)
