@@ -96,9 +96,9 @@ def test_prefix_kernel_matches_dense_reference(softcap, window):
     assert g[1][:, :, :p].abs().sum() > 0
 
 
-def _perturbed(cfg):
+def _perturbed(cfg, **kw):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kw).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -114,6 +114,9 @@ _MODELS = {
     # Window 3 < every part's prefix here: the window crosses part boundaries.
     "gemma2-softcap-sw3": lambda: _perturbed(transformers.Gemma2Config(
         **SMALL, head_dim=8, sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "qwen3-moe-no-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=False), experts_implementation="eager"),  # grouped_mm has no float64 on CPU
 }
 _COMPILED: dict = {}
 
@@ -149,12 +152,13 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean"):
     assert_grads_close(got, want, ("float64", kind))
     stats = compiled._stream.stats
     assert stats.parts == -(-batch.num_tokens // budget)
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode)
     if mode == "keep":
         assert stats.forward_rows == batch.num_tokens  # every row forward once: ERR = POR
     return stats
 
 
-@pytest.mark.parametrize("mode", ["keep", "recompute"])
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_custom_model_streams_exactly(mode):
     for budget in (1, 7) if mode == "keep" else (3,):  # one-token parts; cuts inside nodes
         _check("nanogpt", mode, BRANCHY, budget)
@@ -163,18 +167,26 @@ def test_custom_model_streams_exactly(mode):
     assert compiled.counters["stream"] == {"prefix_attention": 2, "kv_outputs": 4}
 
 
-@pytest.mark.parametrize("loss_mode", ["token-mean", "sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_mode", ["token-mean", *[pytest.param(m, marks=pytest.mark.slow)
+                                                       for m in ("sum", "seq-mean-token-mean")]])
 def test_qwen3_streams_exactly(loss_mode):
     _check("qwen3", "keep", BRANCHY, 4, loss_mode)
     if loss_mode == "token-mean":
         _check("qwen3", "keep", CHAIN, 5, loss_mode)
 
 
+@pytest.mark.slow
 def test_gemma2_window_across_parts_streams_exactly():
     stats = _check("gemma2-softcap-sw3", "recompute", BRANCHY, 5)
     assert stats.forward_rows > 30  # parts read later ran forward twice
 
 
+@pytest.mark.slow
+def test_moe_without_aux_loss_streams_exactly():
+    _check("qwen3-moe-no-aux", "keep", BRANCHY, 4)
+
+
+@pytest.mark.slow
 def test_under_budget_runs_as_one_call():
     model, compiled = _compiled("nanogpt", "keep")
     compiled._stream.options = StreamOptions(budget_rows=100)
@@ -201,3 +213,26 @@ def test_bad_options_are_refused():
         StreamOptions(budget_rows=4, mode="fast")
     with pytest.raises(ValueError, match="positive int"):
         StreamOptions(budget_rows=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_plan_stream_command_reports_the_schedule(mode, capsys):
+    import argparse
+    import json
+
+    from treecompile.plan import add_plan_command, run_plan
+
+    parser = argparse.ArgumentParser()
+    add_plan_command(parser.add_subparsers(dest="command"))
+    # A capacity below the longest path: partitioning would refuse it, streaming does not.
+    args = parser.parse_args(["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity",
+                              "300", "--stream", mode, "--json"])
+    assert run_plan(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for t in out["trees"]:
+        assert t["parts"] == -(-t["rows"] // 300) and 1 <= t["stack_depth"] <= t["parts"]
+        assert sorted(p for r in t["schedule"] for p in r) == list(range(t["parts"]))
+        if mode == "keep":
+            assert t["forward_rows"] == t["rows"] and t["err"] == pytest.approx(t["por"])
+        else:
+            assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]

@@ -112,6 +112,15 @@ class StreamPlan:
             alive -= len(self.release[j])
         return depth
 
+    def forward_rows(self, mode: str) -> int:
+        """Rows run forward by a step with grad: S in keep mode; in recompute mode also the
+        rows of every part that a later part reads (they run again for their backward)."""
+        rows = int(self.starts[-1])
+        if mode == "keep":
+            return rows
+        sizes = np.diff(self.starts)
+        return rows + int(sizes[self.last_reader != np.arange(self.num_parts)].sum())
+
     @property
     def max_prefix(self) -> int:
         """The longest prefix (rows of keys and values a part reads from the stack)."""
@@ -460,3 +469,39 @@ def _check_streamable(wrapper) -> None:
         )
     if wrapper._outputs:
         raise UnsupportedModelError(f"{name}: outputs={wrapper._outputs!r} are not produced by a streamed call yet")
+
+
+def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
+    """``treecompile plan --stream MODE``: per tree, the streaming schedule at ``--capacity``
+    rows: parts, stack depth, longest prefix, rows run forward, ERR and the predicted peak in
+    rows (keep: the parts alive at once times the capacity; recompute: one part), plus the
+    prefix rows every part reads."""
+    import json
+    import time
+
+    from treecompile.batch import pack
+
+    capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
+    out = []
+    for name, tree in zip(names, trees):
+        plan = plan_stream(pack(tree), capacity)
+        stats = tree.stats()
+        fwd = plan.forward_rows(args.stream)
+        live = plan.stack_depth * capacity if args.stream == "keep" else capacity
+        out.append({"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "parts": plan.num_parts,
+                    "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix, "forward_rows": fwd,
+                    "por": stats.por, "err": 1 - fwd / stats.path_tokens, "peak_activation_rows": live,
+                    "schedule": [[int(x) for x in r] for r in plan.release]})
+    if args.json:
+        print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
+                          "seconds": round(time.perf_counter() - start, 3)}, indent=1))
+        return 0
+    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
+    print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
+          f"{'peak rows':>10}")
+    for t in out[: max(args.rows, 0)]:
+        print(f"{t['name'][:40]:<40} {t['rows']:>8} {t['parts']:>6} {t['stack_depth']:>6} {t['max_prefix']:>7} "
+              f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {t['peak_activation_rows']:>10}")
+    print("stack: most parts alive at once; prefix: most rows of keys/values a part reads from the stack; "
+          "peak rows: rows whose activations are held at once (plus the prefix keys/values)")
+    return 0
