@@ -164,7 +164,10 @@ def test_custom_model_streams_exactly(mode):
         _check("nanogpt", mode, BRANCHY, budget)
     _check("nanogpt", mode, CHAIN, 5)  # a single deep chain
     _, compiled = _compiled("nanogpt", mode)
-    assert compiled.counters["stream"] == {"prefix_attention": 2, "kv_outputs": 4}
+    streamed = [r for r in compiled.compile_records if "stream" in r.counters]
+    # One graph for every part of every budget (recompute mode adds its no-grad graph).
+    assert len(streamed) == (1 if mode == "keep" else 2)
+    assert streamed[0].counters["stream"] == {"prefix_attention": 2, "kv_outputs": 4}
 
 
 @pytest.mark.parametrize("loss_mode", ["token-mean", *[pytest.param(m, marks=pytest.mark.slow)
