@@ -20,7 +20,7 @@ from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.prefix_attention import prefix_attention_reference
 from treecompile.reference import per_path_loss
-from treecompile.stream import StreamOptions, plan_stream
+from treecompile.stream import StreamOptions, plan_stream, stream_logprob_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,3 +239,35 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
             assert t["forward_rows"] == t["rows"] and t["err"] == pytest.approx(t["por"])
         else:
             assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
+
+
+@pytest.mark.slow
+def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
+    """A PPO-style clipped ratio objective of the log-probabilities: streamed by
+    `stream_logprob_loss` it equals the same objective on the one-call compiled model."""
+    model, compiled = _compiled("nanogpt", "keep")
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    torch.manual_seed(1)
+    old = -3.0 + 0.3 * torch.randn(batch.num_tokens, dtype=torch.float64)
+    adv = torch.randn(batch.num_tokens, dtype=torch.float64) * (batch.pred_index >= 0)
+
+    def objective(lp):
+        ratio = torch.exp(lp - old)
+        return -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).sum() / batch.num_tokens
+
+    compiled._stream.options = StreamOptions(budget_rows=100)  # one call: the exact tree loss
+    model.zero_grad(set_to_none=True)
+    ref = objective(compiled(batch).logprobs)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    compiled._stream.options = StreamOptions(budget_rows=3)
+    model.zero_grad(set_to_none=True)
+    weights = batch.target_weight.clone()
+    out = stream_logprob_loss(compiled, batch, objective)
+    out.loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(batch.target_weight, weights)  # the caller's batch is untouched
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got, want, ("float64", "pure"))

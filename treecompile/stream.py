@@ -45,7 +45,7 @@ from treecompile.passes.pipeline import make_backend
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 
-__all__ = ["MODES", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner"]
+__all__ = ["MODES", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
@@ -451,6 +451,38 @@ class _BatchArrays:
                 (ids, pos, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos)]
         as_t = [x.to(torch.int64) if x.dtype != torch.float64 else x for x in as_t]
         return as_t, torch.from_numpy(t.copy())
+
+
+def stream_logprob_loss(compiled, batch: TreeBatch, loss_fn):
+    """A loss that is any function of the per-row log-probabilities, streamed exactly.
+
+    ``loss_fn(logprobs [S]) -> scalar`` (an RL objective, say) is evaluated on the
+    log-probabilities of a no-grad streamed call; its gradient ``g = d loss / d logprobs``
+    then becomes the batch's target weights (``-g``) for a streamed call with grad, whose
+    parameter gradient is ``sum_t g_t d logprobs_t / d theta``, the chain rule for
+    ``loss_fn``. Exact, for one more forward pass of the tree (without a graph).
+
+    Args:
+        compiled: a model from ``tree_compile(model, stream=...)``.
+        batch: the packed batch (left unchanged).
+        loss_fn: differentiable in its ``[S]`` argument (0 at rows without a predictor).
+
+    Returns:
+        A `TreeOutput` whose ``loss`` has ``loss_fn``'s value and, by ``backward()``, its
+        gradients; ``logprobs`` the values it was evaluated at.
+    """
+    import dataclasses
+
+    from treecompile.compile import TreeOutput
+
+    with torch.no_grad():
+        lp = compiled(batch).logprobs.detach()
+    lp.requires_grad_(True)
+    value = loss_fn(lp)
+    (g,) = torch.autograd.grad(value, lp)
+    weight = torch.where(batch.pred_index.to(g.device) >= 0, -g, torch.zeros_like(g)).to(torch.float64)
+    out = compiled(dataclasses.replace(batch, target_weight=weight.to(batch.target_weight.device)))
+    return TreeOutput(loss=value.detach() + (out.loss - out.loss.detach()), logprobs=lp.detach())
 
 
 def _check_streamable(wrapper) -> None:
