@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--cuts", choices=("subtree", "rows"), default="subtree", help="StreamOptions.cuts")
     ap.add_argument("--methods", nargs="+", default=["whole", "stream-keep", "stream-recompute", "partition"])
     args = ap.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
             compiled = tree_compile(model)
             return (lambda: compiled(batch).loss.backward()), (lambda: rows), compiled
         if method.startswith("stream"):
-            compiled = tree_compile(model, stream=StreamOptions(args.budget, method.split("-")[1]))
+            compiled = tree_compile(model, stream=StreamOptions(args.budget, method.split("-")[1], args.cuts))
             return (lambda: compiled(batch).loss.backward()), (lambda: compiled._stream.stats.forward_rows), compiled
         part = partition_tree(tree, args.budget)
         denom = loss_denominator(tree, "token-mean")

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,10 +47,17 @@ from treecompile.passes.pipeline import make_backend
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 
-__all__ = ["MODES", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
+if TYPE_CHECKING:
+    from treecompile.compile import TreeCompiledModel, TreeOutput
+
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
+#: ``StreamOptions.cuts`` choices: ``"subtree"`` ends a part, where it can within the budget,
+#: where none of its rows is an ancestor of the next row (so no later part reads it);
+#: ``"rows"`` cuts every ``budget_rows`` rows.
+CUTS = ("subtree", "rows")
 
 #: Rows of the always-invisible padding prefix: the prefix length is never 0 or 1, which
 #: Dynamo would specialise (one graph for every part).
@@ -63,16 +72,20 @@ class StreamOptions:
         budget_rows: the most rows one part holds; a batch with more rows streams.
         mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
             only their keys and values and run forward again for their backward).
+        cuts: a key of `CUTS`: where parts end (see `plan_stream`).
     """
 
     budget_rows: int
     mode: str = "keep"
+    cuts: str = "subtree"
 
     def __post_init__(self) -> None:
         if isinstance(self.budget_rows, bool) or not isinstance(self.budget_rows, int) or self.budget_rows < 1:
             raise ValueError(f"budget_rows must be a positive int, got {self.budget_rows!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        if self.cuts not in CUTS:
+            raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
 
 
 @dataclass
@@ -127,16 +140,39 @@ class StreamPlan:
         return max((len(p) for p in self.prefix), default=0)
 
 
-def plan_stream(batch: TreeBatch, budget_rows: int) -> StreamPlan:
+def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
     """Cuts ``batch`` into parts of at most ``budget_rows`` consecutive rows and schedules them.
+
+    With ``cuts="subtree"`` a part ends at the last row ``r`` within the budget such that no
+    row of the part is an ancestor of row ``r`` (``max(subtree_end[a:r]) <= r``): no later
+    part reads it, so its backward runs right after its forward and it never sits on the
+    stack. Where there is no such row (a node longer than the budget), the part takes the
+    full budget and the next part starts inside the node. ``cuts="rows"`` always takes the
+    full budget.
 
     O(S + parts x depth in nodes). A part's prefix is the root path of its first row up to
     that row: for every row of the part, the earlier rows it may see are a subset of that
     path (key ``k`` before the part is visible to row ``q`` iff ``q < subtree_end[k]``, and
     ``subtree_end[k] > q >= start`` holds for every such ``q`` once it holds for ``start``).
     """
+    if cuts not in CUTS:
+        raise ValueError(f"unknown cuts {cuts!r}; valid cuts: {', '.join(CUTS)}")
     s = batch.num_tokens
-    starts = np.append(np.arange(0, s, budget_rows), s)
+    if cuts == "rows":
+        starts = np.append(np.arange(0, s, budget_rows), s)
+    else:
+        sub = batch.subtree_end.cpu().numpy()
+        bounds, a = [0], 0
+        while a < s:
+            b = min(a + budget_rows, s)
+            if b < s:
+                reach = np.maximum.accumulate(sub[a:b])  # the furthest subtree end of rows a .. a + i
+                ok = np.flatnonzero(reach <= np.arange(a + 1, b + 1))
+                if ok.size:
+                    b = a + int(ok[-1]) + 1
+            bounds.append(b)
+            a = b
+        starts = np.asarray(bounds, dtype=np.int64)
     n_start, n_end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
     prefix = []
     for a in starts[:-1].tolist():
@@ -280,7 +316,7 @@ class StreamRunner:
         w = self.wrapper
         device = _device_of(w._inner)
         batch = batch.to(device) if batch.device != device else batch
-        plan = plan_stream(batch, self.options.budget_rows)
+        plan = plan_stream(batch, self.options.budget_rows, self.options.cuts)
         grad = torch.is_grad_enabled()
         params = [p for p in w._inner.parameters() if p.requires_grad] if grad else []
         saved = [p.grad for p in params]
@@ -453,7 +489,9 @@ class _BatchArrays:
         return as_t, torch.from_numpy(t.copy())
 
 
-def stream_logprob_loss(compiled, batch: TreeBatch, loss_fn):
+def stream_logprob_loss(
+    compiled: TreeCompiledModel, batch: TreeBatch, loss_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> TreeOutput:
     """A loss that is any function of the per-row log-probabilities, streamed exactly.
 
     ``loss_fn(logprobs [S]) -> scalar`` (an RL objective, say) is evaluated on the
