@@ -399,4 +399,5 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
     parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
              "alibi" if spec.alibi else "", "sinks" if spec.sinks else ""]
     tree_flex_attention.__name__ = "tree_flex_attention_" + "_".join(p for p in parts if p)
+    tree_flex_attention.spec = spec  # read by the streaming pass (passes/stream.py)
     return tree_flex_attention

@@ -20,7 +20,7 @@ import types
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.reference import logits_of
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
+
+if TYPE_CHECKING:
+    from treecompile.stream import StreamOptions
 
 __all__ = [
     "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
@@ -99,6 +102,7 @@ def tree_compile(
     lm_head: str = "gather",
     temperature: float = 1.0,
     disable_passes: tuple[str, ...] = (),
+    stream: StreamOptions | None = None,
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -125,6 +129,9 @@ def tree_compile(
             as a sampler and RL trainers (TRL's GRPO) do; 1 leaves them as they are.
         disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
             which rewrite a model needs; the verification still refuses a graph left inexact.
+        stream: a :class:`~treecompile.stream.StreamOptions`: a batch with more rows than
+            its ``budget_rows`` runs in parts with a KV stack (:mod:`treecompile.stream`);
+            smaller batches are unchanged. None: every batch runs as one call.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -147,10 +154,17 @@ def tree_compile(
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
-    return TreeCompiledModel(
+    compiled = TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature),
     )
+    if stream is not None:
+        from treecompile.stream import StreamOptions, StreamRunner
+
+        if not isinstance(stream, StreamOptions):
+            raise TypeError(f"stream must be a treecompile.stream.StreamOptions, got {type(stream).__name__}")
+        compiled._stream = StreamRunner(compiled, stream)
+    return compiled
 
 
 class TreeCompiledModel(nn.Module):
@@ -210,6 +224,7 @@ class TreeCompiledModel(nn.Module):
         self._outputs = outputs
         self.temperature = temperature
         self.verified: VerifyReport | None = None
+        self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
 
     # ------------------------------------------------------------------ delegation
 
@@ -305,6 +320,8 @@ class TreeCompiledModel(nn.Module):
         # A path longer than the model's context trains exactly as per path, which is itself
         # out of the model's range: say so (once per call site, as warnings do).
         warn_position_overflow(batch, self._inner, stacklevel=2)
+        if self._stream is not None and self._stream.wants(batch):
+            return self._stream(batch)
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = _device_of(self._inner)

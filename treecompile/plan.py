@@ -55,6 +55,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="only the first N trees")
     p.add_argument("--rows", type=int_at_least(0), default=60, metavar="N", help="table rows to print")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument(
+        "--stream", choices=("keep", "recompute"), default=None,
+        help="plan streaming with a KV stack instead (treecompile.stream): parts of --capacity rows, no path limit",
+    )
     p.set_defaults(func=run_plan)
 
 
@@ -87,6 +91,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     names, trees, header = _load_trees(args)
+    if getattr(args, "stream", None):
+        from treecompile.stream import plan_stream_report
+
+        return plan_stream_report(names, trees, header, args, start)
     if args.ranks < 1:
         raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
     longest = max(int(path_lengths(t).max()) for t in trees)

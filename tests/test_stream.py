@@ -1,0 +1,336 @@
+"""Streaming execution with a KV stack (treecompile.stream) against per-path training.
+
+The plan (parts of consecutive rows, each row once, prefixes = root paths of the parts'
+first rows, backward order), the prefix attention kernel against its dense reference, and
+whole streamed steps in float64 against the unmodified model run on each path: loss,
+log-probs and every parameter gradient, with cuts inside nodes, one-token parts and a
+single deep chain. One compiled model per family and mode serves every budget (the graph
+does not depend on it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import path_sets
+from test_compile_models import NanoGPT, tiny
+from testing import COMPILE_TOL, assert_grads_close
+
+from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.errors import UnsupportedModelError
+from treecompile.kernels.prefix_attention import prefix_attention_reference
+from treecompile.reference import per_path_loss
+from treecompile.stream import StreamOptions, plan_stream, stream_logprob_loss
+
+transformers = pytest.importorskip("transformers")
+
+# A prompt node of 5 tokens, branches of 1, 3 and 6 tokens, a 1-token node with two
+# children, and a second tree: cuts at 1, 3 and 4 rows fall inside nodes and on node ends.
+BRANCHY = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7, 8, 9], [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 17],
+           [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15, 18], [20, 21, 22, 23]]
+CHAIN = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]  # one path: every part's prefix is every row before it
+
+
+def _rows_of(batch, j, plan):
+    return np.arange(plan.starts[j], plan.starts[j + 1])
+
+
+@pytest.mark.parametrize("cuts", ["subtree", "rows"])
+@pytest.mark.parametrize("budget", [1, 2, 4, 7, 100])
+def test_plan_cuts_each_row_once_with_root_path_prefixes(budget, cuts):
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    plan = plan_stream(batch, budget, cuts)
+    if cuts == "rows":
+        assert plan.num_parts == -(-batch.num_tokens // budget)
+    else:
+        # A part ends where no later row descends from it, unless it takes the whole budget.
+        sub = batch.subtree_end.numpy()
+        for a, b in zip(plan.starts[:-2], plan.starts[1:-1]):
+            assert b - a == budget or sub[a:b].max() <= b, (a, b)
+    rows = np.concatenate([_rows_of(batch, j, plan) for j in range(plan.num_parts)])
+    assert np.array_equal(rows, np.arange(batch.num_tokens))  # every row once, in order
+    assert all(plan.starts[j + 1] - plan.starts[j] <= budget for j in range(plan.num_parts))
+    pred = batch.pred_index.numpy()
+    for j in range(plan.num_parts):
+        # The prefix is the root path of the part's first row, before it (pred chain).
+        chain, r = [], pred[plan.starts[j]]
+        while r >= 0:
+            chain.append(r)
+            r = pred[r]
+        assert plan.prefix[j].tolist() == chain[::-1]
+        assert len(plan.prefix[j]) == int(batch.position_ids[plan.starts[j]])
+    # Backward order: a part goes back after every part that reads it.
+    order = [p for j in range(plan.num_parts) for p in plan.release[j]]
+    assert sorted(order) == list(range(plan.num_parts))
+    when = {p: i for i, p in enumerate(order)}
+    for j in range(plan.num_parts):
+        for q in set(plan.part_of(plan.prefix[j]).tolist()):
+            assert when[j] < when[q], (j, q)
+
+
+def test_plan_of_a_single_chain_keeps_every_part_until_the_end():
+    batch = pack(TrajectoryTree.from_sequences(CHAIN))
+    plan = plan_stream(batch, 1)
+    assert [len(p) for p in plan.prefix] == list(range(12))
+    assert plan.stack_depth == 12 and plan.release[-1] == list(range(11, -1, -1))
+
+
+@pytest.mark.parametrize("softcap,window", [(0.0, 0), (2.0, 3)], ids=["plain", "softcap-w3"])
+def test_prefix_kernel_matches_dense_reference(softcap, window):
+    torch.manual_seed(0)
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    plan = plan_stream(batch, 7)
+    j = 2  # starts inside the 13-token branch: prefix rows from the prompt and the branch
+    a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+    pre = plan.prefix[j]
+    sub, pos = batch.subtree_end, batch.position_ids
+    p = len(pre)
+    kv_end = torch.cat([p + sub[pre].clamp(max=b) - a, p + sub[a:b].clamp(max=b) - a])
+    kv_pos = torch.cat([pos[pre], pos[a:b]])
+    s, total = b - a, p + b - a
+    q = torch.randn(1, 4, s, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, total, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, total, 8, dtype=torch.float64, requires_grad=True)
+    out, _ = torch.ops.treecompile.prefix_tree_attention(q, k, v, kv_end, kv_pos, pos[a:b], 3, 0.3, softcap, window)
+    ref = prefix_attention_reference(q, k, v, kv_end, kv_pos, pos[a:b], scale=0.3, softcap=softcap, window=window)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    gr = torch.autograd.grad(ref, (q, k, v), do)
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    for x, y, name in zip(g, gr, "qkv"):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+    # The prefix rows get gradients (they flow back into the stack).
+    assert g[1][:, :, :p].abs().sum() > 0
+
+
+def _perturbed(cfg, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kw).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+_MODELS = {
+    "nanogpt": lambda: tiny(NanoGPT),
+    "qwen3": lambda: _perturbed(transformers.Qwen3Config(**SMALL, head_dim=8)),
+    # Window 3 < every part's prefix here: the window crosses part boundaries.
+    "gemma2-softcap-sw3": lambda: _perturbed(transformers.Gemma2Config(
+        **SMALL, head_dim=8, sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "qwen3-moe-no-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=False), experts_implementation="eager"),  # grouped_mm has no float64 on CPU
+}
+_COMPILED: dict = {}
+
+
+def _compiled(family, mode):
+    if (family, mode) not in _COMPILED:
+        model = _MODELS[family]()
+        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode))
+    return _COMPILED[family, mode]
+
+
+def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, masks=None, scaled=True):
+    """Streams one tree and compares with per-path training. ``scaled=False`` compares each
+    gradient elementwise (COMPILE_TOL) instead of relative to its largest entry: generated
+    trees include ones where a gradient is exactly zero and both sides hold rounding noise."""
+    model, compiled = _compiled(family, mode)
+    compiled._stream.options = StreamOptions(budget_rows=budget, mode=mode)
+    tree = TrajectoryTree.from_sequences(seqs, weights=weights, loss_masks=masks)
+    batch = pack(tree, loss_mode=loss_mode)
+    model.zero_grad(set_to_none=True)
+    out = compiled(batch)
+    assert not out.logprobs.requires_grad  # a streamed call's logprobs are values
+    (2.0 * out.loss).backward()  # the held gradients are scaled by what backward brings
+    got = {n: p.grad / 2.0 for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ref = per_path_loss(model, [tree], loss_mode=loss_mode)
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    kind = "pure" if family == "nanogpt" else "hf"
+    rtol, atol = COMPILE_TOL[kind]
+    torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=rtol, atol=atol)
+    for i in range(batch.num_paths):
+        torch.testing.assert_close(out.logprobs[batch.path_rows(i)], ref.logprobs[i].detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, i=i: f"logprobs of path {i}: {m}")
+    if scaled:
+        assert_grads_close(got, want, ("float64", kind))
+    else:
+        assert got.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"grad of {n}: {m}")
+    stats = compiled._stream.stats
+    assert stats.parts == plan_stream(batch, budget).num_parts >= -(-batch.num_tokens // budget)
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode)
+    if mode == "keep":
+        assert stats.forward_rows == batch.num_tokens  # every row forward once: ERR = POR
+    return stats
+
+
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_custom_model_streams_exactly(mode):
+    for budget in (1, 7) if mode == "keep" else (3,):  # one-token parts; cuts inside nodes
+        _check("nanogpt", mode, BRANCHY, budget)
+    _check("nanogpt", mode, CHAIN, 5)  # a single deep chain
+    _, compiled = _compiled("nanogpt", mode)
+    streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
+    # One graph for every part of every budget (recompute mode adds its no-grad graph).
+    assert len(streamed) == (1 if mode == "keep" else 2)
+    assert streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2, "kv_outputs": 4}
+
+
+@settings(max_examples=10)
+@given(case=path_sets(max_paths=4, max_len=8), data=st.data())
+def test_custom_model_streams_generated_trees_at_any_budget(case, data):
+    seqs, weights, masks = case
+    rows = TrajectoryTree.from_sequences(seqs).num_tokens
+    if rows < 2:
+        return  # a one-row batch is never over a budget
+    budget = data.draw(st.integers(1, rows - 1), label="budget")
+    _check("nanogpt", "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
+
+
+@pytest.mark.parametrize("loss_mode", ["token-mean", *[pytest.param(m, marks=pytest.mark.slow)
+                                                       for m in ("sum", "seq-mean-token-mean")]])
+def test_qwen3_streams_exactly(loss_mode):
+    _check("qwen3", "keep", BRANCHY, 4, loss_mode)
+    if loss_mode == "token-mean":
+        _check("qwen3", "keep", CHAIN, 5, loss_mode)
+
+
+@pytest.mark.slow
+def test_gemma2_window_across_parts_streams_exactly():
+    stats = _check("gemma2-softcap-sw3", "recompute", BRANCHY, 5)
+    assert stats.forward_rows > 30  # parts read later ran forward twice
+
+
+@pytest.mark.slow
+def test_moe_without_aux_loss_streams_exactly():
+    _check("qwen3-moe-no-aux", "keep", BRANCHY, 4)
+
+
+@pytest.mark.slow
+def test_under_budget_runs_as_one_call():
+    model, compiled = _compiled("nanogpt", "keep")
+    compiled._stream.options = StreamOptions(budget_rows=100)
+    compiled._stream.stats = None
+    out = compiled(pack(TrajectoryTree.from_sequences(BRANCHY)))
+    assert out.logprobs.requires_grad and compiled._stream.stats is None
+
+
+def test_streaming_refuses_a_router_aux_loss_and_hybrids():
+    moe = transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    with pytest.raises(UnsupportedModelError, match="^Qwen3MoeForCausalLM: router auxiliary loss"):
+        tree_compile(_perturbed(moe), stream=StreamOptions(budget_rows=4))
+    nxt = transformers.Qwen3NextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=0)
+    with pytest.raises(UnsupportedModelError, match="^Qwen3NextForCausalLM: recurrent or convolutional"):
+        tree_compile(_perturbed(nxt), stream=StreamOptions(budget_rows=4))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="valid modes: keep, recompute"):
+        StreamOptions(budget_rows=4, mode="fast")
+    with pytest.raises(ValueError, match="positive int"):
+        StreamOptions(budget_rows=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_plan_stream_command_reports_the_schedule(mode, capsys):
+    import argparse
+    import json
+
+    from treecompile.plan import add_plan_command, run_plan
+
+    parser = argparse.ArgumentParser()
+    add_plan_command(parser.add_subparsers(dest="command"))
+    # A capacity below the longest path: partitioning would refuse it, streaming does not.
+    args = parser.parse_args(["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity",
+                              "300", "--stream", mode, "--json"])
+    assert run_plan(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for t in out["trees"]:
+        assert t["parts"] >= -(-t["rows"] // 300) and 1 <= t["stack_depth"] <= t["parts"]
+        assert sorted(p for r in t["schedule"] for p in r) == list(range(t["parts"]))
+        if mode == "keep":
+            assert t["forward_rows"] == t["rows"] and t["err"] == pytest.approx(t["por"])
+        else:
+            assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
+
+
+@pytest.mark.slow
+def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
+    """A PPO-style clipped ratio objective of the log-probabilities: streamed by
+    `stream_logprob_loss` it equals the same objective on the one-call compiled model."""
+    model, compiled = _compiled("nanogpt", "keep")
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    torch.manual_seed(1)
+    old = -3.0 + 0.3 * torch.randn(batch.num_tokens, dtype=torch.float64)
+    adv = torch.randn(batch.num_tokens, dtype=torch.float64) * (batch.pred_index >= 0)
+
+    def objective(lp):
+        ratio = torch.exp(lp - old)
+        return -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).sum() / batch.num_tokens
+
+    compiled._stream.options = StreamOptions(budget_rows=100)  # one call: the exact tree loss
+    model.zero_grad(set_to_none=True)
+    ref = objective(compiled(batch).logprobs)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    compiled._stream.options = StreamOptions(budget_rows=3)
+    model.zero_grad(set_to_none=True)
+    weights = batch.target_weight.clone()
+    out = stream_logprob_loss(compiled, batch, objective)
+    out.loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(batch.target_weight, weights)  # the caller's batch is untouched
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got, want, ("float64", "pure"))
+
+
+@pytest.mark.slow
+def test_streamed_peak_memory_is_below_the_whole_tree():
+    """The CPU allocator's peak over one step (treecompile.budget.measure_peak_bytes): a tree
+    8x the budget, streamed in recompute mode, peaks under half of the whole tree in one
+    call; keep mode (the stack's graphs alive) under the whole tree."""
+    from treecompile.budget import measure_peak_bytes
+
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 128, 256).tolist()
+    # The rollouts start with distinct tokens: the tree branches once, after the prompt.
+    tree = TrajectoryTree.from_sequences([prompt + [120 + i] + rng.integers(0, 128, 95).tolist() for i in range(8)])
+    batch = pack(tree)  # 1024 rows
+    # Each rollout is a part nothing later reads; the prompt's two parts stay on the stack.
+    assert plan_stream(batch, 128).stack_depth == 3
+    peaks = {}
+    for name, options in [("whole", None), ("keep", StreamOptions(128)), ("recompute", StreamOptions(128, "recompute"))]:
+        compiled = tree_compile(model, stream=options)
+
+        def step():
+            compiled(batch).loss.backward()
+
+        step()  # compiles
+        model.zero_grad(set_to_none=True)
+        peaks[name] = measure_peak_bytes(step)
+        model.zero_grad(set_to_none=True)
+    assert peaks["recompute"] < peaks["whole"] / 2, peaks
+    assert peaks["keep"] < peaks["whole"], peaks

@@ -1,0 +1,580 @@
+"""Streaming execution: a tree larger than the row budget, trained exactly with a KV stack.
+
+    model = tree_compile(model, stream=StreamOptions(budget_rows=4096))
+    out = model(batch)        # a batch over 4096 rows streams; smaller ones run as one call
+    out.loss.backward()       # the same gradients as per-path training
+
+The packed row (depth-first) is cut into parts of at most ``budget_rows`` consecutive rows;
+every row is in exactly one part, so no token is computed twice (a part may start inside a
+node). Parts run in row order. A part's attention reads, per layer, the keys and values of
+the rows before it on the root path of its first row (its *prefix*: the KV stack), from the
+earlier parts that computed them, besides its own (`treecompile.passes.stream`). Its
+gradients with respect to those prefix keys and values are added into the stack entries of
+the parts that produced them; a part runs its own backward once every later part that
+reads it has run its backward (see `StreamPlan`), so each part's graph lives only while a
+descendant part still needs it.
+
+Modes (`StreamOptions.mode`):
+
+* ``"keep"``: a part keeps its autograd graph while it is on the stack; each part runs
+  forward once and backward once (the effective reuse ratio equals the POR).
+* ``"recompute"``: a part that later parts read keeps only its keys and values (detached)
+  and is run forward again, with grad, when its backward is due; at most one part's graph
+  is alive at a time, for one extra forward of such parts (AReaL-DTA's trade).
+
+The backward runs during the call (it must, to free each part's graph); the gradients are
+held aside and land on the parameters when ``out.loss.backward()`` is called, scaled by
+the gradient it receives. So only losses expressed through the batch's ``target_weight``
+(every loss mode) stream; ``out.logprobs`` is detached in a streamed call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from treecompile.batch import TreeBatch
+from treecompile.errors import UnsupportedModelError
+from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.passes.attention import rewrite_attention_pass
+from treecompile.passes.pipeline import Pipeline, make_backend
+from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
+from treecompile.passes.subgraphs import inline_subgraphs_pass
+
+if TYPE_CHECKING:
+    from treecompile.compile import TreeCompiledModel, TreeOutput
+
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
+
+#: ``StreamOptions.mode`` choices.
+MODES = ("keep", "recompute")
+#: ``StreamOptions.cuts`` choices: ``"subtree"`` ends a part, where it can within the budget,
+#: where none of its rows is an ancestor of the next row (so no later part reads it);
+#: ``"rows"`` cuts every ``budget_rows`` rows.
+CUTS = ("subtree", "rows")
+
+#: Rows of the always-invisible padding prefix: the prefix length is never 0 or 1, which
+#: Dynamo would specialise (one graph for every part).
+PAD_PREFIX = 2
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How `tree_compile` runs a batch larger than its budget.
+
+    Attributes:
+        budget_rows: the most rows one part holds; a batch with more rows streams.
+        mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
+            only their keys and values and run forward again for their backward).
+        cuts: a key of `CUTS`: where parts end (see `plan_stream`).
+    """
+
+    budget_rows: int
+    mode: str = "keep"
+    cuts: str = "subtree"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget_rows, bool) or not isinstance(self.budget_rows, int) or self.budget_rows < 1:
+            raise ValueError(f"budget_rows must be a positive int, got {self.budget_rows!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        if self.cuts not in CUTS:
+            raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
+
+
+@dataclass
+class StreamPlan:
+    """The schedule of one streamed batch.
+
+    Attributes:
+        starts: ``[n + 1]`` first row of each part, then S.
+        prefix: per part, the global rows of its prefix (the root path of its first row,
+            root first), ``[P_j]``.
+        last_reader: ``[n]`` per part, the part after whose forward its backward runs: the
+            latest such part of the parts that read it (itself if none reads it).
+        release: per part ``j``, the parts whose backward runs after ``j``'s forward, latest first.
+    """
+
+    starts: np.ndarray
+    prefix: list[np.ndarray]
+    last_reader: np.ndarray
+    release: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.starts) - 1
+
+    def part_of(self, rows: np.ndarray) -> np.ndarray:
+        """The part holding each row."""
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+    @property
+    def stack_depth(self) -> int:
+        """The most parts alive at once (on the stack, plus the running one)."""
+        alive = 0
+        depth = 0
+        for j in range(self.num_parts):
+            alive += 1
+            depth = max(depth, alive)
+            alive -= len(self.release[j])
+        return depth
+
+    def forward_rows(self, mode: str) -> int:
+        """Rows run forward by a step with grad: S in keep mode; in recompute mode also the
+        rows of every part that a later part reads (they run again for their backward)."""
+        rows = int(self.starts[-1])
+        if mode == "keep":
+            return rows
+        sizes = np.diff(self.starts)
+        return rows + int(sizes[self.last_reader != np.arange(self.num_parts)].sum())
+
+    @property
+    def max_prefix(self) -> int:
+        """The longest prefix (rows of keys and values a part reads from the stack)."""
+        return max((len(p) for p in self.prefix), default=0)
+
+
+def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
+    """Cuts ``batch`` into parts of at most ``budget_rows`` consecutive rows and schedules them.
+
+    With ``cuts="subtree"`` a part ends at the last row ``r`` within the budget such that no
+    row of the part is an ancestor of row ``r`` (``max(subtree_end[a:r]) <= r``): no later
+    part reads it, so its backward runs right after its forward and it never sits on the
+    stack. Where there is no such row (a node longer than the budget), the part takes the
+    full budget and the next part starts inside the node. ``cuts="rows"`` always takes the
+    full budget.
+
+    O(S + parts x depth in nodes). A part's prefix is the root path of its first row up to
+    that row: for every row of the part, the earlier rows it may see are a subset of that
+    path (key ``k`` before the part is visible to row ``q`` iff ``q < subtree_end[k]``, and
+    ``subtree_end[k] > q >= start`` holds for every such ``q`` once it holds for ``start``).
+    """
+    if cuts not in CUTS:
+        raise ValueError(f"unknown cuts {cuts!r}; valid cuts: {', '.join(CUTS)}")
+    s = batch.num_tokens
+    if cuts == "rows":
+        starts = np.append(np.arange(0, s, budget_rows), s)
+    else:
+        sub = batch.subtree_end.cpu().numpy()
+        bounds, a = [0], 0
+        while a < s:
+            b = min(a + budget_rows, s)
+            if b < s:
+                reach = np.maximum.accumulate(sub[a:b])  # the furthest subtree end of rows a .. a + i
+                ok = np.flatnonzero(reach <= np.arange(a + 1, b + 1))
+                if ok.size:
+                    b = a + int(ok[-1]) + 1
+            bounds.append(b)
+            a = b
+        starts = np.asarray(bounds, dtype=np.int64)
+    n_start, n_end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    prefix = []
+    for a in starts[:-1].tolist():
+        v = int(np.searchsorted(n_start, a, side="right")) - 1
+        chain = [np.arange(n_start[v], a)]
+        u = int(parent[v])
+        while u >= 0:
+            chain.append(np.arange(n_start[u], n_end[u]))
+            u = int(parent[u])
+        prefix.append(np.concatenate(chain[::-1]).astype(np.int64))
+    n = len(starts) - 1
+    # A part's backward must come after that of every part that reads it (they add its
+    # keys' and values' gradients), and so after theirs in turn: done[q] is the latest
+    # ``done`` of its readers. Readers come later in row order, so one sweep backwards.
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for j, rows in enumerate(prefix):
+        if rows.size:
+            for q in np.unique(np.searchsorted(starts, rows, side="right") - 1).tolist():
+                readers[q].append(j)
+    done = np.arange(n)
+    for q in range(n - 1, -1, -1):
+        for j in readers[q]:
+            done[q] = max(done[q], done[j])
+    release: list[list[int]] = [[] for _ in range(n)]
+    for p in range(n - 1, -1, -1):
+        release[int(done[p])].append(p)
+    return StreamPlan(starts=starts, prefix=prefix, last_reader=done, release=release)
+
+
+@dataclass
+class StreamStats:
+    """What the latest streamed call did.
+
+    Attributes:
+        parts: number of parts.
+        stack_depth: the most parts alive at once.
+        max_prefix: the longest prefix read from the stack, in rows.
+        forward_rows: rows run forward over all parts (S in keep mode; more with recompute).
+        rows: rows of the batch.
+    """
+
+    parts: int
+    stack_depth: int
+    max_prefix: int
+    forward_rows: int
+    rows: int
+
+
+@dataclass
+class _Entry:
+    vals: list[torch.Tensor]  # the part's own keys/values per stack slot, detached
+    outs: list[torch.Tensor] | None  # the same, attached to the part's graph (None: not kept)
+    loss: torch.Tensor | None
+    leaves: list[torch.Tensor]  # the prefix tensors the part read, with their grads after its backward
+    grads: list[torch.Tensor | None]  # gradients later parts added to ``vals``
+
+
+class _StreamedLoss(torch.autograd.Function):
+    """The streamed loss value; its backward hands out the parameter gradients computed
+    during the call, times the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, value, grads, *params):
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, None, *[None if x is None else x * g.to(x.dtype) for x in ctx.grads])
+
+
+class StreamRunner:
+    """Runs batches over the budget for a `TreeCompiledModel` (see the module docstring)."""
+
+    def __init__(self, wrapper, options: StreamOptions) -> None:
+        self.wrapper = wrapper
+        self.options = options
+        self.stats: StreamStats | None = None
+        self._compiled = None
+        self._shapes: list[tuple[int, int, torch.dtype]] | None = None
+        self._layout = None
+        _check_streamable(wrapper)
+
+    def wants(self, batch: TreeBatch) -> bool:
+        """Whether ``batch`` is over the budget (and streams)."""
+        return batch.num_tokens > self.options.budget_rows
+
+    # ------------------------------------------------------------------ compile
+
+    def _build(self, device: torch.device, shapes) -> None:
+        w = self.wrapper
+        state = StreamGraph()
+        read, route = stream_passes(state)
+        pipeline = w._passes if isinstance(w._passes, Pipeline) else Pipeline(tuple(w._passes))
+        passes = []
+        for p in pipeline.passes:
+            passes.append(p)
+            if p is inline_subgraphs_pass:
+                passes.append(read)
+            if p is rewrite_attention_pass:
+                passes.append(route)
+        lowering = w._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
+        backend = make_backend(mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                               lowering=lowering, records=w.compile_records,
+                               passes=dataclasses.replace(pipeline, passes=tuple(passes)))
+        inner, kwargs_of = w._inner, w._call_kwargs
+        from treecompile.reference import logits_of
+
+        def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
+                           kv_meta):
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), [])
+            ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(kv_meta))
+            out = inner(ids, **kwargs_of(positions))
+            logprobs = torch.ops.treecompile.tree_logprobs(logits_of(out), rows, slot, target, dest)
+            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+            return loss, logprobs, torch.ops.treecompile.stream_outputs(ids, list(prefix))
+
+        code = stream_forward.__code__.replace(co_name=f"stream_forward_{id(self):x}_{len(shapes)}")
+        fn = types.FunctionType(code, stream_forward.__globals__, code.co_name, None, stream_forward.__closure__)
+        self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        self._shapes = shapes
+
+    def _call(self, args: tuple) -> tuple:
+        from treecompile.capture import hf_interfaces, swapped_kernels
+        from treecompile.compile import _DYNAMO_CONFIG
+
+        w = self.wrapper
+        hf = hf_interfaces(w._inner, w._routes_attention) if w._is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels(w._kernels + w._mask_swaps):
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
+                try:
+                    return self._compiled(*args)
+                except torch._dynamo.exc.BackendCompilerFailed as e:
+                    if isinstance(e.inner_exception, (KVLayout, UnsupportedModelError)):
+                        raise e.inner_exception from None
+                    raise
+
+    # ------------------------------------------------------------------ run
+
+    def __call__(self, batch: TreeBatch):
+        from treecompile.compile import TreeOutput, _device_of
+
+        w = self.wrapper
+        device = _device_of(w._inner)
+        batch = batch.to(device) if batch.device != device else batch
+        plan = plan_stream(batch, self.options.budget_rows, self.options.cuts)
+        grad = torch.is_grad_enabled()
+        params = [p for p in w._inner.parameters() if p.requires_grad] if grad else []
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss, logprobs, forward_rows = self._run(batch, plan, device, grad)
+            streamed = [p.grad for p in params]
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+        self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
+                                 forward_rows=forward_rows, rows=batch.num_tokens)
+        if grad:
+            loss = _StreamedLoss.apply(loss, streamed, *params)
+        return TreeOutput(loss=loss, logprobs=logprobs)
+
+    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool):
+        keep = self.options.mode == "keep"
+        data = _BatchArrays(batch)
+        entries: dict[int, _Entry] = {}
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        logprobs = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
+        forward_rows = 0
+        for j in range(plan.num_parts):
+            # A part nothing later reads runs with grad and goes back at once; in recompute
+            # mode, a part that later parts read runs without a graph first.
+            backward_now = grad and int(plan.last_reader[j]) == j
+            with_graph = grad and (keep or backward_now)
+            entry, lp, dest = self._forward_part(data, plan, j, entries, device, with_graph)
+            forward_rows += int(plan.starts[j + 1] - plan.starts[j])
+            entries[j] = entry
+            total = total + entry.loss.detach().to(total.dtype)
+            logprobs[dest] = lp.detach().to(logprobs.dtype)
+            if not grad:
+                for p in plan.release[j]:
+                    entries.pop(p)
+                continue
+            for p in plan.release[j]:
+                e = entries[p]
+                if e.outs is None:  # recompute mode: run it again, now with its graph
+                    redo, _, _ = self._forward_part(data, plan, p, entries, device, True)
+                    forward_rows += int(plan.starts[p + 1] - plan.starts[p])
+                    e.outs, e.loss, e.leaves = redo.outs, redo.loss, redo.leaves
+                self._backward_part(plan, p, e, entries)
+                del entries[p]
+        return total, logprobs, forward_rows
+
+    def _forward_part(self, data: _BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool):
+        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+        inputs, dest = data.part_inputs(a, b, plan.prefix[j])
+        inputs = [x.to(device) for x in inputs]
+        ids, positions, sub_local, rows, slot, target, dests, weight, kv_end, kv_pos = inputs
+        block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        if self._shapes is None:
+            self._build(device, [])
+            try:
+                self._call(self._args(inputs, block_tensors, []))
+            except KVLayout as e:
+                self._build(device, e.shapes)
+        prefix = self._prefix(plan, j, entries, device)
+        leaves = [x.requires_grad_() for x in prefix] if with_graph else []
+        with torch.set_grad_enabled(with_graph):
+            loss, lp, kv = self._call(self._args(inputs, block_tensors, prefix))
+        m = dest.shape[0]
+        entry = _Entry(vals=[t.detach() for t in kv], outs=list(kv) if with_graph else None, loss=loss,
+                       leaves=leaves, grads=[None] * len(kv))
+        return entry, lp[:m], dest.to(device)
+
+    @staticmethod
+    def _args(inputs, block_tensors, prefix) -> tuple:
+        ids, positions, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos = inputs
+        ids = ids[None]
+        for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
+                     (weight, 0), (kv_end, 0), (kv_pos, 0), *[(p, 2) for p in prefix],
+                     *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
+                [kv_end, kv_pos])
+
+    def _prefix(self, plan: StreamPlan, j: int, entries: dict, device) -> list[torch.Tensor]:
+        """Per stack slot, ``[1, Hkv, PAD_PREFIX + P_j, D]``: padding, then the prefix rows'
+        keys or values gathered from the parts that computed them (detached copies)."""
+        rows = plan.prefix[j]
+        owners = plan.part_of(rows)
+        groups = [(int(p), torch.as_tensor(rows[owners == p] - plan.starts[p], device=device))
+                  for p in np.unique(owners)]
+        out = []
+        for i, (h, d, dtype) in enumerate(self._shapes):
+            pieces = [torch.zeros(1, h, PAD_PREFIX, d, dtype=dtype, device=device)]
+            pieces += [entries[p].vals[i].index_select(2, idx) for p, idx in groups]
+            out.append(torch.cat(pieces, dim=2))
+        return out
+
+    def _backward_part(self, plan: StreamPlan, p: int, e: _Entry, entries: dict) -> None:
+        """Backward of part ``p`` with the gradients its readers added; then its prefix
+        gradients go into the entries of the parts that computed those rows."""
+        tensors, grads = [e.loss], [torch.ones_like(e.loss)]
+        for out, g in zip(e.outs, e.grads):
+            if g is not None:
+                tensors.append(out)
+                grads.append(g)
+        torch.autograd.backward(tensors, grads)
+        rows = plan.prefix[p]
+        owners = plan.part_of(rows)
+        for i, leaf in enumerate(e.leaves):
+            if leaf.grad is None:
+                continue
+            g = leaf.grad[:, :, PAD_PREFIX:]
+            offset = 0
+            for q in np.unique(owners).tolist():
+                sel = owners == q
+                n = int(sel.sum())
+                idx = torch.as_tensor(rows[sel] - plan.starts[q], device=g.device)
+                owner = entries[q]
+                if owner.grads[i] is None:
+                    owner.grads[i] = torch.zeros_like(owner.vals[i])
+                owner.grads[i].index_add_(2, idx, g[:, :, offset:offset + n])
+                offset += n
+        e.outs = e.loss = None
+        e.leaves = []
+
+
+class _BatchArrays:
+    """The batch's per-row fields as numpy arrays, and each part's compiled-call inputs."""
+
+    def __init__(self, batch: TreeBatch) -> None:
+        self.ids = batch.input_ids.cpu().numpy()
+        self.pos = batch.position_ids.cpu().numpy()
+        self.sub = batch.subtree_end.cpu().numpy()
+        self.weight = batch.target_weight.detach().cpu().numpy()
+        pred = batch.pred_index.cpu().numpy()
+        targets = np.flatnonzero(pred >= 0)
+        order = np.argsort(pred[targets], kind="stable")
+        self.targets = targets[order]  # target rows, by their predicting row
+        self.target_pred = pred[self.targets]
+
+    def part_inputs(self, a: int, b: int, prefix: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The compiled call's inputs for rows ``[a, b)``, and the global rows of its targets.
+
+        The part's targets are those predicted by its rows (the loss needs the predicting
+        row's output). A branch row predicts several; the call has ``S_run = max(b - a, M,
+        2)`` rows (padding rows see only themselves, nothing sees them) so that the ``M``
+        targets' log-probabilities fit in its ``[S_run]`` output, in slots ``0 .. M - 1``.
+        """
+        s = b - a
+        lo, hi = np.searchsorted(self.target_pred, [a, b])
+        t = self.targets[lo:hi]
+        m = t.shape[0]
+        m_run = max(m, 2)
+        s_run = max(s, m_run, 2)
+        pad = s_run - s
+        ids = np.concatenate([self.ids[a:b], np.zeros(pad, np.int64)])
+        pos = np.concatenate([self.pos[a:b], np.zeros(pad, np.int64)])
+        sub_local = np.concatenate([np.minimum(self.sub[a:b], b) - a, np.arange(s + 1, s_run + 1)])
+        rows, slot = np.unique(self.target_pred[lo:hi] - a, return_inverse=True)
+        rows = np.concatenate([rows, np.zeros(max(0, 2 - rows.shape[0]), np.int64)])
+        target = np.concatenate([self.ids[t], np.zeros(m_run - m, np.int64)])
+        slot = np.concatenate([slot.reshape(-1), np.zeros(m_run - m, np.int64)])
+        dest = np.arange(m_run)
+        weight = np.zeros(s_run)
+        weight[:m] = self.weight[t]
+        p = PAD_PREFIX + prefix.shape[0]
+        kv_end = np.concatenate([np.zeros(PAD_PREFIX, np.int64), p + np.minimum(self.sub[prefix], b) - a,
+                                 p + sub_local])
+        kv_pos = np.concatenate([np.zeros(PAD_PREFIX, np.int64), self.pos[prefix], pos])
+        as_t = [torch.from_numpy(np.ascontiguousarray(x)) for x in
+                (ids, pos, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos)]
+        as_t = [x.to(torch.int64) if x.dtype != torch.float64 else x for x in as_t]
+        return as_t, torch.from_numpy(t.copy())
+
+
+def stream_logprob_loss(
+    compiled: TreeCompiledModel, batch: TreeBatch, loss_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> TreeOutput:
+    """A loss that is any function of the per-row log-probabilities, streamed exactly.
+
+    ``loss_fn(logprobs [S]) -> scalar`` (an RL objective, say) is evaluated on the
+    log-probabilities of a no-grad streamed call; its gradient ``g = d loss / d logprobs``
+    then becomes the batch's target weights (``-g``) for a streamed call with grad, whose
+    parameter gradient is ``sum_t g_t d logprobs_t / d theta``, the chain rule for
+    ``loss_fn``. Exact, for one more forward pass of the tree (without a graph).
+
+    Args:
+        compiled: a model from ``tree_compile(model, stream=...)``.
+        batch: the packed batch (left unchanged).
+        loss_fn: differentiable in its ``[S]`` argument (0 at rows without a predictor).
+
+    Returns:
+        A `TreeOutput` whose ``loss`` has ``loss_fn``'s value and, by ``backward()``, its
+        gradients; ``logprobs`` the values it was evaluated at.
+    """
+    import dataclasses
+
+    from treecompile.compile import TreeOutput
+
+    with torch.no_grad():
+        lp = compiled(batch).logprobs.detach()
+    lp.requires_grad_(True)
+    value = loss_fn(lp)
+    (g,) = torch.autograd.grad(value, lp)
+    weight = torch.where(batch.pred_index.to(g.device) >= 0, -g, torch.zeros_like(g)).to(torch.float64)
+    out = compiled(dataclasses.replace(batch, target_weight=weight.to(batch.target_weight.device)))
+    return TreeOutput(loss=value.detach() + (out.loss - out.loss.detach()), logprobs=lp.detach())
+
+
+def _check_streamable(wrapper) -> None:
+    """Refuses, when the model is wrapped, what streaming cannot make exact yet."""
+    name = type(wrapper._inner).__name__
+    if wrapper._router_aux is not None:
+        raise UnsupportedModelError(
+            f"{name}: router auxiliary loss (load_balancing_loss_func, config.output_router_logits) is a product of two "
+            "averages over the whole batch, which streamed parts cannot add up part by part; set "
+            "config.output_router_logits = False to stream, or raise the budget so the batch runs as one call"
+        )
+    if wrapper._kernels or wrapper._structure:
+        raise UnsupportedModelError(
+            f"{name}: recurrent or convolutional sequence layers (SSM state, conv windows) are not handed from one "
+            "streamed part to the next yet; only attention layers read the KV stack"
+        )
+    if wrapper._outputs:
+        raise UnsupportedModelError(f"{name}: outputs={wrapper._outputs!r} are not produced by a streamed call yet")
+
+
+def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
+    """``treecompile plan --stream MODE``: per tree, the streaming schedule at ``--capacity``
+    rows: parts, stack depth, longest prefix, rows run forward, ERR and the predicted peak in
+    rows (keep: the parts alive at once times the capacity; recompute: one part), plus the
+    prefix rows every part reads."""
+    import json
+    import time
+
+    from treecompile.batch import pack
+
+    capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
+    out = []
+    for name, tree in zip(names, trees):
+        plan = plan_stream(pack(tree), capacity)
+        stats = tree.stats()
+        fwd = plan.forward_rows(args.stream)
+        live = plan.stack_depth * capacity if args.stream == "keep" else capacity
+        out.append({"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "parts": plan.num_parts,
+                    "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix, "forward_rows": fwd,
+                    "por": stats.por, "err": 1 - fwd / stats.path_tokens, "peak_activation_rows": live,
+                    "schedule": [[int(x) for x in r] for r in plan.release]})
+    if args.json:
+        print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
+                          "seconds": round(time.perf_counter() - start, 3)}, indent=1))
+        return 0
+    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
+    print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
+          f"{'peak rows':>10}")
+    for t in out[: max(args.rows, 0)]:
+        print(f"{t['name'][:40]:<40} {t['rows']:>8} {t['parts']:>6} {t['stack_depth']:>6} {t['max_prefix']:>7} "
+              f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {t['peak_activation_rows']:>10}")
+    print("stack: most parts alive at once; prefix: most rows of keys/values a part reads from the stack; "
+          "peak rows: rows whose activations are held at once (plus the prefix keys/values)")
+    return 0
