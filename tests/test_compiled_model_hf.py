@@ -106,6 +106,17 @@ def test_deepcopy_copies_the_model_and_keeps_the_options():
     assert all(p.grad is None for p in model.parameters())  # the copy trains its own parameters
 
 
+def test_deepcopy_keeps_the_temperature_and_the_streaming_options():
+    from treecompile.stream import StreamOptions
+
+    options = StreamOptions(budget_rows=64)
+    compiled = tc.tree_compile(_qwen3(), temperature=0.7, stream=options)
+    twin = copy.deepcopy(compiled)
+    assert twin.temperature == 0.7
+    assert twin._stream is not compiled._stream
+    assert twin._stream.options == options and twin._stream.wrapper is twin
+
+
 def test_generate_runs_the_original_model():
     model = _qwen3(torch.float32).eval()
     prompt = torch.tensor([[1, 2, 3, 4]])

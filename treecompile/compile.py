@@ -292,8 +292,12 @@ class TreeCompiledModel(nn.Module):
     def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
         # A copy of the model, wrapped with the same options (compiled again at its first call),
         # as a reference-model copy of a trainer expects.
-        return type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
-                          verify=self.verify, passes=self._passes, outputs=self._outputs)
+        twin = type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
+                          verify=self.verify, passes=self._passes, outputs=self._outputs,
+                          temperature=self.temperature)
+        if self._stream is not None:
+            twin._stream = type(self._stream)(twin, self._stream.options)
+        return twin
 
     @property
     def counters(self) -> dict[str, Counter]:
