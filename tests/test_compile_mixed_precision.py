@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from test_compile_models import NanoGPT, make_batch, tiny
+from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.reference import per_path_loss
@@ -26,12 +27,7 @@ ERROR_RATIO = 1.5
 def _qwen3():
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model.eval()
+    return perturbed_hf_model(cfg, torch.float32)
 
 
 def _run(model, run):

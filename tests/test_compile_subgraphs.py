@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
+from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.errors import UnsupportedModelError
@@ -40,11 +41,7 @@ def test_hugging_face_gradient_checkpointing_is_exact():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = perturbed_hf_model(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # HF checkpoints only in training mode (attention dropout is 0)
     compiled = tc.tree_compile(model)

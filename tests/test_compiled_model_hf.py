@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from test_compile_models import compare_with_paths, make_batch
+from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.compile import TreeCompiledModel, TreeOutput
@@ -18,12 +19,7 @@ transformers = pytest.importorskip("transformers")
 def _qwen3(dtype=torch.float64):
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    with torch.no_grad():  # no identity norms, no zero biases
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed_hf_model(cfg, dtype, eval=False)
 
 
 def _trained_once(model):

@@ -26,12 +26,7 @@ def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="i
     out, _ = tree_attention_cpu(q, k, v, buffers, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                                 bm.full_kv_indices, kind, block, 0.3, softcap, window, chunks)
     ref = dense_tree_attention(q, k, v, tree_visibility(batch, window), 0.3, softcap)
-    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    for name, a, b in zip("qkv", got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+    _assert_matches(out, ref, (q, k, v), g)
 
 
 CASES = {
@@ -92,12 +87,7 @@ def test_alibi_bias_is_in_path_positions(kind):
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     scores = (q @ kk.transpose(-1, -2)) * 0.3 + bias
     ref = torch.softmax(scores.masked_fill(~tree_visibility(batch), float("-inf")), -1) @ vv
-    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    for name, a, b in zip("qkv", got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+    _assert_matches(out, ref, (q, k, v), g)
 
 
 def test_sinks_through_the_log_sum_exp():
@@ -123,4 +113,15 @@ def test_sinks_through_the_log_sum_exp():
     want = torch.autograd.grad(ref, (q, k, v, sinks), dout)
     torch.testing.assert_close(got_out, ref, rtol=1e-12, atol=1e-12)
     for name, a, b in zip(("q", "k", "v", "sinks"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def _assert_matches(out, ref, inputs, g) -> None:
+    """``out`` equals ``ref`` to float64 rounding, and so do their gradients to ``inputs``
+    (q, k, v) under one random output gradient."""
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, inputs, dout)
+    want = torch.autograd.grad(ref, inputs, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from testing import TRAINER_ERROR_RATIO, TRAINER_TOLERANCE
+from testing import TRAINER_ERROR_RATIO, TRAINER_TOLERANCE, perturbed_hf_model
 
 import treecompile as tc
 from treecompile.errors import TreeInputError
@@ -34,12 +34,7 @@ STEPS, BATCH = 3, 4
 def _qwen3():
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # no identity norms
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed_hf_model(cfg, torch.float32, eval=False)
 
 
 def _records() -> list[dict]:

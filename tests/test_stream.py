@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
 from test_compile_models import NanoGPT, tiny
-from testing import COMPILE_TOL, assert_grads_close
+from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.errors import UnsupportedModelError
@@ -108,12 +108,7 @@ def test_prefix_kernel_matches_dense_reference(softcap, window):
 
 
 def _perturbed(cfg, **kw):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, **kw).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed_hf_model(cfg, **kw)
 
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

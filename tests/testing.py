@@ -165,14 +165,15 @@ TRL_NOISE_FACTOR = 4.0
 TRL_LOSS_RESOLUTION = 2 * 2.0**-23
 
 
-def perturbed_hf_model(config, dtype=torch.float64):
-    """A Hugging Face causal LM from ``config`` with every weight moved off its init (no zero
-    bias, no identity norm, which would hide bugs), in ``dtype``, in eval mode."""
+def perturbed_hf_model(config, dtype=torch.float64, *, eval: bool = True, **from_config):
+    """A Hugging Face causal LM from ``config`` (``from_config`` keyword arguments passed on)
+    with every weight moved off its init (no zero bias, no identity norm, which would hide
+    bugs), in ``dtype``, in eval mode unless ``eval=False``."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, **from_config).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    return model
+    return model.eval() if eval else model
