@@ -2,6 +2,10 @@
 
 One compiled model per (model, mask) runs every tree: S, the number of targets and of
 predicting rows are dynamic, so the trees also exercise reuse without recompiling.
+
+The interval-mask equivalence cases and `test_backends_agree` run the default lowering
+(AOTAutograd on CPU); the other tests run the rewritten graph as it is (``backend="eager"``),
+since their subject is the rewrite or the wrapper and lowering triples a compile's time.
 """
 
 import logging
@@ -34,7 +38,7 @@ MODELS = {
 def test_custom_model_matches_per_path_training(model_id, mask):
     cls, expected = MODELS[model_id]
     model = tiny(cls)
-    compiled = tree_compile(model, mask=mask)
+    compiled = tree_compile(model, mask=mask, backend=None if mask == "interval" else "eager")
     for name in TREES:
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="pure")
@@ -48,7 +52,7 @@ def test_custom_model_matches_per_path_training(model_id, mask):
 def test_logprobs_are_zero_where_nothing_predicts():
     model = tiny(NanoGPT)
     batch, _ = make_batch("forest")
-    out = tree_compile(model)(batch)
+    out = tree_compile(model, backend="eager")(batch)
     roots = batch.pred_index < 0
     assert roots.sum() == 2
     assert torch.all(out.logprobs[roots] == 0)
@@ -63,7 +67,7 @@ def test_lm_head_sees_only_needed_rows():
 
     model = tiny(NanoGPT)
     batch, _ = make_batch("branchy")
-    compiled = tree_compile(model)
+    compiled = tree_compile(model, backend="eager")
     compiled(batch)
     gm = compiled.compile_records[-1].graph_module
     heads = [n for n in gm.graph.nodes if n.target is F.linear and "head" in n.args[1].name]
@@ -90,7 +94,7 @@ def test_wrapper_keeps_parameters_and_checkpoints():
 
 def test_optimizer_step_on_the_wrapper_trains_the_model():
     model = tiny(NanoGPT)
-    compiled = tree_compile(model)
+    compiled = tree_compile(model, backend="eager")
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     batch, _ = make_batch("branchy")
     before = compiled(batch).loss.item()
@@ -129,7 +133,7 @@ def test_disable_passes_names_the_passes_that_can_be_left_out():
 def test_a_disabled_rewrite_is_refused_by_the_verification_and_logged_by_name(caplog):
     """Without the positions rewrite the model's arange positions are left over the packed
     rows: refused by name, never trained wrong. Each pass logs its own counters."""
-    compiled = tree_compile(tiny(NanoGPT), disable_passes=("rewrite_positions_pass",))
+    compiled = tree_compile(tiny(NanoGPT), disable_passes=("rewrite_positions_pass",), backend="eager")
     with caplog.at_level(logging.DEBUG, logger="treecompile.passes"), pytest.raises(UnsupportedModelError):
         compiled(make_batch("branchy")[0])
     logged = {r.args[0]: r.args[1] for r in caplog.records if r.name == "treecompile.passes" and r.args}
@@ -142,7 +146,7 @@ def test_bitmask_needs_path_bits():
 
     batch, _ = make_batch("branchy", path_bits=False)
     with pytest.raises(TreeInputError, match="path_bits=True"):
-        tree_compile(tiny(NanoGPT), mask="bitmask")(batch)
+        tree_compile(tiny(NanoGPT), mask="bitmask", backend="eager")(batch)
 
 
 def test_verify_passes_an_exact_model_and_leaves_it_as_it_was():
@@ -151,7 +155,7 @@ def test_verify_passes_an_exact_model_and_leaves_it_as_it_was():
     for p in model.parameters():
         p.grad = torch.full_like(p, 7.0)
     batch, _ = make_batch("forest")
-    compiled = tree_compile(model, verify=True)
+    compiled = tree_compile(model, verify=True, backend="eager")
     out = compiled(batch)
     assert torch.isfinite(out.loss)
     report = compiled.verified
@@ -179,7 +183,7 @@ def test_verify_catches_a_silently_wrong_model():
     model = tiny(NanoGPT)
     batch, _ = make_batch("forest")
     with pytest.raises(UnsupportedModelError, match="gradient of '.*' differs by"):
-        LeakyMask(model, mask="interval", backend=None, verify=True)(batch)
+        LeakyMask(model, mask="interval", backend="eager", verify=True)(batch)
 
 
 def test_temperature_divides_the_logits_exactly():
@@ -192,7 +196,7 @@ def test_temperature_divides_the_logits_exactly():
     model = tiny(NanoGPT)
     batch, trees = make_batch("branchy")
     t = 0.7
-    compiled = tree_compile(model, temperature=t, outputs=("entropy",))
+    compiled = tree_compile(model, temperature=t, outputs=("entropy",), backend="eager")
     out, grads = backward_grads(model, lambda: compiled(batch))
     assert compiled.counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
 
