@@ -37,6 +37,7 @@ from treecompile.capture import (
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
+from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
@@ -103,6 +104,7 @@ def tree_compile(
     temperature: float = 1.0,
     disable_passes: tuple[str, ...] = (),
     stream: StreamOptions | None = None,
+    scan_kernel: str = "auto",
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -132,12 +134,17 @@ def tree_compile(
         stream: a :class:`~treecompile.stream.StreamOptions`: a batch with more rows than
             its ``budget_rows`` runs in parts with a KV stack (:mod:`treecompile.stream`);
             smaller batches are unchanged. None: every batch runs as one call.
+        scan_kernel: what runs the Gated DeltaNet / Mamba2 scans of a hybrid model on the
+            tree: ``"auto"`` (default: flash-linear-attention's kernels on CUDA when they are
+            installed and pass a check against the torch scan, else the torch scan),
+            ``"torch"`` or ``"fla"`` (raises at the first call where it cannot be used);
+            see :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
 
     Raises:
-        ValueError: an unknown ``mask``, ``backend``, ``lm_head`` or pass name.
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head``, ``scan_kernel`` or pass name.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
@@ -153,10 +160,12 @@ def tree_compile(
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if scan_kernel not in SCAN_KERNELS:
+        raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
     compiled = TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
-        temperature=float(temperature),
+        temperature=float(temperature), scan_kernel=scan_kernel,
     )
     if stream is not None:
         from treecompile.stream import StreamOptions, StreamRunner
@@ -180,6 +189,7 @@ class TreeCompiledModel(nn.Module):
         verified: the report of that check once it has run, else None.
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
             (re)compile, with the per-pass rewrite counters.
+        scan_kernel: the scan kernel of recurrent layers (see `tree_compile`).
     """
 
     def __init__(
@@ -192,6 +202,7 @@ class TreeCompiledModel(nn.Module):
         passes: tuple = PASSES,
         outputs: tuple[str, ...] = (),
         temperature: float = 1.0,
+        scan_kernel: str = "auto",
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -223,6 +234,7 @@ class TreeCompiledModel(nn.Module):
         self._passes = passes
         self._outputs = outputs
         self.temperature = temperature
+        self.scan_kernel = scan_kernel
         self.verified: VerifyReport | None = None
         self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
 
@@ -294,7 +306,7 @@ class TreeCompiledModel(nn.Module):
         # as a reference-model copy of a trainer expects.
         twin = type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
                           verify=self.verify, passes=self._passes, outputs=self._outputs,
-                          temperature=self.temperature)
+                          temperature=self.temperature, scan_kernel=self.scan_kernel)
         if self._stream is not None:
             twin._stream = type(self._stream)(twin, self._stream.options)
         return twin
@@ -382,6 +394,7 @@ class TreeCompiledModel(nn.Module):
             records=self.compile_records,
             passes=self._passes,
             probe_rows_of=lambda: self._probe_rows,
+            scan_kernel=self.scan_kernel,
         )
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs
