@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from treecompile.errors import TreeInputError
-from treecompile.loss import path_loss_coefficients, path_target_counts, tree_target_weights
 from treecompile.preorder import climb, subtree_max, subtree_sum
 from treecompile.tree import TrajectoryTree
+from treecompile.weights import path_loss_coefficients, path_target_counts, tree_target_weights
 
 __all__ = ["TreeBatch", "pack"]
 

@@ -19,7 +19,6 @@ import sys
 import types
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
+from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of
 from treecompile.capture import (
     hf_interfaces,
     install_output_hooks,
@@ -61,36 +61,6 @@ BACKENDS = tuple(LOWERINGS)
 
 #: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
 MIN_ROWS = 2
-
-@dataclass
-class TreeOutput:
-    """What a tree-compiled model returns.
-
-    Attributes:
-        loss: scalar, ``-(target_weight * logprobs).sum()``, plus ``coef * aux_loss`` for a
-            model with a router auxiliary loss; backward fills the model's grads.
-        logprobs: ``[S]`` log-probability of each row's token given its path prefix,
-            aligned with ``target_weight``; 0 where ``pred_index`` is -1.
-        aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
-            weighted by ``path_count``), unscaled, as per-path training computes it; None for
-            a model without one (see :mod:`treecompile.passes.moe`).
-        entropy: ``[S]`` entropy of the distribution that predicts each row's token, aligned
-            with ``logprobs`` (0 where ``pred_index`` is -1), differentiable; only with
-            ``tree_compile(outputs=("entropy",))``, else None.
-    """
-
-    loss: torch.Tensor
-    logprobs: torch.Tensor
-    aux_loss: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-    def __getitem__(self, key: int | str) -> torch.Tensor | None:
-        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
-        if key == 0:
-            return self.loss
-        if isinstance(key, str) and key in self.__dataclass_fields__:
-            return getattr(self, key)
-        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
 
 
 def tree_compile(
@@ -340,7 +310,7 @@ class TreeCompiledModel(nn.Module):
             return self._stream(batch)
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
-        device = _device_of(self._inner)
+        device = device_of(self._inner)
         rows = batch.num_tokens
         # Torch specialises a size-1 dimension as a constant, which would both recompile and
         # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
@@ -361,7 +331,7 @@ class TreeCompiledModel(nn.Module):
         # No duck shaping: S, M and R must not be assumed equal because they once were.
         hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
         with hf, swapped_kernels(self._kernels + self._mask_swaps):
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -536,12 +506,6 @@ def _vocab_size(model: nn.Module, is_hf: bool) -> int | None:
     return embeddings[0].num_embeddings if len(embeddings) == 1 else None
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _is_hf_model(model: nn.Module) -> bool:
     """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
     ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
@@ -576,15 +540,3 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
         return out
 
     return kwargs
-
-
-# Dynamo settings for our calls only:
-# - allow_rnn: capture recurrent layers so the verify pass can name them;
-# - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
-#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
-_DYNAMO_CONFIG = {
-    k: v
-    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
-    if k in torch._dynamo.config._config
-}
-
