@@ -333,11 +333,15 @@ class TrajectoryTree:
         )
 
     @classmethod
-    def from_messages(cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, **kwargs: Any) -> TrajectoryTree:
+    def from_messages(
+        cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, *, vocab_size: int | None = None, **options: Any
+    ) -> TrajectoryTree:
         """Builds a tree from chat conversations; see `treecompile.chat.tree_from_messages`."""
-        from treecompile.chat import tree_from_messages
+        from treecompile.conversation import render_conversations
 
-        return tree_from_messages(conversations, tokenizer, **kwargs)
+        paths = render_conversations(conversations, tokenizer, **options)
+        return cls.from_sequences(paths.sequences, weights=paths.weights, loss_masks=paths.masks,
+                                  vocab_size=vocab_size, metadata=paths.metadata)
 
     # ------------------------------------------------------------------ queries
 
