@@ -25,18 +25,19 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
   run together as one zero-padded batch (split where lengths differ widely, so padding at
   most doubles the rows), so the sequential steps follow how deep the tree is in nodes,
   not how many nodes it has. Siblings read the same parent state tensor,
-  so autograd sums their gradients into it, as it does per path. Where a variable-length
-  kernel is registered for the device (flash-linear-attention's Triton kernels on CUDA
-  when installed: one sequence per node, the parents' final states as initial states), a
-  level runs through it unpadded instead, once it has matched the torch scan on a small
-  problem (`varlen_kernel`).
+  so autograd sums their gradients into it, as it does per path. Given a variable-length
+  kernel (flash-linear-attention's Triton kernels on CUDA: one sequence per node, the
+  parents' final states as initial states), a level runs through it unpadded instead.
+  Which one runs is the caller's choice by name (`SCAN_KERNELS`, ``tree_compile(scan_kernel=...)``,
+  carried by the tree op's ``kernel`` argument); `varlen_kernel` resolves the name, and a
+  kernel is used only once it has matched the torch scan on a small problem.
 
 Each kind is registered as three ops (:func:`register`), e.g. for ``gated_delta_rule``:
 ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
 (the linear-sequence form the wrapper swaps in for a model's kernel before capture),
-``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table) -> out``
-(what the SSM state pass puts in its place) and their backward, which recomputes the
-forward under autograd and differentiates it.
+``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table, kernel) -> out``
+(what the SSM state pass puts in its place, ``kernel`` a name of `SCAN_KERNELS`) and their
+backward, which recomputes the forward under autograd and differentiates it.
 
 All compute in at least float32 (as Hugging Face's kernels do) and return the inputs'
 dtype. Shapes: ``q, k`` ``[B, S, H, Dk]``, ``v`` ``[B, S, H, Dv]``, ``g, beta`` ``[B, S, H]``,
@@ -48,6 +49,8 @@ device. The tree form takes one packed row (``B = 1``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -56,7 +59,7 @@ import torch
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK",
-           "register_varlen_kernel", "varlen_kernel"]
+           "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement"]
 
 Tensor = torch.Tensor
 
@@ -159,13 +162,15 @@ def tree_recurrence(
     *,
     delta: bool,
     chunk: int = CHUNK,
+    varlen: Callable | None = None,
 ) -> Tensor:
     """The recurrence on a packed tree (one row, ``B = 1``), differentiable: ``out [1, S, H, Dv]``.
 
     Each depth level is one batch of its nodes' rows, right-padded with zero rows to the
     longest node of the level, started from the parents' final states (a level whose
-    lengths differ widely is split so that padding at most doubles its rows; a registered
-    variable-length kernel needs no padding).
+    lengths differ widely is split so that padding at most doubles its rows). With
+    ``varlen``, a variable-length kernel (see `varlen_kernel`), each level runs through it
+    instead, unpadded.
     """
     if q.shape[0] != 1:
         raise ValueError(f"the tree recurrence runs one packed row, got a batch of {q.shape[0]}")
@@ -174,7 +179,6 @@ def tree_recurrence(
     root = q.new_zeros(h, dk, dv) if initial_state is None else initial_state[0].to(q.dtype)
     table = node_table.cpu().numpy()
     start, end, parent = table[:, 0], table[:, 1], table[:, 2]
-    varlen = varlen_kernel(q.device, delta, q.dtype)
     # A zero row at index S for the padding.
     padded = [torch.cat([x[0], x.new_zeros(1, *x.shape[2:])]) for x in (q, k, v, g, beta)]
     finals: list[Tensor | None] = [None] * len(table)
@@ -227,34 +231,23 @@ def _padding_groups(lengths: np.ndarray, chunk: int) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------------------- variable-length kernels
 
-#: Variable-length scan kernels by (device type, delta form): ``fn(q, k, v, g, beta,
-#: initial_state, cu_seqlens) -> (out, final)`` with ``q, k`` ``[1, T, H, Dk]``, ``v``
-#: ``[1, T, H, Dv]``, ``g, beta`` ``[1, T, H]`` (``q`` already scaled), one initial state per
-#: sequence ``[N, H, Dk, Dv]`` and ``cu_seqlens`` ``[N + 1]``; returns ``out`` ``[1, T, H, Dv]``
-#: and the final states ``[N, H, Dk, Dv]``. flash-linear-attention's Triton kernels are
-#: registered for CUDA when the package is installed; `register_varlen_kernel` adds others.
-_VARLEN: dict[tuple[str, bool], Callable] = {}
-#: Kernels checked against the torch scan, by (device type, delta form, dtype): the kernel,
-#: or None if it disagreed (or none is registered).
-_CHECKED: dict[tuple[str, bool, torch.dtype], Callable | None] = {}
-
-
-def register_varlen_kernel(device_type: str, delta: bool, fn: Callable | None) -> None:
-    """Registers ``fn`` (None removes it) as the variable-length scan for ``device_type``.
-
-    A kernel is used only after it agrees with the torch scan on a small random problem
-    (outputs, final states and every input's gradient, see `varlen_kernel`).
-    """
-    if fn is None:
-        _VARLEN.pop((device_type, delta), None)
-    else:
-        _VARLEN[(device_type, delta)] = fn
-    for key in [k for k in _CHECKED if k[:2] == (device_type, delta)]:
-        del _CHECKED[key]
+#: Scan kernels for a tree level, by the name ``tree_compile(scan_kernel=...)`` takes:
+#: ``"auto"``: flash-linear-attention's on CUDA when it is installed and matches the torch scan
+#: on a check problem (with a warning when it does not), else the torch scan; ``"torch"``:
+#: the padded torch scan on every device; ``"fla"``: flash-linear-attention's, or an error
+#: saying why it cannot be used.
+SCAN_KERNELS = ("auto", "torch", "fla")
 
 
 def _fla_kernel(delta: bool) -> Callable | None:
-    """flash-linear-attention's chunked kernel for the form, or None when it is not installed."""
+    """flash-linear-attention's chunked kernel for the form, or None when it is not installed.
+
+    A variable-length kernel is ``fn(q, k, v, g, beta, initial_state, cu_seqlens) -> (out,
+    final)`` with ``q, k`` ``[1, T, H, Dk]``, ``v`` ``[1, T, H, Dv]``, ``g, beta`` ``[1, T, H]``
+    (``q`` already scaled), one initial state per sequence ``[N, H, Dk, Dv]`` and
+    ``cu_seqlens`` ``[N + 1]``; it returns ``out`` ``[1, T, H, Dv]`` and the final states
+    ``[N, H, Dk, Dv]``.
+    """
     try:
         if delta:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
@@ -274,28 +267,52 @@ def _fla_kernel(delta: bool) -> Callable | None:
     return run
 
 
-def varlen_kernel(device: torch.device, delta: bool, dtype: torch.dtype) -> Callable | None:
-    """The variable-length kernel to run a depth level with, or None for the padded torch scan.
+@functools.cache
+def varlen_kernel(name: str, device: torch.device, delta: bool, dtype: torch.dtype) -> Callable | None:
+    """The variable-length kernel named ``name`` (a key of `SCAN_KERNELS`) for a tree level on
+    ``device``, or None for the padded torch scan.
 
-    On first use per (device type, form, dtype) the kernel runs a small random tree level
-    (sequences of 70, 1 and 5 tokens, initial states) next to the torch scan; if outputs, final
-    states or gradients differ by more than the dtype allows, it is not used, with a warning
-    naming what differed, rather than risk a wrong gradient.
+    A kernel is used only after it agrees with the torch scan on a small random tree level
+    (`varlen_disagreement`), checked once per (name, device, form, dtype).
+
+    Raises:
+        ValueError: an unknown name.
+        RuntimeError: ``"fla"`` where it cannot be used: flash-linear-attention is not
+            installed, the device is not CUDA, or the kernel fails or differs on the check.
     """
-    key = (device.type, delta, dtype)
-    if key not in _CHECKED:
-        if device.type == "cuda" and (device.type, delta) not in _VARLEN:
-            fla = _fla_kernel(delta)
-            if fla is not None:
-                _VARLEN[(device.type, delta)] = fla
-        fn = _VARLEN.get((device.type, delta))
-        _CHECKED[key] = fn if fn is not None and _agrees(fn, device, delta, dtype) else None
-    return _CHECKED[key]
+    if name not in SCAN_KERNELS:
+        raise ValueError(f"unknown scan kernel {name!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return None
+    fn = _fla_kernel(delta)
+    what = f"flash-linear-attention's {'delta-rule' if delta else 'SSD'} scan kernel on {device.type} ({dtype})"
+    if name == "fla":
+        if fn is None:
+            raise RuntimeError("treecompile: scan_kernel='fla' asks for flash-linear-attention's scan kernels, which "
+                               "are not installed (pip install '.[fla]'); scan_kernel='auto' or 'torch' runs the torch "
+                               "scan")
+        if device.type != "cuda":
+            raise RuntimeError(f"treecompile: scan_kernel='fla' runs on CUDA only; this scan runs on {device.type} "
+                               "(scan_kernel='auto' or 'torch' runs the torch scan)")
+    if fn is None:
+        return None
+    why = varlen_disagreement(fn, device, delta, dtype)
+    if why is None:
+        return fn
+    if name == "fla":
+        raise RuntimeError(f"treecompile: scan_kernel='fla' cannot be used: {what} {why}")
+    warnings.warn(f"treecompile: {what} {why}; using the torch scan instead", RuntimeWarning, stacklevel=2)
+    return None
 
 
-def _agrees(fn: Callable, device: torch.device, delta: bool, dtype: torch.dtype) -> bool:
-    import warnings
+def varlen_disagreement(fn: Callable, device: torch.device, delta: bool, dtype: torch.dtype) -> str | None:
+    """None if the variable-length kernel ``fn`` matches the torch scan on a small check
+    problem, else what went wrong (``"differs from the torch scan in dq by ..."``).
 
+    The problem is a tree level of sequences of 70, 1 and 5 tokens with initial states;
+    outputs, final states and every input's gradient are compared with the torch scan in
+    float64, within what ``dtype`` allows.
+    """
     gen = torch.Generator().manual_seed(0)
     lengths, h, d = [70, 1, 5], 2, 16
     t = sum(lengths)
@@ -327,24 +344,19 @@ def _agrees(fn: Callable, device: torch.device, delta: bool, dtype: torch.dtype)
             finals.append(f)
         return torch.cat(outs, 1), torch.cat(finals)
 
-    what = f"the variable-length {'delta-rule' if delta else 'SSD'} scan kernel on {device.type} ({dtype})"
     with _autograd_inside():
         want = grads(reference, torch.float64)
         try:
             got = grads(lambda *x: fn(*x[:5], x[5], cu.to(device)), dtype)
         except Exception as e:  # a kernel that cannot run this problem is not used either
-            warnings.warn(f"treecompile: {what} failed on a check problem ({type(e).__name__}: {e}); using the "
-                          "torch scan instead", RuntimeWarning, stacklevel=3)
-            return False
+            return f"failed on a check problem ({type(e).__name__}: {e})"
     tol = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
     for name, a, b in zip(names, got, want):
         err = ((a.double().cpu() - b.cpu()).abs().max() / b.abs().max().clamp_min(1e-30)).item()
         if not err <= tol:
-            warnings.warn(f"treecompile: {what} differs from the torch scan in {name} by {err:.3g} (relative, over "
-                          f"{tol:g}); using the torch scan instead", RuntimeWarning, stacklevel=3)
-            return False
-    return True
+            return f"differs from the torch scan in {name} by {err:.3g} (relative, over {tol:g})"
+    return None
 
 
 # ----------------------------------------------------------------------------- ops
@@ -366,18 +378,23 @@ def _autograd_inside():
             yield
 
 
-def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest, delta: bool):
+def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest, **options):
     ct = compute_dtype(inputs[0].dtype)
     init = None if initial_state is None else initial_state.to(ct)
-    return fn(*(x.to(ct) for x in inputs), init, *rest, delta=delta)
+    return fn(*(x.to(ct) for x in inputs), init, *rest, **options)
 
 
-def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_outs: list, *rest, delta: bool):
+def _tree_options(kernel: str, q: Tensor, delta: bool) -> dict:
+    """``tree_recurrence``'s keyword arguments for the tree op's ``kernel`` name."""
+    return {"delta": delta, "varlen": varlen_kernel(kernel, q.device, delta, compute_dtype(q.dtype))}
+
+
+def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_outs: list, *rest, **options):
     """Gradients of ``fn``'s outputs (weighted by ``d_outs``; None skips one) for every input."""
     with _autograd_inside():
         leaves = [x.detach().requires_grad_() for x in inputs]
         init = None if initial_state is None else initial_state.detach().requires_grad_()
-        outs = _run(fn, leaves, init, *rest, delta=delta)
+        outs = _run(fn, leaves, init, *rest, **options)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pairs = [(o, d.to(o.dtype)) for o, d in zip(outs, d_outs) if d is not None]
         wrt = leaves + ([init] if init is not None else [])
@@ -407,42 +424,46 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
 
     @torch.library.custom_op(f"treecompile::tree_{kind}", mutates_args=())
     def tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-             node_table: Tensor) -> Tensor:
-        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, delta=delta)
+             node_table: Tensor, kernel: str = "auto") -> Tensor:
+        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, **_tree_options(kernel, q, delta))
         return out.to(v.dtype).contiguous()
 
     @tree.register_fake
-    def _tree_fake(q, k, v, g, beta, initial_state, node_table):
+    def _tree_fake(q, k, v, g, beta, initial_state, node_table, kernel="auto"):
         return v.new_empty(v.shape)
 
     # d_initial_state is empty ([0]) when there is no initial state.
     @torch.library.custom_op(f"treecompile::{kind}_backward", mutates_args=())
     def backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None
+                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None, kernel: str
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         inputs = [q, k, v, g, beta]
         if node_table is None:
             return _grads(chunked_recurrence, inputs, initial_state, [d_out, d_final], delta=delta)
-        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table, delta=delta)
+        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table, **_tree_options(kernel, q, delta))
 
     @backward.register_fake
-    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table):
+    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, kernel):
         d_init = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
         return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), d_init)
 
     def save_inputs(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
 
+    def save_tree_inputs(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:7])
+        ctx.kernel = inputs[7]
+
     def backward_linear(ctx, d_out, d_final):
         q, k, v, g, beta, init = ctx.saved_tensors
-        grads = backward(q, k, v, g, beta, init, d_out, d_final, None)
+        grads = backward(q, k, v, g, beta, init, d_out, d_final, None, "torch")
         return (*grads[:5], grads[5] if init is not None else None)
 
     def backward_tree(ctx, d_out):
         q, k, v, g, beta, init, node_table = ctx.saved_tensors
-        grads = backward(q, k, v, g, beta, init, d_out, None, node_table)
-        return (*grads[:5], grads[5] if init is not None else None, None)
+        grads = backward(q, k, v, g, beta, init, d_out, None, node_table, ctx.kernel)
+        return (*grads[:5], grads[5] if init is not None else None, None, None)
 
     linear.register_autograd(backward_linear, setup_context=save_inputs)
-    tree.register_autograd(backward_tree, setup_context=save_inputs)
+    tree.register_autograd(backward_tree, setup_context=save_tree_inputs)
     return linear, tree

@@ -51,6 +51,8 @@ class PassContext:
             recompiles for a batch with a longer path.
         probe_rows: the length at which to judge such things when it exceeds the example
             length (the wrapper asks for twice the longest path it has seen), or 0.
+        scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
+            of :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
     """
 
     mask: str
@@ -69,6 +71,7 @@ class PassContext:
     node_table: fx.Node | None = None
     max_rows: int | None = None
     probe_rows: int = 0
+    scan_kernel: str = "auto"
     pass_name: str = ""
 
     def count(self, kind: str, n: int = 1) -> None:

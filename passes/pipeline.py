@@ -225,6 +225,7 @@ def make_backend(
     records: list[CompileRecord],
     passes: Sequence[Pass] | Pipeline = PASSES,
     probe_rows_of: Callable[[], int] = lambda: 0,
+    scan_kernel: str = "auto",
 ) -> Callable:
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
@@ -237,6 +238,8 @@ def make_backend(
         passes: the passes to run, or a :class:`Pipeline` (passes and hooks).
         probe_rows_of: the length at which to judge structural masks (see
             ``PassContext.probe_rows``).
+        scan_kernel: the scan kernel of recurrent layers' tree forms (see
+            ``PassContext.scan_kernel``).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
@@ -246,6 +249,7 @@ def make_backend(
         gm = _copy(gm)
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
         ctx.probe_rows = probe_rows_of()
+        ctx.scan_kernel = scan_kernel
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
         gm = run_passes(gm, ctx, passes)
         records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows))

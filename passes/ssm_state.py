@@ -8,10 +8,11 @@ kernels (Hugging Face's ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan
 flash-linear-attention's ``chunk_gated_delta_rule``) for drop-ins calling
 ``treecompile::gated_delta_rule`` / ``treecompile::ssd_scan`` (see
 :mod:`treecompile.kernels.recurrence`); this pass replaces each such node with its tree
-form ``treecompile::tree_gated_delta_rule`` / ``tree_ssd_scan(..., node_table)``, which
+form ``treecompile::tree_gated_delta_rule`` / ``tree_ssd_scan(..., node_table, kernel)``, which
 runs each node's rows from its parent's final state (roots from the call's initial
 state, zero without one), nodes of one depth together, and, backward, adds the gradients
-of all children into the parent's state.
+of all children into the parent's state. ``kernel`` is ``ctx.scan_kernel``, the scan kernel
+asked for by name (``tree_compile(scan_kernel=...)``).
 
 Why exact: by induction over the nodes in preorder, a node's initial state is the state
 after the whole root path before it, which is what per-path training has at that token;
@@ -77,7 +78,7 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             )
         tree_op = getattr(torch.ops.treecompile, f"tree_{kind}").default
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(tree_op, (q, k, v, g, beta, initial_state, ctx.node_table))
+            new = gm.graph.call_function(tree_op, (q, k, v, g, beta, initial_state, ctx.node_table, ctx.scan_kernel))
         new.meta["example_value"] = value(node)[0]
         ctx.mark(new, like=node)
         for user in outs.get(0, []):

@@ -126,6 +126,7 @@ def test_scan_ops_pass_opcheck(kind):
     tree_op = getattr(torch.ops.treecompile, f"tree_{kind}")
     torch.library.opcheck(tree_op, (q, k, v, g, beta, h0, _node_table(batch)))
     torch.library.opcheck(tree_op, (q, k, v, g, beta, None, _node_table(batch)))
+    torch.library.opcheck(tree_op, (q, k, v, g, beta, h0, _node_table(batch), "torch"))
 
 
 def test_hf_adapter_matches_hf_chunked_kernel():
@@ -794,35 +795,51 @@ def _varlen_stand_in(delta: bool, calls: list, broken: bool = False):
     return run
 
 
-@pytest.fixture
-def varlen_registry():
-    yield recurrence.register_varlen_kernel
-    for delta in (True, False):
-        recurrence.register_varlen_kernel("cpu", delta, None)
-
-
 @pytest.mark.parametrize("kind,delta", [("gated_delta_rule", True), ("ssd_scan", False)])
-def test_tree_scan_runs_levels_through_a_registered_varlen_kernel(varlen_registry, kind, delta):
+def test_tree_scan_runs_levels_through_a_varlen_kernel(kind, delta):
     calls: list[int] = []
-    varlen_registry("cpu", delta, _varlen_stand_in(delta, calls))
     batch, _ = _pack(TREES["deep-chain"])
     q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
-    out = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, h0, _node_table(batch))
-    # First the agreement check (3 sequences), then one call per depth level, one sequence per node.
-    levels = recurrence.node_levels(_node_table(batch))
-    assert calls == [3] + [len(lv) for lv in levels]
+    table = _node_table(batch)
+    out = recurrence.tree_recurrence(q, k, v, g, beta, h0, table, delta=delta, varlen=_varlen_stand_in(delta, calls))
+    # One call per depth level, one sequence per node.
+    assert calls == [len(lv) for lv in recurrence.node_levels(table)]
     ref = _tree_reference(KINDS[kind], q, k, v, g, beta, h0, batch)
     _close([out], [ref], "forward")
     inputs = [q, k, v, g, beta, h0]
     _close(_grads([out], inputs), _grads([ref], inputs), "grad")
 
 
-def test_a_varlen_kernel_that_disagrees_is_not_used(varlen_registry):
-    calls: list[int] = []
-    varlen_registry("cpu", True, _varlen_stand_in(True, calls, broken=True))
+def test_a_varlen_kernel_is_checked_against_the_torch_scan():
+    cpu = torch.device("cpu")
+    assert recurrence.varlen_disagreement(_varlen_stand_in(True, []), cpu, True, F64) is None
+    why = recurrence.varlen_disagreement(_varlen_stand_in(True, [], broken=True), cpu, True, F64)
+    assert why is not None and why.startswith("differs from the torch scan in out")
+
+
+@pytest.mark.parametrize("name", ["auto", "torch"])
+def test_default_and_torch_scan_kernels_run_the_torch_scan_on_cpu(name):
+    assert recurrence.varlen_kernel(name, torch.device("cpu"), True, F64) is None
     batch, _ = _pack(TREES["siblings"])
     q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
-    with pytest.warns(RuntimeWarning, match="differs from the torch scan in out"):
-        out = torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, _node_table(batch))
-    assert calls == [3]  # the check only
+    out = torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, _node_table(batch), name)
     _close([out], [_tree_reference(KINDS["gated_delta_rule"], q, k, v, g, beta, h0, batch)], "forward")
+
+
+def test_a_scan_kernel_asked_for_by_name_that_cannot_be_used_raises():
+    batch, trees = _pack(TREES["siblings"])
+    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    # On this CPU-only run fla is either not installed or not on CUDA: either way, not usable.
+    with pytest.raises(RuntimeError, match="scan_kernel='fla' (asks for flash-linear-attention|runs on CUDA only)"):
+        torch.ops.treecompile.tree_gated_delta_rule(q, k, v, g, beta, h0, _node_table(batch), "fla")
+    with pytest.raises(ValueError, match="unknown scan kernel 'triton'; valid scan kernels: auto, torch, fla"):
+        recurrence.varlen_kernel("triton", torch.device("cpu"), True, F64)
+    model = tiny(FlaStyleHybridLM)
+    with pytest.raises(ValueError, match="unknown scan_kernel 'triton'; valid scan kernels: auto, torch, fla"):
+        tree_compile(model, scan_kernel="triton")
+    compiled = tree_compile(model, scan_kernel="fla")
+    with pytest.raises(RuntimeError, match="scan_kernel='fla' (asks for flash-linear-attention|runs on CUDA only)"):
+        compiled(batch)
+    graph = compiled.compile_records[-1].graph_module.graph
+    scans = [n for n in graph.nodes if n.target is torch.ops.treecompile.tree_gated_delta_rule.default]
+    assert len(scans) == 2 and all(n.args[-1] == "fla" for n in scans)

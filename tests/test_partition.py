@@ -12,7 +12,6 @@ from treecompile import LOSS_MODES, TrajectoryTree, TreeInputError, gather_logpr
 from treecompile.partition import (
     METHODS,
     CapacityError,
-    brute_force_optimum,
     greedy_groups,
     loss_denominator,
     optimal_groups,
@@ -22,6 +21,7 @@ from treecompile.partition import (
     subtree,
     union_tokens,
 )
+from treecompile.grouping import brute_force_optimum
 from treecompile.reference import per_path_loss
 
 # The greedy heuristic's factor (greedy total / optimal total) on the fixed sample of

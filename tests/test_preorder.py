@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treecompile.preorder import climb, root_path_sum, subtree_max, subtree_sum
+from treecompile.preorder import climb, preorder_violation, root_path_sum, subtree_max, subtree_sum
 
 
 @st.composite
@@ -60,3 +60,27 @@ def test_inputs_are_left_untouched():
     parent, values = np.array([-1, 0, 0]), np.array([1, 2, 3])
     subtree_sum(parent, values), subtree_max(parent, values), root_path_sum(parent, values)
     assert values.tolist() == [1, 2, 3]
+
+
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=30))
+def test_preorder_violation_equals_contiguous_subtrees(draws):
+    """Any forest with earlier parents: accepted exactly when every subtree is a contiguous range."""
+    parent = np.array([d % (v + 1) - 1 for v, d in enumerate(draws)], dtype=np.int64)  # -1 or an earlier node
+    n = len(parent)
+    anc = [ancestors_or_self(parent, v) for v in range(n)]
+    contiguous = all(
+        (below := [u for u in range(n) if v in anc[u]]) == list(range(v, v + len(below))) for v in range(n)
+    )
+    why = preorder_violation(parent)
+    assert (why is None) == contiguous, (parent.tolist(), why)
+    if why is not None:
+        assert "(not preorder" in why
+
+
+@given(preorder_forests())
+def test_preorder_forests_pass_and_bad_parents_are_named(case):
+    parent, _ = case
+    assert preorder_violation(parent) is None
+    later = parent.copy()
+    later[0] = len(parent) - 1 if len(parent) > 1 else 0
+    assert preorder_violation(later).startswith(f"node 0 has parent {int(later[0])}: a parent must be an earlier node")

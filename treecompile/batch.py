@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from treecompile.errors import TreeInputError
-from treecompile.loss import path_loss_coefficients, path_target_counts, tree_target_weights
-from treecompile.preorder import climb, subtree_max, subtree_sum
+from treecompile.preorder import climb, preorder_violation, subtree_max, subtree_sum
 from treecompile.tree import TrajectoryTree
+from treecompile.weights import path_loss_coefficients, path_target_counts, tree_target_weights
 
 __all__ = ["TreeBatch", "pack"]
 
@@ -217,19 +217,10 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     n = start.shape[0]
     if n == 0 or start[0] != 0 or end[-1] != s or np.any(start[1:] != end[:-1]) or np.any(end <= start):
         _fail("nodes must tile the row in order, each with at least one token")
-    if np.any(parent >= np.arange(n)) or np.any(parent < -1):
-        _fail("node_parent must point to an earlier node (preorder) or be -1")
-    # Subtree ends from the parent pointers; then the children of each node must follow
-    # it contiguously, which is exactly depth-first preorder.
+    why = preorder_violation(parent)
+    if why is not None:
+        _fail(f"node_parent: {why}")
     sub_end_node = subtree_max(parent, np.arange(1, n + 1))
-    open_stack: list[int] = []
-    for v in range(n):
-        while open_stack and sub_end_node[open_stack[-1]] <= v:
-            open_stack.pop()
-        expected = open_stack[-1] if open_stack else -1
-        if parent[v] != expected:
-            _fail(f"node {v} has parent {int(parent[v])} but sits in the subtree of {expected} (not preorder)")
-        open_stack.append(v)
     node_sub_end_row = np.append(start, s)[sub_end_node]
 
     lengths = end - start

@@ -19,7 +19,6 @@ import sys
 import types
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
+from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of
 from treecompile.capture import (
     hf_interfaces,
     install_output_hooks,
@@ -37,6 +37,7 @@ from treecompile.capture import (
 from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
+from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import RouterAux, router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
@@ -61,36 +62,6 @@ BACKENDS = tuple(LOWERINGS)
 #: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
 MIN_ROWS = 2
 
-@dataclass
-class TreeOutput:
-    """What a tree-compiled model returns.
-
-    Attributes:
-        loss: scalar, ``-(target_weight * logprobs).sum()``, plus ``coef * aux_loss`` for a
-            model with a router auxiliary loss; backward fills the model's grads.
-        logprobs: ``[S]`` log-probability of each row's token given its path prefix,
-            aligned with ``target_weight``; 0 where ``pred_index`` is -1.
-        aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
-            weighted by ``path_count``), unscaled, as per-path training computes it; None for
-            a model without one (see :mod:`treecompile.passes.moe`).
-        entropy: ``[S]`` entropy of the distribution that predicts each row's token, aligned
-            with ``logprobs`` (0 where ``pred_index`` is -1), differentiable; only with
-            ``tree_compile(outputs=("entropy",))``, else None.
-    """
-
-    loss: torch.Tensor
-    logprobs: torch.Tensor
-    aux_loss: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-    def __getitem__(self, key: int | str) -> torch.Tensor | None:
-        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
-        if key == 0:
-            return self.loss
-        if isinstance(key, str) and key in self.__dataclass_fields__:
-            return getattr(self, key)
-        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
-
 
 def tree_compile(
     model: nn.Module,
@@ -103,6 +74,7 @@ def tree_compile(
     temperature: float = 1.0,
     disable_passes: tuple[str, ...] = (),
     stream: StreamOptions | None = None,
+    scan_kernel: str = "auto",
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -132,12 +104,17 @@ def tree_compile(
         stream: a :class:`~treecompile.stream.StreamOptions`: a batch with more rows than
             its ``budget_rows`` runs in parts with a KV stack (:mod:`treecompile.stream`);
             smaller batches are unchanged. None: every batch runs as one call.
+        scan_kernel: what runs the Gated DeltaNet / Mamba2 scans of a hybrid model on the
+            tree: ``"auto"`` (default: flash-linear-attention's kernels on CUDA when they are
+            installed and pass a check against the torch scan, else the torch scan),
+            ``"torch"`` or ``"fla"`` (raises at the first call where it cannot be used);
+            see :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
 
     Raises:
-        ValueError: an unknown ``mask``, ``backend``, ``lm_head`` or pass name.
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head``, ``scan_kernel`` or pass name.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
@@ -153,10 +130,12 @@ def tree_compile(
         raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if scan_kernel not in SCAN_KERNELS:
+        raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
     compiled = TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
-        temperature=float(temperature),
+        temperature=float(temperature), scan_kernel=scan_kernel,
     )
     if stream is not None:
         from treecompile.stream import StreamOptions, StreamRunner
@@ -180,6 +159,7 @@ class TreeCompiledModel(nn.Module):
         verified: the report of that check once it has run, else None.
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
             (re)compile, with the per-pass rewrite counters.
+        scan_kernel: the scan kernel of recurrent layers (see `tree_compile`).
     """
 
     def __init__(
@@ -192,6 +172,7 @@ class TreeCompiledModel(nn.Module):
         passes: tuple = PASSES,
         outputs: tuple[str, ...] = (),
         temperature: float = 1.0,
+        scan_kernel: str = "auto",
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -223,6 +204,7 @@ class TreeCompiledModel(nn.Module):
         self._passes = passes
         self._outputs = outputs
         self.temperature = temperature
+        self.scan_kernel = scan_kernel
         self.verified: VerifyReport | None = None
         self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
 
@@ -294,7 +276,7 @@ class TreeCompiledModel(nn.Module):
         # as a reference-model copy of a trainer expects.
         twin = type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
                           verify=self.verify, passes=self._passes, outputs=self._outputs,
-                          temperature=self.temperature)
+                          temperature=self.temperature, scan_kernel=self.scan_kernel)
         if self._stream is not None:
             twin._stream = type(self._stream)(twin, self._stream.options)
         return twin
@@ -328,7 +310,7 @@ class TreeCompiledModel(nn.Module):
             return self._stream(batch)
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
-        device = _device_of(self._inner)
+        device = device_of(self._inner)
         rows = batch.num_tokens
         # Torch specialises a size-1 dimension as a constant, which would both recompile and
         # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
@@ -349,7 +331,7 @@ class TreeCompiledModel(nn.Module):
         # No duck shaping: S, M and R must not be assumed equal because they once were.
         hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
         with hf, swapped_kernels(self._kernels + self._mask_swaps):
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
                 try:
                     loss, logprobs, aux, entropy = self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -382,6 +364,7 @@ class TreeCompiledModel(nn.Module):
             records=self.compile_records,
             passes=self._passes,
             probe_rows_of=lambda: self._probe_rows,
+            scan_kernel=self.scan_kernel,
         )
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs
@@ -523,12 +506,6 @@ def _vocab_size(model: nn.Module, is_hf: bool) -> int | None:
     return embeddings[0].num_embeddings if len(embeddings) == 1 else None
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _is_hf_model(model: nn.Module) -> bool:
     """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
     ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
@@ -563,15 +540,3 @@ def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None)
         return out
 
     return kwargs
-
-
-# Dynamo settings for our calls only:
-# - allow_rnn: capture recurrent layers so the verify pass can name them;
-# - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
-#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
-_DYNAMO_CONFIG = {
-    k: v
-    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
-    if k in torch._dynamo.config._config
-}
-

@@ -14,7 +14,34 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["subtree_sum", "subtree_max", "root_path_sum", "climb"]
+__all__ = ["preorder_violation", "subtree_sum", "subtree_max", "root_path_sum", "climb"]
+
+
+def preorder_violation(parent: np.ndarray) -> str | None:
+    """None if ``parent`` is a forest in depth-first preorder, else what breaks it, naming
+    the first node that does.
+
+    Depth-first preorder: every parent is an earlier node (or -1 at a root), and each
+    subtree is contiguous, i.e. a node's parent is on the chain of open ancestors of the
+    node before it (a node whose parent's subtree has already been left is out of order).
+    `TrajectoryTree` and `TreeBatch.validate` both check their parent arrays with it.
+    """
+    parent = np.asarray(parent)
+    n = len(parent)
+    bad = np.flatnonzero((parent >= np.arange(n)) | (parent < -1))
+    if bad.size:
+        v = int(bad[0])
+        return f"node {v} has parent {int(parent[v])}: a parent must be an earlier node, or -1 at a root (not preorder)"
+    stack: list[int] = []
+    for v in range(n):
+        p = int(parent[v])
+        while stack and stack[-1] != p:
+            stack.pop()
+        if p >= 0 and not stack:
+            return (f"node {v} has parent {p}, whose subtree ended before node {v} (not preorder: a subtree must be "
+                    "contiguous)")
+        stack.append(v)
+    return None
 
 
 def subtree_sum(parent: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -49,7 +49,8 @@ from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 
 if TYPE_CHECKING:
-    from treecompile.compile import TreeCompiledModel, TreeOutput
+    from treecompile import TreeCompiledModel
+    from treecompile.call import TreeOutput
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
 
@@ -297,8 +298,8 @@ class StreamRunner:
         self._shapes = shapes
 
     def _call(self, args: tuple) -> tuple:
+        from treecompile.call import DYNAMO_CONFIG as _DYNAMO_CONFIG
         from treecompile.capture import hf_interfaces, swapped_kernels
-        from treecompile.compile import _DYNAMO_CONFIG
 
         w = self.wrapper
         hf = hf_interfaces(w._inner, w._routes_attention) if w._is_hf else contextlib.nullcontext()
@@ -314,7 +315,7 @@ class StreamRunner:
     # ------------------------------------------------------------------ run
 
     def __call__(self, batch: TreeBatch):
-        from treecompile.compile import TreeOutput, _device_of
+        from treecompile.call import TreeOutput, device_of as _device_of
 
         w = self.wrapper
         device = _device_of(w._inner)
@@ -514,7 +515,7 @@ def stream_logprob_loss(
     """
     import dataclasses
 
-    from treecompile.compile import TreeOutput
+    from treecompile.call import TreeOutput
 
     with torch.no_grad():
         lp = compiled(batch).logprobs.detach()

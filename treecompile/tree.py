@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.errors import TreeInputError
-from treecompile.preorder import climb, root_path_sum, subtree_max, subtree_sum
+from treecompile.preorder import climb, preorder_violation, root_path_sum, subtree_max, subtree_sum
 
 __all__ = ["TrajectoryTree", "TreeStats", "Path"]
 
@@ -333,11 +333,15 @@ class TrajectoryTree:
         )
 
     @classmethod
-    def from_messages(cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, **kwargs: Any) -> TrajectoryTree:
+    def from_messages(
+        cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, *, vocab_size: int | None = None, **options: Any
+    ) -> TrajectoryTree:
         """Builds a tree from chat conversations; see `treecompile.chat.tree_from_messages`."""
-        from treecompile.chat import tree_from_messages
+        from treecompile.conversation import render_conversations
 
-        return tree_from_messages(conversations, tokenizer, **kwargs)
+        paths = render_conversations(conversations, tokenizer, **options)
+        return cls.from_sequences(paths.sequences, weights=paths.weights, loss_masks=paths.masks,
+                                  vocab_size=vocab_size, metadata=paths.metadata)
 
     # ------------------------------------------------------------------ queries
 
@@ -439,10 +443,9 @@ class TrajectoryTree:
             raise TreeInputError("every node must hold at least one token")
         if self.tokens.shape != (int(self.node_offsets[-1]),) or self.node_mask.shape != self.tokens.shape:
             raise TreeInputError("tokens and node_mask must hold node_offsets[-1] entries")
-        if n and np.any((self.parent >= np.arange(n)) | (self.parent < -1)):
-            raise TreeInputError("nodes must be in preorder: every parent id is smaller than its child's")
-        if n and self.parent[0] != -1:
-            raise TreeInputError("node 0 must be a root")
+        why = preorder_violation(self.parent)
+        if why is not None:
+            raise TreeInputError(f"nodes must be in depth-first preorder: {why}")
         if self.path_node.size and (self.path_node.min() < 0 or self.path_node.max() >= n):
             raise TreeInputError("path_node holds a node id out of range")
         if self.path_weight.shape != self.path_node.shape:
@@ -451,16 +454,6 @@ class TrajectoryTree:
             raise TreeInputError("path weights must be finite and >= 0")
         if self.tokens.size and self.tokens.min() < 0:
             raise TreeInputError("token ids must be >= 0")
-        # Preorder also needs each subtree to be contiguous: a node's parent must be on
-        # the stack of open ancestors of the node before it.
-        stack: list[int] = []
-        for v in range(n):
-            p = int(self.parent[v])
-            while stack and stack[-1] != p:
-                stack.pop()
-            if p >= 0 and not stack:
-                raise TreeInputError(f"node {v} is not in depth-first preorder (its parent {p} is closed)")
-            stack.append(v)
         covered = np.zeros(n, dtype=bool)
         covered[self.path_node] = True
         n_children = np.bincount(self.parent[self.parent >= 0], minlength=n)

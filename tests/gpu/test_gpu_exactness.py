@@ -73,7 +73,7 @@ def test_tree_matches_per_path_training_on_cuda(name, mask, lm_head, dtype, reco
     if name in ("qwen3_next", "bamba"):
         from treecompile.kernels.recurrence import varlen_kernel
 
-        used = varlen_kernel(torch.device("cuda"), name == "qwen3_next", DTYPES[dtype])
+        used = varlen_kernel("auto", torch.device("cuda"), name == "qwen3_next", DTYPES[dtype])
         record_property("fla_scan_used", used is not None)
         if name == "qwen3_next":
             assert used is not None, "fla's Gated DeltaNet kernel was not used (it failed its check; see warnings)"

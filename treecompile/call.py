@@ -1,0 +1,62 @@
+"""What every call of a tree-compiled model shares, whole (:mod:`treecompile.compile`) or in
+streamed parts (:mod:`treecompile.stream`): what it returns (`TreeOutput`), the Dynamo
+settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of"]
+
+
+@dataclass
+class TreeOutput:
+    """What a tree-compiled model returns.
+
+    Attributes:
+        loss: scalar, ``-(target_weight * logprobs).sum()``, plus ``coef * aux_loss`` for a
+            model with a router auxiliary loss; backward fills the model's grads.
+        logprobs: ``[S]`` log-probability of each row's token given its path prefix,
+            aligned with ``target_weight``; 0 where ``pred_index`` is -1.
+        aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
+            weighted by ``path_count``), unscaled, as per-path training computes it; None for
+            a model without one (see :mod:`treecompile.passes.moe`).
+        entropy: ``[S]`` entropy of the distribution that predicts each row's token, aligned
+            with ``logprobs`` (0 where ``pred_index`` is -1), differentiable; only with
+            ``tree_compile(outputs=("entropy",))``, else None.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def __getitem__(self, key: int | str) -> torch.Tensor | None:
+        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
+        if key == 0:
+            return self.loss
+        if isinstance(key, str) and key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
+
+
+# Dynamo settings for our calls only:
+# - allow_rnn: capture recurrent layers so the verify pass can name them;
+# - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
+#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
+DYNAMO_CONFIG = {
+    k: v
+    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
+    if k in torch._dynamo.config._config
+}
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,492 @@
+"""Chat conversations (OpenAI message format) rendered to token sequences and loss masks,
+one per path, message by message; :mod:`treecompile.chat` merges them into a tree and
+describes the template.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from treecompile.errors import TreeInputError
+from treecompile.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
+
+__all__ = [
+    "LOSS_ON",
+    "ON_DRIFT",
+    "SAMPLES",
+    "TEMPLATES",
+    "THINK",
+    "RetokenizationDriftWarning",
+    "RenderedPaths",
+    "normalize_conversation",
+    "render_conversations",
+    "render_text",
+]
+
+SAMPLES = ("conversation", "assistant_turns")
+THINK = ("last", "all", "none")
+LOSS_ON = ("assistant", "last_assistant", "all")
+ON_DRIFT = ("warn", "error", "ignore")
+TEMPLATES = ("chatml",)
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_ROLES["function"] = "tool"  # the legacy OpenAI name of tool results
+
+# How many drifting conversations the report describes in detail.
+_MAX_DRIFT_EXAMPLES = 5
+
+
+class RetokenizationDriftWarning(UserWarning):
+    """Message-by-message tokens differ from tokenizing the whole rendered text."""
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One message reduced to what the template renders."""
+
+    role: str
+    content: str
+    reasoning: str | None = None
+    tool_calls: tuple[tuple[str | None, str, Any], ...] = ()  # (id, name, arguments)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def body(self, keep_reasoning: bool) -> str:
+        if self.role == "tool":
+            attrs = "".join(
+                f' {k}="{v}"' for k, v in (("id", self.tool_call_id), ("name", self.name)) if v is not None
+            )
+            return f"<tool_response{attrs}>\n{self.content}\n</tool_response>"
+        text = self.content
+        if self.role != "assistant":
+            return text
+        if keep_reasoning and self.reasoning:
+            text = f"<think>\n{self.reasoning.strip(chr(10))}\n</think>\n\n" + text
+        for call_id, name, args in self.tool_calls:
+            call: dict[str, Any] = {"name": name, "arguments": args}
+            if call_id is not None:
+                call["id"] = call_id
+            if text and not text.endswith("\n"):
+                text += "\n"
+            text += "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+        return text
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                parts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise TreeInputError(f"{where}: content part {i} has type {kind!r}; only text parts can be rendered")
+        return "".join(parts)
+    raise TreeInputError(f"{where}: content must be a string, a list of text parts or null, got {type(content).__name__}")
+
+
+def _split_think(content: str) -> tuple[str, str | None]:
+    """Splits a leading ``<think>...</think>`` block off ``content``."""
+    stripped = content.lstrip()
+    if stripped.startswith("<think>") and "</think>" in stripped:
+        inner, rest = stripped[len("<think>") :].split("</think>", 1)
+        return rest.lstrip("\n"), inner.strip("\n")
+    return content, None
+
+
+def _tool_calls(raw: Any, where: str) -> list[tuple[str | None, str, Any]]:
+    if not raw:
+        return []
+    if not isinstance(raw, list):
+        raise TreeInputError(f"{where}: tool_calls must be a list, got {type(raw).__name__}")
+    calls = []
+    for i, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise TreeInputError(f"{where}: tool_calls[{i}] must be an object")
+        fn = call.get("function", call)  # OpenAI nests name/arguments under "function"; tau2 does not
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise TreeInputError(f"{where}: tool_calls[{i}] has no function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # keep the model's unparsable string as it is
+        calls.append((call.get("id"), name, args))
+    return calls
+
+
+def normalize_conversation(
+    messages: Sequence[dict[str, Any]], *, normalize_tool_call_ids: bool = True, index: int = 0
+) -> list[_Message]:
+    """Validates one conversation and reduces each message to what the template renders.
+
+    Args:
+        messages: OpenAI-format messages (``role``, ``content``, ``tool_calls``,
+            ``tool_call_id``, ``name``; assistant reasoning in ``reasoning_content``,
+            ``reasoning`` or a leading ``<think>...</think>`` in the content).
+        normalize_tool_call_ids: replace tool-call ids by ``call_0``, ``call_1``, ... in
+            order of first appearance, in the calls and in the tool results that answer them.
+        index: the conversation's index, for error messages.
+
+    Raises:
+        TreeInputError: on an empty conversation, an unknown role or unrenderable content.
+    """
+    if isinstance(messages, dict) and "messages" in messages:
+        messages = messages["messages"]
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise TreeInputError(f"conversation {index}: expected a non-empty list of messages")
+    ids: dict[str, str] = {}
+
+    def new_id(old: Any) -> Any:
+        if not normalize_tool_call_ids or old is None:
+            return old
+        return ids.setdefault(str(old), f"call_{len(ids)}")
+
+    out = []
+    for j, m in enumerate(messages):
+        where = f"conversation {index}, message {j}"
+        if not isinstance(m, dict):
+            raise TreeInputError(f"{where}: expected a dict, got {type(m).__name__}")
+        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise TreeInputError(f"{where}: unknown role {m.get('role')!r}; expected one of {sorted(_ROLES)}")
+        content = _content_text(m.get("content"), where)
+        reasoning = None
+        calls: list[tuple[str | None, str, Any]] = []
+        if role == "assistant":
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            if reasoning is None:
+                content, reasoning = _split_think(content)
+            elif not isinstance(reasoning, str):
+                raise TreeInputError(f"{where}: reasoning must be a string, got {type(reasoning).__name__}")
+            calls = [(new_id(cid), name, args) for cid, name, args in _tool_calls(m.get("tool_calls"), where)]
+        tool_call_id = new_id(m.get("tool_call_id")) if role == "tool" else None
+        name = m.get("name") if role == "tool" else None
+        out.append(_Message(role, content, reasoning or None, tuple(calls), tool_call_id, name))
+    return out
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """One message's tokens, split into header | body | end marker | separator."""
+
+    tokens: np.ndarray  # [T] int64
+    sizes: tuple[int, int, int, int]  # token counts of header, body, end, separator
+    texts: tuple[str, str, str, str]  # the text of each piece (markers spelled out)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class _Renderer:
+    """Renders and tokenizes messages, caching by (role, body): system prompts repeat a lot."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.start_id = tok.special_id(IM_START)
+        self.end_id = tok.special_id(IM_END)
+        self._cache: dict[tuple[str, str], _Rendered] = {}
+        self._sep = tok.encode("\n")
+
+    def render(self, msg: _Message, keep_reasoning: bool) -> _Rendered:
+        body = msg.body(keep_reasoning)
+        key = (msg.role, body)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        header_text = f"{IM_START}{msg.role}\n"
+        if self.start_id is not None:
+            header = [self.start_id, *self.tok.encode(f"{msg.role}\n")]
+        else:
+            header = self.tok.encode(header_text)
+        body_ids = self.tok.encode(body) if body else []
+        end = [self.end_id] if self.end_id is not None else self.tok.encode(IM_END)
+        pieces = (header, body_ids, end, self._sep)
+        out = _Rendered(
+            tokens=np.array([t for p in pieces for t in p], dtype=np.int64),
+            sizes=tuple(len(p) for p in pieces),  # type: ignore[arg-type]
+            texts=(header_text, body, IM_END, "\n"),
+        )
+        self._cache[key] = out
+        return out
+
+
+def render_text(messages: Sequence[dict[str, Any]], *, think: str = "all", normalize_tool_call_ids: bool = True) -> str:
+    """The rendered text of one conversation (markers spelled out), for reading and debugging.
+
+    ``think`` as in :func:`treecompile.chat.tree_from_messages` for ``samples="conversation"``.
+    """
+    _check_option("think", think, THINK)
+    msgs = normalize_conversation(messages, normalize_tool_call_ids=normalize_tool_call_ids)
+    last = _last_assistant(msgs)
+    keep = [_keep_reasoning(think, j, last) for j in range(len(msgs))]
+    return "".join(f"{IM_START}{m.role}\n{m.body(k)}{IM_END}\n" for m, k in zip(msgs, keep))[:-1]
+
+
+def _last_assistant(msgs: Sequence[_Message], end: int | None = None) -> int:
+    end = len(msgs) if end is None else end
+    for j in range(end - 1, -1, -1):
+        if msgs[j].role == "assistant":
+            return j
+    return -1
+
+
+def _keep_reasoning(think: str, j: int, last_assistant: int) -> bool:
+    return think == "all" or (think == "last" and j == last_assistant)
+
+
+@dataclass
+class _Sample:
+    conversation: int
+    parts: list[tuple[int, _Rendered]]  # (message index, rendered message)
+
+    def tokens_and_mask(self, msgs: Sequence[_Message], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+        toks, masks = [], []
+        last = self.parts[-1][0]
+        last_asst = _last_assistant(msgs, last + 1)
+        for k, (j, r) in enumerate(self.parts):
+            n_head, n_body, n_end, n_sep = r.sizes
+            if k == len(self.parts) - 1:
+                # The separator after a path's last message belongs to the next turn, which
+                # this path does not have: the path ends with the end marker, as generated.
+                n_sep = 0
+            mask = np.zeros(n_head + n_body + n_end + n_sep, dtype=bool)
+            if loss_on == "all":
+                mask[:] = True
+            elif msgs[j].role == "assistant" and (loss_on == "assistant" or j == last_asst):
+                # Body and end marker are what the model generated; the header is the prompt.
+                mask[n_head : n_head + n_body + n_end] = True
+            toks.append(r.tokens[: mask.size])
+            masks.append(mask)
+        return np.concatenate(toks), np.concatenate(masks)
+
+
+def _check_option(name: str, value: Any, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name}={value!r}; expected one of {', '.join(map(repr, valid))}")
+
+
+# ---------------------------------------------------------------------------- drift
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    aa = np.asarray(a[:n], dtype=np.int64)
+    bb = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(aa != bb)
+    return int(diff[0]) if diff.size else n
+
+
+def _drift_in(
+    parts: list[tuple[int, _Rendered]], tok: Tokenizer, drop_last_sep: bool = True
+) -> dict[str, Any] | None:
+    """Compares piecewise tokens of ``parts`` with tokenizing their whole text at once."""
+    texts = [t for _, r in parts for t in r.texts]
+    sizes = [s for _, r in parts for s in r.sizes]
+    owners = [j for j, r in parts for _ in r.texts]
+    if drop_last_sep:
+        texts, sizes, owners = texts[:-1], sizes[:-1], owners[:-1]
+    piecewise = np.concatenate([r.tokens for _, r in parts])[: sum(sizes)]
+    whole = tok.encode_with_specials("".join(texts))
+    pos = _first_diff(piecewise, whole)
+    if pos == len(piecewise) and pos == len(whole):
+        return None
+    # Locate the piece holding the first differing token. Drift at a piece's last token is
+    # a merge across the boundary after it (the tokens before agree, so the whole text's
+    # token starts where the piece's does and runs on): show both sides, "|" at the cut.
+    start = 0
+    for k, n in enumerate(sizes):
+        if pos < start + n or k == len(sizes) - 1:
+            break
+        start += n
+    text = "".join(texts)
+    if pos == start + sizes[k] - 1 and k + 1 < len(texts):
+        cut = sum(len(t) for t in texts[: k + 1])
+    elif pos == start and k > 0:
+        cut = sum(len(t) for t in texts[:k])
+    else:
+        cut = None
+    if cut is None:
+        excerpt = texts[k][:60]
+    else:
+        excerpt = text[max(cut - 30, 0) : cut] + "|" + text[cut : cut + 30]
+    return {
+        "message": owners[k],
+        "position": pos,
+        "by_message": [int(t) for t in piecewise[pos : pos + 4]],
+        "whole": [int(t) for t in whole[pos : pos + 4]],
+        "tokens_by_message": int(len(piecewise)),
+        "tokens_whole": len(whole),
+        "excerpt": excerpt,
+    }
+
+
+def _drift_summary(report: dict[str, Any]) -> str:
+    n, k = report["conversations"], report["drifting"]
+    text = f"retokenization drift ({report['tokenizer']}): {k} of {n} conversations tokenize differently as a whole"
+    if k:
+        ex = report["examples"][0]
+        text += (
+            f"; first in conversation {ex['conversation']} at token {ex['position']} "
+            f"(message {ex['message']}, near {json.dumps(ex['excerpt'], ensure_ascii=False)})"
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------- the paths
+
+
+@dataclass
+class RenderedPaths:
+    """Conversations rendered to paths (see `render_conversations`).
+
+    Attributes:
+        sequences: ``[P]`` token ids of each path.
+        masks: ``[P]`` loss masks aligned with ``sequences``.
+        weights: ``[P]`` path weights.
+        metadata: the options, the drift report and, per path, its conversation and last message.
+    """
+
+    sequences: list[np.ndarray]
+    masks: list[np.ndarray]
+    weights: list[float]
+    metadata: dict[str, Any]
+
+
+def render_conversations(
+    conversations: Sequence[Sequence[dict[str, Any]]],
+    tokenizer: Any,
+    *,
+    samples: str = "conversation",
+    think: str = "last",
+    normalize_tool_call_ids: bool = True,
+    loss_on: str = "assistant",
+    template: str = "chatml",
+    on_drift: str = "warn",
+    weights: Sequence[float] | None = None,
+) -> RenderedPaths:
+    """Renders chat conversations to token sequences with their loss masks, one per path.
+
+    The options are :func:`treecompile.chat.tree_from_messages`'s (less ``vocab_size``), which
+    merges the paths into a tree.
+    """
+    _check_option("samples", samples, SAMPLES)
+    _check_option("think", think, THINK)
+    _check_option("loss_on", loss_on, LOSS_ON)
+    _check_option("template", template, TEMPLATES)
+    _check_option("on_drift", on_drift, ON_DRIFT)
+    if isinstance(conversations, dict) or isinstance(conversations, (str, bytes)):
+        raise TreeInputError("conversations must be a list of conversations (each a list of messages)")
+    conversations = list(conversations)
+    if not conversations:
+        raise TreeInputError("conversations is empty: a tree needs at least one conversation")
+    if isinstance(conversations[0], dict) and "role" in conversations[0]:
+        raise TreeInputError(
+            "conversations must be a list of conversations, got a single conversation (a list of "
+            "messages): wrap it in a list"
+        )
+    if weights is not None:
+        weights = list(weights)
+        if len(weights) != len(conversations):
+            raise TreeInputError(f"weights has {len(weights)} entries for {len(conversations)} conversations")
+    tok = load_tokenizer(tokenizer)
+    renderer = _Renderer(tok)
+
+    seqs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    path_weights: list[float] = []
+    path_conv: list[int] = []
+    path_msg: list[int] = []
+    examples: list[dict[str, Any]] = []
+    drifting = 0
+    for c, conv in enumerate(conversations):
+        msgs = normalize_conversation(conv, normalize_tool_call_ids=normalize_tool_call_ids, index=c)
+        if samples == "conversation":
+            ends = [len(msgs) - 1]
+        else:
+            ends = [j for j, m in enumerate(msgs) if m.role == "assistant"]
+            if not ends:
+                raise TreeInputError(
+                    f"conversation {c} has no assistant message; samples='assistant_turns' "
+                    "makes one path per assistant message"
+                )
+        conv_samples = []
+        for end in ends:
+            last = _last_assistant(msgs, end + 1)
+            parts = [(j, renderer.render(msgs[j], _keep_reasoning(think, j, last))) for j in range(end + 1)]
+            conv_samples.append(_Sample(c, parts))
+        for s in conv_samples:
+            t, m = s.tokens_and_mask(msgs, loss_on)
+            seqs.append(t)
+            masks.append(m)
+            path_weights.append(1.0 if weights is None else weights[c])
+            path_conv.append(c)
+            path_msg.append(s.parts[-1][0])
+        drift = _conversation_drift(conv_samples, tok)
+        if drift is not None:
+            drifting += 1
+            if len(examples) < _MAX_DRIFT_EXAMPLES:
+                examples.append({"conversation": c, **drift})
+
+    report: dict[str, Any] = {
+        "tokenizer": tok.name,
+        "conversations": len(conversations),
+        "drifting": drifting,
+        "examples": examples,
+    }
+    report["summary"] = _drift_summary(report)
+    if drifting and on_drift == "error":
+        raise TreeInputError(report["summary"])
+    if drifting and on_drift == "warn":
+        warnings.warn(report["summary"], RetokenizationDriftWarning, stacklevel=3)
+    metadata = {
+        "source": "messages",
+        "template": template,
+        "tokenizer": tok.name,
+        "samples": samples,
+        "think": think,
+        "loss_on": loss_on,
+        "normalize_tool_call_ids": normalize_tool_call_ids,
+        "drift": report,
+        "path_conversation": path_conv,
+        "path_message": path_msg,
+    }
+    return RenderedPaths(seqs, masks, path_weights, metadata)
+
+
+def _conversation_drift(conv_samples: list[_Sample], tok: Tokenizer) -> dict[str, Any] | None:
+    """Drift of one conversation: its longest sample in full, and each other sample's last
+    message (with the message before it) where that rendering does not occur in the longest."""
+    full = max(conv_samples, key=lambda s: len(s.parts))
+    drift = _drift_in(full.parts, tok)
+    if drift is not None:
+        return drift
+    seen = {id(r) for _, r in full.parts}
+    for s in conv_samples:
+        if id(s.parts[-1][1]) not in seen:
+            drift = _drift_in(s.parts[-2:], tok)
+            if drift is not None:
+                drift["position"] = None  # a window, not a path position
+                return drift
+    return None
