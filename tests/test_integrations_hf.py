@@ -251,6 +251,9 @@ def test_collator_labels_count_the_trained_tokens_as_the_trainer_does():
     batch, labels = out["batch"], out["labels"]
     assert labels.shape[0] == batch.num_paths == 5
     assert int((labels[..., 1:] != -100).sum()) == batch.n_targets == _trained_tokens(_records()[:3]) + 2 + 2
+    # A record's row is its labels, as a stock collator passes them (its padding dropped).
+    for row, want in zip(labels, [r["labels"] for r in _records()[:3]] + [[-100, -100, 3, 4], [-100, 2, 5]]):
+        assert row[: len(want)].tolist() == want and (row[len(want):] == -100).all()
     unpadded = TreeCollator()([_records()[1]])["batch"]
     assert torch.equal(TreeCollator()([records[1]])["batch"].input_ids, unpadded.input_ids)
 

@@ -78,9 +78,10 @@ class TreeCollator:
         Returns:
             ``{"batch": TreeBatch}``: the records' sequences merged into one prefix tree, then
             any `TrajectoryTree` records beside it, packed into one row; with ``token-mean``
-            also ``"labels"``: ``[P, T]`` int64, one row per path of the batch (the records'
-            sequences, then each tree's paths), the token where it is trained, -100 elsewhere
-            and on the padding, as a stock collator's labels.
+            also ``"labels"``: ``[P, T]`` int64, one row per path of the batch, padded with
+            -100 as a stock collator's labels: each record's labels (its tokens if it has
+            none; its padding dropped), then each tree's paths (the token where it is
+            trained, -100 elsewhere).
 
         Raises:
             TreeInputError: a record without ``input_ids``, labels or an attention mask of
@@ -90,35 +91,30 @@ class TreeCollator:
         """
         if not len(features):
             raise TreeInputError("TreeCollator got no records")
-        seqs, masks, trees = [], [], []
+        seqs, masks, labels, trees = [], [], [], []
         for i, f in enumerate(features):
             if isinstance(f, TrajectoryTree):
                 trees.append(f)
                 continue
-            ids, mask = _sequence(i, f)
+            ids, mask, row = _sequence(i, f)
             seqs.append(ids)
             masks.append(mask)
+            labels.append(row)
+        # The trees' paths as labels: the token where it is trained, -100 elsewhere.
+        labels += [[int(t) if m else IGNORE_INDEX for t, m in zip(p.tokens, p.loss_mask)] for t in trees
+                   for p in t.paths()]
         if seqs:
             trees.insert(0, TrajectoryTree.from_sequences(seqs, loss_masks=masks, vocab_size=self.vocab_size))
         batch = pack(trees, loss_mode=self.loss_mode, path_bits=self.path_bits, vocab_size=self.vocab_size)
         if self.loss_mode != "token-mean":
             return {"batch": batch}
-        return {"batch": batch, "labels": _padded_labels(trees)}
+        width = max(map(len, labels))
+        return {"batch": batch, "labels": torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels])}
 
 
-def _padded_labels(trees: Sequence[TrajectoryTree]) -> torch.Tensor:
-    """``[P, T]`` Hugging Face labels of every path of ``trees``: ``labels[..., 1:] != -100``
-    counts the batch's target tokens (``TreeBatch.n_targets``), as the ``Trainer`` counts them."""
-    paths = [p for t in trees for p in t.paths()]
-    out = torch.full((len(paths), max(len(p.tokens) for p in paths)), IGNORE_INDEX, dtype=torch.int64)
-    for row, p in zip(out, paths):
-        tokens = torch.from_numpy(p.tokens.astype("int64"))
-        row[: len(tokens)] = torch.where(torch.from_numpy(p.loss_mask.astype(bool)), tokens, IGNORE_INDEX)
-    return out
-
-
-def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None]:
-    """``(token ids, 0/1 loss mask or None)`` of record ``i``, its padding dropped."""
+def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[int]]:
+    """``(token ids, 0/1 loss mask or None, labels)`` of record ``i``, its padding dropped; the
+    labels are the record's (its tokens without ``labels``), as a stock collator passes them on."""
     if not isinstance(record, Mapping):
         raise TreeInputError(
             f"record {i} is a {type(record).__name__}; TreeCollator takes {{'input_ids': [...], 'labels': [...]}} "
@@ -151,7 +147,7 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None]:
     if not ids:
         raise TreeInputError(f"record {i} has no tokens")
     if labels is None:
-        return ids, None
+        return ids, None, list(ids)
     wrong = [t for t, (x, y) in enumerate(zip(ids, labels)) if y not in (x, IGNORE_INDEX)]
     if wrong:
         t = wrong[0]
@@ -159,7 +155,7 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None]:
             f"record {i}: labels[{t}] = {labels[t]} is neither input_ids[{t}] = {ids[t]} nor {IGNORE_INDEX}; a tree "
             "trains each sequence on its own tokens (mask a token with -100 instead)"
         )
-    return ids, [int(y != IGNORE_INDEX) for y in labels]
+    return ids, [int(y != IGNORE_INDEX) for y in labels], labels
 
 
 def _ints(values: Any) -> list[int]:
