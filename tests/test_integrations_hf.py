@@ -8,8 +8,9 @@ micro-batches. The tree run merges each micro-batch into one prefix tree (``toke
 sum divided by the Trainer's count of the window's tokens: the same numbers). Both run with
 the Trainer's defaults (``remove_unused_columns=True``) and use SGD with a constant learning
 rate and the default gradient clipping, so each step's parameter update is the (clipped)
-gradient times the learning rate: comparing updates compares gradients. (Adam's first update is ``lr * sign(grad)``, so a rounding
-difference in a near-zero gradient would move a parameter by ``2 * lr``: not a fair test.)
+gradient times the learning rate: comparing updates compares gradients. (Adam's first update
+is ``lr * sign(grad)``, so a rounding difference in a near-zero gradient would move a parameter
+by ``2 * lr``: not a fair test.)
 """
 
 from __future__ import annotations
