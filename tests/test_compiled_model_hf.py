@@ -146,10 +146,106 @@ def test_tree_output_reads_as_trainer_reads_a_model_output():
     out = TreeOutput(loss=torch.tensor(1.0), logprobs=torch.zeros(3))
     assert out[0] is out.loss and out["loss"] is out.loss and out["logprobs"] is out.logprobs
     assert out["aux_loss"] is None
-    with pytest.raises(KeyError, match="a TreeOutput has 0"):
-        out[1]
-    with pytest.raises(KeyError, match="a TreeOutput has 0"):
+    # Trainer.prediction_step takes out[1:] as the predictions; unset fields are skipped, as in
+    # a ModelOutput.
+    assert out[1] is out.logprobs and out[1:] == (out.logprobs,) and len(out.to_tuple()) == 2
+    with pytest.raises(IndexError):
+        out[2]
+    with pytest.raises(KeyError, match="a TreeOutput has an index, a slice or loss"):
         out["logits"]
+
+
+def _padded_rows():
+    """A stock collator's batch: 4 rows sharing a prompt, right-padded, prompt and padding -100."""
+    g = torch.Generator().manual_seed(3)
+    prompt = [5, 6, 7, 8, 9]
+    seqs = [prompt + torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 6, 1, 4)]
+    seqs[3][: len(seqs[0])] = seqs[0][: len(seqs[3])]  # row 3 shares more than the prompt with row 0
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, : len(prompt)] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def compiled_qwen3():
+    """``(model, tree_compile(model))`` shared by the tests below (one capture for them all)."""
+    model = _qwen3()
+    return model, tc.tree_compile(model)
+
+
+def test_called_with_padded_rows_it_returns_the_stock_loss(compiled_qwen3):
+    """``compiled(input_ids=, labels=, attention_mask=)`` (a stock collator's batch) merges the rows
+    into a tree: the loss and the gradients are the stock model's, also normalised by the
+    ``num_items_in_batch`` of an accumulation window as the Trainer passes it."""
+    from testing import TRAINER_TOLERANCE
+
+    model, compiled = compiled_qwen3
+    rows = _padded_rows()
+    trained = int((rows["labels"][:, 1:] != -100).sum())
+    loss_rtol, grad_tol = TRAINER_TOLERANCE["float64"]
+    for num_items in (None, trained + 7):
+        extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+        model.zero_grad(set_to_none=True)
+        want = model(**rows, **extra).loss
+        want.backward()
+        want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        got = compiled(**rows, **extra).loss
+        got.backward()
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=loss_rtol, atol=0)
+        for n, p in model.named_parameters():
+            err = ((p.grad - want_grads[n]).abs().max() / want_grads[n].abs().max()).item()
+            assert err <= grad_tol, f"num_items_in_batch={num_items}, {n}: gradient differs by {err:.2e}"
+    assert len(compiled.compile_records) == 1  # one graph for both
+
+
+def test_padded_rows_it_cannot_train_exactly_are_refused():
+    from treecompile.errors import TreeInputError
+
+    compiled = tc.tree_compile(_qwen3())
+    rows = _padded_rows()
+    trained_pad = dict(rows, labels=torch.where(rows["attention_mask"].bool(), rows["labels"], rows["input_ids"]))
+    with pytest.raises(TreeInputError, match=r"labels\[0, 8\] = 0 trains a padding token"):
+        compiled(**trained_pad)
+    batch, _ = make_batch("branchy")
+    with pytest.raises(TreeInputError, match="either a TreeBatch .* or padded rows"):
+        compiled(batch, input_ids=rows["input_ids"])
+    with pytest.raises(TreeInputError, match="num_items_in_batch divides a token-mean loss.*'sum'"):
+        compiled(tc.pack(tc.TrajectoryTree.from_sequences([[1, 2, 3]]), loss_mode="sum"), num_items_in_batch=4)
+    with pytest.raises(TypeError, match="expected a TreeBatch .* or input_ids, got NoneType"):
+        compiled()
+    assert compiled._compiled is None  # refused before anything ran
+
+
+def test_pickled_wrapper_reloads_and_compiles_again(compiled_qwen3, tmp_path):
+    """``pickle`` and ``torch.save`` of a compiled model (one that has run) keep the model and the
+    options; the loaded wrapper compiles at its first call and computes what the original did."""
+    import pickle
+
+    from treecompile.stream import StreamOptions
+
+    model, compiled = compiled_qwen3
+    batch, _ = make_batch("branchy")
+    want = compiled(batch)
+    assert compiled._compiled is not None
+    torch.save(compiled, tmp_path / "compiled.pt")
+    twin = torch.load(tmp_path / "compiled.pt", weights_only=False)
+    assert type(twin) is TreeCompiledModel and twin._compiled is None
+    assert twin.model is not model and twin.training == model.training
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), model.parameters()))
+    torch.testing.assert_close(twin(batch).loss, want.loss, rtol=0, atol=0)
+    # Every option survives pickling (checked without running).
+    other = tc.tree_compile(model, mask="bitmask", outputs=("entropy",), temperature=0.9, lm_head="fused")
+    copy_ = pickle.loads(pickle.dumps(other))
+    assert (copy_.mask, copy_._outputs, copy_.temperature, copy_._passes) == ("bitmask", ("entropy",), 0.9,
+                                                                              other._passes)
+    options = StreamOptions(budget_rows=64)
+    copy_ = pickle.loads(pickle.dumps(tc.tree_compile(model, stream=options)))
+    assert copy_._stream.options == options and copy_._stream.wrapper is copy_
 
 
 # ----------------------------------------------------------------------------- PEFT

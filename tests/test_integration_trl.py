@@ -36,7 +36,13 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'tree
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from testing import SCALED_GRAD_TOLERANCE, TRL_LOSS_RESOLUTION, TRL_NOISE_FACTOR, assert_grads_close  # noqa: E402
+from testing import (  # noqa: E402
+    SCALED_GRAD_TOLERANCE,
+    TRL_KL_RTOL,
+    TRL_LOSS_RESOLUTION,
+    TRL_NOISE_FACTOR,
+    assert_grads_close,
+)
 
 from treecompile.errors import TreeInputError  # noqa: E402
 from treecompile.integrations.trl import TreeGRPOTrainer, TreeSFTTrainer, rows_to_tree  # noqa: E402
@@ -326,6 +332,32 @@ def test_grpo_float64_matches_stock(grpo_setup, loss, tmp_path):
     _assert_exact(tree, stock, f"GRPO {loss}")
     # The second iteration on each generation is off-policy: the clipping was exercised.
     assert any(v > 0 for h in st.state.log_history for k, v in h.items() if "clip" in k), "no token was clipped"
+
+
+def test_grpo_with_a_reference_model_float64_matches_stock(grpo_setup, tmp_path):
+    """``beta > 0``: TRL loads a reference model from the policy's ``config._name_or_path`` and
+    runs it through the same log-prob method (on the tree side: a compiled graph of its own);
+    the KL penalty then enters the loss. 2 steps (the second one's KL is away from 0)."""
+    ds, ms, inits, held = grpo_setup
+    model = ms[torch.float64]
+    model.load_state_dict(inits[torch.float64])
+    model.save_pretrained(tmp_path / "init")  # float64, as TRL loads the reference (the policy's dtype)
+    name = model.config._name_or_path
+    model.config._name_or_path = str(tmp_path / "init")
+    try:
+        kw = {"beta": 0.04, "optim": "sgd", "max_steps": 2}
+        stock, st = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
+        tree, tt = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float64, str(tmp_path), **kw)
+    finally:
+        model.config._name_or_path = name
+    assert tt.ref_model is not None and st.ref_model is not None
+    _assert_exact(tree, stock, "GRPO beta=0.04")
+    stock_kl = [h["kl"] for h in st.state.log_history if "kl" in h]
+    tree_kl = [h["kl"] for h in tt.state.log_history if "kl" in h]
+    assert len(stock_kl) == 2 and stock_kl[-1] > 0, stock_kl  # the reference model was used
+    # The first step's KL is 0 up to rounding (the policy is the reference); the second is not.
+    assert tree_kl[0] == pytest.approx(0, abs=1e-12) and stock_kl[0] == pytest.approx(0, abs=1e-12)
+    assert tree_kl[1] == pytest.approx(stock_kl[1], rel=TRL_KL_RTOL), (tree_kl, stock_kl)
 
 
 @pytest.mark.parametrize("loss", ["grpo", pytest.param("dapo", marks=pytest.mark.slow),

@@ -3,11 +3,14 @@
 
 The stock run is the unmodified model on the padded records with ``labels`` (-100 on prompt
 and padding tokens): Hugging Face's causal-LM loss, the mean over every trained token of the
-micro-batch. The tree run merges each micro-batch into one prefix tree (``token-mean``: the
-same mean). Both use SGD with a constant learning rate and the default gradient clipping, so
-each step's parameter update is the (clipped) gradient times the learning rate: comparing
-updates compares gradients. (Adam's first update is ``lr * sign(grad)``, so a rounding
-difference in a near-zero gradient would move a parameter by ``2 * lr``: not a fair test.)
+micro-batch, or with gradient accumulation the sum over the trained tokens of all accumulated
+micro-batches. The tree run merges each micro-batch into one prefix tree (``token-mean``, its
+sum divided by the Trainer's count of the window's tokens: the same numbers). Both run with
+the Trainer's defaults (``remove_unused_columns=True``) and use SGD with a constant learning
+rate and the default gradient clipping, so each step's parameter update is the (clipped)
+gradient times the learning rate: comparing updates compares gradients. (Adam's first update
+is ``lr * sign(grad)``, so a rounding difference in a near-zero gradient would move a parameter
+by ``2 * lr``: not a fair test.)
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ def _pad(features: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(base, *, tree: bool, tmp_path, lora: bool = False, **args):
-    """``(losses [STEPS], updates [STEPS] of {name: tensor}, trainer, model)`` of a 3-step run
-    on a copy of ``base`` (with random LoRA adapters on q and v if ``lora``)."""
+def _train(base, *, tree: bool, tmp_path, lora: bool = False, data=None, evaluate: bool = False, **args):
+    """``(losses [STEPS], updates [STEPS] of {name: tensor}, micro-batches, trainer, model)`` of a
+    3-step run on a copy of ``base`` (with random LoRA adapters on q and v if ``lora``), on
+    ``data`` (default: `_records()` as a list); with ``evaluate``, ``trainer.evaluate()`` on
+    ``data`` is run after training and its metrics are ``trainer.eval_metrics``."""
     model = copy.deepcopy(base)
     if lora:
         peft = pytest.importorskip("peft")
@@ -86,28 +91,33 @@ def _train(base, *, tree: bool, tmp_path, lora: bool = False, **args):
     collator = TreeCollator() if tree else _pad
 
     def collate(features):
-        seen.append([f["input_ids"] for f in features])
+        seen.append([{"input_ids": list(f["input_ids"]), "labels": list(f["labels"])} for f in features])
         return collator(features)
 
+    args = {"per_device_train_batch_size": BATCH, **args}
     training_args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / ("tree" if tree else "stock")), max_steps=STEPS, per_device_train_batch_size=BATCH,
-        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", use_cpu=True, report_to="none",
-        save_strategy="no", remove_unused_columns=False, seed=0, disable_tqdm=True, **args,
+        output_dir=str(tmp_path / ("tree" if tree else "stock")), max_steps=STEPS, optim="sgd", learning_rate=0.5,
+        lr_scheduler_type="constant", use_cpu=True, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        **args,
     )
+    data = _records() if data is None else data
     trainer = transformers.Trainer(
-        model=tc.tree_compile(model) if tree else model, args=training_args, train_dataset=_records(),
+        model=tc.tree_compile(model) if tree else model, args=training_args, train_dataset=data, eval_dataset=data,
         data_collator=collate, callbacks=[Record()],
     )
     compute_loss = trainer.compute_loss
 
     def recorded(*a, **k):
         loss = compute_loss(*a, **k)
-        losses.append(loss.detach().double().item())
+        if trainer.model.training:  # training micro-batches only
+            losses.append(loss.detach().double().item())
         return loss
 
     trainer.compute_loss = recorded
     trainer.train()
-    assert len(losses) == len(updates) == STEPS
+    assert len(updates) == STEPS and len(losses) == STEPS * training_args.gradient_accumulation_steps
+    if evaluate:
+        trainer.eval_metrics = trainer.evaluate()
     return losses, updates, seen, trainer, model
 
 
@@ -125,18 +135,39 @@ def _rel_error(updates: list[dict], ref: list[dict]) -> float:
     return (num / den).sqrt().item()
 
 
-@pytest.mark.parametrize("dtype, checkpointing", [(torch.float64, False), (torch.float32, True)],
-                         ids=["float64", "float32-checkpointing"])
-def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, tmp_path):
+def _trained_tokens(features: list[dict]) -> int:
+    return sum(sum(y != -100 for y in f["labels"][1:]) for f in features)
+
+
+@pytest.mark.parametrize("dtype, checkpointing, data, accumulation", [
+    (torch.float64, False, "dataset", 2), (torch.float32, True, "list", 1),
+], ids=["float64-dataset-accumulation", "float32-list-checkpointing"])
+def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, data, accumulation, tmp_path):
+    """The Trainer's defaults otherwise (``remove_unused_columns=True`` keeps the columns the
+    collator reads); float64: a ``datasets.Dataset``, 2 accumulated micro-batches of different
+    trained-token counts per step, and ``evaluate()``'s ``eval_loss``."""
     base = _qwen3().to(dtype)
-    stock_losses, stock_updates, stock_seen, _, _ = _train(base, tree=False, tmp_path=tmp_path,
-                                                           gradient_checkpointing=checkpointing)
-    tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path,
-                                                              gradient_checkpointing=checkpointing)
+    records = _records()
+    if data == "dataset":
+        datasets = pytest.importorskip("datasets")
+        # A column no forward names: the Trainer drops it, as for a stock run.
+        records = datasets.Dataset.from_list([{**r, "source": "synthetic"} for r in records])
+    kw = dict(gradient_checkpointing=checkpointing, data=records, evaluate=accumulation > 1,
+              gradient_accumulation_steps=accumulation, per_device_train_batch_size=BATCH // accumulation)
+    stock_losses, stock_updates, stock_seen, stock, _ = _train(base, tree=False, tmp_path=tmp_path, **kw)
+    tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path, **kw)
     assert tree_seen == stock_seen  # the same records in the same micro-batches
+    assert trainer.args.remove_unused_columns  # the default
     loss_rtol, update_tol = TRAINER_TOLERANCE[str(dtype).removeprefix("torch.")]
     torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(stock_losses), rtol=loss_rtol, atol=0)
     _assert_updates_close(tree_updates, stock_updates, update_tol)
+    if accumulation > 1:
+        # Each step's micro-batches train different numbers of tokens: a per-micro-batch mean
+        # (divided by the number of micro-batches) would differ from the stock loss.
+        counts = [_trained_tokens(micro_batch) for micro_batch in stock_seen[: STEPS * accumulation]]
+        assert sum(a != b for a, b in zip(counts[::2], counts[1::2])) >= 2, counts
+        tree_eval, stock_eval = trainer.eval_metrics["eval_loss"], stock.eval_metrics["eval_loss"]
+        assert tree_eval == pytest.approx(stock_eval, rel=loss_rtol, abs=0)
     if checkpointing:
         assert dict(trainer.model.counters["inline_subgraphs_pass"]) == {"checkpoint": 2}
         _assert_saved_model_loads_without_treecompile(trainer, model, tmp_path / "final")
@@ -188,16 +219,6 @@ def _assert_saved_model_loads_without_treecompile(trainer, model, path) -> None:
     assert loaded["sums"] == {k: v.double().sum().item() for k, v in model.state_dict().items()}
 
 
-def test_trainer_dropping_the_columns_is_told_how_to_keep_them(tmp_path):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
-                                          per_device_train_batch_size=BATCH)
-    assert args.remove_unused_columns  # the default
-    trainer = transformers.Trainer(model=tc.tree_compile(_qwen3()), args=args, train_dataset=_records(),
-                                   data_collator=TreeCollator())
-    with pytest.raises(TreeInputError, match=r"has no 'input_ids'.*remove_unused_columns=False"):
-        next(iter(trainer.get_train_dataloader()))
-
-
 # ----------------------------------------------------------------------------- the collator alone
 
 
@@ -216,13 +237,37 @@ def test_collator_merges_the_micro_batch_into_one_tree_and_leaves_records_alone(
     tree = tc.TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
     both = TreeCollator(loss_mode="sum")([{"input_ids": torch.tensor([9, 8, 7])}, tree])["batch"]
     assert both.num_paths == 3 and float(both.target_weight.sum()) == 2 + 2 + 2
+    assert "labels" not in TreeCollator(loss_mode="sum")(records)  # no token count for another mode
+
+
+def test_collator_labels_count_the_trained_tokens_as_the_trainer_does():
+    """``labels[..., 1:] != -100`` (the Trainer's ``num_items_in_batch``) is the batch's target count;
+    padding (attention mask 0) is dropped; a tree record's paths get a row each."""
+    records = [dict(r) for r in _records()[:3]]
+    records[1] = {"input_ids": [0, 0] + records[1]["input_ids"] + [0],
+                  "labels": [-100, -100] + records[1]["labels"] + [-100],
+                  "attention_mask": [0, 0] + [1] * len(records[1]["input_ids"]) + [0]}
+    tree = tc.TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]], loss_masks=[[0, 0, 1, 1], [0, 1, 1]])
+    out = TreeCollator()([*records, tree])
+    batch, labels = out["batch"], out["labels"]
+    assert labels.shape[0] == batch.num_paths == 5
+    assert int((labels[..., 1:] != -100).sum()) == batch.n_targets == _trained_tokens(_records()[:3]) + 2 + 2
+    # A record's row is its labels, as a stock collator passes them (its padding dropped).
+    for row, want in zip(labels, [r["labels"] for r in _records()[:3]] + [[-100, -100, 3, 4], [-100, 2, 5]]):
+        assert row[: len(want)].tolist() == want and (row[len(want):] == -100).all()
+    unpadded = TreeCollator()([_records()[1]])["batch"]
+    assert torch.equal(TreeCollator()([records[1]])["batch"].input_ids, unpadded.input_ids)
 
 
 @pytest.mark.parametrize("record, match", [
     ({"input_ids": [1, 2, 3], "labels": [-100, 2]}, "2 labels for 3 input_ids"),
     ({"input_ids": [1, 2, 3], "labels": [-100, 5, 3]}, r"labels\[1\] = 5 is neither input_ids\[1\] = 2"),
     ([1, 2, 3], "record 0 is a list"),
-], ids=["length", "other-token", "not-a-record"])
+    ({"text": "hello"}, r"record 0 has no 'input_ids' \(keys: \['text'\]\); TreeCollator takes tokenized"),
+    ({"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}, "the attention mask has a hole"),
+    ({"input_ids": [1, 2, 0], "labels": [-100, 2, 0], "attention_mask": [1, 1, 0]},
+     r"labels\[2\] = 0 trains a padding token"),
+], ids=["length", "other-token", "not-a-record", "no-input-ids", "mask-hole", "trained-padding"])
 def test_collator_refuses_records_it_cannot_train_exactly(record, match):
     with pytest.raises(TreeInputError, match=match):
         TreeCollator()([record])

@@ -6,6 +6,7 @@ settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,13 +36,18 @@ class TreeOutput:
     aux_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
-    def __getitem__(self, key: int | str) -> torch.Tensor | None:
-        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's output."""
-        if key == 0:
-            return self.loss
+    def __getitem__(self, key: int | slice | str) -> Any:
+        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's
+        output; an index or slice reads `to_tuple` (``out[1:]``: the outputs beside the loss)."""
+        if isinstance(key, (int, slice)) and not isinstance(key, bool):
+            return self.to_tuple()[key]
         if isinstance(key, str) and key in self.__dataclass_fields__:
             return getattr(self, key)
-        raise KeyError(f"{key!r}: a TreeOutput has 0 (the loss) and {', '.join(self.__dataclass_fields__)}")
+        raise KeyError(f"{key!r}: a TreeOutput has an index, a slice or {', '.join(self.__dataclass_fields__)}")
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The fields that are set, in order (loss first), as Hugging Face's ``ModelOutput.to_tuple``."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None)
 
 
 # Dynamo settings for our calls only:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import sys
 import types
@@ -271,15 +272,23 @@ class TreeCompiledModel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none)
 
+    def _options(self) -> dict[str, Any]:
+        """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
+        return dict(mask=self.mask, backend=self._backend_name, verify=self.verify, passes=self._passes,
+                    outputs=self._outputs, temperature=self.temperature, scan_kernel=self.scan_kernel)
+
     def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
         # A copy of the model, wrapped with the same options (compiled again at its first call),
         # as a reference-model copy of a trainer expects.
-        twin = type(self)(copy.deepcopy(self._inner, memo), mask=self.mask, backend=self._backend_name,
-                          verify=self.verify, passes=self._passes, outputs=self._outputs,
-                          temperature=self.temperature, scan_kernel=self.scan_kernel)
-        if self._stream is not None:
-            twin._stream = type(self._stream)(twin, self._stream.options)
-        return twin
+        stream = None if self._stream is None else self._stream.options
+        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), stream)
+
+    def __reduce_ex__(self, protocol: int):
+        # The compiled graph and the kernels swapped in around it cannot be pickled: a pickled
+        # wrapper is its model and options, wrapped again on loading and compiled at its first
+        # call (``pickle``, ``torch.save`` of the whole wrapper).
+        stream = None if self._stream is None else self._stream.options
+        return _rewrap, (self._inner, self._options(), stream)
 
     @property
     def counters(self) -> dict[str, Counter]:
@@ -288,17 +297,50 @@ class TreeCompiledModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: TreeBatch) -> TreeOutput:
+    #: Hugging Face's ``Trainer`` passes ``num_items_in_batch`` to a model that says it takes it.
+    accepts_loss_kwargs = True
+
+    def forward(
+        self,
+        batch: TreeBatch | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> TreeOutput:
         """Runs the model on a packed tree batch.
 
+        The keyword arguments are Hugging Face's (what its ``Trainer`` passes; see
+        :mod:`treecompile.integrations.hf`).
+
         Args:
-            batch: from :func:`treecompile.pack`, on the model's device.
+            batch: from :func:`treecompile.pack` (or ``TreeCollator``), on the model's device.
+            input_ids: ``[B, T]`` instead of ``batch``: a stock collator's padded rows, merged
+                into one ``token-mean`` tree (``integrations.hf.batch_from_rows``), so the loss is
+                the stock causal-LM loss.
+            labels: ``[B, T]`` with ``input_ids``: -100 where a token is not trained. Beside a
+                ``batch`` it is not read (the ``batch`` holds the targets; the ``Trainer``
+                counts the trained tokens from it).
+            attention_mask: ``[B, T]`` with ``input_ids``: 0 on padding.
+            num_items_in_batch: the trained tokens of every micro-batch of the accumulation
+                window: a ``token-mean`` batch's summed loss is divided by it instead of by
+                its own count, as Hugging Face's causal-LM loss does.
 
         Returns:
             :class:`TreeOutput` with ``loss`` and ``logprobs`` ``[S]``.
         """
+        if batch is None and input_ids is not None:
+            from treecompile.integrations.hf import batch_from_rows
+
+            batch = batch_from_rows(input_ids, labels=labels, attention_mask=attention_mask)
+        elif batch is not None and (input_ids is not None or attention_mask is not None):
+            raise TreeInputError("pass either a TreeBatch (batch=) or padded rows (input_ids=, attention_mask=), "
+                                 "not both")
         if not isinstance(batch, TreeBatch):
-            raise TypeError(f"expected a TreeBatch (treecompile.pack), got {type(batch).__name__}")
+            raise TypeError(f"expected a TreeBatch (treecompile.pack) or input_ids, got {type(batch).__name__}")
+        if num_items_in_batch is not None:
+            batch = _normalised(batch, num_items_in_batch)
         # Every batch is checked before it runs (O(S + N)): a malformed one (two batches
         # concatenated field by field, ids beyond the vocabulary, NaN weights) would otherwise
         # give NaN or silently wrong results, or fail deep inside the compiled graph.
@@ -442,6 +484,31 @@ class TreeCompiledModel(nn.Module):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:
+    """A pickled `TreeCompiledModel` loaded: ``model`` wrapped again with its ``options``."""
+    compiled = TreeCompiledModel(model, **options)
+    if stream is not None:
+        from treecompile.stream import StreamRunner
+
+        compiled._stream = StreamRunner(compiled, stream)
+    return compiled
+
+
+def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
+    """``batch`` with its ``token-mean`` weights over ``num_items`` target tokens instead of its own
+    ``n_targets``: the loss becomes the summed loss over ``num_items``, as Hugging Face's causal-LM
+    loss with ``num_items_in_batch``. Tensor arithmetic, so a count on the GPU is not synced."""
+    if batch.loss_mode != "token-mean":
+        raise TreeInputError(
+            f"num_items_in_batch divides a token-mean loss, but this batch was packed with loss_mode "
+            f"{batch.loss_mode!r}; pack it with 'token-mean' (TreeCollator returns no labels for other modes, so "
+            "the Trainer passes no count)"
+        )
+    scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
+    return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
+                               path_coef=batch.path_coef * scale.to(batch.path_coef.device))
 
 
 def _gathered_entropy(
