@@ -6,6 +6,7 @@ and ``call_method`` on tensors), so matchers here accept every spelling of an op
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from collections import Counter
@@ -336,9 +337,24 @@ def row_dims(x: Any, s: Any, how: str = "rows") -> list[int]:
 
 def multiple_of(size: torch.SymInt, s: torch.SymInt) -> bool:
     """Whether ``size`` is provably an integer multiple of ``s`` (``c * S``)."""
+    return _multiple_of(size.node.expr, s.node.expr)
+
+
+@functools.lru_cache(maxsize=4096)
+def _multiple_of(size: Any, s: Any) -> bool:
+    # A graph asks about the same few sizes at every node: one answer per pair of expressions.
+    # A size free of S's symbols is not a multiple of S for every S; a ratio that is already a
+    # product of positive integers (``B * H``: sympy cancels S on division) needs no simplify,
+    # which is slow on the floor divisions of chunked kernels and is only tried when the
+    # cancelled ratio proves nothing.
     import sympy
 
-    ratio = sympy.simplify(size.node.expr / s.node.expr)
+    if not size.free_symbols & s.free_symbols:
+        return False
+    ratio = size / s
+    if ratio.is_integer and ratio.is_positive:
+        return True
+    ratio = sympy.simplify(ratio)
     return bool(ratio.is_integer) and bool(ratio.is_positive)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from test_compile_models import SdpaBlock, compare_with_paths, make_batch, tiny
 from torch import nn
-from testing import TOLERANCES, assert_grads_close, backward_grads
+from testing import TOLERANCES, assert_grads_close, backward_grads, perturbed_hf_model
 
 import treecompile as tc
 from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
@@ -448,10 +448,8 @@ CONV_LAYERS = {"lfm2": 1, "lfm2_moe": 2, "lfm3": 1}
 
 
 def _model(name: str):
-    torch.manual_seed(0)
     # Eager experts: HF's grouped_mm has no float64 kernel on the CPU (per-path reference).
-    config = MODELS[name][0]()
-    return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
+    return perturbed_hf_model(MODELS[name][0](), experts_implementation="eager")
 
 
 _COMPILED: dict[str, tuple] = {}

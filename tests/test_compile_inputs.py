@@ -16,7 +16,7 @@ from treecompile.errors import TreeInputError
 
 @pytest.fixture(scope="module")
 def compiled():
-    return tc.tree_compile(tiny(NanoGPT, vocab=64))
+    return tc.tree_compile(tiny(NanoGPT, vocab=64), backend="eager")
 
 
 def _concatenated(a: tc.TreeBatch, b: tc.TreeBatch) -> tc.TreeBatch:
@@ -75,7 +75,7 @@ def test_mismatched_field_shapes_are_refused(compiled):
 
 
 def test_bitmask_without_path_bits_is_refused():
-    compiled = tc.tree_compile(tiny(NanoGPT), mask="bitmask")
+    compiled = tc.tree_compile(tiny(NanoGPT), mask="bitmask", backend="eager")
     batch, _ = make_batch("branchy", path_bits=False)
     with pytest.raises(TreeInputError, match=r"mask='bitmask' needs path bits"):
         compiled(batch)
@@ -118,4 +118,4 @@ def test_a_path_longer_than_the_model_context_warns():
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     batch, _ = make_batch("single", path_bits=False)  # one path of 9 tokens
     with pytest.warns(TreeWarning, match=r"the longest path has 9 tokens \(tree 0\), more than the model.s max_position_embeddings = 8"):
-        tc.tree_compile(model)(batch)
+        tc.tree_compile(model, backend="eager")(batch)

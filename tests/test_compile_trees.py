@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from strategies import path_sets
 from test_compile_models import NanoGPT, compare_with_paths, tiny
-from testing import TOLERANCES, assert_grads_close, backward_grads
+from testing import TOLERANCES, assert_grads_close, backward_grads, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
 
@@ -21,14 +21,13 @@ LOSS_MODES = ["token-mean", "seq-mean-token-mean", "sum"]
 def _qwen3(vocab: int, dtype=torch.float64):
     cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    return perturbed_hf_model(cfg, dtype)
 
 
 NANO = tiny(NanoGPT)
 NANO_COMPILED = tree_compile(NANO)
 QWEN = _qwen3(64)
-QWEN_COMPILED = tree_compile(QWEN)
+QWEN_COMPILED = tree_compile(QWEN, backend="eager")
 
 
 def _check(model, compiled, case, kind):
@@ -82,7 +81,7 @@ def real_trees():
     trees = [TrajectoryTree.from_messages(g, tok) for g in gsm]
     trees.append(TrajectoryTree.from_messages(cut, tok, samples="assistant_turns"))
     model = _qwen3(tok.vocab_size)
-    return trees, model, tree_compile(model)
+    return trees, model, tree_compile(model, backend="eager")
 
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
@@ -100,7 +99,7 @@ def test_qwen3_on_real_gsm8k_and_tau_bench_trees(real_trees, mode):
 
 def test_verify_on_a_float32_hf_model_checks_in_float64():
     model = _qwen3(64, torch.float32)
-    compiled = tree_compile(model, verify=True)
+    compiled = tree_compile(model, verify=True, backend="eager")
     compiled(pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])))
     report = compiled.verified
     assert report.dtype == torch.float64

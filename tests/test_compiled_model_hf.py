@@ -24,7 +24,7 @@ def _qwen3(dtype=torch.float64):
 
 def _trained_once(model):
     """``tree_compile(model)`` after one tree step, so the compiled graph exists when tested."""
-    compiled = tc.tree_compile(model)
+    compiled = tc.tree_compile(model, backend="eager")
     batch, _ = make_batch("branchy")
     compiled(batch).loss.backward()
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_save_pretrained_writes_the_plain_model(tmp_path):
 
 def test_wrapper_passes_as_the_model_and_keeps_its_attributes():
     model = _qwen3()
-    compiled = tc.tree_compile(model)
+    compiled = tc.tree_compile(model, backend="eager")
     assert type(compiled) is TreeCompiledModel
     assert isinstance(compiled, TreeCompiledModel) and isinstance(compiled, type(model))
     assert isinstance(compiled, transformers.PreTrainedModel)
@@ -65,7 +65,7 @@ def test_wrapper_passes_as_the_model_and_keeps_its_attributes():
 
 def test_train_and_eval_reach_the_model_and_the_wrapper():
     model = _qwen3().eval()
-    compiled = tc.tree_compile(model)
+    compiled = tc.tree_compile(model, backend="eager")
     assert not compiled.training  # the model's mode at compile time
     compiled.train()
     assert compiled.eval() is compiled
@@ -79,7 +79,7 @@ def test_load_state_dict_loads_the_model():
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.5)
-    compiled = tc.tree_compile(model)
+    compiled = tc.tree_compile(model, backend="eager")
     result = compiled.load_state_dict(other.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
     for (n, p), q in zip(model.named_parameters(), other.parameters()):
@@ -88,7 +88,7 @@ def test_load_state_dict_loads_the_model():
 
 def test_deepcopy_copies_the_model_and_keeps_the_options():
     model = _qwen3()
-    compiled = tc.tree_compile(model, mask="bitmask", outputs=("entropy",))
+    compiled = tc.tree_compile(model, mask="bitmask", outputs=("entropy",), backend="eager")
     batch, _ = make_batch("branchy")
     first = compiled(batch)
     twin = copy.deepcopy(compiled)
@@ -106,7 +106,7 @@ def test_deepcopy_keeps_the_temperature_and_the_streaming_options():
     from treecompile.stream import StreamOptions
 
     options = StreamOptions(budget_rows=64)
-    compiled = tc.tree_compile(_qwen3(), temperature=0.7, stream=options)
+    compiled = tc.tree_compile(_qwen3(), temperature=0.7, stream=options, backend="eager")
     twin = copy.deepcopy(compiled)
     assert twin.temperature == 0.7
     assert twin._stream is not compiled._stream
@@ -173,7 +173,7 @@ def _padded_rows():
 def compiled_qwen3():
     """``(model, tree_compile(model))`` shared by the tests below (one capture for them all)."""
     model = _qwen3()
-    return model, tc.tree_compile(model)
+    return model, tc.tree_compile(model, backend="eager")
 
 
 def test_called_with_padded_rows_it_returns_the_stock_loss(compiled_qwen3):
@@ -205,7 +205,7 @@ def test_called_with_padded_rows_it_returns_the_stock_loss(compiled_qwen3):
 def test_padded_rows_it_cannot_train_exactly_are_refused():
     from treecompile.errors import TreeInputError
 
-    compiled = tc.tree_compile(_qwen3())
+    compiled = tc.tree_compile(_qwen3(), backend="eager")
     rows = _padded_rows()
     trained_pad = dict(rows, labels=torch.where(rows["attention_mask"].bool(), rows["labels"], rows["input_ids"]))
     with pytest.raises(TreeInputError, match=r"labels\[0, 8\] = 0 trains a padding token"):
@@ -239,12 +239,12 @@ def test_pickled_wrapper_reloads_and_compiles_again(compiled_qwen3, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), model.parameters()))
     torch.testing.assert_close(twin(batch).loss, want.loss, rtol=0, atol=0)
     # Every option survives pickling (checked without running).
-    other = tc.tree_compile(model, mask="bitmask", outputs=("entropy",), temperature=0.9, lm_head="fused")
+    other = tc.tree_compile(model, mask="bitmask", outputs=("entropy",), temperature=0.9, lm_head="fused", backend="eager")
     copy_ = pickle.loads(pickle.dumps(other))
     assert (copy_.mask, copy_._outputs, copy_.temperature, copy_._passes) == ("bitmask", ("entropy",), 0.9,
                                                                               other._passes)
     options = StreamOptions(budget_rows=64)
-    copy_ = pickle.loads(pickle.dumps(tc.tree_compile(model, stream=options)))
+    copy_ = pickle.loads(pickle.dumps(tc.tree_compile(model, stream=options, backend="eager")))
     assert copy_._stream.options == options and copy_._stream.wrapper is copy_
 
 
@@ -259,12 +259,11 @@ def test_lora_adapters_applied_before_compile_are_exact(family):
     else:
         cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+        model = perturbed_hf_model(cfg, eval=False)
     # Random A and B: the adapters change the model from the first step.
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     peft_model = peft.get_peft_model(model, lora)
-    compiled = tc.tree_compile(peft_model)
+    compiled = tc.tree_compile(peft_model, backend="eager")
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(peft_model, compiled, batch, trees, tol="hf")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from testing import SCALED_GRAD_TOLERANCE
+from testing import SCALED_GRAD_TOLERANCE, perturbed_hf_model
 
 from treecompile import TrajectoryTree
 from treecompile.dataloader import plan_step
@@ -38,8 +38,7 @@ def _model():
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).double()
+    return perturbed_hf_model(cfg, eval=False)
 
 
 def _worker(rank, init_file, out_dir):

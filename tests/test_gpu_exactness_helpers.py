@@ -44,7 +44,7 @@ def qwen3_fp32():
     ref64 = run_paths(copy_as(base, torch.float64, "cpu"), trees)
     path32 = run_paths(copy_as(base, torch.float32, "cpu"), trees)
     model = copy_as(base, torch.float32, "cpu")
-    tree32 = run_tree(tc.tree_compile(model, lm_head="fused"), tc.pack(trees))
+    tree32 = run_tree(tc.tree_compile(model, lm_head="fused", backend="eager"), tc.pack(trees))
     return tree32, path32, ref64
 
 
@@ -90,6 +90,6 @@ def test_fp32_procedure_on_cpu_for_every_gpu_model(name):
     trees = exactness_trees()
     ref64 = run_paths(copy_as(base, torch.float64, "cpu"), trees)
     path32 = run_paths(copy_as(base, torch.float32, "cpu"), trees)
-    tree32 = run_tree(tc.tree_compile(copy_as(base, torch.float32, "cpu")), tc.pack(trees))
+    tree32 = run_tree(tc.tree_compile(copy_as(base, torch.float32, "cpu"), backend="eager"), tc.pack(trees))
     chk = fp32_check(tree32, path32, ref64)
     assert not chk.failures(), (chk.budget, chk.failures())

@@ -102,7 +102,7 @@ def test_verl_batch_on_a_tree_gives_verls_log_probs_loss_and_gradients():
     tree = tree_from_verl(data)
     assert tree.batch.num_paths == 6
     assert tree.batch.num_tokens < int(data["attention_mask"].sum())  # prompts computed once
-    compiled = tc.tree_compile(model)
+    compiled = tc.tree_compile(model, backend="eager")
     out = compiled(tree.batch)
     loss = policy_loss(out.logprobs, tree.rl, PolicyLossConfig(eps_low=CLIP, eps_high=CLIP, clip_c=CLIP_C)).loss
     loss.backward()

@@ -6,7 +6,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import path_sets
-from testing import TOLERANCES, NoModel, assert_grads_close, hash_forward, param_grads, tree_hash_logits
+from testing import (
+    TOLERANCES,
+    NoModel,
+    assert_grads_close,
+    hash_forward,
+    param_grads,
+    perturbed_hf_model,
+    tree_hash_logits,
+)
 
 from treecompile import LOSS_MODES, TrajectoryTree, TreeInputError, gather_logprobs, pack, tree_loss
 from treecompile.partition import (
@@ -289,8 +297,7 @@ def tiny_qwen3(vocab=32):
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    return perturbed_hf_model(cfg)
 
 
 SEQS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9, 10], [1, 2, 3], [1, 11, 12, 13], [14, 15, 16]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_rl_objectives import CONFIGS, _noise
-from testing import TOLERANCES, assert_grads_close, param_grads
+from testing import TOLERANCES, assert_grads_close, param_grads, perturbed_hf_model
 
 from treecompile import TrajectoryTree
 from treecompile.compile import tree_compile
@@ -33,11 +33,10 @@ ADVS = [2.5, -1.5, 0.5, "tokens", -0.75, 0.0, "tokens"]
 
 @pytest.fixture(scope="module")
 def model_and_compiled():
-    torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
-    return model, tree_compile(model, outputs=("entropy",))
+    model = perturbed_hf_model(cfg)
+    return model, tree_compile(model, outputs=("entropy",), backend="eager")
 
 
 def _path_terms(model, seq):

@@ -96,10 +96,12 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
         subject.eval()  # dropout would make the two runs differ for no fault of the tree
         for p in subject.parameters():
             p.grad = None
-        twin = compiled if subject is model else type(compiled)(
-            subject, mask=compiled.mask, backend=None, verify=False, passes=compiled._passes,
-            outputs=compiled._outputs,
-        )
+        # The copy runs on the CPU: the wrapper's options but inductor's lowering (a CUDA
+        # choice), the check itself and the temperature (a division the reference does not make).
+        options = {**compiled._options(), "verify": False, "temperature": 1.0}
+        if options["backend"] == "inductor":
+            options["backend"] = None
+        twin = compiled if subject is model else type(compiled)(subject, **options)
         loss = twin(check_batch.to(next(subject.parameters()).device)).loss
         loss.backward()
         tree_grads = {n: p.grad for n, p in subject.named_parameters()}
