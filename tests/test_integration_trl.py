@@ -47,6 +47,19 @@ from testing import (  # noqa: E402
 from treecompile.errors import TreeInputError  # noqa: E402
 from treecompile.integrations.trl import TreeGRPOTrainer, TreeSFTTrainer, rows_to_tree  # noqa: E402
 
+
+class EagerSFT(TreeSFTTrainer):
+    """The float64 comparisons run the rewritten graph as it is: what they check is the trainer
+    glue, which the lowering does not touch; the float32 and bf16 runs keep the default lowering."""
+
+    tree_compile_options = {"backend": "eager"}
+
+
+class EagerGRPO(TreeGRPOTrainer):
+    """As `EagerSFT`, for GRPO."""
+
+    tree_compile_options = {"backend": "eager"}
+
 pytestmark = pytest.mark.xdist_group("trl")
 
 EOS, PAD = 2, 0
@@ -200,7 +213,7 @@ def sft_runs(models, tmp_path_factory):
         ds, extra = data[kind]
         args = _sft_args(output_dir=str(tmp_path_factory.mktemp("sft")), **extra, **opt)
         for name in names:
-            cls = TreeSFTTrainer if name == "tree" else trl.SFTTrainer
+            cls = trl.SFTTrainer if name != "tree" else EagerSFT if dtype == torch.float64 else TreeSFTTrainer
             *run, trainer = _train(cls, ms[dtype], inits[dtype], args, train_dataset=ds, processing_class=tok)
             held.append(trainer)
             out[kind, dtype, name] = run
@@ -328,7 +341,7 @@ def _grpo_run(setup, cls, dtype, out, **kw):
 def test_grpo_float64_matches_stock(grpo_setup, loss, tmp_path):
     kw = {"loss_type": loss, **LOSS_TYPES[loss], "optim": "sgd"}
     stock, st = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
-    tree, _ = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float64, str(tmp_path), **kw)
+    tree, _ = _grpo_run(grpo_setup, EagerGRPO, torch.float64, str(tmp_path), **kw)
     _assert_exact(tree, stock, f"GRPO {loss}")
     # The second iteration on each generation is off-policy: the clipping was exercised.
     assert any(v > 0 for h in st.state.log_history for k, v in h.items() if "clip" in k), "no token was clipped"
@@ -347,7 +360,7 @@ def test_grpo_with_a_reference_model_float64_matches_stock(grpo_setup, tmp_path)
     try:
         kw = {"beta": 0.04, "optim": "sgd", "max_steps": 2}
         stock, st = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
-        tree, tt = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float64, str(tmp_path), **kw)
+        tree, tt = _grpo_run(grpo_setup, EagerGRPO, torch.float64, str(tmp_path), **kw)
     finally:
         model.config._name_or_path = name
     assert tt.ref_model is not None and st.ref_model is not None
@@ -395,7 +408,7 @@ def test_grpo_temperature_and_entropy(grpo_setup, tmp_path):
     """A non-default temperature divides the logits on the tree side too (log-probs and entropy)."""
     kw = {"temperature": 0.7, "optim": "sgd"}
     stock, st = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
-    tree, tt = _grpo_run(grpo_setup, TreeGRPOTrainer, torch.float64, str(tmp_path), **kw)
+    tree, tt = _grpo_run(grpo_setup, EagerGRPO, torch.float64, str(tmp_path), **kw)
     _assert_exact(tree, stock, "GRPO temperature 0.7")
     for hs, ht in zip(st.state.log_history, tt.state.log_history):
         if "entropy" in hs:
