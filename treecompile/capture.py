@@ -37,8 +37,9 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from treecompile.errors import UnsupportedModelError
@@ -47,9 +48,12 @@ from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_d
 from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
 from treecompile.passes import markers
 
+if TYPE_CHECKING:
+    from treecompile.passes.moe import RouterAux
+
 __all__ = [
     "TreeMask", "mask_builder_swaps", "HF_ATTENTION_NAME", "SEQUENCE_KERNELS", "hf_interfaces", "install_output_hooks",
-    "sequence_kernels", "swapped_kernels", "plain_experts",
+    "sequence_kernels", "swapped_kernels", "plain_experts", "is_hf_model", "model_vocab_size", "call_kwargs",
 ]
 
 #: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
@@ -299,3 +303,53 @@ def plain_experts(model: nn.Module) -> None:
         cfg = getattr(m, "config", None)
         if getattr(cfg, "_experts_implementation_internal", None) not in (None, "eager"):
             cfg._experts_implementation_internal = "eager"
+
+
+# --------------------------------------------------------------------------- calling the model
+
+
+def model_vocab_size(model: nn.Module, is_hf: bool) -> int | None:
+    """The number of token ids the model's input embedding takes, where it is known."""
+    if is_hf and hasattr(model, "get_input_embeddings"):
+        emb = model.get_input_embeddings()
+        if isinstance(emb, nn.Embedding):
+            return emb.num_embeddings
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # Only one embedding: it must be the token embedding (with more, one may be a position table).
+    return embeddings[0].num_embeddings if len(embeddings) == 1 else None
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
+    ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
+    tf = sys.modules.get("transformers")
+    peft = type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    return tf is not None and isinstance(base, tf.PreTrainedModel)
+
+
+def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
+    """``positions -> kwargs`` for calling the model: tree position ids where it takes them,
+    and the router logits when the model has a router auxiliary loss (off otherwise)."""
+    params = inspect.signature(model.forward).parameters
+    takes_pos = is_hf or "position_ids" in params
+    takes_cache = is_hf or "use_cache" in params
+    takes_router = "output_router_logits" in params
+
+    # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
+    own_attention = is_hf and "attention_mask" in params and markers.has_own_attention(model)
+
+    def kwargs(positions: torch.Tensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if own_attention:
+            out["attention_mask"] = positions.new_ones(positions.shape)[None]
+        if takes_pos:
+            out["position_ids"] = positions[None]
+        if takes_cache:
+            # A cache changes nothing here but HF would build one (and a plain causal mask).
+            out["use_cache"] = False
+        if takes_router:
+            out["output_router_logits"] = router is not None
+        return out
+
+    return kwargs

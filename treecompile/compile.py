@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
-import sys
 import types
 from collections import Counter
 from collections.abc import Iterator
@@ -29,9 +27,12 @@ from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
 from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of
 from treecompile.capture import (
+    call_kwargs,
     hf_interfaces,
     install_output_hooks,
+    is_hf_model,
     mask_builder_swaps,
+    model_vocab_size,
     sequence_kernels,
     swapped_kernels,
 )
@@ -40,7 +41,7 @@ from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_bloc
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
-from treecompile.passes.moe import RouterAux, router_aux_of
+from treecompile.passes.moe import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.reference import logits_of
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
@@ -184,8 +185,8 @@ class TreeCompiledModel(nn.Module):
         self.compile_records: list[CompileRecord] = []
         self._layout = None
         self._chunks = 0
-        self._is_hf = _is_hf_model(model)
-        self._vocab_size = _vocab_size(model, self._is_hf)
+        self._is_hf = is_hf_model(model)
+        self._vocab_size = model_vocab_size(model, self._is_hf)
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
         self._routes_attention = self._is_hf and markers.uses_attention_interface(model)
@@ -197,7 +198,7 @@ class TreeCompiledModel(nn.Module):
         self._kernels = sequence_kernels(model)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
-        self._call_kwargs = _call_kwargs(model, self._is_hf, self._router_aux)
+        self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
         self._proven_rows: int | None = None
@@ -553,57 +554,10 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"{expected}; got a model that is already tree-compiled (pass its .model)")
     if type(model).__module__.startswith("torch.nn.") and not any(True for _ in model.children()):
         raise TypeError(f"{expected}; got a bare torch.nn.{type(model).__name__}, which is one layer, not a model")
-    if _is_hf_model(model):
+    if is_hf_model(model):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None and not hasattr(model, "lm_head"):
             raise TypeError(
                 f"{expected}; got {type(model).__name__}, a base model without an LM head "
                 "(load it with AutoModelForCausalLM)"
             )
-
-
-def _vocab_size(model: nn.Module, is_hf: bool) -> int | None:
-    """The number of token ids the model's input embedding takes, where it is known."""
-    if is_hf and hasattr(model, "get_input_embeddings"):
-        emb = model.get_input_embeddings()
-        if isinstance(emb, nn.Embedding):
-            return emb.num_embeddings
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    # Only one embedding: it must be the token embedding (with more, one may be a position table).
-    return embeddings[0].num_embeddings if len(embeddings) == 1 else None
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    """A Hugging Face model, or a PEFT model (LoRA adapters) around one: PEFT passes
-    ``position_ids`` and ``use_cache`` through to it and its attention keeps HF's interface."""
-    tf = sys.modules.get("transformers")
-    peft = type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
-    base = model.get_base_model() if peft else model
-    return tf is not None and isinstance(base, tf.PreTrainedModel)
-
-
-def _call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
-    """``positions -> kwargs`` for calling the model: tree position ids where it takes them,
-    and the router logits when the model has a router auxiliary loss (off otherwise)."""
-    params = inspect.signature(model.forward).parameters
-    takes_pos = is_hf or "position_ids" in params
-    takes_cache = is_hf or "use_cache" in params
-    takes_router = "output_router_logits" in params
-
-    # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
-    own_attention = is_hf and "attention_mask" in params and markers.has_own_attention(model)
-
-    def kwargs(positions: torch.Tensor) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if own_attention:
-            out["attention_mask"] = positions.new_ones(positions.shape)[None]
-        if takes_pos:
-            out["position_ids"] = positions[None]
-        if takes_cache:
-            # A cache changes nothing here but HF would build one (and a plain causal mask).
-            out["use_cache"] = False
-        if takes_router:
-            out["output_router_logits"] = router is not None
-        return out
-
-    return kwargs
