@@ -10,6 +10,8 @@ does not depend on it).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -123,14 +125,24 @@ _MODELS = {
     "qwen3-moe-no-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
         **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
         output_router_logits=False), experts_implementation="eager"),  # grouped_mm has no float64 on CPU
+    # Coefficient 1: the auxiliary term is a large part of the loss and of the router's
+    # gradient, so a part counted wrongly cannot hide under the main loss.
+    "qwen3-moe-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"),
 }
+#: Extra tree_compile options per family.
+_OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
+#: The router auxiliary loss coefficient of the families that have one.
+_AUX = {"qwen3-moe-aux": 1.0}
 _COMPILED: dict = {}
 
 
 def _compiled(family, mode):
     if (family, mode) not in _COMPILED:
         model = _MODELS[family]()
-        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode))
+        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode),
+                                                      **_OPTIONS.get(family, {}))
     return _COMPILED[family, mode]
 
 
@@ -148,7 +160,8 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     (2.0 * out.loss).backward()  # the held gradients are scaled by what backward brings
     got = {n: p.grad / 2.0 for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    ref = per_path_loss(model, [tree], loss_mode=loss_mode)
+    coef = _AUX.get(family)
+    ref = per_path_loss(model, [tree], loss_mode=loss_mode, router_aux_loss_coef=coef)
     ref.loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -158,6 +171,15 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     for i in range(batch.num_paths):
         torch.testing.assert_close(out.logprobs[batch.path_rows(i)], ref.logprobs[i].detach(), rtol=rtol, atol=atol,
                                    msg=lambda m, i=i: f"logprobs of path {i}: {m}")
+    if coef is None:
+        assert out.aux_loss is None
+    else:
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss.to(out.aux_loss.dtype), rtol=rtol, atol=atol)
+    if out.entropy is not None:
+        assert not out.entropy.requires_grad  # values, like the logprobs
+        for i in range(batch.num_paths):
+            torch.testing.assert_close(out.entropy[batch.path_rows(i)], _path_entropy(model, seqs[i]), rtol=rtol,
+                                       atol=atol, msg=lambda m, i=i: f"entropy of path {i}: {m}")
     if scaled:
         assert_grads_close(got, want, ("float64", kind))
     else:
@@ -166,10 +188,21 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
             torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"grad of {n}: {m}")
     stats = compiled._stream.stats
     assert stats.parts == plan_stream(batch, budget).num_parts >= -(-batch.num_tokens // budget)
-    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode)
+    # With an auxiliary loss a first pass without a graph runs every row once more.
+    extra = batch.num_tokens if coef is not None else 0
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode) + extra
     if mode == "keep":
-        assert stats.forward_rows == batch.num_tokens  # every row forward once: ERR = POR
+        assert stats.forward_rows == batch.num_tokens + extra  # every row forward once more: ERR = POR
     return stats
+
+
+def _path_entropy(model, tokens):
+    """``[T]`` entropy of the distribution predicting each token of one path (0 first), by
+    the unmodified model on the path alone."""
+    from treecompile.reference import model_logits
+
+    logp = torch.log_softmax(model_logits(model, torch.tensor([tokens]))[0, :-1].double(), dim=-1)
+    return torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
 
 
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
@@ -223,11 +256,37 @@ def test_under_budget_runs_as_one_call():
     assert out.logprobs.requires_grad and compiled._stream.stats is None
 
 
-def test_streaming_refuses_a_router_aux_loss_and_hybrids():
-    moe = transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4,
-                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
-    with pytest.raises(UnsupportedModelError, match="^Qwen3MoeForCausalLM: router auxiliary loss"):
-        tree_compile(_perturbed(moe), stream=StreamOptions(budget_rows=4))
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_moe_router_aux_loss_and_entropy_stream_exactly(mode):
+    """The auxiliary loss (coefficient 1) over the whole tree from the parts' router sums, and
+    each row's entropy, on two trees: cuts inside nodes and one-token parts, and a chain."""
+    _check("qwen3-moe-aux", mode, BRANCHY, 3 if mode == "keep" else 4)
+    _check("qwen3-moe-aux", mode, CHAIN, 1 if mode == "keep" else 5)
+    _, compiled = _compiled("qwen3-moe-aux", mode)
+    streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
+    assert streamed[-1].counters["check_moe_regions_pass"] == {"experts": 2, "router_aux_loss": 1,
+                                                              "router_layers": 2}
+
+
+def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
+    """A load_balancing_loss_func that is not E * sum(T * P) / N^2 (here squared) cannot be
+    added up from the parts' sums: refused when the model is wrapped, naming the function."""
+    import treecompile.passes.moe as moe
+
+    model = _MODELS["qwen3-moe-aux"]()
+    fn = moe.router_aux_of(model).loss_fn
+    mod = sys.modules[fn.__module__]
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return fn(gate_logits, num_experts, top_k, attention_mask) ** 2
+
+    load_balancing_loss_func.__module__ = fn.__module__
+    monkeypatch.setattr(mod, "load_balancing_loss_func", load_balancing_loss_func)
+    with pytest.raises(UnsupportedModelError, match=r"^transformers\.models\.qwen3_moe\..*load_balancing_loss_func: "):
+        tree_compile(model, stream=StreamOptions(budget_rows=4))
+
+
+def test_streaming_refuses_hybrids():
     nxt = transformers.Qwen3NextConfig(
         **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,

@@ -25,7 +25,10 @@ Modes (`StreamOptions.mode`):
 The backward runs during the call (it must, to free each part's graph); the gradients are
 held aside and land on the parameters when ``out.loss.backward()`` is called, scaled by
 the gradient it receives. So only losses expressed through the batch's ``target_weight``
-(every loss mode) stream; ``out.logprobs`` is detached in a streamed call.
+(every loss mode) stream, plus a MoE model's router auxiliary loss (from the parts' router
+sums, with one more forward pass without a graph for its gradient; see
+`RouterAux.tree_stats`); ``out.logprobs`` and ``out.entropy`` are values (no gradient) in a
+streamed call.
 """
 
 from __future__ import annotations
@@ -229,6 +232,16 @@ class _Entry:
     loss: torch.Tensor | None
     leaves: list[torch.Tensor]  # the prefix tensors the part read, with their grads after its backward
     grads: list[torch.Tensor | None]  # gradients later parts added to ``vals``
+    main: torch.Tensor | None = None  # the part's loss without the auxiliary term, detached
+
+
+@dataclass
+class _RunResult:
+    loss: torch.Tensor  # the main loss (no auxiliary term), detached
+    logprobs: torch.Tensor  # [S]
+    entropy: torch.Tensor | None  # [S], with outputs=("entropy",)
+    router_stats: torch.Tensor | None  # [2E + 1] summed over parts, with a router auxiliary loss
+    forward_rows: int
 
 
 class _StreamedLoss(torch.autograd.Function):
@@ -279,17 +292,30 @@ class StreamRunner:
         backend = make_backend(mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
                                lowering=lowering, records=w.compile_records,
                                passes=dataclasses.replace(pipeline, passes=tuple(passes)))
-        inner, kwargs_of = w._inner, w._call_kwargs
+        inner, kwargs_of, router = w._inner, w._call_kwargs, w._router_aux
+        want_entropy = "entropy" in w._outputs
+        temperature = w.temperature
+        from treecompile.capture import install_output_hooks
+        from treecompile.compile import _gathered_entropy
         from treecompile.reference import logits_of
 
-        def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
-                           kv_meta):
+        if router is not None:
+            install_output_hooks(inner)
+
+        def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
+                           prefix, kv_meta):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), [])
             ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(kv_meta))
             out = inner(ids, **kwargs_of(positions))
-            logprobs = torch.ops.treecompile.tree_logprobs(logits_of(out), rows, slot, target, dest)
+            logits = logits_of(out)
+            if temperature != 1.0:
+                logits = logits / temperature
+            logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
             loss = -(weight.to(logprobs.dtype) * logprobs).sum()
-            return loss, logprobs, torch.ops.treecompile.stream_outputs(ids, list(prefix))
+            # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
+            stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
+            entropy = _gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+            return loss, logprobs, torch.ops.treecompile.stream_outputs(ids, list(prefix)), stats, entropy
 
         code = stream_forward.__code__.replace(co_name=f"stream_forward_{id(self):x}_{len(shapes)}")
         fn = types.FunctionType(code, stream_forward.__globals__, code.co_name, None, stream_forward.__closure__)
@@ -325,35 +351,62 @@ class StreamRunner:
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
+        router = w._router_aux
         try:
-            loss, logprobs, forward_rows = self._run(batch, plan, device, grad)
+            aux_grad, first_rows = None, 0
+            if router is not None and grad:
+                # The gradient of the auxiliary loss with respect to a part's router
+                # probability sums is E * T / N^2 (`RouterAux.aux_from_stats` is linear in them),
+                # with T and N over the whole tree: a first pass without a graph finds them.
+                first = self._run(batch, plan, device, False)
+                first_rows = first.forward_rows
+                probs = first.router_stats.clone().requires_grad_(True)
+                (aux_grad,) = torch.autograd.grad(router.aux_from_stats(probs), probs)
+                aux_grad = router.coef * aux_grad
+            result = self._run(batch, plan, device, grad, aux_grad)
             streamed = [p.grad for p in params]
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
         self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
-                                 forward_rows=forward_rows, rows=batch.num_tokens)
+                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens)
+        loss, aux = result.loss, None
+        if router is not None:
+            aux = router.aux_from_stats(result.router_stats)
+            loss = loss + router.coef * aux.to(loss.dtype)
         if grad:
             loss = _StreamedLoss.apply(loss, streamed, *params)
-        return TreeOutput(loss=loss, logprobs=logprobs)
+        return TreeOutput(loss=loss, logprobs=result.logprobs, aux_loss=aux, entropy=result.entropy)
 
-    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool):
+    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool,
+             aux_grad: torch.Tensor | None = None) -> _RunResult:
+        """Every part forward (and, with ``grad``, backward) in the plan's order.
+
+        ``aux_grad``: ``[2E + 1]``, the gradient of ``coef * aux`` with respect to the
+        router sums; each part's backward adds ``aux_grad . stats_j`` to its loss."""
         keep = self.options.mode == "keep"
         data = _BatchArrays(batch)
         entries: dict[int, _Entry] = {}
         total = torch.zeros((), dtype=torch.float64, device=device)
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
+        entropy = torch.zeros_like(logprobs) if "entropy" in self.wrapper._outputs else None
+        router_stats = None
         forward_rows = 0
         for j in range(plan.num_parts):
             # A part nothing later reads runs with grad and goes back at once; in recompute
             # mode, a part that later parts read runs without a graph first.
             backward_now = grad and int(plan.last_reader[j]) == j
             with_graph = grad and (keep or backward_now)
-            entry, lp, dest = self._forward_part(data, plan, j, entries, device, with_graph)
+            entry, lp, dest, stats, ent = self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
             forward_rows += int(plan.starts[j + 1] - plan.starts[j])
             entries[j] = entry
-            total = total + entry.loss.detach().to(total.dtype)
+            total = total + entry.main.to(total.dtype)
             logprobs[dest] = lp.detach().to(logprobs.dtype)
+            if ent is not None:
+                entropy[dest] = ent.detach().to(entropy.dtype)
+            if stats is not None:
+                stats = stats.detach().to(torch.float64)
+                router_stats = stats if router_stats is None else router_stats + stats
             if not grad:
                 for p in plan.release[j]:
                     entries.pop(p)
@@ -361,19 +414,20 @@ class StreamRunner:
             for p in plan.release[j]:
                 e = entries[p]
                 if e.outs is None:  # recompute mode: run it again, now with its graph
-                    redo, _, _ = self._forward_part(data, plan, p, entries, device, True)
+                    redo = self._forward_part(data, plan, p, entries, device, True, aux_grad)[0]
                     forward_rows += int(plan.starts[p + 1] - plan.starts[p])
                     e.outs, e.loss, e.leaves = redo.outs, redo.loss, redo.leaves
                 self._backward_part(plan, p, e, entries)
                 del entries[p]
-        return total, logprobs, forward_rows
+        return _RunResult(loss=total, logprobs=logprobs, entropy=entropy, router_stats=router_stats,
+                          forward_rows=forward_rows)
 
-    def _forward_part(self, data: _BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool):
+    def _forward_part(self, data: _BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool,
+                      aux_grad: torch.Tensor | None = None):
         a, b = int(plan.starts[j]), int(plan.starts[j + 1])
         inputs, dest = data.part_inputs(a, b, plan.prefix[j])
         inputs = [x.to(device) for x in inputs]
-        ids, positions, sub_local, rows, slot, target, dests, weight, kv_end, kv_pos = inputs
-        block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         if self._shapes is None:
             self._build(device, [])
             try:
@@ -383,21 +437,26 @@ class StreamRunner:
         prefix = self._prefix(plan, j, entries, device)
         leaves = [x.requires_grad_() for x in prefix] if with_graph else []
         with torch.set_grad_enabled(with_graph):
-            loss, lp, kv = self._call(self._args(inputs, block_tensors, prefix))
+            loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, prefix))
+            main = loss.detach()
+            if aux_grad is not None and with_graph:
+                # coef * aux is linear in the part's router sums with this gradient: the part's
+                # share of the auxiliary loss's gradient (see StreamRunner.__call__).
+                loss = loss + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
         m = dest.shape[0]
         entry = _Entry(vals=[t.detach() for t in kv], outs=list(kv) if with_graph else None, loss=loss,
-                       leaves=leaves, grads=[None] * len(kv))
-        return entry, lp[:m], dest.to(device)
+                       leaves=leaves, grads=[None] * len(kv), main=main)
+        return entry, lp[:m], dest.to(device), stats, None if ent is None else ent[:m]
 
     @staticmethod
     def _args(inputs, block_tensors, prefix) -> tuple:
-        ids, positions, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos = inputs
+        ids, positions, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos = inputs
         ids = ids[None]
         for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
-                     (weight, 0), (kv_end, 0), (kv_pos, 0), *[(p, 2) for p in prefix],
+                     (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), *[(p, 2) for p in prefix],
                      *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
-        return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
+        return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count, prefix,
                 [kv_end, kv_pos])
 
     def _prefix(self, plan: StreamPlan, j: int, entries: dict, device) -> list[torch.Tensor]:
@@ -451,6 +510,7 @@ class _BatchArrays:
         self.pos = batch.position_ids.cpu().numpy()
         self.sub = batch.subtree_end.cpu().numpy()
         self.weight = batch.target_weight.detach().cpu().numpy()
+        self.path_count = batch.path_count.cpu().numpy()
         pred = batch.pred_index.cpu().numpy()
         targets = np.flatnonzero(pred >= 0)
         order = np.argsort(pred[targets], kind="stable")
@@ -482,12 +542,13 @@ class _BatchArrays:
         dest = np.arange(m_run)
         weight = np.zeros(s_run)
         weight[:m] = self.weight[t]
+        path_count = np.concatenate([self.path_count[a:b], np.zeros(pad, np.int64)])
         p = PAD_PREFIX + prefix.shape[0]
         kv_end = np.concatenate([np.zeros(PAD_PREFIX, np.int64), p + np.minimum(self.sub[prefix], b) - a,
                                  p + sub_local])
         kv_pos = np.concatenate([np.zeros(PAD_PREFIX, np.int64), self.pos[prefix], pos])
         as_t = [torch.from_numpy(np.ascontiguousarray(x)) for x in
-                (ids, pos, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos)]
+                (ids, pos, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos)]
         as_t = [x.to(torch.int64) if x.dtype != torch.float64 else x for x in as_t]
         return as_t, torch.from_numpy(t.copy())
 
@@ -530,18 +591,12 @@ def _check_streamable(wrapper) -> None:
     """Refuses, when the model is wrapped, what streaming cannot make exact yet."""
     name = type(wrapper._inner).__name__
     if wrapper._router_aux is not None:
-        raise UnsupportedModelError(
-            f"{name}: router auxiliary loss (load_balancing_loss_func, config.output_router_logits) is a product of two "
-            "averages over the whole batch, which streamed parts cannot add up part by part; set "
-            "config.output_router_logits = False to stream, or raise the budget so the batch runs as one call"
-        )
+        wrapper._router_aux.check_stats_form()
     if wrapper._kernels or wrapper._structure:
         raise UnsupportedModelError(
             f"{name}: recurrent or convolutional sequence layers (SSM state, conv windows) are not handed from one "
             "streamed part to the next yet; only attention layers read the KV stack"
         )
-    if wrapper._outputs:
-        raise UnsupportedModelError(f"{name}: outputs={wrapper._outputs!r} are not produced by a streamed call yet")
 
 
 def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
