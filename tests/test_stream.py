@@ -22,6 +22,7 @@ from test_compile_models import NanoGPT, tiny
 from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.capture import sequence_kernels, swapped_kernels
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.prefix_attention import prefix_attention_reference
 from treecompile.reference import per_path_loss
@@ -131,6 +132,30 @@ _MODELS = {
         **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
         output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"),
 }
+
+def _slow_decay(model):
+    """Recurrent layers that remember: HF's init decays a Gated DeltaNet or Mamba2 state by
+    ~exp(-13) per token, so a state routed wrongly would change nothing measurable; at ~0.99
+    per token it carries the path across parts (checked: zero states change the loss by 1e-2)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                m.A_log.copy_(-2.0 + 0.1 * torch.randn_like(m.A_log))
+                m.dt_bias.fill_(-1.0)
+    return model
+
+
+_MODELS["qwen3-next"] = lambda: _slow_decay(_perturbed(transformers.Qwen3NextConfig(
+    **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    num_experts=0)))
+_MODELS["bamba"] = lambda: _slow_decay(_perturbed(transformers.BambaConfig(
+    **SMALL, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))
+#: Families with recurrent layers: the reference runs treecompile's float64 scan and conv
+#: kernels per path (HF's fallbacks compute in float32; tests/test_compile_hybrid.py checks
+#: those kernels against HF's and the reference loops).
+_HYBRID = ("qwen3-next", "bamba")
 #: Extra tree_compile options per family.
 _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 #: The router auxiliary loss coefficient of the families that have one.
@@ -161,8 +186,10 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     got = {n: p.grad / 2.0 for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     coef = _AUX.get(family)
-    ref = per_path_loss(model, [tree], loss_mode=loss_mode, router_aux_loss_coef=coef)
-    ref.loss.backward()
+    kernels = sequence_kernels(model) if family in _HYBRID else []
+    with swapped_kernels(kernels):
+        ref = per_path_loss(model, [tree], loss_mode=loss_mode, router_aux_loss_coef=coef)
+        ref.loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     kind = "pure" if family == "nanogpt" else "hf"
@@ -214,7 +241,8 @@ def test_custom_model_streams_exactly(mode):
     streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
     # One graph for every part of every budget (recompute mode adds its no-grad graph).
     assert len(streamed) == (1 if mode == "keep" else 2)
-    assert streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2, "kv_outputs": 4}
+    assert streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2}
+    assert streamed[0].counters["route_stream_state_pass"] == {"kv_outputs": 4}
 
 
 @settings(max_examples=10)
@@ -286,13 +314,40 @@ def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
         tree_compile(model, stream=StreamOptions(budget_rows=4))
 
 
-def test_streaming_refuses_hybrids():
-    nxt = transformers.Qwen3NextConfig(
-        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=0)
-    with pytest.raises(UnsupportedModelError, match="^Qwen3NextForCausalLM: recurrent or convolutional"):
-        tree_compile(_perturbed(nxt), stream=StreamOptions(budget_rows=4))
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_gated_deltanet_hybrid_streams_exactly(mode):
+    """Qwen3-Next (a Gated DeltaNet layer with its causal conv, then attention): the recurrent
+    state and the conv context come from earlier parts, cut inside nodes, in one-token parts
+    and along a chain (every part starts mid-node)."""
+    _check("qwen3-next", mode, BRANCHY, 4)
+    if mode == "keep":
+        _check("qwen3-next", mode, BRANCHY, 1)
+        _check("qwen3-next", mode, CHAIN, 5)
+    _, compiled = _compiled("qwen3-next", mode)
+    streamed = [r for r in compiled.compile_records if "route_stream_state_pass" in r.counters]
+    assert streamed[-1].counters["route_stream_state_pass"] == {"kv_outputs": 2, "conv_context": 1,
+                                                               "recurrent_state": 1}
+
+
+@pytest.mark.slow
+@settings(max_examples=8)
+@given(case=path_sets(max_paths=4, max_len=8), data=st.data())
+def test_gated_deltanet_hybrid_streams_generated_trees_at_any_budget(case, data):
+    """Entry and read-out states on generated trees (duplicate paths, paths ending inside
+    others, forests) cut at any budget."""
+    seqs, weights, masks = case
+    rows = TrajectoryTree.from_sequences(seqs).num_tokens
+    if rows < 2:
+        return  # a one-row batch is never over a budget
+    budget = data.draw(st.integers(1, rows - 1), label="budget")
+    _check("qwen3-next", "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
+
+
+@pytest.mark.slow
+def test_mamba2_hybrid_streams_exactly():
+    """Bamba (a Mamba2 layer with its causal conv, then attention), keep mode."""
+    _check("bamba", "keep", BRANCHY, 4)
+    _check("bamba", "keep", CHAIN, 3)
 
 
 def test_bad_options_are_refused():
