@@ -142,11 +142,16 @@ class RouterAux:
         got = self.aux_from_stats(self.tree_stats(logits, weights))
         # HF sums the statistics in float32: agreement to float32 rounding.
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            try:
+                where = f" ({inspect.getsourcefile(self.loss_fn)}:{inspect.getsourcelines(self.loss_fn)[1]})"
+            except (OSError, TypeError):
+                where = ""
+            name = f"{getattr(self.loss_fn, '__module__', '?')}.load_balancing_loss_func"
             raise UnsupportedModelError(
-                f"{getattr(self.loss_fn, '__module__', '?')}.load_balancing_loss_func: its router auxiliary loss is "
-                f"not the Switch-Transformer form E * sum(T * P) / N^2 that streamed parts add up (on random logits it "
-                f"gives {want.item():.6g}, that form {got.item():.6g}); set config.output_router_logits = False to "
-                "stream, or raise the budget so the batch runs as one call"
+                f"{name}{where}: its router auxiliary loss is not the Switch-Transformer form E * sum(T * P) / N^2 "
+                f"that streamed parts add up (on random logits it gives {want.item():.6g}, that form "
+                f"{got.item():.6g}); set config.output_router_logits = False to stream, or raise the budget so the "
+                "batch runs as one call"
             )
 
 

@@ -152,10 +152,18 @@ _MODELS["qwen3-next"] = lambda: _slow_decay(_perturbed(transformers.Qwen3NextCon
 _MODELS["bamba"] = lambda: _slow_decay(_perturbed(transformers.BambaConfig(
     **SMALL, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
     mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))
+# Mamba2 and attention side by side in each layer.
+_MODELS["falcon-h1"] = lambda: _slow_decay(_perturbed(transformers.FalconH1Config(
+    **SMALL, head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=2,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))
+# A gated short conv (kernel 3) without a scan.
+_MODELS["lfm2"] = lambda: _perturbed(transformers.Lfm2Config(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False))
 #: Families with recurrent layers: the reference runs treecompile's float64 scan and conv
 #: kernels per path (HF's fallbacks compute in float32; tests/test_compile_hybrid.py checks
 #: those kernels against HF's and the reference loops).
-_HYBRID = ("qwen3-next", "bamba")
+_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2")
 #: Extra tree_compile options per family.
 _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 #: The router auxiliary loss coefficient of the families that have one.
@@ -310,7 +318,8 @@ def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
 
     load_balancing_loss_func.__module__ = fn.__module__
     monkeypatch.setattr(mod, "load_balancing_loss_func", load_balancing_loss_func)
-    with pytest.raises(UnsupportedModelError, match=r"^transformers\.models\.qwen3_moe\..*load_balancing_loss_func: "):
+    first = r"^transformers\.models\.qwen3_moe\..*load_balancing_loss_func \(.*test_stream\.py:\d+\): its router "
+    with pytest.raises(UnsupportedModelError, match=first):
         tree_compile(model, stream=StreamOptions(budget_rows=4))
 
 
@@ -344,10 +353,34 @@ def test_gated_deltanet_hybrid_streams_generated_trees_at_any_budget(case, data)
 
 
 @pytest.mark.slow
-def test_mamba2_hybrid_streams_exactly():
-    """Bamba (a Mamba2 layer with its causal conv, then attention), keep mode."""
-    _check("bamba", "keep", BRANCHY, 4)
-    _check("bamba", "keep", CHAIN, 3)
+@pytest.mark.parametrize("family", ["bamba", "falcon-h1", "lfm2"])
+def test_mamba2_and_conv_hybrids_stream_exactly(family):
+    """Bamba (a Mamba2 layer with its causal conv, then attention), Falcon-H1 (Mamba2 and
+    attention side by side) and LFM2 (a short conv, no scan), keep mode."""
+    _check(family, "keep", BRANCHY, 4)
+    _check(family, "keep", CHAIN, 3)
+
+
+def test_temperature_streams_as_the_one_call_tree():
+    """``temperature`` divides the logits of every streamed part (log-probs, entropy and
+    gradients equal the one-call tree's, which test_compile_custom checks per path)."""
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model, temperature=0.7, outputs=("entropy",), stream=StreamOptions(budget_rows=100))
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    runs = []
+    for budget in (100, 3):
+        compiled._stream.options = StreamOptions(budget_rows=budget)
+        model.zero_grad(set_to_none=True)
+        out = compiled(batch)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (one, want), (streamed, got) = runs
+    assert compiled._stream.stats.parts > 1
+    rtol, atol = COMPILE_TOL["pure"]
+    for what in ("loss", "logprobs", "entropy"):
+        torch.testing.assert_close(getattr(streamed, what).detach(), getattr(one, what).detach(), rtol=rtol,
+                                   atol=atol, msg=lambda m, w=what: f"{w}: {m}")
+    assert_grads_close(got, want, ("float64", "pure"))
 
 
 def test_bad_options_are_refused():
