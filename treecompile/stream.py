@@ -477,10 +477,10 @@ class StreamRunner:
         """What part ``j`` reads from the stack (detached copies), per slot:
 
         * keys and values ``[1, Hkv, PAD_PREFIX + P_j, D]`` and conv inputs ``[1, C,
-          PAD_PREFIX + P_j]``: padding, then the prefix rows' gathered from the parts that
-          computed them;
+          PAD_PREFIX + P_j]``: padding, then the prefix rows' ones, gathered from the parts
+          that computed them;
         * recurrent states ``[PAD_STATES + E_j, H, Dk, Dv]``: zeros, then the states after
-          the part's entry rows (`_BatchArrays.entry_rows`) read out by the parts holding them.
+          the part's entry rows (`_BatchArrays._state_rows`), read out by the parts holding them.
         """
         rows = plan.prefix[j]
         owners = plan.part_of(rows)
