@@ -160,14 +160,20 @@ _MODELS["falcon-h1"] = lambda: _slow_decay(_perturbed(transformers.FalconH1Confi
 _MODELS["lfm2"] = lambda: _perturbed(transformers.Lfm2Config(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"],
     num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False))
+# Gated DeltaNet, attention and MoE layers with the router auxiliary loss.
+_MODELS["qwen3-next-moe-aux"] = lambda: _slow_decay(_perturbed(transformers.Qwen3NextConfig(
+    **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    decoder_sparse_step=1, output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"))
 #: Families with recurrent layers: the reference runs treecompile's float64 scan and conv
 #: kernels per path (HF's fallbacks compute in float32; tests/test_compile_hybrid.py checks
 #: those kernels against HF's and the reference loops).
-_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2")
+_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2", "qwen3-next-moe-aux")
 #: Extra tree_compile options per family.
 _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 #: The router auxiliary loss coefficient of the families that have one.
-_AUX = {"qwen3-moe-aux": 1.0}
+_AUX = {"qwen3-moe-aux": 1.0, "qwen3-next-moe-aux": 1.0}
 _COMPILED: dict = {}
 
 
@@ -361,6 +367,14 @@ def test_mamba2_and_conv_hybrids_stream_exactly(family):
     attention side by side) and LFM2 (a short conv, no scan), keep mode."""
     _check(family, "keep", BRANCHY, 4)
     _check(family, "keep", CHAIN, 3)
+
+
+@pytest.mark.slow
+def test_hybrid_moe_with_aux_loss_streams_exactly():
+    """Qwen3-Next with MoE layers and the router auxiliary loss, in recompute mode: the
+    recurrent state, conv context and router sums together (the first pass without a graph
+    hands states over as the passes with graphs do)."""
+    _check("qwen3-next-moe-aux", "recompute", BRANCHY, 4)
 
 
 def test_temperature_streams_as_the_one_call_tree():
