@@ -92,6 +92,68 @@ class RouterAux:
         aux = self.loss_fn(tuple(logits), self.num_experts, self.top_k, weights[None])
         return torch.ops.treecompile.router_aux_end(aux)
 
+    def tree_stats(self, router_logits: tuple[torch.Tensor, ...], path_count: torch.Tensor) -> torch.Tensor:
+        """The sums the auxiliary loss is made of, over the rows given (one streamed part).
+
+        HF's ``load_balancing_loss_func`` is ``E * sum_e (T_e / N) (P_e / N)`` (Switch
+        Transformer), where over all layers and tokens ``T_e`` counts the top-k slots given to
+        expert ``e``, ``P_e`` adds up its router probability and ``N`` counts the tokens, each
+        token weighted by its mask (here ``path_count``). Sums over parts of a tree add up to
+        the sums over the tree, so a streamed call adds the parts' stats and applies
+        `aux_from_stats` once (`check_stats_form` confirms the model's function has this form).
+
+        Args:
+            router_logits: per MoE layer, ``[S, E]`` (or ``[1, S, E]``).
+            path_count: ``[S]`` paths through each row (0 on padding rows).
+
+        Returns:
+            ``[2E + 1]``: ``T`` (no gradient: top-k is piecewise constant), ``P`` (with
+            gradient), ``N``; in float64 for a float64 model, else float32.
+        """
+        flat = [t.reshape(-1, t.shape[-1]) for t in router_logits]
+        dtype = torch.promote_types(flat[0].dtype, torch.float32)
+        *logits, w = torch.ops.treecompile.router_stats_begin(flat, path_count.to(dtype))
+        counts = w.new_zeros(self.num_experts)
+        probs = w.new_zeros(self.num_experts)
+        for layer in logits:
+            p = torch.softmax(layer, dim=-1)
+            top = torch.topk(p, self.top_k, dim=-1).indices
+            counts = counts.scatter_add(0, top.reshape(-1), w.repeat_interleave(self.top_k))
+            probs = probs + (p.to(dtype) * w[:, None]).sum(0)
+        n = w.sum() * len(logits)
+        return torch.ops.treecompile.router_aux_end(torch.cat([counts.detach(), probs, n[None]]))
+
+    def aux_from_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """The unscaled auxiliary loss from the ``[2E + 1]`` sums of `tree_stats` (added over
+        parts): ``E * sum(T * P) / N^2``. Linear in ``P`` given the counts, so its gradient
+        with respect to a part's ``P`` is the same constant for every part."""
+        e = self.num_experts
+        counts, probs, n = stats[:e], stats[e:2 * e], stats[2 * e]
+        return e * (counts * probs).sum() / (n * n)
+
+    def check_stats_form(self) -> None:
+        """Refuses a ``load_balancing_loss_func`` that `aux_from_stats` does not reproduce:
+        both run on random router logits of two layers and random row weights, in float64."""
+        gen = torch.Generator().manual_seed(0)
+        logits = tuple(torch.randn(7, self.num_experts, generator=gen, dtype=torch.float64) for _ in range(2))
+        weights = torch.randint(0, 4, (7,), generator=gen).to(torch.float64)
+        weights[0] = 1.0
+        want = torch.as_tensor(self.loss_fn(logits, self.num_experts, self.top_k, weights[None]), dtype=torch.float64)
+        got = self.aux_from_stats(self.tree_stats(logits, weights))
+        # HF sums the statistics in float32: agreement to float32 rounding.
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            try:
+                where = f" ({inspect.getsourcefile(self.loss_fn)}:{inspect.getsourcelines(self.loss_fn)[1]})"
+            except (OSError, TypeError):
+                where = ""
+            name = f"{getattr(self.loss_fn, '__module__', '?')}.load_balancing_loss_func"
+            raise UnsupportedModelError(
+                f"{name}{where}: its router auxiliary loss is not the Switch-Transformer form E * sum(T * P) / N^2 "
+                f"that streamed parts add up (on random logits it gives {want.item():.6g}, that form "
+                f"{got.item():.6g}); set config.output_router_logits = False to stream, or raise the budget so the "
+                "batch runs as one call"
+            )
+
 
 def router_aux_of(model: torch.nn.Module) -> RouterAux | None:
     """The router auxiliary loss a Hugging Face model adds to its loss, or None.

@@ -44,9 +44,10 @@ from torch import fx
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
-from treecompile.passes._graph import PassContext, is_op, value
+from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 
-__all__ = ["KVLayout", "StreamGraph", "stream_passes", "stream_attention_fn", "stream_inputs", "stream_outputs"]
+__all__ = ["KVLayout", "StreamGraph", "stream_passes", "stream_attention_fn", "stream_causal_conv1d", "stream_scan_fn",
+           "stream_inputs", "stream_outputs"]
 
 
 Tensor = torch.Tensor
@@ -56,47 +57,66 @@ PREFIX_BLOCK = 128
 
 
 @torch.library.custom_op("treecompile::stream_inputs", mutates_args=())
-def stream_inputs(ids: Tensor, prefix: list[Tensor], kv_meta: list[Tensor]) -> Tensor:
-    """Identity on ``ids`` ``[1, S]``; makes the prefix keys/values and their mask data graph inputs."""
+def stream_inputs(ids: Tensor, prefix: list[Tensor], conv: list[Tensor], states: list[Tensor],
+                  kv_meta: list[Tensor]) -> Tensor:
+    """Identity on ``ids`` ``[1, S]``; makes the stack's tensors and their index data graph inputs."""
     return ids.clone()
 
 
 @stream_inputs.register_fake
-def _stream_inputs_fake(ids, prefix, kv_meta):
+def _stream_inputs_fake(ids, prefix, conv, states, kv_meta):
     return torch.empty_like(ids)
 
 
 @torch.library.custom_op("treecompile::stream_outputs", mutates_args=())
-def stream_outputs(ids: Tensor, prefix: list[Tensor]) -> list[Tensor]:
-    """Placeholders ``[1, Hkv, S, D]`` for the part's own keys and values (one per prefix tensor).
+def stream_outputs(ids: Tensor, prefix: list[Tensor], conv: list[Tensor], states: list[Tensor],
+                   readouts: Tensor) -> list[Tensor]:
+    """Placeholders for what the part puts on the stack, in order: ``[1, Hkv, S, D]`` keys and
+    values (one per prefix tensor), ``[1, C, S]`` conv inputs (one per conv context) and
+    ``[R, H, Dk, Dv]`` recurrent states (one per state input; ``R = readouts.shape[0]``).
 
-    Its eager body cannot know them: the streaming pass must replace it.
+    Its eager body cannot know them: the streaming passes must replace it.
     """
     raise RuntimeError("treecompile::stream_outputs ran uncompiled: the streaming pass did not replace it")
 
 
 @stream_outputs.register_fake
-def _stream_outputs_fake(ids, prefix):
+def _stream_outputs_fake(ids, prefix, conv, states, readouts):
     s = ids.shape[-1]
-    return [p.new_empty(*p.shape[:-2], s, p.shape[-1]) for p in prefix]
+    return ([p.new_empty(*p.shape[:-2], s, p.shape[-1]) for p in prefix] + [c.new_empty(*c.shape[:-1], s) for c in conv]
+            + [t.new_empty(readouts.shape[0], *t.shape[1:]) for t in states])
 
 
 class KVLayout(Exception):
-    """Raised by `route_prefix_kv_pass` when the prefix given does not match the graph's
-    attention calls; ``shapes`` lists ``(Hkv, D, dtype)`` of each prefix tensor to pass."""
+    """Raised by `route_stream_state_pass` when the stack tensors given do not match the
+    graph's layers; ``shapes`` lists ``(Hkv, D, dtype)`` of each prefix key/value tensor to
+    pass, ``conv`` ``(C, dtype)`` of each conv context and ``states`` ``(H, Dk, Dv, dtype)``
+    of each recurrent state."""
 
-    def __init__(self, shapes: list[tuple[int, int, torch.dtype]]):
-        super().__init__(f"the graph has {len(shapes) // 2} attention calls")
+    def __init__(self, shapes: list[tuple[int, int, torch.dtype]], conv: list | None = None,
+                 states: list | None = None):
+        super().__init__(f"the graph has {len(shapes) // 2} attention calls, {len(conv or [])} conv contexts and "
+                         f"{len(states or [])} recurrent states")
         self.shapes = shapes
+        self.conv = conv or []
+        self.states = states or []
 
 
 @dataclass
 class StreamGraph:
-    """The placeholders `read_stream_inputs_pass` found, for `route_prefix_kv_pass`."""
+    """The placeholders `read_stream_inputs_pass` found, and what `route_prefix_kv_pass`
+    learnt, for `route_stream_state_pass`."""
 
     prefix: list[fx.Node] | None = None
+    conv: list[fx.Node] | None = None
+    states: list[fx.Node] | None = None
     kv_end: fx.Node | None = None
     kv_pos: fx.Node | None = None
+    conv_pred: fx.Node | None = None
+    readouts: fx.Node | None = None
+    kv_shapes: list | None = None
+    kv_flat: list | None = None
+    layout_ok: bool = True
 
 
 @functools.cache
@@ -120,17 +140,86 @@ def stream_attention_fn(spec: AttentionSpec) -> Callable:
     return stream_tree_attention
 
 
-def stream_passes(state: StreamGraph) -> tuple[Callable, Callable]:
-    """``(read_stream_inputs_pass, route_prefix_kv_pass)`` sharing ``state``: the first runs
-    before every other pass, the second right after ``rewrite_attention_pass``."""
+def stream_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, context: Tensor, pred: Tensor) -> Tensor:
+    """The tree causal conv of a part whose rows may read earlier parts' conv inputs.
+
+    Args:
+        x: ``[1, C, S]`` the part's conv inputs.
+        weight, bias: as for ``treecompile::tree_causal_conv1d``.
+        context: ``[1, C, L - S]`` the conv inputs of the part's prefix rows (after padding rows).
+        pred: ``[L]`` each row's predecessor on its path in ``[context ; x]`` coordinates (-1 at a
+            root or where the predecessor is not held).
+
+    Returns:
+        ``[1, C, S]``: the conv of ``[context ; x]`` along each row's path, the part's rows.
+    """
+    kk = weight.shape[1]
+    cols = [pred]
+    for _ in range(kk - 2):
+        last = cols[-1]
+        cols.append(pred.index_select(0, last.clamp(min=0)).masked_fill(last < 0, -1))
+    ancestors = torch.stack(cols, dim=1) if kk > 1 else pred.new_zeros(pred.shape[0], 0)
+    full = torch.cat([context.to(x.dtype), x], dim=2)
+    out = torch.ops.treecompile.tree_causal_conv1d(full, weight, bias, ancestors)
+    return out[:, :, context.shape[2]:]
+
+
+@functools.cache
+def stream_scan_fn(kind: str) -> Callable:
+    """``fn(q, k, v, g, beta, states, node_table, readouts) -> (out [1, S, H, Dv], [R, H, Dk, Dv])``:
+    the tree recurrence of a part, started from states of earlier parts, reading out states
+    for later parts, through the unchanged ``treecompile::tree_{kind}`` op.
+
+    Both ends are rows of the scan itself, placed around the part's rows (the node table,
+    built by the runner, says which node each belongs to):
+
+    * an *injection node* of ``Dk`` rows per given state ``S`` ``[H, Dk, Dv]``: row ``t`` has
+      ``k = e_t``, ``v = S[:, t]``, ``g = 0``, ``beta = 1``, ``q = 0``, run from the zero state.
+      Row ``t`` writes ``e_t (v_t - S_cur^T e_t)^T`` where row ``t`` of ``S_cur`` is still zero,
+      so after the node the state is ``S`` exactly (products with 0 and 1 only, in either
+      form of the rule); the part's nodes whose parent lies before the part hang from it.
+    * a *readout node* of ``Dk`` rows per state to return, a child of the node whose final
+      state it reads: ``q = e_t``, ``k = v = g = beta = 0`` (no decay, no write), so row ``t``
+      outputs ``S^T e_t``, row ``t`` of the parent's final state, exactly.
+
+    The gradients flow through the same rows: into the injected states, and from the
+    read-out states into the part's rows.
+    """
+    op = getattr(torch.ops.treecompile, f"tree_{kind}")
+
+    def stream_scan(q, k, v, g, beta, states, node_table, readouts):
+        n_in, h, dk, dv = states.shape
+        n_out = readouts.shape[0]
+        s = q.shape[1]
+        eye = torch.eye(dk, dtype=q.dtype, device=q.device)[:, None, :].expand(dk, h, dk)
+        ins = (q.new_zeros(n_in * dk, h, dk), eye.repeat(n_in, 1, 1),
+               states.to(v.dtype).permute(0, 2, 1, 3).reshape(n_in * dk, h, dv),
+               g.new_zeros(n_in * dk, h), beta.new_ones(n_in * dk, h))
+        outs = (eye.repeat(n_out, 1, 1), k.new_zeros(n_out * dk, h, dk), v.new_zeros(n_out * dk, h, dv),
+                g.new_zeros(n_out * dk, h), beta.new_zeros(n_out * dk, h))
+        full = [torch.cat([a, x[0], b])[None] for a, x, b in zip(ins, (q, k, v, g, beta), outs)]
+        out = op(*full, None, node_table)
+        own = out[:, n_in * dk:n_in * dk + s]
+        read = out[0, n_in * dk + s:].reshape(n_out, dk, h, dv).permute(0, 2, 1, 3)
+        return own, read
+
+    stream_scan.__name__ = f"stream_tree_{kind}"
+    return stream_scan
+
+
+def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
+    """``(read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass)`` sharing
+    ``state``: the first runs before every other pass, the second right after
+    ``rewrite_attention_pass``, the third after ``route_ssm_state_pass``."""
 
     def read_stream_inputs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         found = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_inputs)]
         if len(found) != 1:
             raise RuntimeError(f"treecompile: expected one stream_inputs marker, found {len(found)}")
         node = found[0]
-        ids, prefix, kv_meta = node.args
-        state.prefix, (state.kv_end, state.kv_pos) = list(prefix), kv_meta
+        ids, prefix, conv, states, kv_meta = node.args
+        state.prefix, state.conv, state.states = list(prefix), list(conv), list(states)
+        state.kv_end, state.kv_pos, state.conv_pred, state.readouts = kv_meta
         node.replace_all_uses_with(ids)
         gm.graph.erase_node(node)
         return gm
@@ -149,12 +238,11 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable]:
                     )
                 shapes.append((int(t.shape[1]), int(t.shape[3]), t.dtype))
         given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]
+        state.kv_shapes = shapes
         if given != shapes:
-            raise KVLayout(shapes)
-        outputs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_outputs)]
-        if len(outputs) != 1:
-            raise RuntimeError(f"treecompile: expected one stream_outputs marker, found {len(outputs)}")
-        flat = [x for pair in kv for x in pair]
+            state.layout_ok = False  # route_stream_state_pass raises KVLayout with every layer's shapes
+            return gm
+        state.kv_flat = [x for pair in kv for x in pair]
         for i, node in enumerate(calls):
             q, k, v = node.args[:3]
             fn = stream_attention_fn(node.target.spec)
@@ -166,6 +254,70 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable]:
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             ctx.count("prefix_attention")
+        return gm
+
+    def route_stream_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.tree_causal_conv1d)]
+        scans = [(n, kind) for n in gm.graph.nodes for kind in ("gated_delta_rule", "ssd_scan")
+                 if is_op(n, getattr(torch.ops.treecompile, f"tree_{kind}"))]
+        conv_shapes = []
+        for n in convs:
+            x = value(n.args[0])
+            if x.shape[0] != 1 or not isinstance(x.shape[1], int):
+                raise UnsupportedModelError(
+                    f"treecompile: {describe(n)} is a causal conv of input {tuple(x.shape)}: a streamed part keeps the "
+                    f"conv context of one packed row with a fixed channel count.\n  at {source_of(n)}")
+            conv_shapes.append((int(x.shape[1]), x.dtype))
+        state_shapes = []
+        for n, _ in scans:
+            q, v = value(n.args[0]), value(n.args[2])
+            if n.args[5] is not None:
+                raise UnsupportedModelError(
+                    f"treecompile: {describe(n)} is a recurrent scan with an initial state: a streamed part starts "
+                    f"its roots from the zero state.\n  at {source_of(n)}")
+            if not all(isinstance(d, int) for d in (q.shape[2], q.shape[3], v.shape[3])):
+                raise UnsupportedModelError(
+                    f"treecompile: {describe(n)} has a symbolic head count or state size {tuple(q.shape)}: its state "
+                    f"cannot be kept on the streaming stack.\n  at {source_of(n)}")
+            state_shapes.append((int(q.shape[2]), int(q.shape[3]), int(v.shape[3]), v.dtype))
+        if len({sh[1] for sh in state_shapes}) > 1:
+            raise UnsupportedModelError(
+                f"treecompile: {describe(scans[0][0])}: recurrent layers of different key sizes "
+                f"{sorted({sh[1] for sh in state_shapes})} cannot share one streamed node table.\n"
+                f"  at {source_of(scans[0][0])}")
+        given_conv = [(int(value(c).shape[1]), value(c).dtype) for c in state.conv]
+        given_states = [(*(int(d) for d in value(t).shape[1:]), value(t).dtype) for t in state.states]
+        if not state.layout_ok or given_conv != conv_shapes or given_states != state_shapes:
+            raise KVLayout(state.kv_shapes, conv_shapes, state_shapes)
+        flat = list(state.kv_flat)
+        for i, node in enumerate(convs):
+            x, weight, bias, _ = node.args
+            with gm.graph.inserting_before(node):
+                new = ctx.mark(gm.graph.call_function(
+                    stream_causal_conv1d, (x, weight, bias, state.conv[i], state.conv_pred)), like=node)
+            new.meta["example_value"] = value(node)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            flat.append(x)
+            ctx.count("conv_context")
+        for i, (node, kind) in enumerate(scans):
+            q, k, v, g, beta, _, table = node.args
+            with gm.graph.inserting_before(node):
+                new = ctx.mark(gm.graph.call_function(
+                    stream_scan_fn(kind), (q, k, v, g, beta, state.states[i], table, state.readouts)), like=node)
+                own = ctx.mark(gm.graph.call_function(operator.getitem, (new, 0)), like=node)
+                read = ctx.mark(gm.graph.call_function(operator.getitem, (new, 1)), like=node)
+            own.meta["example_value"] = value(node)
+            sv = value(state.states[i])
+            read.meta["example_value"] = sv.new_empty(value(state.readouts).shape[0], *sv.shape[1:]).to(value(v).dtype)
+            new.meta["example_value"] = (own.meta["example_value"], read.meta["example_value"])
+            node.replace_all_uses_with(own)
+            gm.graph.erase_node(node)
+            flat.append(read)
+            ctx.count("recurrent_state")
+        outputs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_outputs)]
+        if len(outputs) != 1:
+            raise RuntimeError(f"treecompile: expected one stream_outputs marker, found {len(outputs)}")
         marker = outputs[0]
         for user in list(marker.users):
             if not (user.op == "call_function" and user.target is operator.getitem):
@@ -173,7 +325,7 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable]:
             user.replace_all_uses_with(flat[user.args[1]])
             gm.graph.erase_node(user)
         gm.graph.erase_node(marker)
-        ctx.count("kv_outputs", len(flat))
+        ctx.count("kv_outputs", len(state.kv_flat))
         return gm
 
-    return read_stream_inputs_pass, route_prefix_kv_pass
+    return read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass

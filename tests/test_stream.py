@@ -10,6 +10,8 @@ does not depend on it).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from test_compile_models import NanoGPT, tiny
 from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.capture import sequence_kernels, swapped_kernels
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.prefix_attention import prefix_attention_reference
 from treecompile.reference import per_path_loss
@@ -123,14 +126,62 @@ _MODELS = {
     "qwen3-moe-no-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
         **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
         output_router_logits=False), experts_implementation="eager"),  # grouped_mm has no float64 on CPU
+    # Coefficient 1: the auxiliary term is a large part of the loss and of the router's
+    # gradient, so a part counted wrongly cannot hide under the main loss.
+    "qwen3-moe-aux": lambda: _perturbed(transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"),
 }
+
+def _slow_decay(model):
+    """Recurrent layers that remember: HF's init decays a Gated DeltaNet or Mamba2 state by
+    ~exp(-13) per token, so a state routed wrongly would change nothing measurable; at ~0.99
+    per token it carries the path across parts (checked: zero states change the loss by 1e-2)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                m.A_log.copy_(-2.0 + 0.1 * torch.randn_like(m.A_log))
+                m.dt_bias.fill_(-1.0)
+    return model
+
+
+_MODELS["qwen3-next"] = lambda: _slow_decay(_perturbed(transformers.Qwen3NextConfig(
+    **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    num_experts=0)))
+_MODELS["bamba"] = lambda: _slow_decay(_perturbed(transformers.BambaConfig(
+    **SMALL, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))
+# Mamba2 and attention side by side in each layer.
+_MODELS["falcon-h1"] = lambda: _slow_decay(_perturbed(transformers.FalconH1Config(
+    **SMALL, head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=2,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))
+# A gated short conv (kernel 3) without a scan.
+_MODELS["lfm2"] = lambda: _perturbed(transformers.Lfm2Config(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False))
+# Gated DeltaNet, attention and MoE layers with the router auxiliary loss.
+_MODELS["qwen3-next-moe-aux"] = lambda: _slow_decay(_perturbed(transformers.Qwen3NextConfig(
+    **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    decoder_sparse_step=1, output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"))
+#: Families with recurrent layers: the reference runs treecompile's float64 scan and conv
+#: kernels per path (HF's fallbacks compute in float32; tests/test_compile_hybrid.py checks
+#: those kernels against HF's and the reference loops).
+_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2", "qwen3-next-moe-aux")
+#: Extra tree_compile options per family.
+_OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
+#: The router auxiliary loss coefficient of the families that have one.
+_AUX = {"qwen3-moe-aux": 1.0, "qwen3-next-moe-aux": 1.0}
 _COMPILED: dict = {}
 
 
 def _compiled(family, mode):
     if (family, mode) not in _COMPILED:
         model = _MODELS[family]()
-        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode))
+        _COMPILED[family, mode] = model, tree_compile(model, stream=StreamOptions(budget_rows=4, mode=mode),
+                                                      **_OPTIONS.get(family, {}))
     return _COMPILED[family, mode]
 
 
@@ -148,8 +199,11 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     (2.0 * out.loss).backward()  # the held gradients are scaled by what backward brings
     got = {n: p.grad / 2.0 for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    ref = per_path_loss(model, [tree], loss_mode=loss_mode)
-    ref.loss.backward()
+    coef = _AUX.get(family)
+    kernels = sequence_kernels(model) if family in _HYBRID else []
+    with swapped_kernels(kernels):
+        ref = per_path_loss(model, [tree], loss_mode=loss_mode, router_aux_loss_coef=coef)
+        ref.loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     kind = "pure" if family == "nanogpt" else "hf"
@@ -158,6 +212,15 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     for i in range(batch.num_paths):
         torch.testing.assert_close(out.logprobs[batch.path_rows(i)], ref.logprobs[i].detach(), rtol=rtol, atol=atol,
                                    msg=lambda m, i=i: f"logprobs of path {i}: {m}")
+    if coef is None:
+        assert out.aux_loss is None
+    else:
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss.to(out.aux_loss.dtype), rtol=rtol, atol=atol)
+    if out.entropy is not None:
+        assert not out.entropy.requires_grad  # values, like the logprobs
+        for i in range(batch.num_paths):
+            torch.testing.assert_close(out.entropy[batch.path_rows(i)], _path_entropy(model, seqs[i]), rtol=rtol,
+                                       atol=atol, msg=lambda m, i=i: f"entropy of path {i}: {m}")
     if scaled:
         assert_grads_close(got, want, ("float64", kind))
     else:
@@ -166,10 +229,21 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
             torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"grad of {n}: {m}")
     stats = compiled._stream.stats
     assert stats.parts == plan_stream(batch, budget).num_parts >= -(-batch.num_tokens // budget)
-    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode)
+    # With an auxiliary loss a first pass without a graph runs every row once more.
+    extra = batch.num_tokens if coef is not None else 0
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode) + extra
     if mode == "keep":
-        assert stats.forward_rows == batch.num_tokens  # every row forward once: ERR = POR
+        assert stats.forward_rows == batch.num_tokens + extra  # every row forward once more: ERR = POR
     return stats
+
+
+def _path_entropy(model, tokens):
+    """``[T]`` entropy of the distribution predicting each token of one path (0 first), by
+    the unmodified model on the path alone."""
+    from treecompile.reference import model_logits
+
+    logp = torch.log_softmax(model_logits(model, torch.tensor([tokens]))[0, :-1].double(), dim=-1)
+    return torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
 
 
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
@@ -181,7 +255,8 @@ def test_custom_model_streams_exactly(mode):
     streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
     # One graph for every part of every budget (recompute mode adds its no-grad graph).
     assert len(streamed) == (1 if mode == "keep" else 2)
-    assert streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2, "kv_outputs": 4}
+    assert streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2}
+    assert streamed[0].counters["route_stream_state_pass"] == {"kv_outputs": 4}
 
 
 @settings(max_examples=10)
@@ -223,17 +298,105 @@ def test_under_budget_runs_as_one_call():
     assert out.logprobs.requires_grad and compiled._stream.stats is None
 
 
-def test_streaming_refuses_a_router_aux_loss_and_hybrids():
-    moe = transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, head_dim=8, num_experts=4,
-                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
-    with pytest.raises(UnsupportedModelError, match="^Qwen3MoeForCausalLM: router auxiliary loss"):
-        tree_compile(_perturbed(moe), stream=StreamOptions(budget_rows=4))
-    nxt = transformers.Qwen3NextConfig(
-        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=0)
-    with pytest.raises(UnsupportedModelError, match="^Qwen3NextForCausalLM: recurrent or convolutional"):
-        tree_compile(_perturbed(nxt), stream=StreamOptions(budget_rows=4))
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_moe_router_aux_loss_and_entropy_stream_exactly(mode):
+    """The auxiliary loss (coefficient 1) over the whole tree from the parts' router sums, and
+    each row's entropy, on two trees: cuts inside nodes and one-token parts, and a chain."""
+    _check("qwen3-moe-aux", mode, BRANCHY, 3 if mode == "keep" else 4)
+    _check("qwen3-moe-aux", mode, CHAIN, 1 if mode == "keep" else 5)
+    _, compiled = _compiled("qwen3-moe-aux", mode)
+    streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
+    assert streamed[-1].counters["check_moe_regions_pass"] == {"experts": 2, "router_aux_loss": 1,
+                                                              "router_layers": 2}
+
+
+def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
+    """A load_balancing_loss_func that is not E * sum(T * P) / N^2 (here squared) cannot be
+    added up from the parts' sums: refused when the model is wrapped, naming the function."""
+    import treecompile.passes.moe as moe
+
+    model = _MODELS["qwen3-moe-aux"]()
+    fn = moe.router_aux_of(model).loss_fn
+    mod = sys.modules[fn.__module__]
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return fn(gate_logits, num_experts, top_k, attention_mask) ** 2
+
+    load_balancing_loss_func.__module__ = fn.__module__
+    monkeypatch.setattr(mod, "load_balancing_loss_func", load_balancing_loss_func)
+    first = r"^transformers\.models\.qwen3_moe\..*load_balancing_loss_func \(.*test_stream\.py:\d+\): its router "
+    with pytest.raises(UnsupportedModelError, match=first):
+        tree_compile(model, stream=StreamOptions(budget_rows=4))
+
+
+@pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_gated_deltanet_hybrid_streams_exactly(mode):
+    """Qwen3-Next (a Gated DeltaNet layer with its causal conv, then attention): the recurrent
+    state and the conv context come from earlier parts, cut inside nodes, in one-token parts
+    and along a chain (every part starts mid-node)."""
+    _check("qwen3-next", mode, BRANCHY, 4)
+    if mode == "keep":
+        _check("qwen3-next", mode, BRANCHY, 1)
+        _check("qwen3-next", mode, CHAIN, 5)
+    _, compiled = _compiled("qwen3-next", mode)
+    streamed = [r for r in compiled.compile_records if "route_stream_state_pass" in r.counters]
+    # One graph for every part of every budget (recompute mode adds its no-grad graph).
+    assert len(streamed) == (1 if mode == "keep" else 2)
+    assert streamed[-1].counters["route_stream_state_pass"] == {"kv_outputs": 2, "conv_context": 1,
+                                                               "recurrent_state": 1}
+
+
+@pytest.mark.slow
+@settings(max_examples=8)
+@given(case=path_sets(max_paths=4, max_len=8), data=st.data())
+def test_gated_deltanet_hybrid_streams_generated_trees_at_any_budget(case, data):
+    """Entry and read-out states on generated trees (duplicate paths, paths ending inside
+    others, forests) cut at any budget."""
+    seqs, weights, masks = case
+    rows = TrajectoryTree.from_sequences(seqs).num_tokens
+    if rows < 2:
+        return  # a one-row batch is never over a budget
+    budget = data.draw(st.integers(1, rows - 1), label="budget")
+    _check("qwen3-next", "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bamba", "falcon-h1", "lfm2"])
+def test_mamba2_and_conv_hybrids_stream_exactly(family):
+    """Bamba (a Mamba2 layer with its causal conv, then attention), Falcon-H1 (Mamba2 and
+    attention side by side) and LFM2 (a short conv, no scan), keep mode."""
+    _check(family, "keep", BRANCHY, 4)
+    _check(family, "keep", CHAIN, 3)
+
+
+@pytest.mark.slow
+def test_hybrid_moe_with_aux_loss_streams_exactly():
+    """Qwen3-Next with MoE layers and the router auxiliary loss, in recompute mode: the
+    recurrent state, conv context and router sums together (the first pass without a graph
+    hands states over as the passes with graphs do)."""
+    _check("qwen3-next-moe-aux", "recompute", BRANCHY, 4)
+
+
+def test_temperature_streams_as_the_one_call_tree():
+    """``temperature`` divides the logits of every streamed part (log-probs, entropy and
+    gradients equal the one-call tree's, which test_compile_custom checks per path)."""
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model, temperature=0.7, outputs=("entropy",), stream=StreamOptions(budget_rows=100))
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    runs = []
+    for budget in (100, 3):
+        compiled._stream.options = StreamOptions(budget_rows=budget)
+        model.zero_grad(set_to_none=True)
+        out = compiled(batch)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (one, want), (streamed, got) = runs
+    assert compiled._stream.stats.parts > 1
+    rtol, atol = COMPILE_TOL["pure"]
+    for what in ("loss", "logprobs", "entropy"):
+        torch.testing.assert_close(getattr(streamed, what).detach(), getattr(one, what).detach(), rtol=rtol,
+                                   atol=atol, msg=lambda m, w=what: f"{w}: {m}")
+    assert_grads_close(got, want, ("float64", "pure"))
 
 
 def test_bad_options_are_refused():

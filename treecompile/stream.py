@@ -8,11 +8,13 @@ The packed row (depth-first) is cut into parts of at most ``budget_rows`` consec
 every row is in exactly one part, so no token is computed twice (a part may start inside a
 node). Parts run in row order. A part's attention reads, per layer, the keys and values of
 the rows before it on the root path of its first row (its *prefix*: the KV stack), from the
-earlier parts that computed them, besides its own (`treecompile.passes.stream`). Its
-gradients with respect to those prefix keys and values are added into the stack entries of
-the parts that produced them; a part runs its own backward once every later part that
-reads it has run its backward (see `StreamPlan`), so each part's graph lives only while a
-descendant part still needs it.
+earlier parts that computed them, besides its own (`treecompile.passes.stream`); in a
+hybrid model its causal convs read the prefix rows' conv inputs the same way, and its
+recurrent layers start from the states after its *entry rows* (`_BatchArrays.structure`),
+which the parts holding those rows read out. Its gradients with respect to what it read
+are added into the stack entries of the parts that produced them; a part runs its own
+backward once every later part that reads it has run its backward (see `StreamPlan`), so
+each part's graph lives only while a descendant part still needs it.
 
 Modes (`StreamOptions.mode`):
 
@@ -25,7 +27,10 @@ Modes (`StreamOptions.mode`):
 The backward runs during the call (it must, to free each part's graph); the gradients are
 held aside and land on the parameters when ``out.loss.backward()`` is called, scaled by
 the gradient it receives. So only losses expressed through the batch's ``target_weight``
-(every loss mode) stream; ``out.logprobs`` is detached in a streamed call.
+(every loss mode) stream, plus a MoE model's router auxiliary loss (from the parts' router
+sums, with one more forward pass without a graph for its gradient; see
+`RouterAux.tree_stats`); ``out.logprobs`` and ``out.entropy`` are values (no gradient) in a
+streamed call.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.pipeline import Pipeline, make_backend
+from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 
@@ -64,6 +70,9 @@ CUTS = ("subtree", "rows")
 #: Rows of the always-invisible padding prefix: the prefix length is never 0 or 1, which
 #: Dynamo would specialise (one graph for every part).
 PAD_PREFIX = 2
+#: Zero states before a part's entry states, and unused readouts before its own, for the
+#: same reason (hybrid models).
+PAD_STATES = 2
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,16 @@ class _Entry:
     loss: torch.Tensor | None
     leaves: list[torch.Tensor]  # the prefix tensors the part read, with their grads after its backward
     grads: list[torch.Tensor | None]  # gradients later parts added to ``vals``
+    main: torch.Tensor | None = None  # the part's loss without the auxiliary term, detached
+
+
+@dataclass
+class _RunResult:
+    loss: torch.Tensor  # the main loss (no auxiliary term), detached
+    logprobs: torch.Tensor  # [S]
+    entropy: torch.Tensor | None  # [S], with outputs=("entropy",)
+    router_stats: torch.Tensor | None  # [2E + 1] summed over parts, with a router auxiliary loss
+    forward_rows: int
 
 
 class _StreamedLoss(torch.autograd.Function):
@@ -254,7 +273,7 @@ class StreamRunner:
         self.options = options
         self.stats: StreamStats | None = None
         self._compiled = None
-        self._shapes: list[tuple[int, int, torch.dtype]] | None = None
+        self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
         self._layout = None
         _check_streamable(wrapper)
 
@@ -264,10 +283,10 @@ class StreamRunner:
 
     # ------------------------------------------------------------------ compile
 
-    def _build(self, device: torch.device, shapes) -> None:
+    def _build(self, device: torch.device, shapes: KVLayout) -> None:
         w = self.wrapper
         state = StreamGraph()
-        read, route = stream_passes(state)
+        read, route, route_state = stream_passes(state)
         pipeline = w._passes if isinstance(w._passes, Pipeline) else Pipeline(tuple(w._passes))
         passes = []
         for p in pipeline.passes:
@@ -276,23 +295,39 @@ class StreamRunner:
                 passes.append(read)
             if p is rewrite_attention_pass:
                 passes.append(route)
+            if p is route_ssm_state_pass:
+                passes.append(route_state)
         lowering = w._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
         backend = make_backend(mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
                                lowering=lowering, records=w.compile_records,
                                passes=dataclasses.replace(pipeline, passes=tuple(passes)))
-        inner, kwargs_of = w._inner, w._call_kwargs
+        inner, kwargs_of, router = w._inner, w._call_kwargs, w._router_aux
+        want_entropy = "entropy" in w._outputs
+        temperature = w.temperature
+        from treecompile.capture import install_output_hooks
+        from treecompile.compile import _gathered_entropy
         from treecompile.reference import logits_of
 
-        def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
-                           kv_meta):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), [])
-            ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(kv_meta))
-            out = inner(ids, **kwargs_of(positions))
-            logprobs = torch.ops.treecompile.tree_logprobs(logits_of(out), rows, slot, target, dest)
-            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
-            return loss, logprobs, torch.ops.treecompile.stream_outputs(ids, list(prefix))
+        if router is not None:
+            install_output_hooks(inner)
 
-        code = stream_forward.__code__.replace(co_name=f"stream_forward_{id(self):x}_{len(shapes)}")
+        def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
+                           structure, prefix, conv, states, kv_meta):
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
+            ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
+            out = inner(ids, **kwargs_of(positions))
+            logits = logits_of(out)
+            if temperature != 1.0:
+                logits = logits / temperature
+            logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
+            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+            # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
+            stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
+            entropy = _gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+            kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
+            return loss, logprobs, kv, stats, entropy
+
+        code = stream_forward.__code__.replace(co_name=f"stream_forward_{id(self):x}_{len(shapes.shapes)}")
         fn = types.FunctionType(code, stream_forward.__globals__, code.co_name, None, stream_forward.__closure__)
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
         self._shapes = shapes
@@ -326,35 +361,62 @@ class StreamRunner:
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
+        router = w._router_aux
         try:
-            loss, logprobs, forward_rows = self._run(batch, plan, device, grad)
+            aux_grad, first_rows = None, 0
+            if router is not None and grad:
+                # The gradient of the auxiliary loss with respect to a part's router
+                # probability sums is E * T / N^2 (`RouterAux.aux_from_stats` is linear in them),
+                # with T and N over the whole tree: a first pass without a graph finds them.
+                first = self._run(batch, plan, device, False)
+                first_rows = first.forward_rows
+                probs = first.router_stats.clone().requires_grad_(True)
+                (aux_grad,) = torch.autograd.grad(router.aux_from_stats(probs), probs)
+                aux_grad = router.coef * aux_grad
+            result = self._run(batch, plan, device, grad, aux_grad)
             streamed = [p.grad for p in params]
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
         self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
-                                 forward_rows=forward_rows, rows=batch.num_tokens)
+                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens)
+        loss, aux = result.loss, None
+        if router is not None:
+            aux = router.aux_from_stats(result.router_stats)
+            loss = loss + router.coef * aux.to(loss.dtype)
         if grad:
             loss = _StreamedLoss.apply(loss, streamed, *params)
-        return TreeOutput(loss=loss, logprobs=logprobs)
+        return TreeOutput(loss=loss, logprobs=result.logprobs, aux_loss=aux, entropy=result.entropy)
 
-    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool):
+    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool,
+             aux_grad: torch.Tensor | None = None) -> _RunResult:
+        """Every part forward (and, with ``grad``, backward) in the plan's order.
+
+        ``aux_grad``: ``[2E + 1]``, the gradient of ``coef * aux`` with respect to the
+        router sums; each part's backward adds ``aux_grad . stats_j`` to its loss."""
         keep = self.options.mode == "keep"
-        data = _BatchArrays(batch)
+        data = _BatchArrays(batch, plan, self.wrapper._structure)
         entries: dict[int, _Entry] = {}
         total = torch.zeros((), dtype=torch.float64, device=device)
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
+        entropy = torch.zeros_like(logprobs) if "entropy" in self.wrapper._outputs else None
+        router_stats = None
         forward_rows = 0
         for j in range(plan.num_parts):
             # A part nothing later reads runs with grad and goes back at once; in recompute
             # mode, a part that later parts read runs without a graph first.
             backward_now = grad and int(plan.last_reader[j]) == j
             with_graph = grad and (keep or backward_now)
-            entry, lp, dest = self._forward_part(data, plan, j, entries, device, with_graph)
+            entry, lp, dest, stats, ent = self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
             forward_rows += int(plan.starts[j + 1] - plan.starts[j])
             entries[j] = entry
-            total = total + entry.loss.detach().to(total.dtype)
+            total = total + entry.main.to(total.dtype)
             logprobs[dest] = lp.detach().to(logprobs.dtype)
+            if ent is not None:
+                entropy[dest] = ent.detach().to(entropy.dtype)
+            if stats is not None:
+                stats = stats.detach().to(torch.float64)
+                router_stats = stats if router_stats is None else router_stats + stats
             if not grad:
                 for p in plan.release[j]:
                     entries.pop(p)
@@ -362,60 +424,88 @@ class StreamRunner:
             for p in plan.release[j]:
                 e = entries[p]
                 if e.outs is None:  # recompute mode: run it again, now with its graph
-                    redo, _, _ = self._forward_part(data, plan, p, entries, device, True)
+                    redo = self._forward_part(data, plan, p, entries, device, True, aux_grad)[0]
                     forward_rows += int(plan.starts[p + 1] - plan.starts[p])
                     e.outs, e.loss, e.leaves = redo.outs, redo.loss, redo.leaves
-                self._backward_part(plan, p, e, entries)
+                self._backward_part(plan, data, p, e, entries)
                 del entries[p]
-        return total, logprobs, forward_rows
+        return _RunResult(loss=total, logprobs=logprobs, entropy=entropy, router_stats=router_stats,
+                          forward_rows=forward_rows)
 
-    def _forward_part(self, data: _BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool):
+    def _forward_part(self, data: _BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool,
+                      aux_grad: torch.Tensor | None = None):
         a, b = int(plan.starts[j]), int(plan.starts[j + 1])
         inputs, dest = data.part_inputs(a, b, plan.prefix[j])
         inputs = [x.to(device) for x in inputs]
-        ids, positions, sub_local, rows, slot, target, dests, weight, kv_end, kv_pos = inputs
-        block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         if self._shapes is None:
-            self._build(device, [])
+            self._build(device, KVLayout([]))
             try:
-                self._call(self._args(inputs, block_tensors, []))
+                self._call(self._args(inputs, block_tensors, data.structure(j, 1, device), ([], [], [])))
             except KVLayout as e:
-                self._build(device, e.shapes)
-        prefix = self._prefix(plan, j, entries, device)
-        leaves = [x.requires_grad_() for x in prefix] if with_graph else []
+                self._build(device, e)
+        dk = self._shapes.states[0][1] if self._shapes.states else 1
+        structure = data.structure(j, dk, device)
+        stack = self._prefix(plan, data, j, entries, device)
+        leaves = [x.requires_grad_() for x in (*stack[0], *stack[1], *stack[2])] if with_graph else []
         with torch.set_grad_enabled(with_graph):
-            loss, lp, kv = self._call(self._args(inputs, block_tensors, prefix))
+            loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, structure, stack))
+            main = loss.detach()
+            if aux_grad is not None and with_graph:
+                # coef * aux is linear in the part's router sums with this gradient: the part's
+                # share of the auxiliary loss's gradient (see StreamRunner.__call__).
+                loss = loss + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
         m = dest.shape[0]
         entry = _Entry(vals=[t.detach() for t in kv], outs=list(kv) if with_graph else None, loss=loss,
-                       leaves=leaves, grads=[None] * len(kv))
-        return entry, lp[:m], dest.to(device)
+                       leaves=leaves, grads=[None] * len(kv), main=main)
+        return entry, lp[:m], dest.to(device), stats, None if ent is None else ent[:m]
 
     @staticmethod
-    def _args(inputs, block_tensors, prefix) -> tuple:
-        ids, positions, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos = inputs
+    def _args(inputs, block_tensors, structure, stack) -> tuple:
+        ids, positions, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos = inputs
+        tables, conv_pred, readouts = structure
+        prefix, conv, states = stack
         ids = ids[None]
         for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
-                     (weight, 0), (kv_end, 0), (kv_pos, 0), *[(p, 2) for p in prefix],
-                     *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
+                     (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), (conv_pred, 0), (readouts, 0),
+                     *[(t, 0) for t in tables], *[(p, 2) for p in prefix], *[(c, 2) for c in conv],
+                     *[(x, 0) for x in states], *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
-        return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, prefix,
-                [kv_end, kv_pos])
+        return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count, tables,
+                prefix, conv, states, [kv_end, kv_pos, conv_pred, readouts])
 
-    def _prefix(self, plan: StreamPlan, j: int, entries: dict, device) -> list[torch.Tensor]:
-        """Per stack slot, ``[1, Hkv, PAD_PREFIX + P_j, D]``: padding, then the prefix rows'
-        keys or values gathered from the parts that computed them (detached copies)."""
+    def _prefix(self, plan: StreamPlan, data: _BatchArrays, j: int, entries: dict, device) -> tuple[list, list, list]:
+        """What part ``j`` reads from the stack (detached copies), per slot:
+
+        * keys and values ``[1, Hkv, PAD_PREFIX + P_j, D]`` and conv inputs ``[1, C,
+          PAD_PREFIX + P_j]``: padding, then the prefix rows' ones, gathered from the parts
+          that computed them;
+        * recurrent states ``[PAD_STATES + E_j, H, Dk, Dv]``: zeros, then the states after
+          the part's entry rows (`_BatchArrays._state_rows`), read out by the parts holding them.
+        """
         rows = plan.prefix[j]
         owners = plan.part_of(rows)
         groups = [(int(p), torch.as_tensor(rows[owners == p] - plan.starts[p], device=device))
                   for p in np.unique(owners)]
-        out = []
-        for i, (h, d, dtype) in enumerate(self._shapes):
+        lay = self._shapes
+        kv, conv, states = [], [], []
+        for i, (h, d, dtype) in enumerate(lay.shapes):
             pieces = [torch.zeros(1, h, PAD_PREFIX, d, dtype=dtype, device=device)]
             pieces += [entries[p].vals[i].index_select(2, idx) for p, idx in groups]
-            out.append(torch.cat(pieces, dim=2))
-        return out
+            kv.append(torch.cat(pieces, dim=2))
+        for i, (c, dtype) in enumerate(lay.conv, start=len(lay.shapes)):
+            pieces = [torch.zeros(1, c, PAD_PREFIX, dtype=dtype, device=device)]
+            pieces += [entries[p].vals[i].index_select(2, idx) for p, idx in groups]
+            conv.append(torch.cat(pieces, dim=2))
+        state_groups = ([(p, torch.as_tensor(idx, device=device)) for p, idx in data.entry_sources(j)]
+                        if lay.states else [])
+        for i, (h, dk, dv, dtype) in enumerate(lay.states, start=len(lay.shapes) + len(lay.conv)):
+            pieces = [torch.zeros(PAD_STATES, h, dk, dv, dtype=dtype, device=device)]
+            pieces += [entries[p].vals[i].index_select(0, idx) for p, idx in state_groups]
+            states.append(torch.cat(pieces, dim=0))
+        return kv, conv, states
 
-    def _backward_part(self, plan: StreamPlan, p: int, e: _Entry, entries: dict) -> None:
+    def _backward_part(self, plan: StreamPlan, data: _BatchArrays, p: int, e: _Entry, entries: dict) -> None:
         """Backward of part ``p`` with the gradients its readers added; then its prefix
         gradients go into the entries of the parts that computed those rows."""
         tensors, grads = [e.loss], [torch.ones_like(e.loss)]
@@ -426,19 +516,23 @@ class StreamRunner:
         torch.autograd.backward(tensors, grads)
         rows = plan.prefix[p]
         owners = plan.part_of(rows)
+        n_seq = len(self._shapes.shapes) + len(self._shapes.conv)
+        sources = data.entry_sources(p) if len(e.leaves) > n_seq else []
         for i, leaf in enumerate(e.leaves):
             if leaf.grad is None:
                 continue
-            g = leaf.grad[:, :, PAD_PREFIX:]
+            if i < n_seq:  # keys, values, conv inputs: along the rows (dim 2)
+                dim, g = 2, leaf.grad[:, :, PAD_PREFIX:]
+                pieces = [(q, rows[owners == q] - plan.starts[q]) for q in np.unique(owners).tolist()]
+            else:  # recurrent states: one per entry row (dim 0)
+                dim, g, pieces = 0, leaf.grad[PAD_STATES:], sources
             offset = 0
-            for q in np.unique(owners).tolist():
-                sel = owners == q
-                n = int(sel.sum())
-                idx = torch.as_tensor(rows[sel] - plan.starts[q], device=g.device)
+            for q, idx in pieces:
+                n = len(idx)
                 owner = entries[q]
                 if owner.grads[i] is None:
                     owner.grads[i] = torch.zeros_like(owner.vals[i])
-                owner.grads[i].index_add_(2, idx, g[:, :, offset:offset + n])
+                owner.grads[i].index_add_(dim, torch.as_tensor(idx, device=g.device), g.narrow(dim, offset, n))
                 offset += n
         e.outs = e.loss = None
         e.leaves = []
@@ -447,16 +541,124 @@ class StreamRunner:
 class _BatchArrays:
     """The batch's per-row fields as numpy arrays, and each part's compiled-call inputs."""
 
-    def __init__(self, batch: TreeBatch) -> None:
+    def __init__(self, batch: TreeBatch, plan: StreamPlan | None = None, structure: bool = False) -> None:
         self.ids = batch.input_ids.cpu().numpy()
         self.pos = batch.position_ids.cpu().numpy()
         self.sub = batch.subtree_end.cpu().numpy()
         self.weight = batch.target_weight.detach().cpu().numpy()
+        self.path_count = batch.path_count.cpu().numpy()
         pred = batch.pred_index.cpu().numpy()
         targets = np.flatnonzero(pred >= 0)
         order = np.argsort(pred[targets], kind="stable")
         self.targets = targets[order]  # target rows, by their predicting row
         self.target_pred = pred[self.targets]
+        self.plan = plan
+        self.has_structure = structure
+        if structure:
+            self._state_rows(batch, pred)
+
+    # ---- recurrent state and conv context (hybrid models)
+
+    def _state_rows(self, batch: TreeBatch, pred: np.ndarray) -> None:
+        """Per part, its *entry rows* (earlier parts' rows whose recurrent state a row of the
+        part starts from: the predecessors of its rows that lie before it) and its *readout
+        rows* (its rows that a later part's row starts from), each sorted.
+
+        A readout row is always the last row of its node within the part (the next row on
+        its path is a node start or the next part's first row), so the state after it is the
+        final state of that node as the part runs it.
+        """
+        plan = self.plan
+        self.pred = pred
+        self.n_start, self.n_end, self.n_parent = (t.cpu().numpy() for t in
+                                                   (batch.node_start, batch.node_end, batch.node_parent))
+        rows = np.flatnonzero(pred >= 0)
+        part = plan.part_of(rows)
+        src = pred[rows]
+        src_part = plan.part_of(src)
+        cross = src_part != part
+        n = plan.num_parts
+        self.entry = [np.unique(src[cross & (part == j)]) for j in range(n)]
+        self.readout = [np.unique(src[cross & (src_part == j)]) for j in range(n)]
+
+    def entry_sources(self, j: int) -> list[tuple[int, np.ndarray]]:
+        """``(part, readout indices)`` holding part ``j``'s entry rows' states, in entry order."""
+        rows = self.entry[j]
+        owners = self.plan.part_of(rows)
+        out = []
+        for q in np.unique(owners).tolist():
+            sel = rows[owners == q]
+            out.append((q, PAD_STATES + np.searchsorted(self.readout[q], sel)))
+        return out
+
+    def structure(self, j: int, dk: int, device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(tree structure, conv_pred, readouts)`` for part ``j``'s call.
+
+        * tree structure (hybrid models): ``[pred_index [S_run], node_table [N, 3]]``, the
+          node table (on the CPU) over ``[injection rows ; the part's rows ; readout rows]``
+          (see `treecompile.passes.stream.stream_scan_fn`): ``PAD_STATES + E_j`` injection
+          nodes of ``dk`` rows (roots), the tree's nodes clipped to the part (a node that
+          starts before the part hangs from the injection node of its previous row; one
+          whose parent ended before the part, from that of the parent's last row), a root
+          node for the padding rows, and ``PAD_STATES + R_j`` readout nodes of ``dk`` rows,
+          each a child of the node whose last row it reads;
+        * ``conv_pred`` ``[PAD_PREFIX + P_j + S_run]``: each row's predecessor in
+          ``[padding ; prefix ; part]`` coordinates (-1 at a root and on padding rows);
+        * ``readouts`` ``[PAD_STATES + R_j]``: a tensor whose length is the number of states
+          read out.
+        """
+        plan = self.plan
+        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+        s = b - a
+        s_run = self._s_run(a, b)
+        prefix = plan.prefix[j]
+        n_read = PAD_STATES + (len(self.readout[j]) if self.has_structure else 0)
+        readouts = torch.zeros(n_read, dtype=torch.int64, device=device)
+        pre = PAD_PREFIX + len(prefix)
+        if not self.has_structure:
+            return [], torch.full((pre + s_run,), -1, dtype=torch.int64, device=device), readouts
+        pred = self.pred[a:b]
+        # Predecessors inside the part, before it (on the prefix: index = path position), none.
+        before = np.where(pred >= 0, PAD_PREFIX + self.pos[np.maximum(pred, 0)], -1)
+        inside = np.where(pred >= a, pre + pred - a, before)
+        conv_pred = np.concatenate([np.full(PAD_PREFIX, -1), np.arange(len(prefix)) + PAD_PREFIX - 1, inside,
+                                    np.full(s_run - s, -1)])
+        if len(prefix):
+            conv_pred[PAD_PREFIX] = -1  # the root's first row
+        pred_local = np.concatenate([np.where(pred >= a, pred - a, -1), np.full(s_run - s, -1)])
+        entry = self.entry[j]
+        inj = {int(r): PAD_STATES + i for i, r in enumerate(entry.tolist())}
+        n_in = PAD_STATES + len(entry)
+        table = [[i * dk, (i + 1) * dk, -1] for i in range(n_in)]
+        off = n_in * dk
+        v0 = int(np.searchsorted(self.n_start, a, side="right")) - 1
+        v1 = int(np.searchsorted(self.n_start, b, side="left"))
+        for v in range(v0, v1):
+            st, en, par = int(self.n_start[v]), int(self.n_end[v]), int(self.n_parent[v])
+            if st < a:
+                parent = inj[a - 1]
+            elif par < 0:
+                parent = -1
+            elif par >= v0:
+                parent = n_in + par - v0
+            else:
+                parent = inj[int(self.pred[st])]
+            table.append([max(st, a) - a + off, min(en, b) - a + off, parent])
+        if s_run > s:
+            table.append([off + s, off + s_run, -1])
+        off += s_run
+        for i in range(PAD_STATES):
+            table.append([off + i * dk, off + (i + 1) * dk, 0])
+        for i, r in enumerate(self.readout[j].tolist(), start=PAD_STATES):
+            v = int(np.searchsorted(self.n_start, r, side="right")) - 1
+            table.append([off + i * dk, off + (i + 1) * dk, n_in + v - v0])
+        tensors = [torch.from_numpy(pred_local.astype(np.int64)).to(device),
+                   torch.tensor(table, dtype=torch.int64)]
+        return tensors, torch.from_numpy(conv_pred.astype(np.int64)).to(device), readouts
+
+    def _s_run(self, a: int, b: int) -> int:
+        lo, hi = np.searchsorted(self.target_pred, [a, b])
+        return max(b - a, max(int(hi - lo), 2), 2)
 
     def part_inputs(self, a: int, b: int, prefix: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The compiled call's inputs for rows ``[a, b)``, and the global rows of its targets.
@@ -483,12 +685,13 @@ class _BatchArrays:
         dest = np.arange(m_run)
         weight = np.zeros(s_run)
         weight[:m] = self.weight[t]
+        path_count = np.concatenate([self.path_count[a:b], np.zeros(pad, np.int64)])
         p = PAD_PREFIX + prefix.shape[0]
         kv_end = np.concatenate([np.zeros(PAD_PREFIX, np.int64), p + np.minimum(self.sub[prefix], b) - a,
                                  p + sub_local])
         kv_pos = np.concatenate([np.zeros(PAD_PREFIX, np.int64), self.pos[prefix], pos])
         as_t = [torch.from_numpy(np.ascontiguousarray(x)) for x in
-                (ids, pos, sub_local, rows, slot, target, dest, weight, kv_end, kv_pos)]
+                (ids, pos, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos)]
         as_t = [x.to(torch.int64) if x.dtype != torch.float64 else x for x in as_t]
         return as_t, torch.from_numpy(t.copy())
 
@@ -531,18 +734,7 @@ def _check_streamable(wrapper) -> None:
     """Refuses, when the model is wrapped, what streaming cannot make exact yet."""
     name = type(wrapper._inner).__name__
     if wrapper._router_aux is not None:
-        raise UnsupportedModelError(
-            f"{name}: router auxiliary loss (load_balancing_loss_func, config.output_router_logits) is a product of two "
-            "averages over the whole batch, which streamed parts cannot add up part by part; set "
-            "config.output_router_logits = False to stream, or raise the budget so the batch runs as one call"
-        )
-    if wrapper._kernels or wrapper._structure:
-        raise UnsupportedModelError(
-            f"{name}: recurrent or convolutional sequence layers (SSM state, conv windows) are not handed from one "
-            "streamed part to the next yet; only attention layers read the KV stack"
-        )
-    if wrapper._outputs:
-        raise UnsupportedModelError(f"{name}: outputs={wrapper._outputs!r} are not produced by a streamed call yet")
+        wrapper._router_aux.check_stats_form()
 
 
 def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
