@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of"]
+from treecompile.passes import markers
+
+__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy"]
 
 
 @dataclass
@@ -66,3 +68,16 @@ def device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def gathered_entropy(
+    logits: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """``[S]`` entropies of the ``R`` predicting rows' distributions, put at each target's row.
+
+    Every op acts along the vocabulary dimension of one row, so the verify pass accepts them.
+    """
+    z = markers._upcast(logits[0].index_select(0, rows))
+    logp = torch.log_softmax(z, dim=-1)
+    ent = -(logp.exp() * logp).sum(dim=-1)
+    return markers.scatter_to_rows(ent[slot], dest, like.shape[0])

@@ -25,7 +25,7 @@ from torch import nn
 
 from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
-from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of
+from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of, gathered_entropy
 from treecompile.capture import (
     call_kwargs,
     hf_interfaces,
@@ -433,7 +433,7 @@ class TreeCompiledModel(nn.Module):
                 # weights each row's router statistics (see passes/moe.py).
                 aux = router.tree_aux_loss(out.router_logits, path_count)
                 loss = loss + router.coef * aux.to(loss.dtype)
-            entropy = _gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+            entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
             return loss, logprobs, aux, entropy
 
         # Dynamo caches compiled graphs per code object; a code object of its own per
@@ -510,19 +510,6 @@ def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
     scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
     return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
                                path_coef=batch.path_coef * scale.to(batch.path_coef.device))
-
-
-def _gathered_entropy(
-    logits: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, like: torch.Tensor
-) -> torch.Tensor:
-    """``[S]`` entropies of the ``R`` predicting rows' distributions, put at each target's row.
-
-    Every op acts along the vocabulary dimension of one row, so the verify pass accepts them.
-    """
-    z = markers._upcast(logits[0].index_select(0, rows))
-    logp = torch.log_softmax(z, dim=-1)
-    ent = -(logp.exp() * logp).sum(dim=-1)
-    return markers.scatter_to_rows(ent[slot], dest, like.shape[0])
 
 
 def _row_count_error(model: nn.Module, rows: int, longest: int, error: UnsupportedModelError) -> UnsupportedModelError:

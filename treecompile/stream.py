@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from treecompile.batch import TreeBatch
+from treecompile.call import gathered_entropy
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.attention import rewrite_attention_pass
@@ -300,12 +301,11 @@ class StreamRunner:
         lowering = w._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
         backend = make_backend(mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
                                lowering=lowering, records=w.compile_records,
-                               passes=dataclasses.replace(pipeline, passes=tuple(passes)))
+                               passes=dataclasses.replace(pipeline, passes=tuple(passes)), scan_kernel=w.scan_kernel)
         inner, kwargs_of, router = w._inner, w._call_kwargs, w._router_aux
         want_entropy = "entropy" in w._outputs
         temperature = w.temperature
         from treecompile.capture import install_output_hooks
-        from treecompile.compile import _gathered_entropy
         from treecompile.reference import logits_of
 
         if router is not None:
@@ -323,7 +323,7 @@ class StreamRunner:
             loss = -(weight.to(logprobs.dtype) * logprobs).sum()
             # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
             stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
-            entropy = _gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+            entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
             return loss, logprobs, kv, stats, entropy
 
@@ -732,7 +732,6 @@ def stream_logprob_loss(
 
 def _check_streamable(wrapper) -> None:
     """Refuses, when the model is wrapped, what streaming cannot make exact yet."""
-    name = type(wrapper._inner).__name__
     if wrapper._router_aux is not None:
         wrapper._router_aux.check_stats_form()
 
