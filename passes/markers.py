@@ -300,10 +300,30 @@ def hf_causal_attention(
             raise UnsupportedModelError(
                 f"{name}: attention argument {key_name!r} is not supported by treecompile yet"
             )
+    _check_kept_by_the_model(module, softcap, sinks)
     sliding_window = _window_from_mask(name, attention_mask, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_kept_by_the_model(module: torch.nn.Module, softcap: float | None, sinks: Tensor | None) -> None:
+    """Refuses a soft-cap or attention sinks that the model's own attention implementation
+    would not apply: Hugging Face's ``sdpa`` attention has neither (transformers 5.10 drops a
+    soft-cap without a word, later versions raise), so the model trained per path runs
+    without them while the tree's attention would apply them."""
+    routed_from = getattr(getattr(module, "config", None), "treecompile_routed_from", None)
+    if not (isinstance(routed_from, str) and "sdpa" in routed_from):
+        return
+    what = [f"soft-capping (softcap={softcap})"] if softcap is not None else []
+    what += ["attention sinks"] if sinks is not None else []
+    if what:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: attention {' and '.join(what)} under attn_implementation={routed_from!r}, "
+            "which does not apply it: the model trained per path runs without it, the tree would run with it. "
+            "Load the model with attn_implementation='eager' (or another implementation that applies it, "
+            "e.g. 'flex_attention')"
+        )
 
 
 def _window_from_mask(name: str, mask: Any, window: int | None) -> int | None:

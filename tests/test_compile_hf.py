@@ -35,7 +35,9 @@ def _config(family: str):
 
 
 def _model(family: str):
-    return perturbed_hf_model(_config(family))
+    # Gemma2's soft-capping is applied by its eager attention only (transformers 5.10 loads it
+    # with sdpa, which drops it; later versions default to eager).
+    return perturbed_hf_model(_config(family), **({"attn_implementation": "eager"} if "gemma2" in family else {}))
 
 
 # Each family once with the interval mask; the bitmask rule on the families where the
@@ -82,3 +84,17 @@ def test_attention_implementation_is_restored_after_each_call():
     batch, _ = make_batch("branchy")
     tree_compile(model, backend="eager")(batch)
     assert model.config._attn_implementation == before
+
+
+def test_softcap_the_models_attention_would_drop_is_refused():
+    """Hugging Face's sdpa attention applies no soft-cap (transformers 5.10 drops it silently):
+    a Gemma2 loaded with sdpa trains per path without it, so the tree, which would apply it,
+    refuses by name and says how to load the model."""
+    from treecompile.errors import UnsupportedModelError
+
+    model = _model("gemma2-softcap-sw4")
+    model.config._attn_implementation_internal = "sdpa"
+    with pytest.raises(UnsupportedModelError, match=r"Gemma2Attention: attention soft-capping \(softcap=2\.0\) under "
+                                                    r"attn_implementation='sdpa', which does not apply it"):
+        tree_compile(model, backend="eager")(make_batch("branchy")[0])
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "treecompile_routed_from")

@@ -245,12 +245,16 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
             # A model whose attention does not use the interface keeps its implementation (and mask).
             if route_attention:
                 c._attn_implementation_internal = HF_ATTENTION_NAME
+                # What the model would have run: the attention marker refuses arguments that
+                # implementation drops (see markers.hf_causal_attention).
+                c.treecompile_routed_from = saved[k]
             if k in saved_experts:
                 c._experts_implementation_internal = HF_ATTENTION_NAME
         yield
     finally:
         for k, c in configs.items():
             c._attn_implementation_internal = saved[k]
+            c.__dict__.pop("treecompile_routed_from", None)
             if k in saved_experts:
                 c._experts_implementation_internal = saved_experts[k]
 
