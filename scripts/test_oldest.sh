@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 OLDEST="transformers==5.10.*"
 VENV="${VENV:-.venv-oldest}"
 start=$SECONDS
-[ -x "$VENV/bin/python3" ] || python3 -m venv "$VENV"
+# The venv sees the packages already installed (torch above all), so only transformers and
+# what pins to it are installed again, in the venv, over them.
+[ -x "$VENV/bin/python3" ] || python3 -m venv --system-site-packages "$VENV"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 bash scripts/setup.sh "test"
