@@ -1,0 +1,212 @@
+"""The schedule of a streamed batch: its options, where its parts end, the order of their
+backward passes, and the ``treecompile plan --stream`` report (see `treecompile.stream`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from treecompile.batch import TreeBatch
+
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "plan_stream_report"]
+
+#: ``StreamOptions.mode`` choices.
+MODES = ("keep", "recompute")
+#: ``StreamOptions.cuts`` choices: ``"subtree"`` ends a part, where it can within the budget,
+#: where none of its rows is an ancestor of the next row (so no later part reads it);
+#: ``"rows"`` cuts every ``budget_rows`` rows.
+CUTS = ("subtree", "rows")
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How `tree_compile` runs a batch larger than its budget.
+
+    Attributes:
+        budget_rows: the most rows one part holds; a batch with more rows streams.
+        mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
+            only their keys and values and run forward again for their backward).
+        cuts: a key of `CUTS`: where parts end (see `plan_stream`).
+    """
+
+    budget_rows: int
+    mode: str = "keep"
+    cuts: str = "subtree"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget_rows, bool) or not isinstance(self.budget_rows, int) or self.budget_rows < 1:
+            raise ValueError(f"budget_rows must be a positive int, got {self.budget_rows!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        if self.cuts not in CUTS:
+            raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
+
+
+@dataclass
+class StreamPlan:
+    """The schedule of one streamed batch.
+
+    Attributes:
+        starts: ``[n + 1]`` first row of each part, then S.
+        prefix: per part, the global rows of its prefix (the root path of its first row,
+            root first), ``[P_j]``.
+        last_reader: ``[n]`` per part, the part after whose forward its backward runs: the
+            latest such part of the parts that read it (itself if none reads it).
+        release: per part ``j``, the parts whose backward runs after ``j``'s forward, latest first.
+    """
+
+    starts: np.ndarray
+    prefix: list[np.ndarray]
+    last_reader: np.ndarray
+    release: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.starts) - 1
+
+    def part_of(self, rows: np.ndarray) -> np.ndarray:
+        """The part holding each row."""
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+    @property
+    def stack_depth(self) -> int:
+        """The most parts alive at once (on the stack, plus the running one)."""
+        alive = 0
+        depth = 0
+        for j in range(self.num_parts):
+            alive += 1
+            depth = max(depth, alive)
+            alive -= len(self.release[j])
+        return depth
+
+    def forward_rows(self, mode: str) -> int:
+        """Rows run forward by a step with grad: S in keep mode; in recompute mode also the
+        rows of every part that a later part reads (they run again for their backward)."""
+        rows = int(self.starts[-1])
+        if mode == "keep":
+            return rows
+        sizes = np.diff(self.starts)
+        return rows + int(sizes[self.last_reader != np.arange(self.num_parts)].sum())
+
+    @property
+    def max_prefix(self) -> int:
+        """The longest prefix (rows of keys and values a part reads from the stack)."""
+        return max((len(p) for p in self.prefix), default=0)
+
+
+def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
+    """Cuts ``batch`` into parts of at most ``budget_rows`` consecutive rows and schedules them.
+
+    With ``cuts="subtree"`` a part ends at the last row ``r`` within the budget such that no
+    row of the part is an ancestor of row ``r`` (``max(subtree_end[a:r]) <= r``): no later
+    part reads it, so its backward runs right after its forward and it never sits on the
+    stack. Where there is no such row (a node longer than the budget), the part takes the
+    full budget and the next part starts inside the node. ``cuts="rows"`` always takes the
+    full budget.
+
+    O(S + parts x depth in nodes). A part's prefix is the root path of its first row up to
+    that row: for every row of the part, the earlier rows it may see are a subset of that
+    path (key ``k`` before the part is visible to row ``q`` iff ``q < subtree_end[k]``, and
+    ``subtree_end[k] > q >= start`` holds for every such ``q`` once it holds for ``start``).
+    """
+    if cuts not in CUTS:
+        raise ValueError(f"unknown cuts {cuts!r}; valid cuts: {', '.join(CUTS)}")
+    s = batch.num_tokens
+    if cuts == "rows":
+        starts = np.append(np.arange(0, s, budget_rows), s)
+    else:
+        sub = batch.subtree_end.cpu().numpy()
+        bounds, a = [0], 0
+        while a < s:
+            b = min(a + budget_rows, s)
+            if b < s:
+                reach = np.maximum.accumulate(sub[a:b])  # the furthest subtree end of rows a .. a + i
+                ok = np.flatnonzero(reach <= np.arange(a + 1, b + 1))
+                if ok.size:
+                    b = a + int(ok[-1]) + 1
+            bounds.append(b)
+            a = b
+        starts = np.asarray(bounds, dtype=np.int64)
+    n_start, n_end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    prefix = []
+    for a in starts[:-1].tolist():
+        v = int(np.searchsorted(n_start, a, side="right")) - 1
+        chain = [np.arange(n_start[v], a)]
+        u = int(parent[v])
+        while u >= 0:
+            chain.append(np.arange(n_start[u], n_end[u]))
+            u = int(parent[u])
+        prefix.append(np.concatenate(chain[::-1]).astype(np.int64))
+    n = len(starts) - 1
+    # A part's backward must come after that of every part that reads it (they add its
+    # keys' and values' gradients), and so after theirs in turn: done[q] is the latest
+    # ``done`` of its readers. Readers come later in row order, so one sweep backwards.
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for j, rows in enumerate(prefix):
+        if rows.size:
+            for q in np.unique(np.searchsorted(starts, rows, side="right") - 1).tolist():
+                readers[q].append(j)
+    done = np.arange(n)
+    for q in range(n - 1, -1, -1):
+        for j in readers[q]:
+            done[q] = max(done[q], done[j])
+    release: list[list[int]] = [[] for _ in range(n)]
+    for p in range(n - 1, -1, -1):
+        release[int(done[p])].append(p)
+    return StreamPlan(starts=starts, prefix=prefix, last_reader=done, release=release)
+
+
+@dataclass
+class StreamStats:
+    """What the latest streamed call did.
+
+    Attributes:
+        parts: number of parts.
+        stack_depth: the most parts alive at once.
+        max_prefix: the longest prefix read from the stack, in rows.
+        forward_rows: rows run forward over all parts (S in keep mode; more with recompute).
+        rows: rows of the batch.
+    """
+
+    parts: int
+    stack_depth: int
+    max_prefix: int
+    forward_rows: int
+    rows: int
+
+
+def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
+    """``treecompile plan --stream MODE``: per tree, the streaming schedule at ``--capacity``
+    rows: parts, stack depth, longest prefix, rows run forward, ERR and the predicted peak in
+    rows (keep: the parts alive at once times the capacity; recompute: one part), plus the
+    prefix rows every part reads."""
+    import json
+    import time
+
+    from treecompile.batch import pack
+
+    capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
+    out = []
+    for name, tree in zip(names, trees):
+        plan = plan_stream(pack(tree), capacity)
+        stats = tree.stats()
+        fwd = plan.forward_rows(args.stream)
+        live = plan.stack_depth * capacity if args.stream == "keep" else capacity
+        out.append({"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "parts": plan.num_parts,
+                    "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix, "forward_rows": fwd,
+                    "por": stats.por, "err": 1 - fwd / stats.path_tokens, "peak_activation_rows": live,
+                    "schedule": [[int(x) for x in r] for r in plan.release]})
+    if args.json:
+        print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
+                          "seconds": round(time.perf_counter() - start, 3)}, indent=1))
+        return 0
+    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
+    print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
+          f"{'peak rows':>10}")
+    for t in out[: max(args.rows, 0)]:
+        print(f"{t['name'][:40]:<40} {t['rows']:>8} {t['parts']:>6} {t['stack_depth']:>6} {t['max_prefix']:>7} "
+              f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {t['peak_activation_rows']:>10}")
+    print("stack: most parts alive at once; prefix: most rows of keys/values a part reads from the stack; "
+          "peak rows: rows whose activations are held at once (plus the prefix keys/values)")
+    return 0
