@@ -166,7 +166,7 @@ def stream_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, context
 
 @functools.cache
 def stream_scan_fn(kind: str) -> Callable:
-    """``fn(q, k, v, g, beta, states, node_table, readouts) -> (out [1, S, H, Dv], [R, H, Dk, Dv])``:
+    """``fn(q, k, v, g, beta, states, node_table, readouts, kernel) -> (out [1, S, H, Dv], [R, H, Dk, Dv])``:
     the tree recurrence of a part, started from states of earlier parts, reading out states
     for later parts, through the unchanged ``treecompile::tree_{kind}`` op.
 
@@ -187,7 +187,7 @@ def stream_scan_fn(kind: str) -> Callable:
     """
     op = getattr(torch.ops.treecompile, f"tree_{kind}")
 
-    def stream_scan(q, k, v, g, beta, states, node_table, readouts):
+    def stream_scan(q, k, v, g, beta, states, node_table, readouts, kernel="auto"):
         n_in, h, dk, dv = states.shape
         n_out = readouts.shape[0]
         s = q.shape[1]
@@ -198,7 +198,7 @@ def stream_scan_fn(kind: str) -> Callable:
         outs = (eye.repeat(n_out, 1, 1), k.new_zeros(n_out * dk, h, dk), v.new_zeros(n_out * dk, h, dv),
                 g.new_zeros(n_out * dk, h), beta.new_zeros(n_out * dk, h))
         full = [torch.cat([a, x[0], b])[None] for a, x, b in zip(ins, (q, k, v, g, beta), outs)]
-        out = op(*full, None, node_table)
+        out = op(*full, None, node_table, kernel)
         own = out[:, n_in * dk:n_in * dk + s]
         read = out[0, n_in * dk + s:].reshape(n_out, dk, h, dv).permute(0, 2, 1, 3)
         return own, read
@@ -301,10 +301,12 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
             flat.append(x)
             ctx.count("conv_context")
         for i, (node, kind) in enumerate(scans):
-            q, k, v, g, beta, _, table = node.args
+            # (q, k, v, g, beta, initial state, node table, kernel name): see kernels/recurrence.py.
+            q, k, v, g, beta, _, table, kernel = node.args
             with gm.graph.inserting_before(node):
                 new = ctx.mark(gm.graph.call_function(
-                    stream_scan_fn(kind), (q, k, v, g, beta, state.states[i], table, state.readouts)), like=node)
+                    stream_scan_fn(kind), (q, k, v, g, beta, state.states[i], table, state.readouts, kernel)),
+                    like=node)
                 own = ctx.mark(gm.graph.call_function(operator.getitem, (new, 0)), like=node)
                 read = ctx.mark(gm.graph.call_function(operator.getitem, (new, 1)), like=node)
             own.meta["example_value"] = value(node)
