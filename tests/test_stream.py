@@ -266,12 +266,17 @@ def test_custom_model_streams_exactly(mode):
 @settings(max_examples=10)
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
 def test_custom_model_streams_generated_trees_at_any_budget(case, data):
+    _check_generated("nanogpt", case, data)
+
+
+def _check_generated(family, case, data):
+    """`_check` in keep mode on a generated tree, cut at a drawn budget below its rows."""
     seqs, weights, masks = case
     rows = TrajectoryTree.from_sequences(seqs).num_tokens
     if rows < 2:
         return  # a one-row batch is never over a budget
     budget = data.draw(st.integers(1, rows - 1), label="budget")
-    _check("nanogpt", "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
+    _check(family, "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
 
 
 @pytest.mark.parametrize("loss_mode", ["token-mean", *[pytest.param(m, marks=pytest.mark.slow)
@@ -356,12 +361,7 @@ def test_gated_deltanet_hybrid_streams_exactly(mode):
 def test_gated_deltanet_hybrid_streams_generated_trees_at_any_budget(case, data):
     """Entry and read-out states on generated trees (duplicate paths, paths ending inside
     others, forests) cut at any budget."""
-    seqs, weights, masks = case
-    rows = TrajectoryTree.from_sequences(seqs).num_tokens
-    if rows < 2:
-        return  # a one-row batch is never over a budget
-    budget = data.draw(st.integers(1, rows - 1), label="budget")
-    _check("qwen3-next", "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
+    _check_generated("qwen3-next", case, data)
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`)
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +14,9 @@ import torch
 from torch import nn
 
 from treecompile.passes import markers
+from treecompile.reference import logits_of
 
-__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy"]
+__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named"]
 
 
 @dataclass
@@ -81,3 +84,29 @@ def gathered_entropy(
     logp = torch.log_softmax(z, dim=-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
     return markers.scatter_to_rows(ent[slot], dest, like.shape[0])
+
+
+def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,
+             rows: torch.Tensor, slot: torch.Tensor, target: torch.Tensor, dest: torch.Tensor,
+             weight: torch.Tensor, temperature: float, want_entropy: bool) -> tuple:
+    """Inside a compiled call: the model on the packed ``ids``, then what a call returns from its
+    logits. ``(model output, loss, logprobs [S], entropy [S] or None)``; the loss is
+    ``-(weight * logprobs).sum()`` (a router's auxiliary loss is the caller's)."""
+    out = inner(ids, **kwargs)
+    logits = logits_of(out)
+    if temperature != 1.0:
+        # A row-wise scalar division: the loss pass still gathers before the LM head.
+        logits = logits / temperature
+    logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
+    loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+    entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+    return out, loss, logprobs, entropy
+
+
+def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:
+    """``torch.compile(fn)`` under a code object named ``name``: Dynamo caches compiled graphs
+    per code object, so a code object of its own per wrapper keeps wrappers of different
+    models from sharing one recompile budget."""
+    code = fn.__code__.replace(co_name=name)
+    fn = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
+    return torch.compile(fn, backend=backend, fullgraph=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,7 @@ from torch import nn
 
 from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
-from treecompile.call import DYNAMO_CONFIG, TreeOutput, device_of, gathered_entropy
+from treecompile.call import DYNAMO_CONFIG, TreeOutput, compile_named, device_of, run_head
 from treecompile.capture import (
     call_kwargs,
     hf_interfaces,
@@ -43,7 +42,6 @@ from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.passes.moe import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
-from treecompile.reference import logits_of
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -420,27 +418,17 @@ class TreeCompiledModel(nn.Module):
             ids = torch.ops.treecompile.tree_inputs(
                 ids, [positions, *mask_buffers], list(block_tensors), list(structure)
             )
-            out = inner(ids, **kwargs_of(positions))
-            logits = logits_of(out)
-            if temperature != 1.0:
-                # A row-wise scalar division: the loss pass still gathers before the LM head.
-                logits = logits / temperature
-            logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
-            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
+                                                    dest, weight, temperature, want_entropy)
             aux = None
             if router is not None:
                 # Per-path training counts each token once per path through it: path_count
                 # weights each row's router statistics (see passes/moe.py).
                 aux = router.tree_aux_loss(out.router_logits, path_count)
                 loss = loss + router.coef * aux.to(loss.dtype)
-            entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
             return loss, logprobs, aux, entropy
 
-        # Dynamo caches compiled graphs per code object; a code object of its own per
-        # wrapper keeps wrappers of different models from sharing one recompile budget.
-        code = tree_forward.__code__.replace(co_name=f"tree_forward_{id(self):x}")
-        fn = types.FunctionType(code, tree_forward.__globals__, code.co_name, None, tree_forward.__closure__)
-        return torch.compile(fn, backend=backend, fullgraph=True)
+        return compile_named(tree_forward, f"tree_forward_{id(self):x}", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
         """The compiled function's arguments for one batch (block mask built here, once)."""

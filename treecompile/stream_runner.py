@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treecompile.batch import TreeBatch
-from treecompile.call import gathered_entropy
+from treecompile.call import compile_named, run_head
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.attention import rewrite_attention_pass
@@ -96,7 +95,6 @@ class StreamRunner:
         want_entropy = "entropy" in w._outputs
         temperature = w.temperature
         from treecompile.capture import install_output_hooks
-        from treecompile.reference import logits_of
 
         if router is not None:
             install_output_hooks(inner)
@@ -105,21 +103,14 @@ class StreamRunner:
                            structure, prefix, conv, states, kv_meta):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
             ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
-            out = inner(ids, **kwargs_of(positions))
-            logits = logits_of(out)
-            if temperature != 1.0:
-                logits = logits / temperature
-            logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
-            loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
+                                                    dest, weight, temperature, want_entropy)
             # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
             stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
-            entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
             return loss, logprobs, kv, stats, entropy
 
-        code = stream_forward.__code__.replace(co_name=f"stream_forward_{id(self):x}_{len(shapes.shapes)}")
-        fn = types.FunctionType(code, stream_forward.__globals__, code.co_name, None, stream_forward.__closure__)
-        self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        self._compiled = compile_named(stream_forward, f"stream_forward_{id(self):x}_{len(shapes.shapes)}", backend)
         self._shapes = shapes
 
     def _call(self, args: tuple) -> tuple:
