@@ -496,19 +496,22 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     assert counters.get("route_ssm_state_pass", {}) == MODELS[name][1]
 
 
-def test_qwen3_next_kernels_are_restored_after_each_call():
+@pytest.mark.parametrize("name", ["qwen3_next"])  # on the worker that compiled it (XDIST_GROUP_BY)
+def test_qwen3_next_kernels_are_restored_after_each_call(name):
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     before = (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn)
-    model, compiled = _compiled("qwen3_next")
+    model, compiled = _compiled(name)
     compiled(make_batch("branchy")[0])
     assert (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn) == before
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
 def test_hybrid_verify_passes(name):
-    _, compiled = _compiled(name)
-    report = verify_tree_compile(compiled, make_batch("branchy")[0])
+    # The check compiles a float64 copy with the wrapper's options: the rewritten graph run
+    # eagerly here (the lowering is exercised by the equivalence tests above).
+    model, _ = _compiled(name)
+    report = verify_tree_compile(tree_compile(model, backend="eager"), make_batch("branchy")[0])
     assert report.worst_grad_diff < report.tolerance
 
 
