@@ -167,6 +167,21 @@ def test_verify_passes_an_exact_model_and_leaves_it_as_it_was():
     assert compiled.verified is report
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_verify_in_place_checks_a_twin_without_the_check_and_the_temperature(monkeypatch, temperature):
+    """A model too large to copy is checked in place, through a twin that neither checks again
+    (the wrapper itself would recurse) nor divides by a temperature the per-path reference
+    does not apply."""
+    import treecompile.selfcheck as selfcheck
+
+    monkeypatch.setattr(selfcheck, "VERIFY_COPY_LIMIT_BYTES", 0)
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model, temperature=temperature, verify=True, backend="eager")
+    compiled(make_batch("forest")[0])
+    assert compiled.verified.worst_grad_diff < 1e-10 and compiled.verified.loss_diff < 1e-12
+    assert compiled.temperature == temperature and compiled.verify
+
+
 def test_verify_catches_a_silently_wrong_model():
     # A wrapper whose mask lets every row see every earlier row of the packed row (siblings
     # included): a silent error no graph check can see. verify=True must refuse it.

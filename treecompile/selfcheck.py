@@ -96,12 +96,14 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
         subject.eval()  # dropout would make the two runs differ for no fault of the tree
         for p in subject.parameters():
             p.grad = None
-        # The copy runs on the CPU: the wrapper's options but inductor's lowering (a CUDA
-        # choice), the check itself and the temperature (a division the reference does not make).
+        # The twin has the wrapper's options but the check itself (the wrapper would check
+        # again, without end) and the temperature (a division the reference does not make); a
+        # copy runs on the CPU, so not inductor's lowering either (a CUDA choice). A model too
+        # large to copy is checked in place, through a twin of its own.
         options = {**compiled._options(), "verify": False, "temperature": 1.0}
-        if options["backend"] == "inductor":
+        if subject is not model and options["backend"] == "inductor":
             options["backend"] = None
-        twin = compiled if subject is model else type(compiled)(subject, **options)
+        twin = type(compiled)(subject, **options)
         loss = twin(check_batch.to(next(subject.parameters()).device)).loss
         loss.backward()
         tree_grads = {n: p.grad for n, p in subject.named_parameters()}
