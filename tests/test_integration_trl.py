@@ -181,7 +181,7 @@ def models():
 # --------------------------------------------------------------------------- SFT
 
 def _sft_args(**kw):
-    base = dict(output_dir="unused", per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+    base = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
                 learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
                 gradient_checkpointing=False, save_strategy="no", max_length=96, seed=0, disable_tqdm=True)
     base.update(kw)
@@ -231,11 +231,11 @@ def test_sft_float32_within_stock_noise(sft_runs, kind):
                                sft_runs[kind, torch.float64, "ref"], f"SFT {kind} float32")
 
 
-def test_sft_masks_reach_the_tree():
+def test_sft_masks_reach_the_tree(tmp_path):
     """The collator's labels are the tree's loss masks: prompt and padding are never targets."""
     tok = _tokenizer()
     ds, _ = _sft_datasets()["prompt-completion"]
-    trainer = trl.SFTTrainer(model=_model(torch.float32), args=_sft_args(output_dir="unused"), train_dataset=ds,
+    trainer = trl.SFTTrainer(model=_model(torch.float32), args=_sft_args(output_dir=str(tmp_path)), train_dataset=ds,
                              processing_class=tok)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     tree = rows_to_tree(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
