@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,34 @@ def test_a_hanging_section_is_stopped_and_keeps_its_results(tmp_path):
     section = gpu_check.run_test_section("hang", path, 10, work)
     assert section["status"].startswith("timed out after 10 s")
     assert [(t["name"].split("::")[-1], t["outcome"]) for t in section["tests"]] == [("test_first", "passed")]
+
+
+def test_a_section_stopped_at_its_limit_keeps_its_failures_tracebacks(tmp_path):
+    """pytest prints tracebacks only at the end: the plugin writes each result as it ends."""
+    path = _write_tests(tmp_path, """
+        import time
+        def test_bad(record_property):
+            record_property("worst", "3e-4")
+            assert 2 + 2 == 5, "the measured difference"
+        def test_hangs():
+            time.sleep(600)
+    """)
+    work = tmp_path / "work"
+    work.mkdir()
+    section = gpu_check.run_test_section("hang", path, 10, work)
+    assert section["status"].startswith("timed out after 10 s")
+    (bad,) = section["tests"]
+    assert bad["outcome"] == "failed" and "the measured difference" in bad["traceback"]
+    assert bad["properties"] == {"worst": "3e-4"}
+
+
+def test_check_sections_run_at_the_same_time(tmp_path):
+    paths = [_write_tests(tmp_path / str(i), "import time\ndef test_wait():\n    time.sleep(8)\n")
+             for i in range(3) if (tmp_path / str(i)).mkdir() is None]
+    work = tmp_path / "work"
+    work.mkdir()
+    t0 = time.perf_counter()
+    procs = {i: gpu_check.start_test_section(f"s{i}", p, 60, work) for i, p in enumerate(paths)}
+    sections = [gpu_check.run_test_section(f"s{i}", paths[i], 60, work, proc) for i, proc in procs.items()]
+    assert [s["status"] for s in sections] == ["passed"] * 3
+    assert time.perf_counter() - t0 < 3 * 8, "the sections ran one after another"
