@@ -35,7 +35,7 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
 Each kind is registered as three ops (:func:`register`), e.g. for ``gated_delta_rule``:
 ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
 (the linear-sequence form the wrapper swaps in for a model's kernel before capture),
-``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table, kernel) -> out``
+``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table, scan_kernel) -> out``
 (what the SSM state pass puts in its place, ``kernel`` a name of `SCAN_KERNELS`) and their
 backward, which recomputes the forward under autograd and differentiates it.
 
@@ -384,9 +384,9 @@ def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest
     return fn(*(x.to(ct) for x in inputs), init, *rest, **options)
 
 
-def _tree_options(kernel: str, q: Tensor, delta: bool) -> dict:
-    """``tree_recurrence``'s keyword arguments for the tree op's ``kernel`` name."""
-    return {"delta": delta, "varlen": varlen_kernel(kernel, q.device, delta, compute_dtype(q.dtype))}
+def _tree_options(scan_kernel: str, q: Tensor, delta: bool) -> dict:
+    """``tree_recurrence``'s keyword arguments for the tree op's ``scan_kernel`` name."""
+    return {"delta": delta, "varlen": varlen_kernel(scan_kernel, q.device, delta, compute_dtype(q.dtype))}
 
 
 def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_outs: list, *rest, **options):
@@ -424,26 +424,29 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
 
     @torch.library.custom_op(f"treecompile::tree_{kind}", mutates_args=())
     def tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-             node_table: Tensor, kernel: str = "auto") -> Tensor:
-        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table, **_tree_options(kernel, q, delta))
+             node_table: Tensor, scan_kernel: str = "auto") -> Tensor:
+        # Not ``kernel``: Inductor's fallback lowering takes an argument of that name itself.
+        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table,
+                   **_tree_options(scan_kernel, q, delta))
         return out.to(v.dtype).contiguous()
 
     @tree.register_fake
-    def _tree_fake(q, k, v, g, beta, initial_state, node_table, kernel="auto"):
+    def _tree_fake(q, k, v, g, beta, initial_state, node_table, scan_kernel="auto"):
         return v.new_empty(v.shape)
 
     # d_initial_state is empty ([0]) when there is no initial state.
     @torch.library.custom_op(f"treecompile::{kind}_backward", mutates_args=())
     def backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None, kernel: str
+                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None, scan_kernel: str
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         inputs = [q, k, v, g, beta]
         if node_table is None:
             return _grads(chunked_recurrence, inputs, initial_state, [d_out, d_final], delta=delta)
-        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table, **_tree_options(kernel, q, delta))
+        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table,
+                      **_tree_options(scan_kernel, q, delta))
 
     @backward.register_fake
-    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, kernel):
+    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, scan_kernel):
         d_init = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
         return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), d_init)
 

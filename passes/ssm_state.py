@@ -8,10 +8,10 @@ kernels (Hugging Face's ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan
 flash-linear-attention's ``chunk_gated_delta_rule``) for drop-ins calling
 ``treecompile::gated_delta_rule`` / ``treecompile::ssd_scan`` (see
 :mod:`treecompile.kernels.recurrence`); this pass replaces each such node with its tree
-form ``treecompile::tree_gated_delta_rule`` / ``tree_ssd_scan(..., node_table, kernel)``, which
+form ``treecompile::tree_gated_delta_rule`` / ``tree_ssd_scan(..., node_table, scan_kernel)``, which
 runs each node's rows from its parent's final state (roots from the call's initial
 state, zero without one), nodes of one depth together, and, backward, adds the gradients
-of all children into the parent's state. ``kernel`` is ``ctx.scan_kernel``, the scan kernel
+of all children into the parent's state. ``scan_kernel`` is ``ctx.scan_kernel``, the scan kernel
 asked for by name (``tree_compile(scan_kernel=...)``).
 
 Why exact: by induction over the nodes in preorder, a node's initial state is the state
