@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from treecompile.errors import UnsupportedModelError
+from treecompile.kernels import grouped_mm as _grouped_mm_op  # noqa: F401  (registers treecompile::grouped_mm)
 from treecompile.kernels.conv import hf_causal_conv1d_fn
 from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
 from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
@@ -198,6 +199,7 @@ def mask_builder_swaps(model: nn.Module) -> list[tuple[types.ModuleType, str, An
 # --------------------------------------------------------------------------- interfaces and kernels
 
 _HF_REGISTERED = False
+_ORIGINAL_GROUPED_MM = None  # transformers' own ``_grouped_mm``, read once before any call swaps it
 
 
 def register_hf_interfaces() -> None:
@@ -209,6 +211,10 @@ def register_hf_interfaces() -> None:
 
     AttentionInterface.register(HF_ATTENTION_NAME, markers.hf_causal_attention)
     ExpertsInterface.register(HF_ATTENTION_NAME, markers.hf_experts)
+    site = _hf_grouped_mm_site()
+    if site is not None:
+        global _ORIGINAL_GROUPED_MM
+        _ORIGINAL_GROUPED_MM = site._grouped_mm
     _HF_REGISTERED = True
 
 
@@ -240,7 +246,11 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
         for k, c in configs.items()
         if getattr(c, "_experts_implementation_internal", None) is not None
     }
+    moe = _hf_grouped_mm_site() if saved_experts else None
+    original_grouped_mm = moe._grouped_mm if moe is not None else None
     try:
+        if moe is not None:
+            moe._grouped_mm = _grouped_mm
         for k, c in configs.items():
             # A model whose attention does not use the interface keeps its implementation (and mask).
             if route_attention:
@@ -252,11 +262,33 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
                 c._experts_implementation_internal = HF_ATTENTION_NAME
         yield
     finally:
+        if moe is not None:
+            moe._grouped_mm = original_grouped_mm
         for k, c in configs.items():
             c._attn_implementation_internal = saved[k]
             c.__dict__.pop("treecompile_routed_from", None)
             if k in saved_experts:
                 c._experts_implementation_internal = saved_experts[k]
+
+
+def _hf_grouped_mm_site() -> types.ModuleType | None:
+    """transformers' MoE module, whose ``_grouped_mm`` its ``grouped_mm`` experts call."""
+    from transformers.integrations import moe
+
+    return moe if callable(getattr(moe, "_grouped_mm", None)) else None
+
+
+def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' ``_grouped_mm`` for the experts marker: its own where it runs
+    ``torch._grouped_mm`` (bfloat16), else ``treecompile::grouped_mm``, whose backward is an op
+    too (transformers' fallback backward before 5.2x loops over ``offs.tolist()`` under
+    tracing, which AOTAutograd refuses: float32 and float64 MoE models failed to compile)."""
+    from transformers.integrations import moe
+
+    can_use = getattr(moe, "_can_use_grouped_mm", None)
+    if can_use is not None and can_use(input, weight, offs):
+        return _ORIGINAL_GROUPED_MM(input, weight, offs=offs)
+    return torch.ops.treecompile.grouped_mm(input, weight, offs)
 
 
 def sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
