@@ -23,8 +23,10 @@ the same numbers and the errors measure arithmetic, not weight rounding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,7 +102,10 @@ def build_model(name: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = _configs(transformers)[name](layers)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    # Gemma2's soft-capping runs only in eager attention (transformers' default sdpa drops it,
+    # and treecompile refuses a model loaded that way).
+    attn = {"attn_implementation": "eager"} if name == "gemma2" else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager", **attn)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -147,10 +152,36 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
+#: Hugging Face's hybrid kernels that resolve to flash-linear-attention (or causal-conv1d) at
+#: import when it is installed; those run only on CUDA tensors.
+_HUB_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def torch_kernels_on_cpu(model: torch.nn.Module):
+    """The model's hub-resolved sequence kernels as their torch functions while it runs on the
+    CPU (the float64 reference on a machine where fla is installed); nothing on CUDA."""
+    saved = []
+    if next(model.parameters()).device.type == "cpu":
+        for module in {sys.modules[type(m).__module__] for m in model.modules()}:
+            for name in _HUB_KERNELS:
+                fn = getattr(module, name, None)
+                if getattr(fn, "__wrapped__", None) is not None:
+                    saved.append((module, name, fn))
+                    setattr(module, name, fn.__wrapped__)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
 def run_paths(model: torch.nn.Module, trees) -> Measured:
     """The unmodified model on each path alone (the ground truth's procedure), in its dtype."""
     model.zero_grad(set_to_none=True)
-    ref = per_path_loss(model, trees, router_aux_loss_coef=router_coef(model))
+    with torch_kernels_on_cpu(model):
+        ref = per_path_loss(model, trees, router_aux_loss_coef=router_coef(model))
     ref.loss.backward()
     out = Measured(ref.loss.detach().double().cpu(), torch.cat([lp.detach().double().cpu() for lp in ref.logprobs]),
                    _grads(model))

@@ -85,4 +85,4 @@ def test_host_syncs_do_not_grow_with_layers(name, lm_head, record_property):
     one, two = _syncs(name, 1, lm_head), _syncs(name, 2, lm_head)
     record_property("syncs_1_layer", len(one))
     record_property("syncs_2_layers", len(two))
-    assert len(two) == len(one), f"1 layer: {len(one)} syncs, 2 layers: {len(two)}: {two}"
+    assert len(two) <= len(one), f"1 layer: {len(one)} syncs, 2 layers: {len(two)}: {two}"
