@@ -85,19 +85,19 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 @causal_conv1d.register_fake
 def _causal_conv1d_fake(x, weight, bias):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the op returns, whatever x's strides (Inductor checks them)
 
 
 @torch.library.custom_op("treecompile::tree_causal_conv1d", mutates_args=())
 def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, ancestors: Tensor) -> Tensor:
     """Causal depthwise conv along each row's path, ``[B, C, S]`` (no activation)."""
-    return _conv_forward(x, weight, bias, ancestors)
+    return _conv_forward(x, weight, bias, ancestors).contiguous()
 
 
 @tree_causal_conv1d.register_fake
 def _tree_causal_conv1d_fake(x, weight, bias, ancestors):
     torch._check(ancestors.shape[0] == x.shape[-1])
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the op returns
 
 
 def _setup_linear(ctx, inputs, output):

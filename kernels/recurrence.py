@@ -399,7 +399,9 @@ def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_o
         pairs = [(o, d.to(o.dtype)) for o, d in zip(outs, d_outs) if d is not None]
         wrt = leaves + ([init] if init is not None else [])
         grads = torch.autograd.grad([o for o, _ in pairs], wrt, [d for _, d in pairs], allow_unused=True)
-    grads = [torch.zeros_like(x) if gr is None else gr.to(x.dtype) for gr, x in zip(grads, wrt)]
+    # Contiguous, as the fake kernels say (Inductor checks the strides of an op's outputs).
+    grads = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if gr is None else gr.to(x.dtype).contiguous()
+             for gr, x in zip(grads, wrt)]
     d_init = grads[5] if init is not None else inputs[0].new_zeros(0)
     return (*grads[:5], d_init)
 
@@ -447,8 +449,8 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
 
     @backward.register_fake
     def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, scan_kernel):
-        d_init = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
-        return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), d_init)
+        d_init = q.new_empty(0) if initial_state is None else initial_state.new_empty(initial_state.shape)
+        return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), d_init)
 
     def save_inputs(ctx, inputs, output):
         ctx.save_for_backward(*inputs)

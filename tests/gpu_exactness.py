@@ -159,11 +159,12 @@ _HUB_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rul
 
 
 @contextlib.contextmanager
-def torch_kernels_on_cpu(model: torch.nn.Module):
+def torch_kernels(model: torch.nn.Module, on_cuda: bool = False):
     """The model's hub-resolved sequence kernels as their torch functions while it runs on the
-    CPU (the float64 reference on a machine where fla is installed); nothing on CUDA."""
+    CPU (the float64 reference on a machine where fla is installed), and on CUDA too with
+    ``on_cuda`` (where fla's own kernels refuse to run: fla 0.6 on Hopper with Triton < 3.7.1)."""
     saved = []
-    if next(model.parameters()).device.type == "cpu":
+    if on_cuda or next(model.parameters()).device.type == "cpu":
         for module in {sys.modules[type(m).__module__] for m in model.modules()}:
             for name in _HUB_KERNELS:
                 fn = getattr(module, name, None)
@@ -177,10 +178,11 @@ def torch_kernels_on_cpu(model: torch.nn.Module):
             setattr(module, name, fn)
 
 
-def run_paths(model: torch.nn.Module, trees) -> Measured:
-    """The unmodified model on each path alone (the ground truth's procedure), in its dtype."""
+def run_paths(model: torch.nn.Module, trees, torch_scans: bool = False) -> Measured:
+    """The unmodified model on each path alone (the ground truth's procedure), in its dtype;
+    with ``torch_scans``, Hugging Face's torch scans in place of fla's on CUDA too."""
     model.zero_grad(set_to_none=True)
-    with torch_kernels_on_cpu(model):
+    with torch_kernels(model, on_cuda=torch_scans):
         ref = per_path_loss(model, trees, router_aux_loss_coef=router_coef(model))
     ref.loss.backward()
     out = Measured(ref.loss.detach().double().cpu(), torch.cat([lp.detach().double().cpu() for lp in ref.logprobs]),

@@ -864,3 +864,21 @@ def test_a_scan_kernel_asked_for_by_name_that_cannot_be_used_raises():
     graph = compiled.compile_records[-1].graph_module.graph
     scans = [n for n in graph.nodes if n.target is torch.ops.treecompile.tree_gated_delta_rule.default]
     assert len(scans) == 2 and all(n.args[-1] == "fla" for n in scans)
+
+
+def test_ops_on_transposed_inputs_return_what_their_fakes_say():
+    """Hugging Face passes the conv ``x`` as ``[B, S, C].transpose(1, 2)`` and the scans views:
+    the real ops' output strides must match their fake kernels' (Inductor asserts them on
+    CUDA; a mismatch failed every Mamba2 hybrid there)."""
+    batch, _ = _pack(TREES["short-nodes"])
+    x, w, b = _conv_inputs(batch.num_tokens)
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides of HF's view
+    assert not xt.is_contiguous()
+    anc = _path_ancestors(batch, w.shape[1])
+    torch.library.opcheck(torch.ops.treecompile.tree_causal_conv1d, (xt, w, b, anc))
+    torch.library.opcheck(torch.ops.treecompile.causal_conv1d, (xt, w, b))
+    for kind in KINDS:
+        q, k, v, g, beta, h0 = (t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 2 else t
+                                for t in _gdn_inputs(1, batch.num_tokens))
+        torch.library.opcheck(getattr(torch.ops.treecompile, f"tree_{kind}"),
+                              (q, k, v, g, beta, h0, _node_table(batch), "torch"))

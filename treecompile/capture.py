@@ -199,7 +199,9 @@ def mask_builder_swaps(model: nn.Module) -> list[tuple[types.ModuleType, str, An
 # --------------------------------------------------------------------------- interfaces and kernels
 
 _HF_REGISTERED = False
-_ORIGINAL_GROUPED_MM = None  # transformers' own ``_grouped_mm``, read once before any call swaps it
+# transformers' own ``_grouped_mm`` and its test, read once before any call swaps them.
+_ORIGINAL_GROUPED_MM = None
+_HF_CAN_USE_GROUPED_MM = None
 
 
 def register_hf_interfaces() -> None:
@@ -213,8 +215,9 @@ def register_hf_interfaces() -> None:
     ExpertsInterface.register(HF_ATTENTION_NAME, markers.hf_experts)
     site = _hf_grouped_mm_site()
     if site is not None:
-        global _ORIGINAL_GROUPED_MM
+        global _ORIGINAL_GROUPED_MM, _HF_CAN_USE_GROUPED_MM
         _ORIGINAL_GROUPED_MM = site._grouped_mm
+        _HF_CAN_USE_GROUPED_MM = getattr(site, "_can_use_grouped_mm", None)
     _HF_REGISTERED = True
 
 
@@ -283,10 +286,8 @@ def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     ``torch._grouped_mm`` (bfloat16), else ``treecompile::grouped_mm``, whose backward is an op
     too (transformers' fallback backward before 5.2x loops over ``offs.tolist()`` under
     tracing, which AOTAutograd refuses: float32 and float64 MoE models failed to compile)."""
-    from transformers.integrations import moe
-
-    can_use = getattr(moe, "_can_use_grouped_mm", None)
-    if can_use is not None and can_use(input, weight, offs):
+    # No import here: Dynamo traces this function, and torch 2.11's cannot trace an import.
+    if _HF_CAN_USE_GROUPED_MM is not None and _HF_CAN_USE_GROUPED_MM(input, weight, offs):
         return _ORIGINAL_GROUPED_MM(input, weight, offs=offs)
     return torch.ops.treecompile.grouped_mm(input, weight, offs)
 
