@@ -3,8 +3,8 @@
 ``treecompile::grouped_mm(input [S, D_in], weight [G, D_in, D_out], offs [G]) -> [S, D_out]``:
 rows ``offs[g - 1]:offs[g]`` (``offs[-1]`` read as 0) times ``weight[g]``, what Hugging Face's
 ``grouped_mm`` experts compute per projection. Hugging Face runs ``torch._grouped_mm`` where
-it can (bfloat16 under compile) and otherwise a fallback op whose backward, before
-transformers 5.2x, loops over ``offs.tolist()`` in Python: AOTAutograd cannot trace that loop
+it can (bfloat16 under compile) and otherwise a fallback op whose backward, in transformers
+5.10 to 5.17 (5.23 made it an op), loops over ``offs.tolist()`` in Python: AOTAutograd cannot trace that loop
 (a data-dependent size), so a float32 or float64 MoE failed to compile. Here the forward and
 the backward are both opaque ops: the loop runs at execution time, never under tracing.
 """

@@ -87,8 +87,13 @@ def environment() -> dict:
     for pkg in ("triton", "transformers", "flash-linear-attention", "fla-core", "treecompile", "pytest"):
         env[pkg] = _version(pkg)
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or "unknown"
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip()
+        # A copied working tree may carry an older .git: then the files are not that commit.
+        env["commit"] = head + (" with uncommitted changes" if changed else "")
     except Exception:
         env["commit"] = "unknown"
     return env

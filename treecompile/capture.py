@@ -284,7 +284,7 @@ def _hf_grouped_mm_site() -> types.ModuleType | None:
 def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """transformers' ``_grouped_mm`` for the experts marker: its own where it runs
     ``torch._grouped_mm`` (bfloat16), else ``treecompile::grouped_mm``, whose backward is an op
-    too (transformers' fallback backward before 5.2x loops over ``offs.tolist()`` under
+    too (transformers' fallback backward in 5.10 to 5.17 loops over ``offs.tolist()`` under
     tracing, which AOTAutograd refuses: float32 and float64 MoE models failed to compile)."""
     # No import here: Dynamo traces this function, and torch 2.11's cannot trace an import.
     if _HF_CAN_USE_GROUPED_MM is not None and _HF_CAN_USE_GROUPED_MM(input, weight, offs):
