@@ -296,13 +296,52 @@ def varlen_kernel(name: str, device: torch.device, delta: bool, dtype: torch.dty
                                "(scan_kernel='auto' or 'torch' runs the torch scan)")
     if fn is None:
         return None
-    why = varlen_disagreement(fn, device, delta, dtype)
+    why = known_bad_fla(device) or varlen_disagreement(fn, device, delta, dtype)
     if why is None:
         return fn
     if name == "fla":
         raise RuntimeError(f"treecompile: scan_kernel='fla' cannot be used: {what} {why}")
     warnings.warn(f"treecompile: {what} {why}; using the torch scan instead", RuntimeWarning, stacklevel=2)
     return None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in (text.split("+")[0].split(".") + ["0", "0"])[:3] if p.isdigit())
+
+
+def _fla_dispatches_to_tilelang() -> bool:
+    """fla >= 0.6 runs the gated backward through tilelang where tilelang is installed."""
+    import importlib.metadata as md
+    import importlib.util
+
+    try:
+        fla_version = md.version("fla-core")
+    except md.PackageNotFoundError:
+        try:
+            fla_version = md.version("flash-linear-attention")
+        except md.PackageNotFoundError:
+            return False
+    return _version(fla_version) >= (0, 6, 0) and importlib.util.find_spec("tilelang") is not None
+
+
+def known_bad_fla(device: torch.device) -> str | None:
+    """Why fla's chunked kernels must not run on ``device``, or None.
+
+    Triton >= 3.4.0 and < 3.7.1 compiles fla's gated ``chunk_bwd_dqkwg`` (the backward of both
+    scans treecompile runs through fla) wrongly on Hopper GPUs (fla issue #640). fla 0.6
+    raises there; older versions return wrong gradients, which a check on one small problem
+    need not catch. So the combination is refused outright.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    import triton
+
+    if torch.cuda.get_device_capability(device)[0] != 9 or not (3, 4, 0) <= _version(triton.__version__) < (3, 7, 1):
+        return None
+    if _fla_dispatches_to_tilelang():
+        return None
+    return (f"is known to give wrong gradients on Hopper GPUs with Triton {triton.__version__} (>= 3.4.0 and "
+            "< 3.7.1, fla issue #640): upgrade Triton to 3.7.1 or later, or install tilelang with fla >= 0.6")
 
 
 def varlen_disagreement(fn: Callable, device: torch.device, delta: bool, dtype: torch.dtype) -> str | None:

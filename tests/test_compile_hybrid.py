@@ -882,3 +882,37 @@ def test_ops_on_transposed_inputs_return_what_their_fakes_say():
                                 for t in _gdn_inputs(1, batch.num_tokens))
         torch.library.opcheck(getattr(torch.ops.treecompile, f"tree_{kind}"),
                               (q, k, v, g, beta, h0, _node_table(batch), "torch"))
+
+
+def test_fla_on_hopper_with_a_triton_that_miscompiles_its_backward_is_refused(monkeypatch):
+    """fla's gated backward is wrong on Hopper with Triton >= 3.4.0, < 3.7.1 (fla #640); fla
+    0.6 raises there, older fla returns wrong gradients. treecompile refuses the combination
+    without relying on its small check problem."""
+    import sys
+    import types
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(recurrence, "_fla_dispatches_to_tilelang", lambda: False)
+    assert "fla issue #640" in recurrence.known_bad_fla(cuda)
+    assert recurrence.known_bad_fla(torch.device("cpu")) is None
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.7.1"))
+    assert recurrence.known_bad_fla(cuda) is None
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.4.0"))
+    capability[0] = (8, 0)
+    assert recurrence.known_bad_fla(cuda) is None
+    capability[0] = (9, 0)
+
+    monkeypatch.setattr(recurrence, "_fla_kernel", lambda delta: _varlen_stand_in(delta, []))
+    monkeypatch.setattr(recurrence, "varlen_disagreement", lambda *a: pytest.fail("the check problem ran"))
+    recurrence.varlen_kernel.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="fla issue #640.*using the torch scan instead"):
+            assert recurrence.varlen_kernel("auto", cuda, True, torch.float32) is None
+        with pytest.raises(RuntimeError, match="scan_kernel='fla' cannot be used: .*fla issue #640"):
+            recurrence.varlen_kernel("fla", cuda, False, torch.float32)
+    finally:
+        recurrence.varlen_kernel.cache_clear()
