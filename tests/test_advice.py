@@ -119,3 +119,14 @@ def test_stats_prints_the_advice(tmp_path, capsys):
     assert "advice: POR 0.062 is low" in flat
     assert main(["stats", "sample:gsm8k", "--tokenizer", "bytes", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["advice"] is None  # POR 0.35
+
+
+def test_pack_warns_once_about_a_low_por_batch():
+    low = TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8], [1, 9, 9, 9, 9, 9, 9, 9]])  # POR 1/16
+    high = TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 9]])  # POR 7/16
+    with pytest.warns(TreeWarning, match=r"^POR 0\.062 is low: tree training measured about"):
+        pack(low)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack(high)
+        pack(low, warn_por=False)

@@ -29,6 +29,7 @@ __all__ = [
     "measured_speedup",
     "position_overflow",
     "warn_low_por",
+    "warn_low_por_value",
     "warn_position_overflow",
 ]
 
@@ -148,13 +149,19 @@ def warn_position_overflow(data: Any, model: Any, *, stacklevel: int = 2) -> boo
 
 
 def warn_low_por(trees: Sequence[Any], *, stacklevel: int = 2) -> bool:
-    """Warns (:class:`TreeWarning`) if the batch's POR is so low that per-path training may be faster."""
+    """Warns (:class:`TreeWarning`) if the batch's POR is so low that per-path training may be
+    faster (`treecompile.pack` does this for every batch it packs)."""
     path_tokens = tree_tokens = 0
     for tree in trees:
         s = tree.stats()
         path_tokens += s.path_tokens
         tree_tokens += s.tree_tokens
-    message = low_por_advice(1.0 - tree_tokens / path_tokens if path_tokens else 0.0)
+    return warn_low_por_value(1.0 - tree_tokens / path_tokens if path_tokens else 0.0, stacklevel=stacklevel + 1)
+
+
+def warn_low_por_value(por: float, *, stacklevel: int = 2) -> bool:
+    """Warns (:class:`TreeWarning`) if at ``por`` per-path training may be faster; whether it warned."""
+    message = low_por_advice(por)
     if message is not None:
         warnings.warn(message, TreeWarning, stacklevel=stacklevel + 1)
     return message is not None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treecompile.advice import warn_low_por_value
 from treecompile.errors import TreeInputError
 from treecompile.preorder import climb, preorder_violation, subtree_max, subtree_sum
 from treecompile.tree import TrajectoryTree
@@ -290,6 +291,7 @@ def pack(
     vocab_size: int | None = None,
     path_bits: bool = False,
     device: torch.device | str | None = None,
+    warn_por: bool = True,
 ) -> TreeBatch:
     """Serializes trees depth-first into one packed row.
 
@@ -303,6 +305,9 @@ def pack(
         vocab_size: refuse token ids at or above this.
         path_bits: also build the Prompt Trees path bitmask (``[S, C]`` int64).
         device: where to put the tensors.
+        warn_por: warn (`treecompile.advice.TreeWarning`, once per call site) when the
+            batch's POR is so low that per-path training may be as fast
+            (`treecompile.advice.low_por_advice`).
 
     Returns:
         The `TreeBatch`.
@@ -365,6 +370,12 @@ def pack(
 
     def cat(parts: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype=dtype, device=device)
+
+    # Per-path training would compute every row once per path through it: a batch that shares
+    # too little gains nothing from the tree (once per call site, as warnings are).
+    if warn_por:
+        path_tokens = int(sum(int(c.sum()) for c in pcount))
+        warn_low_por_value(1.0 - total / path_tokens if path_tokens else 0.0, stacklevel=2)
 
     return TreeBatch(
         input_ids=cat(ids, torch.int64),

@@ -389,7 +389,7 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
         elif method == "hf-packed-flex":
             measured = _measure(_Packed(model, fn, paths, dev, cfg.packed_attention), model, cfg, dev)
         else:
-            measured = _measure(_Tree(fn, pack(trees, device=dev)), model, cfg, dev)
+            measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
     except Exception as e:  # one failing row never stops the others
         model.zero_grad(set_to_none=True)
         row.status = ("out of memory" if _is_oom(e) else "error") + f": {type(e).__name__}: {str(e)[:300]}"

@@ -83,7 +83,7 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
     model = compiled.model
     n_bytes = sum(p.numel() for p in model.parameters()) * 8
     tree = _check_tree(batch)
-    check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask")
+    check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask", warn_por=False)
     if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
         subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
         plain_experts(subject)
