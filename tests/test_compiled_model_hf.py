@@ -4,6 +4,7 @@ generate, train/eval, state dicts, gradient checkpointing and PEFT adapters."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -153,6 +154,11 @@ def test_tree_output_reads_as_trainer_reads_a_model_output():
         out[2]
     with pytest.raises(KeyError, match="a TreeOutput has an index, a slice or loss"):
         out["logits"]
+    # Code written for HF outputs (a Trainer's compute_loss_func) reads .logits: say why there are none.
+    with pytest.raises(AttributeError, match=r"^a tree-compiled model returns no logits: .*read \.logprobs"):
+        out.logits
+    assert not hasattr(out, "past_key_values")
+    assert pickle.loads(pickle.dumps(out)).loss == out.loss and copy.deepcopy(out).logprobs.shape == (3,)
 
 
 def _padded_rows():

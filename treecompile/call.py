@@ -50,6 +50,17 @@ class TreeOutput:
             return getattr(self, key)
         raise KeyError(f"{key!r}: a TreeOutput has an index, a slice or {', '.join(self.__dataclass_fields__)}")
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the dataclass does not have: say why ``logits`` is missing (code written
+        # for Hugging Face outputs, e.g. a Trainer's ``compute_loss_func``, reads it).
+        if name == "logits":
+            raise AttributeError(
+                "a tree-compiled model returns no logits: the [rows, vocab] logits are never kept (the LM head "
+                "gathers each target's log-prob); read .logprobs ([S], aligned with the batch's target_weight), "
+                "or tree_compile(outputs=('entropy',)) for the entropy"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_tuple(self) -> tuple[torch.Tensor, ...]:
         """The fields that are set, in order (loss first), as Hugging Face's ``ModelOutput.to_tuple``."""
         return tuple(getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None)
