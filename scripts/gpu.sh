@@ -4,6 +4,7 @@
 #   scripts/gpu.sh check [--out DIR] [--dry-run] [--no-install]   # tests/gpu/, in sections (< 8 min on an H100)
 #   scripts/gpu.sh bench [--out DIR] [--dry-run] [--no-install]   # treecompile bench --device cuda (< 8 min)
 #   scripts/gpu.sh tune  [--out DIR] [--no-install]               # treecompile tune: a new FlexAttention options table
+#   scripts/gpu.sh profile [--out DIR] [--no-install]             # one Qwen3-1.7B-shaped step under torch.profiler
 #   scripts/gpu.sh install                                        # only the install step
 #   --sections a,b: run only those sections (e.g. one that ran out of time)
 #
@@ -15,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$cmd" in
-  check|bench|tune|install) ;;
+  check|bench|tune|profile|install) ;;
   *) usage >&2; exit 2 ;;
 esac
 mkdir -p "$out"

@@ -45,7 +45,8 @@ CHECK_SECTIONS = [
 ]
 BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
 TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
-SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS}
+PROFILE_SECTIONS = [("profile", "treecompile.profile_cuda", 420)]
+SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS, "profile": PROFILE_SECTIONS}
 
 
 def _version(pkg: str) -> str:
@@ -237,6 +238,17 @@ def run_tune_section(name: str, limit: int, work: Path) -> dict:
             "log_tail": text[-3000:]}
 
 
+def run_profile_section(name: str, limit: int, work: Path) -> dict:
+    out, mdfile, log = work / "profile.json", work / "profile.md", work / "profile.log"
+    rc, secs = _run([sys.executable, "-m", "treecompile.profile_cuda", "--out", str(out), "--markdown", str(mdfile)],
+                    log, limit)
+    text = log.read_text(errors="replace")
+    status = {None: f"timed out after {limit} s", 0: "passed"}.get(rc, f"failed (exit {rc})")
+    table = mdfile.read_text() if mdfile.exists() else None
+    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": [], "table": table,
+            "profile": json.loads(out.read_text()) if out.exists() else None, "log_tail": text[-3000:]}
+
+
 def render_markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"# treecompile GPU {report['command']}", "",
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 section = run_test_section(name, what, limit, work, started[name])
             else:
                 print(f"[gpu.sh] {name}: up to {limit} s", file=sys.stderr, flush=True)
-                run = run_bench_section if args.command == "bench" else run_tune_section
+                run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section}[args.command]
                 section = run(name, limit, work)
             print(f"[gpu.sh] {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
             report["sections"].append(section)

@@ -46,12 +46,13 @@ def test_check_dry_run_reports_every_gpu_test_skipped(tmp_path):
 
 
 @no_cuda
-def test_bench_dry_run_writes_the_report(tmp_path):
-    proc = _gpu_sh("bench", "--dry-run", "--out", str(tmp_path))
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_bench_and_profile_dry_runs_write_the_report(tmp_path, command):
+    proc = _gpu_sh(command, "--dry-run", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    report = json.loads((tmp_path / "gpu-bench.json").read_text())
-    assert [(s["name"], s["status"]) for s in report["sections"]] == [("bench", "skipped: no CUDA")]
-    assert "## bench: skipped: no CUDA" in (tmp_path / "gpu-bench.md").read_text()
+    report = json.loads((tmp_path / f"gpu-{command}.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["sections"]] == [(command, "skipped: no CUDA")]
+    assert f"## {command}: skipped: no CUDA" in (tmp_path / f"gpu-{command}.md").read_text()
 
 
 def test_unknown_command_exits_2(tmp_path):

@@ -1,0 +1,31 @@
+"""treecompile.profile_cuda on the CPU: a tiny model's step, profiled and reported."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from treecompile.profile_cuda import ProfileConfig, _category, _union_us, markdown_report, profile_step  # noqa: E402
+
+
+def test_categories_and_interval_union():
+    assert _category("triton_tem_fused_flex_attention_backward_zeros_3") == "attention backward"
+    assert _category("triton_tem_fused_flex_attention_0") == "attention forward"
+    assert _category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmuls"
+    assert _category("_row_logprobs_kernel") == _category("_row_grad_kernel") == "LM head log-probs"
+    assert _category("triton_poi_fused_add_mul_0") == "normalisation, activations and other fused kernels"
+    assert _category("Memcpy DtoD (Device -> Device)") == "copies and fills"
+    assert _category("something unexpected") == "other"
+    assert _union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
+def test_profile_of_a_tiny_step_on_cpu():
+    cfg = ProfileConfig(model="tiny", path_tokens=256, paths=4, por=0.5, dtype="float32", warmup=1, steps=1, top=5)
+    r = profile_step(cfg, device="cpu")
+    assert r["rows"] < r["path_tokens"] == 256 and r["compiles_during_profile"] == 0
+    assert r["step_wall_ms"] > 0 and abs(sum(r["categories_ms"].values()) - r["busy_ms"]) < 1e-6 * r["busy_ms"] + 1e-9
+    assert "matmuls" in r["categories_ms"] and len(r["top"]) == 5
+    text = markdown_report(r)
+    assert "| step, wall clock |" in text and "| category | ms per step | share |" in text
+    assert "host synchronisations" not in text  # CUDA only
