@@ -15,7 +15,8 @@ names its kernels after the operations they fuse); the top kernels by device tim
 nothing hides in "other"; the compiles and host synchronisations during the profiled steps.
 
 On a CPU (``--device cpu``, for tests) the same runs on a tiny model, and the categories
-classify the operators' own CPU time instead of kernels.
+classify the operators' own CPU time instead of kernels (an operator inside a treecompile
+op, such as the CPU tree attention, counts as that op).
 """
 
 from __future__ import annotations
@@ -169,9 +170,17 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
                 intervals.append((e.time_range.start, e.time_range.end))
         busy_us = _union_us(intervals)
     else:
-        for a in prof.key_averages():
-            if a.self_cpu_time_total > 0:
-                by_name[a.key] = by_name.get(a.key, 0.0) + a.self_cpu_time_total
+        # An operator's own time counts under its outermost treecompile:: op, if any (the CPU
+        # attention ops run their work as aten ops inside them).
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CPU or e.self_cpu_time_total <= 0:
+                continue
+            name, up = e.name, e.cpu_parent
+            while up is not None:
+                if up.name.startswith("treecompile::"):
+                    name = up.name
+                up = up.cpu_parent
+            by_name[name] = by_name.get(name, 0.0) + e.self_cpu_time_total
         busy_us = sum(by_name.values())
     n = cfg.steps
     categories: dict[str, float] = {}
