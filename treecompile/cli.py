@@ -284,7 +284,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
-    from treecompile.inspection import add_inspect_command
+    from treecompile.cli_inspect import add_inspect_command
 
     add_inspect_command(sub)
 
