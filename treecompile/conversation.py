@@ -23,6 +23,7 @@ __all__ = [
     "TEMPLATES",
     "THINK",
     "RetokenizationDriftWarning",
+    "RenderOptions",
     "RenderedPaths",
     "normalize_conversation",
     "render_conversations",
@@ -374,28 +375,38 @@ class RenderedPaths:
     metadata: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class RenderOptions:
+    """How conversations become paths: :func:`treecompile.chat.tree_from_messages`'s options
+    of the same names, checked when built (an unknown value raises ``ValueError``)."""
+
+    samples: str = "conversation"
+    think: str = "last"
+    normalize_tool_call_ids: bool = True
+    loss_on: str = "assistant"
+    template: str = "chatml"
+    on_drift: str = "warn"
+
+    def __post_init__(self) -> None:
+        for name, valid in (("samples", SAMPLES), ("think", THINK), ("loss_on", LOSS_ON),
+                            ("template", TEMPLATES), ("on_drift", ON_DRIFT)):
+            _check_option(name, getattr(self, name), valid)
+
+
 def render_conversations(
     conversations: Sequence[Sequence[dict[str, Any]]],
     tokenizer: Any,
+    options: RenderOptions | None = None,
     *,
-    samples: str = "conversation",
-    think: str = "last",
-    normalize_tool_call_ids: bool = True,
-    loss_on: str = "assistant",
-    template: str = "chatml",
-    on_drift: str = "warn",
     weights: Sequence[float] | None = None,
 ) -> RenderedPaths:
     """Renders chat conversations to token sequences with their loss masks, one per path.
 
-    The options are :func:`treecompile.chat.tree_from_messages`'s (less ``vocab_size``), which
-    merges the paths into a tree.
+    ``options`` and ``weights`` are :func:`treecompile.chat.tree_from_messages`'s (which
+    merges the paths into a tree); None means the default :class:`RenderOptions`.
     """
-    _check_option("samples", samples, SAMPLES)
-    _check_option("think", think, THINK)
-    _check_option("loss_on", loss_on, LOSS_ON)
-    _check_option("template", template, TEMPLATES)
-    _check_option("on_drift", on_drift, ON_DRIFT)
+    opts = options if options is not None else RenderOptions()
+    samples, think, loss_on, on_drift = opts.samples, opts.think, opts.loss_on, opts.on_drift
     if isinstance(conversations, dict) or isinstance(conversations, (str, bytes)):
         raise TreeInputError("conversations must be a list of conversations (each a list of messages)")
     conversations = list(conversations)
@@ -421,7 +432,7 @@ def render_conversations(
     examples: list[dict[str, Any]] = []
     drifting = 0
     for c, conv in enumerate(conversations):
-        msgs = normalize_conversation(conv, normalize_tool_call_ids=normalize_tool_call_ids, index=c)
+        msgs = normalize_conversation(conv, normalize_tool_call_ids=opts.normalize_tool_call_ids, index=c)
         if samples == "conversation":
             ends = [len(msgs) - 1]
         else:
@@ -462,12 +473,12 @@ def render_conversations(
         warnings.warn(report["summary"], RetokenizationDriftWarning, stacklevel=3)
     metadata = {
         "source": "messages",
-        "template": template,
+        "template": opts.template,
         "tokenizer": tok.name,
         "samples": samples,
         "think": think,
         "loss_on": loss_on,
-        "normalize_tool_call_ids": normalize_tool_call_ids,
+        "normalize_tool_call_ids": opts.normalize_tool_call_ids,
         "drift": report,
         "path_conversation": path_conv,
         "path_message": path_msg,

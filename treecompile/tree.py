@@ -337,9 +337,15 @@ class TrajectoryTree:
         cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, *, vocab_size: int | None = None, **options: Any
     ) -> TrajectoryTree:
         """Builds a tree from chat conversations; see `treecompile.chat.tree_from_messages`."""
-        from treecompile.conversation import render_conversations
+        from treecompile.conversation import RenderOptions, render_conversations
 
-        paths = render_conversations(conversations, tokenizer, **options)
+        weights = options.pop("weights", None)
+        paths = render_conversations(conversations, tokenizer, RenderOptions(**options), weights=weights)
+        return cls.from_rendered(paths, vocab_size=vocab_size)
+
+    @classmethod
+    def from_rendered(cls, paths: Any, *, vocab_size: int | None = None) -> TrajectoryTree:
+        """Merges rendered conversations (a `treecompile.conversation.RenderedPaths`) into a tree."""
         return cls.from_sequences(paths.sequences, weights=paths.weights, loss_masks=paths.masks,
                                   vocab_size=vocab_size, metadata=paths.metadata)
 
