@@ -205,12 +205,12 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
 
 def _check_sequence_line(path: str | Path, n: int, ids: list[Any], mask: list[Any] | None) -> None:
     """The checks `TrajectoryTree.from_sequences` makes, here where the file line is known."""
-    from treecompile.tree import _as_mask_array, _as_token_array
+    from treecompile.tree_build import as_mask_array, as_token_array
 
     try:
-        arr = _as_token_array(ids, 0, None)
+        arr = as_token_array(ids, 0, None)
         if mask is not None:
-            _as_mask_array(mask, 0, len(arr))
+            as_mask_array(mask, 0, len(arr))
     except TreeInputError as exc:
         # The tree's messages say "sequence 0" / "loss_masks[0]"; here the line says which.
         text = str(exc).replace("sequence 0 is empty", "'input_ids' is empty", 1)
