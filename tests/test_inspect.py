@@ -311,7 +311,7 @@ def test_png_is_a_valid_image():
 
 def test_the_module_imports_nothing_heavy():
     code = (
-        "import argparse, sys; from treecompile.inspection import add_inspect_command; "
+        "import argparse, sys; from treecompile.cli_inspect import add_inspect_command; "
         "add_inspect_command(argparse.ArgumentParser().add_subparsers()); "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy"
     )

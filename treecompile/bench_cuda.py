@@ -28,6 +28,9 @@ each baseline, the FLOP bound ``1 / (1 - POR)`` and the fraction of it reached o
 
 A time budget (``time_budget_s``) stops starting new measurements once spent; rows not run
 say so. On CPU the same code runs with a tiny configuration (tests).
+
+Kept as one module (over 450 lines): one benchmark, its workloads, the baselines written out as
+a user runs them, the run and its table.
 """
 
 from __future__ import annotations

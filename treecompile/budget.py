@@ -47,6 +47,9 @@ so `CostModel.explain` prints the formula term by term and `CostModel.capacity` 
 ``peak(S) <= budget`` exactly: each branch is a polynomial in S with integer
 coefficients, increasing for S >= 1, so its largest integer solution is the floor of
 its one positive real root, checked in exact arithmetic.
+
+Kept as one module (over 450 lines): the cost model's constants, terms, config reading and
+the peak measurement that checks it are one concern, read together.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from treecompile.conversation import (
     SAMPLES,
     TEMPLATES,
     THINK,
+    RenderOptions,
     RetokenizationDriftWarning,
     normalize_conversation,
     render_conversations,
@@ -53,17 +54,9 @@ from treecompile.conversation import (
 )
 from treecompile.tree import TrajectoryTree
 
-__all__ = [
-    "LOSS_ON",
-    "ON_DRIFT",
-    "SAMPLES",
-    "TEMPLATES",
-    "THINK",
-    "RetokenizationDriftWarning",
-    "normalize_conversation",
-    "render_text",
-    "tree_from_messages",
-]
+# The option tuples and message helpers of `treecompile.conversation`, re-exported beside the tree builder.
+__all__ = ["LOSS_ON", "ON_DRIFT", "SAMPLES", "TEMPLATES", "THINK", "RetokenizationDriftWarning",
+           "normalize_conversation", "render_text", "tree_from_messages"]
 
 
 def tree_from_messages(
@@ -114,10 +107,7 @@ def tree_from_messages(
             under ``samples="assistant_turns"``, or drift under ``on_drift="error"``.
         ValueError: on an unknown option value.
     """
-    paths = render_conversations(
-        conversations, tokenizer, samples=samples, think=think, normalize_tool_call_ids=normalize_tool_call_ids,
-        loss_on=loss_on, template=template, on_drift=on_drift, weights=weights,
-    )
-    return TrajectoryTree.from_sequences(
-        paths.sequences, weights=paths.weights, loss_masks=paths.masks, vocab_size=vocab_size, metadata=paths.metadata
-    )
+    options = RenderOptions(samples=samples, think=think, normalize_tool_call_ids=normalize_tool_call_ids,
+                            loss_on=loss_on, template=template, on_drift=on_drift)
+    paths = render_conversations(conversations, tokenizer, options, weights=weights)
+    return TrajectoryTree.from_rendered(paths, vocab_size=vocab_size)

@@ -17,21 +17,13 @@ import argparse
 import json
 import re
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from treecompile.advice import low_por_advice
 from treecompile.cli_args import _installed, check_cuda, device_name, int_at_least, por_value, progress_bar, require_plot
 from treecompile.errors import TreeInputError
-from treecompile.io import (
-    _CHAT_KINDS,
-    _DEFAULT_CHAT_TOKENIZER,
-    _build_all,
-    _merge_groups,
-    _read_groups,
-    _resolve_file,
-)
+from treecompile.cli_inputs import CHAT_KINDS, DEFAULT_CHAT_TOKENIZER, load_input_trees
 
 __all__ = ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
 
@@ -82,7 +74,7 @@ def _add_stats_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help=f"for chat input: cl100k, sample, bytes or a tokenizer.json path (default {_DEFAULT_CHAT_TOKENIZER})",
+        help=f"for chat input: cl100k, sample, bytes or a tokenizer.json path (default {DEFAULT_CHAT_TOKENIZER})",
     )
     p.add_argument("--samples", choices=SAMPLES, default="conversation", help="paths per conversation (chat input)")
     p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")
@@ -142,43 +134,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """``treecompile stats FILE``: per-tree and total size and overlap of a file's trees."""
     from rich.console import Console
 
-    from treecompile.io import detect_kind
-    from treecompile.tokenizer import load_tokenizer
-
     if args.plot is not None:
         require_plot("--plot")
-    path = _resolve_file(args.file)
-    kind = detect_kind(path)
-    chat_input = kind in _CHAT_KINDS
-    tokenizer_name = args.tokenizer or _DEFAULT_CHAT_TOKENIZER
-    tokenizer = load_tokenizer(tokenizer_name) if chat_input else None
-
-    start = time.perf_counter()
-    groups = _read_groups(path, kind)
-    n_records = sum(g.size for g in groups)
-    if args.group_by == "all":
-        groups = [_merge_groups(groups)]
-    if args.limit is not None:
-        if args.limit < 1:
-            raise ValueError(f"--limit must be at least 1, got {args.limit}")
-        groups = groups[: args.limit]
-    trees = _build_all(groups, args, tokenizer)
-    seconds = time.perf_counter() - start
-
-    names = [g.name for g in groups]
+    inputs = load_input_trees(args)
+    path, kind, tokenizer, names, trees = inputs.path, inputs.kind, inputs.tokenizer, inputs.names, inputs.trees
+    chat_input = kind in CHAT_KINDS
     stats = [t.stats() for t in trees]
     total = _total(stats)
     drift = _drift_total(trees, names)
     header = {
         "file": str(path),
         "kind": kind,
-        "records": n_records,
+        "records": inputs.records,
         "tokenizer": tokenizer.name if tokenizer is not None else None,
         "tokenizer_default": chat_input and args.tokenizer is None,
         "samples": args.samples if chat_input else None,
         "think": args.think if chat_input else None,
         "group_by": args.group_by,
-        "seconds": round(seconds, 3),
+        "seconds": round(inputs.seconds, 3),
     }
     if args.plot is not None:
         from treecompile.plots import save_png, stats_figure
@@ -284,7 +257,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
-    from treecompile.inspection import add_inspect_command
+    from treecompile.cli_inspect import add_inspect_command
 
     add_inspect_command(sub)
 

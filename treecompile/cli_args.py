@@ -2,7 +2,7 @@
 
 Checked while parsing, before any command imports torch: a bad value costs no start-up
 time. Kept apart from `treecompile.cli` so that the modules of the subcommands it
-registers (`treecompile.plan`, `treecompile.inspection`) can use them without importing
+registers (`treecompile.plan`, `treecompile.cli_inspect`) can use them without importing
 the CLI back.
 """
 

@@ -1,6 +1,6 @@
 """Chat conversations (OpenAI message format) rendered to token sequences and loss masks,
-one per path, message by message; :mod:`treecompile.chat` merges them into a tree and
-describes the template.
+one per path, message by message; :mod:`treecompile.messages` checks the messages first,
+and :mod:`treecompile.chat` merges the paths into a tree and describes the template.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.errors import TreeInputError
+from treecompile.messages import Message, normalize_conversation
 from treecompile.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "TEMPLATES",
     "THINK",
     "RetokenizationDriftWarning",
+    "RenderOptions",
     "RenderedPaths",
     "normalize_conversation",
     "render_conversations",
@@ -35,152 +37,12 @@ LOSS_ON = ("assistant", "last_assistant", "all")
 ON_DRIFT = ("warn", "error", "ignore")
 TEMPLATES = ("chatml",)
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_ROLES["function"] = "tool"  # the legacy OpenAI name of tool results
-
 # How many drifting conversations the report describes in detail.
 _MAX_DRIFT_EXAMPLES = 5
 
 
 class RetokenizationDriftWarning(UserWarning):
     """Message-by-message tokens differ from tokenizing the whole rendered text."""
-
-
-# ---------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class _Message:
-    """One message reduced to what the template renders."""
-
-    role: str
-    content: str
-    reasoning: str | None = None
-    tool_calls: tuple[tuple[str | None, str, Any], ...] = ()  # (id, name, arguments)
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def body(self, keep_reasoning: bool) -> str:
-        if self.role == "tool":
-            attrs = "".join(
-                f' {k}="{v}"' for k, v in (("id", self.tool_call_id), ("name", self.name)) if v is not None
-            )
-            return f"<tool_response{attrs}>\n{self.content}\n</tool_response>"
-        text = self.content
-        if self.role != "assistant":
-            return text
-        if keep_reasoning and self.reasoning:
-            text = f"<think>\n{self.reasoning.strip(chr(10))}\n</think>\n\n" + text
-        for call_id, name, args in self.tool_calls:
-            call: dict[str, Any] = {"name": name, "arguments": args}
-            if call_id is not None:
-                call["id"] = call_id
-            if text and not text.endswith("\n"):
-                text += "\n"
-            text += "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
-        return text
-
-
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                parts.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise TreeInputError(f"{where}: content part {i} has type {kind!r}; only text parts can be rendered")
-        return "".join(parts)
-    raise TreeInputError(f"{where}: content must be a string, a list of text parts or null, got {type(content).__name__}")
-
-
-def _split_think(content: str) -> tuple[str, str | None]:
-    """Splits a leading ``<think>...</think>`` block off ``content``."""
-    stripped = content.lstrip()
-    if stripped.startswith("<think>") and "</think>" in stripped:
-        inner, rest = stripped[len("<think>") :].split("</think>", 1)
-        return rest.lstrip("\n"), inner.strip("\n")
-    return content, None
-
-
-def _tool_calls(raw: Any, where: str) -> list[tuple[str | None, str, Any]]:
-    if not raw:
-        return []
-    if not isinstance(raw, list):
-        raise TreeInputError(f"{where}: tool_calls must be a list, got {type(raw).__name__}")
-    calls = []
-    for i, call in enumerate(raw):
-        if not isinstance(call, dict):
-            raise TreeInputError(f"{where}: tool_calls[{i}] must be an object")
-        fn = call.get("function", call)  # OpenAI nests name/arguments under "function"; tau2 does not
-        name = fn.get("name")
-        if not isinstance(name, str):
-            raise TreeInputError(f"{where}: tool_calls[{i}] has no function name")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                pass  # keep the model's unparsable string as it is
-        calls.append((call.get("id"), name, args))
-    return calls
-
-
-def normalize_conversation(
-    messages: Sequence[dict[str, Any]], *, normalize_tool_call_ids: bool = True, index: int = 0
-) -> list[_Message]:
-    """Validates one conversation and reduces each message to what the template renders.
-
-    Args:
-        messages: OpenAI-format messages (``role``, ``content``, ``tool_calls``,
-            ``tool_call_id``, ``name``; assistant reasoning in ``reasoning_content``,
-            ``reasoning`` or a leading ``<think>...</think>`` in the content).
-        normalize_tool_call_ids: replace tool-call ids by ``call_0``, ``call_1``, ... in
-            order of first appearance, in the calls and in the tool results that answer them.
-        index: the conversation's index, for error messages.
-
-    Raises:
-        TreeInputError: on an empty conversation, an unknown role or unrenderable content.
-    """
-    if isinstance(messages, dict) and "messages" in messages:
-        messages = messages["messages"]
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise TreeInputError(f"conversation {index}: expected a non-empty list of messages")
-    ids: dict[str, str] = {}
-
-    def new_id(old: Any) -> Any:
-        if not normalize_tool_call_ids or old is None:
-            return old
-        return ids.setdefault(str(old), f"call_{len(ids)}")
-
-    out = []
-    for j, m in enumerate(messages):
-        where = f"conversation {index}, message {j}"
-        if not isinstance(m, dict):
-            raise TreeInputError(f"{where}: expected a dict, got {type(m).__name__}")
-        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise TreeInputError(f"{where}: unknown role {m.get('role')!r}; expected one of {sorted(_ROLES)}")
-        content = _content_text(m.get("content"), where)
-        reasoning = None
-        calls: list[tuple[str | None, str, Any]] = []
-        if role == "assistant":
-            reasoning = m.get("reasoning_content") or m.get("reasoning")
-            if reasoning is None:
-                content, reasoning = _split_think(content)
-            elif not isinstance(reasoning, str):
-                raise TreeInputError(f"{where}: reasoning must be a string, got {type(reasoning).__name__}")
-            calls = [(new_id(cid), name, args) for cid, name, args in _tool_calls(m.get("tool_calls"), where)]
-        tool_call_id = new_id(m.get("tool_call_id")) if role == "tool" else None
-        name = m.get("name") if role == "tool" else None
-        out.append(_Message(role, content, reasoning or None, tuple(calls), tool_call_id, name))
-    return out
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -209,7 +71,7 @@ class _Renderer:
         self._cache: dict[tuple[str, str], _Rendered] = {}
         self._sep = tok.encode("\n")
 
-    def render(self, msg: _Message, keep_reasoning: bool) -> _Rendered:
+    def render(self, msg: Message, keep_reasoning: bool) -> _Rendered:
         body = msg.body(keep_reasoning)
         key = (msg.role, body)
         hit = self._cache.get(key)
@@ -244,7 +106,7 @@ def render_text(messages: Sequence[dict[str, Any]], *, think: str = "all", norma
     return "".join(f"{IM_START}{m.role}\n{m.body(k)}{IM_END}\n" for m, k in zip(msgs, keep))[:-1]
 
 
-def _last_assistant(msgs: Sequence[_Message], end: int | None = None) -> int:
+def _last_assistant(msgs: Sequence[Message], end: int | None = None) -> int:
     end = len(msgs) if end is None else end
     for j in range(end - 1, -1, -1):
         if msgs[j].role == "assistant":
@@ -261,7 +123,7 @@ class _Sample:
     conversation: int
     parts: list[tuple[int, _Rendered]]  # (message index, rendered message)
 
-    def tokens_and_mask(self, msgs: Sequence[_Message], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+    def tokens_and_mask(self, msgs: Sequence[Message], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
         toks, masks = [], []
         last = self.parts[-1][0]
         last_asst = _last_assistant(msgs, last + 1)
@@ -374,28 +236,38 @@ class RenderedPaths:
     metadata: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class RenderOptions:
+    """How conversations become paths: :func:`treecompile.chat.tree_from_messages`'s options
+    of the same names, checked when built (an unknown value raises ``ValueError``)."""
+
+    samples: str = "conversation"
+    think: str = "last"
+    normalize_tool_call_ids: bool = True
+    loss_on: str = "assistant"
+    template: str = "chatml"
+    on_drift: str = "warn"
+
+    def __post_init__(self) -> None:
+        for name, valid in (("samples", SAMPLES), ("think", THINK), ("loss_on", LOSS_ON),
+                            ("template", TEMPLATES), ("on_drift", ON_DRIFT)):
+            _check_option(name, getattr(self, name), valid)
+
+
 def render_conversations(
     conversations: Sequence[Sequence[dict[str, Any]]],
     tokenizer: Any,
+    options: RenderOptions | None = None,
     *,
-    samples: str = "conversation",
-    think: str = "last",
-    normalize_tool_call_ids: bool = True,
-    loss_on: str = "assistant",
-    template: str = "chatml",
-    on_drift: str = "warn",
     weights: Sequence[float] | None = None,
 ) -> RenderedPaths:
     """Renders chat conversations to token sequences with their loss masks, one per path.
 
-    The options are :func:`treecompile.chat.tree_from_messages`'s (less ``vocab_size``), which
-    merges the paths into a tree.
+    ``options`` and ``weights`` are :func:`treecompile.chat.tree_from_messages`'s (which
+    merges the paths into a tree); None means the default :class:`RenderOptions`.
     """
-    _check_option("samples", samples, SAMPLES)
-    _check_option("think", think, THINK)
-    _check_option("loss_on", loss_on, LOSS_ON)
-    _check_option("template", template, TEMPLATES)
-    _check_option("on_drift", on_drift, ON_DRIFT)
+    opts = options if options is not None else RenderOptions()
+    samples, think, loss_on, on_drift = opts.samples, opts.think, opts.loss_on, opts.on_drift
     if isinstance(conversations, dict) or isinstance(conversations, (str, bytes)):
         raise TreeInputError("conversations must be a list of conversations (each a list of messages)")
     conversations = list(conversations)
@@ -421,7 +293,7 @@ def render_conversations(
     examples: list[dict[str, Any]] = []
     drifting = 0
     for c, conv in enumerate(conversations):
-        msgs = normalize_conversation(conv, normalize_tool_call_ids=normalize_tool_call_ids, index=c)
+        msgs = normalize_conversation(conv, normalize_tool_call_ids=opts.normalize_tool_call_ids, index=c)
         if samples == "conversation":
             ends = [len(msgs) - 1]
         else:
@@ -462,12 +334,12 @@ def render_conversations(
         warnings.warn(report["summary"], RetokenizationDriftWarning, stacklevel=3)
     metadata = {
         "source": "messages",
-        "template": template,
+        "template": opts.template,
         "tokenizer": tok.name,
         "samples": samples,
         "think": think,
         "loss_on": loss_on,
-        "normalize_tool_call_ids": normalize_tool_call_ids,
+        "normalize_tool_call_ids": opts.normalize_tool_call_ids,
         "drift": report,
         "path_conversation": path_conv,
         "path_message": path_msg,

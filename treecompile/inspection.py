@@ -17,37 +17,32 @@ command prints, per pass, a unified diff of the graph code and the rewrite count
 the tree attention mask of the example as a grid of ``█``/``·`` (and as a PNG with
 ``--png``). A refused model prints the refusal and exits with status 1.
 
-Registered by ``treecompile.cli``; :func:`inspect_model` is the same work as a function.
-Nothing heavy is imported until the command runs.
+:func:`inspect_model` is the work as a function and :func:`render_text` / :func:`as_json`
+the reports; the model is built by :func:`load_model` (:mod:`treecompile.model_loader`), and
+the subcommand's arguments live in :mod:`treecompile.cli_inspect`. Nothing heavy is imported
+until a model is inspected.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
-import importlib
-import json
-import os
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from treecompile.maskview import MASK_RULES, PNG_CELL, mask_matrix, mask_picture
+from treecompile.maskview import MASK_RULES, mask_matrix, mask_picture
+from treecompile.model_loader import load_model  # re-exported: `inspect`'s MODEL argument
 
 __all__ = [
     "EXAMPLE_SEQUENCES",
     "Inspection",
     "PassStep",
-    "add_inspect_command",
     "as_json",
     "example_trees",
     "inspect_model",
     "load_model",
     "render_text",
-    "run_inspect",
 ]
 
 #: The example forest, as token sequences per tree: a 13-token tree that branches at three
@@ -58,14 +53,8 @@ EXAMPLE_SEQUENCES: tuple[tuple[tuple[int, ...], ...], ...] = (
     ((14, 15, 16, 17, 18), (14, 15, 16, 19)),
 )
 
-#: Above this many parameters a model is refused unless ``allow_large`` (``--allow-large``).
-MAX_PARAMS = 1_000_000_000
-#: Above this many parameters building the model prints a warning (it takes a while on CPU).
-WARN_PARAMS = 100_000_000
-
-#: Backends the command accepts; ``eager`` skips AOTAutograd, which the passes do not need.
-_BACKENDS = ("eager", "aot_eager", "inductor")
-_DTYPES = ("float32", "float64", "bfloat16")
+#: Backends :func:`inspect_model` accepts; ``eager`` skips AOTAutograd, which the passes do not need.
+BACKENDS = ("eager", "aot_eager", "inductor")
 
 
 # --------------------------------------------------------------------------- records
@@ -152,132 +141,6 @@ class Inspection:
         return self.steps[-1].name
 
 
-# --------------------------------------------------------------------------- model loading
-
-
-def load_model(
-    spec: str, *, dtype: str | None = None, allow_large: bool = False, seed: int = 0
-) -> tuple[Any, str]:
-    """Builds the model a ``MODEL`` argument names.
-
-    Args:
-        spec: a directory holding a Hugging Face ``config.json``, such a JSON file, or
-            ``module:factory`` (``module`` importable from the current directory or
-            ``sys.path``; ``factory`` a callable, or dotted attribute path to one, that
-            takes no arguments and returns an ``nn.Module``).
-        dtype: ``"float32"``, ``"float64"`` or ``"bfloat16"``; None keeps a factory's dtype
-            and builds HF configs in float32.
-        allow_large: build a HF config above :data:`MAX_PARAMS` parameters anyway.
-        seed: seeds the random weights.
-
-    Returns:
-        ``(model, source)`` with ``source`` ``"hf-config"`` or ``"factory"``; the model is
-        in eval mode (dropout would make the graph random per call, and is refused).
-
-    Raises:
-        ValueError: the spec is neither, the factory fails, or the config is too large.
-        ImportError: transformers (HF configs) or the factory's module cannot be imported.
-    """
-    import torch
-
-    path = Path(spec).expanduser()
-    if path.is_dir() or path.is_file():
-        model = _model_from_config(path, dtype=dtype or "float32", allow_large=allow_large, seed=seed)
-        return model.eval(), "hf-config"
-    if ":" in spec:
-        torch.manual_seed(seed)
-        model = _model_from_factory(spec)
-        if dtype is not None:
-            model = model.to(getattr(torch, dtype))
-        return model.eval(), "factory"
-    raise ValueError(
-        f"MODEL {spec!r} is not a directory with a config.json, a JSON config file, or module:factory "
-        "(e.g. ./qwen3-tiny, ./config.json, mypkg.models:make_lm)"
-    )
-
-
-def _model_from_config(path: Path, *, dtype: str, allow_large: bool, seed: int) -> Any:
-    import torch
-
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json (MODEL must be a Hugging Face config directory or file)")
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ValueError(f"{config_file} is not a Hugging Face model config (it has no 'model_type')")
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("a Hugging Face config needs transformers: pip install 'treecompile[hf]'") from None
-    config = transformers.AutoConfig.from_pretrained(str(config_file))
-    # Count parameters on the meta device first: no memory, no time, and a clear refusal
-    # before a config meant for a GPU cluster fills this machine's RAM.
-    with torch.device("meta"):
-        shell = transformers.AutoModelForCausalLM.from_config(config)
-    n = sum(p.numel() for p in shell.parameters())
-    del shell
-    if n > MAX_PARAMS and not allow_large:
-        raise ValueError(
-            f"{config_file} describes a {n / 1e9:.1f}B-parameter model; inspect builds it on CPU with random "
-            f"weights, which is refused above {MAX_PARAMS / 1e9:.0f}B parameters. The passes do not depend on "
-            "the width: shrink hidden_size / num_hidden_layers, or pass --allow-large"
-        )
-    if n > WARN_PARAMS:
-        print(
-            f"treecompile inspect: warning: building a {n / 1e6:.0f}M-parameter model in {dtype} on CPU "
-            "(a smaller config shows the same graph rewrites)",
-            file=sys.stderr,
-        )
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-
-
-def _model_from_factory(spec: str) -> Any:
-    from torch import nn
-
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"MODEL {spec!r}: expected module:factory, e.g. mypkg.models:make_lm")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)  # a user's module beside them, as `python -m` would find it
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"MODEL {spec!r}: cannot import module {module_name!r}: {exc}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"MODEL {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if isinstance(obj, nn.Module):
-        return obj
-    if not callable(obj):
-        raise ValueError(f"MODEL {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable returning a module")
-    try:
-        model = obj()
-    except TypeError as exc:
-        raise ValueError(f"MODEL {spec!r}: calling {attr}() with no arguments failed: {exc}") from None
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"MODEL {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
-    return model
-
-
-def _vocab_size(model: Any) -> int | None:
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "vocab_size", None):
-        return int(cfg.vocab_size)
-    from torch import nn
-
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            return int(m.num_embeddings)
-    return None
-
-
 # --------------------------------------------------------------------------- example
 
 
@@ -356,15 +219,16 @@ def inspect_model(
     import torch
 
     from treecompile.batch import pack
+    from treecompile.capture import is_hf_model, model_vocab_size
     from treecompile.compile import MASKS, TreeCompiledModel
     from treecompile.errors import UnsupportedModelError
     from treecompile.passes.pipeline import passes_for
 
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(_BACKENDS)}")
-    trees = trees if trees is not None else example_trees(_vocab_size(model))
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    trees = trees if trees is not None else example_trees(model_vocab_size(model, is_hf_model(model)))
     batch = pack(trees, path_bits=True)
     params = list(model.parameters())
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "-"
@@ -511,82 +375,3 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
     if insp.mask == "bitmask":
         out["example"]["path_bits"] = b.path_bits.tolist()
     return out
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_inspect_command(sub: argparse._SubParsersAction) -> None:
-    """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
-    from treecompile.cli_args import int_at_least
-
-    p = sub.add_parser(
-        "inspect",
-        help="show what the passes do to a model: graph diffs, rewrite counts, the tree mask",
-        description=(
-            "Builds MODEL, compiles it with tree_compile on a small example forest (19 rows) and prints, "
-            "per pass, a unified diff of the captured graph's code and the rewrites it counted, then the tree "
-            "attention mask of the example. Exits 1 if the model is refused (the message names the op)."
-        ),
-    )
-    p.add_argument(
-        "model",
-        metavar="MODEL",
-        help="a Hugging Face config (a directory with config.json, or the JSON file; built with small random "
-        "weights) or module:factory (a callable returning an nn.Module; the current directory is importable)",
-    )
-    p.add_argument("--mask", choices=("interval", "bitmask"), default="interval", help="tree mask encoding")
-    p.add_argument(
-        "--lm-head", choices=("gather", "fused"), default="gather",
-        help="LM head rewrite, as tree_compile(lm_head=...) (default gather)",
-    )
-    p.add_argument("--full", action="store_true", help="print whole graphs instead of diffs")
-    p.add_argument("--context", type=int_at_least(0), default=2, metavar="N", help="context lines of each diff (default 2)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument(
-        "--png", metavar="PATH", default=None,
-        help="also draw the tree mask as a PNG with axes, row labels and a legend (needs the [plot] extra)",
-    )
-    p.add_argument("--png-cell", type=int_at_least(1), default=PNG_CELL, metavar="PX", help=f"pixels per token (default {PNG_CELL})")
-    p.add_argument(
-        "--dtype", choices=_DTYPES, default=None,
-        help="parameter dtype (default: float32 for HF configs, unchanged for factories)",
-    )
-    p.add_argument(
-        "--backend", choices=_BACKENDS, default="eager",
-        help="lowering after the passes (default eager: the passes are what is shown)",
-    )
-    p.add_argument(
-        "--allow-large", action="store_true",
-        help=f"build HF configs above {MAX_PARAMS / 1e9:.0f}B parameters (refused by default)",
-    )
-    p.set_defaults(func=run_inspect)
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
-    if args.png:
-        from treecompile.cli_args import require_plot
-
-        require_plot("--png")  # before the model is built
-    model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
-    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head)
-    if args.png:
-        from treecompile.plots import mask_figure, save_png
-
-        save_png(mask_figure(insp.batch, insp.mask, cell=args.png_cell), args.png)
-    if args.json:
-        data = as_json(insp, full=args.full)
-        if args.png:
-            data["png"] = str(args.png)
-        print(json.dumps(data, indent=1, ensure_ascii=False))
-    else:
-        print(f"treecompile inspect {args.model}")
-        print(render_text(insp, full=args.full, context=args.context))
-        if args.png:
-            print(f"mask picture written to {args.png}")
-    if insp.refusal is not None:
-        if args.json:
-            print(f"treecompile inspect: refused: {insp.refusal}", file=sys.stderr)
-        return 1
-    return 0

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from treecompile.cli_args import progress_bar
 from treecompile.errors import TreeInputError
 from treecompile.tree import TrajectoryTree
 
@@ -205,12 +203,12 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
 
 def _check_sequence_line(path: str | Path, n: int, ids: list[Any], mask: list[Any] | None) -> None:
     """The checks `TrajectoryTree.from_sequences` makes, here where the file line is known."""
-    from treecompile.tree import _as_mask_array, _as_token_array
+    from treecompile.tree_build import as_mask_array, as_token_array
 
     try:
-        arr = _as_token_array(ids, 0, None)
+        arr = as_token_array(ids, 0, None)
         if mask is not None:
-            _as_mask_array(mask, 0, len(arr))
+            as_mask_array(mask, 0, len(arr))
     except TreeInputError as exc:
         # The tree's messages say "sequence 0" / "loss_masks[0]"; here the line says which.
         text = str(exc).replace("sequence 0 is empty", "'input_ids' is empty", 1)
@@ -379,110 +377,3 @@ def _is_jsonl(path: str | Path) -> bool:
                     return False
                 return True
     return True
-
-
-# ---------------------------------------------------------------------------- command-line inputs
-# What `treecompile stats` and `treecompile plan` read: a file (or a bundled sample) of any
-# kind `detect_kind` knows, grouped into the trees to build.
-
-_CHAT_KINDS = ("conversations", "tau_bench", "tau2", "gsm8k")
-_DEFAULT_CHAT_TOKENIZER = "cl100k"
-
-
-@dataclass
-class _Group:
-    """One tree to build: a name and what it is built from."""
-
-    name: str
-    conversations: list[Any] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    sequences: list[Any] = field(default_factory=list)  # SequenceRecord
-    trees: list[Any] = field(default_factory=list)  # TrajectoryTree, merged if several
-
-    @property
-    def size(self) -> int:
-        return len(self.conversations) + len(self.sequences) + len(self.trees)
-
-
-def _resolve_file(spec: str) -> Path:
-    if spec.startswith("sample:"):
-        from treecompile.data import sample_path
-
-        return sample_path(spec[len("sample:") :])
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        raise TreeInputError(f"{spec} is a directory; expected a data file (JSON or JSONL)")
-    if not path.is_file():
-        raise TreeInputError(f"no such file: {spec}")
-    return path
-
-
-def _read_groups(path: Path, kind: str) -> list[_Group]:
-    from treecompile import datasets
-
-    if kind == "tau_bench":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_tau_bench(path).items()]
-    if kind == "tau2":
-        return [_Group(str(k), conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_tau2(path).items()]
-    if kind == "gsm8k":
-        return [
-            _Group(k, conversations=v, weights=[1.0] * len(v)) for k, v in datasets.load_gsm8k_solutions(path).items()
-        ]
-    if kind == "conversations":
-        return [
-            _Group(k, conversations=[r.messages for r in rs], weights=[r.weight for r in rs])
-            for k, rs in group_records(load_conversations(path)).items()
-        ]
-    if kind == "sequences":
-        return [_Group(k, sequences=rs) for k, rs in group_records(load_sequences(path)).items()]
-    if kind == "trees":
-        trees = load_trees(path)
-        return [_Group(str(t.metadata.get("group", f"tree-{i}")), trees=[t]) for i, t in enumerate(trees)]
-    raise TreeInputError(f"{path}: unsupported file kind {kind!r}")
-
-
-def _build_tree(group: _Group, args: argparse.Namespace, tokenizer: Any) -> Any:
-    from treecompile.chat import tree_from_messages
-    from treecompile.tree import TrajectoryTree
-
-    if group.conversations:
-        return tree_from_messages(
-            group.conversations,
-            tokenizer,
-            samples=args.samples,
-            think=args.think,
-            normalize_tool_call_ids=not args.keep_tool_call_ids,
-            on_drift="ignore",  # summarized once for the whole file below
-            weights=group.weights,
-        )
-    if group.sequences:
-        rs = group.sequences
-        return TrajectoryTree.from_sequences(
-            [r.input_ids for r in rs], weights=[r.weight for r in rs], loss_masks=[r.loss_mask for r in rs]
-        )
-    if len(group.trees) == 1:
-        return group.trees[0]
-    paths = [p for t in group.trees for p in t.paths()]
-    return TrajectoryTree.from_sequences(
-        [p.tokens for p in paths], weights=[p.weight for p in paths], loss_masks=[p.loss_mask for p in paths]
-    )
-
-
-def _merge_groups(groups: list[_Group]) -> _Group:
-    out = _Group("all")
-    for g in groups:
-        out.conversations += g.conversations
-        out.weights += g.weights
-        out.sequences += g.sequences
-        out.trees += g.trees
-    return out
-
-
-def _build_all(groups: list[_Group], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    progress = progress_bar("building trees", len(groups))
-    trees = []
-    with progress:
-        for g in groups:
-            trees.append(_build_tree(g, args, tokenizer))
-            progress.advance(progress.task_ids[0])
-    return trees

@@ -64,23 +64,12 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[str, Any]]:
     # The reading and tree building of `treecompile stats`, so both commands see the same trees.
-    from treecompile import io
-    from treecompile.tokenizer import load_tokenizer
+    from treecompile.cli_inputs import load_input_trees
 
-    path = io._resolve_file(args.file)
-    kind = io.detect_kind(path)
-    chat_input = kind in io._CHAT_KINDS
-    tokenizer = load_tokenizer(args.tokenizer or io._DEFAULT_CHAT_TOKENIZER) if chat_input else None
-    groups = io._read_groups(path, kind)
-    if args.group_by == "all":
-        groups = [io._merge_groups(groups)]
-    if args.limit is not None:
-        if args.limit < 1:
-            raise ValueError(f"--limit must be at least 1, got {args.limit}")
-        groups = groups[: args.limit]
-    trees = io._build_all(groups, args, tokenizer)
-    header = {"file": str(path), "kind": kind, "tokenizer": tokenizer.name if tokenizer is not None else None}
-    return [g.name for g in groups], trees, header
+    inputs = load_input_trees(args)
+    tokenizer = inputs.tokenizer
+    header = {"file": str(inputs.path), "kind": inputs.kind, "tokenizer": tokenizer.name if tokenizer is not None else None}
+    return inputs.names, inputs.trees, header
 
 
 def run_plan(args: argparse.Namespace) -> int:
