@@ -510,6 +510,35 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
             assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
 
 
+def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
+    import json
+
+    from treecompile.budget import CostModel
+    from treecompile.cli import main
+
+    config = transformers.Qwen3Config(**SMALL, head_dim=8)
+    config.save_pretrained(tmp_path / "qwen3")
+    cost = CostModel.from_config(config, dtype="float32", optimizer="sgd", device="cpu")
+    budget = cost.peak_bytes(300) + 1
+    assert cost.capacity(budget) == 300
+    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "1", "--stream", "keep"]
+    model = ["--config", str(tmp_path / "qwen3"), "--dtype", "float32", "--optimizer", "sgd", "--device", "cpu"]
+    argv = [*base, "--budget-bytes", f"{budget}", *model]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["capacity"] == 300 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 300
+    assert out["trees"][0]["parts"] >= -(-out["trees"][0]["rows"] // 300)
+    assert main(argv) == 0
+    assert f"parts of at most 300 rows (the cost model's rows within --budget-bytes {budget:,})" in capsys.readouterr().out
+    # Refusals: a budget under one token's step, both budgets, no config.
+    assert main([*base, "--budget-bytes", "1000", *model]) == 2
+    assert "does not fit one token" in capsys.readouterr().err
+    assert main([*argv, "--capacity", "300"]) == 2
+    assert "give --capacity (rows) or --budget-bytes (bytes), not both" in capsys.readouterr().err
+    assert main([*base, "--budget-bytes", "1e9"]) == 2
+    assert "--budget-bytes needs --config PATH" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
     """A PPO-style clipped ratio objective of the log-probabilities: streamed by

@@ -257,7 +257,9 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
         print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
                           "seconds": round(time.perf_counter() - start, 3)}, indent=1))
         return 0
-    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
+    budget = header.get("budget")
+    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows"
+          + (f" (the cost model's rows within --budget-bytes {budget['budget_bytes']:,})" if budget else ""))
     print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
           f"{'peak rows':>10}")
     for t in out[: max(args.rows, 0)]:
