@@ -529,7 +529,8 @@ def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
     assert out["capacity"] == 300 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 300
     assert out["trees"][0]["parts"] >= -(-out["trees"][0]["rows"] // 300)
     assert main(argv) == 0
-    assert f"parts of at most 300 rows (the cost model's rows within --budget-bytes {budget:,})" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"parts of at most 300 rows (the cost model's rows within --budget-bytes {budget:,})" in text
     # Refusals: a budget under one token's step, both budgets, no config.
     assert main([*base, "--budget-bytes", "1000", *model]) == 2
     assert "does not fit one token" in capsys.readouterr().err

@@ -50,10 +50,11 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         "treecompile.budget's cost model of --config predicts within B",
     )
     p.add_argument("--config", default=None, metavar="PATH",
-                   help="with --budget-bytes: the model's Hugging Face config (a directory with config.json, or the file)")
+                   help="with --budget-bytes: the model's Hugging Face config (a directory with config.json, or it)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
                    help="with --budget-bytes: parameter dtype (default bfloat16)")
-    p.add_argument("--optimizer", default="adamw", help="with --budget-bytes: optimizer whose state B holds (default adamw)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="with --budget-bytes: the optimizer whose state B holds (default adamw)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="with --budget-bytes: where the step runs (its attention kernel; default cuda)")
     p.add_argument("--ranks", type=int_at_least(1), default=1, metavar="K", help="data-parallel ranks (default 1)")
@@ -99,7 +100,7 @@ def capacity_from_budget(args: argparse.Namespace) -> dict[str, Any]:
     if args.capacity is not None:
         raise ValueError("give --capacity (rows) or --budget-bytes (bytes), not both")
     if not args.config:
-        raise ValueError("--budget-bytes needs --config PATH: the model's Hugging Face config (directory or config.json)")
+        raise ValueError("--budget-bytes needs --config PATH: the model's Hugging Face config (directory or file)")
     path = Path(args.config).expanduser()
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
