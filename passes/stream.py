@@ -220,6 +220,9 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
         ids, prefix, conv, states, kv_meta = node.args
         state.prefix, state.conv, state.states = list(prefix), list(conv), list(states)
         state.kv_end, state.kv_pos, state.conv_pred, state.readouts = kv_meta
+        for kind, inputs in (("prefix_kv_inputs", prefix), ("conv_inputs", conv), ("state_inputs", states)):
+            if inputs:
+                ctx.count(kind, len(inputs))
         node.replace_all_uses_with(ids)
         gm.graph.erase_node(node)
         return gm

@@ -376,3 +376,71 @@ def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys)
     assert counters["rewrite_attention_pass"] == {"hf_interface": 1}
     code, text, _ = run(capsys, str(tmp_path / "qwen3-next"))
     assert "tree_causal_conv1d" in text and "tree_gated_delta_rule" in text
+
+
+# ---------------------------------------------------------------------------- the streamed part graph
+
+
+def test_stream_rows_shows_the_part_graph_with_the_stack_inputs_and_outputs(capsys, monkeypatch):
+    from treecompile import pack
+    from treecompile.stream import plan_stream
+
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run(capsys, "tests.test_compile_models:ManualGPT", "--stream-rows", "8")
+    assert code == 0, out
+    plan = plan_stream(pack(example_trees()), 8)
+    assert plan.num_parts > 1
+    assert "stream_rows=8" in out.splitlines()[1]
+    assert "read_stream_inputs_pass [prefix_kv_inputs=4]" in out  # two layers' keys and values
+    assert "route_prefix_kv_pass [prefix_attention=2]" in out
+    assert "route_stream_state_pass [kv_outputs=4]" in out
+    # Each attention now reads its layer's prefix keys and values from the stack.
+    assert re.search(r"^\+    stream_tree_attention\w* = \w+\(\w+, \w+, \w+, l_prefix_0_, l_prefix_1_, ", out, re.M)
+    assert re.search(r"^\+    stream_tree_attention\w* = \w+\(\w+, \w+, \w+, l_prefix_2_, l_prefix_3_, ", out, re.M)
+    assert (f"stream variant: parts of at most 8 rows: {plan.num_parts} parts, stack depth {plan.stack_depth}, "
+            f"longest prefix {plan.max_prefix} rows") in out
+    assert "stack inputs: prefix keys/values l_prefix_0_, l_prefix_1_, l_prefix_2_, l_prefix_3_; conv contexts -" in out
+    returned = re.search(r"returned for later parts: (.*)", out).group(1).split(", ")
+    assert len(returned) == 4
+    # ... and they are what the part graph returns besides its loss and log-probabilities.
+    assert re.search(r"^\+    return \(loss, \w+, " + ", ".join(returned) + r"\)$", out, re.M)
+
+    code, text, _ = run(capsys, "tests.test_compile_models:ManualGPT", "--stream-rows", "8", "--json")
+    data = json.loads(text)
+    assert data["stream"]["outputs"] == returned and data["stream"]["parts"] == plan.num_parts
+    assert len(data["stream"]["index_inputs"]) == 4
+    stream_passes = ["read_stream_inputs_pass", "route_prefix_kv_pass", "route_stream_state_pass"]
+    names = [p["name"] for p in data["passes"]]
+    assert [n for n in names if n not in stream_passes] == PASS_NAMES
+    assert [n for n in names if n in stream_passes] == stream_passes  # once: the last compile's passes
+
+
+def test_stream_rows_shows_a_hybrids_conv_and_state_routing(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0,
+    ).save_pretrained(tmp_path / "qwen3-next")
+    code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json", "--stream-rows", "6")
+    assert code == 0, out
+    data = json.loads(out)
+    st = data["stream"]
+    assert data["counters"]["read_stream_inputs_pass"] == {"prefix_kv_inputs": 2, "conv_inputs": 1, "state_inputs": 1}
+    assert data["counters"]["route_stream_state_pass"] == {"conv_context": 1, "recurrent_state": 1, "kv_outputs": 2}
+    assert len(st["prefix_kv_inputs"]) == 2 and len(st["conv_inputs"]) == 1 and len(st["state_inputs"]) == 1
+    assert len(st["outputs"]) == 4  # keys, values, the conv inputs and the read-out states
+
+
+def test_stream_rows_that_would_not_stream_are_refused():
+    from treecompile.inspection import inspect_model
+    from test_compile_models import ManualGPT
+
+    model = ManualGPT()
+    with pytest.raises(ValueError, match=f"holds the whole example \\({EXAMPLE_ROWS} rows\\)"):
+        inspect_model(model, stream_rows=EXAMPLE_ROWS)
+    with pytest.raises(ValueError, match="stream_rows needs mask='interval'"):
+        inspect_model(model, mask="bitmask", stream_rows=4)
+    with pytest.raises(ValueError, match="positive int"):
+        inspect_model(model, stream_rows=0)

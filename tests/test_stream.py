@@ -409,6 +409,82 @@ def test_bad_options_are_refused():
         StreamOptions(budget_rows=4, mode="fast")
     with pytest.raises(ValueError, match="positive int"):
         StreamOptions(budget_rows=0)
+    for kw in ({}, dict(budget_rows=4, budget_bytes=10**6)):
+        with pytest.raises(ValueError, match="exactly one of budget_rows .* and budget_bytes"):
+            StreamOptions(**kw)
+    for bad in (0, -5, True, 1.5e6):
+        with pytest.raises(ValueError, match="budget_bytes must be a positive int"):
+            StreamOptions(budget_bytes=bad)
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'; valid: adamw"):
+        StreamOptions(budget_bytes=10**6, optimizer="adam")
+
+
+#: NanoGPT's dimensions for the cost model (a custom model has no config to read).
+NANO_DIMS = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+
+
+def test_budget_bytes_resolves_to_the_cost_models_rows_and_streams_as_those_rows():
+    from treecompile.budget import CostModel
+
+    cost = CostModel.from_config(NANO_DIMS, dtype="float64", device="cpu", optimizer="sgd")
+    budget = cost.peak_bytes(5) + 1  # 5 rows fit, 6 do not
+    assert cost.capacity(budget) == 5 and cost.peak_bytes(6) > budget
+    model = tiny(NanoGPT)
+    by_bytes = StreamOptions(budget_bytes=budget, config=NANO_DIMS, optimizer="sgd")
+    compiled = tree_compile(model, backend="eager", stream=by_bytes)
+    assert compiled._stream.budget_rows == 5
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    batch = pack(tree)
+    results = []
+    for options in (by_bytes, StreamOptions(budget_rows=5)):  # one compiled graph serves both
+        compiled._stream.options = options
+        model.zero_grad(set_to_none=True)
+        out = compiled(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        assert compiled._stream.stats.budget_rows == 5
+        assert compiled._stream.stats.parts == plan_stream(batch, 5).num_parts > 1
+    (loss_b, grads_b), (loss_r, grads_r) = results
+    torch.testing.assert_close(loss_b, loss_r, rtol=0, atol=0)
+    assert grads_b.keys() == grads_r.keys()
+    for n in grads_r:
+        torch.testing.assert_close(grads_b[n], grads_r[n], rtol=0, atol=0, msg=lambda m, n=n: f"grad of {n}: {m}")
+    # And both are per-path training.
+    model.zero_grad(set_to_none=True)
+    ref = per_path_loss(model, [tree])
+    ref.loss.backward()
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(loss_b, ref.loss.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(grads_b, {n: p.grad for n, p in model.named_parameters()}, ("float64", "pure"))
+    # A batch within the resolved rows runs as one call.
+    compiled._stream.options = by_bytes
+    assert not compiled._stream.wants(pack(TrajectoryTree.from_sequences([[1, 2, 3, 4, 5]])))
+    assert compiled._stream.wants(pack(TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6]])))
+
+
+def test_budget_bytes_reads_a_hugging_face_models_config_and_dtype():
+    from treecompile.budget import CostModel
+
+    model = _MODELS["qwen3"]()
+    runner = tree_compile(model, backend="eager", stream=StreamOptions(budget_bytes=50_000_000))._stream
+    want = CostModel.from_config(model.config, dtype="float64", device="cpu").capacity(50_000_000)
+    assert runner.budget_rows == want > 1
+
+
+def test_budget_bytes_too_small_or_not_modelled_is_refused():
+    from treecompile.budget import BudgetError, CostModel
+
+    cost = CostModel.from_config(NANO_DIMS, dtype="float64", device="cpu")
+    with pytest.raises(BudgetError, match=r"StreamOptions\(budget_bytes=\d+\): a budget of .* does not fit one token: "
+                                          r"parameters, gradients and optimizer state \(adamw, float64\)"):
+        tree_compile(tiny(NanoGPT), stream=StreamOptions(budget_bytes=cost.peak_bytes(1) - 1, config=NANO_DIMS))
+    with pytest.raises(BudgetError, match="NanoGPT has no config; pass StreamOptions\\(config=...\\)"):
+        tree_compile(tiny(NanoGPT), stream=StreamOptions(budget_bytes=10**9))
+    with pytest.raises(BudgetError, match="recurrent or convolution layers"):
+        tree_compile(_MODELS["lfm2"](), stream=StreamOptions(budget_bytes=10**9))
+    with pytest.raises(BudgetError, match="mixture-of-experts configs are not modelled"):
+        tree_compile(_MODELS["qwen3-moe-no-aux"](), stream=StreamOptions(budget_bytes=10**9))
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -432,6 +508,36 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
             assert t["forward_rows"] == t["rows"] and t["err"] == pytest.approx(t["por"])
         else:
             assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
+
+
+def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
+    import json
+
+    from treecompile.budget import CostModel
+    from treecompile.cli import main
+
+    config = transformers.Qwen3Config(**SMALL, head_dim=8)
+    config.save_pretrained(tmp_path / "qwen3")
+    cost = CostModel.from_config(config, dtype="float32", optimizer="sgd", device="cpu")
+    budget = cost.peak_bytes(300) + 1
+    assert cost.capacity(budget) == 300
+    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "1", "--stream", "keep"]
+    model = ["--config", str(tmp_path / "qwen3"), "--dtype", "float32", "--optimizer", "sgd", "--device", "cpu"]
+    argv = [*base, "--budget-bytes", f"{budget}", *model]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["capacity"] == 300 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 300
+    assert out["trees"][0]["parts"] >= -(-out["trees"][0]["rows"] // 300)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"parts of at most 300 rows (the cost model's rows within --budget-bytes {budget:,})" in text
+    # Refusals: a budget under one token's step, both budgets, no config.
+    assert main([*base, "--budget-bytes", "1000", *model]) == 2
+    assert "does not fit one token" in capsys.readouterr().err
+    assert main([*argv, "--capacity", "300"]) == 2
+    assert "give --capacity (rows) or --budget-bytes (bytes), not both" in capsys.readouterr().err
+    assert main([*base, "--budget-bytes", "1e9"]) == 2
+    assert "--budget-bytes needs --config PATH" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -64,6 +64,11 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
         help="lowering after the passes (default eager: the passes are what is shown)",
     )
     p.add_argument(
+        "--stream-rows", type=int_at_least(1), default=None, metavar="C",
+        help="stream the example in parts of at most C rows (fewer than its 19) and show the part graph: "
+        "prefix key/value, conv and state inputs, what it returns for later parts",
+    )
+    p.add_argument(
         "--allow-large", action="store_true",
         help=f"build HF configs above {MAX_PARAMS / 1e9:.0f}B parameters (refused by default)",
     )
@@ -77,7 +82,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         require_plot("--png")  # before the model is built
     model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
-    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head)
+    insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head,
+                         stream_rows=args.stream_rows)
     if args.png:
         from treecompile.plots import mask_figure, save_png
 

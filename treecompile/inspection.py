@@ -6,6 +6,7 @@ Example::
     treecompile inspect config.json --json            # a HF config file, machine-readable
     treecompile inspect mypkg.models:make_lm --full   # any callable returning an nn.Module
     treecompile inspect ./qwen3-tiny --mask bitmask --png mask.png
+    treecompile inspect ./qwen3-tiny --stream-rows 8  # the streamed part's graph
 
 The model is built (a Hugging Face config with small random weights; a ``module:factory``
 by calling it), compiled with :func:`treecompile.tree_compile` on a small example forest
@@ -16,6 +17,11 @@ it and the pipeline's dead-code elimination, and the rewrites it counted. The
 command prints, per pass, a unified diff of the graph code and the rewrite counts, then
 the tree attention mask of the example as a grid of ``█``/``·`` (and as a PNG with
 ``--png``). A refused model prints the refusal and exits with status 1.
+
+With ``--stream-rows C`` the example streams in parts of at most C rows
+(:mod:`treecompile.stream`) and the report shows the part graph instead: the pipeline
+with the streaming passes, the stack's inputs (prefix keys and values, conv contexts,
+recurrent states) and what the graph returns for later parts.
 
 :func:`inspect_model` is the work as a function and :func:`render_text` / :func:`as_json`
 the reports; the model is built by :func:`load_model` (:mod:`treecompile.model_loader`), and
@@ -113,6 +119,10 @@ class Inspection:
         refusal: the :class:`~treecompile.UnsupportedModelError` message, or None.
         loss: the loss on the example, when the model was not refused.
         parameters: parameter count.
+        stream: with ``stream_rows``, the streamed part graph's schedule and stack
+            interface: ``rows`` (C), ``parts``, ``stack_depth``, ``max_prefix``, the names of
+            its ``prefix_kv_inputs``, ``conv_inputs``, ``state_inputs`` and ``index_inputs``
+            placeholders, and ``outputs``, the nodes it returns for later parts.
     """
 
     model: str
@@ -127,6 +137,7 @@ class Inspection:
     loss: float | None = None
     parameters: int = 0
     lm_head: str = "gather"
+    stream: dict[str, Any] | None = None
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:
@@ -194,6 +205,41 @@ def _recording_hooks(steps: list[PassStep]) -> tuple[Any, Any]:
     return before, after
 
 
+def _stream_hooks(before: Any, after: Any, io: dict[str, Any]) -> tuple[Any, Any]:
+    """``before``/``after`` that also record, into ``io``, the streaming passes' view of the
+    graph: the stack's placeholders (from the ``stream_inputs`` marker) and the nodes that
+    take the ``stream_outputs`` marker's place in the graph's output."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from treecompile.passes._graph import is_op
+
+    def outputs(gm):
+        node = next(n for n in gm.graph.nodes if n.op == "output")
+        return [getattr(x, "name", str(x)) for x in tree_leaves(node.args[0])]
+
+    def hook_before(name, gm, ctx):
+        if name == "read_stream_inputs_pass":
+            for n in gm.graph.nodes:
+                if is_op(n, torch.ops.treecompile.stream_inputs):
+                    _, prefix, conv, states, meta = n.args
+                    io.update({k: [x.name for x in v] for k, v in (
+                        ("prefix_kv_inputs", prefix), ("conv_inputs", conv), ("state_inputs", states),
+                        ("index_inputs", meta))})
+        if name == "route_stream_state_pass":
+            marker = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_outputs)]
+            io["_items"] = {u.name for m in marker for u in m.users}
+            io["_before"] = outputs(gm)
+        before(name, gm, ctx)
+
+    def hook_after(name, gm, ctx):
+        after(name, gm, ctx)
+        if name == "route_stream_state_pass":
+            io["outputs"] = [new for old, new in zip(io["_before"], outputs(gm)) if old in io["_items"]]
+
+    return hook_before, hook_after
+
+
 def inspect_model(
     model: Any,
     *,
@@ -202,6 +248,7 @@ def inspect_model(
     trees: list[Any] | None = None,
     source: str = "module",
     lm_head: str = "gather",
+    stream_rows: int | None = None,
 ) -> Inspection:
     """Compiles ``model`` for one example batch and records every pass.
 
@@ -212,6 +259,9 @@ def inspect_model(
         trees: the example trees (default :func:`example_trees`).
         source: how the model was given, for the report.
         lm_head: ``"gather"`` or ``"fused"``, as ``tree_compile(lm_head=...)``.
+        stream_rows: stream the example in parts of at most this many rows
+            (``tree_compile(stream=StreamOptions(budget_rows=...))``, fewer than the
+            example's rows) and record the part graph's passes instead.
 
     Returns:
         An :class:`Inspection`; ``refusal`` holds the message if the model was refused.
@@ -230,6 +280,14 @@ def inspect_model(
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     trees = trees if trees is not None else example_trees(model_vocab_size(model, is_hf_model(model)))
     batch = pack(trees, path_bits=True)
+    if stream_rows is not None:
+        if isinstance(stream_rows, bool) or not isinstance(stream_rows, int) or stream_rows < 1:
+            raise ValueError(f"stream_rows must be a positive int, got {stream_rows!r}")
+        if mask != "interval":
+            raise ValueError(f"streamed parts use the interval mask; stream_rows needs mask='interval', not {mask!r}")
+        if stream_rows >= batch.num_tokens:
+            raise ValueError(f"stream_rows={stream_rows} holds the whole example ({batch.num_tokens} rows), which "
+                             f"would run as one call: give fewer than {batch.num_tokens}")
     params = list(model.parameters())
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "-"
     n_params = sum(p.numel() for p in params)
@@ -237,8 +295,15 @@ def inspect_model(
 
     steps: list[PassStep] = []
     before, after = _recording_hooks(steps)
+    io: dict[str, Any] = {}
+    if stream_rows is not None:
+        before, after = _stream_hooks(before, after, io)
     pipeline = passes_for(lm_head, before=before, after=after)
     compiled = TreeCompiledModel(model, mask=mask, backend=backend, verify=False, passes=pipeline)
+    if stream_rows is not None:
+        from treecompile.stream import StreamOptions, StreamRunner
+
+        compiled._stream = StreamRunner(compiled, StreamOptions(budget_rows=stream_rows))
     out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params, lm_head=lm_head)
     device = next(iter(params)).device if params else torch.device("cpu")
     try:
@@ -260,6 +325,14 @@ def inspect_model(
     record = compiled.compile_records[-1]
     out.seq_len = record.seq_len
     out.loss = float(result.loss.detach())
+    if stream_rows is not None:
+        # The part graph is compiled once to learn the stack's layout, then again with it:
+        # keep the passes of the last compile.
+        last = max(i for i, s in enumerate(steps) if s.name == steps[0].name)
+        del steps[:last]
+        stats = compiled._stream.stats
+        out.stream = {"rows": stream_rows, "parts": stats.parts, "stack_depth": stats.stack_depth,
+                      "max_prefix": stats.max_prefix, **{k: v for k, v in io.items() if not k.startswith("_")}}
     return out
 
 
@@ -278,7 +351,8 @@ def render_text(
     path_tokens = sum(t.stats().path_tokens for t in insp.trees)
     out = [
         f"model: {insp.model}, mask={insp.mask}, backend={insp.backend}"
-        + (f", lm_head={insp.lm_head}" if insp.lm_head != "gather" else ""),
+        + (f", lm_head={insp.lm_head}" if insp.lm_head != "gather" else "")
+        + (f", stream_rows={insp.stream['rows']}" if insp.stream else ""),
         f"example: {b.num_trees} trees, {b.num_paths} paths, {b.num_nodes} nodes, S={b.num_tokens} rows "
         f"(from {path_tokens} path tokens)",
     ]
@@ -304,6 +378,19 @@ def render_text(
         out.append(f"  {s.name:<{width}}  {nodes:<16} {_counts_text(s.counts)}")
     if insp.refusal is None:
         out.append(f"S in the graph: {insp.seq_len}; loss on the example: {insp.loss:.6g}")
+    if insp.stream:
+        st = insp.stream
+        out += [
+            "",
+            f"stream variant: parts of at most {st['rows']} rows: {st['parts']} parts, stack depth "
+            f"{st['stack_depth']}, longest prefix {st['max_prefix']} rows",
+            "  stack inputs: prefix keys/values " + (", ".join(st.get("prefix_kv_inputs", [])) or "-")
+            + "; conv contexts " + (", ".join(st.get("conv_inputs", [])) or "-")
+            + "; recurrent states " + (", ".join(st.get("state_inputs", [])) or "-"),
+            "  index inputs: " + (", ".join(st.get("index_inputs", [])) or "-")
+            + " (key ends and positions, conv predecessors, state read-outs)",
+            "  returned for later parts: " + (", ".join(st.get("outputs", [])) or "-"),
+        ]
     if show_mask:
         out += ["", mask_picture(b, insp.mask)]
     if insp.refusal is not None:
@@ -337,6 +424,7 @@ def as_json(insp: Inspection, *, full: bool = False) -> dict[str, Any]:
         "mask": insp.mask,
         "backend": insp.backend,
         "lm_head": insp.lm_head,
+        "stream": insp.stream,
         "refused": insp.refusal is not None,
         "refusal": insp.refusal,
         "refused_at": insp.refused_at,

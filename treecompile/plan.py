@@ -44,6 +44,19 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         "--capacity", type=int_at_least(1), default=None, metavar="N",
         help="tokens per part / micro-batch (default: half the largest tree, at least the longest path)",
     )
+    p.add_argument(
+        "--budget-bytes", type=_bytes_amount, default=None, metavar="B",
+        help="instead of --capacity: memory per part or micro-batch in bytes (e.g. 80e9); C is the largest that "
+        "treecompile.budget's cost model of --config predicts within B",
+    )
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="with --budget-bytes: the model's Hugging Face config (a directory with config.json, or it)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
+                   help="with --budget-bytes: parameter dtype (default bfloat16)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="with --budget-bytes: the optimizer whose state B holds (default adamw)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="with --budget-bytes: where the step runs (its attention kernel; default cuda)")
     p.add_argument("--ranks", type=int_at_least(1), default=1, metavar="K", help="data-parallel ranks (default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
     p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
@@ -60,6 +73,52 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         help="plan streaming with a KV stack instead (treecompile.stream): parts of --capacity rows, no path limit",
     )
     p.set_defaults(func=run_plan)
+
+
+def _bytes_amount(text: str) -> int:
+    try:
+        value = int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes (e.g. 80e9), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
+
+
+def capacity_from_budget(args: argparse.Namespace) -> dict[str, Any]:
+    """``--budget-bytes B --config PATH``: ``args.capacity`` becomes the largest C whose step
+    `treecompile.budget.CostModel` predicts within B; returns what the report says of it.
+
+    Raises:
+        ValueError: both --capacity and --budget-bytes, no --config, or a config that is not
+            a Hugging Face config; `treecompile.budget.BudgetError` if B does not fit one token.
+    """
+    from pathlib import Path
+
+    from treecompile.budget import CostModel
+
+    if args.capacity is not None:
+        raise ValueError("give --capacity (rows) or --budget-bytes (bytes), not both")
+    if not args.config:
+        raise ValueError("--budget-bytes needs --config PATH: the model's Hugging Face config (directory or file)")
+    path = Path(args.config).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--config {args.config}: no such file (a Hugging Face config directory or config.json)")
+    try:
+        config: Any = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config {path} is not valid JSON: {exc}") from None
+    try:  # a PretrainedConfig lets the cost model find q/k norms on a meta-device model
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except (ImportError, ValueError, KeyError):
+        pass
+    cost = CostModel.from_config(config, dtype=args.dtype, optimizer=args.optimizer, device=args.device)
+    args.capacity = cost.capacity(args.budget_bytes)
+    return {"budget_bytes": args.budget_bytes, "config": str(path), "dtype": args.dtype, "optimizer": args.optimizer,
+            "device": args.device, "capacity": args.capacity}
 
 
 def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[str, Any]]:
@@ -79,7 +138,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from treecompile.shard import shard_paths
 
     start = time.perf_counter()
+    budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
+    if budget is not None:
+        header["budget"] = budget
     if getattr(args, "stream", None):
         from treecompile.stream import plan_stream_report
 
@@ -174,6 +236,8 @@ def _print_plan(out: dict[str, Any], rows: int) -> None:
 
     console = Console(highlight=False)
     cap = f"C = {out['capacity']} tokens" + (" (default: half the largest tree)" if out["capacity_default"] else "")
+    if out.get("budget"):
+        cap += f" (the cost model's tokens within --budget-bytes {out['budget']['budget_bytes']:,})"
     console.print(f"[bold]treecompile plan[/bold] {out['file']}")
     console.print(f"{cap}; longest path {out['longest_path']}; partitioning: {out['method']}")
     table = Table(pad_edge=False)

@@ -2,6 +2,9 @@
 
     model = tree_compile(model, stream=StreamOptions(budget_rows=4096))
     out = model(batch)        # a batch over 4096 rows streams; smaller ones run as one call
+
+(``StreamOptions(budget_bytes=B)`` instead: the rows that `treecompile.budget`'s cost model
+fits in B bytes; see `stream_cost_model`.)
     out.loss.backward()       # the same gradients as per-path training
 
 The packed row (depth-first) is cut into parts of at most ``budget_rows`` consecutive rows;
@@ -36,8 +39,9 @@ streamed call.
 from __future__ import annotations
 
 from treecompile.stream_parts import PAD_PREFIX, PAD_STATES  # noqa: F401  (re-exported: the part layout's padding)
-from treecompile.stream_plan import CUTS, MODES, StreamOptions, StreamPlan, StreamStats, plan_stream
+from treecompile.stream_plan import CUTS, MODES, StreamOptions, StreamPlan, StreamStats, plan_stream, stream_cost_model
 from treecompile.stream_plan import plan_stream_report  # noqa: F401  (re-exported for ``treecompile plan --stream``)
 from treecompile.stream_runner import StreamRunner, stream_logprob_loss
 
-__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss"]
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss",
+           "stream_cost_model"]

@@ -4,12 +4,14 @@ backward passes, and the ``treecompile plan --stream`` report (see `treecompile.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from treecompile.batch import TreeBatch
 
-__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "plan_stream_report"]
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "plan_stream_report",
+           "stream_cost_model"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
@@ -23,24 +25,76 @@ CUTS = ("subtree", "rows")
 class StreamOptions:
     """How `tree_compile` runs a batch larger than its budget.
 
+    Give exactly one of ``budget_rows`` and ``budget_bytes``.
+
     Attributes:
         budget_rows: the most rows one part holds; a batch with more rows streams.
         mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
             only their keys and values and run forward again for their backward).
         cuts: a key of `CUTS`: where parts end (see `plan_stream`).
+        budget_bytes: the memory of one part's training step instead: the rows per part are
+            the largest S whose step `treecompile.budget.CostModel` predicts within it
+            (`CostModel.capacity`), for the model's config, parameter dtype and device,
+            resolved once when the model is wrapped (`StreamRunner.budget_rows`). In keep
+            mode the parts on the stack hold their activations besides (``treecompile plan
+            --stream`` reports the stack depth).
+        config: for ``budget_bytes``, what `CostModel.from_config` reads (a Hugging Face
+            config, a dict with its keys, or a `treecompile.budget.ModelDims`); None takes
+            the model's ``config`` (a Hugging Face model).
+        optimizer: for ``budget_bytes``, the optimizer whose state the budget holds (a name
+            in `treecompile.budget.OPTIMIZERS`).
     """
 
-    budget_rows: int
+    budget_rows: int | None = None
     mode: str = "keep"
     cuts: str = "subtree"
+    budget_bytes: int | None = None
+    config: Any = field(default=None, compare=False)
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
-        if isinstance(self.budget_rows, bool) or not isinstance(self.budget_rows, int) or self.budget_rows < 1:
-            raise ValueError(f"budget_rows must be a positive int, got {self.budget_rows!r}")
+        if (self.budget_rows is None) == (self.budget_bytes is None):
+            raise ValueError(
+                "give exactly one of budget_rows (rows per part) and budget_bytes (memory per part), got "
+                f"budget_rows={self.budget_rows!r}, budget_bytes={self.budget_bytes!r}")
+        for name in ("budget_rows", "budget_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}")
         if self.cuts not in CUTS:
             raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
+        from treecompile.budget import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def stream_cost_model(model, options: StreamOptions):
+    """The `treecompile.budget.CostModel` that resolves ``options.budget_bytes`` for ``model``:
+    ``options.config`` (else the model's ``config``), the widest floating dtype of its
+    parameters, their device and ``options.optimizer``.
+
+    Raises:
+        BudgetError: no config to read, or a config the cost model does not cover (mixture of
+            experts).
+    """
+    import torch
+
+    from treecompile.budget import BudgetError, CostModel
+
+    config = options.config if options.config is not None else getattr(model, "config", None)
+    if config is None:
+        raise BudgetError(
+            f"StreamOptions(budget_bytes=...) needs the model's dimensions: {type(model).__name__} has no config; "
+            "pass StreamOptions(config=...) (a dict with the Hugging Face keys or a treecompile.budget.ModelDims) "
+            "or give budget_rows")
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    dtype = max((p.dtype for p in params), key=lambda d: torch.finfo(d).bits, default=torch.float32)
+    device = params[0].device.type if params else "cpu"
+    return CostModel.from_config(config, dtype=dtype, optimizer=options.optimizer,
+                                 device="cuda" if device == "cuda" else "cpu")
 
 
 @dataclass
@@ -167,6 +221,7 @@ class StreamStats:
         max_prefix: the longest prefix read from the stack, in rows.
         forward_rows: rows run forward over all parts (S in keep mode; more with recompute).
         rows: rows of the batch.
+        budget_rows: the most rows of a part (``budget_bytes`` resolved, if it was given).
     """
 
     parts: int
@@ -174,6 +229,7 @@ class StreamStats:
     max_prefix: int
     forward_rows: int
     rows: int
+    budget_rows: int = 0
 
 
 def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:
@@ -201,7 +257,9 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
         print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
                           "seconds": round(time.perf_counter() - start, 3)}, indent=1))
         return 0
-    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
+    budget = header.get("budget")
+    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows"
+          + (f" (the cost model's rows within --budget-bytes {budget['budget_bytes']:,})" if budget else ""))
     print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
           f"{'peak rows':>10}")
     for t in out[: max(args.rows, 0)]:

@@ -22,7 +22,7 @@ from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.stream_parts import BatchArrays
-from treecompile.stream_plan import StreamOptions, StreamPlan, StreamStats, plan_stream
+from treecompile.stream_plan import StreamOptions, StreamPlan, StreamStats, plan_stream, stream_cost_model
 from treecompile.stream_stack import StackEntry, backward_part, gather_prefix
 
 if TYPE_CHECKING:
@@ -65,11 +65,41 @@ class StreamRunner:
         self._compiled = None
         self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
         self._layout = None
+        self._resolved: tuple[StreamOptions, int] | None = None
         _check_streamable(wrapper)
+        self.budget_rows  # noqa: B018  (a budget in bytes is resolved, or refused, here)
+
+    @property
+    def budget_rows(self) -> int:
+        """The most rows of a part: ``options.budget_rows``, or the largest S whose step
+        `treecompile.budget.CostModel` predicts within ``options.budget_bytes`` (resolved
+        once per options).
+
+        Raises:
+            BudgetError: the budget does not hold one row besides the parameters, gradients
+                and optimizer state; or the cost model cannot describe the model.
+        """
+        o = self.options
+        if o.budget_rows is not None:
+            return o.budget_rows
+        if self._resolved is None or self._resolved[0] is not o:
+            from treecompile.budget import BudgetError
+
+            w = self.wrapper
+            if w._structure:
+                raise BudgetError(
+                    f"StreamOptions(budget_bytes=...): {type(w._inner).__name__} has recurrent or convolution layers, "
+                    "which the cost model (treecompile.budget) does not describe: give budget_rows")
+            try:
+                rows = stream_cost_model(w._inner, o).capacity(o.budget_bytes)
+            except BudgetError as e:
+                raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}): {e}") from None
+            self._resolved = (o, rows)
+        return self._resolved[1]
 
     def wants(self, batch: TreeBatch) -> bool:
         """Whether ``batch`` is over the budget (and streams)."""
-        return batch.num_tokens > self.options.budget_rows
+        return batch.num_tokens > self.budget_rows
 
     # ------------------------------------------------------------------ compile
 
@@ -136,7 +166,8 @@ class StreamRunner:
         w = self.wrapper
         device = _device_of(w._inner)
         batch = batch.to(device) if batch.device != device else batch
-        plan = plan_stream(batch, self.options.budget_rows, self.options.cuts)
+        budget = self.budget_rows
+        plan = plan_stream(batch, budget, self.options.cuts)
         grad = torch.is_grad_enabled()
         params = [p for p in w._inner.parameters() if p.requires_grad] if grad else []
         saved = [p.grad for p in params]
@@ -160,7 +191,8 @@ class StreamRunner:
             for p, g in zip(params, saved):
                 p.grad = g
         self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
-                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens)
+                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens,
+                                 budget_rows=budget)
         loss, aux = result.loss, None
         if router is not None:
             aux = router.aux_from_stats(result.router_stats)
