@@ -279,7 +279,7 @@ def inspect_model(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     trees = trees if trees is not None else example_trees(model_vocab_size(model, is_hf_model(model)))
-    batch = pack(trees, path_bits=True)
+    batch = pack(trees, path_bits=True, warn_por=False)
     if stream_rows is not None:
         if isinstance(stream_rows, bool) or not isinstance(stream_rows, int) or stream_rows < 1:
             raise ValueError(f"stream_rows must be a positive int, got {stream_rows!r}")

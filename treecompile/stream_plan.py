@@ -245,7 +245,7 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
     capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
     out = []
     for name, tree in zip(names, trees):
-        plan = plan_stream(pack(tree), capacity)
+        plan = plan_stream(pack(tree, warn_por=False), capacity)
         stats = tree.stats()
         fwd = plan.forward_rows(args.stream)
         live = plan.stack_depth * capacity if args.stream == "keep" else capacity
