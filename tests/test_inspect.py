@@ -359,14 +359,19 @@ def assert_matches_docs(model: str, out: str) -> None:
         assert doc_grid == grid, hint
 
 
-def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys):
+def _save_qwen3_next(path):
+    """A tiny Qwen3-Next config directory: a linear-attention layer, then a full-attention one."""
     transformers = pytest.importorskip("transformers")
     transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0,
-    ).save_pretrained(tmp_path / "qwen3-next")
+    ).save_pretrained(path)
+
+
+def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys):
+    _save_qwen3_next(tmp_path / "qwen3-next")
     code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json")
     assert code == 0, out
     data = json.loads(out)
@@ -416,13 +421,7 @@ def test_stream_rows_shows_the_part_graph_with_the_stack_inputs_and_outputs(caps
 
 
 def test_stream_rows_shows_a_hybrids_conv_and_state_routing(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    transformers.Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0,
-    ).save_pretrained(tmp_path / "qwen3-next")
+    _save_qwen3_next(tmp_path / "qwen3-next")
     code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json", "--stream-rows", "6")
     assert code == 0, out
     data = json.loads(out)
