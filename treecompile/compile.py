@@ -8,6 +8,11 @@ The model is captured with Dynamo as one graph, rewritten by the passes in
 :mod:`treecompile.passes.pipeline` (attention, positions, loss, MoE, verify) and lowered
 with AOTAutograd (CPU) or Inductor (CUDA). The tree tensors of each batch reach the graph
 as inputs through a marker op; the BlockMask is built once per batch, outside the model.
+
+One module: the entry point and the wrapper it returns (its calls, compile records, copying
+and pickling); what the wrapper uses lives elsewhere (model surgery in
+:mod:`treecompile.capture`, the model head in :mod:`treecompile.call`, the first-call check
+in :mod:`treecompile.selfcheck`, streaming in :mod:`treecompile.stream_runner`).
 """
 
 from __future__ import annotations
