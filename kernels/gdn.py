@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from treecompile.kernels.dtypes import compute_dtype
-from treecompile.kernels.recurrence import recurrence_reference, register
+from treecompile.kernels.recurrence import recurrence_reference
+from treecompile.kernels.recurrence_ops import register
 
 __all__ = ["gated_delta_rule_reference", "gated_delta_rule", "tree_gated_delta_rule", "hf_chunk_gated_delta_rule",
            "fla_chunk_gated_delta_rule"]

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from treecompile.kernels.dtypes import compute_dtype
-from treecompile.kernels.recurrence import recurrence_reference, register
+from treecompile.kernels.recurrence import recurrence_reference
+from treecompile.kernels.recurrence_ops import register
 
 __all__ = ["ssd_scan_reference", "ssd_scan", "tree_ssd_scan", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined"]

@@ -29,14 +29,14 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
   kernel (flash-linear-attention's Triton kernels on CUDA: one sequence per node, the
   parents' final states as initial states), a level runs through it unpadded instead.
   Which one runs is the caller's choice by name (`SCAN_KERNELS`, ``tree_compile(scan_kernel=...)``,
-  carried by the tree op's ``kernel`` argument); `varlen_kernel` resolves the name, and a
+  carried by the tree op's ``scan_kernel`` argument); `varlen_kernel` resolves the name, and a
   kernel is used only once it has matched the torch scan on a small problem.
 
-Each kind is registered as three ops (:func:`register`), e.g. for ``gated_delta_rule``:
+Each kind is registered as three ops (:func:`treecompile.kernels.recurrence_ops.register`), e.g. for ``gated_delta_rule``:
 ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
 (the linear-sequence form the wrapper swaps in for a model's kernel before capture),
 ``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table, scan_kernel) -> out``
-(what the SSM state pass puts in its place, ``kernel`` a name of `SCAN_KERNELS`) and their
+(what the SSM state pass puts in its place, ``scan_kernel`` a name of `SCAN_KERNELS`) and their
 backward, which recomputes the forward under autograd and differentiates it.
 
 All compute in at least float32 (as Hugging Face's kernels do) and return the inputs'
@@ -58,8 +58,8 @@ import torch
 
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "register", "CHUNK",
-           "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement"]
+__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "CHUNK",
+           "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement", "known_bad_fla", "autograd_inside"]
 
 Tensor = torch.Tensor
 
@@ -229,6 +229,23 @@ def _padding_groups(lengths: np.ndarray, chunk: int) -> list[np.ndarray]:
     return groups
 
 
+# The dispatch keys excluded outside any op (autocast's, by default): see `autograd_inside`.
+_DEFAULT_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+@contextlib.contextmanager
+def autograd_inside():
+    """Autograd inside a custom op's implementation.
+
+    A custom op runs below the autograd dispatch keys (they are excluded for the ops it
+    calls); the backward ops here differentiate a recomputed forward, so they restore the
+    default exclusions and turn grad mode on for that.
+    """
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _DEFAULT_EXCLUDE):
+        with torch.enable_grad():
+            yield
+
+
 # ----------------------------------------------------------------------------- variable-length kernels
 
 #: Scan kernels for a tree level, by the name ``tree_compile(scan_kernel=...)`` takes:
@@ -383,7 +400,7 @@ def varlen_disagreement(fn: Callable, device: torch.device, delta: bool, dtype: 
             finals.append(f)
         return torch.cat(outs, 1), torch.cat(finals)
 
-    with _autograd_inside():
+    with autograd_inside():
         want = grads(reference, torch.float64)
         try:
             got = grads(lambda *x: fn(*x[:5], x[5], cu.to(device)), dtype)
@@ -396,118 +413,3 @@ def varlen_disagreement(fn: Callable, device: torch.device, delta: bool, dtype: 
         if not err <= tol:
             return f"differs from the torch scan in {name} by {err:.3g} (relative, over {tol:g})"
     return None
-
-
-# ----------------------------------------------------------------------------- ops
-
-# The dispatch keys excluded outside any op (autocast's, by default): see `_autograd_inside`.
-_DEFAULT_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
-
-
-@contextlib.contextmanager
-def _autograd_inside():
-    """Autograd inside a custom op's implementation.
-
-    A custom op runs below the autograd dispatch keys (they are excluded for the ops it
-    calls); the backward ops here differentiate a recomputed forward, so they restore the
-    default exclusions and turn grad mode on for that.
-    """
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _DEFAULT_EXCLUDE):
-        with torch.enable_grad():
-            yield
-
-
-def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest, **options):
-    ct = compute_dtype(inputs[0].dtype)
-    init = None if initial_state is None else initial_state.to(ct)
-    return fn(*(x.to(ct) for x in inputs), init, *rest, **options)
-
-
-def _tree_options(scan_kernel: str, q: Tensor, delta: bool) -> dict:
-    """``tree_recurrence``'s keyword arguments for the tree op's ``scan_kernel`` name."""
-    return {"delta": delta, "varlen": varlen_kernel(scan_kernel, q.device, delta, compute_dtype(q.dtype))}
-
-
-def _grads(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, d_outs: list, *rest, **options):
-    """Gradients of ``fn``'s outputs (weighted by ``d_outs``; None skips one) for every input."""
-    with _autograd_inside():
-        leaves = [x.detach().requires_grad_() for x in inputs]
-        init = None if initial_state is None else initial_state.detach().requires_grad_()
-        outs = _run(fn, leaves, init, *rest, **options)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        pairs = [(o, d.to(o.dtype)) for o, d in zip(outs, d_outs) if d is not None]
-        wrt = leaves + ([init] if init is not None else [])
-        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [d for _, d in pairs], allow_unused=True)
-    # Contiguous, as the fake kernels say (Inductor checks the strides of an op's outputs).
-    grads = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if gr is None else gr.to(x.dtype).contiguous()
-             for gr, x in zip(grads, wrt)]
-    d_init = grads[5] if init is not None else inputs[0].new_zeros(0)
-    return (*grads[:5], d_init)
-
-
-def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
-    """Registers ``treecompile::{kind}``, ``treecompile::tree_{kind}`` and their backward.
-
-    Returns the linear and the tree op.
-    """
-    lib = f"treecompile::{kind}"
-
-    @torch.library.custom_op(lib, mutates_args=())
-    def linear(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None
-               ) -> tuple[Tensor, Tensor]:
-        out, final = _run(chunked_recurrence, [q, k, v, g, beta], initial_state, delta=delta)
-        return out.to(v.dtype).contiguous(), final.to(v.dtype).contiguous()
-
-    @linear.register_fake
-    def _linear_fake(q, k, v, g, beta, initial_state):
-        b, _, h, dk = k.shape
-        return v.new_empty(v.shape), v.new_empty(b, h, dk, v.shape[-1])
-
-    @torch.library.custom_op(f"treecompile::tree_{kind}", mutates_args=())
-    def tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-             node_table: Tensor, scan_kernel: str = "auto") -> Tensor:
-        # Not ``kernel``: Inductor's fallback lowering takes an argument of that name itself.
-        out = _run(tree_recurrence, [q, k, v, g, beta], initial_state, node_table,
-                   **_tree_options(scan_kernel, q, delta))
-        return out.to(v.dtype).contiguous()
-
-    @tree.register_fake
-    def _tree_fake(q, k, v, g, beta, initial_state, node_table, scan_kernel="auto"):
-        return v.new_empty(v.shape)
-
-    # d_initial_state is empty ([0]) when there is no initial state.
-    @torch.library.custom_op(f"treecompile::{kind}_backward", mutates_args=())
-    def backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                 d_out: Tensor, d_final: Tensor | None, node_table: Tensor | None, scan_kernel: str
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        inputs = [q, k, v, g, beta]
-        if node_table is None:
-            return _grads(chunked_recurrence, inputs, initial_state, [d_out, d_final], delta=delta)
-        return _grads(tree_recurrence, inputs, initial_state, [d_out], node_table,
-                      **_tree_options(scan_kernel, q, delta))
-
-    @backward.register_fake
-    def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, scan_kernel):
-        d_init = q.new_empty(0) if initial_state is None else initial_state.new_empty(initial_state.shape)
-        return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), d_init)
-
-    def save_inputs(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    def save_tree_inputs(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:7])
-        ctx.kernel = inputs[7]
-
-    def backward_linear(ctx, d_out, d_final):
-        q, k, v, g, beta, init = ctx.saved_tensors
-        grads = backward(q, k, v, g, beta, init, d_out, d_final, None, "torch")
-        return (*grads[:5], grads[5] if init is not None else None)
-
-    def backward_tree(ctx, d_out):
-        q, k, v, g, beta, init, node_table = ctx.saved_tensors
-        grads = backward(q, k, v, g, beta, init, d_out, None, node_table, ctx.kernel)
-        return (*grads[:5], grads[5] if init is not None else None, None, None)
-
-    linear.register_autograd(backward_linear, setup_context=save_inputs)
-    tree.register_autograd(backward_tree, setup_context=save_tree_inputs)
-    return linear, tree

@@ -26,6 +26,9 @@ path because everything before attention is computed from the path prefix alone
 the output row equals the per-path output row. Windows are measured in path positions
 (``positions[q] - positions[kv]``), the distance per-path training sees, and soft-capping
 acts on each score alone.
+
+One module: the three spellings are matched into one attention record and rewritten by one
+function, and the matchers share their walk over casts and views.
 """
 
 from __future__ import annotations
