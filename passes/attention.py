@@ -27,8 +27,9 @@ the output row equals the per-path output row. Windows are measured in path posi
 (``positions[q] - positions[kv]``), the distance per-path training sees, and soft-capping
 acts on each score alone.
 
-One module: the three spellings are matched into one attention record and rewritten by one
-function, and the matchers share their walk over casts and views.
+One module: the three spellings' matchers end in one rewrite (``_replace``: the FlexAttention
+call with its scale, window, soft-cap, ALiBi and sink), and the manual matcher's helpers
+(einsum specs, score and output operands, transposes) serve it alone.
 """
 
 from __future__ import annotations
