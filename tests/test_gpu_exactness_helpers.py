@@ -73,19 +73,23 @@ def test_bf16_budget_compares_relative_errors():
     assert set(bf16_failures(bad, path, ref)) == {"logprobs"}
 
 
-# The float32 procedure for every model the GPU runs, on the CPU (aot_eager, torch scans): what a
-# GPU session should see before its first compile. About 5 minutes on 2 cores.
+# The float32 procedure on the CPU (the rewritten graph run eagerly, torch scans) for the GPU
+# models whose CPU path differs from plain attention: window + soft-caps, MoE, the hybrids. Qwen3
+# runs above; Llama, Gemma3 and GPT-2 passed it on an H100 (docs/gpu.md) and their attention is
+# covered by tests/test_compile_hf.py and the zoo.
 # Measured on the CPU: Qwen3-Next's Gated DeltaNet gradients of A_log and dt_bias are ill-conditioned
 # in float32 on both sides (per-path 1.3e-4 against float64, the tree's chunked scan 3.3e-4), so the
-# tree misses the 3x budget by about 17%. On the GPU both sides run fla's kernels instead.
+# tree misses the 3x budget by about 17%. On a GPU where fla runs, both sides run fla's kernels;
+# where it is refused (Hopper with Triton < 3.7.1) both run torch scans, as here.
 _CPU_FP32_OVER_BUDGET = {"qwen3_next"}
+_CPU_FP32_MODELS = ("gemma2", "qwen3_moe", "qwen3_next", "bamba")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
     strict=True, reason="Gated DeltaNet A_log/dt_bias float32 gradients: tree 3.3e-4 vs per path 1.3e-4 "
-    "against float64 (measured)")) if m in _CPU_FP32_OVER_BUDGET else m for m in MODELS])
-def test_fp32_procedure_on_cpu_for_every_gpu_model(name):
+    "against float64 (measured)")) if m in _CPU_FP32_OVER_BUDGET else m for m in _CPU_FP32_MODELS])
+def test_fp32_procedure_on_cpu_for_the_gpu_models_with_their_own_paths(name):
     base = build_model(name)
     trees = exactness_trees()
     ref64 = run_paths(copy_as(base, torch.float64, "cpu"), trees)
