@@ -605,3 +605,44 @@ def test_streamed_peak_memory_is_below_the_whole_tree():
     print(f"\npeak bytes: {peaks}")
     assert peaks["recompute"] < peaks["whole"] / 2, peaks
     assert peaks["keep"] < peaks["whole"], peaks
+
+
+@pytest.mark.parametrize("mode,cuts", [("keep", "subtree"), ("recompute", "rows")])
+def test_verify_checks_the_streamed_variant(mode, cuts):
+    """``verify=True`` on a streamed call checks the streamed variant itself (in the wrapper's
+    mode and cuts) on a check tree that splits into several parts with ancestors on the stack."""
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model, verify=True, backend="eager",
+                            stream=StreamOptions(budget_rows=8, mode=mode, cuts=cuts))
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    with torch.no_grad():  # a first call without grad (a rollout's log-probs) is checked with grad
+        compiled(batch)
+    report = compiled.stream_verified
+    assert compiled.verified is None  # no whole call yet
+    assert all(p.grad is None for p in model.parameters())  # the check leaves the model's gradients
+    assert report.dtype == torch.float64 and report.paths == 6
+    assert report.stream.parts > 1 and report.stream.stack_depth >= 2
+    assert report.stream.budget_rows < report.stream.rows
+    assert report.worst_grad_diff < 1e-10 and report.loss_diff < 1e-12
+    compiled(batch).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    compiled(batch).loss.backward()  # checked once, on the first streamed call
+    assert compiled.stream_verified is report
+    assert all(torch.equal(2 * g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_verify_catches_a_wrong_streamed_variant(monkeypatch):
+    """A streamed variant whose parts read zeros instead of their ancestors' keys and values
+    is wrong only where a part has a prefix: verify=True must refuse it at the first streamed call."""
+    import treecompile.stream_runner as stream_runner
+
+    def no_prefix(*args, **kwargs):
+        kv, conv, states = gather_prefix(*args, **kwargs)
+        return [torch.zeros_like(x) for x in kv], conv, states
+
+    gather_prefix = stream_runner.gather_prefix
+    monkeypatch.setattr(stream_runner, "gather_prefix", no_prefix)
+    compiled = tree_compile(tiny(NanoGPT), verify=True, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"(?s)verify: the streamed tree-compiled model .* disagrees with "
+                                                    r"per-path training.*gradient of '.*' differs by"):
+        compiled(pack(TrajectoryTree.from_sequences(BRANCHY)))
