@@ -235,6 +235,7 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     assert stats.parts == plan_stream(batch, budget).num_parts >= -(-batch.num_tokens // budget)
     # With an auxiliary loss a first pass without a graph runs every row once more.
     extra = batch.num_tokens if coef is not None else 0
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode, aux_loss=coef is not None)
     assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode) + extra
     if mode == "keep":
         assert stats.forward_rows == batch.num_tokens + extra  # every row forward once more: ERR = POR
@@ -508,6 +509,37 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
             assert t["forward_rows"] == t["rows"] and t["err"] == pytest.approx(t["por"])
         else:
             assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_plan_stream_command_counts_the_aux_loss_pass(mode, capsys):
+    """``--aux-loss``: a streamed step of a model with a router auxiliary loss runs every row
+    forward once more without a graph; the report counts it, so even keep mode's ERR < POR."""
+    import json
+
+    from treecompile.cli import main
+
+    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity", "300", "--stream", mode]
+    assert main([*base, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--aux-loss", "--json"]) == 0
+    aux = json.loads(capsys.readouterr().out)
+    assert aux["aux_loss"] and not plain["aux_loss"]
+    for p, t in zip(plain["trees"], aux["trees"]):
+        assert t["aux_pass_rows"] == t["rows"] and p["aux_pass_rows"] == 0
+        assert t["forward_rows"] == p["forward_rows"] + t["rows"]
+        assert t["err"] == pytest.approx(1 - t["forward_rows"] / t["path_tokens"])
+        assert t["err"] < p["err"] <= t["por"] and t["err"] < t["por"]
+        assert {k: t[k] for k in ("parts", "stack_depth", "schedule")} == {k: p[k] for k in ("parts", "stack_depth",
+                                                                                            "schedule")}
+    assert main([*base, "--aux-loss"]) == 0
+    text = capsys.readouterr().out
+    assert "--aux-loss: the router auxiliary loss's gradient needs the whole tree's router sums first" in text
+    assert main(base) == 0
+    assert "a model with a router auxiliary loss runs one more forward pass (--aux-loss)" in capsys.readouterr().out
+    assert main(["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "1", "--aux-loss"]) == 2
+    assert "--aux-loss counts the extra forward pass of a streamed step: give it with --stream" in (
+        capsys.readouterr().err)
 
 
 def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
