@@ -676,5 +676,6 @@ def test_verify_catches_a_wrong_streamed_variant(monkeypatch):
     monkeypatch.setattr(stream_runner, "gather_prefix", no_prefix)
     compiled = tree_compile(tiny(NanoGPT), verify=True, backend="eager", stream=StreamOptions(budget_rows=8))
     with pytest.raises(UnsupportedModelError, match=r"(?s)verify: the streamed tree-compiled model .* disagrees with "
-                                                    r"per-path training.*gradient of '.*' differs by"):
+                                                    r"per-path training.*gradient of '.*' differs by.*"
+                                                    r"`treecompile inspect --stream-rows 4`"):
         compiled(pack(TrajectoryTree.from_sequences(BRANCHY)))

@@ -158,12 +158,13 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
         what = "tree-compiled model" if stats is None else (
             f"streamed tree-compiled model ({stats.parts} parts of at most {stats.budget_rows} rows, stack depth "
             f"{stats.stack_depth}, {stream.mode} mode, {stream.cuts} cuts)")
+        flag = "" if stats is None else f" --stream-rows {stats.budget_rows}"
         if worst > tol or not loss_diff <= tol * max(1.0, abs(ref.loss.item())):
             raise UnsupportedModelError(
                 f"verify: the {what} disagrees with per-path training on a {tree.num_paths}-path "
                 f"check tree ({dtype}): loss differs by {loss_diff:.3g}; gradient of {worst_name!r} differs by "
                 f"{worst:.3g} of its largest entry (tolerance {tol:g}). The model does something the passes do "
-                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect`."
+                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect{flag}`."
             )
         return report
     finally:
