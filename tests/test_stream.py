@@ -235,6 +235,7 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     assert stats.parts == plan_stream(batch, budget).num_parts >= -(-batch.num_tokens // budget)
     # With an auxiliary loss a first pass without a graph runs every row once more.
     extra = batch.num_tokens if coef is not None else 0
+    assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode, aux_loss=coef is not None)
     assert stats.forward_rows == plan_stream(batch, budget).forward_rows(mode) + extra
     if mode == "keep":
         assert stats.forward_rows == batch.num_tokens + extra  # every row forward once more: ERR = POR
@@ -510,6 +511,37 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
             assert t["forward_rows"] > t["rows"] and t["err"] < t["por"]
 
 
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_plan_stream_command_counts_the_aux_loss_pass(mode, capsys):
+    """``--aux-loss``: a streamed step of a model with a router auxiliary loss runs every row
+    forward once more without a graph; the report counts it, so even keep mode's ERR < POR."""
+    import json
+
+    from treecompile.cli import main
+
+    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity", "300", "--stream", mode]
+    assert main([*base, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--aux-loss", "--json"]) == 0
+    aux = json.loads(capsys.readouterr().out)
+    assert aux["aux_loss"] and not plain["aux_loss"]
+    for p, t in zip(plain["trees"], aux["trees"]):
+        assert t["aux_pass_rows"] == t["rows"] and p["aux_pass_rows"] == 0
+        assert t["forward_rows"] == p["forward_rows"] + t["rows"]
+        assert t["err"] == pytest.approx(1 - t["forward_rows"] / t["path_tokens"])
+        assert t["err"] < p["err"] <= t["por"] and t["err"] < t["por"]
+        assert {k: t[k] for k in ("parts", "stack_depth", "schedule")} == {k: p[k] for k in ("parts", "stack_depth",
+                                                                                            "schedule")}
+    assert main([*base, "--aux-loss"]) == 0
+    text = capsys.readouterr().out
+    assert "--aux-loss: the router auxiliary loss's gradient needs the whole tree's router sums first" in text
+    assert main(base) == 0
+    assert "a model with a router auxiliary loss runs one more forward pass (--aux-loss)" in capsys.readouterr().out
+    assert main(["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "1", "--aux-loss"]) == 2
+    assert "--aux-loss counts the extra forward pass of a streamed step: give it with --stream" in (
+        capsys.readouterr().err)
+
+
 def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
     import json
 
@@ -605,3 +637,45 @@ def test_streamed_peak_memory_is_below_the_whole_tree():
     print(f"\npeak bytes: {peaks}")
     assert peaks["recompute"] < peaks["whole"] / 2, peaks
     assert peaks["keep"] < peaks["whole"], peaks
+
+
+@pytest.mark.parametrize("mode,cuts", [("keep", "subtree"), ("recompute", "rows")])
+def test_verify_checks_the_streamed_variant(mode, cuts):
+    """``verify=True`` on a streamed call checks the streamed variant itself (in the wrapper's
+    mode and cuts) on a check tree that splits into several parts with ancestors on the stack."""
+    model = tiny(NanoGPT)
+    compiled = tree_compile(model, verify=True, backend="eager",
+                            stream=StreamOptions(budget_rows=8, mode=mode, cuts=cuts))
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    with torch.no_grad():  # a first call without grad (a rollout's log-probs) is checked with grad
+        compiled(batch)
+    report = compiled.stream_verified
+    assert compiled.verified is None  # no whole call yet
+    assert all(p.grad is None for p in model.parameters())  # the check leaves the model's gradients
+    assert report.dtype == torch.float64 and report.paths == 6
+    assert report.stream.parts > 1 and report.stream.stack_depth >= 2
+    assert report.stream.budget_rows < report.stream.rows
+    assert report.worst_grad_diff < 1e-10 and report.loss_diff < 1e-12
+    compiled(batch).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    compiled(batch).loss.backward()  # checked once, on the first streamed call
+    assert compiled.stream_verified is report
+    assert all(torch.equal(2 * g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_verify_catches_a_wrong_streamed_variant(monkeypatch):
+    """A streamed variant whose parts read zeros instead of their ancestors' keys and values
+    is wrong only where a part has a prefix: verify=True must refuse it at the first streamed call."""
+    import treecompile.stream_runner as stream_runner
+
+    def no_prefix(*args, **kwargs):
+        kv, conv, states = gather_prefix(*args, **kwargs)
+        return [torch.zeros_like(x) for x in kv], conv, states
+
+    gather_prefix = stream_runner.gather_prefix
+    monkeypatch.setattr(stream_runner, "gather_prefix", no_prefix)
+    compiled = tree_compile(tiny(NanoGPT), verify=True, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"(?s)verify: the streamed tree-compiled model .* disagrees with "
+                                                    r"per-path training.*gradient of '.*' differs by.*"
+                                                    r"`treecompile inspect --stream-rows 4`"):
+        compiled(pack(TrajectoryTree.from_sequences(BRANCHY)))

@@ -95,6 +95,8 @@ def tree_compile(
             float64 on a CPU copy of the model (or, for a model over 2 GiB in float64, on
             the model itself in its dtype). Raises `UnsupportedModelError` naming the
             parameter that differs most. Cheap enough to leave on: one small tree, once.
+            With ``stream``, the first streamed call also checks the streamed variant, on
+            that tree cut into several parts (`TreeCompiledModel.stream_verified`).
         outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
             entropy of each target's predicting distribution (differentiable, for entropy
             bonuses; the vocabulary projection then runs on every predicting row).
@@ -163,6 +165,8 @@ class TreeCompiledModel(nn.Module):
         mask: the mask encoding, ``"interval"`` or ``"bitmask"``.
         verify: whether the first call checks the compiled model against per-path training.
         verified: the report of that check once it has run, else None.
+        stream_verified: with ``stream=``, the report of the check of the streamed variant,
+            run at the first streamed call (its ``stream`` holds the check run's parts).
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
             (re)compile, with the per-pass rewrite counters.
         scan_kernel: the scan kernel of recurrent layers (see `tree_compile`).
@@ -212,6 +216,7 @@ class TreeCompiledModel(nn.Module):
         self.temperature = temperature
         self.scan_kernel = scan_kernel
         self.verified: VerifyReport | None = None
+        self.stream_verified: VerifyReport | None = None
         self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
 
     # ------------------------------------------------------------------ delegation
@@ -354,7 +359,10 @@ class TreeCompiledModel(nn.Module):
         # out of the model's range: say so (once per call site, as warnings do).
         warn_position_overflow(batch, self._inner, stacklevel=2)
         if self._stream is not None and self._stream.wants(batch):
-            return self._stream(batch)
+            out = self._stream(batch)
+            if self.verify and self.stream_verified is None:  # the streamed variant is checked on its own
+                self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
+            return out
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)

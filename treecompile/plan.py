@@ -72,6 +72,11 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         "--stream", choices=("keep", "recompute"), default=None,
         help="plan streaming with a KV stack instead (treecompile.stream): parts of --capacity rows, no path limit",
     )
+    p.add_argument(
+        "--aux-loss", action="store_true",
+        help="with --stream: the model adds a router auxiliary loss (MoE), whose gradient costs one more forward "
+        "pass over every tree without a graph; counted in the forward rows and the ERR",
+    )
     p.set_defaults(func=run_plan)
 
 
@@ -138,6 +143,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from treecompile.shard import shard_paths
 
     start = time.perf_counter()
+    if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
+        raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
     if budget is not None:

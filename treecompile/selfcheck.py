@@ -2,14 +2,17 @@
 
 On the first call the wrapper runs :func:`verify_tree_compile`: a small random tree with
 every awkward feature, the compiled model against the unmodified model on each path, loss
-and every parameter's gradient, in float64 on a CPU copy where it fits.
+and every parameter's gradient, in float64 on a CPU copy where it fits. A model wrapped with
+``stream=`` is checked again at its first streamed call, streamed: the same check tree cut
+into parts of `VERIFY_STREAM_BUDGET_ROWS` rows in the wrapper's mode and cuts.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +21,11 @@ from treecompile.capture import plain_experts, swapped_kernels
 from treecompile.errors import UnsupportedModelError
 from treecompile.tree import TrajectoryTree
 
-__all__ = ["VerifyReport", "verify_tree_compile", "VERIFY_GRAD_TOLERANCE", "VERIFY_COPY_LIMIT_BYTES"]
+if TYPE_CHECKING:
+    from treecompile.stream_plan import StreamOptions, StreamStats
+
+__all__ = ["VerifyReport", "verify_tree_compile", "VERIFY_GRAD_TOLERANCE", "VERIFY_COPY_LIMIT_BYTES",
+           "VERIFY_STREAM_BUDGET_ROWS"]
 
 
 @dataclass
@@ -32,6 +39,8 @@ class VerifyReport:
         worst_param: the parameter whose gradient differs most (relative to its largest entry).
         worst_grad_diff: that relative difference.
         tolerance: the relative tolerance applied.
+        stream: for the check of a streamed call, what the streamed check run did (parts,
+            stack depth, rows, budget); None for a whole-tree call.
     """
 
     dtype: torch.dtype
@@ -40,6 +49,7 @@ class VerifyReport:
     worst_param: str
     worst_grad_diff: float
     tolerance: float
+    stream: StreamStats | None = None
 
 
 # verify=True: largest gradient difference allowed, relative to the gradient's largest entry,
@@ -48,6 +58,9 @@ class VerifyReport:
 VERIFY_GRAD_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 # A float64 copy larger than this is not made; the check then runs on the model itself.
 VERIFY_COPY_LIMIT_BYTES = 2 << 30
+# The rows per part of the streamed check. The check tree's longest path has 9 rows, so it
+# spans at least 3 parts: its last part reads at least two earlier ones from the stack.
+VERIFY_STREAM_BUDGET_ROWS = 4
 
 
 def _check_tree(batch: TreeBatch, seed: int = 0) -> TrajectoryTree:
@@ -67,7 +80,7 @@ def _check_tree(batch: TreeBatch, seed: int = 0) -> TrajectoryTree:
     return TrajectoryTree.from_sequences(seqs, weights=[1.0, 0.5, 2.0, 1.0, 1.0, 1.5])
 
 
-def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
+def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions | None = None) -> VerifyReport:
     """Checks a tree-compiled model (a `treecompile.TreeCompiledModel`) against per-path
     training on a small random tree.
 
@@ -76,6 +89,11 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
     linear-sequence semantics), compares the loss and every parameter's gradient, and
     raises `UnsupportedModelError` naming the parameter that differs most. The user's model, its gradients and its train/eval mode are left as
     they were.
+
+    With ``stream`` (the wrapper's `treecompile.stream.StreamOptions`) the streamed variant
+    is checked instead: the check tree runs in parts of `VERIFY_STREAM_BUDGET_ROWS` rows, in
+    ``stream``'s mode and cuts, with ancestors' keys and values (and states) on the stack;
+    the report's ``stream`` says what that run did.
     """
     from treecompile.batch import pack
     from treecompile.reference import per_path_loss
@@ -104,8 +122,15 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
         if subject is not model and options["backend"] == "inductor":
             options["backend"] = None
         twin = type(compiled)(subject, **options)
-        loss = twin(check_batch.to(next(subject.parameters()).device)).loss
-        loss.backward()
+        if stream is not None:
+            from treecompile.stream_runner import StreamRunner
+
+            budget = dataclasses.replace(stream, budget_rows=VERIFY_STREAM_BUDGET_ROWS, budget_bytes=None)
+            twin._stream = StreamRunner(twin, budget)
+        with torch.enable_grad():  # the first call may be a no-grad one (a rollout's log-probs)
+            loss = twin(check_batch.to(next(subject.parameters()).device)).loss
+            loss.backward()
+        stats = None if stream is None else twin._stream.stats
         tree_grads = {n: p.grad for n, p in subject.named_parameters()}
         for p in subject.parameters():
             p.grad = None
@@ -114,8 +139,9 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
         # swapped to (tested against HF's): HF's GDN fallback computes in float32 even in a
         # float64 model, which would put a float32 floor under this float64 check.
         with swapped_kernels(compiled._kernels):
-            ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
-        ref.loss.backward()
+            with torch.enable_grad():
+                ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
+                ref.loss.backward()
         worst, worst_name = 0.0, ""
         for n, p in subject.named_parameters():
             r, t = p.grad, tree_grads[n]
@@ -128,13 +154,17 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch) -> VerifyReport:
                 worst, worst_name = err, n
         tol = VERIFY_GRAD_TOLERANCE.get(dtype, 1e-3)
         loss_diff = abs(loss.item() - ref.loss.item())
-        report = VerifyReport(dtype, tree.num_paths, loss_diff, worst_name, worst, tol)
+        report = VerifyReport(dtype, tree.num_paths, loss_diff, worst_name, worst, tol, stats)
+        what = "tree-compiled model" if stats is None else (
+            f"streamed tree-compiled model ({stats.parts} parts of at most {stats.budget_rows} rows, stack depth "
+            f"{stats.stack_depth}, {stream.mode} mode, {stream.cuts} cuts)")
+        flag = "" if stats is None else f" --stream-rows {stats.budget_rows}"
         if worst > tol or not loss_diff <= tol * max(1.0, abs(ref.loss.item())):
             raise UnsupportedModelError(
-                f"verify: the tree-compiled model disagrees with per-path training on a {tree.num_paths}-path "
+                f"verify: the {what} disagrees with per-path training on a {tree.num_paths}-path "
                 f"check tree ({dtype}): loss differs by {loss_diff:.3g}; gradient of {worst_name!r} differs by "
                 f"{worst:.3g} of its largest entry (tolerance {tol:g}). The model does something the passes do "
-                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect`."
+                f"not make tree-exact; inspect the rewritten graph with `treecompile inspect{flag}`."
             )
         return report
     finally:

@@ -134,14 +134,18 @@ class StreamPlan:
             alive -= len(self.release[j])
         return depth
 
-    def forward_rows(self, mode: str) -> int:
+    def forward_rows(self, mode: str, aux_loss: bool = False) -> int:
         """Rows run forward by a step with grad: S in keep mode; in recompute mode also the
-        rows of every part that a later part reads (they run again for their backward)."""
+        rows of every part that a later part reads (they run again for their backward).
+        ``aux_loss``: the model adds a router auxiliary loss, whose gradient needs the router
+        sums of the whole tree first: one more forward pass of every row, without a graph
+        (`StreamRunner`), so even keep mode's ERR is below the POR."""
         rows = int(self.starts[-1])
+        extra = rows if aux_loss else 0
         if mode == "keep":
-            return rows
+            return rows + extra
         sizes = np.diff(self.starts)
-        return rows + int(sizes[self.last_reader != np.arange(self.num_parts)].sum())
+        return rows + extra + int(sizes[self.last_reader != np.arange(self.num_parts)].sum())
 
     @property
     def max_prefix(self) -> int:
@@ -236,35 +240,42 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
     """``treecompile plan --stream MODE``: per tree, the streaming schedule at ``--capacity``
     rows: parts, stack depth, longest prefix, rows run forward, ERR and the predicted peak in
     rows (keep: the parts alive at once times the capacity; recompute: one part), plus the
-    prefix rows every part reads."""
+    prefix rows every part reads. ``--aux-loss`` (a model with a router auxiliary loss)
+    counts the extra forward pass without a graph in the rows run forward and the ERR."""
     import json
     import time
 
     from treecompile.batch import pack
 
     capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
+    aux = bool(getattr(args, "aux_loss", False))
     out = []
     for name, tree in zip(names, trees):
         plan = plan_stream(pack(tree, warn_por=False), capacity)
         stats = tree.stats()
-        fwd = plan.forward_rows(args.stream)
+        fwd = plan.forward_rows(args.stream, aux_loss=aux)
         live = plan.stack_depth * capacity if args.stream == "keep" else capacity
         out.append({"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "parts": plan.num_parts,
                     "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix, "forward_rows": fwd,
+                    "aux_pass_rows": tree.num_tokens if aux else 0,
                     "por": stats.por, "err": 1 - fwd / stats.path_tokens, "peak_activation_rows": live,
                     "schedule": [[int(x) for x in r] for r in plan.release]})
     if args.json:
-        print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "trees": out,
+        print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "aux_loss": aux, "trees": out,
                           "seconds": round(time.perf_counter() - start, 3)}, indent=1))
         return 0
     budget = header.get("budget")
     print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows"
           + (f" (the cost model's rows within --budget-bytes {budget['budget_bytes']:,})" if budget else ""))
+    if aux:
+        print("--aux-loss: the router auxiliary loss's gradient needs the whole tree's router sums first, so each "
+              "step runs every row forward once more without a graph (counted in fwd rows: ERR < POR)")
     print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
           f"{'peak rows':>10}")
     for t in out[: max(args.rows, 0)]:
         print(f"{t['name'][:40]:<40} {t['rows']:>8} {t['parts']:>6} {t['stack_depth']:>6} {t['max_prefix']:>7} "
               f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {t['peak_activation_rows']:>10}")
     print("stack: most parts alive at once; prefix: most rows of keys/values a part reads from the stack; "
-          "peak rows: rows whose activations are held at once (plus the prefix keys/values)")
+          "peak rows: rows whose activations are held at once (plus the prefix keys/values)"
+          + ("" if aux else "; a model with a router auxiliary loss runs one more forward pass (--aux-loss)"))
     return 0
