@@ -6,7 +6,7 @@ predecessor (zero where there is none). `causal_conv1d_reference` is that sum as
 
 * ``treecompile::causal_conv1d(x, weight, bias)``: predecessors along the row (``s - d``),
   the semantics of Hugging Face's ``causal_conv1d_fn`` before its activation
-  (:func:`hf_causal_conv1d_fn` is the drop-in the wrapper swaps in before capture).
+  (:func:`treecompile.drop_ins.hf_causal_conv1d_fn` is the drop-in the wrapper swaps in before capture).
 * ``treecompile::tree_causal_conv1d(x, weight, bias, ancestors)``: predecessors along the
   row's own path, ``ancestors[s, d - 1]`` (``pred_index`` followed ``d`` times, -1 past the
   root), what the conv context pass puts in place of the former. A node's first rows read
@@ -19,12 +19,10 @@ Shapes: ``x`` ``[B, C, S]``, ``weight`` ``[C, K]``, ``bias`` ``[C]`` or None, ``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_reference", "causal_conv1d", "tree_causal_conv1d", "hf_causal_conv1d_fn", "row_ancestors"]
+__all__ = ["causal_conv1d_reference", "causal_conv1d", "tree_causal_conv1d", "row_ancestors"]
 
 Tensor = torch.Tensor
 
@@ -126,20 +124,3 @@ def _backward_tree(ctx, grad):
 
 causal_conv1d.register_autograd(_backward_linear, setup_context=_setup_linear)
 tree_causal_conv1d.register_autograd(_backward_tree, setup_context=_setup_tree)
-
-
-def hf_causal_conv1d_fn(
-    hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, **kwargs: Any
-) -> Tensor:
-    """Drop-in for HF's ``causal_conv1d_fn(x [B, C, S], weight [C, K], bias, activation)``.
-
-    The conv is ``treecompile::causal_conv1d``; the activation acts on each row alone.
-    """
-    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
-        raise ValueError("treecompile's causal conv keeps packed sequences apart itself: pass no seq_idx / cu_seqlens")
-    out = torch.ops.treecompile.causal_conv1d(hidden_states.to(weight.dtype), weight, bias)
-    if activation is not None:
-        from transformers.activations import ACT2FN
-
-        out = ACT2FN[activation](out)
-    return out.to(hidden_states.dtype)

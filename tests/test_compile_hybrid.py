@@ -36,6 +36,7 @@ from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_k
 from treecompile.compile import tree_compile
 from treecompile.selfcheck import verify_tree_compile
 from treecompile.errors import UnsupportedModelError
+from treecompile import drop_ins
 from treecompile.kernels import conv, gdn, mamba2, recurrence
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
@@ -137,7 +138,7 @@ def test_hf_adapter_matches_hf_chunked_kernel():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     q, k, v, g, beta, _ = _gdn_inputs(1, 70, h=2, dk=8, dv=8)
-    ours, _ = gdn.hf_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    ours, _ = drop_ins.hf_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     theirs, _ = hf.torch_chunk_gated_delta_rule.__wrapped__(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
@@ -157,11 +158,11 @@ def test_hf_mamba2_adapter_matches_hf_chunked_kernel(with_state):
     init = torch.randn(b, h, p, n, generator=g, dtype=F64) if with_state else None
     kwargs = dict(D=d, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 5.0), initial_states=init,
                   return_final_states=True)
-    ours = mamba2.hf_mamba2_chunk_scan(x, dt, a, bb, cc, 16, **kwargs)
+    ours = drop_ins.hf_mamba2_chunk_scan(x, dt, a, bb, cc, 16, **kwargs)
     theirs = hf.mamba2_chunk_scan.__wrapped__(x, dt, a, bb, cc, 16, **kwargs)
     for o, t in zip(ours, theirs):
         torch.testing.assert_close(o, t.to(F64), rtol=1e-5, atol=1e-5)
-    assert mamba2.hf_mamba2_split_conv1d_scan_combined(x, dt) is None
+    assert drop_ins.hf_mamba2_split_conv1d_scan_combined(x, dt) is None
 
 
 def _node_table(batch: tc.TreeBatch) -> torch.Tensor:
@@ -285,7 +286,7 @@ def test_hf_conv_adapter_matches_hf_fallback():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     x, w, b = _conv_inputs(7)
-    ours = conv.hf_causal_conv1d_fn(x, w, b, activation="silu")
+    ours = drop_ins.hf_causal_conv1d_fn(x, w, b, activation="silu")
     theirs = hf.causal_conv1d_fn.__wrapped__(x, w, b, activation="silu")
     _close([ours], [theirs], "forward")
 

@@ -44,9 +44,13 @@ from torch import nn
 
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels import grouped_mm as _grouped_mm_op  # noqa: F401  (registers treecompile::grouped_mm)
-from treecompile.kernels.conv import hf_causal_conv1d_fn
-from treecompile.kernels.gdn import fla_chunk_gated_delta_rule, hf_chunk_gated_delta_rule
-from treecompile.kernels.mamba2 import hf_mamba2_chunk_scan, hf_mamba2_split_conv1d_scan_combined
+from treecompile.drop_ins import (
+    fla_chunk_gated_delta_rule,
+    hf_causal_conv1d_fn,
+    hf_chunk_gated_delta_rule,
+    hf_mamba2_chunk_scan,
+    hf_mamba2_split_conv1d_scan_combined,
+)
 from treecompile.passes import markers
 
 if TYPE_CHECKING:
