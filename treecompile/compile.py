@@ -409,18 +409,25 @@ class TreeCompiledModel(nn.Module):
             self.verified = verify_tree_compile(self, batch)
         return out
 
-    def _build(self, device: torch.device):
-        lowering = self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
-        backend = make_backend(
-            mask=self.mask,
-            layout_of=lambda: self._layout,
-            chunks_of=lambda: self._chunks,
-            lowering=lowering,
+    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, probe_rows_of=None):
+        """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
+        wrapper's lowering (its default per device), recording into ``compile_records``. The
+        whole-tree graph and the streamed part graph (:mod:`treecompile.stream_runner`) differ
+        only in the arguments."""
+        return make_backend(
+            mask=mask,
+            layout_of=layout_of,
+            chunks_of=chunks_of,
+            lowering=self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager"),
             records=self.compile_records,
-            passes=self._passes,
-            probe_rows_of=lambda: self._probe_rows,
+            passes=passes,
+            probe_rows_of=probe_rows_of or (lambda: 0),
             scan_kernel=self.scan_kernel,
         )
+
+    def _build(self, device: torch.device):
+        backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
+                                passes=self._passes, probe_rows_of=lambda: self._probe_rows)
         inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
         want_entropy = "entropy" in self._outputs
         temperature = self.temperature

@@ -17,7 +17,7 @@ from treecompile.call import compile_named, run_head
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.attention import rewrite_attention_pass
-from treecompile.passes.pipeline import Pipeline, make_backend
+from treecompile.passes.pipeline import Pipeline
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
@@ -117,10 +117,8 @@ class StreamRunner:
                 passes.append(route)
             if p is route_ssm_state_pass:
                 passes.append(route_state)
-        lowering = w._backend_name or ("inductor" if device.type == "cuda" else "aot_eager")
-        backend = make_backend(mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                               lowering=lowering, records=w.compile_records,
-                               passes=dataclasses.replace(pipeline, passes=tuple(passes)), scan_kernel=w.scan_kernel)
+        backend = w._backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                             passes=dataclasses.replace(pipeline, passes=tuple(passes)))
         inner, kwargs_of, router = w._inner, w._call_kwargs, w._router_aux
         want_entropy = "entropy" in w._outputs
         temperature = w.temperature
