@@ -25,7 +25,7 @@ from testing import assert_grads_close, backward_grads
 import treecompile as tc
 from treecompile.compile import tree_compile
 from treecompile.errors import UnsupportedModelError
-from treecompile.passes.moe import router_aux_of
+from treecompile.router_aux import router_aux_of
 from treecompile.reference import per_path_loss
 
 transformers = pytest.importorskip("transformers")

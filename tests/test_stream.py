@@ -323,10 +323,10 @@ def test_moe_router_aux_loss_and_entropy_stream_exactly(mode):
 def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
     """A load_balancing_loss_func that is not E * sum(T * P) / N^2 (here squared) cannot be
     added up from the parts' sums: refused when the model is wrapped, naming the function."""
-    import treecompile.passes.moe as moe
+    from treecompile.router_aux import router_aux_of
 
     model = _MODELS["qwen3-moe-aux"]()
-    fn = moe.router_aux_of(model).loss_fn
+    fn = router_aux_of(model).loss_fn
     mod = sys.modules[fn.__module__]
 
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):

@@ -54,7 +54,7 @@ from treecompile.drop_ins import (
 from treecompile.passes import markers
 
 if TYPE_CHECKING:
-    from treecompile.passes.moe import RouterAux
+    from treecompile.router_aux import RouterAux
 
 __all__ = [
     "TreeMask", "mask_builder_swaps", "HF_ATTENTION_NAME", "SEQUENCE_KERNELS", "hf_interfaces", "install_output_hooks",

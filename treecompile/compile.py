@@ -45,7 +45,7 @@ from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_bloc
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
-from treecompile.passes.moe import router_aux_of
+from treecompile.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
 
@@ -126,7 +126,7 @@ def tree_compile(
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
-            per path (see :func:`treecompile.passes.moe.router_aux_of`).
+            per path (see :func:`treecompile.router_aux.router_aux_of`).
     """
     _check_model(model)
     if mask not in MASKS:
