@@ -473,6 +473,11 @@ def _float64_torch() -> types.ModuleType:
     return proxy
 
 
+# One object for every call: Dynamo guards on the modules' ``torch`` global by identity, so a
+# new proxy per call would recompile the shared compiled models on every test.
+_FLOAT64_TORCH = _float64_torch()
+
+
 @contextlib.contextmanager
 def _float64_casts(model):
     """The model's Hugging Face modules cast to float64 where they cast to float32 (norms,
@@ -483,10 +488,9 @@ def _float64_casts(model):
     modules = {sys.modules[type(m).__module__] for m in model.modules()
                if type(m).__module__.startswith("transformers.models.")}
     saved = [(mod, mod.torch) for mod in modules if getattr(mod, "torch", None) is torch]
-    proxy = _float64_torch()
     try:
         for mod, _ in saved:
-            mod.torch = proxy
+            mod.torch = _FLOAT64_TORCH
         yield
     finally:
         for mod, real in saved:
