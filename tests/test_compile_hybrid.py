@@ -465,17 +465,12 @@ def _model(name: str):
     return model
 
 
-def _float64_torch() -> types.ModuleType:
-    """``torch`` with ``float32`` and ``float`` meaning float64."""
-    proxy = types.ModuleType("torch")
-    proxy.__dict__.update(torch.__dict__)
-    proxy.float32 = proxy.float = torch.float64
-    return proxy
-
-
-# One object for every call: Dynamo guards on the modules' ``torch`` global by identity, so a
-# new proxy per call would recompile the shared compiled models on every test.
-_FLOAT64_TORCH = _float64_torch()
+# ``torch`` with ``float32`` and ``float`` meaning float64. One object for every call: Dynamo
+# guards on the modules' ``torch`` global by identity, so a new one per call would recompile the
+# shared compiled models in every test.
+_FLOAT64_TORCH = types.ModuleType("torch")
+_FLOAT64_TORCH.__dict__.update(torch.__dict__)
+_FLOAT64_TORCH.float32 = _FLOAT64_TORCH.float = torch.float64
 
 
 @contextlib.contextmanager

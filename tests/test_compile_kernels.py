@@ -151,3 +151,26 @@ def test_flex_path_alibi_and_sinks_match_dense_reference():
     torch.testing.assert_close(got_out, ref, rtol=rtol, atol=atol)
     for n, a, b in zip(("q", "k", "v", "sinks"), got, want):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def test_no_custom_op_argument_shadows_inductors_fallback_lowering():
+    """Inductor lowers an opaque op through ``FallbackKernel.create(kernel, *args, **kwargs)``:
+    an op argument with one of its parameter names fails to lower ("got multiple values for
+    argument 'kernel'", which broke every Mamba2 hybrid on CUDA)."""
+    import inspect
+
+    from torch._inductor.ir import FallbackKernel
+
+    # What registers every treecompile:: op: the wrapper (capture, drop-ins, passes) and streaming.
+    import treecompile.compile  # noqa: F401
+    import treecompile.stream_runner  # noqa: F401
+
+    reserved = {n for n, p in inspect.signature(FallbackKernel.create).parameters.items()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    assert reserved == {"kernel"}
+    names = sorted({n.split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("treecompile::")})
+    assert {"treecompile::tree_ssd_scan", "treecompile::ssd_scan_backward", "treecompile::grouped_mm"} <= set(names)
+    ops = [getattr(torch.ops.treecompile, n.removeprefix("treecompile::")) for n in names]
+    clashes = [(op._qualified_op_name, a.name) for op in ops for o in op.overloads()
+               for a in getattr(op, o)._schema.arguments if a.name in reserved]
+    assert not clashes, clashes

@@ -141,17 +141,15 @@ def tree_compile(
     if scan_kernel not in SCAN_KERNELS:
         raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
-    compiled = TreeCompiledModel(
-        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
-        temperature=float(temperature), scan_kernel=scan_kernel,
-    )
     if stream is not None:
-        from treecompile.stream import StreamOptions, StreamRunner
+        from treecompile.stream import StreamOptions
 
         if not isinstance(stream, StreamOptions):
             raise TypeError(f"stream must be a treecompile.stream.StreamOptions, got {type(stream).__name__}")
-        compiled._stream = StreamRunner(compiled, stream)
-    return compiled
+    return TreeCompiledModel(
+        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
+        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream,
+    )
 
 
 class TreeCompiledModel(nn.Module):
@@ -183,6 +181,7 @@ class TreeCompiledModel(nn.Module):
         outputs: tuple[str, ...] = (),
         temperature: float = 1.0,
         scan_kernel: str = "auto",
+        stream: StreamOptions | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -217,7 +216,12 @@ class TreeCompiledModel(nn.Module):
         self.scan_kernel = scan_kernel
         self.verified: VerifyReport | None = None
         self.stream_verified: VerifyReport | None = None
-        self._stream = None  # a treecompile.stream.StreamRunner with tree_compile(stream=...)
+        # A treecompile.stream.StreamRunner with stream=: batches over its budget stream.
+        self._stream = None
+        if stream is not None:
+            from treecompile.stream_runner import StreamRunner
+
+            self._stream = StreamRunner(self, stream)
 
     # ------------------------------------------------------------------ delegation
 
@@ -425,14 +429,18 @@ class TreeCompiledModel(nn.Module):
             scan_kernel=self.scan_kernel,
         )
 
+    def _graph_parts(self) -> tuple[nn.Module, Any, Any, bool, float]:
+        """What a compiled graph of this wrapper closes over, whole-tree or streamed part:
+        ``(model, its call kwargs, router aux loss or None, entropy wanted, temperature)``.
+        A model with a router aux loss gets HF's output-capturing hooks installed first."""
+        if self._router_aux is not None:
+            install_output_hooks(self._inner)
+        return self._inner, self._call_kwargs, self._router_aux, "entropy" in self._outputs, self.temperature
+
     def _build(self, device: torch.device):
         backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
                                 passes=self._passes, probe_rows_of=lambda: self._probe_rows)
-        inner, kwargs_of, router = self._inner, self._call_kwargs, self._router_aux
-        want_entropy = "entropy" in self._outputs
-        temperature = self.temperature
-        if router is not None:
-            install_output_hooks(inner)
+        inner, kwargs_of, router, want_entropy, temperature = self._graph_parts()
 
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
                          path_count):
@@ -498,12 +506,7 @@ class TreeCompiledModel(nn.Module):
 
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:
     """A pickled `TreeCompiledModel` loaded: ``model`` wrapped again with its ``options``."""
-    compiled = TreeCompiledModel(model, **options)
-    if stream is not None:
-        from treecompile.stream import StreamRunner
-
-        compiled._stream = StreamRunner(compiled, stream)
-    return compiled
+    return TreeCompiledModel(model, **options, stream=stream)
 
 
 def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:

@@ -299,11 +299,12 @@ def inspect_model(
     if stream_rows is not None:
         before, after = _stream_hooks(before, after, io)
     pipeline = passes_for(lm_head, before=before, after=after)
-    compiled = TreeCompiledModel(model, mask=mask, backend=backend, verify=False, passes=pipeline)
+    stream = None
     if stream_rows is not None:
-        from treecompile.stream import StreamOptions, StreamRunner
+        from treecompile.stream import StreamOptions
 
-        compiled._stream = StreamRunner(compiled, StreamOptions(budget_rows=stream_rows))
+        stream = StreamOptions(budget_rows=stream_rows)
+    compiled = TreeCompiledModel(model, mask=mask, backend=backend, verify=False, passes=pipeline, stream=stream)
     out = Inspection(description, source, mask, backend, steps, batch, trees, parameters=n_params, lm_head=lm_head)
     device = next(iter(params)).device if params else torch.device("cpu")
     try:

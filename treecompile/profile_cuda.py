@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "ProfileConfig", "profile_step", "markdown_report", "main"]
+__all__ = ["CATEGORIES", "ProfileConfig", "profile_step", "markdown_report", "host_syncs", "main"]
 
 #: ``(category, regular expression on the kernel or operator name)``, first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -97,10 +97,9 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _syncs_per_step(step, device: torch.device) -> int | None:
-    """Host synchronisations in one step (CUDA only: ``torch.cuda.set_sync_debug_mode``)."""
-    if device.type != "cuda":
-        return None
+def host_syncs(step) -> list[str]:
+    """The host synchronisations ``step()`` makes on CUDA, one line each
+    (``torch.cuda.set_sync_debug_mode``)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -108,7 +107,7 @@ def _syncs_per_step(step, device: torch.device) -> int | None:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
 
 
 def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") -> dict[str, Any]:
@@ -150,7 +149,7 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
     for _ in range(cfg.warmup - 1):
         step()
     compiles_before = len(compiled.compile_records)
-    syncs = _syncs_per_step(step, dev)
+    syncs = len(host_syncs(step)) if cuda else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls = []
     with profile(activities=activities) as prof:

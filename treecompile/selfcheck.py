@@ -121,12 +121,9 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
         options = {**compiled._options(), "verify": False, "temperature": 1.0}
         if subject is not model and options["backend"] == "inductor":
             options["backend"] = None
-        twin = type(compiled)(subject, **options)
         if stream is not None:
-            from treecompile.stream_runner import StreamRunner
-
-            budget = dataclasses.replace(stream, budget_rows=VERIFY_STREAM_BUDGET_ROWS, budget_bytes=None)
-            twin._stream = StreamRunner(twin, budget)
+            stream = dataclasses.replace(stream, budget_rows=VERIFY_STREAM_BUDGET_ROWS, budget_bytes=None)
+        twin = type(compiled)(subject, **options, stream=stream)
         with torch.enable_grad():  # the first call may be a no-grad one (a rollout's log-probs)
             loss = twin(check_batch.to(next(subject.parameters()).device)).loss
             loss.backward()

@@ -119,13 +119,7 @@ class StreamRunner:
                 passes.append(route_state)
         backend = w._backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
                              passes=dataclasses.replace(pipeline, passes=tuple(passes)))
-        inner, kwargs_of, router = w._inner, w._call_kwargs, w._router_aux
-        want_entropy = "entropy" in w._outputs
-        temperature = w.temperature
-        from treecompile.capture import install_output_hooks
-
-        if router is not None:
-            install_output_hooks(inner)
+        inner, kwargs_of, router, want_entropy, temperature = w._graph_parts()
 
         def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
                            structure, prefix, conv, states, kv_meta):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
 
 import treecompile as tc
+from treecompile.profile_cuda import host_syncs
 from gpu_exactness import VOCAB, build_model, copy_as, exactness_trees
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,14 +66,7 @@ def _syncs(name: str, layers: int, lm_head: str) -> list[str]:
     batch = tc.pack(exactness_trees(), device="cuda")
     _step(compiled, batch)  # compiles, and the scan kernels' one-time checks
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            _step(compiled, batch)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return host_syncs(lambda: _step(compiled, batch))
 
 
 @pytest.mark.parametrize("name,lm_head", [("qwen3", "gather"), ("qwen3", "fused"), ("bamba", "gather")])
