@@ -145,3 +145,44 @@ def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
 def test_dims_object_is_accepted():
     dims = ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=4, head_dim=16, vocab=100)
     assert CostModel.from_config(dims, dtype="float32").capacity(1e8) > 0
+
+
+def test_streamed_prediction_bounds_the_measured_cpu_peak():
+    """`stream_peak_bytes` against the CPU allocator's peak of one streamed step (forward,
+    backward into existing gradients, AdamW's step), float32, in both modes, at a part size
+    under one attention block (many parts, a deep stack) and over it."""
+    import treecompile
+    from treecompile import TrajectoryTree
+    from treecompile.compile import tree_compile
+    from treecompile.stream import StreamOptions, plan_stream
+    from treecompile.stream_plan import stream_peak_bytes
+
+    cfg = _config("qwen3-attention")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (160,), generator=gen).tolist()
+    seqs = []
+    for _ in range(3):
+        turn = torch.randint(0, cfg.vocab_size, (96,), generator=gen).tolist()
+        seqs += [prompt + turn + torch.randint(0, cfg.vocab_size, (48,), generator=gen).tolist() for _ in range(3)]
+    batch = treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
+    compiled = tree_compile(model, stream=StreamOptions(budget_rows=40))
+    for mode, rows in [("keep", 40), ("recompute", 40), ("keep", 200), ("recompute", 200)]:
+        compiled._stream.options = StreamOptions(budget_rows=rows, mode=mode)  # one compiled graph for all
+
+        def step():
+            compiled(batch).loss.backward()
+            opt.step()
+
+        step()  # the gradients and the optimizer state exist before the measured step
+        gc.collect()
+        measured = _live_bytes(model, opt) + measure_peak_bytes(step)
+        plan = plan_stream(batch, rows)
+        predicted = stream_peak_bytes(plan, cost, mode)
+        rel = predicted / measured - 1
+        print(f"{mode} C={rows}: {plan.num_parts} parts, depth {plan.stack_depth}, measured {measured:,}, {rel:+.1%}")
+        assert 0 <= rel <= 0.35, (f"{mode} C={rows} ({plan.num_parts} parts, stack depth {plan.stack_depth}): "
+                                  f"predicted {predicted:,} bytes, measured {measured:,} ({rel:+.1%})")

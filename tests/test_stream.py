@@ -425,43 +425,82 @@ NANO_DIMS = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden
                  num_key_value_heads=2)
 
 
-def test_budget_bytes_resolves_to_the_cost_models_rows_and_streams_as_those_rows():
+def test_budget_bytes_streams_in_the_largest_parts_whose_streamed_step_fits():
+    """A byte budget bounds the whole streamed step, stack included: the parts are the
+    largest whose predicted peak (`stream_peak_bytes`) fits, chosen per batch; the result
+    is the row budget's, bit for bit, and per-path training's."""
     from treecompile.budget import CostModel
+    from treecompile.stream_plan import stream_peak_bytes
 
     cost = CostModel.from_config(NANO_DIMS, dtype="float64", device="cpu", optimizer="sgd")
-    budget = cost.peak_bytes(5) + 1  # 5 rows fit, 6 do not
-    assert cost.capacity(budget) == 5 and cost.peak_bytes(6) > budget
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    batch = pack(tree)
+    peak = {c: stream_peak_bytes(plan_stream(batch, c), cost, "keep") for c in range(1, batch.num_tokens)}
+    budget = peak[5]  # parts of 5 rows fit; the whole batch in one call does not
+    assert cost.peak_bytes(batch.num_tokens) > budget
     model = tiny(NanoGPT)
     by_bytes = StreamOptions(budget_bytes=budget, config=NANO_DIMS, optimizer="sgd")
     compiled = tree_compile(model, backend="eager", stream=by_bytes)
-    assert compiled._stream.budget_rows == 5
-    tree = TrajectoryTree.from_sequences(BRANCHY)
-    batch = pack(tree)
-    results = []
-    for options in (by_bytes, StreamOptions(budget_rows=5)):  # one compiled graph serves both
-        compiled._stream.options = options
-        model.zero_grad(set_to_none=True)
-        out = compiled(batch)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        assert compiled._stream.stats.budget_rows == 5
-        assert compiled._stream.stats.parts == plan_stream(batch, 5).num_parts > 1
-    (loss_b, grads_b), (loss_r, grads_r) = results
-    torch.testing.assert_close(loss_b, loss_r, rtol=0, atol=0)
-    assert grads_b.keys() == grads_r.keys()
-    for n in grads_r:
-        torch.testing.assert_close(grads_b[n], grads_r[n], rtol=0, atol=0, msg=lambda m, n=n: f"grad of {n}: {m}")
+    assert compiled._stream.budget_rows == cost.capacity(budget)  # the most rows of one call
+    out = compiled(batch)
+    out.loss.backward()
+    stats = compiled._stream.stats
+    rows = stats.budget_rows
+    assert rows >= 5 and peak[rows] <= budget and (rows + 1 == batch.num_tokens or peak[rows + 1] > budget)
+    assert stats.peak_bytes == peak[rows] and stats.mode == "keep" and f"parts of at most {rows} rows" in stats.why
+    got = (out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    compiled._stream.options = StreamOptions(budget_rows=rows)  # one compiled graph serves both
+    model.zero_grad(set_to_none=True)
+    out = compiled(batch)
+    out.loss.backward()
+    assert compiled._stream.stats.parts == plan_stream(batch, rows).num_parts > 1
+    assert compiled._stream.stats.peak_bytes is None
+    torch.testing.assert_close(got[0], out.loss.detach(), rtol=0, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[1][n], p.grad, rtol=0, atol=0, msg=lambda m, n=n: f"grad of {n}: {m}")
     # And both are per-path training.
     model.zero_grad(set_to_none=True)
     ref = per_path_loss(model, [tree])
     ref.loss.backward()
     rtol, atol = COMPILE_TOL["pure"]
-    torch.testing.assert_close(loss_b, ref.loss.detach(), rtol=rtol, atol=atol)
-    assert_grads_close(grads_b, {n: p.grad for n, p in model.named_parameters()}, ("float64", "pure"))
-    # A batch within the resolved rows runs as one call.
+    torch.testing.assert_close(got[0], ref.loss.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got[1], {n: p.grad for n, p in model.named_parameters()}, ("float64", "pure"))
+    # A batch whose whole step fits runs as one call.
     compiled._stream.options = by_bytes
-    assert not compiled._stream.wants(pack(TrajectoryTree.from_sequences([[1, 2, 3, 4, 5]])))
-    assert compiled._stream.wants(pack(TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6]])))
+    fits = cost.capacity(budget)
+    assert not compiled._stream.wants(pack(TrajectoryTree.from_sequences([list(range(1, fits + 1))])))
+    assert compiled._stream.wants(pack(TrajectoryTree.from_sequences([list(range(1, fits + 2))])))
+
+
+def test_auto_mode_takes_keep_unless_its_stack_needs_much_smaller_parts():
+    """``mode="auto"`` (byte budgets only): keep mode on a wide tree, whose stack holds only
+    the shared prompt; recompute mode on a long chain, every part of which keep mode holds
+    until the chain's last part (the cost model alone: no model runs)."""
+    from treecompile.budget import BudgetError, CostModel, ModelDims
+    from treecompile.stream_plan import choose_stream, stream_peak_bytes
+
+    dims = ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=64)
+    cost = CostModel.from_config(dims, dtype="float32", device="cpu", optimizer="sgd")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 64, 32).tolist()
+    wide = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 24).tolist() for _ in range(12)]),
+                warn_por=False)
+    chain = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 400).tolist(), prompt + [5] * 8]),
+                 warn_por=False)
+    budget = cost.peak_bytes(wide.num_tokens) // 2
+    roomy = choose_stream(wide, cost, budget, "auto")
+    assert roomy.mode == "keep" and roomy.peak_bytes <= budget and roomy.why.startswith("keep mode")
+    assert roomy.peak_bytes == stream_peak_bytes(plan_stream(wide, roomy.rows), cost, "keep")
+    assert stream_peak_bytes(plan_stream(wide, roomy.rows + 1), cost, "keep") > budget
+    budget = cost.peak_bytes(chain.num_tokens) // 2
+    deep = choose_stream(chain, cost, budget, "auto")
+    assert deep.mode == "recompute" and deep.peak_bytes <= budget and "keep mode does not fit" in deep.why
+    with pytest.raises(BudgetError, match="recompute mode keeps less on the stack"):
+        choose_stream(chain, cost, budget, "keep")
+    with pytest.raises(BudgetError, match="cannot stream this batch of 440 rows"):
+        choose_stream(chain, cost, cost.static_bytes(), "auto")
+    with pytest.raises(ValueError, match="mode='auto' chooses by memory: it needs budget_bytes"):
+        StreamOptions(budget_rows=4, mode="auto")
 
 
 def test_budget_bytes_reads_a_hugging_face_models_config_and_dtype():

@@ -399,6 +399,59 @@ class CostModel:
         terms = [*self.static, *self.saved, *(t for br in self.branches for t in br.terms)]
         return {t.name: int(t.bytes.subs(vals)) for t in terms}
 
+    def part_bytes(self, rows: int, key_rows: int | None = None) -> tuple[int, int]:
+        """One streamed part's step above the static memory (`treecompile.stream_plan`):
+        ``(saved, transient)``, the bytes its graph keeps for backward over ``rows`` rows and
+        the largest branch, with the attention branch over ``key_rows`` keys (its own rows
+        plus the prefix it reads; default ``rows``; the CPU score blocks have at most
+        ``rows`` query rows). A branch that runs without the saved activations (the end of
+        backward) counts its own bytes minus the part's saved ones, so ``static + saved +
+        transient`` is the part's peak. The optimizer step is not a part's (see
+        `optimizer_step_bytes`)."""
+        key_rows = rows if key_rows is None else key_rows
+        saved_poly, branches = self._numeric()
+        saved = _horner(saved_poly, rows)
+        best = 0
+        for name, with_saved, terms in branches:
+            if name == "optimizer step":
+                continue
+            total = 0
+            for term, poly in terms:
+                if name != "attention backward":
+                    total += _horner(poly, rows)
+                elif term == "score blocks":  # [H, block, keys] with block = min(rows, CPU_BLOCK_ROWS)
+                    total += -(-_horner(poly, key_rows) * min(rows, CPU_BLOCK_ROWS) // CPU_BLOCK_ROWS)
+                else:
+                    total += _horner(poly, key_rows)
+            best = max(best, total - (0 if with_saved else saved))
+        return saved, best
+
+    def head_saved_bytes(self, rows: int) -> int:
+        """What the loss head keeps for backward over ``rows`` rows (final norm,
+        log-probabilities): freed early in a whole step's backward, but held by a streamed
+        part whose backward waits (keep mode)."""
+        terms = dict(next(terms for name, _, terms in self._numeric()[1] if name == "loss head"))
+        return sum(_horner(terms[t], rows) for t in ("final norm", "log-probabilities"))
+
+    def optimizer_step_bytes(self) -> int:
+        """The optimizer step's temporaries (above the static memory), 0 for none."""
+        return max((sum(_horner(poly, 1) for _, poly in terms) for name, _, terms in self._numeric()[1]
+                    if name == "optimizer step"), default=0)
+
+    def _numeric(self):
+        """``saved(S)`` and each branch's terms as integer coefficient lists (constant first),
+        cached: `part_bytes` runs once per part in a budget search."""
+        if getattr(self, "_numeric_cache", None) is None:
+            vals = self._values()
+
+            def coeffs(terms: list[Term]) -> list[int]:
+                poly = sp.Poly(sp.expand(_total(terms).subs(vals)), S)
+                return [int(c) for c in reversed(poly.all_coeffs())]
+
+            self._numeric_cache = (coeffs(self.saved), [(br.name, br.with_saved, [(t.name, coeffs([t])) for t in br.terms])
+                                                        for br in self.branches])
+        return self._numeric_cache
+
     def static_bytes(self) -> int:
         """Parameters, gradients and optimizer state."""
         vals = self._values()
@@ -527,6 +580,14 @@ def _total(terms: list[Term]) -> sp.Expr:
 def _check_choice(what: str, value: str, valid) -> None:
     if value not in valid:
         raise BudgetError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+
+
+def _horner(coeffs: list[int], x: int) -> int:
+    """``sum(c_i x^i)`` for ``coeffs`` constant first."""
+    out = 0
+    for c in reversed(coeffs):
+        out = out * x + c
+    return out
 
 
 def _gb(n: int | sp.Integer) -> str:

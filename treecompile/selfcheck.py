@@ -122,7 +122,10 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
         if subject is not model and options["backend"] == "inductor":
             options["backend"] = None
         if stream is not None:
-            stream = dataclasses.replace(stream, budget_rows=VERIFY_STREAM_BUDGET_ROWS, budget_bytes=None)
+            # The mode the checked call ran in (a byte budget's "auto" chooses per batch).
+            ran = compiled._stream.stats if compiled._stream is not None else None
+            mode = stream.mode if stream.mode != "auto" else (ran.mode if ran is not None else "keep")
+            stream = dataclasses.replace(stream, budget_rows=VERIFY_STREAM_BUDGET_ROWS, budget_bytes=None, mode=mode)
         twin = type(compiled)(subject, **options, stream=stream)
         with torch.enable_grad():  # the first call may be a no-grad one (a rollout's log-probs)
             loss = twin(check_batch.to(next(subject.parameters()).device)).loss

@@ -10,8 +10,8 @@ import numpy as np
 
 from treecompile.batch import TreeBatch
 
-__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "plan_stream_report",
-           "stream_cost_model"]
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream",
+           "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
@@ -30,14 +30,17 @@ class StreamOptions:
     Attributes:
         budget_rows: the most rows one part holds; a batch with more rows streams.
         mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
-            only their keys and values and run forward again for their backward).
+            only their keys and values and run forward again for their backward); with
+            ``budget_bytes`` also ``"auto"``: per batch, keep mode unless the budget holds
+            parts under half the size recompute mode allows (`choose_stream`).
         cuts: a key of `CUTS`: where parts end (see `plan_stream`).
-        budget_bytes: the memory of one part's training step instead: the rows per part are
-            the largest S whose step `treecompile.budget.CostModel` predicts within it
-            (`CostModel.capacity`), for the model's config, parameter dtype and device,
-            resolved once when the model is wrapped (`StreamRunner.budget_rows`). In keep
-            mode the parts on the stack hold their activations besides (``treecompile plan
-            --stream`` reports the stack depth).
+        budget_bytes: the memory of the whole training step instead (parameters,
+            gradients and optimizer state included): a batch whose step
+            `treecompile.budget.CostModel` predicts within it runs as one call; a larger
+            one streams in the largest parts whose streamed step, with everything the
+            stack holds, is predicted within it (`stream_peak_bytes`, chosen per batch by
+            `choose_stream`), for the model's config, parameter dtype and device.
+            `StreamStats` reports the choice and the predicted peak.
         config: for ``budget_bytes``, what `CostModel.from_config` reads (a Hugging Face
             config, a dict with its keys, or a `treecompile.budget.ModelDims`); None takes
             the model's ``config`` (a Hugging Face model).
@@ -61,8 +64,11 @@ class StreamOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        if self.mode not in (*MODES, "auto"):
+            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}, auto")
+        if self.mode == "auto" and self.budget_bytes is None:
+            raise ValueError("mode='auto' chooses by memory: it needs budget_bytes (with budget_rows, pick keep or "
+                             "recompute)")
         if self.cuts not in CUTS:
             raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
         from treecompile.budget import OPTIMIZERS
@@ -215,6 +221,156 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
     return StreamPlan(starts=starts, prefix=prefix, last_reader=done, release=release)
 
 
+#: Bytes per row of the whole batch a streamed call holds besides the parts (its float64
+#: log-probabilities and loss terms).
+STREAM_ROW_BYTES = 16
+
+
+def stream_peak_bytes(plan: StreamPlan, cost, mode: str) -> int:
+    """Predicted peak bytes of one streamed training step with this plan, stack included.
+
+    Replays the schedule with `treecompile.budget.CostModel.part_bytes` per part: a part
+    with a graph holds its saved activations (`CostModel.part_bytes`) and the prefix keys
+    and values it read (a copy, with their gradients), from its forward to its backward; a
+    part that later parts read also holds its keys' and values' gradients (keep mode) or,
+    in recompute mode, only its keys and values and their gradients, its graph rebuilt when
+    its backward is due. Every event adds the running part's largest transient (attention
+    over its own rows plus its prefix). The static memory, the optimizer step and
+    `STREAM_ROW_BYTES` per row of the batch come on top. An upper bound by construction
+    (every buffer is counted from its first possible allocation to its last use);
+    ``tests/test_budget.py`` measures it.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(MODES)}")
+    d = cost.dims
+    kv_row = 2 * d.layers * d.kv_heads * d.head_dim * cost.dtype_bytes  # keys and values, every layer
+    sizes = np.diff(plan.starts).tolist()
+    read = (plan.last_reader != np.arange(plan.num_parts)).tolist()  # a later part reads it
+    keep = mode == "keep"
+    held = 0  # bytes of the parts on the stack
+    on_stack: dict[int, int] = {}
+    peak = 0
+
+    def part(j: int) -> int:
+        # Saved activations, the prefix copy it read (and that copy's gradient), the
+        # concatenated prefix-and-own keys and values its attention saves, and the transient.
+        n, pre = sizes[j], len(plan.prefix[j])
+        saved, transient = cost.part_bytes(n, n + pre)
+        return saved + kv_row * (3 * pre + n) + 16 * (pre + n) + transient
+
+    for j in range(plan.num_parts):
+        peak = max(peak, held + part(j))
+        if read[j]:
+            n, pre = sizes[j], len(plan.prefix[j])
+            # Keep: its graph (as above, with the loss head's saved tensors, less the
+            # transient); recompute: its keys and values.
+            # Both: the keys' and values' gradients its readers add.
+            kept = (cost.part_bytes(n, n + pre)[0] + cost.head_saved_bytes(n) + kv_row * (2 * pre + 2 * n)
+                    + 16 * (pre + n)) if keep else kv_row * n
+            on_stack[j] = kept + kv_row * n
+            held += on_stack[j]
+        for q in plan.release[j]:
+            if q != j:  # its backward (recompute mode: its forward again first), then it goes
+                stay = on_stack.pop(q)
+                held -= stay
+                # Keep mode: its graph is the one counted on the stack, now with its transient.
+                peak = max(peak, held + part(q) + kv_row * sizes[q] * (2 if keep else 1) + (0 if keep else stay))
+    # The parts' parameter gradients, held aside until ``loss.backward()`` (besides the
+    # gradients the static memory counts, which the call sets aside and adds them to).
+    held_grads = cost.dims.num_parameters * cost.dtype_bytes
+    return (cost.static_bytes() + held_grads + max(peak, cost.optimizer_step_bytes())
+            + STREAM_ROW_BYTES * int(plan.starts[-1]))
+
+
+@dataclass(frozen=True)
+class StreamChoice:
+    """How a byte budget streams one batch (`choose_stream`).
+
+    Attributes:
+        rows: the most rows of a part.
+        mode: ``"keep"`` or ``"recompute"``.
+        peak_bytes: `stream_peak_bytes` of that plan.
+        plan: the plan.
+        why: one line: the choice and what it was weighed against.
+    """
+
+    rows: int
+    mode: str
+    peak_bytes: int
+    plan: StreamPlan
+    why: str
+
+
+def _largest_rows(batch: TreeBatch, cost, budget: int, mode: str, cuts: str, top: int):
+    """A large part size ``C <= top`` whose plan fits ``budget``, with its plan and peak, or
+    ``(None, smallest peak seen)``. The peak is not monotone in C (small parts stack more
+    prefix copies), so: powers of two up to ``top`` (and ``top``), then a binary search
+    between the largest one that fits and the next; every answer is checked."""
+    def peak_of(c):
+        plan = plan_stream(batch, c, cuts)
+        return plan, stream_peak_bytes(plan, cost, mode)
+
+    grid = sorted({*(1 << i for i in range(max(top, 1).bit_length())), max(top, 1)})
+    seen = {c: peak_of(c) for c in grid}
+    fit = [c for c in grid if seen[c][1] <= budget]
+    if not fit:
+        return None, min(peak for _, peak in seen.values())
+    lo = fit[-1]
+    hi = next((c for c in grid if c > lo), lo + 1) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        seen[mid] = peak_of(mid)
+        if seen[mid][1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (lo, *seen[lo]), None
+
+
+def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto", cuts: str = "subtree") -> StreamChoice:
+    """The parts (and, for ``mode="auto"``, the mode) that stream ``batch`` within
+    ``budget_bytes``, by `stream_peak_bytes`: the largest part size whose whole streamed
+    step, stack included, is predicted within the budget.
+
+    ``"auto"`` takes keep mode (every row forward once) unless its parts would be under
+    half the size recompute mode allows (a deep stack of kept graphs), then recompute.
+
+    Raises:
+        BudgetError: not even one row per part fits (the message gives the smallest peak).
+    """
+    from treecompile.budget import BudgetError
+
+    if mode not in (*MODES, "auto"):
+        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(MODES)}, auto")
+    top = max(batch.num_tokens - 1, 1)
+    modes = MODES if mode == "auto" else (mode,)
+    found = {m: _largest_rows(batch, cost, budget_bytes, m, cuts, top) for m in modes}
+    ok = {m: f for m, (f, _) in found.items() if f is not None}
+    if not ok:
+        need = min(least for _, least in found.values())
+        raise BudgetError(
+            f"a budget of {budget_bytes:,} bytes cannot stream this batch of {batch.num_tokens:,} rows in "
+            f"{' or '.join(modes)} mode: the smallest predicted peak of the part sizes tried is {need:,} bytes "
+            f"(static memory {cost.static_bytes():,})" + ("" if "recompute" in modes else
+                                                          "; recompute mode keeps less on the stack"))
+    if len(ok) == 1:
+        (m, (rows, plan, peak)), = ok.items()
+        why = f"{m} mode{'' if mode != 'auto' else ' (keep mode does not fit)'}: parts of at most {rows} rows"
+    else:
+        (k_rows, k_plan, k_peak), (r_rows, r_plan, r_peak) = ok["keep"], ok["recompute"]
+        extra = r_plan.forward_rows("recompute") - r_plan.forward_rows("keep")
+        if 2 * k_rows >= r_rows:
+            m, rows, plan, peak = "keep", k_rows, k_plan, k_peak
+            why = (f"keep mode: parts of at most {k_rows} rows; recompute mode would allow {r_rows} rows per part "
+                   f"and run {extra:,} rows forward again")
+        else:
+            m, rows, plan, peak = "recompute", r_rows, r_plan, r_peak
+            why = (f"recompute mode: parts of at most {r_rows} rows, {extra:,} rows forward again; keep mode fits "
+                   f"only {k_rows} rows per part (its kept graphs fill the budget)")
+    return StreamChoice(rows=rows, mode=m, peak_bytes=peak, plan=plan,
+                        why=f"{why}; predicted peak {peak:,} of {budget_bytes:,} bytes")
+
+
 @dataclass
 class StreamStats:
     """What the latest streamed call did.
@@ -225,7 +381,11 @@ class StreamStats:
         max_prefix: the longest prefix read from the stack, in rows.
         forward_rows: rows run forward over all parts (S in keep mode; more with recompute).
         rows: rows of the batch.
-        budget_rows: the most rows of a part (``budget_bytes`` resolved, if it was given).
+        budget_rows: the most rows of a part (chosen for the batch under ``budget_bytes``).
+        mode: the mode it ran in (``"auto"`` resolved).
+        peak_bytes: under ``budget_bytes``, the predicted peak of the step
+            (`stream_peak_bytes`); None under ``budget_rows``.
+        why: one line: the parts and mode, and why.
     """
 
     parts: int
@@ -234,6 +394,9 @@ class StreamStats:
     forward_rows: int
     rows: int
     budget_rows: int = 0
+    mode: str = "keep"
+    peak_bytes: int | None = None
+    why: str = ""
 
 
 def plan_stream_report(names: list[str], trees: list, header: dict, args, start: float) -> int:

@@ -22,7 +22,8 @@ from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.stream_parts import BatchArrays
-from treecompile.stream_plan import StreamOptions, StreamPlan, StreamStats, plan_stream, stream_cost_model
+from treecompile.stream_plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
+                                     stream_cost_model)
 from treecompile.stream_stack import StackEntry, backward_part, gather_prefix
 
 if TYPE_CHECKING:
@@ -65,15 +66,16 @@ class StreamRunner:
         self._compiled = None
         self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
         self._layout = None
-        self._resolved: tuple[StreamOptions, int] | None = None
+        self._resolved: tuple | None = None  # (options, cost model, rows) for a budget in bytes
         _check_streamable(wrapper)
         self.budget_rows  # noqa: B018  (a budget in bytes is resolved, or refused, here)
 
     @property
     def budget_rows(self) -> int:
-        """The most rows of a part: ``options.budget_rows``, or the largest S whose step
-        `treecompile.budget.CostModel` predicts within ``options.budget_bytes`` (resolved
-        once per options).
+        """The most rows a batch may have to run as one call: ``options.budget_rows``, or
+        the largest S whose whole step `treecompile.budget.CostModel` predicts within
+        ``options.budget_bytes``. Over it, a batch streams; with ``budget_bytes`` its parts
+        are chosen per batch (`treecompile.stream_plan.choose_stream`).
 
         Raises:
             BudgetError: the budget does not hold one row besides the parameters, gradients
@@ -82,6 +84,12 @@ class StreamRunner:
         o = self.options
         if o.budget_rows is not None:
             return o.budget_rows
+        return self._cost_model()[1]
+
+    def _cost_model(self):
+        """``(CostModel, whole-step capacity in rows)`` for ``options.budget_bytes``, resolved
+        once per options."""
+        o = self.options
         if self._resolved is None or self._resolved[0] is not o:
             from treecompile.budget import BudgetError
 
@@ -91,15 +99,32 @@ class StreamRunner:
                     f"StreamOptions(budget_bytes=...): {type(w._inner).__name__} has recurrent or convolution layers, "
                     "which the cost model (treecompile.budget) does not describe: give budget_rows")
             try:
-                rows = stream_cost_model(w._inner, o).capacity(o.budget_bytes)
+                cost = stream_cost_model(w._inner, o)
+                rows = cost.capacity(o.budget_bytes)
             except BudgetError as e:
                 raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}): {e}") from None
-            self._resolved = (o, rows)
-        return self._resolved[1]
+            self._resolved = (o, cost, rows)
+        return self._resolved[1:]
 
     def wants(self, batch: TreeBatch) -> bool:
         """Whether ``batch`` is over the budget (and streams)."""
         return batch.num_tokens > self.budget_rows
+
+    def choose(self, batch: TreeBatch) -> StreamChoice:
+        """The parts, mode and predicted peak that stream ``batch`` under the options (for a
+        row budget: its plan, no prediction)."""
+        o = self.options
+        if o.budget_bytes is None:
+            plan = plan_stream(batch, o.budget_rows, o.cuts)
+            return StreamChoice(rows=o.budget_rows, mode=o.mode, peak_bytes=None, plan=plan,
+                                why=f"{o.mode} mode: parts of at most {o.budget_rows} rows (budget_rows)")
+        from treecompile.budget import BudgetError
+
+        cost, _ = self._cost_model()
+        try:
+            return choose_stream(batch, cost, o.budget_bytes, o.mode, o.cuts)
+        except BudgetError as e:
+            raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}): {e}") from None
 
     # ------------------------------------------------------------------ compile
 
@@ -158,8 +183,8 @@ class StreamRunner:
         w = self.wrapper
         device = _device_of(w._inner)
         batch = batch.to(device) if batch.device != device else batch
-        budget = self.budget_rows
-        plan = plan_stream(batch, budget, self.options.cuts)
+        choice = self.choose(batch)
+        plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
         params = [p for p in w._inner.parameters() if p.requires_grad] if grad else []
         saved = [p.grad for p in params]
@@ -172,19 +197,19 @@ class StreamRunner:
                 # The gradient of the auxiliary loss with respect to a part's router
                 # probability sums is E * T / N^2 (`RouterAux.aux_from_stats` is linear in them),
                 # with T and N over the whole tree: a first pass without a graph finds them.
-                first = self._run(batch, plan, device, False)
+                first = self._run(batch, plan, mode, device, False)
                 first_rows = first.forward_rows
                 probs = first.router_stats.clone().requires_grad_(True)
                 (aux_grad,) = torch.autograd.grad(router.aux_from_stats(probs), probs)
                 aux_grad = router.coef * aux_grad
-            result = self._run(batch, plan, device, grad, aux_grad)
+            result = self._run(batch, plan, mode, device, grad, aux_grad)
             streamed = [p.grad for p in params]
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
         self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
                                  forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens,
-                                 budget_rows=budget)
+                                 budget_rows=choice.rows, mode=mode, peak_bytes=choice.peak_bytes, why=choice.why)
         loss, aux = result.loss, None
         if router is not None:
             aux = router.aux_from_stats(result.router_stats)
@@ -193,13 +218,13 @@ class StreamRunner:
             loss = _StreamedLoss.apply(loss, streamed, *params)
         return TreeOutput(loss=loss, logprobs=result.logprobs, aux_loss=aux, entropy=result.entropy)
 
-    def _run(self, batch: TreeBatch, plan: StreamPlan, device, grad: bool,
+    def _run(self, batch: TreeBatch, plan: StreamPlan, mode: str, device, grad: bool,
              aux_grad: torch.Tensor | None = None) -> _RunResult:
         """Every part forward (and, with ``grad``, backward) in the plan's order.
 
         ``aux_grad``: ``[2E + 1]``, the gradient of ``coef * aux`` with respect to the
         router sums; each part's backward adds ``aux_grad . stats_j`` to its loss."""
-        keep = self.options.mode == "keep"
+        keep = mode == "keep"
         data = BatchArrays(batch, plan, self.wrapper._structure)
         entries: dict[int, StackEntry] = {}
         total = torch.zeros((), dtype=torch.float64, device=device)
