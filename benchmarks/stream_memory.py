@@ -10,6 +10,11 @@ two-level tree (a prompt, ``fanout[0]`` turns, each with ``fanout[1]`` leaves), 
 * ``partition``: ``treecompile.partition`` at the same budget, each part one call, ancestors
   recomputed in every part that needs them (the baseline streaming replaces).
 
+With ``--budget-bytes B`` the streamed methods get ``StreamOptions(budget_bytes=B)`` (the
+whole step's memory: parts chosen per batch, ``stream-auto`` also picks the mode) and
+partitioning gets the rows one call fits in ``B`` (`CostModel.capacity`, SGD: no optimizer
+state); the peak column then adds the parameters' bytes, so that it compares with ``B``.
+
 Peak memory is the CPU allocator's peak above the bytes live before the step
 (`treecompile.budget.measure_peak_bytes`, torch's allocator events), after one warm-up step
 that compiles. Step time is wall-clock and process CPU time (all threads; on a shared
@@ -49,12 +54,16 @@ def main(argv=None) -> None:
     ap.add_argument("--turn", type=int, default=512)
     ap.add_argument("--leaf", type=int, default=256)
     ap.add_argument("--fanout", type=int, nargs=2, default=(8, 8))
-    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=2048, help="rows per part (or give --budget-bytes)")
+    ap.add_argument("--budget-bytes", type=int, default=None,
+                    help="StreamOptions(budget_bytes=...) instead: the whole step's memory; partitioning gets the "
+                         "rows the cost model fits in it")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--cuts", choices=("subtree", "rows"), default="subtree", help="StreamOptions.cuts")
-    ap.add_argument("--methods", nargs="+", default=["whole", "stream-keep", "stream-recompute", "partition"])
+    ap.add_argument("--methods", nargs="+", default=["whole", "stream-keep", "stream-recompute", "partition"],
+                    help="whole, stream-keep, stream-recompute, stream-auto (needs --budget-bytes), partition")
     args = ap.parse_args(argv)
 
     import transformers
@@ -74,6 +83,15 @@ def main(argv=None) -> None:
     batch = pack(tree)
     stats = tree.stats()
     path_tokens, rows = stats.path_tokens, batch.num_tokens
+    cost = None
+    if args.budget_bytes is not None:
+        from treecompile.budget import CostModel
+
+        cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="sgd")
+        args.budget = cost.capacity(args.budget_bytes)  # what partitioning's parts may hold
+        print(f"budget {args.budget_bytes:,} bytes: the whole tree is predicted at "
+              f"{cost.peak_bytes(rows):,} bytes ({cost.peak_bytes(rows) / args.budget_bytes:.1f}x); one call fits "
+              f"{args.budget} rows", file=sys.stderr)
     print(f"tree: {rows} rows, {tree.num_paths} paths, "
           f"{path_tokens} path tokens, POR {stats.por:.3f}; budget {args.budget} rows ({rows / args.budget:.1f}x)",
           file=sys.stderr)
@@ -83,7 +101,10 @@ def main(argv=None) -> None:
             compiled = tree_compile(model)
             return (lambda: compiled(batch).loss.backward()), (lambda: rows), compiled
         if method.startswith("stream"):
-            compiled = tree_compile(model, stream=StreamOptions(args.budget, method.split("-")[1], args.cuts))
+            mode = method.split("-")[1]
+            options = (StreamOptions(budget_bytes=args.budget_bytes, mode=mode, cuts=args.cuts, optimizer="sgd")
+                       if args.budget_bytes is not None else StreamOptions(args.budget, mode, args.cuts))
+            compiled = tree_compile(model, stream=options)
             return (lambda: compiled(batch).loss.backward()), (lambda: compiled._stream.stats.forward_rows), compiled
         part = partition_tree(tree, args.budget)
         denom = loss_denominator(tree, "token-mean")
@@ -97,10 +118,16 @@ def main(argv=None) -> None:
         return run, (lambda: part.partition_tokens), compiled
 
     results = []
+    from treecompile.budget import BudgetError
+
     for method in args.methods:
         step, forward_rows, compiled = step_of(method)
         model.zero_grad(set_to_none=True)
-        step()  # warm-up: compiles
+        try:
+            step()  # warm-up: compiles
+        except BudgetError as e:  # e.g. keep mode cannot hold this tree's stack in --budget-bytes
+            print(f"{method}: {e}", file=sys.stderr)
+            continue
         model.zero_grad(set_to_none=True)
         t0, c0 = time.perf_counter(), time.process_time()
         step()
@@ -108,9 +135,15 @@ def main(argv=None) -> None:
         grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
         model.zero_grad(set_to_none=True)
         peak = measure_peak_bytes(step)
+        if args.budget_bytes is not None:  # the budget holds the parameters and their gradients too
+            peak += sum(p.untyped_storage().nbytes() for p in model.parameters())
         model.zero_grad(set_to_none=True)
         fr = forward_rows()
-        depth = compiled._stream.stats.stack_depth if method.startswith("stream") else ""
+        st = compiled._stream.stats if method.startswith("stream") else None
+        depth = f"{st.stack_depth} ({st.parts})" if st else ""
+        if st is not None and st.peak_bytes is not None:
+            print(f"{method}: {st.why}", file=sys.stderr)
+            depth += f"; {st.mode}, parts of {st.budget_rows} rows, predicted {st.peak_bytes / 2**20:.1f} MiB"
         results.append((method, peak, seconds, cpu, fr, 1 - fr / path_tokens, depth, float(grad_norm)))
         print(results[-1], file=sys.stderr)
 
@@ -120,7 +153,8 @@ def main(argv=None) -> None:
     print(f"- command: python benchmarks/stream_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"- tree: {rows} rows, {tree.num_paths} paths, {path_tokens} path tokens, POR {stats.por:.3f}; "
-          f"budget {args.budget} rows; model Qwen3-shaped, {args.layers} layers, hidden {args.hidden}, "
+          + (f"budget {args.budget_bytes:,} bytes ({args.budget} rows in one call); " if args.budget_bytes else "")
+          + f"budget {args.budget} rows; model Qwen3-shaped, {args.layers} layers, hidden {args.hidden}, "
           f"vocab {args.vocab}, float32")
     print()
     print("| method | peak MiB | step s (wall) | step s (CPU) | rows forward | ERR | stack depth (parts) | grad norm |")

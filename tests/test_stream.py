@@ -472,33 +472,41 @@ def test_budget_bytes_streams_in_the_largest_parts_whose_streamed_step_fits():
     assert compiled._stream.wants(pack(TrajectoryTree.from_sequences([list(range(1, fits + 2))])))
 
 
-def test_auto_mode_takes_keep_unless_its_stack_needs_much_smaller_parts():
-    """``mode="auto"`` (byte budgets only): keep mode on a wide tree, whose stack holds only
-    the shared prompt; recompute mode on a long chain, every part of which keep mode holds
-    until the chain's last part (the cost model alone: no model runs)."""
+def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
+    """``mode="auto"`` (byte budgets only), on a prompt with 12 rollouts, by the cost model
+    alone (no model runs): a roomy budget keeps (every row forward once); a tighter one
+    where keep mode needs many more parts than recompute mode recomputes rows takes
+    recompute; tighter still, keep mode does not fit at all."""
     from treecompile.budget import BudgetError, CostModel, ModelDims
-    from treecompile.stream_plan import choose_stream, stream_peak_bytes
+    from treecompile.stream_plan import PART_OVERHEAD_ROWS, choose_stream, stream_peak_bytes
 
     dims = ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=64)
     cost = CostModel.from_config(dims, dtype="float32", device="cpu", optimizer="sgd")
     rng = np.random.default_rng(0)
-    prompt = rng.integers(1, 64, 32).tolist()
-    wide = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 24).tolist() for _ in range(12)]),
-                warn_por=False)
-    chain = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 400).tolist(), prompt + [5] * 8]),
+    prompt = rng.integers(1, 64, 320).tolist()
+    batch = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 120).tolist() for _ in range(12)]),
                  warn_por=False)
-    budget = cost.peak_bytes(wide.num_tokens) // 2
-    roomy = choose_stream(wide, cost, budget, "auto")
-    assert roomy.mode == "keep" and roomy.peak_bytes <= budget and roomy.why.startswith("keep mode")
-    assert roomy.peak_bytes == stream_peak_bytes(plan_stream(wide, roomy.rows), cost, "keep")
-    assert stream_peak_bytes(plan_stream(wide, roomy.rows + 1), cost, "keep") > budget
-    budget = cost.peak_bytes(chain.num_tokens) // 2
-    deep = choose_stream(chain, cost, budget, "auto")
-    assert deep.mode == "recompute" and deep.peak_bytes <= budget and "keep mode does not fit" in deep.why
+    whole = cost.peak_bytes(batch.num_tokens)
+
+    def both(budget):
+        keep, rec = (choose_stream(batch, cost, budget, m) for m in ("keep", "recompute"))
+        extra = rec.plan.forward_rows("recompute") - rec.plan.forward_rows("keep")
+        return keep, rec, extra, choose_stream(batch, cost, budget, "auto")
+
+    keep, rec, extra, auto = both(whole // 2)
+    assert extra >= PART_OVERHEAD_ROWS * (keep.plan.num_parts - rec.plan.num_parts)
+    assert (auto.mode, auto.rows) == ("keep", keep.rows) and auto.why.startswith("keep mode")
+    assert auto.peak_bytes == stream_peak_bytes(auto.plan, cost, "keep") <= whole // 2
+    assert stream_peak_bytes(plan_stream(batch, auto.rows + 1), cost, "keep") > whole // 2
+    keep, rec, extra, auto = both(whole // 3)
+    assert extra < PART_OVERHEAD_ROWS * (keep.plan.num_parts - rec.plan.num_parts)
+    assert (auto.mode, auto.rows) == ("recompute", rec.rows) and "keep mode fits only" in auto.why
+    tight = choose_stream(batch, cost, whole // 4, "auto")
+    assert tight.mode == "recompute" and tight.peak_bytes <= whole // 4 and "keep mode does not fit" in tight.why
     with pytest.raises(BudgetError, match="recompute mode keeps less on the stack"):
-        choose_stream(chain, cost, budget, "keep")
-    with pytest.raises(BudgetError, match="cannot stream this batch of 440 rows"):
-        choose_stream(chain, cost, cost.static_bytes(), "auto")
+        choose_stream(batch, cost, whole // 4, "keep")
+    with pytest.raises(BudgetError, match=f"cannot stream this batch of {batch.num_tokens:,} rows"):
+        choose_stream(batch, cost, cost.static_bytes(), "auto")
     with pytest.raises(ValueError, match="mode='auto' chooses by memory: it needs budget_bytes"):
         StreamOptions(budget_rows=4, mode="auto")
 

@@ -11,7 +11,8 @@ import numpy as np
 from treecompile.batch import TreeBatch
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream",
-           "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES"]
+           "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
+           "MAX_STREAM_PARTS", "PART_OVERHEAD_ROWS"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
@@ -31,8 +32,8 @@ class StreamOptions:
         budget_rows: the most rows one part holds; a batch with more rows streams.
         mode: ``"keep"`` (ancestor parts keep their graphs) or ``"recompute"`` (they keep
             only their keys and values and run forward again for their backward); with
-            ``budget_bytes`` also ``"auto"``: per batch, keep mode unless the budget holds
-            parts under half the size recompute mode allows (`choose_stream`).
+            ``budget_bytes`` also ``"auto"``: per batch, the mode with less work within the
+            budget (`choose_stream`).
         cuts: a key of `CUTS`: where parts end (see `plan_stream`).
         budget_bytes: the memory of the whole training step instead (parameters,
             gradients and optimizer state included): a batch whose step
@@ -213,8 +214,8 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
                 readers[q].append(j)
     done = np.arange(n)
     for q in range(n - 1, -1, -1):
-        for j in readers[q]:
-            done[q] = max(done[q], done[j])
+        if readers[q]:
+            done[q] = max(q, int(done[readers[q]].max()))
     release: list[list[int]] = [[] for _ in range(n)]
     for p in range(n - 1, -1, -1):
         release[int(done[p])].append(p)
@@ -301,16 +302,30 @@ class StreamChoice:
     why: str
 
 
+#: What one more part costs, in rows run forward, when ``mode="auto"`` weighs keep mode's
+#: smaller parts against recompute mode's second forward of the parts later parts read (a
+#: part is one compiled call; on CPU, with the small models of docs/benchmarks.md, a call
+#: costs about as much as 200 rows).
+PART_OVERHEAD_ROWS = 256
+
+#: The most parts `choose_stream` cuts a batch into: smaller parts are not tried (each
+#: part is one compiled call, and planning grows with parts times depth).
+MAX_STREAM_PARTS = 1024
+
+
 def _largest_rows(batch: TreeBatch, cost, budget: int, mode: str, cuts: str, top: int):
     """A large part size ``C <= top`` whose plan fits ``budget``, with its plan and peak, or
     ``(None, smallest peak seen)``. The peak is not monotone in C (small parts stack more
-    prefix copies), so: powers of two up to ``top`` (and ``top``), then a binary search
+    prefix copies), so: the smallest size of at most `MAX_STREAM_PARTS` parts times powers
+    of two up to ``top`` (and ``top``), then a binary search
     between the largest one that fits and the next; every answer is checked."""
     def peak_of(c):
         plan = plan_stream(batch, c, cuts)
         return plan, stream_peak_bytes(plan, cost, mode)
 
-    grid = sorted({*(1 << i for i in range(max(top, 1).bit_length())), max(top, 1)})
+    least = min(-(-batch.num_tokens // MAX_STREAM_PARTS), max(top, 1))
+    grid = sorted({least, *(c for c in (least << i for i in range(max(top, 1).bit_length())) if c < top),
+                   max(top, 1)})
     seen = {c: peak_of(c) for c in grid}
     fit = [c for c in grid if seen[c][1] <= budget]
     if not fit:
@@ -332,8 +347,9 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     ``budget_bytes``, by `stream_peak_bytes`: the largest part size whose whole streamed
     step, stack included, is predicted within the budget.
 
-    ``"auto"`` takes keep mode (every row forward once) unless its parts would be under
-    half the size recompute mode allows (a deep stack of kept graphs), then recompute.
+    ``"auto"`` takes the mode with less work, counting a part as `PART_OVERHEAD_ROWS` rows
+    run forward: keep mode runs every row forward once, recompute mode runs the parts that
+    later parts read once more but may fit larger parts (fewer calls) in the budget.
 
     Raises:
         BudgetError: not even one row per part fits (the message gives the smallest peak).
@@ -359,14 +375,16 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     else:
         (k_rows, k_plan, k_peak), (r_rows, r_plan, r_peak) = ok["keep"], ok["recompute"]
         extra = r_plan.forward_rows("recompute") - r_plan.forward_rows("keep")
-        if 2 * k_rows >= r_rows:
+        more_parts = k_plan.num_parts - r_plan.num_parts
+        if extra >= PART_OVERHEAD_ROWS * more_parts:
             m, rows, plan, peak = "keep", k_rows, k_plan, k_peak
-            why = (f"keep mode: parts of at most {k_rows} rows; recompute mode would allow {r_rows} rows per part "
-                   f"and run {extra:,} rows forward again")
+            why = (f"keep mode: {k_plan.num_parts} parts of at most {k_rows} rows; recompute mode would allow "
+                   f"{r_rows} rows per part ({r_plan.num_parts} parts) and run {extra:,} rows forward again")
         else:
             m, rows, plan, peak = "recompute", r_rows, r_plan, r_peak
-            why = (f"recompute mode: parts of at most {r_rows} rows, {extra:,} rows forward again; keep mode fits "
-                   f"only {k_rows} rows per part (its kept graphs fill the budget)")
+            why = (f"recompute mode: {r_plan.num_parts} parts of at most {r_rows} rows, {extra:,} rows forward "
+                   f"again; keep mode fits only {k_rows} rows per part ({k_plan.num_parts} parts: its kept graphs "
+                   f"fill the budget)")
     return StreamChoice(rows=rows, mode=m, peak_bytes=peak, plan=plan,
                         why=f"{why}; predicted peak {peak:,} of {budget_bytes:,} bytes")
 
