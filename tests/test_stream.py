@@ -590,33 +590,55 @@ def test_plan_stream_command_counts_the_aux_loss_pass(mode, capsys):
 
 
 def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
+    """``--budget-bytes B --config PATH``: per tree, the parts ``choose_stream`` picks for the
+    whole streamed step within B, the mode (``auto`` weighs them) and the predicted peak."""
+    import argparse
     import json
 
-    from treecompile.budget import CostModel
+    from treecompile.budget import BudgetError, CostModel
     from treecompile.cli import main
+    from treecompile.plan import _load_trees, add_plan_command
+    from treecompile.stream_plan import choose_stream
 
     config = transformers.Qwen3Config(**SMALL, head_dim=8)
     config.save_pretrained(tmp_path / "qwen3")
     cost = CostModel.from_config(config, dtype="float32", optimizer="sgd", device="cpu")
-    budget = cost.peak_bytes(300) + 1
-    assert cost.capacity(budget) == 300
-    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "1", "--stream", "keep"]
+    budget = cost.peak_bytes(1000) + 1
+    assert cost.capacity(budget) == 1000
+    base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2"]
     model = ["--config", str(tmp_path / "qwen3"), "--dtype", "float32", "--optimizer", "sgd", "--device", "cpu"]
-    argv = [*base, "--budget-bytes", f"{budget}", *model]
-    assert main([*argv, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["capacity"] == 300 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 300
-    assert out["trees"][0]["parts"] >= -(-out["trees"][0]["rows"] // 300)
+    for mode in ("keep", "auto"):
+        argv = [*base, "--stream", mode, "--budget-bytes", f"{budget}", *model]
+        assert main([*argv, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["capacity"] == 1000 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 1000
+        parser = argparse.ArgumentParser()
+        add_plan_command(parser.add_subparsers(dest="command"))
+        _, trees, _ = _load_trees(parser.parse_args(base))
+        streamed = 0
+        for t, tree in zip(out["trees"], trees):
+            try:
+                want = choose_stream(pack(tree, warn_por=False), cost, budget, mode)
+            except BudgetError as e:  # keep mode cannot hold a long conversation's stack: said per tree
+                assert t["error"] == str(e) and mode == "keep"
+                continue
+            assert (t["mode"], t["part_rows"], t["predicted_peak_bytes"]) == (want.mode, want.rows, want.peak_bytes)
+            assert t["predicted_peak_bytes"] <= budget and t["parts"] == want.plan.num_parts > 1 and t["why"]
+            streamed += 1
+        assert streamed == (2 if mode == "auto" else 0)
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert f"parts of at most 300 rows (the cost model's rows within --budget-bytes {budget:,})" in text
-    # Refusals: a budget under one token's step, both budgets, no config.
-    assert main([*base, "--budget-bytes", "1000", *model]) == 2
+    assert f"within --budget-bytes {budget:,} for the whole step; a tree of at most 1000 rows runs as one call" in text
+    assert " recompute " in text and "peak MiB" in text
+    # Refusals: a budget under one token's step, both budgets, no config, auto without bytes.
+    assert main([*base, "--stream", "keep", "--budget-bytes", "1000", *model]) == 2
     assert "does not fit one token" in capsys.readouterr().err
     assert main([*argv, "--capacity", "300"]) == 2
     assert "give --capacity (rows) or --budget-bytes (bytes), not both" in capsys.readouterr().err
-    assert main([*base, "--budget-bytes", "1e9"]) == 2
+    assert main([*base, "--stream", "keep", "--budget-bytes", "1e9"]) == 2
     assert "--budget-bytes needs --config PATH" in capsys.readouterr().err
+    assert main([*base, "--stream", "auto", "--capacity", "300"]) == 2
+    assert "--stream auto chooses the mode by memory: give --budget-bytes" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -69,8 +69,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int_at_least(0), default=60, metavar="N", help="table rows to print")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument(
-        "--stream", choices=("keep", "recompute"), default=None,
-        help="plan streaming with a KV stack instead (treecompile.stream): parts of --capacity rows, no path limit",
+        "--stream", choices=("keep", "recompute", "auto"), default=None,
+        help="plan streaming with a KV stack instead (treecompile.stream): parts of --capacity rows, no path limit; "
+        "with --budget-bytes, per tree the largest parts whose whole streamed step fits B, and its predicted peak "
+        "(auto: the mode with less work, too)",
     )
     p.add_argument(
         "--aux-loss", action="store_true",
@@ -122,6 +124,7 @@ def capacity_from_budget(args: argparse.Namespace) -> dict[str, Any]:
         pass
     cost = CostModel.from_config(config, dtype=args.dtype, optimizer=args.optimizer, device=args.device)
     args.capacity = cost.capacity(args.budget_bytes)
+    args.cost_model = cost  # --stream plans each tree's parts with it
     return {"budget_bytes": args.budget_bytes, "config": str(path), "dtype": args.dtype, "optimizer": args.optimizer,
             "device": args.device, "capacity": args.capacity}
 
@@ -145,6 +148,8 @@ def run_plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
+    if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:
+        raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
     if budget is not None:

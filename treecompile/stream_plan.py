@@ -421,42 +421,76 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
     """``treecompile plan --stream MODE``: per tree, the streaming schedule at ``--capacity``
     rows: parts, stack depth, longest prefix, rows run forward, ERR and the predicted peak in
     rows (keep: the parts alive at once times the capacity; recompute: one part), plus the
-    prefix rows every part reads. ``--aux-loss`` (a model with a router auxiliary loss)
-    counts the extra forward pass without a graph in the rows run forward and the ERR."""
+    prefix rows every part reads. With ``--budget-bytes`` the parts are chosen per tree
+    (`choose_stream`, MODE may be ``auto``) and the peak is predicted in bytes
+    (`stream_peak_bytes`); a tree whose whole step fits runs as one call. ``--aux-loss`` (a
+    model with a router auxiliary loss) counts the extra forward pass without a graph in the
+    rows run forward and the ERR."""
     import json
     import time
 
     from treecompile.batch import pack
+    from treecompile.budget import BudgetError
 
     capacity = args.capacity or max(-(-max(t.num_tokens for t in trees) // 2), 1)
     aux = bool(getattr(args, "aux_loss", False))
+    cost = getattr(args, "cost_model", None)
     out = []
     for name, tree in zip(names, trees):
-        plan = plan_stream(pack(tree, warn_por=False), capacity)
+        batch = pack(tree, warn_por=False)
         stats = tree.stats()
-        fwd = plan.forward_rows(args.stream, aux_loss=aux)
-        live = plan.stack_depth * capacity if args.stream == "keep" else capacity
-        out.append({"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "parts": plan.num_parts,
-                    "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix, "forward_rows": fwd,
-                    "aux_pass_rows": tree.num_tokens if aux else 0,
-                    "por": stats.por, "err": 1 - fwd / stats.path_tokens, "peak_activation_rows": live,
+        row = {"name": name, "rows": tree.num_tokens, "path_tokens": stats.path_tokens, "por": stats.por}
+        if cost is not None:
+            if tree.num_tokens <= capacity:
+                peak = cost.peak_bytes(tree.num_tokens)
+                out.append({**row, "mode": "one call", "part_rows": tree.num_tokens, "parts": 1, "stack_depth": 1,
+                            "max_prefix": 0, "forward_rows": tree.num_tokens, "aux_pass_rows": 0,
+                            "err": 1 - tree.num_tokens / stats.path_tokens, "predicted_peak_bytes": peak,
+                            "why": "the whole step fits", "schedule": [[0]]})
+                continue
+            try:
+                choice = choose_stream(batch, cost, args.budget_bytes, args.stream, getattr(args, "cuts", "subtree"))
+            except BudgetError as e:
+                out.append({**row, "error": str(e)})
+                continue
+            plan, mode = choice.plan, choice.mode
+            extra = {"mode": mode, "part_rows": choice.rows, "predicted_peak_bytes": choice.peak_bytes,
+                     "why": choice.why}
+        else:
+            plan, mode = plan_stream(batch, capacity), args.stream
+            live = plan.stack_depth * capacity if mode == "keep" else capacity
+            extra = {"peak_activation_rows": live}
+        fwd = plan.forward_rows(mode, aux_loss=aux)
+        out.append({**row, "parts": plan.num_parts, "stack_depth": plan.stack_depth, "max_prefix": plan.max_prefix,
+                    "forward_rows": fwd, "aux_pass_rows": tree.num_tokens if aux else 0,
+                    "err": 1 - fwd / stats.path_tokens, **extra,
                     "schedule": [[int(x) for x in r] for r in plan.release]})
     if args.json:
         print(json.dumps({**header, "capacity": capacity, "mode": args.stream, "aux_loss": aux, "trees": out,
                           "seconds": round(time.perf_counter() - start, 3)}, indent=1))
         return 0
     budget = header.get("budget")
-    print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows"
-          + (f" (the cost model's rows within --budget-bytes {budget['budget_bytes']:,})" if budget else ""))
+    if budget:
+        print(f"treecompile plan --stream {args.stream} {header['file']}: within --budget-bytes "
+              f"{budget['budget_bytes']:,} for the whole step; a tree of at most {capacity} rows runs as one call")
+    else:
+        print(f"treecompile plan --stream {args.stream} {header['file']}: parts of at most {capacity} rows")
     if aux:
         print("--aux-loss: the router auxiliary loss's gradient needs the whole tree's router sums first, so each "
               "step runs every row forward once more without a graph (counted in fwd rows: ERR < POR)")
+    last = "peak MiB" if budget else "peak rows"
     print(f"{'tree':<40} {'rows':>8} {'parts':>6} {'stack':>6} {'prefix':>7} {'fwd rows':>9} {'POR':>6} {'ERR':>6} "
-          f"{'peak rows':>10}")
+          f"{last:>10}" + (f" {'mode':>9} {'part rows':>9}" if budget else ""))
     for t in out[: max(args.rows, 0)]:
+        if "error" in t:
+            print(f"{t['name'][:40]:<40} {t['rows']:>8} does not stream within the budget: {t['error']}")
+            continue
+        peak = f"{t['predicted_peak_bytes'] / 2**20:.1f}" if budget else t["peak_activation_rows"]
         print(f"{t['name'][:40]:<40} {t['rows']:>8} {t['parts']:>6} {t['stack_depth']:>6} {t['max_prefix']:>7} "
-              f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {t['peak_activation_rows']:>10}")
+              f"{t['forward_rows']:>9} {t['por']:>6.3f} {t['err']:>6.3f} {peak:>10}"
+              + (f" {t['mode']:>9} {t['part_rows']:>9}" if budget else ""))
     print("stack: most parts alive at once; prefix: most rows of keys/values a part reads from the stack; "
-          "peak rows: rows whose activations are held at once (plus the prefix keys/values)"
+          + ("peak MiB: the predicted peak of the whole streamed step (treecompile.stream_plan.stream_peak_bytes)"
+             if budget else "peak rows: rows whose activations are held at once (plus the prefix keys/values)")
           + ("" if aux else "; a model with a router auxiliary loss runs one more forward pass (--aux-loss)"))
     return 0
