@@ -109,8 +109,8 @@ def tree_compile(
         disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
             which rewrite a model needs; the verification still refuses a graph left inexact.
         stream: a :class:`~treecompile.stream.StreamOptions`: a batch with more rows than
-            its ``budget_rows`` (or ``budget_bytes`` resolved to rows) runs in parts with a KV
-            stack (:mod:`treecompile.stream`);
+            its ``budget_rows`` (or whose step does not fit its ``budget_bytes``) runs in
+            parts with a KV stack (:mod:`treecompile.stream`);
             smaller batches are unchanged. None: every batch runs as one call.
         scan_kernel: what runs the Gated DeltaNet / Mamba2 scans of a hybrid model on the
             tree: ``"auto"`` (default: flash-linear-attention's kernels on CUDA when they are

@@ -3,8 +3,8 @@
     model = tree_compile(model, stream=StreamOptions(budget_rows=4096))
     out = model(batch)        # a batch over 4096 rows streams; smaller ones run as one call
 
-(``StreamOptions(budget_bytes=B)`` instead: the rows that `treecompile.budget`'s cost model
-fits in B bytes; see `stream_cost_model`.)
+(``StreamOptions(budget_bytes=B)`` instead: the whole step within B bytes, parts chosen per
+batch by `choose_stream` from `treecompile.budget`'s cost model; see `stream_peak_bytes`.)
     out.loss.backward()       # the same gradients as per-path training
 
 The packed row (depth-first) is cut into parts of at most ``budget_rows`` consecutive rows;
@@ -39,9 +39,10 @@ streamed call.
 from __future__ import annotations
 
 from treecompile.stream_parts import PAD_PREFIX, PAD_STATES  # noqa: F401  (re-exported: the part layout's padding)
-from treecompile.stream_plan import CUTS, MODES, StreamOptions, StreamPlan, StreamStats, plan_stream, stream_cost_model
+from treecompile.stream_plan import (CUTS, MODES, StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream,
+                                     plan_stream, stream_cost_model, stream_peak_bytes)
 from treecompile.stream_plan import plan_stream_report  # noqa: F401  (re-exported for ``treecompile plan --stream``)
 from treecompile.stream_runner import StreamRunner, stream_logprob_loss
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "plan_stream", "StreamRunner", "stream_logprob_loss",
-           "stream_cost_model"]
+           "stream_cost_model", "StreamChoice", "choose_stream", "stream_peak_bytes"]
