@@ -129,7 +129,11 @@ def test_generate_runs_the_original_model():
 def test_gradient_checkpointing_enabled_after_compile_is_exact():
     model = _qwen3()
     model.train()  # HF checkpoints only in training mode (attention dropout is 0)
-    compiled = tc.tree_compile(model)
+    # What is tested is the recapture with the checkpointed layers, not the lowering: the
+    # rewritten graph runs as it is. test_compile_subgraphs.py's
+    # test_hugging_face_gradient_checkpointing_is_exact keeps the default lowering on this
+    # checkpointed Qwen3.
+    compiled = tc.tree_compile(model, backend="eager")
     batch, trees = make_batch("branchy")
     compare_with_paths(model, compiled, batch, trees, tol="hf")
     assert "inline_subgraphs_pass" not in compiled.counters or not compiled.counters["inline_subgraphs_pass"]
