@@ -3,9 +3,10 @@
 One compiled model per (model, mask) runs every tree: S, the number of targets and of
 predicting rows are dynamic, so the trees also exercise reuse without recompiling.
 
-The interval-mask equivalence cases and `test_backends_agree` run the default lowering
-(AOTAutograd on CPU); the other tests run the rewritten graph as it is (``backend="eager"``),
-since their subject is the rewrite or the wrapper and lowering triples a compile's time.
+The interval-mask equivalence cases run the lowering (AOTAutograd on CPU: the default, and
+``backend="aot_eager"`` named for ManualGPT); `test_backends_agree` runs ``backend="eager"``
+on ManualGPT, and the other tests run the rewritten graph as it is (``backend="eager"``), since
+their subject is the rewrite or the wrapper and lowering triples a compile's time.
 """
 
 import logging
@@ -38,7 +39,10 @@ MODELS = {
 def test_custom_model_matches_per_path_training(model_id, mask):
     cls, expected = MODELS[model_id]
     model = tiny(cls)
-    compiled = tree_compile(model, mask=mask, backend=None if mask == "interval" else "eager")
+    # ManualGPT names the CPU's default lowering: its interval case is also the aot_eager half
+    # of test_backends_agree (the same model, more trees, one capture fewer).
+    backend = "eager" if mask != "interval" else "aot_eager" if model_id == "manual-softmax-tril-wpe" else None
+    compiled = tree_compile(model, mask=mask, backend=backend)
     for name in TREES:
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="pure")
@@ -105,7 +109,8 @@ def test_optimizer_step_on_the_wrapper_trains_the_model():
     assert compiled(batch).loss.item() < before
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+# "aot_eager": test_custom_model_matches_per_path_training[manual-softmax-tril-wpe-interval].
+@pytest.mark.parametrize("backend", ["eager"])
 def test_backends_agree(backend):
     model = tiny(ManualGPT)
     batch, trees = make_batch("branchy")
