@@ -53,10 +53,17 @@ def test_custom_model_matches_per_path_training(model_id, mask):
     assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
 
 
-def test_logprobs_are_zero_where_nothing_predicts():
-    model = tiny(NanoGPT)
+@pytest.fixture(scope="module")
+def nanogpt_eager():
+    """``tree_compile(tiny(NanoGPT), backend="eager")``: one capture for the tests below that
+    only read what a call returns or the graph (they train nothing)."""
+    torch.manual_seed(0)
+    return tree_compile(tiny(NanoGPT), backend="eager")
+
+
+def test_logprobs_are_zero_where_nothing_predicts(nanogpt_eager):
     batch, _ = make_batch("forest")
-    out = tree_compile(model, backend="eager")(batch)
+    out = nanogpt_eager(batch)
     roots = batch.pred_index < 0
     assert roots.sum() == 2
     assert torch.all(out.logprobs[roots] == 0)
@@ -65,13 +72,12 @@ def test_logprobs_are_zero_where_nothing_predicts():
     torch.testing.assert_close(out.loss, -(batch.target_weight * out.logprobs).sum())
 
 
-def test_lm_head_sees_only_needed_rows():
+def test_lm_head_sees_only_needed_rows(nanogpt_eager):
     """In the rewritten graph the vocabulary projection reads gathered rows, not all S."""
     import torch.nn.functional as F
 
-    model = tiny(NanoGPT)
     batch, _ = make_batch("branchy")
-    compiled = tree_compile(model, backend="eager")
+    compiled = nanogpt_eager
     compiled(batch)
     gm = compiled.compile_records[-1].graph_module
     heads = [n for n in gm.graph.nodes if n.target is F.linear and "head" in n.args[1].name]
