@@ -104,7 +104,8 @@ def _train(base, *, tree: bool, tmp_path, lora: bool = False, data=None, evaluat
     )
     data = _records() if data is None else data
     trainer = transformers.Trainer(
-        model=tc.tree_compile(model, backend=backend) if tree else model, args=training_args, train_dataset=data, eval_dataset=data,
+        model=tc.tree_compile(model, backend=backend) if tree else model, args=training_args, train_dataset=data,
+        eval_dataset=data,
         data_collator=collate, callbacks=[Record()],
     )
     compute_loss = trainer.compute_loss
