@@ -50,13 +50,16 @@ from treecompile.integrations.trl import TreeGRPOTrainer, TreeSFTTrainer, rows_t
 
 class EagerSFT(TreeSFTTrainer):
     """The float64 comparisons run the rewritten graph as it is: what they check is the trainer
-    glue, which the lowering does not touch; the float32 and bf16 runs keep the default lowering."""
+    glue, which the lowering does not touch; the float32 and bf16 runs keep the default lowering
+    (GRPO's bf16 run excepted: see `EagerGRPO`)."""
 
     tree_compile_options = {"backend": "eager"}
 
 
 class EagerGRPO(TreeGRPOTrainer):
-    """As `EagerSFT`, for GRPO."""
+    """As `EagerSFT`, for GRPO; also GRPO's bf16 + checkpointing run: the default lowering of
+    GRPO is test_grpo_float32_within_stock_noise's, and of bf16 autocast with checkpointing
+    test_sft_bf16_checkpointing_within_stock_noise's (the same model under the SFT trainer)."""
 
     tree_compile_options = {"backend": "eager"}
 
@@ -394,7 +397,7 @@ def test_grpo_bf16_checkpointing_within_stock_noise(grpo_setup, tmp_path):
     kw = {"loss_type": "dapo", "optim": "sgd"}  # SGD: see test_grpo_float32_within_stock_noise
     ref, _ = _grpo_run(grpo_setup, trl.GRPOTrainer, torch.float64, str(tmp_path), **kw)
     runs = {}
-    for name, cls in (("stock", trl.GRPOTrainer), ("tree", TreeGRPOTrainer)):
+    for name, cls in (("stock", trl.GRPOTrainer), ("tree", EagerGRPO)):
         model = _model(torch.float32)
         runs[name] = _train(cls, model, dict(model.state_dict()),
                             _grpo_args(str(tmp_path), bf16=True, gradient_checkpointing=True, **kw),

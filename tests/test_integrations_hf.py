@@ -68,11 +68,13 @@ def _pad(features: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(base, *, tree: bool, tmp_path, lora: bool = False, data=None, evaluate: bool = False, **args):
+def _train(base, *, tree: bool, tmp_path, lora: bool = False, data=None, evaluate: bool = False, backend=None,
+           **args):
     """``(losses [STEPS], updates [STEPS] of {name: tensor}, micro-batches, trainer, model)`` of a
     3-step run on a copy of ``base`` (with random LoRA adapters on q and v if ``lora``), on
     ``data`` (default: `_records()` as a list); with ``evaluate``, ``trainer.evaluate()`` on
-    ``data`` is run after training and its metrics are ``trainer.eval_metrics``."""
+    ``data`` is run after training and its metrics are ``trainer.eval_metrics``. ``backend``
+    goes to ``tree_compile`` (None: the default lowering)."""
     model = copy.deepcopy(base)
     if lora:
         peft = pytest.importorskip("peft")
@@ -102,7 +104,8 @@ def _train(base, *, tree: bool, tmp_path, lora: bool = False, data=None, evaluat
     )
     data = _records() if data is None else data
     trainer = transformers.Trainer(
-        model=tc.tree_compile(model) if tree else model, args=training_args, train_dataset=data, eval_dataset=data,
+        model=tc.tree_compile(model, backend=backend) if tree else model, args=training_args, train_dataset=data,
+        eval_dataset=data,
         data_collator=collate, callbacks=[Record()],
     )
     compute_loss = trainer.compute_loss
@@ -155,7 +158,12 @@ def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, data, 
     kw = dict(gradient_checkpointing=checkpointing, data=records, evaluate=accumulation > 1,
               gradient_accumulation_steps=accumulation, per_device_train_batch_size=BATCH // accumulation)
     stock_losses, stock_updates, stock_seen, stock, _ = _train(base, tree=False, tmp_path=tmp_path, **kw)
-    tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path, **kw)
+    # The float64 run checks the Trainer glue (accumulation, a Dataset, evaluate()), which the
+    # lowering does not touch: it runs the rewritten graph as it is. The float32 run, the LoRA
+    # and the bf16 tests keep the default lowering on this Qwen3 under the Trainer.
+    backend = "eager" if dtype == torch.float64 else None
+    tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path,
+                                                                  backend=backend, **kw)
     assert tree_seen == stock_seen  # the same records in the same micro-batches
     assert trainer.args.remove_unused_columns  # the default
     loss_rtol, update_tol = TRAINER_TOLERANCE[str(dtype).removeprefix("torch.")]

@@ -176,6 +176,11 @@ _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 _AUX = {"qwen3-moe-aux": 1.0, "qwen3-next-moe-aux": 1.0}
 _COMPILED: dict = {}
 _LOWERED = {("nanogpt", "keep"), ("qwen3", "keep"), ("qwen3-next", "keep")}
+#: Tests (or parametrizations) that take one family's model from `_compiled` run on one
+#: pytest-xdist worker (``--dist loadgroup``, scripts/test.sh), so it is captured once.
+_ON_NANOGPT_WORKER = pytest.mark.xdist_group("test_stream:nanogpt")
+_ON_QWEN3_WORKER = pytest.mark.xdist_group("test_stream:qwen3")
+_ON_QWEN3_NEXT_WORKER = pytest.mark.xdist_group("test_stream:qwen3-next")
 
 
 def _compiled(family, mode):
@@ -251,6 +256,7 @@ def _path_entropy(model, tokens):
     return torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
 
 
+@_ON_NANOGPT_WORKER
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_custom_model_streams_exactly(mode):
     for budget in (1, 7) if mode == "keep" else (3,):  # one-token parts; cuts inside nodes
@@ -264,6 +270,7 @@ def test_custom_model_streams_exactly(mode):
     assert streamed[0].counters["route_stream_state_pass"] == {"kv_outputs": 4}
 
 
+@_ON_NANOGPT_WORKER
 @settings(max_examples=10)
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
 def test_custom_model_streams_generated_trees_at_any_budget(case, data):
@@ -280,6 +287,7 @@ def _check_generated(family, case, data):
     _check(family, "keep", seqs, budget, weights=weights, masks=masks, scaled=False)
 
 
+@_ON_QWEN3_WORKER
 @pytest.mark.parametrize("loss_mode", ["token-mean", *[pytest.param(m, marks=pytest.mark.slow)
                                                        for m in ("sum", "seq-mean-token-mean")]])
 def test_qwen3_streams_exactly(loss_mode):
@@ -299,6 +307,7 @@ def test_moe_without_aux_loss_streams_exactly():
     _check("qwen3-moe-no-aux", "keep", BRANCHY, 4)
 
 
+@_ON_NANOGPT_WORKER
 @pytest.mark.slow
 def test_under_budget_runs_as_one_call():
     model, compiled = _compiled("nanogpt", "keep")
@@ -339,6 +348,7 @@ def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
         tree_compile(model, stream=StreamOptions(budget_rows=4))
 
 
+@_ON_QWEN3_NEXT_WORKER
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_gated_deltanet_hybrid_streams_exactly(mode):
     """Qwen3-Next (a Gated DeltaNet layer with its causal conv, then attention): the recurrent
@@ -356,6 +366,7 @@ def test_gated_deltanet_hybrid_streams_exactly(mode):
                                                                "recurrent_state": 1}
 
 
+@_ON_QWEN3_NEXT_WORKER
 @pytest.mark.slow
 @settings(max_examples=8)
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
@@ -641,6 +652,7 @@ def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
     assert "--stream auto chooses the mode by memory: give --budget-bytes" in capsys.readouterr().err
 
 
+@_ON_NANOGPT_WORKER
 @pytest.mark.slow
 def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
     """A PPO-style clipped ratio objective of the log-probabilities: streamed by
