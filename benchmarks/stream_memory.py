@@ -62,6 +62,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--cuts", choices=("subtree", "rows"), default="subtree", help="StreamOptions.cuts")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time the first step, compile included (large trees: one step fewer per method)")
     ap.add_argument("--methods", nargs="+", default=["whole", "stream-keep", "stream-recompute", "partition"],
                     help="whole, stream-keep, stream-recompute, stream-auto (needs --budget-bytes), partition")
     args = ap.parse_args(argv)
@@ -124,14 +126,15 @@ def main(argv=None) -> None:
         step, forward_rows, compiled = step_of(method)
         model.zero_grad(set_to_none=True)
         try:
-            step()  # warm-up: compiles
+            if not args.no_warmup:
+                step()  # warm-up: compiles
+                model.zero_grad(set_to_none=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         except BudgetError as e:  # e.g. keep mode cannot hold this tree's stack in --budget-bytes
             print(f"{method}: {e}", file=sys.stderr)
             continue
-        model.zero_grad(set_to_none=True)
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
         model.zero_grad(set_to_none=True)
         peak = measure_peak_bytes(step)

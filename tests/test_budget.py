@@ -163,14 +163,14 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (160,), generator=gen).tolist()
+    prompt = torch.randint(0, cfg.vocab_size, (96,), generator=gen).tolist()
     seqs = []
     for _ in range(3):
-        turn = torch.randint(0, cfg.vocab_size, (96,), generator=gen).tolist()
-        seqs += [prompt + turn + torch.randint(0, cfg.vocab_size, (48,), generator=gen).tolist() for _ in range(3)]
+        turn = torch.randint(0, cfg.vocab_size, (64,), generator=gen).tolist()
+        seqs += [prompt + turn + torch.randint(0, cfg.vocab_size, (32,), generator=gen).tolist() for _ in range(3)]
     batch = treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
-    compiled = tree_compile(model, stream=StreamOptions(budget_rows=40))
-    for mode, rows in [("keep", 40), ("recompute", 40), ("keep", 200), ("recompute", 200)]:
+    compiled = tree_compile(model, stream=StreamOptions(budget_rows=24))
+    for mode, rows in [("keep", 24), ("recompute", 24), ("keep", 160), ("recompute", 160)]:
         compiled._stream.options = StreamOptions(budget_rows=rows, mode=mode)  # one compiled graph for all
 
         def step():

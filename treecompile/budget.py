@@ -421,6 +421,10 @@ class CostModel:
                     total += _horner(poly, rows)
                 elif term == "score blocks":  # [H, block, keys] with block = min(rows, CPU_BLOCK_ROWS)
                     total += -(-_horner(poly, key_rows) * min(rows, CPU_BLOCK_ROWS) // CPU_BLOCK_ROWS)
+                    # Whatever the block's rows: its gathered keys and values and their
+                    # gradient contributions, [Hkv, keys, d] each.
+                    d = self.dims
+                    total += 4 * d.kv_heads * d.head_dim * self.dtype_bytes * key_rows
                 else:
                     total += _horner(poly, key_rows)
             best = max(best, total - (0 if with_saved else saved))
