@@ -685,6 +685,47 @@ def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
     assert_grads_close(got, want, ("float64", "pure"))
 
 
+@_ON_NANOGPT_WORKER
+@pytest.mark.parametrize("objective", ["ppo-dualclip-k3", "pg-k1"])
+def test_rl_objectives_stream_exactly(objective):
+    """`treecompile.rl.policy_loss` (off-policy clipped ratios with dual-clip and a KL to a
+    reference, or the plain policy gradient), streamed through `stream_logprob_loss` in parts
+    of 3 rows, equals it on the one-call tree (itself per-path training:
+    tests/test_rl_objectives.py). The entropy bonus is not a function of the
+    log-probabilities and does not stream (streamed entropies are values)."""
+    from treecompile.rl import PolicyLossConfig, build_rl_batch, policy_loss
+
+    model, compiled = _compiled("nanogpt", "keep")
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    rng = np.random.default_rng(3)
+    lengths = [len(s) for s in BRANCHY]
+    config = (PolicyLossConfig(eps_low=0.1, eps_high=0.28, clip_c=1.3, kl_coef=0.3, kl_estimator="k3")
+              if objective.startswith("ppo") else PolicyLossConfig(objective="pg", kl_coef=0.2, kl_estimator="k1"))
+    rl = build_rl_batch(tree, advantages=rng.normal(size=len(lengths)).tolist(),
+                        old_logprobs=[-3.0 + 0.4 * rng.normal(size=n) for n in lengths],
+                        ref_logprobs=[-3.0 + 0.4 * rng.normal(size=n) for n in lengths],
+                        loss_agg_mode="seq-mean-token-mean")
+
+    def objective_of(lp):
+        return policy_loss(lp, rl, config).loss
+
+    compiled._stream.options = StreamOptions(budget_rows=100)  # one call: the tree's exact loss
+    model.zero_grad(set_to_none=True)
+    ref = objective_of(compiled(rl.batch).logprobs)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    compiled._stream.options = StreamOptions(budget_rows=3)
+    model.zero_grad(set_to_none=True)
+    out = stream_logprob_loss(compiled, rl.batch, objective_of)
+    out.loss.backward()
+    assert compiled._stream.stats.parts > 1
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got, want, ("float64", "pure"))
+
+
 @pytest.mark.slow
 def test_streamed_peak_memory_is_below_the_whole_tree():
     """The CPU allocator's peak over one step (treecompile.budget.measure_peak_bytes): a tree
