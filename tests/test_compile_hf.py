@@ -94,3 +94,18 @@ def test_softcap_the_models_attention_would_drop_is_refused():
                                                     r"attn_implementation='sdpa', which does not apply it"):
         tree_compile(model, backend="eager")(make_batch("branchy")[0])
     assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "treecompile_routed_from")
+
+
+def test_building_a_new_model_class_after_the_first_call_does_not_recapture():
+    """transformers registers every model class it builds (``_CAN_RECORD_REGISTRY``), and a
+    compiled HF forward reads that registry: a reward or reference model of a new class
+    built between steps must not make the tree-compiled model capture again."""
+    model = _model("qwen3")
+    compiled = tree_compile(model, backend="eager")
+    batch, trees = make_batch("branchy")
+    compiled(batch)
+    records = len(compiled.compile_records)
+    fresh = type("FreshLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
+    fresh(_config("llama"))  # a class no test built before: the registry grows
+    compare_with_paths(model, compiled, batch, trees, tol="hf")
+    assert len(compiled.compile_records) == records

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import weakref
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -235,6 +236,37 @@ def install_output_hooks(model: nn.Module) -> None:
         install(model)
 
 
+#: Per model, the frozen copy of transformers' output-capturing registry its calls read.
+_REGISTRY_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def output_registry_snapshot(model: nn.Module):
+    """For one call, transformers' output-capturing registry (``_CAN_RECORD_REGISTRY``, the
+    recordable outputs of every model class built so far, which a compiled HF forward
+    reads) is a copy holding only the classes of ``model``'s modules, the same object on
+    every call. Dynamo guards on the registry's keys: against the live one, building any
+    new model class (a reward model, a reference model) would recapture the graph.
+    Refreshed when one of those classes' entries changes."""
+    oc = sys.modules.get("transformers.utils.output_capturing")
+    live = getattr(oc, "_CAN_RECORD_REGISTRY", None)
+    if not isinstance(live, dict):
+        yield
+        return
+    keys = {str(type(m)) for m in model.modules()}
+    wanted = {k: live[k] for k in keys if dict.__contains__(live, k)}
+    snapshot = _REGISTRY_SNAPSHOTS.get(model)
+    if snapshot is None or dict(snapshot) != wanted:
+        snapshot = type(live)()
+        dict.update(snapshot, wanted)
+        _REGISTRY_SNAPSHOTS[model] = snapshot
+    oc._CAN_RECORD_REGISTRY = snapshot
+    try:
+        yield
+    finally:
+        oc._CAN_RECORD_REGISTRY = live
+
+
 @contextlib.contextmanager
 def hf_interfaces(model: nn.Module, route_attention: bool):
     """Routes the model's HF attention and experts interfaces to the tree markers for one
@@ -255,27 +287,28 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
     }
     moe = _hf_grouped_mm_site() if saved_experts else None
     original_grouped_mm = moe._grouped_mm if moe is not None else None
-    try:
-        if moe is not None:
-            moe._grouped_mm = _grouped_mm
-        for k, c in configs.items():
-            # A model whose attention does not use the interface keeps its implementation (and mask).
-            if route_attention:
-                c._attn_implementation_internal = HF_ATTENTION_NAME
-                # What the model would have run: the attention marker refuses arguments that
-                # implementation drops (see markers.hf_causal_attention).
-                c.treecompile_routed_from = saved[k]
-            if k in saved_experts:
-                c._experts_implementation_internal = HF_ATTENTION_NAME
-        yield
-    finally:
-        if moe is not None:
-            moe._grouped_mm = original_grouped_mm
-        for k, c in configs.items():
-            c._attn_implementation_internal = saved[k]
-            c.__dict__.pop("treecompile_routed_from", None)
-            if k in saved_experts:
-                c._experts_implementation_internal = saved_experts[k]
+    with output_registry_snapshot(model):
+        try:
+            if moe is not None:
+                moe._grouped_mm = _grouped_mm
+            for k, c in configs.items():
+                # A model whose attention does not use the interface keeps its implementation (and mask).
+                if route_attention:
+                    c._attn_implementation_internal = HF_ATTENTION_NAME
+                    # What the model would have run: the attention marker refuses arguments that
+                    # implementation drops (see markers.hf_causal_attention).
+                    c.treecompile_routed_from = saved[k]
+                if k in saved_experts:
+                    c._experts_implementation_internal = HF_ATTENTION_NAME
+            yield
+        finally:
+            if moe is not None:
+                moe._grouped_mm = original_grouped_mm
+            for k, c in configs.items():
+                c._attn_implementation_internal = saved[k]
+                c.__dict__.pop("treecompile_routed_from", None)
+                if k in saved_experts:
+                    c._experts_implementation_internal = saved_experts[k]
 
 
 def _hf_grouped_mm_site() -> types.ModuleType | None:
