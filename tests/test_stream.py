@@ -483,13 +483,10 @@ def test_budget_bytes_streams_in_the_largest_parts_whose_streamed_step_fits():
     assert compiled._stream.wants(pack(TrajectoryTree.from_sequences([list(range(1, fits + 2))])))
 
 
-def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
-    """``mode="auto"`` (byte budgets only), on a prompt with 12 rollouts, by the cost model
-    alone (no model runs): a roomy budget keeps (every row forward once); a tighter one
-    where keep mode needs many more parts than recompute mode recomputes rows takes
-    recompute; tighter still, keep mode does not fit at all."""
-    from treecompile.budget import BudgetError, CostModel, ModelDims
-    from treecompile.stream_plan import PART_OVERHEAD_ROWS, choose_stream, stream_peak_bytes
+def _prompt_with_rollouts():
+    """A cost model of a small Qwen3-shaped float32 model (SGD) and a 320-token prompt with
+    12 rollouts of 120 tokens: the byte-budget search tests' tree (no model runs)."""
+    from treecompile.budget import CostModel, ModelDims
 
     dims = ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=64)
     cost = CostModel.from_config(dims, dtype="float32", device="cpu", optimizer="sgd")
@@ -497,6 +494,18 @@ def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
     prompt = rng.integers(1, 64, 320).tolist()
     batch = pack(TrajectoryTree.from_sequences([prompt + rng.integers(1, 64, 120).tolist() for _ in range(12)]),
                  warn_por=False)
+    return cost, batch
+
+
+def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
+    """``mode="auto"`` (byte budgets only), on a prompt with 12 rollouts, by the cost model
+    alone (no model runs): a roomy budget keeps (every row forward once); a tighter one
+    where keep mode needs many more parts than recompute mode recomputes rows takes
+    recompute; tighter still, keep mode does not fit at all."""
+    from treecompile.budget import BudgetError
+    from treecompile.stream_plan import PART_OVERHEAD_ROWS, choose_stream, stream_peak_bytes
+
+    cost, batch = _prompt_with_rollouts()
     whole = cost.peak_bytes(batch.num_tokens)
 
     def both(budget):
@@ -520,6 +529,21 @@ def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
         choose_stream(batch, cost, cost.static_bytes(), "auto")
     with pytest.raises(ValueError, match="mode='auto' chooses by memory: it needs budget_bytes"):
         StreamOptions(budget_rows=4, mode="auto")
+
+
+def test_budget_search_plans_each_size_once_and_never_over_max_parts(monkeypatch):
+    """`choose_stream` plans each part size once for both modes of ``"auto"``, and never
+    tries sizes that cut the batch into more than `MAX_STREAM_PARTS` parts."""
+    import treecompile.stream_plan as sp
+
+    cost, batch = _prompt_with_rollouts()
+    tried = []
+    planner = sp.plan_stream
+    monkeypatch.setattr(sp, "plan_stream", lambda b, c, cuts="subtree": tried.append(c) or planner(b, c, cuts))
+    monkeypatch.setattr(sp, "MAX_STREAM_PARTS", 8)
+    least = -(-batch.num_tokens // 8)
+    choice = sp.choose_stream(batch, cost, cost.peak_bytes(batch.num_tokens) // 3, "auto")
+    assert choice.plan.num_parts <= 8 and min(tried) == least and len(tried) == len(set(tried))
 
 
 def test_budget_bytes_reads_a_hugging_face_models_config_and_dtype():

@@ -47,7 +47,6 @@ so `CostModel.explain` prints the formula term by term and `CostModel.capacity` 
 ``peak(S) <= budget`` exactly: each branch is a polynomial in S with integer
 coefficients, increasing for S >= 1, so its largest integer solution is the floor of
 its one positive real root, checked in exact arithmetic.
-
 """
 
 from __future__ import annotations
@@ -248,6 +247,7 @@ class CostModel:
     static: list[Term] = field(init=False)
     saved: list[Term] = field(init=False)
     branches: list[Branch] = field(init=False)
+    _numeric_cache: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPE_BYTES)
@@ -411,6 +411,7 @@ class CostModel:
         key_rows = rows if key_rows is None else key_rows
         saved_poly, branches = self._numeric()
         saved = _horner(saved_poly, rows)
+        d = self.dims
         best = 0
         for name, with_saved, terms in branches:
             if name == "optimizer step":
@@ -423,7 +424,6 @@ class CostModel:
                     total += -(-_horner(poly, key_rows) * min(rows, CPU_BLOCK_ROWS) // CPU_BLOCK_ROWS)
                     # Whatever the block's rows: its gathered keys and values and their
                     # gradient contributions, [Hkv, keys, d] each.
-                    d = self.dims
                     total += 4 * d.kv_heads * d.head_dim * self.dtype_bytes * key_rows
                 else:
                     total += _horner(poly, key_rows)
@@ -445,15 +445,15 @@ class CostModel:
     def _numeric(self):
         """``saved(S)`` and each branch's terms as integer coefficient lists (constant first),
         cached: `part_bytes` runs once per part in a budget search."""
-        if getattr(self, "_numeric_cache", None) is None:
+        if self._numeric_cache is None:
             vals = self._values()
 
             def coeffs(terms: list[Term]) -> list[int]:
                 poly = sp.Poly(sp.expand(_total(terms).subs(vals)), S)
                 return [int(c) for c in reversed(poly.all_coeffs())]
 
-            self._numeric_cache = (coeffs(self.saved), [(br.name, br.with_saved, [(t.name, coeffs([t])) for t in br.terms])
-                                                        for br in self.branches])
+            branches = [(br.name, br.with_saved, [(t.name, coeffs([t])) for t in br.terms]) for br in self.branches]
+            self._numeric_cache = (coeffs(self.saved), branches)
         return self._numeric_cache
 
     def static_bytes(self) -> int:

@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import weakref
 import types
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

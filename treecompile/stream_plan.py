@@ -12,10 +12,13 @@ from treecompile.batch import TreeBatch
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream",
            "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
-           "MAX_STREAM_PARTS", "PART_OVERHEAD_ROWS", "STREAM_PEAK_MARGIN_PERCENT"]
+           "MAX_STREAM_PARTS", "PART_OVERHEAD_ROWS", "STREAM_PEAK_MARGIN_PERCENT", "BYTE_BUDGET_MODES",
+           "PREFIX_INDEX_BYTES"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
+#: With ``budget_bytes``, also ``"auto"``: the mode is chosen per batch (`choose_stream`).
+BYTE_BUDGET_MODES = (*MODES, "auto")
 #: ``StreamOptions.cuts`` choices: ``"subtree"`` ends a part, where it can within the budget,
 #: where none of its rows is an ancestor of the next row (so no later part reads it);
 #: ``"rows"`` cuts every ``budget_rows`` rows.
@@ -65,8 +68,8 @@ class StreamOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.mode not in (*MODES, "auto"):
-            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(MODES)}, auto")
+        if self.mode not in BYTE_BUDGET_MODES:
+            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(BYTE_BUDGET_MODES)}")
         if self.mode == "auto" and self.budget_bytes is None:
             raise ValueError("mode='auto' chooses by memory: it needs budget_bytes (with budget_rows, pick keep or "
                              "recompute)")
@@ -227,6 +230,9 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
 #: (tests/test_budget.py), from buffers it does not itemise.
 STREAM_PEAK_MARGIN_PERCENT = 5
 
+#: Bytes per key of a part's prefix attention index buffers (``kv_end``, ``kv_pos``: int64).
+PREFIX_INDEX_BYTES = 16
+
 #: Bytes per row of the whole batch a streamed call holds besides the parts (its float64
 #: log-probabilities and loss terms).
 STREAM_ROW_BYTES = 16
@@ -258,30 +264,34 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str) -> int:
     on_stack: dict[int, int] = {}
     peak = 0
 
-    def part(j: int) -> int:
-        # Saved activations, the prefix copy it read (and that copy's gradient), the
-        # concatenated prefix-and-own keys and values its attention saves, and the transient.
+    def part(j: int) -> tuple[int, int]:
+        """``(held, transient)`` of part ``j`` with its graph: its saved activations, the
+        prefix copy it read and the concatenated prefix-and-own keys and values its
+        attention saves (with their index buffers); then its largest transient plus the
+        prefix copy's gradient."""
         n, pre = sizes[j], len(plan.prefix[j])
         saved, transient = cost.part_bytes(n, n + pre)
-        return saved + kv_row * (3 * pre + n) + 16 * (pre + n) + transient
+        return saved + kv_row * (2 * pre + n) + PREFIX_INDEX_BYTES * (pre + n), transient + kv_row * pre
 
     for j in range(plan.num_parts):
-        peak = max(peak, held + part(j))
+        held_j, transient_j = part(j)
+        peak = max(peak, held + held_j + transient_j)
         if read[j]:
-            n, pre = sizes[j], len(plan.prefix[j])
-            # Keep: its graph (as above, with the loss head's saved tensors, less the
-            # transient); recompute: its keys and values.
-            # Both: the keys' and values' gradients its readers add.
-            kept = (cost.part_bytes(n, n + pre)[0] + cost.head_saved_bytes(n) + kv_row * (2 * pre + 2 * n)
-                    + 16 * (pre + n)) if keep else kv_row * n
-            on_stack[j] = kept + kv_row * n
+            # Keep: its graph, with the loss head's saved tensors and its own keys and
+            # values; recompute: its keys and values only. Both: their gradients, which its
+            # readers add.
+            kept = held_j + cost.head_saved_bytes(sizes[j]) + kv_row * sizes[j] if keep else kv_row * sizes[j]
+            on_stack[j] = kept + kv_row * sizes[j]
             held += on_stack[j]
         for q in plan.release[j]:
             if q != j:  # its backward (recompute mode: its forward again first), then it goes
                 stay = on_stack.pop(q)
                 held -= stay
-                # Keep mode: its graph is the one counted on the stack, now with its transient.
-                peak = max(peak, held + part(q) + kv_row * sizes[q] * (2 if keep else 1) + (0 if keep else stay))
+                # Keep mode: its graph is the one counted on the stack, now with its transient;
+                # recompute mode: its graph built again beside its keys and values.
+                held_q, transient_q = part(q)
+                peak = max(peak, held + held_q + transient_q + kv_row * sizes[q] * (2 if keep else 1)
+                           + (0 if keep else stay))
     # The parts' parameter gradients, held aside until ``loss.backward()`` (besides the
     # gradients the static memory counts, which the call sets aside and adds them to).
     held_grads = cost.dims.num_parameters * cost.dtype_bytes
@@ -319,19 +329,17 @@ PART_OVERHEAD_ROWS = 256
 MAX_STREAM_PARTS = 1024
 
 
-def _largest_rows(batch: TreeBatch, cost, budget: int, mode: str, cuts: str, top: int):
-    """A large part size ``C <= top`` whose plan fits ``budget``, with its plan and peak, or
-    ``(None, smallest peak seen)``. The peak is not monotone in C (small parts stack more
-    prefix copies), so: the smallest size of at most `MAX_STREAM_PARTS` parts times powers
-    of two up to ``top`` (and ``top``), then a binary search
-    between the largest one that fits and the next; every answer is checked."""
+def _largest_rows(plan_of, cost, budget: int, mode: str, top: int, least: int):
+    """A large part size ``least <= C <= top`` whose plan (``plan_of(C)``) fits ``budget``,
+    with its plan and peak, or ``(None, smallest peak seen)``. The peak is not monotone in
+    C (small parts stack more prefix copies), so: ``least`` (the size of at most
+    `MAX_STREAM_PARTS` parts) times powers of two up to ``top`` (and ``top``), then a
+    binary search between the largest one that fits and the next; every answer is checked."""
     def peak_of(c):
-        plan = plan_stream(batch, c, cuts)
+        plan = plan_of(c)
         return plan, stream_peak_bytes(plan, cost, mode)
 
-    least = min(-(-batch.num_tokens // MAX_STREAM_PARTS), max(top, 1))
-    grid = sorted({least, *(c for c in (least << i for i in range(max(top, 1).bit_length())) if c < top),
-                   max(top, 1)})
+    grid = sorted({least, *(c for c in (least << i for i in range(top.bit_length())) if c < top), top})
     seen = {c: peak_of(c) for c in grid}
     fit = [c for c in grid if seen[c][1] <= budget]
     if not fit:
@@ -362,11 +370,19 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     """
     from treecompile.budget import BudgetError
 
-    if mode not in (*MODES, "auto"):
-        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(MODES)}, auto")
+    if mode not in BYTE_BUDGET_MODES:
+        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(BYTE_BUDGET_MODES)}")
     top = max(batch.num_tokens - 1, 1)
+    least = min(-(-batch.num_tokens // MAX_STREAM_PARTS), top)
+    plans: dict[int, StreamPlan] = {}  # one plan per part size, for both modes
+
+    def plan_of(c: int) -> StreamPlan:
+        if c not in plans:
+            plans[c] = plan_stream(batch, c, cuts)
+        return plans[c]
+
     modes = MODES if mode == "auto" else (mode,)
-    found = {m: _largest_rows(batch, cost, budget_bytes, m, cuts, top) for m in modes}
+    found = {m: _largest_rows(plan_of, cost, budget_bytes, m, top, least) for m in modes}
     ok = {m: f for m, (f, _) in found.items() if f is not None}
     if not ok:
         need = min(least for _, least in found.values())
@@ -455,7 +471,7 @@ def plan_stream_report(names: list[str], trees: list, header: dict, args, start:
                             "why": "the whole step fits", "schedule": [[0]]})
                 continue
             try:
-                choice = choose_stream(batch, cost, args.budget_bytes, args.stream, getattr(args, "cuts", "subtree"))
+                choice = choose_stream(batch, cost, args.budget_bytes, args.stream)
             except BudgetError as e:
                 out.append({**row, "error": str(e)})
                 continue
