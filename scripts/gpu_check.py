@@ -36,12 +36,21 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the check takes about as long as its longest section: under 8 minutes on an H100 host with 16
 #: cores. A section that runs out of time keeps the results of the tests it finished, failures
 #: with their tracebacks, and can be run again alone (``--sections NAME``).
+#: The exactness tests are split in three sections per dtype of about equal work (on an H100
+#: with five sections at once, 2026-11-24, the float32 tests took 420 s together): the interval
+#: mask with the gathered head on the dense models, on the MoE / hybrid / GPT-2 models, and the
+#: bitmask or fused-head cases. A ``-k`` expression is one argument: it may hold spaces.
+_EXACT = "tests/gpu/test_gpu_exactness.py"
+_SPARSE = "(moe or next or bamba or gpt2)"
 CHECK_SECTIONS = [
     ("fused-head", "tests/gpu/test_gpu_fused_head.py", 120),
     ("blockmask", "tests/gpu/test_gpu_blockmask.py", 120),
     ("compile-behaviour", "tests/gpu/test_gpu_compile_behaviour.py", 420),
-    ("exactness-fp32", "tests/gpu/test_gpu_exactness.py -k float32", 420),
-    ("exactness-bf16", "tests/gpu/test_gpu_exactness.py -k bfloat16", 420),
+    *((f"exactness-{short}-{part}", f"{_EXACT} -k {expr}", 420)
+      for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))
+      for part, expr in (("dense", f"interval-gather-{dtype} and not {_SPARSE}"),
+                         ("moe-hybrid", f"interval-gather-{dtype} and {_SPARSE}"),
+                         ("masks-heads", f"{dtype} and not interval-gather-{dtype}"))),
 ]
 BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
 TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
@@ -164,10 +173,26 @@ def parse_report_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _section_args(what: str) -> tuple[str, str | None]:
+    """``"FILE"`` or ``"FILE -k EXPRESSION"`` (the expression may hold spaces): ``(file, expression)``."""
+    file, _, rest = what.partition(" ")
+    return file, (rest.removeprefix("-k ").strip() or None) if rest else None
+
+
+def _selected(test_id: str, expression: str | None) -> bool:
+    """Whether pytest's ``-k expression`` keeps ``test_id`` (a name matches a substring of the id)."""
+    if expression is None:
+        return True
+    from _pytest.mark.expression import Expression
+
+    name = test_id.lower()
+    return Expression.compile(expression).evaluate(lambda word, **_: word.lower() in name)
+
+
 def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, list[str]]:
     """The test ids each test section would run (one ``pytest --collect-only`` for all), for
-    sections that do not run. A section's ``-k WORD`` keeps the ids containing ``WORD``."""
-    files = sorted({what.split()[0] for _, what, _ in sections if what.startswith("tests/")})
+    sections that do not run, selected by each section's ``-k`` expression."""
+    files = sorted({_section_args(what)[0] for _, what, _ in sections if what.startswith("tests/")})
     if not files:
         return {}
     log = work / "collect.log"
@@ -176,16 +201,17 @@ def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, 
     ids = [line.strip() for line in log.read_text().splitlines() if line.startswith("tests/") and "::" in line]
     out = {}
     for name, what, _ in sections:
-        parts = what.split()
-        word = parts[parts.index("-k") + 1] if "-k" in parts else ""
-        out[name] = [i for i in ids if i.startswith(parts[0] + "::") and word in i]
+        file, expression = _section_args(what)
+        out[name] = [i for i in ids if i.startswith(file + "::") and _selected(i.split("::", 1)[1], expression)]
     return out
 
 
 def start_test_section(name: str, what: str, limit: int, work: Path) -> _Proc:
     junit, log, lines = work / f"junit-{name}.xml", work / f"{name}.log", work / f"results-{name}.jsonl"
-    cmd = [sys.executable, "-m", "pytest", *what.split(), "-m", "gpu", "-v", "-rA", "-o", "addopts=", "-p", "no:cacheprovider",
-           "-p", "gpu_report_plugin", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    file, expression = _section_args(what)
+    cmd = [sys.executable, "-m", "pytest", file, *(["-k", expression] if expression else []), "-m", "gpu", "-v",
+           "-rA", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "gpu_report_plugin", f"--junitxml={junit}",
+           "-o", "junit_family=xunit1"]
     path = os.pathsep.join(p for p in (str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")) if p)
     return _Proc(cmd, log, limit, env={"PYTHONPATH": path, "TREECOMPILE_TEST_REPORT": str(lines)})
 

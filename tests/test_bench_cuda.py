@@ -41,6 +41,31 @@ def test_time_budget_marks_rows_not_run():
     assert "not run" in bench_cuda.markdown_table(result)
 
 
+def test_methods_option_runs_only_those_methods(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_cuda.main(["--device", "cpu", "--models", "tiny", "--path-tokens", "64", "--por", "0",
+                            "--no-real-data", "--methods", "hf-padded-sdpa", "tree", "--time-budget", "0",
+                            "--out", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["hf-padded-sdpa", "tree"]
+
+
+def _row(method: str, step_ms: float, loss: float) -> bench_cuda.CudaRow:
+    return bench_cuda.CudaRow(model="m", workload="w", method=method, por=0.8, path_tokens=100, rows=20,
+                              step_ms=step_ms, loss=loss)
+
+
+def test_fraction_of_the_bound_is_over_the_faster_baseline():
+    padded, packed = _row("hf-padded-sdpa", 800.0, 2.0), _row("hf-packed-flex", 1000.0, 2.0)
+    tree = _row("tree", 200.0, 2.0)
+    bench_cuda._relate([padded, packed, tree], bench_cuda.DEFAULT)
+    assert tree.speedup_vs_padded == 4.0 and tree.speedup_vs_packed == 5.0
+    assert tree.bound_fraction == pytest.approx(4.0 / 5.0)
+    # Without the packed baseline (out of memory, or not asked for): the padded one, loss included.
+    padded, tree = _row("hf-padded-sdpa", 800.0, 2.0), _row("tree", 160.0, 2.004)
+    bench_cuda._relate([padded, tree], bench_cuda.DEFAULT)
+    assert tree.bound_fraction == pytest.approx(1.0) and tree.loss_rel_diff == pytest.approx(0.002)
+
+
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="models: qwen3-0.6b"):
         bench_cuda.run_cuda_bench(dataclasses.replace(bench_cuda.DEFAULT, models=("qwen9",)), device="cpu")

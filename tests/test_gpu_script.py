@@ -38,10 +38,16 @@ def test_check_dry_run_reports_every_gpu_test_skipped(tmp_path):
     assert files == {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
     assert len(tests) >= 40 and {t["outcome"] for t in tests} == {"skipped"}
     by = {s["name"]: {t["name"] for t in s["tests"]} for s in report["sections"]}
-    assert by["exactness-fp32"] and by["exactness-bf16"] and not by["exactness-fp32"] & by["exactness-bf16"]
+    # The exactness sections split tests/gpu/test_gpu_exactness.py: each gets some, none shares one.
+    exact = [n for n in by if n.startswith("exactness-")]
+    assert len(exact) == 6 and all(by[n] for n in exact)
+    assert sum(len(by[n]) for n in exact) == len(set().union(*(by[n] for n in exact))) == len(
+        [t for t in tests if t["name"].startswith("tests/gpu/test_gpu_exactness.py::")])
+    assert all("float32" in t for t in by["exactness-fp32-dense"]) and not any(
+        "gpt2" in t or "moe" in t for t in by["exactness-fp32-dense"])
     assert report["env"]["device"] == "no CUDA device" and report["env"]["torch"] == torch.__version__
     md = (tmp_path / "gpu-check.md").read_text()
-    assert "| exactness-fp32 | skipped: no CUDA |" in md and (tmp_path / "gpu-check-raw.tar.gz").exists()
+    assert "| exactness-fp32-dense | skipped: no CUDA |" in md and (tmp_path / "gpu-check-raw.tar.gz").exists()
 
 
 @no_cuda

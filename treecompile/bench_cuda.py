@@ -135,7 +135,9 @@ class CudaRow:
 
     @property
     def bound_fraction(self) -> float | None:
-        return None if self.speedup_vs_packed is None else self.speedup_vs_packed / self.bound
+        """Speed-up over the faster baseline that ran, as a fraction of the FLOP bound."""
+        ups = [u for u in (self.speedup_vs_packed, self.speedup_vs_padded) if u is not None]
+        return min(ups) / self.bound if ups else None
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -413,6 +415,8 @@ def _relate(group: list[CudaRow], cfg: CudaBenchConfig) -> None:
             r.loss_rel_diff = abs(r.loss - packed.loss) / max(1.0, abs(packed.loss))
         if padded is not None:
             r.speedup_vs_padded = padded.step_ms / r.step_ms
+            if packed is None:  # the loss is compared with the baseline that ran
+                r.loss_rel_diff = abs(r.loss - padded.loss) / max(1.0, abs(padded.loss))
 
 
 def _row_dict(r: CudaRow) -> dict[str, Any]:
@@ -494,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=None, choices=list(MODEL_SHAPES))
     p.add_argument("--path-tokens", type=int, nargs="+", default=None)
     p.add_argument("--por", type=float, nargs="+", default=None)
+    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                   help="a subset of the methods (default: all)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-real-data", action="store_true")
     p.add_argument("--time-budget", type=float, default=None, metavar="S")
@@ -503,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     over = {"models": tuple(args.models) if args.models else None,
             "path_tokens": tuple(args.path_tokens) if args.path_tokens else None,
             "pors": tuple(args.por) if args.por else None, "repeats": args.repeats,
+            "methods": tuple(args.methods) if args.methods else None,
             "real_data": False if args.no_real_data else None, "time_budget_s": args.time_budget,
             "dtype": args.dtype}
     cfg = dataclasses.replace(DEFAULT, **{k: v for k, v in over.items() if v is not None})
