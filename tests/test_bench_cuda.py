@@ -46,7 +46,9 @@ def test_methods_option_runs_only_those_methods(tmp_path):
     assert bench_cuda.main(["--device", "cpu", "--models", "tiny", "--path-tokens", "64", "--por", "0",
                             "--no-real-data", "--methods", "hf-padded-sdpa", "tree", "--time-budget", "0",
                             "--out", str(out)]) == 0
-    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["hf-padded-sdpa", "tree"]
+    result = json.loads(out.read_text())
+    assert [r["method"] for r in result["rows"]] == ["hf-padded-sdpa", "tree"]
+    assert result["env"]["command"].startswith("python -m treecompile.bench_cuda --device cpu --models tiny")
 
 
 def _row(method: str, step_ms: float, loss: float) -> bench_cuda.CudaRow:

@@ -304,7 +304,8 @@ def _measure(step, model, cfg: CudaBenchConfig, device: torch.device) -> tuple[f
 # ---------------------------------------------------------------------------- the run
 
 
-def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", progress=None, on_row=None) -> dict:
+def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", progress=None, on_row=None,
+                   command: str | None = None) -> dict:
     """Runs every method on every workload of every model; returns ``{"env", "config", "rows"}``.
 
     Args:
@@ -312,6 +313,7 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
         device: ``"cuda"`` (the benchmark) or ``"cpu"`` (tests, with a tiny configuration).
         progress: called with a line of text before each measurement, or None.
         on_row: called with the result so far after each row (to write partial results).
+        command: the command line to report (default: ``treecompile`` and this process's arguments).
 
     Raises:
         RuntimeError: ``device="cuda"`` without a CUDA device.
@@ -329,7 +331,7 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: treecompile bench --device cuda needs one")
     dtype = getattr(torch, cfg.dtype)
-    result: dict[str, Any] = {"env": environment(), "config": asdict(cfg), "rows": []}
+    result: dict[str, Any] = {"env": environment(command), "config": asdict(cfg), "rows": []}
     rows: list[CudaRow] = []
     start = time.perf_counter()
     for model_name in cfg.models:
@@ -524,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
 
+    command = " ".join(["python -m treecompile.bench_cuda", *(sys.argv[1:] if argv is None else argv)])
     result = run_cuda_bench(cfg, device=args.device, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                            on_row=write)
+                            on_row=write, command=command)
     write(result)
     table = markdown_table(result)
     if args.markdown:
