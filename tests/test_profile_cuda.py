@@ -6,7 +6,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from treecompile.profile_cuda import ProfileConfig, _category, _union_us, markdown_report, profile_step  # noqa: E402
+import warnings  # noqa: E402
+
+from treecompile.profile_cuda import (  # noqa: E402
+    ProfileConfig, _category, _union_us, markdown_report, profile_step, sync_lines, sync_sites)
 
 
 def test_categories_and_interval_union():
@@ -29,3 +32,16 @@ def test_profile_of_a_tiny_step_on_cpu():
     text = markdown_report(r)
     assert "| step, wall clock |" in text and "| category | ms per step | share |" in text
     assert "host synchronisations" not in text  # CUDA only
+
+
+def test_sync_lines_name_the_line_that_synchronised():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            warnings.warn_explicit("called a synchronizing CUDA operation\nstack", UserWarning, "batch.py", 210)
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "compile.py", 377)
+        warnings.warn_explicit("something else", UserWarning, "other.py", 1)
+    lines = sync_lines(caught)
+    assert lines == ["batch.py:210: called a synchronizing CUDA operation"] * 2 + [
+        "compile.py:377: called a synchronizing CUDA operation"]
+    assert sync_sites(lines) == [("batch.py:210", 2), ("compile.py:377", 1)]

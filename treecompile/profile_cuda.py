@@ -99,7 +99,8 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def host_syncs(step) -> list[str]:
     """The host synchronisations ``step()`` makes on CUDA, one line each
-    (``torch.cuda.set_sync_debug_mode``)."""
+    (``torch.cuda.set_sync_debug_mode``): ``"FILE:LINE: message"``, where FILE:LINE is the
+    Python line that made it."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -107,7 +108,22 @@ def host_syncs(step) -> list[str]:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return sync_lines(caught)
+
+
+def sync_lines(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The synchronisation warnings among ``caught``, as ``"FILE:LINE: first line of the message"``."""
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def sync_sites(lines: list[str]) -> list[tuple[str, int]]:
+    """``(FILE:LINE, count)`` of `host_syncs`'s lines, most frequent first."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        site = line.split(": ", 1)[0]
+        counts[site] = counts.get(site, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])
 
 
 def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") -> dict[str, Any]:
@@ -149,7 +165,7 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
     for _ in range(cfg.warmup - 1):
         step()
     compiles_before = len(compiled.compile_records)
-    syncs = len(host_syncs(step)) if cuda else None
+    sync_list = host_syncs(step) if cuda else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls = []
     with profile(activities=activities) as prof:
@@ -203,7 +219,8 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
         "categories_ms": {c: us / 1e3 / n for c, us in sorted(categories.items(), key=lambda kv: -kv[1])},
         "top": [(name, us / 1e3 / n) for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:cfg.top]],
         "compiles_during_profile": compiles,
-        "host_syncs_per_step": syncs,
+        "host_syncs_per_step": None if sync_list is None else len(sync_list),
+        "host_sync_sites": None if sync_list is None else sync_sites(sync_list),
     }
 
 
@@ -232,6 +249,9 @@ def markdown_report(r: dict[str, Any]) -> str:
     lines += [f"| {c} | {ms:.2f} | {100 * ms / summed:.1f}% |" for c, ms in r["categories_ms"].items()]
     lines += ["", "| top kernel / operator | ms per step | category |", "|---|---|---|"]
     lines += [f"| `{name[:90]}` | {ms:.3f} | {_category(name)} |" for name, ms in r["top"]]
+    if r.get("host_sync_sites"):
+        lines += ["", "| host synchronisation made at | per step |", "|---|---|"]
+        lines += [f"| `{site}` | {n} |" for site, n in r["host_sync_sites"]]
     return "\n".join(lines)
 
 
