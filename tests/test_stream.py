@@ -299,6 +299,38 @@ def test_qwen3_streams_exactly(loss_mode):
         _check("qwen3", "keep", CHAIN, 5, loss_mode)
 
 
+def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(monkeypatch):
+    """A Hugging Face model whose sequence mixing is all attention through HF's interface: the
+    stack layout comes from its attention modules, so the first streamed call captures the
+    model once, not once more only to learn the layout. A wrong guess is reported by that
+    capture and corrected (one capture more), with the same loss and gradients, the per-path ones."""
+    import treecompile.stream_runner as stream_runner
+
+    builds = []
+    build = stream_runner.StreamRunner._build
+    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
+                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    model = _perturbed(transformers.Qwen3Config(**{**SMALL, "num_hidden_layers": 1}, head_dim=8))
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    batch = pack(tree)
+    names, params = zip(*model.named_parameters())
+    ref = per_path_loss(model, [tree])
+    want = dict(zip(names, torch.autograd.grad(ref.loss, params)))
+    rtol, atol = COMPILE_TOL["hf"]
+    guess = stream_runner._layout_guess
+    for wrong in (False, True):
+        if wrong:  # one head fewer than the model's keys and values have
+            monkeypatch.setattr(stream_runner, "_layout_guess",
+                                lambda w: stream_runner.KVLayout([(h - 1, d, t) for h, d, t in guess(w).shapes]))
+        builds.clear()
+        compiled = tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
+        out = compiled(batch)
+        got = dict(zip(names, torch.autograd.grad(out.loss, params)))
+        assert builds == ([2, 2] if wrong else [2]), builds  # one attention layer: a key and a value tensor
+        torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
+        assert_grads_close(got, want, ("float64", "hf"))
+
+
 @pytest.mark.slow
 def test_gemma2_window_across_parts_streams_exactly():
     stats = _check("gemma2-softcap-sw3", "recompute", BRANCHY, 5)
