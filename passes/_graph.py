@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -135,15 +136,32 @@ def same_size(a: Any, b: Any) -> bool:
     if isinstance(b, fx.Node):
         b = value(b)
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        env = (a if isinstance(a, torch.SymInt) else b).node.shape_env
+        # The passes ask about the same few pairs of sizes for every node (each dim against
+        # S): the answer per pair of expressions is kept with the shape environment, for as
+        # long as it has the same facts (guards, replacements and runtime asserts).
+        known = _SAME_SIZE.setdefault(env, {}) if env is not None else {}
+        key = (len(env.guards), len(env.replacements), getattr(env, "num_deferred_runtime_asserts", 0),
+               _size_key(a), _size_key(b)) if env is not None else None
+        if key not in known:
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        try:
-            return bool(statically_known_true(a == b))
-        except Exception:
-            return False
+            try:
+                known[key] = bool(statically_known_true(a == b))
+            except Exception:
+                known[key] = False
+        return known[key]
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return False
+
+
+#: Per shape environment, `same_size`'s answers by the pair of sizes' expressions.
+_SAME_SIZE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _size_key(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else (type(size), size)
 
 
 def ancestors(node: fx.Node) -> set[fx.Node]:

@@ -209,10 +209,10 @@ def run_passes(
             )
         removed = eliminate_dead_code(gm)
         gm.graph.lint()
-        gm.recompile()
         log.debug("%s: %s; %d dead nodes removed", name, dict(ctx.counters.get(name, {})), removed)
         if pipeline.after is not None:
             pipeline.after(name, gm, ctx)
+    gm.recompile()  # once: the passes and the hooks read the graph, not the generated code
     return gm
 
 

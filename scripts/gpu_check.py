@@ -319,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", default=None, help="comma-separated section names to run (default: all)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = environment()
     sections = SECTIONS[args.command]
     if args.sections:
         wanted = args.sections.split(",")
@@ -327,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown sections {unknown}; {args.command} has: {', '.join(n for n, _, _ in sections)}")
         sections = [s for s in sections if s[0] in wanted]
+    env = environment()  # after the arguments are checked: it imports torch
     skip = "skipped: no CUDA" if not env.get("cuda_available") else ("skipped: dry run" if args.dry_run else None)
     report = {"command": args.command, "invocation": args.invocation or " ".join(["scripts/gpu.sh", *sys.argv[1:]]),
               "env": env, "install": args.install, "sections": []}

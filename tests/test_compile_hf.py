@@ -96,16 +96,25 @@ def test_softcap_the_models_attention_would_drop_is_refused():
     assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "treecompile_routed_from")
 
 
-def test_building_a_new_model_class_after_the_first_call_does_not_recapture():
-    """transformers registers every model class it builds (``_CAN_RECORD_REGISTRY``), and a
-    compiled HF forward reads that registry: a reward or reference model of a new class
-    built between steps must not make the tree-compiled model capture again."""
+def test_a_new_model_class_or_a_repeated_checkpointing_hook_does_not_recapture():
+    """Between steps, state a compiled HF forward reads changes without changing the graph:
+    transformers registers every model class it builds (``_CAN_RECORD_REGISTRY``), so a reward
+    or reference model of a new class grows the registry; and turning gradient checkpointing
+    off and on (TRL's GRPO trainer does, around each generation) adds one more copy of
+    transformers' input-require-grads hook to the embeddings. Neither may make the
+    tree-compiled model capture again (the hooks would hit Dynamo's recompile limit)."""
     model = _model("qwen3")
     compiled = tree_compile(model, backend="eager")
     batch, trees = make_batch("branchy")
+    model.gradient_checkpointing_enable()
     compiled(batch)
     records = len(compiled.compile_records)
     fresh = type("FreshLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
     fresh(_config("llama"))  # a class no test built before: the registry grows
+    for _ in range(2):
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable()
+    assert len(model.model.embed_tokens._forward_hooks) == 3
     compare_with_paths(model, compiled, batch, trees, tol="hf")
     assert len(compiled.compile_records) == records
+    assert len(model.model.embed_tokens._forward_hooks) == 3  # the model's hooks are left as they were

@@ -92,8 +92,21 @@ def test_page_starts_with_a_runnable_example(page: Path):
     )
 
 
+@pytest.fixture
+def eager_lowering():
+    """The examples call ``tree_compile(model)``; here its default lowering runs the rewritten
+    graph as it is (`testing.eager_default_lowering`). What a page shows and checks (the API,
+    the outputs, exactness where it asserts it) does not depend on the lowering, which the
+    equivalence tests cover on the pages' model families (test_compile_hf's Qwen3,
+    test_compile_hybrid's Qwen3-Next, test_stream's streamed Qwen3)."""
+    from testing import eager_default_lowering
+
+    with eager_default_lowering():
+        yield
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
-def test_page_examples_run(page: Path, tmp_path, monkeypatch, capsys):
+def test_page_examples_run(page: Path, tmp_path, monkeypatch, capsys, eager_lowering):
     monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     ran = 0
@@ -318,7 +331,7 @@ def test_home_page_speedups_are_the_measured_ones():
         assert close == [float(speedup)], f"home page: {workload} POR {por} {speedup}x; benchmarks.md: {close}"
 
 
-def test_readme_examples_run(tmp_path, monkeypatch, capsys):
+def test_readme_examples_run(tmp_path, monkeypatch, capsys, eager_lowering):
     readme = ROOT / "README.md"
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "docs_readme"}

@@ -159,8 +159,8 @@ def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, data, 
               gradient_accumulation_steps=accumulation, per_device_train_batch_size=BATCH // accumulation)
     stock_losses, stock_updates, stock_seen, stock, _ = _train(base, tree=False, tmp_path=tmp_path, **kw)
     # The float64 run checks the Trainer glue (accumulation, a Dataset, evaluate()), which the
-    # lowering does not touch: it runs the rewritten graph as it is. The float32 run, the LoRA
-    # and the bf16 tests keep the default lowering on this Qwen3 under the Trainer.
+    # lowering does not touch: it runs the rewritten graph as it is. The float32 run and the LoRA
+    # test keep the default lowering on this Qwen3 under the Trainer.
     backend = "eager" if dtype == torch.float64 else None
     tree_losses, tree_updates, tree_seen, trainer, model = _train(base, tree=True, tmp_path=tmp_path,
                                                                   backend=backend, **kw)
@@ -200,7 +200,11 @@ def test_trainer_bf16_autocast_error_is_within_the_stock_trainers(tmp_path):
     the float32 stock run is at most the stock bf16 run's, times the GPU check's ratio."""
     base = _qwen3()
     ref_losses, ref_updates, *_ = _train(base, tree=False, tmp_path=tmp_path, gradient_checkpointing=True)
-    runs = {tree: _train(base, tree=tree, tmp_path=tmp_path, gradient_checkpointing=True, bf16=True)
+    # The rewritten graph as it is: bf16 autocast with checkpointing through the default lowering
+    # is test_integration_trl.py's test_sft_bf16_checkpointing_within_stock_noise (a Qwen3
+    # under TRL's SFT trainer, a Trainer subclass).
+    runs = {tree: _train(base, tree=tree, tmp_path=tmp_path, gradient_checkpointing=True, bf16=True,
+                         backend="eager" if tree else None)
             for tree in (False, True)}
     (stock_losses, stock_updates, *_), (tree_losses, tree_updates, *_) = runs[False], runs[True]
     stock_err, tree_err = _rel_error(stock_updates, ref_updates), _rel_error(tree_updates, ref_updates)

@@ -175,7 +175,10 @@ _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 #: The router auxiliary loss coefficient of the families that have one.
 _AUX = {"qwen3-moe-aux": 1.0, "qwen3-next-moe-aux": 1.0}
 _COMPILED: dict = {}
-_LOWERED = {("nanogpt", "keep"), ("qwen3", "keep"), ("qwen3-next", "keep")}
+#: Families whose streamed graph runs the default lowering (AOTAutograd on CPU): a plain and a
+#: hybrid model; an HF Qwen3's streamed graph is lowered in both modes by test_budget.py's
+#: test_streamed_prediction_bounds_the_measured_cpu_peak.
+_LOWERED = {("nanogpt", "keep"), ("qwen3-next", "keep")}
 #: Tests (or parametrizations) that take one family's model from `_compiled` run on one
 #: pytest-xdist worker (``--dist loadgroup``, scripts/test.sh), so it is captured once.
 _ON_NANOGPT_WORKER = pytest.mark.xdist_group("test_stream:nanogpt")
@@ -294,6 +297,38 @@ def test_qwen3_streams_exactly(loss_mode):
     _check("qwen3", "keep", BRANCHY, 4, loss_mode)
     if loss_mode == "token-mean":
         _check("qwen3", "keep", CHAIN, 5, loss_mode)
+
+
+def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(monkeypatch):
+    """A Hugging Face model whose sequence mixing is all attention through HF's interface: the
+    stack layout comes from its attention modules, so the first streamed call captures the
+    model once, not once more only to learn the layout. A wrong guess is reported by that
+    capture and corrected (one capture more), with the same loss and gradients, the per-path ones."""
+    import treecompile.stream_runner as stream_runner
+
+    builds = []
+    build = stream_runner.StreamRunner._build
+    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
+                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    model = _perturbed(transformers.Qwen3Config(**{**SMALL, "num_hidden_layers": 1}, head_dim=8))
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    batch = pack(tree)
+    names, params = zip(*model.named_parameters())
+    ref = per_path_loss(model, [tree])
+    want = dict(zip(names, torch.autograd.grad(ref.loss, params)))
+    rtol, atol = COMPILE_TOL["hf"]
+    guess = stream_runner._layout_guess
+    for wrong in (False, True):
+        if wrong:  # one head fewer than the model's keys and values have
+            monkeypatch.setattr(stream_runner, "_layout_guess",
+                                lambda w: stream_runner.KVLayout([(h - 1, d, t) for h, d, t in guess(w).shapes]))
+        builds.clear()
+        compiled = tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
+        out = compiled(batch)
+        got = dict(zip(names, torch.autograd.grad(out.loss, params)))
+        assert builds == ([2, 2] if wrong else [2]), builds  # one attention layer: a key and a value tensor
+        torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
+        assert_grads_close(got, want, ("float64", "hf"))
 
 
 @pytest.mark.slow
@@ -771,7 +806,9 @@ def test_streamed_peak_memory_is_below_the_whole_tree():
     assert plan_stream(batch, 64).stack_depth == 3
     peaks = {}
     for name, options in [("whole", None), ("keep", StreamOptions(64)), ("recompute", StreamOptions(64, "recompute"))]:
-        compiled = tree_compile(model, stream=options)
+        # The rewritten graphs as they are: what is compared is what each way of running the
+        # tree holds at once. test_budget.py measures the default lowering's streamed peak.
+        compiled = tree_compile(model, stream=options, backend="eager")
 
         def step():
             compiled(batch).loss.backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -185,3 +186,30 @@ def perturbed_hf_model(config, dtype=torch.float64, *, eval: bool = True, **from
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model.eval() if eval else model
+
+
+@contextlib.contextmanager
+def eager_default_lowering():
+    """Inside, a wrapper built with the default lowering (``backend=None``: AOTAutograd on CPU)
+    runs its rewritten graph as it is (``backend="eager"``); an explicit backend is kept. For
+    tests of what does not depend on the lowering (docs examples, the benchmark's rows) whose
+    model families the equivalence tests already check through the default lowering: the
+    lowering is two thirds of a small model's compile time."""
+    from treecompile.compile import TreeCompiledModel
+
+    backend = TreeCompiledModel._backend
+
+    def eager_by_default(self, device, **kw):
+        if self._backend_name is not None or device.type != "cpu":
+            return backend(self, device, **kw)
+        self._backend_name = "eager"  # for this graph's backend only
+        try:
+            return backend(self, device, **kw)
+        finally:
+            self._backend_name = None
+
+    TreeCompiledModel._backend = eager_by_default
+    try:
+        yield
+    finally:
+        TreeCompiledModel._backend = backend

@@ -267,6 +267,40 @@ def output_registry_snapshot(model: nn.Module):
         oc._CAN_RECORD_REGISTRY = live
 
 
+#: transformers' ``enable_input_require_grads`` hook (``output.requires_grad_(True)`` on the input
+#: embeddings' output), by its function's qualified name.
+_REQUIRE_GRADS_HOOK = "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"
+
+
+def _is_require_grads_hook(hook: Any) -> bool:
+    return (getattr(hook, "__qualname__", None) == _REQUIRE_GRADS_HOOK
+            and getattr(hook, "__module__", "").startswith("transformers."))
+
+
+@contextlib.contextmanager
+def require_grads_hooks_once(model: nn.Module):
+    """For one call, each module's forward hooks hold transformers' input-require-grads hook at
+    most once. ``gradient_checkpointing_enable`` registers it on the input embeddings and
+    ``gradient_checkpointing_disable`` leaves it there (without PEFT), so code that turns
+    checkpointing off and on around each generation (TRL's GRPO trainer) adds one more every
+    step. Dynamo guards on the number of hooks: each step would capture the graph again, and
+    the ninth would hit Dynamo's recompile limit. The hook only sets ``requires_grad`` on the
+    output, so running it once is running it any number of times."""
+    swapped = []
+    for m in model.modules():
+        hooks = m._forward_hooks
+        if sum(map(_is_require_grads_hook, hooks.values())) > 1:
+            first = next(k for k, h in hooks.items() if _is_require_grads_hook(h))
+            once = type(hooks)((k, h) for k, h in hooks.items() if k == first or not _is_require_grads_hook(h))
+            swapped.append((m, hooks))
+            m._forward_hooks = once
+    try:
+        yield
+    finally:
+        for m, hooks in swapped:
+            m._forward_hooks = hooks
+
+
 @contextlib.contextmanager
 def hf_interfaces(model: nn.Module, route_attention: bool):
     """Routes the model's HF attention and experts interfaces to the tree markers for one
@@ -287,7 +321,7 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
     }
     moe = _hf_grouped_mm_site() if saved_experts else None
     original_grouped_mm = moe._grouped_mm if moe is not None else None
-    with output_registry_snapshot(model):
+    with output_registry_snapshot(model), require_grads_hooks_once(model):
         try:
             if moe is not None:
                 moe._grouped_mm = _grouped_mm

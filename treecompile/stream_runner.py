@@ -268,18 +268,31 @@ class StreamRunner:
         inputs, dest = data.part_inputs(a, b, plan.prefix[j])
         inputs = [x.to(device) for x in inputs]
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
+        guessed = False
         if self._shapes is None:
-            self._build(device, KVLayout([]))
-            try:
-                self._call(self._args(inputs, block_tensors, data.structure(j, 1, device), ([], [], [])))
-            except KVLayout as e:
-                self._build(device, e)
+            guess = _layout_guess(self.wrapper)
+            if guess is not None:
+                self._build(device, guess)
+                guessed = True
+            else:
+                self._build(device, KVLayout([]))
+                try:
+                    self._call(self._args(inputs, block_tensors, data.structure(j, 1, device), ([], [], [])))
+                except KVLayout as e:
+                    self._build(device, e)
         dk = self._shapes.states[0][1] if self._shapes.states else 1
         structure = data.structure(j, dk, device)
         stack = gather_prefix(plan, data, j, entries, self._shapes, device)
         leaves = [x.requires_grad_() for x in (*stack[0], *stack[1], *stack[2])] if with_graph else []
         with torch.set_grad_enabled(with_graph):
-            loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, structure, stack))
+            try:
+                loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, structure, stack))
+            except KVLayout as e:
+                if not guessed:
+                    raise
+                # The graph's layers are not the guessed ones: build with what it reported.
+                self._build(device, e)
+                return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
             main = loss.detach()
             if aux_grad is not None and with_graph:
                 # coef * aux is linear in the part's router sums with this gradient: the part's
@@ -303,6 +316,29 @@ class StreamRunner:
             torch._dynamo.maybe_mark_dynamic(t, d)
         return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count, tables,
                 prefix, conv, states, [kv_end, kv_pos, conv_pred, readouts])
+
+
+def _layout_guess(wrapper) -> KVLayout | None:
+    """The stack layout of a Hugging Face model whose every sequence mixing is attention through
+    HF's attention interface, from its attention modules (in order: their key and value heads
+    and head dim, the parameters' dtype); None for any other model. The layout is otherwise
+    learnt by a first capture that only reports it (`KVLayout`), so a right guess saves one
+    Dynamo capture of the whole model; a wrong one is reported by the first capture as before."""
+    from treecompile.passes.markers import _calls_attention_interface
+
+    if not wrapper._is_hf or not wrapper._routes_attention or wrapper._structure:
+        return None
+    shapes = []
+    for m in wrapper._inner.modules():
+        if not _calls_attention_interface(type(m)):
+            continue
+        config, head_dim = getattr(m, "config", None), getattr(m, "head_dim", None)
+        heads = getattr(config, "num_key_value_heads", None)
+        params = list(m.parameters(recurse=True))
+        if not (isinstance(heads, int) and isinstance(head_dim, int) and params):
+            return None
+        shapes += [(heads, head_dim, params[0].dtype)] * 2
+    return KVLayout(shapes) if shapes else None
 
 
 def stream_logprob_loss(
