@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from testing import TOLERANCES, assert_grads_close
+
 from treecompile import bench_cuda
 from treecompile.cli import main as cli_main
 
@@ -49,6 +51,32 @@ def test_methods_option_runs_only_those_methods(tmp_path):
     result = json.loads(out.read_text())
     assert [r["method"] for r in result["rows"]] == ["hf-padded-sdpa", "tree"]
     assert result["env"]["command"].startswith("python -m treecompile.bench_cuda --device cpu --models tiny")
+
+
+@pytest.mark.parametrize("method", ["hf-padded-sdpa", "hf-packed-flex"])
+def test_baseline_micro_batches_give_the_one_batch_step(method):
+    """The baselines' fallback on out-of-memory (gradient accumulation over micro-batches of
+    paths) trains the same step: the token-mean loss and every gradient, float64."""
+    from treecompile.bench import synthetic_tree
+
+    model = bench_cuda._model("tiny", torch.float64, torch.device("cpu"), 0)
+    paths = bench_cuda._paths([synthetic_tree(5, 24, 0.5, 2048, 0)])
+    paths[1] = (paths[1][0], [False] * 7 + paths[1][1][7:])  # micro-batches of different target counts
+
+    def step(micro):
+        model.zero_grad(set_to_none=True)
+        runner = (bench_cuda._Padded(model, model, paths, torch.device("cpu")) if method == "hf-padded-sdpa"
+                  else bench_cuda._Packed(model, model, paths, torch.device("cpu"), "sdpa"))
+        runner.micro = micro
+        return runner(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = step(1)
+    # HF's norms compute in float32 inside the float64 model: its noise floor, not rounding.
+    rtol, _ = TOLERANCES[("float64", "hf")]
+    for micro in (2, 3):
+        loss_m, grads_m = step(micro)
+        assert loss_m == pytest.approx(loss, rel=rtol)
+        assert_grads_close(grads_m, grads, ("float64", "hf"))
 
 
 def _row(method: str, step_ms: float, loss: float) -> bench_cuda.CudaRow:

@@ -16,7 +16,8 @@ Methods, all on the same model and the same paths, one optimizer-free training s
   (gradient accumulation), as a user would; the row says how many.
 * ``hf-packed-flex``: the unmodified model on all paths packed into one row, ``position_ids``
   restarting at 0 for each path (HF builds the document mask from them), HF's own
-  FlexAttention path, HF's loss with each path's first label ``-100``.
+  FlexAttention path, HF's loss with each path's first label ``-100``; on out-of-memory the
+  paths go into several packed rows run one after the other, as for the padded baseline.
 * ``tree``: `treecompile.tree_compile` on the DFS-packed tree (interval mask, gathered head);
 * ``tree-fused``: the same with ``lm_head="fused"`` (the Triton LM-head kernels on CUDA).
 
@@ -212,23 +213,32 @@ def _packed_inputs(paths, device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return as_row(ids), as_row(pos), as_row(labels)
 
 
+def _micro_batches(paths, micro: int) -> list[list]:
+    """The paths in ``micro`` consecutive groups of (nearly) equal size."""
+    k = -(-len(paths) // micro)
+    return [paths[i:i + k] for i in range(0, len(paths), k)]
+
+
+def _targets(paths) -> int:
+    """Targets HF's shifted labels count: every loss-masked token after a path's first."""
+    return sum(sum(m[1:]) for _, m in paths)
+
+
 class _Padded:
     """HF's loss is a token mean per call; micro-batches are re-weighted to the mean over all."""
 
     def __init__(self, model, fn, paths, device):
         self.model, self.fn, self.paths, self.device = model, fn, paths, device
         self.micro = 1
-        self.total = sum(sum(m[1:]) for _, m in paths)
+        self.total = _targets(paths)
 
     def __call__(self) -> float:
         loss_sum = 0.0
-        k = -(-len(self.paths) // self.micro)
-        for i in range(0, len(self.paths), k):
-            part = self.paths[i:i + k]
+        for part in _micro_batches(self.paths, self.micro):
             ids, att, labels = _padded_inputs(part, self.device)
             self.model.config._attn_implementation = "sdpa"
             out = self.fn(input_ids=ids, attention_mask=att, labels=labels, use_cache=False)
-            n = sum(sum(m[1:]) for _, m in part)
+            n = _targets(part)
             (out.loss * (n / self.total)).backward()
             loss_sum += float(out.loss.detach()) * n / self.total
         return loss_sum
@@ -237,28 +247,40 @@ class _Padded:
 class _Packed:
     """With FlexAttention, the document-causal BlockMask is handed to HF (which passes a BlockMask
     through unchanged): the interval rule on a forest of one-path trees, built from per-block
-    bounds like the tree's own. Otherwise HF derives the document mask from ``position_ids``."""
+    bounds like the tree's own. Otherwise HF derives the document mask from ``position_ids``.
+    On out-of-memory the paths are packed into ``micro`` rows run one after the other (gradient
+    accumulation, re-weighted to the token mean over all), as for the padded baseline."""
 
     def __init__(self, model, fn, paths, device, attention: str):
-        self.model, self.fn, self.attention = model, fn, attention
-        self.ids, self.pos, self.labels = _packed_inputs(paths, device)
-        self.mask = None
-        if attention == "flex_attention":
+        self.model, self.fn, self.paths, self.device, self.attention = model, fn, paths, device, attention
+        self.micro = 1
+        self.total = _targets(paths)
+        self._parts: tuple[int, list] | None = None  # (micro, the rows' inputs), built once per micro
+
+    def _row(self, paths) -> tuple:
+        ids, pos, labels = _packed_inputs(paths, self.device)
+        mask = None
+        if self.attention == "flex_attention":
             from treecompile.kernels.blockmask import tree_block_mask
 
-            ends = torch.cat([torch.full((len(t),), 0, dtype=torch.int64) for t, _ in paths])
-            total = 0
+            ends, total = [], 0
             for t, _ in paths:
-                ends[total:total + len(t)] = total + len(t)
                 total += len(t)
-            self.mask = tree_block_mask(ends.to(device))
+                ends += [total] * len(t)
+            mask = tree_block_mask(torch.tensor(ends, dtype=torch.int64, device=self.device))
+        return ids, pos, labels, mask, _targets(paths)
 
     def __call__(self) -> float:
+        if self._parts is None or self._parts[0] != self.micro:
+            self._parts = None  # the previous rows' memory first
+            self._parts = (self.micro, [self._row(part) for part in _micro_batches(self.paths, self.micro)])
         self.model.config._attn_implementation = self.attention
-        out = self.fn(input_ids=self.ids, position_ids=self.pos, attention_mask=self.mask, labels=self.labels,
-                      use_cache=False)
-        out.loss.backward()
-        return float(out.loss.detach())
+        loss_sum = 0.0
+        for ids, pos, labels, mask, n in self._parts[1]:
+            out = self.fn(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels, use_cache=False)
+            (out.loss * (n / self.total)).backward()
+            loss_sum += float(out.loss.detach()) * n / self.total
+        return loss_sum
 
 
 class _Tree:
@@ -382,8 +404,9 @@ def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
 
 def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack) -> None:
     try:
-        if method == "hf-padded-sdpa":
-            step = _Padded(model, fn, paths, dev)
+        if method in ("hf-padded-sdpa", "hf-packed-flex"):
+            step = (_Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
+                    else _Packed(model, fn, paths, dev, cfg.packed_attention))
             while True:
                 try:
                     measured = _measure(step, model, cfg, dev)
@@ -395,8 +418,6 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
                     torch.cuda.empty_cache()
                     step.micro *= 2
             row.micro_batches = step.micro
-        elif method == "hf-packed-flex":
-            measured = _measure(_Packed(model, fn, paths, dev, cfg.packed_attention), model, cfg, dev)
         else:
             measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
     except Exception as e:  # one failing row never stops the others
