@@ -179,14 +179,14 @@ def _section_args(what: str) -> tuple[str, str | None]:
     return file, (rest.removeprefix("-k ").strip() or None) if rest else None
 
 
-def _selected(test_id: str, expression: str | None) -> bool:
-    """Whether pytest's ``-k expression`` keeps ``test_id`` (a name matches a substring of the id)."""
+def _selector(expression: str | None):
+    """Whether pytest's ``-k expression`` keeps a test id (a name matches a substring of the id)."""
     if expression is None:
-        return True
+        return lambda test_id: True
     from _pytest.mark.expression import Expression
 
-    name = test_id.lower()
-    return Expression.compile(expression).evaluate(lambda word, **_: word.lower() in name)
+    compiled = Expression.compile(expression)
+    return lambda test_id: compiled.evaluate(lambda word, **_: word.lower() in test_id.lower())
 
 
 def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, list[str]]:
@@ -202,7 +202,8 @@ def collect_only(sections: list[tuple[str, str, int]], work: Path) -> dict[str, 
     out = {}
     for name, what, _ in sections:
         file, expression = _section_args(what)
-        out[name] = [i for i in ids if i.startswith(file + "::") and _selected(i.split("::", 1)[1], expression)]
+        keeps = _selector(expression)
+        out[name] = [i for i in ids if i.startswith(file + "::") and keeps(i.split("::", 1)[1])]
     return out
 
 

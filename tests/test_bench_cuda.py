@@ -79,6 +79,30 @@ def test_baseline_micro_batches_give_the_one_batch_step(method):
         assert_grads_close(grads_m, grads, ("float64", "hf"))
 
 
+def test_baseline_inputs_are_built_once_outside_the_timed_steps(monkeypatch):
+    """The tree's batch is packed once before its steps; the baselines' input tensors too (the
+    first, untimed step builds them), else the baselines' times would include host work the
+    tree's do not."""
+    from treecompile.bench import synthetic_tree
+
+    model = bench_cuda._model("tiny", torch.float32, torch.device("cpu"), 0)
+    paths = bench_cuda._paths([synthetic_tree(4, 16, 0.5, 2048, 0)])
+    built = []
+    for cls in (bench_cuda._Padded, bench_cuda._Packed):
+        counted = lambda self, part, f=cls._call_kwargs: built.append(1) or f(self, part)  # noqa: E731
+        monkeypatch.setattr(cls, "_call_kwargs", counted)
+    cfg = dataclasses.replace(bench_cuda.DEFAULT, warmup=2, repeats=3)
+    for step in (bench_cuda._Padded(model, model, paths, torch.device("cpu")),
+                 bench_cuda._Packed(model, model, paths, torch.device("cpu"), "sdpa")):
+        built.clear()
+        bench_cuda._measure(step, model, cfg, torch.device("cpu"))
+        assert len(built) == 1
+        step.micro = 2  # after an out-of-memory: built again, once, for the new micro-batches
+        built.clear()
+        bench_cuda._measure(step, model, cfg, torch.device("cpu"))
+        assert len(built) == 2
+
+
 def _row(method: str, step_ms: float, loss: float) -> bench_cuda.CudaRow:
     return bench_cuda.CudaRow(model="m", workload="w", method=method, por=0.8, path_tokens=100, rows=20,
                               step_ms=step_ms, loss=loss)

@@ -224,40 +224,58 @@ def _targets(paths) -> int:
     return sum(sum(m[1:]) for _, m in paths)
 
 
-class _Padded:
-    """HF's loss is a token mean per call; micro-batches are re-weighted to the mean over all."""
+class _Baseline:
+    """One step of an HF baseline over ``micro`` micro-batches of the paths (1 unless a step ran
+    out of memory): HF's loss is a token mean per call, so each micro-batch's is re-weighted to
+    the mean over all (gradient accumulation). The inputs are built once per ``micro``, outside
+    the timed steps, as the tree's batch is packed once."""
+
+    attention: str  #: the HF attention implementation the model runs with
 
     def __init__(self, model, fn, paths, device):
         self.model, self.fn, self.paths, self.device = model, fn, paths, device
         self.micro = 1
         self.total = _targets(paths)
+        self._inputs: tuple[int, list] | None = None  # (micro, [(call kwargs, targets)])
+
+    def _call_kwargs(self, paths) -> dict:
+        raise NotImplementedError
 
     def __call__(self) -> float:
+        if self._inputs is None or self._inputs[0] != self.micro:
+            self._inputs = None  # the previous micro-batches' memory first
+            self._inputs = (self.micro, [(self._call_kwargs(part), _targets(part))
+                                         for part in _micro_batches(self.paths, self.micro)])
+        self.model.config._attn_implementation = self.attention
         loss_sum = 0.0
-        for part in _micro_batches(self.paths, self.micro):
-            ids, att, labels = _padded_inputs(part, self.device)
-            self.model.config._attn_implementation = "sdpa"
-            out = self.fn(input_ids=ids, attention_mask=att, labels=labels, use_cache=False)
-            n = _targets(part)
+        for kwargs, n in self._inputs[1]:
+            out = self.fn(**kwargs, use_cache=False)
             (out.loss * (n / self.total)).backward()
             loss_sum += float(out.loss.detach()) * n / self.total
         return loss_sum
 
 
-class _Packed:
-    """With FlexAttention, the document-causal BlockMask is handed to HF (which passes a BlockMask
-    through unchanged): the interval rule on a forest of one-path trees, built from per-block
-    bounds like the tree's own. Otherwise HF derives the document mask from ``position_ids``.
-    On out-of-memory the paths are packed into ``micro`` rows run one after the other (gradient
-    accumulation, re-weighted to the token mean over all), as for the padded baseline."""
+class _Padded(_Baseline):
+    """The paths right-padded into one batch with an attention mask, SDPA."""
+
+    attention = "sdpa"
+
+    def _call_kwargs(self, paths) -> dict:
+        ids, att, labels = _padded_inputs(paths, self.device)
+        return dict(input_ids=ids, attention_mask=att, labels=labels)
+
+
+class _Packed(_Baseline):
+    """The paths packed into one row. With FlexAttention, the document-causal BlockMask is
+    handed to HF (which passes a BlockMask through unchanged): the interval rule on a forest of
+    one-path trees, built from per-block bounds like the tree's own. Otherwise HF derives the
+    document mask from ``position_ids``."""
 
     def __init__(self, model, fn, paths, device, attention: str):
-        self.model, self.fn, self.paths, self.device, self.attention = model, fn, paths, device, attention
-        self.micro = 1
-        self.total = _targets(paths)
-        self._parts: tuple[int, list] | None = None  # (micro, the rows' inputs), built once per micro
+        super().__init__(model, fn, paths, device)
+        self.attention = attention
 
-    def _row(self, paths) -> tuple:
+    def _call_kwargs(self, paths) -> dict:
         ids, pos, labels = _packed_inputs(paths, self.device)
         mask = None
         if self.attention == "flex_attention":
@@ -268,19 +286,7 @@ class _Packed:
                 total += len(t)
                 ends += [total] * len(t)
             mask = tree_block_mask(torch.tensor(ends, dtype=torch.int64, device=self.device))
-        return ids, pos, labels, mask, _targets(paths)
-
-    def __call__(self) -> float:
-        if self._parts is None or self._parts[0] != self.micro:
-            self._parts = None  # the previous rows' memory first
-            self._parts = (self.micro, [self._row(part) for part in _micro_batches(self.paths, self.micro)])
-        self.model.config._attn_implementation = self.attention
-        loss_sum = 0.0
-        for ids, pos, labels, mask, n in self._parts[1]:
-            out = self.fn(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels, use_cache=False)
-            (out.loss * (n / self.total)).backward()
-            loss_sum += float(out.loss.detach()) * n / self.total
-        return loss_sum
+        return dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels)
 
 
 class _Tree:

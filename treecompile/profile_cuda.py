@@ -28,6 +28,7 @@ import re
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,11 +120,7 @@ def sync_lines(caught: list[warnings.WarningMessage]) -> list[str]:
 
 def sync_sites(lines: list[str]) -> list[tuple[str, int]]:
     """``(FILE:LINE, count)`` of `host_syncs`'s lines, most frequent first."""
-    counts: dict[str, int] = {}
-    for line in lines:
-        site = line.split(": ", 1)[0]
-        counts[site] = counts.get(site, 0) + 1
-    return sorted(counts.items(), key=lambda kv: -kv[1])
+    return Counter(line.split(": ", 1)[0] for line in lines).most_common()
 
 
 def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") -> dict[str, Any]:
