@@ -9,7 +9,9 @@ on ManualGPT, and the other tests run the rewritten graph as it is (``backend="e
 their subject is the rewrite or the wrapper and lowering triples a compile's time.
 """
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from test_compile_models import (
 
 from treecompile.compile import BACKENDS, MASKS, TreeCompiledModel, tree_compile
 from treecompile.errors import UnsupportedModelError
+from treecompile.stream import StreamOptions
 
 MODELS = {
     # model -> the rewrites its graph must show, per pass.
@@ -51,6 +54,23 @@ def test_custom_model_matches_per_path_training(model_id, mask):
     assert compiled.counters["gather_logits_pass"] == {"gather_before_lm_head": 1}
     # Dynamic S: one graph served trees of 11, 14 and 9 tokens.
     assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_dropped_wrapper_frees_its_model(stream):
+    """``del`` of a tree-compiled model frees the model, its parameters and its graphs, as
+    for a model that was never wrapped: torch.compile keeps every backend it was given for
+    the life of the process, so the backend must not hold the wrapper."""
+    model = tiny(NanoGPT)
+    # The default lowering (AOTAutograd) for the whole tree; the streamed parts as captured.
+    compiled = tree_compile(model, backend="eager" if stream else None,
+                            stream=StreamOptions(budget_rows=8) if stream else None)
+    compiled(make_batch("branchy")[0]).loss.backward()
+    assert compiled._stream.stats.parts > 1 if stream else len(compiled.compile_records) == 1
+    refs = [weakref.ref(x) for x in (model, compiled, next(model.parameters()))]
+    del model, compiled
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`)
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +118,28 @@ def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positi
 def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:
     """``torch.compile(fn)`` under a code object named ``name``: Dynamo caches compiled graphs
     per code object, so a code object of its own per wrapper keeps wrappers of different
-    models from sharing one recompile budget."""
+    models from sharing one recompile budget.
+
+    torch.compile keeps every backend it is given in a process-wide table (for
+    ``torch._dynamo.reset``); ``backend`` closes over its wrapper, and through it the model,
+    so Dynamo gets a weak reference to it and the compiled function the strong one: a wrapper
+    that is dropped frees its model, parameters and graphs."""
     code = fn.__code__.replace(co_name=name)
     fn = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
-    return torch.compile(fn, backend=backend, fullgraph=True)
+    compiled = torch.compile(fn, backend=_WeakBackend(backend), fullgraph=True)
+    compiled._treecompile_backend = backend  # lives as long as the compiled function
+    return compiled
+
+
+class _WeakBackend:
+    """A Dynamo backend that calls ``backend`` through a weak reference (see `compile_named`)."""
+
+    def __init__(self, backend: Callable) -> None:
+        self._backend = weakref.ref(backend)
+        self.__name__ = getattr(backend, "__name__", "treecompile_backend")
+
+    def __call__(self, gm, example_inputs):
+        backend = self._backend()
+        if backend is None:  # the compiled function holds it: not while it can be called
+            raise RuntimeError("treecompile: this compiled function's backend was freed")
+        return backend(gm, example_inputs)
