@@ -39,6 +39,11 @@ def pytest_runtest_teardown(item, nextitem):
     gc.freeze()
 
 
+def pytest_unconfigure(config):
+    # What was frozen is freed at exit like the rest (else Triton's bindings report leaks).
+    gc.unfreeze()
+
+
 @pytest.fixture
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
