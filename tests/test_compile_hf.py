@@ -118,3 +118,19 @@ def test_a_new_model_class_or_a_repeated_checkpointing_hook_does_not_recapture()
     compare_with_paths(model, compiled, batch, trees, tol="hf")
     assert len(compiled.compile_records) == records
     assert len(model.model.embed_tokens._forward_hooks) == 3  # the model's hooks are left as they were
+
+
+def test_each_compiled_graph_gets_a_code_name_of_its_own():
+    """Dynamo keeps what it learnt about a function's inputs per file, line and name. With the
+    name taken from the wrapper's id, a wrapper built after another was freed (at its address)
+    inherited its history: a Qwen3 with head_dim 8 after one with 16 saw its attention scale
+    as a variable float, which the attention pass cannot read (measured with every graph given
+    one name). So no two graphs of a process share a name."""
+    from treecompile.call import compile_named
+
+    def fn(x):
+        return x + 1
+
+    names = {compile_named(fn, "tree_forward", lambda gm, inputs: gm)._torchdynamo_orig_callable.__code__.co_name
+             for _ in range(3)}
+    assert len(names) == 3 and all(n.startswith("tree_forward_") for n in names)

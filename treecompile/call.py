@@ -5,6 +5,7 @@ settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`)
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections.abc import Callable
@@ -115,16 +116,21 @@ def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positi
     return out, loss, logprobs, entropy
 
 
+_GRAPH_NUMBERS = itertools.count()
+
+
 def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:
-    """``torch.compile(fn)`` under a code object named ``name``: Dynamo caches compiled graphs
-    per code object, so a code object of its own per wrapper keeps wrappers of different
-    models from sharing one recompile budget.
+    """``torch.compile(fn)`` under a code object named ``name`` and a number no other call in
+    the process gets: Dynamo caches compiled graphs per code object and keeps what it learnt
+    about a function's inputs (which sizes and floats vary) per file, line and name, so a name
+    of its own per graph keeps wrappers from sharing a recompile budget or another wrapper's
+    dynamic inputs (an id would be reused once its wrapper is freed).
 
     torch.compile keeps every backend it is given in a process-wide table (for
     ``torch._dynamo.reset``); ``backend`` closes over its wrapper, and through it the model,
     so Dynamo gets a weak reference to it and the compiled function the strong one: a wrapper
     that is dropped frees its model, parameters and graphs."""
-    code = fn.__code__.replace(co_name=name)
+    code = fn.__code__.replace(co_name=f"{name}_{next(_GRAPH_NUMBERS)}")
     fn = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
     compiled = torch.compile(fn, backend=_WeakBackend(backend), fullgraph=True)
     compiled._treecompile_backend = backend  # lives as long as the compiled function

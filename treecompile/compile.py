@@ -457,7 +457,7 @@ class TreeCompiledModel(nn.Module):
                 loss = loss + router.coef * aux.to(loss.dtype)
             return loss, logprobs, aux, entropy
 
-        return compile_named(tree_forward, f"tree_forward_{id(self):x}", backend)
+        return compile_named(tree_forward, "tree_forward", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
         """The compiled function's arguments for one batch (block mask built here, once)."""

@@ -157,7 +157,7 @@ class StreamRunner:
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
             return loss, logprobs, kv, stats, entropy
 
-        self._compiled = compile_named(stream_forward, f"stream_forward_{id(self):x}_{len(shapes.shapes)}", backend)
+        self._compiled = compile_named(stream_forward, f"stream_forward_{len(shapes.shapes)}", backend)
         self._shapes = shapes
 
     def _call(self, args: tuple) -> tuple:
