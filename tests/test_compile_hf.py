@@ -134,3 +134,24 @@ def test_each_compiled_graph_gets_a_code_name_of_its_own():
     names = {compile_named(fn, "tree_forward", lambda gm, inputs: gm)._torchdynamo_orig_callable.__code__.co_name
              for _ in range(3)}
     assert len(names) == 3 and all(n.startswith("tree_forward_") for n in names)
+
+
+def test_an_attention_scale_traced_as_a_variable_is_refused_by_name(monkeypatch):
+    """Dynamo traces a float as a variable once it has seen it change between calls of one
+    function. Forced here by giving every graph one code name (as the wrapper's id once did):
+    the second model's attention scale differs, arrives as a traced value, and the model is
+    refused naming the attention and why, instead of failing inside the pass."""
+    import itertools
+
+    import treecompile.call as call
+    from treecompile.errors import UnsupportedModelError
+
+    monkeypatch.setattr(call, "_GRAPH_NUMBERS", itertools.repeat(0))
+    batch, _ = make_batch("branchy")
+    for head_dim in (16, 8):
+        compiled = tree_compile(perturbed_hf_model(transformers.Qwen3Config(**COMMON, head_dim=head_dim)),
+                                backend="eager")
+        if head_dim == 16:
+            compiled(batch)
+    with pytest.raises(UnsupportedModelError, match="scale is a traced variable, not a constant"):
+        compiled(batch)
