@@ -146,7 +146,8 @@ def test_an_attention_scale_traced_as_a_variable_is_refused_by_name(monkeypatch)
     import treecompile.call as call
     from treecompile.errors import UnsupportedModelError
 
-    monkeypatch.setattr(call, "_GRAPH_NUMBERS", itertools.repeat(0))
+    # A name no earlier graph of this process had (Dynamo's history of a name outlives its graphs).
+    monkeypatch.setattr(call, "_GRAPH_NUMBERS", itertools.repeat("one_name_for_every_graph"))
     batch, _ = make_batch("branchy")
     for head_dim in (16, 8):
         compiled = tree_compile(perturbed_hf_model(transformers.Qwen3Config(**COMMON, head_dim=head_dim)),
