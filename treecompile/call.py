@@ -145,7 +145,5 @@ class _WeakBackend:
         self.__name__ = getattr(backend, "__name__", "treecompile_backend")
 
     def __call__(self, gm, example_inputs):
-        backend = self._backend()
-        if backend is None:  # the compiled function holds it: not while it can be called
-            raise RuntimeError("treecompile: this compiled function's backend was freed")
-        return backend(gm, example_inputs)
+        # Alive: Dynamo calls it only inside a call of the compiled function, which holds it.
+        return self._backend()(gm, example_inputs)
