@@ -1,3 +1,4 @@
+import atexit
 import gc
 import os
 import sys
@@ -40,8 +41,10 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_unconfigure(config):
-    # What was frozen is freed at exit like the rest (else Triton's bindings report leaks).
-    gc.unfreeze()
+    # What was frozen is freed when the interpreter exits, by its one last collection (else
+    # Triton's bindings report leaks), not by the five full collections pytest makes before
+    # (over a worker's millions of objects, seconds each).
+    atexit.register(gc.unfreeze)
 
 
 @pytest.fixture
