@@ -25,9 +25,11 @@ taken from earlier parts whose keys and values are the per-path ones by inductio
 parts and layers); those inside follow the interval rule. The concatenated rule
 ``j <= c_q < kv_end[j]`` selects exactly them (`treecompile.kernels.prefix_attention`).
 
-The number of attention calls and their key/value shapes are learnt from the graph: a
-first compile with the wrong count raises `KVLayout`, which the wrapper catches to call
-again with the right prefix shapes.
+The number of attention calls and their key/value shapes (and the conv contexts' and
+recurrent states') are checked against the graph: a compile given another layout raises
+`KVLayout` with the graph's, which the wrapper catches to call again with it. The wrapper
+starts from a guess where it has one (`stack_layout` of the whole-tree graph, see
+`treecompile.stream_runner`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from treecompile.kernels import prefix_attention  # noqa: F401  (registers treec
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 
-__all__ = ["KVLayout", "StreamGraph", "stream_passes", "stream_attention_fn", "stream_causal_conv1d", "stream_scan_fn",
+__all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d", "stream_scan_fn",
            "stream_inputs", "stream_outputs"]
 
 
@@ -207,6 +209,53 @@ def stream_scan_fn(kind: str) -> Callable:
     return stream_scan
 
 
+def _attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The tree attention calls (after ``rewrite_attention_pass``), in graph order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(getattr(n.target, "spec", None), AttentionSpec)]
+
+
+def _conv_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The tree causal convs (after ``rewrite_conv_context_pass``), in graph order."""
+    return [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.tree_causal_conv1d)]
+
+
+def _scan_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """``(node, kind)`` of the tree recurrent scans (after ``route_ssm_state_pass``), in graph order."""
+    return [(n, kind) for n in gm.graph.nodes for kind in ("gated_delta_rule", "ssd_scan")
+            if is_op(n, getattr(torch.ops.treecompile, f"tree_{kind}"))]
+
+
+def stack_layout(gm: fx.GraphModule) -> KVLayout | None:
+    """The KV stack layout of a streamed part graph of the model whose whole-tree graph
+    (after the tree passes) is ``gm``: both graphs trace the same model code, so they hold
+    the same attention calls, convs and scans. None where a shape is not a plain int (the
+    part graph's passes refuse it). A guess for `treecompile.stream_runner`, which the part
+    graph's passes check (`KVLayout` on a mismatch)."""
+    def ints(*dims):
+        return all(isinstance(d, int) for d in dims)
+
+    shapes = []
+    for n in _attention_calls(gm):
+        for t in (value(n.args[1]), value(n.args[2])):
+            if not ints(t.shape[1], t.shape[3]):
+                return None
+            shapes.append((int(t.shape[1]), int(t.shape[3]), t.dtype))
+    conv = []
+    for n in _conv_calls(gm):
+        x = value(n.args[0])
+        if not ints(x.shape[1]):
+            return None
+        conv.append((int(x.shape[1]), x.dtype))
+    states = []
+    for n, _ in _scan_calls(gm):
+        q, v = value(n.args[0]), value(n.args[2])
+        if not ints(q.shape[2], q.shape[3], v.shape[3]):
+            return None
+        states.append((int(q.shape[2]), int(q.shape[3]), int(v.shape[3]), v.dtype))
+    return KVLayout(shapes, conv, states)
+
+
 def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
     """``(read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass)`` sharing
     ``state``: the first runs before every other pass, the second right after
@@ -228,8 +277,7 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
         return gm
 
     def route_prefix_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        calls = [n for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "spec")
-                 and isinstance(n.target.spec, AttentionSpec)]
+        calls = _attention_calls(gm)
         kv = [(n.args[1], n.args[2]) for n in calls]
         shapes = []
         for k, v in kv:
@@ -260,9 +308,7 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
         return gm
 
     def route_stream_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.tree_causal_conv1d)]
-        scans = [(n, kind) for n in gm.graph.nodes for kind in ("gated_delta_rule", "ssd_scan")
-                 if is_op(n, getattr(torch.ops.treecompile, f"tree_{kind}"))]
+        convs, scans = _conv_calls(gm), _scan_calls(gm)
         conv_shapes = []
         for n in convs:
             x = value(n.args[0])

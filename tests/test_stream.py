@@ -331,6 +331,56 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
         assert_grads_close(got, want, ("float64", "hf"))
 
 
+def test_a_known_architectures_stack_layout_saves_the_capture_that_learns_it(monkeypatch):
+    """A custom model's stack layout is learnt by a first capture that only reports it. Once a
+    streamed call has checked it, a model of that architecture (wrapped again, or copied to
+    another dtype as `verify` does) starts from it, and a wrapper that compiled its whole-tree
+    graph reads it from that graph: one capture each. A stale layout is reported by that
+    capture and corrected (one capture more). Every run gives the per-path loss and gradients."""
+    from collections import OrderedDict
+
+    import treecompile.stream_runner as stream_runner
+
+    builds = []
+    build = stream_runner.StreamRunner._build
+    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
+                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
+    model = tiny(NanoGPT)
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    batch = pack(tree)
+    names, params = zip(*model.named_parameters())
+    ref = per_path_loss(model, [tree])
+    want = dict(zip(names, torch.autograd.grad(ref.loss, params)))
+    rtol, atol = COMPILE_TOL["pure"]
+
+    def streams(subject, expected_builds, one_call_first=False):
+        builds.clear()
+        compiled = tree_compile(subject, backend="eager", stream=StreamOptions(budget_rows=4))
+        if one_call_first:
+            compiled(pack(TrajectoryTree.from_sequences([[1, 2, 3]]), warn_por=False))  # under the budget: one call
+        out = compiled(batch)
+        assert compiled._stream.stats.parts > 1
+        assert builds == expected_builds, builds
+        return out, dict(zip(names, torch.autograd.grad(out.loss, list(subject.parameters()))))
+
+    for expected in ([0, 4], [4]):  # unknown: learnt by a capture; then known
+        out, got = streams(model, expected)
+        torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
+        assert_grads_close(got, want, ("float64", "pure"))
+    streams(tiny(NanoGPT).float(), [4])  # the float64 layout, moved to float32
+    stream_runner._LEARNT.clear()
+    out, got = streams(model, [4], one_call_first=True)  # read from the whole-tree graph
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got, want, ("float64", "pure"))
+    # A stale layout (a head fewer, as if the model had been rebuilt with other heads).
+    ((key, (layout, dtype)),) = stream_runner._LEARNT.items()
+    stream_runner._LEARNT[key] = (stream_runner.KVLayout([(h - 1, d, t) for h, d, t in layout.shapes]), dtype)
+    out, got = streams(model, [4, 4])
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
+    assert_grads_close(got, want, ("float64", "pure"))
+
+
 @pytest.mark.slow
 def test_gemma2_window_across_parts_streams_exactly():
     stats = _check("gemma2-softcap-sw3", "recompute", BRANCHY, 5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_bloc
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.pipeline import Pipeline
 from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
+from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.stream_parts import BatchArrays
 from treecompile.stream_plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
@@ -65,6 +66,7 @@ class StreamRunner:
         self.stats: StreamStats | None = None
         self._compiled = None
         self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
+        self._remembered = False  # whether `_shapes` went into `_LEARNT` (once checked by a call)
         self._layout = None
         self._resolved: tuple | None = None  # (options, cost model, rows) for a budget in bytes
         _check_streamable(wrapper)
@@ -159,6 +161,7 @@ class StreamRunner:
 
         self._compiled = compile_named(stream_forward, f"stream_forward_{len(shapes.shapes)}", backend)
         self._shapes = shapes
+        self._remembered = False
 
     def _call(self, args: tuple) -> tuple:
         from treecompile.call import DYNAMO_CONFIG as _DYNAMO_CONFIG
@@ -270,7 +273,7 @@ class StreamRunner:
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
         if self._shapes is None:
-            guess = _layout_guess(self.wrapper)
+            guess = _layout_guess(self.wrapper) or _known_layout(self.wrapper)
             if guess is not None:
                 self._build(device, guess)
                 guessed = True
@@ -293,6 +296,9 @@ class StreamRunner:
                 # The graph's layers are not the guessed ones: build with what it reported.
                 self._build(device, e)
                 return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
+            if not self._remembered:
+                _remember_layout(self.wrapper._inner, self._shapes)
+                self._remembered = True
             main = loss.detach()
             if aux_grad is not None and with_graph:
                 # coef * aux is linear in the part's router sums with this gradient: the part's
@@ -316,6 +322,51 @@ class StreamRunner:
             torch._dynamo.maybe_mark_dynamic(t, d)
         return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count, tables,
                 prefix, conv, states, [kv_end, kv_pos, conv_pred, readouts])
+
+
+#: Stack layouts checked by a streamed call in this process, per model architecture
+#: (`_architecture`), with the parameters' dtype they were learnt at: a model of a known
+#: architecture (the float64 copy `verify` checks, a model wrapped again) starts from its layout
+#: rather than from a capture that only learns it. A stale entry costs what a wrong guess costs.
+_LEARNT: OrderedDict[tuple, tuple[KVLayout, torch.dtype | None]] = OrderedDict()
+_LEARNT_MAX = 32
+
+
+def _architecture(model: torch.nn.Module) -> tuple:
+    return (type(model).__module__, type(model).__qualname__,
+            tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters()), None)
+
+
+def _remember_layout(model: torch.nn.Module, layout: KVLayout) -> None:
+    key = _architecture(model)
+    _LEARNT[key] = (layout, _dtype_of(model))
+    _LEARNT.move_to_end(key)
+    while len(_LEARNT) > _LEARNT_MAX:
+        _LEARNT.popitem(last=False)
+
+
+def _known_layout(wrapper) -> KVLayout | None:
+    """A guess at the stack layout from what this process has seen of the model: its
+    whole-tree graph, if the wrapper compiled one (`treecompile.passes.stream.stack_layout`),
+    else the layout a streamed call of its architecture checked (`_LEARNT`), its dtypes moved
+    to the model's. None when neither is known (a first capture then learns it)."""
+    for record in reversed(wrapper.compile_records):
+        if "read_stream_inputs_pass" not in record.counters and record.graph_module is not None:
+            return stack_layout(record.graph_module)
+    known = _LEARNT.get(_architecture(wrapper._inner))
+    if known is None:
+        return None
+    layout, was = known
+    now = _dtype_of(wrapper._inner)
+
+    def moved(entries: list[tuple]) -> list[tuple]:
+        return [(*e[:-1], now if e[-1] == was else e[-1]) for e in entries]
+
+    return KVLayout(moved(layout.shapes), moved(layout.conv), moved(layout.states))
 
 
 def _layout_guess(wrapper) -> KVLayout | None:
