@@ -214,6 +214,25 @@ def test_trainer_bf16_autocast_error_is_within_the_stock_trainers(tmp_path):
     assert tree_loss_err <= TRAINER_ERROR_RATIO * stock_loss_err, (tree_loss_err, stock_loss_err)
 
 
+@pytest.mark.parametrize("loss_mode", ["token-mean", "sum"])
+def test_trainer_label_smoothing_is_refused_naming_the_option(loss_mode, tmp_path):
+    """Label smoothing needs the logits, which a tree run never forms. With token-mean the
+    Trainer would fail in its own code on a scalar; with another loss mode the collator gives
+    no labels and the Trainer would skip the smoothing: trained without it, silently."""
+    model = _qwen3()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=BATCH, label_smoothing_factor=0.1,
+        use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=tc.tree_compile(model, backend="eager"), args=args,
+                                   train_dataset=_records(), data_collator=TreeCollator(loss_mode=loss_mode))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    first = (r"^Trainer\(args.label_smoothing_factor=0.1\): label smoothing is computed from the logits, which a "
+             r"tree-compiled model never forms")
+    with pytest.raises(TreeInputError, match=first):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # not a step taken
+
+
 def _assert_saved_model_loads_without_treecompile(trainer, model, path) -> None:
     """``trainer.save_model`` wrote the plain model: a fresh interpreter that never imports
     treecompile loads it with ``from_pretrained``, with the trained weights."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -344,6 +345,10 @@ class TreeCompiledModel(nn.Module):
         Returns:
             :class:`TreeOutput` with ``loss`` and ``logprobs`` ``[S]``.
         """
+        if "transformers.trainer" in sys.modules:
+            from treecompile.integrations.hf import refuse_label_smoothing
+
+            refuse_label_smoothing()
         if batch is None and input_ids is not None:
             from treecompile.integrations.hf import batch_from_rows
 

@@ -31,6 +31,7 @@ into a tree itself (`batch_from_rows`) and returns the stock loss.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from treecompile.errors import TreeInputError
 from treecompile.loss import LOSS_MODES
 from treecompile.tree import TrajectoryTree
 
-__all__ = ["TreeCollator", "IGNORE_INDEX", "rows_to_tree", "batch_from_rows"]
+__all__ = ["TreeCollator", "IGNORE_INDEX", "rows_to_tree", "batch_from_rows", "refuse_label_smoothing"]
 
 #: The label Hugging Face's losses skip.
 IGNORE_INDEX = -100
@@ -284,3 +285,45 @@ def batch_from_rows(
                                  f"mask it with {IGNORE_INDEX}")
     tree = rows_to_tree(input_ids, attention_mask=attention_mask, labels=labels)
     return pack(tree, loss_mode="token-mean", device=input_ids.device)
+
+
+#: How many frames above the model's ``forward`` the ``Trainer``'s ``compute_loss`` may be
+#: (``nn.Module.__call__``, accelerate's autocast wrappers, DDP's forward in between).
+_CALLER_DEPTH = 16
+
+
+def refuse_label_smoothing() -> None:
+    """Raises `TreeInputError` when the running call comes from Hugging Face's
+    ``Trainer.compute_loss`` with label smoothing (``label_smoothing_factor > 0``).
+
+    Label smoothing is computed from the logits, which a tree-compiled model never forms (its
+    LM head gathers only each target's log-prob). With a ``token-mean`` `TreeCollator` the
+    ``Trainer`` would fail in its own code, finding a scalar where it expects logits; with
+    another loss mode the collator returns no labels and the ``Trainer`` would skip the
+    smoothing, training without it silently. The ``Trainer`` takes the labels out of the
+    inputs before the call and does not pass its options, so this looks at the calling
+    ``compute_loss`` (a subclass's own ``compute_loss`` is not looked into)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer_class = getattr(trainer_module, "Trainer", None)
+    code = getattr(getattr(trainer_class, "compute_loss", None), "__code__", None)
+    if code is None:
+        return
+    frame = sys._getframe(1)
+    try:
+        for _ in range(_CALLER_DEPTH):
+            if frame is None or frame.f_code is code:
+                break
+            frame = frame.f_back
+        else:
+            return
+        trainer = None if frame is None else frame.f_locals.get("self")
+        if getattr(trainer, "label_smoother", None) is None:
+            return
+        factor = getattr(getattr(trainer, "args", None), "label_smoothing_factor", "?")
+        raise TreeInputError(
+            f"Trainer(args.label_smoothing_factor={factor}): label smoothing is computed from the logits, which a "
+            "tree-compiled model never forms (its LM head gathers only each target's log-prob); train with "
+            "label_smoothing_factor=0, or with the stock model"
+        )
+    finally:
+        del frame
