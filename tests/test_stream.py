@@ -299,6 +299,25 @@ def test_qwen3_streams_exactly(loss_mode):
         _check("qwen3", "keep", CHAIN, 5, loss_mode)
 
 
+def _counted_builds(monkeypatch) -> list[int]:
+    """The stack layout size (key and value tensors) of every part graph built from now on."""
+    import treecompile.stream_runner as stream_runner
+
+    builds = []
+    build = stream_runner.StreamRunner._build
+    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
+                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    return builds
+
+
+def _per_path_run(model):
+    """``(BRANCHY packed, parameter names, per-path result, its gradients by name)``."""
+    tree = TrajectoryTree.from_sequences(BRANCHY)
+    names, params = zip(*model.named_parameters())
+    ref = per_path_loss(model, [tree])
+    return pack(tree), names, ref, dict(zip(names, torch.autograd.grad(ref.loss, params)))
+
+
 def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(monkeypatch):
     """A Hugging Face model whose sequence mixing is all attention through HF's interface: the
     stack layout comes from its attention modules, so the first streamed call captures the
@@ -306,16 +325,9 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
     capture and corrected (one capture more), with the same loss and gradients, the per-path ones."""
     import treecompile.stream_runner as stream_runner
 
-    builds = []
-    build = stream_runner.StreamRunner._build
-    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
-                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    builds = _counted_builds(monkeypatch)
     model = _perturbed(transformers.Qwen3Config(**{**SMALL, "num_hidden_layers": 1}, head_dim=8))
-    tree = TrajectoryTree.from_sequences(BRANCHY)
-    batch = pack(tree)
-    names, params = zip(*model.named_parameters())
-    ref = per_path_loss(model, [tree])
-    want = dict(zip(names, torch.autograd.grad(ref.loss, params)))
+    batch, names, ref, want = _per_path_run(model)
     rtol, atol = COMPILE_TOL["hf"]
     guess = stream_runner._layout_guess
     for wrong in (False, True):
@@ -325,7 +337,7 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
         builds.clear()
         compiled = tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
         out = compiled(batch)
-        got = dict(zip(names, torch.autograd.grad(out.loss, params)))
+        got = dict(zip(names, torch.autograd.grad(out.loss, list(model.parameters()))))
         assert builds == ([2, 2] if wrong else [2]), builds  # one attention layer: a key and a value tensor
         torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
         assert_grads_close(got, want, ("float64", "hf"))
@@ -341,17 +353,10 @@ def test_a_known_architectures_stack_layout_saves_the_capture_that_learns_it(mon
 
     import treecompile.stream_runner as stream_runner
 
-    builds = []
-    build = stream_runner.StreamRunner._build
-    monkeypatch.setattr(stream_runner.StreamRunner, "_build",
-                        lambda self, device, shapes: builds.append(len(shapes.shapes)) or build(self, device, shapes))
+    builds = _counted_builds(monkeypatch)
     monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
     model = tiny(NanoGPT, layers=1)  # one attention call: a key and a value tensor
-    tree = TrajectoryTree.from_sequences(BRANCHY)
-    batch = pack(tree)
-    names, params = zip(*model.named_parameters())
-    ref = per_path_loss(model, [tree])
-    want = dict(zip(names, torch.autograd.grad(ref.loss, params)))
+    batch, names, ref, want = _per_path_run(model)
     rtol, atol = COMPILE_TOL["pure"]
 
     def streams(subject, expected_builds, one_call_first=False):
