@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,6 +20,8 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 @pytest.fixture(autouse=True)
 def _float64_determinism():
+    import torch  # here, not at the top: pytest-xdist's controller starts its workers without it
+
     torch.manual_seed(0)
     yield
 
