@@ -12,6 +12,7 @@ their subject is the rewrite or the wrapper and lowering triples a compile's tim
 import gc
 import logging
 import weakref
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -57,16 +58,22 @@ def test_custom_model_matches_per_path_training(model_id, mask):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_dropped_wrapper_frees_its_model(stream):
+def test_a_dropped_wrapper_frees_its_model(stream, monkeypatch):
     """``del`` of a tree-compiled model frees the model, its parameters and its graphs, as
     for a model that was never wrapped: torch.compile keeps every backend it was given for
-    the life of the process, so the backend must not hold the wrapper."""
+    the life of the process, so the backend must not hold the wrapper. Streamed, the stack
+    layout is learnt by a capture (none is known yet) and remembered for the architecture
+    (`treecompile.stream_runner._LEARNT`), which must not hold the model either."""
+    import treecompile.stream_runner as stream_runner
+
+    monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
     model = tiny(NanoGPT)
     # The default lowering (AOTAutograd) for the whole tree; the streamed parts as captured.
     compiled = tree_compile(model, backend="eager" if stream else None,
                             stream=StreamOptions(budget_rows=8) if stream else None)
     compiled(make_batch("branchy")[0]).loss.backward()
     assert compiled._stream.stats.parts > 1 if stream else len(compiled.compile_records) == 1
+    assert len(stream_runner._LEARNT) == stream
     refs = [weakref.ref(x) for x in (model, compiled, next(model.parameters()))]
     del model, compiled
     gc.collect()

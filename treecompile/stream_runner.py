@@ -343,7 +343,9 @@ def _dtype_of(model: torch.nn.Module) -> torch.dtype | None:
 
 def _remember_layout(model: torch.nn.Module, layout: KVLayout) -> None:
     key = _architecture(model)
-    _LEARNT[key] = (layout, _dtype_of(model))
+    # A copy: the layout may be the `KVLayout` a capture raised, whose traceback holds the
+    # capture's frames, and through them the model.
+    _LEARNT[key] = (KVLayout(list(layout.shapes), list(layout.conv), list(layout.states)), _dtype_of(model))
     _LEARNT.move_to_end(key)
     while len(_LEARNT) > _LEARNT_MAX:
         _LEARNT.popitem(last=False)
