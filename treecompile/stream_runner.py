@@ -330,6 +330,8 @@ class StreamRunner:
 #: rather than from a capture that only learns it. A stale entry costs what a wrong guess costs.
 _LEARNT: OrderedDict[tuple, tuple[KVLayout, torch.dtype | None]] = OrderedDict()
 _LEARNT_MAX = 32
+#: The passes only a part graph runs (`treecompile.passes.stream.stream_passes`).
+_PART_PASSES = frozenset({"read_stream_inputs_pass", "route_prefix_kv_pass", "route_stream_state_pass"})
 
 
 def _architecture(model: torch.nn.Module) -> tuple:
@@ -357,7 +359,9 @@ def _known_layout(wrapper) -> KVLayout | None:
     else the layout a streamed call of its architecture checked (`_LEARNT`), its dtypes moved
     to the model's. None when neither is known (a first capture then learns it)."""
     for record in reversed(wrapper.compile_records):
-        if "read_stream_inputs_pass" not in record.counters and record.graph_module is not None:
+        # A part graph counts its stack inputs or routes (one without any has an empty layout,
+        # which is what reading it as a whole-tree graph gives).
+        if record.graph_module is not None and not _PART_PASSES & record.counters.keys():
             return stack_layout(record.graph_module)
     known = _LEARNT.get(_architecture(wrapper._inner))
     if known is None:
