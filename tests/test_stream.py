@@ -323,6 +323,8 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
     stack layout comes from its attention modules, so the first streamed call captures the
     model once, not once more only to learn the layout. A wrong guess is reported by that
     capture and corrected (one capture more), with the same loss and gradients, the per-path ones."""
+    from collections import OrderedDict
+
     import treecompile.stream_runner as stream_runner
 
     builds = _counted_builds(monkeypatch)
@@ -334,6 +336,7 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
         if wrong:  # one head fewer than the model's keys and values have
             monkeypatch.setattr(stream_runner, "_layout_guess",
                                 lambda w: stream_runner.KVLayout([(h - 1, d, t) for h, d, t in guess(w).shapes]))
+        monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())  # nothing known of the architecture
         builds.clear()
         compiled = tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
         out = compiled(batch)
@@ -341,6 +344,24 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
         assert builds == ([2, 2] if wrong else [2]), builds  # one attention layer: a key and a value tensor
         torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=rtol, atol=atol)
         assert_grads_close(got, want, ("float64", "hf"))
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "bamba"])
+def test_a_hybrid_models_stack_layout_is_read_from_its_modules(family, monkeypatch):
+    """A Gated DeltaNet (Qwen3-Next) or Mamba2 (Bamba) hybrid: the conv channels and the
+    recurrent states' shapes come from its mixer modules, the keys' and values' from its
+    attention modules, so its first streamed call captures it once (nothing of the
+    architecture known before), exactly."""
+    from collections import OrderedDict
+
+    import treecompile.stream_runner as stream_runner
+
+    builds = _counted_builds(monkeypatch)
+    monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
+    monkeypatch.setitem(sys.modules[__name__].__dict__, "_COMPILED", {})  # a wrapper of its own
+    monkeypatch.setitem(sys.modules[__name__].__dict__, "_LOWERED", set())  # as captured
+    _check(family, "keep", BRANCHY, 4)
+    assert builds == [2], builds  # one attention layer: a key and a value tensor
 
 
 def test_a_known_architectures_stack_layout_saves_the_capture_that_learns_it(monkeypatch):

@@ -273,7 +273,7 @@ class StreamRunner:
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
         if self._shapes is None:
-            guess = _layout_guess(self.wrapper) or _known_layout(self.wrapper)
+            guess = _known_layout(self.wrapper) or _layout_guess(self.wrapper)
             if guess is not None:
                 self._build(device, guess)
                 guessed = True
@@ -376,26 +376,41 @@ def _known_layout(wrapper) -> KVLayout | None:
 
 
 def _layout_guess(wrapper) -> KVLayout | None:
-    """The stack layout of a Hugging Face model whose every sequence mixing is attention through
-    HF's attention interface, from its attention modules (in order: their key and value heads
-    and head dim, the parameters' dtype); None for any other model. The layout is otherwise
-    learnt by a first capture that only reports it (`KVLayout`), so a right guess saves one
-    Dynamo capture of the whole model; a wrong one is reported by the first capture as before."""
+    """The stack layout of a Hugging Face model read from its modules, in order: each attention
+    module's key and value heads and head dim; each Gated DeltaNet's conv channels and
+    ``(value heads, key dim, value dim)`` state; each Mamba2 mixer's conv channels and
+    ``(heads, state size, head dim)`` state; the parameters' dtype. None for any other model.
+    The layout is otherwise learnt by a first capture that only reports it (`KVLayout`), so a
+    right guess saves one Dynamo capture of the whole model; a wrong one (a sequence mixer of
+    another kind, a state kept in another dtype) is reported by the first capture as before."""
     from treecompile.passes.markers import _calls_attention_interface
 
-    if not wrapper._is_hf or not wrapper._routes_attention or wrapper._structure:
+    if not wrapper._is_hf or not wrapper._routes_attention:
         return None
-    shapes = []
+    shapes, conv, states = [], [], []
+
+    def ints(m, *names):
+        values = [getattr(m, n, None) for n in names]
+        return values if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else None
+
     for m in wrapper._inner.modules():
-        if not _calls_attention_interface(type(m)):
-            continue
-        config, head_dim = getattr(m, "config", None), getattr(m, "head_dim", None)
-        heads = getattr(config, "num_key_value_heads", None)
         params = list(m.parameters(recurse=True))
-        if not (isinstance(heads, int) and isinstance(head_dim, int) and params):
-            return None
-        shapes += [(heads, head_dim, params[0].dtype)] * 2
-    return KVLayout(shapes) if shapes else None
+        dtype = params[0].dtype if params else None
+        if _calls_attention_interface(type(m)):
+            heads = getattr(getattr(m, "config", None), "num_key_value_heads", None)
+            head_dim = getattr(m, "head_dim", None)
+            if not (isinstance(heads, int) and isinstance(head_dim, int) and params):
+                return None
+            shapes += [(heads, head_dim, dtype)] * 2
+        elif wrapper._structure and params and (gdn := ints(m, "conv_dim", "num_v_heads", "head_k_dim", "head_v_dim")):
+            conv.append((gdn[0], dtype))
+            states.append((*gdn[1:], dtype))
+        elif wrapper._structure and params and (ssd := ints(m, "conv_dim", "num_heads", "ssm_state_size", "head_dim")):
+            conv.append((ssd[0], dtype))
+            states.append((*ssd[1:], dtype))
+    if wrapper._structure and not states:
+        return None  # recurrent or conv layers of a kind not read here: learnt by a capture
+    return KVLayout(shapes, conv, states) if shapes or states else None
 
 
 def stream_logprob_loss(
