@@ -109,7 +109,8 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
     if any(t.dim() - 2 not in row_dims(x, ctx.seq_len, "seq") for x, t in zip((q, k, v), vals) if not callable(x)):
         ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
         return False
-    traced = [name for name, x in (("scale", scale), ("window", window), ("softcap", softcap)) if isinstance(x, fx.Node)]
+    traced = [name for name, x in (("scale", scale), ("window", window), ("softcap", softcap))
+              if isinstance(x, fx.Node)]
     if traced:
         # The tree kernel takes them as constants; Dynamo traces a number as a variable when it
         # has seen it change between calls of the same function.

@@ -48,8 +48,8 @@ from treecompile.kernels import prefix_attention  # noqa: F401  (registers treec
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 
-__all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d", "stream_scan_fn",
-           "stream_inputs", "stream_outputs"]
+__all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
+           "stream_scan_fn", "stream_inputs", "stream_outputs"]
 
 
 Tensor = torch.Tensor
@@ -226,34 +226,67 @@ def _scan_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
             if is_op(n, getattr(torch.ops.treecompile, f"tree_{kind}"))]
 
 
+def _kv_shapes(calls: list[fx.Node]) -> list[tuple[int, int, torch.dtype]]:
+    """``(Hkv, D, dtype)`` of each attention call's key, then value; refused where symbolic."""
+    shapes = []
+    for n in calls:
+        for t in (value(n.args[1]), value(n.args[2])):
+            if not (isinstance(t.shape[1], int) and isinstance(t.shape[3], int)):
+                raise UnsupportedModelError(
+                    f"{calls[0].name}: keys/values with a symbolic head count or head dim {tuple(t.shape)} cannot "
+                    "be kept on the streaming KV stack"
+                )
+            shapes.append((int(t.shape[1]), int(t.shape[3]), t.dtype))
+    return shapes
+
+
+def _conv_shapes(convs: list[fx.Node]) -> list[tuple[int, torch.dtype]]:
+    """``(C, dtype)`` of each causal conv's input; refused where it is not one row of C channels."""
+    shapes = []
+    for n in convs:
+        x = value(n.args[0])
+        if x.shape[0] != 1 or not isinstance(x.shape[1], int):
+            raise UnsupportedModelError(
+                f"treecompile: {describe(n)} is a causal conv of input {tuple(x.shape)}: a streamed part keeps the "
+                f"conv context of one packed row with a fixed channel count.\n  at {source_of(n)}")
+        shapes.append((int(x.shape[1]), x.dtype))
+    return shapes
+
+
+def _state_shapes(scans: list[tuple[fx.Node, str]]) -> list[tuple[int, int, int, torch.dtype]]:
+    """``(H, Dk, Dv, dtype)`` of each recurrent scan's state; refused with an initial state, a
+    symbolic size, or key sizes that differ between layers."""
+    shapes = []
+    for n, _ in scans:
+        q, v = value(n.args[0]), value(n.args[2])
+        if n.args[5] is not None:
+            raise UnsupportedModelError(
+                f"treecompile: {describe(n)} is a recurrent scan with an initial state: a streamed part starts "
+                f"its roots from the zero state.\n  at {source_of(n)}")
+        if not all(isinstance(d, int) for d in (q.shape[2], q.shape[3], v.shape[3])):
+            raise UnsupportedModelError(
+                f"treecompile: {describe(n)} has a symbolic head count or state size {tuple(q.shape)}: its state "
+                f"cannot be kept on the streaming stack.\n  at {source_of(n)}")
+        shapes.append((int(q.shape[2]), int(q.shape[3]), int(v.shape[3]), v.dtype))
+    if len({sh[1] for sh in shapes}) > 1:
+        raise UnsupportedModelError(
+            f"treecompile: {describe(scans[0][0])}: recurrent layers of different key sizes "
+            f"{sorted({sh[1] for sh in shapes})} cannot share one streamed node table.\n"
+            f"  at {source_of(scans[0][0])}")
+    return shapes
+
+
 def stack_layout(gm: fx.GraphModule) -> KVLayout | None:
     """The KV stack layout of a streamed part graph of the model whose whole-tree graph
     (after the tree passes) is ``gm``: both graphs trace the same model code, so they hold
-    the same attention calls, convs and scans. None where a shape is not a plain int (the
-    part graph's passes refuse it). A guess for `treecompile.stream_runner`, which the part
-    graph's passes check (`KVLayout` on a mismatch)."""
-    def ints(*dims):
-        return all(isinstance(d, int) for d in dims)
-
-    shapes = []
-    for n in _attention_calls(gm):
-        for t in (value(n.args[1]), value(n.args[2])):
-            if not ints(t.shape[1], t.shape[3]):
-                return None
-            shapes.append((int(t.shape[1]), int(t.shape[3]), t.dtype))
-    conv = []
-    for n in _conv_calls(gm):
-        x = value(n.args[0])
-        if not ints(x.shape[1]):
-            return None
-        conv.append((int(x.shape[1]), x.dtype))
-    states = []
-    for n, _ in _scan_calls(gm):
-        q, v = value(n.args[0]), value(n.args[2])
-        if not ints(q.shape[2], q.shape[3], v.shape[3]):
-            return None
-        states.append((int(q.shape[2]), int(q.shape[3]), int(v.shape[3]), v.dtype))
-    return KVLayout(shapes, conv, states)
+    the same attention calls, convs and scans. None where the part graph's passes would
+    refuse one. A guess for `treecompile.stream_runner`, which the part graph's passes check
+    (`KVLayout` on a mismatch)."""
+    try:
+        return KVLayout(_kv_shapes(_attention_calls(gm)), _conv_shapes(_conv_calls(gm)),
+                        _state_shapes(_scan_calls(gm)))
+    except UnsupportedModelError:
+        return None
 
 
 def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
@@ -279,15 +312,7 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
     def route_prefix_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         calls = _attention_calls(gm)
         kv = [(n.args[1], n.args[2]) for n in calls]
-        shapes = []
-        for k, v in kv:
-            for t in (value(k), value(v)):
-                if not (isinstance(t.shape[1], int) and isinstance(t.shape[3], int)):
-                    raise UnsupportedModelError(
-                        f"{calls[0].name}: keys/values with a symbolic head count or head dim {tuple(t.shape)} cannot "
-                        "be kept on the streaming KV stack"
-                    )
-                shapes.append((int(t.shape[1]), int(t.shape[3]), t.dtype))
+        shapes = _kv_shapes(calls)
         given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]
         state.kv_shapes = shapes
         if given != shapes:
@@ -309,31 +334,7 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
 
     def route_stream_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         convs, scans = _conv_calls(gm), _scan_calls(gm)
-        conv_shapes = []
-        for n in convs:
-            x = value(n.args[0])
-            if x.shape[0] != 1 or not isinstance(x.shape[1], int):
-                raise UnsupportedModelError(
-                    f"treecompile: {describe(n)} is a causal conv of input {tuple(x.shape)}: a streamed part keeps the "
-                    f"conv context of one packed row with a fixed channel count.\n  at {source_of(n)}")
-            conv_shapes.append((int(x.shape[1]), x.dtype))
-        state_shapes = []
-        for n, _ in scans:
-            q, v = value(n.args[0]), value(n.args[2])
-            if n.args[5] is not None:
-                raise UnsupportedModelError(
-                    f"treecompile: {describe(n)} is a recurrent scan with an initial state: a streamed part starts "
-                    f"its roots from the zero state.\n  at {source_of(n)}")
-            if not all(isinstance(d, int) for d in (q.shape[2], q.shape[3], v.shape[3])):
-                raise UnsupportedModelError(
-                    f"treecompile: {describe(n)} has a symbolic head count or state size {tuple(q.shape)}: its state "
-                    f"cannot be kept on the streaming stack.\n  at {source_of(n)}")
-            state_shapes.append((int(q.shape[2]), int(q.shape[3]), int(v.shape[3]), v.dtype))
-        if len({sh[1] for sh in state_shapes}) > 1:
-            raise UnsupportedModelError(
-                f"treecompile: {describe(scans[0][0])}: recurrent layers of different key sizes "
-                f"{sorted({sh[1] for sh in state_shapes})} cannot share one streamed node table.\n"
-                f"  at {source_of(scans[0][0])}")
+        conv_shapes, state_shapes = _conv_shapes(convs), _state_shapes(scans)
         given_conv = [(int(value(c).shape[1]), value(c).dtype) for c in state.conv]
         given_states = [(*(int(d) for d in value(t).shape[1:]), value(t).dtype) for t in state.states]
         if not state.layout_ok or given_conv != conv_shapes or given_states != state_shapes:

@@ -358,8 +358,8 @@ def test_a_hybrid_models_stack_layout_is_read_from_its_modules(family, monkeypat
 
     builds = _counted_builds(monkeypatch)
     monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
-    monkeypatch.setitem(sys.modules[__name__].__dict__, "_COMPILED", {})  # a wrapper of its own
-    monkeypatch.setitem(sys.modules[__name__].__dict__, "_LOWERED", set())  # as captured
+    monkeypatch.setitem(globals(), "_COMPILED", {})  # a wrapper of its own
+    monkeypatch.setitem(globals(), "_LOWERED", set())  # as captured
     _check(family, "keep", BRANCHY, 4)
     assert builds == [2], builds  # one attention layer: a key and a value tensor
 

@@ -375,6 +375,12 @@ def _known_layout(wrapper) -> KVLayout | None:
     return KVLayout(moved(layout.shapes), moved(layout.conv), moved(layout.states))
 
 
+#: A Hugging Face mixer's conv channels and recurrent state ``(H, Dk, Dv)``, by attribute
+#: name: Gated DeltaNet, then Mamba2.
+_MIXER_ATTRIBUTES = (("conv_dim", "num_v_heads", "head_k_dim", "head_v_dim"),
+                     ("conv_dim", "num_heads", "ssm_state_size", "head_dim"))
+
+
 def _layout_guess(wrapper) -> KVLayout | None:
     """The stack layout of a Hugging Face model read from its modules, in order: each attention
     module's key and value heads and head dim; each Gated DeltaNet's conv channels and
@@ -402,12 +408,11 @@ def _layout_guess(wrapper) -> KVLayout | None:
             if not (isinstance(heads, int) and isinstance(head_dim, int) and params):
                 return None
             shapes += [(heads, head_dim, dtype)] * 2
-        elif wrapper._structure and params and (gdn := ints(m, "conv_dim", "num_v_heads", "head_k_dim", "head_v_dim")):
-            conv.append((gdn[0], dtype))
-            states.append((*gdn[1:], dtype))
-        elif wrapper._structure and params and (ssd := ints(m, "conv_dim", "num_heads", "ssm_state_size", "head_dim")):
-            conv.append((ssd[0], dtype))
-            states.append((*ssd[1:], dtype))
+        elif wrapper._structure and params:
+            mixer = next(filter(None, (ints(m, *names) for names in _MIXER_ATTRIBUTES)), None)
+            if mixer is not None:
+                conv.append((mixer[0], dtype))
+                states.append((*mixer[1:], dtype))
     if wrapper._structure and not states:
         return None  # recurrent or conv layers of a kind not read here: learnt by a capture
     return KVLayout(shapes, conv, states) if shapes or states else None
