@@ -97,6 +97,21 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
     return build
 
 
+def _transformers_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("transformers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (0,)
+
+
+# GPT-J and CodeGen computed their own softmax attention until transformers 5.24, which moved
+# both onto the attention interface: which rewrite matches them depends on the version.
+_OWN_ATTENTION_BEFORE_5_24 = (
+    {"softmax_attention": 2} if _transformers_version() < (5, 24) else {"hf_interface": 2}
+)
+
 _OLD = dict(vocab_size=VOCAB)  # families with their own config names
 
 CASES: list[Case] = [
@@ -151,12 +166,12 @@ CASES: list[Case] = [
     Case("checkpoint", "custom: blocks under torch.utils.checkpoint",
          _custom(zc.CheckpointLM), expect="exact"),
     # ------------------------------------------------------------------ Hugging Face
-    Case("gptj", "GPT-J: own attention, interleaved partial RoPE", hf=True,
+    Case("gptj", "GPT-J: interleaved partial RoPE (own attention before transformers 5.24)", hf=True,
          build=_hf("GPTJConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
-    Case("codegen", "CodeGen: own attention, fused qkv, partial RoPE", hf=True,
+                   n_positions=64, bos_token_id=0, eos_token_id=0), attention=_OWN_ATTENTION_BEFORE_5_24),
+    Case("codegen", "CodeGen: fused qkv, partial RoPE (own attention before transformers 5.24)", hf=True,
          build=_hf("CodeGenConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention={"softmax_attention": 2}),
+                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention=_OWN_ATTENTION_BEFORE_5_24),
     Case("falcon-alibi", "Falcon: ALiBi", hf=True,
          build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                    num_attention_heads=4, alibi=True, bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
