@@ -272,6 +272,25 @@ def storage_of(node: Any) -> int | None:
         return None
 
 
+def _functorch_functions(*names: str) -> frozenset:
+    import torch._functorch.predispatch as predispatch
+
+    return frozenset(f for f in (getattr(predispatch, n, None) for n in names) if f is not None)
+
+
+#: ``torch.vmap`` as Dynamo captures it (transformers before 5.11 builds some masks so): the
+#: batched ops between an increment and its decrement need the vmap level it opens (and the
+#: decompositions loaded before), yet these calls have no users and torch does not mark them
+#: impure.
+VMAP_LEVELS = _functorch_functions("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
+VMAP_BATCHING = _functorch_functions("_add_batch_dim", "_remove_batch_dim")
+
+
+def vmap_level_nodes(nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """The vmap level calls among ``nodes``, in their order."""
+    return [n for n in nodes if n.op == "call_function" and n.target in VMAP_LEVELS]
+
+
 def eliminate_dead_code(gm: fx.GraphModule) -> int:
     """Dead-code elimination that keeps every observable mutation; returns nodes removed.
 
@@ -311,6 +330,11 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
             if n not in live and storages & read:
                 mark(n)
                 changed = True
+    # The vmap levels stay while a batched op stays (all of them: the ops name their level by
+    # number, which counts the calls before); with the last batched op they go too.
+    if any(m.op == "call_function" and m.target in VMAP_BATCHING for m in live):
+        for n in vmap_level_nodes(nodes):
+            mark(n)
     removed = 0
     for n in reversed(nodes):
         if n not in live and not n.users:

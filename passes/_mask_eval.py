@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, ancestors, describe, value
+from treecompile.passes._graph import VMAP_BATCHING, PassContext, ancestors, describe, value, vmap_level_nodes
 
 __all__ = ["depends_on_inputs", "structural_causal", "evaluate"]
 
@@ -128,8 +128,10 @@ def _structural_causal_bias(ctx, mask, kind, heads):
 
 
 # Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).
+# (torch.vmap's batch-dim calls take the batch size, which may be S, as a size.)
 _SHAPE_OPS = {"arange", "full", "ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "new_full", "view",
-              "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like"}
+              "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like",
+              "_add_batch_dim", "_remove_batch_dim"}
 
 
 def _uses_length(mask: fx.Node) -> str | None:
@@ -176,6 +178,10 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
     """Runs the subgraph that computes ``node`` on the example inputs (with the sequence
     length taken as ``rows`` if given)."""
     needed = ancestors(node) | {node}
+    if any(n.op == "call_function" and n.target in VMAP_BATCHING for n in needed):
+        # A mask built under torch.vmap: its batched ops need the levels the vmap calls open.
+        for level in vmap_level_nodes(node.graph.nodes):
+            needed |= ancestors(level) | {level}
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, object] = {}
     length = ctx.seq_len.node.expr if rows is not None else None
@@ -201,5 +207,11 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
             remap[n] = sub.node_copy(n, lambda x: remap[x])
     sub.output(remap[node])
     owner = node.graph.owning_module
-    with torch.no_grad():
-        return fx.GraphModule(owner, sub)(*inputs)
+    level = torch._C._functorch.maybe_current_level()
+    try:
+        with torch.no_grad():
+            return fx.GraphModule(owner, sub)(*inputs)
+    finally:
+        # A failure between a vmap level's opening and closing must not leave it open.
+        while (torch._C._functorch.maybe_current_level() or 0) > (level or 0):
+            torch._C._functorch._vmap_decrement_nesting()

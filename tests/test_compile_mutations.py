@@ -222,3 +222,55 @@ def test_a_pass_that_drops_an_in_place_op_is_an_error():
     with pytest.raises(RuntimeError, match="careless_pass removed the in-place op .*copy_"):
         run_passes(gm, ctx=SimpleNamespace(pass_name="", counters={}), passes=[careless_pass])
 
+
+
+def _vmap_calls(gm):
+    from treecompile.passes._graph import VMAP_BATCHING, VMAP_LEVELS
+
+    return [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and n.target in VMAP_LEVELS | VMAP_BATCHING]
+
+
+def test_dead_code_elimination_keeps_vmap_levels_while_a_batched_op_lives():
+    """torch.vmap's level calls have no users: removed alone, the batched ops left would fail."""
+
+    def live(x, w):
+        return torch.vmap(lambda row: row * w)(x).sum()
+
+    gm = _graph_of(live, torch.randn(3, 4), torch.randn(4))
+    before = _vmap_calls(gm)
+    assert "_vmap_increment_nesting" in before and "_add_batch_dim" in before
+    eliminate_dead_code(gm)
+    assert _vmap_calls(gm) == before
+    gm.recompile()
+    x, w = torch.randn(3, 4), torch.randn(4)
+    out = gm(w, x)  # Dynamo's placeholder order
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, (x * w).sum())
+
+    def dead(x, w):
+        unused = torch.vmap(lambda row: row * w)(x)  # noqa: F841
+        return x.sum()
+
+    gm = _graph_of(dead, torch.randn(3, 4), torch.randn(4))
+    assert _vmap_calls(gm)
+    eliminate_dead_code(gm)
+    assert _vmap_calls(gm) == []  # with its last batched op the levels go too
+
+
+def test_a_mask_evaluation_failing_inside_vmap_closes_the_level_it_opened():
+    from types import SimpleNamespace
+
+    from treecompile.passes._mask_eval import evaluate
+
+    gm = _graph_of(lambda x: torch.vmap(torch.sin)(x), torch.randn(3, 4))
+    batched = next(n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "_add_batch_dim")
+
+    def fails(t):
+        raise ValueError("fails inside the vmap")
+
+    with gm.graph.inserting_after(batched):
+        failing = gm.graph.call_function(fails, (batched,))
+    ctx = SimpleNamespace(seq_len=None, example_inputs=[torch.randn(3, 4)])
+    assert torch._C._functorch.maybe_current_level() is None
+    with pytest.raises(ValueError, match="fails inside the vmap"):
+        evaluate(ctx, failing)
+    assert torch._C._functorch.maybe_current_level() is None

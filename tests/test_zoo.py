@@ -9,6 +9,7 @@ the mark goes with the fix. ``docs/supported-models.md`` is generated from the s
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,6 +30,10 @@ def _param(case: zoo.Case):
 def test_zoo_model_is_exact_or_refused_by_name(case):
     if case.hf:
         pytest.importorskip("transformers")
+        if zoo.transformers_version() < case.since:
+            pytest.skip(f"{case.id}: transformers {'.'.join(map(str, zoo.transformers_version()))} has no such "
+                        f"model (added in {'.'.join(map(str, case.since))})")
+    case = case.installed()
     if case.expect == "refused":
         with pytest.raises(UnsupportedModelError) as info:
             zoo.run(case)
@@ -42,6 +47,12 @@ def test_zoo_has_distinct_ids_and_known_outcomes():
     assert len(zoo.BY_ID) == len(zoo.CASES)
     assert {c.expect for c in zoo.CASES} <= {"exact", "refused", "xfail"}
     assert all(c.reason for c in zoo.CASES if c.expect != "exact")
+    for c in zoo.CASES:
+        if c.before:
+            (version, fields) = c.before
+            assert len(version) == 2 and set(fields) <= {"expect", "reason", "attention"}, c.id
+            old = dataclasses.replace(c, **fields)
+            assert old.expect in {"exact", "refused", "xfail"} and (old.expect == "exact" or old.reason), c.id
 
 
 def test_supported_models_page_is_up_to_date():

@@ -18,6 +18,7 @@ identity norm: zero init hides wrong masks and dropped terms) and states what
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ class Case:
         hf: a Hugging Face model (its source lives in transformers).
         attention: for an exact case, the attention rewrites it must show
             (``compiled.counters["rewrite_attention_pass"]``), so a spelling is known to be matched.
+        since: the first transformers version ``(major, minor)`` that has the model.
+        before: ``((major, minor), {field: value})``: the fields that differ on older versions.
     """
 
     id: str
@@ -52,6 +55,16 @@ class Case:
     reason: str = ""
     hf: bool = False
     attention: dict | None = None
+    since: tuple[int, int] = (0, 0)
+    before: tuple = ()
+
+    def installed(self) -> Case:
+        """The case as it holds on the installed transformers: ``before`` is ``((major, minor),
+        {field: value})``, what differs on versions older than that (the fields above describe
+        the newest, as the docs' table does)."""
+        if self.before and transformers_version() < self.before[0]:
+            return dataclasses.replace(self, **self.before[1])
+        return self
 
 
 def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -97,7 +110,7 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
     return build
 
 
-def _transformers_version() -> tuple[int, ...]:
+def transformers_version() -> tuple[int, ...]:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -107,10 +120,8 @@ def _transformers_version() -> tuple[int, ...]:
 
 
 # GPT-J and CodeGen computed their own softmax attention until transformers 5.24, which moved
-# both onto the attention interface: which rewrite matches them depends on the version.
-_OWN_ATTENTION_BEFORE_5_24 = (
-    {"softmax_attention": 2} if _transformers_version() < (5, 24) else {"hf_interface": 2}
-)
+# both onto the attention interface.
+_OWN_ATTENTION_BEFORE_5_24 = ((5, 24), {"attention": {"softmax_attention": 2}})
 
 _OLD = dict(vocab_size=VOCAB)  # families with their own config names
 
@@ -129,6 +140,10 @@ CASES: list[Case] = [
          _custom(zc.MaskedFillInfLM), attention={"softmax_attention": 2}),
     Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
          _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
+    Case("vmap-mask", "custom: SDPA under a mask built with nested torch.vmap (as transformers 5.10 builds masks)",
+         _custom(zc.VmapMaskLM), attention={"sdpa": 2}),
+    Case("vmap-heads", "custom: a per-head gate under torch.vmap after SDPA",
+         _custom(zc.VmapHeadsLM), attention={"sdpa": 2}),
     Case("complex-rope", "custom: RoPE by polar(arange(T) x inv) and view_as_complex", _custom(zc.ComplexRopeLM)),
     Case("complex-rope-table", "custom: complex freqs_cis table sliced [:T]", _custom(zc.ComplexRopeTableLM)),
     Case("alibi", "custom: ALiBi slope * (j - i) from arange(T)",
@@ -168,10 +183,12 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------ Hugging Face
     Case("gptj", "GPT-J: interleaved partial RoPE (own attention before transformers 5.24)", hf=True,
          build=_hf("GPTJConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, bos_token_id=0, eos_token_id=0), attention=_OWN_ATTENTION_BEFORE_5_24),
+                   n_positions=64, bos_token_id=0, eos_token_id=0), attention={"hf_interface": 2},
+         before=_OWN_ATTENTION_BEFORE_5_24),
     Case("codegen", "CodeGen: fused qkv, partial RoPE (own attention before transformers 5.24)", hf=True,
          build=_hf("CodeGenConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
-                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention=_OWN_ATTENTION_BEFORE_5_24),
+                   n_positions=64, n_ctx=64, bos_token_id=0, eos_token_id=0), attention={"hf_interface": 2},
+         before=_OWN_ATTENTION_BEFORE_5_24),
     Case("falcon-alibi", "Falcon: ALiBi", hf=True,
          build=_hf("FalconConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                    num_attention_heads=4, alibi=True, bos_token_id=0, eos_token_id=0), attention={"sdpa": 2}),
@@ -231,9 +248,11 @@ CASES: list[Case] = [
     Case("gpt-bigcode", "GPT-BigCode: multi-query attention", hf=True,
          build=_hf("GPTBigCodeConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                    n_positions=64, bos_token_id=0, eos_token_id=0)),
-    Case("ctrl", "CTRL: sinusoidal positions, own attention", hf=True,
+    # Before transformers 5.13 CTRL builds its mask as triu(ones(S, S)): refused, naming that line.
+    Case("ctrl", "CTRL: sinusoidal positions, own attention (refused before transformers 5.13)", hf=True,
          build=_hf("CTRLConfig", common=False, vocab_size=VOCAB, n_embd=32, dff=64, n_layer=2, n_head=4,
-                   n_positions=64)),
+                   n_positions=64),
+         before=((5, 13), {"expect": "refused", "reason": "node 'ones' (call_function ones) at modeling_ctrl.py"})),
     Case("mixtral", "Mixtral: sparse MoE", hf=True,
          build=_hf("MixtralConfig", num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2)),
     Case("qwen2-moe", "Qwen2-MoE: MoE with a shared expert", hf=True,
@@ -270,6 +289,7 @@ CASES: list[Case] = [
                    ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}),
                    expect="refused", reason="treecompile cannot capture this model"),
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
+         since=(5, 11),
          build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
                    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, index_topk=4,

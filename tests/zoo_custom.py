@@ -142,13 +142,37 @@ class SdpaTrilMaskAttn(_Attn):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[0, 0, :t, :t].bool())
 
 
+class VmapMaskAttn(_Attn):
+    """SDPA under a boolean mask built with nested ``torch.vmap`` over the query and key
+    indices, as transformers before 5.11 builds its masks."""
+
+    def attend(self, q, k, v):
+        idx = torch.arange(q.shape[2], device=q.device)
+        allowed = torch.vmap(torch.vmap(lambda i, j: j <= i, in_dims=(None, 0)), in_dims=(0, None))(idx, idx)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+class VmapHeadsAttn(SdpaTrilMaskAttn):
+    """A per-head output gate computed under ``torch.vmap`` over the heads: batched ops that
+    stay in the graph, between vmap level calls nothing reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(HEADS, HD, HD) / HD)
+
+    def attend(self, q, k, v):
+        y = super().attend(q, k, v)  # [B, H, T, hd]
+        return torch.vmap(lambda yh, g: yh @ g, in_dims=(1, 0), out_dims=1)(y, self.gate)
+
+
 def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
 
-BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM = (
+BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM = (
     _spelling(c)
-    for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn)
+    for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn,
+              VmapMaskAttn, VmapHeadsAttn)
 )
 
 
