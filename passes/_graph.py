@@ -184,9 +184,20 @@ def _add_upstream(nodes: Iterable[fx.Node], seen: set[fx.Node]) -> set[fx.Node]:
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
+@functools.cache
+def _own_dirs() -> tuple[str, ...]:
+    """treecompile's own source folders (its drop-ins and kernels run inside the model's calls)."""
+    import treecompile
+    import treecompile.kernels
+    import treecompile.passes
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (treecompile, treecompile.passes, treecompile.kernels))
+
+
 def source_of(node: fx.Node) -> str:
     """The user source line that produced ``node``: the last frame of its stack trace outside
-    torch itself (``self.shift(x)``, not the ``F.pad`` an ``nn.ZeroPad2d`` calls)."""
+    torch and treecompile (``self.shift(x)``, not the ``F.pad`` an ``nn.ZeroPad2d`` calls, nor
+    the drop-in treecompile swapped in for the model's scan kernel)."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return "<no source recorded>"
@@ -194,7 +205,7 @@ def source_of(node: fx.Node) -> str:
     frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
     if not frames:
         return lines[-1]
-    outside = [i for i in frames if _TORCH_DIR not in lines[i]]
+    outside = [i for i in frames if _TORCH_DIR not in lines[i] and not any(d in lines[i] for d in _own_dirs())]
     i = (outside or frames)[-1]
     code = lines[i + 1] if i + 1 < len(lines) else ""
     return f"{lines[i]}: {code}"

@@ -808,6 +808,52 @@ def test_fla_style_model_matches_per_path_training(fla_style, name):
     assert counters["rewrite_attention_pass"] == {"sdpa": 1}
 
 
+class GdnLM(nn.Module):
+    """Embedding, residual Gated DeltaNet layers (flash-linear-attention's spelling), head."""
+
+    def __init__(self, layers) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+class InitialStateGDN(GatedDeltaNetLayer):
+    """Starts its scan from a learned state (the whole tree trains it exactly)."""
+
+    def __init__(self) -> None:
+        super().__init__(32)
+        self.h0 = nn.Parameter(torch.randn(self.v_heads, self.head_dim, self.head_dim) * 0.1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.v_heads, self.head_dim)
+        g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, self.b_proj(x).sigmoid(), use_qk_l2norm_in_kernel=True,
+                                      initial_state=self.h0.expand(b, -1, -1, -1))
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+def test_a_learned_initial_state_trains_exactly_on_the_whole_tree():
+    """Every root's scan starts from the model's own initial state, as each path's does."""
+    model = tiny(lambda: GdnLM([InitialStateGDN()]))
+    batch, trees = make_batch("branchy")
+    compiled = tree_compile(model, backend="eager")
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    assert compiled.counters["route_ssm_state_pass"] == {"gated_delta_rule": 1}
+    model.zero_grad(set_to_none=True)
+    compiled(batch).loss.backward()
+    assert model.layers[0].h0.grad.abs().sum() > 0  # the state is trained, not a constant
+
+
 @pytest.mark.parametrize("padding", [2, 3], ids=["padding-short", "padding-K-1"])
 def test_non_causal_conv_is_refused(padding):
     """A conv that is not causal (or keeps the wrong rows) stays a conv, and the verify pass refuses it."""

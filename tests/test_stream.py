@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
+from test_compile_hybrid import GatedDeltaNetLayer, GdnLM, InitialStateGDN
 from test_compile_models import NanoGPT, tiny
 from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
@@ -540,6 +541,33 @@ def test_bad_options_are_refused():
             StreamOptions(budget_bytes=bad)
     with pytest.raises(ValueError, match="unknown optimizer 'adam'; valid: adamw"):
         StreamOptions(budget_bytes=10**6, optimizer="adam")
+
+
+def _initial_state_gdn():
+    return GdnLM([InitialStateGDN()])
+
+
+def _two_key_sizes():
+    return GdnLM([GatedDeltaNetLayer(32, head_dim=8), GatedDeltaNetLayer(32, head_dim=4)])
+
+
+@pytest.mark.parametrize("build,refusal", [
+    (_initial_state_gdn, r"is a recurrent scan with an initial state: a streamed part starts its roots from the zero "
+                         r"state\.\n  at .*test_compile_hybrid\.py\", line \d+, in forward: o, _ = chunk_gated_delta_rule\("),
+    (_two_key_sizes, r"recurrent layers of different key sizes \[4, 8\] cannot share one streamed node table\.\n"
+                     r"  at .*test_compile_hybrid\.py\", line \d+, in forward: o, _ = chunk_gated_delta_rule\("),
+], ids=["initial-state", "two-key-sizes"])
+def test_a_streamed_part_refuses_recurrent_states_its_stack_cannot_carry(build, refusal):
+    """A streamed part starts its roots from the zero state and keeps one node table for every
+    recurrent layer: a model that needs either otherwise is refused, naming the scan and the
+    model's source line, before any gradient is written."""
+    torch.manual_seed(0)
+    model = build().double()
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    compiled = tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        compiled(batch)
+    assert all(p.grad is None for p in model.parameters())
 
 
 #: NanoGPT's dimensions for the cost model (a custom model has no config to read).
