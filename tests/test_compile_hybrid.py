@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from test_compile_models import SdpaBlock, compare_with_paths, make_batch, tiny
 from torch import nn
 from testing import TOLERANCES, assert_grads_close, backward_grads
+from zoo import transformers_version
 
 import treecompile as tc
 from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
@@ -139,7 +140,9 @@ def test_hf_adapter_matches_hf_chunked_kernel():
 
     q, k, v, g, beta, _ = _gdn_inputs(1, 70, h=2, dk=8, dv=8)
     ours, _ = drop_ins.hf_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    theirs, _ = hf.torch_chunk_gated_delta_rule.__wrapped__(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    # (behind transformers' hub-kernel decorator since 5.15)
+    kernel = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
+    theirs, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -148,6 +151,7 @@ def test_hf_mamba2_adapter_matches_hf_chunked_kernel(with_state):
     """Our drop-in and HF's Mamba2 chunk scan agree, in float64 (HF computes in float32: its rounding)."""
     from transformers.models.bamba import modeling_bamba as hf
 
+    _skip_before_scan_functions("bamba")
     g = torch.Generator().manual_seed(0)
     b, s, h, p, groups, n = 2, 37, 4, 3, 2, 5
     x = torch.randn(b, s, h, p, generator=g, dtype=F64)
@@ -285,6 +289,9 @@ def test_causal_conv1d_op_matches_reference_loop(s, kk):
 def test_hf_conv_adapter_matches_hf_fallback():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
+    if _old_transformers():
+        pytest.skip(f"transformers {transformers.__version__} has no torch causal_conv1d_fn (it convolves with "
+                    "nn.Conv1d, which the conv pass rewrites as it is)")
     x, w, b = _conv_inputs(7)
     ours = drop_ins.hf_causal_conv1d_fn(x, w, b, activation="silu")
     theirs = hf.causal_conv1d_fn.__wrapped__(x, w, b, activation="silu")
@@ -450,6 +457,26 @@ MODELS = {
 #: Causal convs where a model has more than one per recurrent layer, or convs without a scan.
 CONV_LAYERS = {"lfm2": 1, "lfm2_moe": 2, "lfm3": 1}
 
+#: The first transformers version with the family.
+SINCE = {"qwen4_exp": (5, 16), "lfm3": (5, 23)}
+
+#: Before transformers 5.15 the Mamba2 families write their chunked scan inside the mixer's
+#: forward (there is no ``mamba2_chunk_scan`` to swap for a tree scan): refused there, naming
+#: the pad of the chunked scan. The other families run their causal convs as an
+#: ``nn.Conv1d(padding=K - 1)`` sliced to the length (OLMo-hybrid: one each for q, k and v).
+SCAN_FUNCTIONS_SINCE = (5, 15)
+OLD_CONVS_PER_LAYER = {"olmo_hybrid": 3}
+
+
+def _old_transformers() -> bool:
+    return transformers_version() < SCAN_FUNCTIONS_SINCE
+
+
+def _skip_before_scan_functions(name: str) -> None:
+    if _old_transformers() and "ssd_scan" in MODELS[name][1]:
+        pytest.skip(f"{name} is refused on transformers {transformers.__version__} (its Mamba2 scan is written "
+                    "inside the mixer; test_hybrid_model_matches_per_path_training checks the refusal)")
+
 
 def _model(name: str):
     """The family's tiny model in float64, every weight moved off its init (no unit norm, no
@@ -514,9 +541,18 @@ def _compiled(name: str):
 def test_hybrid_model_matches_per_path_training(name, tree):
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
+    if transformers_version() < SINCE.get(name, (0, 0)):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {SINCE[name]})")
     kernels = (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn)
     model, compiled = _compiled(name)
     batch, trees = make_batch(tree) if tree in ("branchy", "forest") else _pack(TREES[tree])
+    if _old_transformers() and "ssd_scan" in MODELS[name][1]:
+        if tree != MODELS[name][2][0]:
+            pytest.skip(f"{name} is refused on transformers {transformers.__version__}: checked on its first tree")
+        with pytest.raises(UnsupportedModelError, match=r"node '\w+' \(call_function pad\) at modeling_\w+\.py:\d+ "
+                                                        r"changes the sequence length"):
+            compiled(batch)
+        return
     with _float64_casts(model):
         # Against the unmodified model per path, its float32 casts made float64 on both sides
         # (a few `.float()` calls remain: absolute TOL["hf"]).
@@ -537,12 +573,17 @@ def test_hybrid_model_matches_per_path_training(name, tree):
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
     counters = compiled.counters
     layers = CONV_LAYERS.get(name, sum(MODELS[name][1].values()))
-    assert counters["rewrite_conv_context_pass"] == {"causal_conv1d": layers}
+    if _old_transformers():
+        convs = layers * OLD_CONVS_PER_LAYER.get(name, 1)
+        assert counters["rewrite_conv_context_pass"] == {"causal_conv1d": convs, "depthwise_conv1d": convs}
+    else:
+        assert counters["rewrite_conv_context_pass"] == {"causal_conv1d": layers}
     assert counters.get("route_ssm_state_pass", {}) == MODELS[name][1]
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
 def test_hybrid_verify_passes(name):
+    _skip_before_scan_functions(name)
     # The check compiles a float64 copy with the wrapper's options: the rewritten graph run
     # eagerly here (the lowering is exercised by the equivalence tests above).
     model, _ = _compiled(name)
@@ -567,10 +608,13 @@ _ONE_LAYER = {"qwen3_next": _qwen3_next_one_layer, "bamba": _bamba_one_layer}
 @pytest.mark.parametrize("missing", [rewrite_conv_context_pass.__name__, route_ssm_state_pass.__name__])
 def test_hybrid_without_its_pass_is_refused(missing, name):
     """The verify pass names a sequence kernel left linear, never trains it wrong."""
+    _skip_before_scan_functions(name)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_ONE_LAYER[name]()).double().eval()
     compiled = tree_compile(model, backend="eager", disable_passes=(missing,))
-    with pytest.raises(UnsupportedModelError, match="sequence kernel"):
+    # (Before transformers 5.15 Qwen3-Next's conv is an nn.Conv1d, not a sequence kernel.)
+    refusal = "sequence kernel|is a convolution over the sequence" if _old_transformers() else "sequence kernel"
+    with pytest.raises(UnsupportedModelError, match=refusal):
         compiled(make_batch("branchy")[0])
 
 
@@ -681,10 +725,22 @@ REFUSED = {
 }
 
 
+#: The first transformers version with the family.
+REFUSED_SINCE = {"kimi_linear": (5, 17), "bailing_hybrid": (5, 20), "qwen4_exp_ngram": (5, 16)}
+
+#: Before transformers 5.15 Mamba's scan is another spelling, and Jamba's and Zamba's a loop over the tokens.
+OLD_REFUSALS = {"mamba": ("changes the sequence length",), "falcon_mamba": ("changes the sequence length",),
+                "jamba": _TOKEN_LOOP, "zamba": _TOKEN_LOOP}
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_hybrid_is_refused(name):
     """Sequence mixing without a tree form is refused, naming the op, never trained wrong."""
+    if transformers_version() < REFUSED_SINCE.get(name, (0, 0)):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {REFUSED_SINCE[name]})")
     config, fragments = REFUSED[name]
+    if _old_transformers():
+        fragments = OLD_REFUSALS.get(name, fragments)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config(), experts_implementation="eager").double().eval()
     with pytest.raises(UnsupportedModelError) as refusal:
@@ -740,8 +796,11 @@ class GatedDeltaNetLayer(nn.Module):
     """A Gated DeltaNet layer as flash-linear-attention writes it (GVA, short convs, gated output norm)."""
 
     def __init__(self, dim: int = 32, heads: int = 2, v_heads: int = 4, head_dim: int = 8, conv: int = 4,
-                 left_pad: bool = False) -> None:
+                 left_pad: bool = False, kernel_attribute: bool = False) -> None:
         super().__init__()
+        # The kernel kept as the layer's attribute, as transformers before 5.15 keeps it
+        # (``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``).
+        self.scan = chunk_gated_delta_rule if kernel_attribute else None
         self.heads, self.v_heads, self.head_dim = heads, v_heads, head_dim
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(dim, heads * head_dim, bias=False)
@@ -764,7 +823,7 @@ class GatedDeltaNetLayer(nn.Module):
         v = self.v_conv(self.v_proj(x)).view(b, t, self.v_heads, self.head_dim)
         g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o, _ = (self.scan or chunk_gated_delta_rule)(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         gate = self.g_proj(x).view(b, t, self.v_heads, self.head_dim)
         o = self.o_norm(o) * F.silu(gate)
         return self.o_proj(o.reshape(b, t, -1))
@@ -840,6 +899,18 @@ class InitialStateGDN(GatedDeltaNetLayer):
         o, _ = chunk_gated_delta_rule(q, k, v, g, self.b_proj(x).sigmoid(), use_qk_l2norm_in_kernel=True,
                                       initial_state=self.h0.expand(b, -1, -1, -1))
         return self.o_proj(o.reshape(b, t, -1))
+
+
+def test_a_kernel_kept_as_a_layer_attribute_is_swapped_and_exact():
+    """A layer that picked its kernel at construction holds it in an attribute: swapped there
+    too (else its reference loop is captured and refused), and in the copy verify checks."""
+    model = tiny(lambda: GdnLM([GatedDeltaNetLayer(32, kernel_attribute=True)]))
+    batch, trees = make_batch("branchy")
+    compiled = tree_compile(model, backend="eager", verify=True)
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    assert compiled.counters["route_ssm_state_pass"] == {"gated_delta_rule": 1}
+    assert compiled.verified.worst_grad_diff < compiled.verified.tolerance
+    assert model.layers[0].scan is chunk_gated_delta_rule  # restored after the call
 
 
 def test_a_learned_initial_state_trains_exactly_on_the_whole_tree():

@@ -363,36 +363,45 @@ def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return torch.ops.treecompile.grouped_mm(input, weight, offs)
 
 
-def sequence_kernels(model: nn.Module) -> list[tuple[types.ModuleType, str, Any]]:
-    """``(module, name, drop-in)`` for each known sequence kernel the model's modules call.
+def _takes(fn: Any, params: tuple[str, ...]) -> bool:
+    """Whether ``fn`` is callable with ``params`` as its leading parameters."""
+    if not callable(fn):
+        return False
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[: len(params)] == params
 
-    Looked up in the modules defining the model's layer classes; a function is swapped only
-    if it takes the expected leading parameters (a same-named function of another kind is
-    left alone, and the verify pass judges what it does).
+
+def sequence_kernels(model: nn.Module) -> list[tuple[Any, str, Any]]:
+    """``(owner, name, drop-in)`` for each known sequence kernel the model's modules call.
+
+    Looked up in the modules defining the model's layer classes, and in the layers' own
+    attributes where a layer keeps the kernel it picked (transformers before 5.11:
+    ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``);
+    a function is swapped only if it takes the expected leading parameters (a same-named
+    function of another kind is left alone, and the verify pass judges what it does).
     """
-    found: dict[tuple[str, str], tuple[types.ModuleType, str, Any]] = {}
+    found: dict[tuple, tuple[Any, str, Any]] = {}
     for m in model.modules():
         module = sys.modules.get(type(m).__module__)
-        if module is None:
-            continue
-        for name, (params, replacement) in SEQUENCE_KERNELS.items():
-            fn = getattr(module, name, None)
-            if not callable(fn) or (module.__name__, name) in found:
-                continue
-            try:
-                names = tuple(inspect.signature(fn).parameters)
-            except (TypeError, ValueError):
-                continue
-            if names[: len(params)] == params:
-                found[(module.__name__, name)] = (module, name, replacement)
+        if module is not None:
+            for name, (params, replacement) in SEQUENCE_KERNELS.items():
+                if (module.__name__, name) not in found and _takes(getattr(module, name, None), params):
+                    found[(module.__name__, name)] = (module, name, replacement)
+        for attr, fn in vars(m).items():
+            params, replacement = SEQUENCE_KERNELS.get(getattr(fn, "__name__", None), (None, None))
+            if inspect.isfunction(fn) and params is not None and _takes(fn, params):
+                found[(id(m), attr)] = (m, attr, replacement)
     return list(found.values())
 
 
 @contextlib.contextmanager
-def swapped_kernels(kernels: list[tuple[types.ModuleType, str, Any]]):
+def swapped_kernels(kernels: list[tuple[Any, str, Any]]):
     """Swaps the model's sequence kernels for treecompile's drop-ins for one call, then
     restores them (the model run outside the wrapper, e.g. per path, is unchanged). Dynamo
-    guards on the globals, which hold the same drop-ins on every call."""
+    guards on the globals and attributes, which hold the same drop-ins on every call."""
     saved = [(module, name, getattr(module, name)) for module, name, _ in kernels]
     try:
         for module, name, replacement in kernels:

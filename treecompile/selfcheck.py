@@ -137,8 +137,9 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
         router = compiled._router_aux
         # A hybrid model's per-path run uses the same linear-sequence kernels the tree side was
         # swapped to (tested against HF's): HF's GDN fallback computes in float32 even in a
-        # float64 model, which would put a float32 floor under this float64 check.
-        with swapped_kernels(compiled._kernels):
+        # float64 model, which would put a float32 floor under this float64 check. (The twin's:
+        # a layer that keeps its kernel as an attribute has it swapped on the copy checked.)
+        with swapped_kernels(twin._kernels):
             with torch.enable_grad():
                 ref = per_path_loss(subject, tree, router_aux_loss_coef=None if router is None else router.coef)
                 ref.loss.backward()
