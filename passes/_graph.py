@@ -283,23 +283,66 @@ def storage_of(node: Any) -> int | None:
         return None
 
 
-def _functorch_functions(*names: str) -> frozenset:
-    import torch._functorch.predispatch as predispatch
+def _functions(*qualified: str) -> frozenset:
+    """The functions named ``module:name`` that this torch has (a name missing is left out)."""
+    import importlib
 
-    return frozenset(f for f in (getattr(predispatch, n, None) for n in names) if f is not None)
+    found = set()
+    for q in qualified:
+        module, name = q.split(":")
+        try:
+            f = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            f = None
+        if f is not None:
+            found.add(f)
+    return frozenset(found)
 
 
-#: ``torch.vmap`` as Dynamo captures it (transformers before 5.11 builds some masks so): the
-#: batched ops between an increment and its decrement need the vmap level it opens (and the
-#: decompositions loaded before), yet these calls have no users and torch does not mark them
-#: impure.
-VMAP_LEVELS = _functorch_functions("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
-VMAP_BATCHING = _functorch_functions("_add_batch_dim", "_remove_batch_dim")
+#: The state calls of torch.func transforms (``torch.vmap``, ``torch.func.grad``, ``jvp``) as
+#: Dynamo captures them: the level pushes and pops, and the autograd switches around them.
+#: They have no users and torch marks few of them impure, yet the ops that take a level
+#: (below) fail without them: all stay while one such op stays (a level is named by its
+#: number, which counts the pushes before it), and all go with the last. (transformers before
+#: 5.11 builds some attention masks with nested vmaps.)
+FUNCTORCH_STATE = _functions(
+    "torch._functorch.predispatch:_vmap_increment_nesting", "torch._functorch.predispatch:_vmap_decrement_nesting",
+    "torch._functorch.predispatch:lazy_load_decompositions",
+    "torch._functorch.predispatch:_jvp_increment_nesting", "torch._functorch.predispatch:_jvp_decrement_nesting",
+    "torch._functorch.predispatch:_enter_dual_level", "torch._functorch.predispatch:_exit_dual_level",
+    "torch._C._functorch:_grad_increment_nesting", "torch._C._functorch:_grad_decrement_nesting",
+    "torch._C._functorch:set_inplace_requires_grad_allowed", "torch._C._functorch:push_dynamic_layer_stack",
+    "torch._C._functorch:pop_dynamic_layer_stack", "torch._C:_set_fwd_grad_enabled",
+    "torch._C._autograd:_saved_tensors_hooks_disable", "torch._C._autograd:_saved_tensors_hooks_enable",
+    "torch._functorch.eager_transforms:_set_tensor_requires_grad",
+)
+#: The ops that take a level the state calls open.
+FUNCTORCH_LEVEL_OPS = _functions(
+    "torch._functorch.predispatch:_add_batch_dim", "torch._functorch.predispatch:_remove_batch_dim",
+    "torch._C._functorch:_wrap_for_grad", "torch._C._functorch:_unwrap_for_grad",
+    "torch._functorch.predispatch:_unwrap_for_grad", "torch._functorch.predispatch:_make_dual",
+    "torch._functorch.predispatch:_unpack_dual",
+)
+#: Global switches a model's code may set and reset inside the graph (``torch.inference_mode``,
+#: ``sdpa_kernel``): always kept.
+STATE_SWITCHES = _functions(
+    "torch.autograd.grad_mode:_enter_inference_mode", "torch.autograd.grad_mode:_exit_inference_mode",
+    "torch.nn.attention:_sdpa_kernel",
+)
 
 
-def vmap_level_nodes(nodes: Iterable[fx.Node]) -> list[fx.Node]:
-    """The vmap level calls among ``nodes``, in their order."""
-    return [n for n in nodes if n.op == "call_function" and n.target in VMAP_LEVELS]
+def _calls(n: fx.Node, functions: frozenset) -> bool:
+    return n.op == "call_function" and n.target in functions
+
+
+def functorch_state_nodes(nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """The torch.func state calls among ``nodes``, in their order."""
+    return [n for n in nodes if _calls(n, FUNCTORCH_STATE)]
+
+
+def uses_functorch_levels(nodes: Iterable[fx.Node]) -> bool:
+    """Whether one of ``nodes`` takes a level a torch.func state call opens."""
+    return any(_calls(n, FUNCTORCH_LEVEL_OPS) for n in nodes)
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> int:
@@ -328,11 +371,15 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
         _add_upstream([n], live)
 
     for n in nodes:
-        impure = n.op in ("placeholder", "output", "call_module") or (n.op == "call_function" and n.is_impure())
+        impure = n.op in ("placeholder", "output", "call_module") or (
+            n.op == "call_function" and (n.is_impure() or n.target in STATE_SWITCHES))
         storages = writes.get(n)
         if impure or (storages is not None and (None in storages or storages & external)):
             mark(n)
-    # A write into fresh memory is live once a live node reads that memory; iterate to a fixed point.
+    # A write into fresh memory is live once a live node reads that memory, and the torch.func
+    # state calls once an op taking a level is (see FUNCTORCH_STATE); marking either can make
+    # more of both live (``_set_tensor_requires_grad`` writes its input): to a fixed point.
+    state = functorch_state_nodes(nodes)
     changed = True
     while changed:
         changed = False
@@ -341,11 +388,10 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
             if n not in live and storages & read:
                 mark(n)
                 changed = True
-    # The vmap levels stay while a batched op stays (all of them: the ops name their level by
-    # number, which counts the calls before); with the last batched op they go too.
-    if any(m.op == "call_function" and m.target in VMAP_BATCHING for m in live):
-        for n in vmap_level_nodes(nodes):
-            mark(n)
+        if state and not set(state) <= live and uses_functorch_levels(live):
+            for n in state:
+                mark(n)
+            changed = True
     removed = 0
     for n in reversed(nodes):
         if n not in live and not n.users:

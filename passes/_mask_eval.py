@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes._graph import VMAP_BATCHING, PassContext, ancestors, describe, value, vmap_level_nodes
+from treecompile.passes._graph import PassContext, ancestors, describe, functorch_state_nodes, uses_functorch_levels, value
 
 __all__ = ["depends_on_inputs", "structural_causal", "evaluate"]
 
@@ -178,10 +178,10 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
     """Runs the subgraph that computes ``node`` on the example inputs (with the sequence
     length taken as ``rows`` if given)."""
     needed = ancestors(node) | {node}
-    if any(n.op == "call_function" and n.target in VMAP_BATCHING for n in needed):
+    if uses_functorch_levels(needed):
         # A mask built under torch.vmap: its batched ops need the levels the vmap calls open.
-        for level in vmap_level_nodes(node.graph.nodes):
-            needed |= ancestors(level) | {level}
+        for state in functorch_state_nodes(node.graph.nodes):
+            needed |= ancestors(state) | {state}
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, object] = {}
     length = ctx.seq_len.node.expr if rows is not None else None

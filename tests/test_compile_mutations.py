@@ -224,10 +224,11 @@ def test_a_pass_that_drops_an_in_place_op_is_an_error():
 
 
 
-def _vmap_calls(gm):
-    from treecompile.passes._graph import VMAP_BATCHING, VMAP_LEVELS
+def _functorch_calls(gm):
+    from treecompile.passes._graph import FUNCTORCH_LEVEL_OPS, FUNCTORCH_STATE
 
-    return [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and n.target in VMAP_LEVELS | VMAP_BATCHING]
+    return [n.target.__name__ for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in FUNCTORCH_STATE | FUNCTORCH_LEVEL_OPS]
 
 
 def test_dead_code_elimination_keeps_vmap_levels_while_a_batched_op_lives():
@@ -237,10 +238,10 @@ def test_dead_code_elimination_keeps_vmap_levels_while_a_batched_op_lives():
         return torch.vmap(lambda row: row * w)(x).sum()
 
     gm = _graph_of(live, torch.randn(3, 4), torch.randn(4))
-    before = _vmap_calls(gm)
+    before = _functorch_calls(gm)
     assert "_vmap_increment_nesting" in before and "_add_batch_dim" in before
     eliminate_dead_code(gm)
-    assert _vmap_calls(gm) == before
+    assert _functorch_calls(gm) == before
     gm.recompile()
     x, w = torch.randn(3, 4), torch.randn(4)
     out = gm(w, x)  # Dynamo's placeholder order
@@ -251,9 +252,9 @@ def test_dead_code_elimination_keeps_vmap_levels_while_a_batched_op_lives():
         return x.sum()
 
     gm = _graph_of(dead, torch.randn(3, 4), torch.randn(4))
-    assert _vmap_calls(gm)
+    assert _functorch_calls(gm)
     eliminate_dead_code(gm)
-    assert _vmap_calls(gm) == []  # with its last batched op the levels go too
+    assert _functorch_calls(gm) == []  # with its last batched op the levels go too
 
 
 def test_a_mask_evaluation_failing_inside_vmap_closes_the_level_it_opened():
@@ -274,3 +275,40 @@ def test_a_mask_evaluation_failing_inside_vmap_closes_the_level_it_opened():
     with pytest.raises(ValueError, match="fails inside the vmap"):
         evaluate(ctx, failing)
     assert torch._C._functorch.maybe_current_level() is None
+
+
+def test_dead_code_elimination_keeps_a_func_grad_transform():
+    """torch.func.grad inside the graph: its level push and pop, and the requires-grad switch on
+    its input, have no users; removed, the graph fails (or differentiates nothing)."""
+
+    def fn(x, w):
+        return (torch.func.grad(lambda a: (a * w).sin().sum())(x) * 2).sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4)
+    gm = _graph_of(fn, x, w)
+    eliminate_dead_code(gm)
+    assert {"_grad_increment_nesting", "_set_tensor_requires_grad", "_grad_decrement_nesting"} <= set(_functorch_calls(gm))
+    gm.recompile()
+    out = gm(w, x)  # Dynamo's placeholder order
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, fn(x, w))
+
+
+def test_dead_code_elimination_keeps_switches_a_model_sets_and_resets():
+    """``with torch.inference_mode()`` and ``with sdpa_kernel(...)`` inside a model: the calls
+    that leave them have no users; removed, the rest of the graph would run inside them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q):
+        with sdpa_kernel(SDPBackend.MATH):
+            y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with torch.inference_mode():
+            unused = q * 2  # noqa: F841
+        return y.sum()
+
+    gm = _graph_of(fn, torch.randn(1, 2, 4, 8))
+    switches = lambda: [n.target.__name__ for n in gm.graph.nodes  # noqa: E731
+                        if n.op == "call_function" and n.target.__name__ in ("_sdpa_kernel", "_exit_inference_mode")]
+    before = switches()
+    assert before == ["_sdpa_kernel", "_sdpa_kernel", "_exit_inference_mode"]
+    eliminate_dead_code(gm)
+    assert switches() == before
