@@ -21,5 +21,5 @@ python3 -m pytest -n auto --dist loadgroup -q \
     tests/test_compile_hf.py tests/test_compile_hf_masks.py tests/test_compile_models.py \
     tests/test_compiled_model_hf.py tests/test_integrations_hf.py tests/test_integrations_verl.py \
     tests/test_compile_subgraphs.py tests/test_compile_mixed_precision.py tests/test_compile_moe.py \
-    tests/test_zoo.py tests/test_compile_hybrid.py "$@"
+    tests/test_zoo.py tests/test_compile_hybrid.py tests/test_integration_trl.py "$@"
 echo "total: $((SECONDS - start)) s"
