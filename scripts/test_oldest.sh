@@ -12,7 +12,7 @@ start=$SECONDS
 [ -x "$VENV/bin/python3" ] || python3 -m venv --system-site-packages "$VENV"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-bash scripts/setup.sh "test"
+bash scripts/setup.sh "test,trl"
 echo "setup: pip install $OLDEST"
 python3 -m pip install -q "$OLDEST"
 python3 -c 'import transformers; print(f"testing with transformers {transformers.__version__}")'
