@@ -303,8 +303,8 @@ def _functions(*qualified: str) -> frozenset:
 #: Dynamo captures them: the level pushes and pops, and the autograd switches around them.
 #: They have no users and torch marks few of them impure, yet the ops that take a level
 #: (below) fail without them: all stay while one such op stays (a level is named by its
-#: number, which counts the pushes before it), and all go with the last. (transformers before
-#: 5.11 builds some attention masks with nested vmaps.)
+#: number, which counts the pushes before it), and all go with the last. (transformers 5.10
+#: builds some attention masks with nested vmaps.)
 FUNCTORCH_STATE = _functions(
     "torch._functorch.predispatch:_vmap_increment_nesting", "torch._functorch.predispatch:_vmap_decrement_nesting",
     "torch._functorch.predispatch:lazy_load_decompositions",

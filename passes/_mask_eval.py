@@ -208,10 +208,38 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
     sub.output(remap[node])
     owner = node.graph.owning_module
     level = torch._C._functorch.maybe_current_level()
+    switches = _autograd_switches()
     try:
         with torch.no_grad():
             return fx.GraphModule(owner, sub)(*inputs)
     finally:
-        # A failure between a vmap level's opening and closing must not leave it open.
+        # A failure inside a torch.func transform must leave neither its levels open nor the
+        # switches it sets (saved-tensor hooks off, ...) set.
         while (torch._C._functorch.maybe_current_level() or 0) > (level or 0):
-            torch._C._functorch._vmap_decrement_nesting()
+            _pop_functorch_level()
+        if _autograd_switches() != switches:
+            _set_autograd_switches(*switches)
+
+
+def _autograd_switches() -> tuple[bool, bool, bool]:
+    """(saved-tensor hooks enabled, in-place requires-grad allowed, forward grad enabled)."""
+    return (torch._C._autograd._saved_tensors_hooks_is_enabled(),
+            torch._C._functorch.get_inplace_requires_grad_allowed(), torch._C._is_fwd_grad_enabled())
+
+
+def _set_autograd_switches(hooks: bool, inplace: bool, fwd: bool) -> None:
+    if hooks:
+        torch._C._autograd._saved_tensors_hooks_enable()
+    torch._C._functorch.set_inplace_requires_grad_allowed(inplace)
+    torch._C._set_fwd_grad_enabled(fwd)
+
+
+def _pop_functorch_level() -> None:
+    """Closes the innermost torch.func level (vmap, grad, jvp or functionalize)."""
+    functorch = torch._C._functorch
+    kind = functorch.peek_interpreter_stack().key()
+    pop = {functorch.TransformType.Vmap: functorch._vmap_decrement_nesting,
+           functorch.TransformType.Grad: functorch._grad_decrement_nesting,
+           functorch.TransformType.Jvp: functorch._jvp_decrement_nesting,
+           functorch.TransformType.Functionalize: functorch._func_decrement_nesting}[kind]
+    pop()

@@ -457,8 +457,9 @@ MODELS = {
 #: Causal convs where a model has more than one per recurrent layer, or convs without a scan.
 CONV_LAYERS = {"lfm2": 1, "lfm2_moe": 2, "lfm3": 1}
 
-#: The first transformers version with the family.
-SINCE = {"qwen4_exp": (5, 16), "lfm3": (5, 23)}
+#: The first transformers version with the family (exact or refused ones).
+SINCE = {"qwen4_exp": (5, 16), "lfm3": (5, 23), "kimi_linear": (5, 17), "bailing_hybrid": (5, 20),
+         "qwen4_exp_ngram": (5, 16)}
 
 #: Before transformers 5.15 the Mamba2 families write their chunked scan inside the mixer's
 #: forward (there is no ``mamba2_chunk_scan`` to swap for a tree scan): refused there, naming
@@ -470,6 +471,11 @@ OLD_CONVS_PER_LAYER = {"olmo_hybrid": 3}
 
 def _old_transformers() -> bool:
     return transformers_version() < SCAN_FUNCTIONS_SINCE
+
+
+def _skip_if_absent(name: str) -> None:
+    if transformers_version() < SINCE.get(name, (0, 0)):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {SINCE[name]})")
 
 
 def _skip_before_scan_functions(name: str) -> None:
@@ -541,8 +547,7 @@ def _compiled(name: str):
 def test_hybrid_model_matches_per_path_training(name, tree):
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    if transformers_version() < SINCE.get(name, (0, 0)):
-        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {SINCE[name]})")
+    _skip_if_absent(name)
     kernels = (hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn)
     model, compiled = _compiled(name)
     batch, trees = make_batch(tree) if tree in ("branchy", "forest") else _pack(TREES[tree])
@@ -725,9 +730,6 @@ REFUSED = {
 }
 
 
-#: The first transformers version with the family.
-REFUSED_SINCE = {"kimi_linear": (5, 17), "bailing_hybrid": (5, 20), "qwen4_exp_ngram": (5, 16)}
-
 #: Before transformers 5.15 Mamba's scan is another spelling, and Jamba's and Zamba's a loop over the tokens.
 OLD_REFUSALS = {"mamba": ("changes the sequence length",), "falcon_mamba": ("changes the sequence length",),
                 "jamba": _TOKEN_LOOP, "zamba": _TOKEN_LOOP}
@@ -736,8 +738,7 @@ OLD_REFUSALS = {"mamba": ("changes the sequence length",), "falcon_mamba": ("cha
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_hybrid_is_refused(name):
     """Sequence mixing without a tree form is refused, naming the op, never trained wrong."""
-    if transformers_version() < REFUSED_SINCE.get(name, (0, 0)):
-        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {REFUSED_SINCE[name]})")
+    _skip_if_absent(name)
     config, fragments = REFUSED[name]
     if _old_transformers():
         fragments = OLD_REFUSALS.get(name, fragments)
@@ -796,11 +797,13 @@ class GatedDeltaNetLayer(nn.Module):
     """A Gated DeltaNet layer as flash-linear-attention writes it (GVA, short convs, gated output norm)."""
 
     def __init__(self, dim: int = 32, heads: int = 2, v_heads: int = 4, head_dim: int = 8, conv: int = 4,
-                 left_pad: bool = False, kernel_attribute: bool = False) -> None:
+                 left_pad: bool = False, kernel_attribute: bool = False, initial_state: bool = False) -> None:
         super().__init__()
         # The kernel kept as the layer's attribute, as transformers before 5.15 keeps it
         # (``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``).
         self.scan = chunk_gated_delta_rule if kernel_attribute else None
+        # A learned state every sequence's scan starts from (the whole tree trains it exactly).
+        self.h0 = nn.Parameter(torch.randn(v_heads, head_dim, head_dim) * 0.1) if initial_state else None
         self.heads, self.v_heads, self.head_dim = heads, v_heads, head_dim
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(dim, heads * head_dim, bias=False)
@@ -823,7 +826,8 @@ class GatedDeltaNetLayer(nn.Module):
         v = self.v_conv(self.v_proj(x)).view(b, t, self.v_heads, self.head_dim)
         g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        o, _ = (self.scan or chunk_gated_delta_rule)(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        h0 = None if self.h0 is None else self.h0.expand(b, -1, -1, -1)
+        o, _ = (self.scan or chunk_gated_delta_rule)(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, initial_state=h0)
         gate = self.g_proj(x).view(b, t, self.v_heads, self.head_dim)
         o = self.o_norm(o) * F.silu(gate)
         return self.o_proj(o.reshape(b, t, -1))
@@ -883,24 +887,6 @@ class GdnLM(nn.Module):
         return self.head(x)
 
 
-class InitialStateGDN(GatedDeltaNetLayer):
-    """Starts its scan from a learned state (the whole tree trains it exactly)."""
-
-    def __init__(self) -> None:
-        super().__init__(32)
-        self.h0 = nn.Parameter(torch.randn(self.v_heads, self.head_dim, self.head_dim) * 0.1)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.v_heads, self.head_dim)
-        g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, self.b_proj(x).sigmoid(), use_qk_l2norm_in_kernel=True,
-                                      initial_state=self.h0.expand(b, -1, -1, -1))
-        return self.o_proj(o.reshape(b, t, -1))
-
-
 def test_a_kernel_kept_as_a_layer_attribute_is_swapped_and_exact():
     """A layer that picked its kernel at construction holds it in an attribute: swapped there
     too (else its reference loop is captured and refused), and in the copy verify checks."""
@@ -915,7 +901,7 @@ def test_a_kernel_kept_as_a_layer_attribute_is_swapped_and_exact():
 
 def test_a_learned_initial_state_trains_exactly_on_the_whole_tree():
     """Every root's scan starts from the model's own initial state, as each path's does."""
-    model = tiny(lambda: GdnLM([InitialStateGDN()]))
+    model = tiny(lambda: GdnLM([GatedDeltaNetLayer(32, initial_state=True)]))
     batch, trees = make_batch("branchy")
     compiled = tree_compile(model, backend="eager")
     compare_with_paths(model, compiled, batch, trees, tol="pure")

@@ -257,24 +257,31 @@ def test_dead_code_elimination_keeps_vmap_levels_while_a_batched_op_lives():
     assert _functorch_calls(gm) == []  # with its last batched op the levels go too
 
 
-def test_a_mask_evaluation_failing_inside_vmap_closes_the_level_it_opened():
+@pytest.mark.parametrize("transform,inside", [
+    (lambda x: torch.vmap(torch.sin)(x), "_add_batch_dim"),
+    (lambda x: torch.vmap(torch.func.grad(lambda a: a.sin().sum()))(x), "_wrap_for_grad"),
+], ids=["vmap", "grad-in-vmap"])
+def test_a_mask_evaluation_failing_inside_a_transform_closes_the_levels_it_opened(transform, inside):
     from types import SimpleNamespace
 
     from treecompile.passes._mask_eval import evaluate
 
-    gm = _graph_of(lambda x: torch.vmap(torch.sin)(x), torch.randn(3, 4))
-    batched = next(n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "_add_batch_dim")
+    gm = _graph_of(transform, torch.randn(3, 4))
+    anchor = next(n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == inside)
 
     def fails(t):
-        raise ValueError("fails inside the vmap")
+        raise ValueError("fails inside the transform")
 
-    with gm.graph.inserting_after(batched):
-        failing = gm.graph.call_function(fails, (batched,))
+    with gm.graph.inserting_after(anchor):
+        failing = gm.graph.call_function(fails, (anchor,))
     ctx = SimpleNamespace(seq_len=None, example_inputs=[torch.randn(3, 4)])
     assert torch._C._functorch.maybe_current_level() is None
-    with pytest.raises(ValueError, match="fails inside the vmap"):
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+    with pytest.raises(ValueError, match="fails inside the transform"):
         evaluate(ctx, failing)
     assert torch._C._functorch.maybe_current_level() is None
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()  # torch.func.grad turns them off
+    assert not torch._C._functorch.get_inplace_requires_grad_allowed()
 
 
 def test_dead_code_elimination_keeps_a_func_grad_transform():

@@ -144,7 +144,7 @@ class SdpaTrilMaskAttn(_Attn):
 
 class VmapMaskAttn(_Attn):
     """SDPA under a boolean mask built with nested ``torch.vmap`` over the query and key
-    indices, as transformers before 5.11 builds its masks."""
+    indices, as transformers 5.10 builds its masks."""
 
     def attend(self, q, k, v):
         idx = torch.arange(q.shape[2], device=q.device)

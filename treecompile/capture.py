@@ -378,7 +378,7 @@ def sequence_kernels(model: nn.Module) -> list[tuple[Any, str, Any]]:
     """``(owner, name, drop-in)`` for each known sequence kernel the model's modules call.
 
     Looked up in the modules defining the model's layer classes, and in the layers' own
-    attributes where a layer keeps the kernel it picked (transformers before 5.11:
+    attributes where a layer keeps the kernel it picked (transformers before 5.15:
     ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``);
     a function is swapped only if it takes the expected leading parameters (a same-named
     function of another kind is left alone, and the verify pass judges what it does).

@@ -400,15 +400,14 @@ def _layout_guess(wrapper) -> KVLayout | None:
         return values if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else None
 
     for m in wrapper._inner.modules():
-        params = list(m.parameters(recurse=True))
-        dtype = params[0].dtype if params else None
+        dtype = _dtype_of(m)
         if _calls_attention_interface(type(m)):
             heads = getattr(getattr(m, "config", None), "num_key_value_heads", None)
             head_dim = getattr(m, "head_dim", None)
-            if not (isinstance(heads, int) and isinstance(head_dim, int) and params):
+            if not (isinstance(heads, int) and isinstance(head_dim, int) and dtype is not None):
                 return None
             shapes += [(heads, head_dim, dtype)] * 2
-        elif wrapper._structure and params:
+        elif wrapper._structure and dtype is not None:
             mixer = next(filter(None, (ints(m, *names) for names in _MIXER_ATTRIBUTES)), None)
             if mixer is not None:
                 conv.append((mixer[0], dtype))
