@@ -59,7 +59,7 @@ import torch
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "CHUNK",
-           "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement", "known_bad_fla", "autograd_inside"]
+           "padding_groups", "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement", "known_bad_fla", "autograd_inside"]
 
 Tensor = torch.Tensor
 
@@ -197,7 +197,7 @@ def tree_recurrence(
             for i, n in enumerate(level.tolist()):
                 finals[n] = final[i]
             continue
-        for group in _padding_groups(lengths, chunk):
+        for group in padding_groups(lengths, chunk):
             width = int(lengths[group].max())
             offs = np.arange(width)[None, :]
             valid = offs < lengths[group][:, None]
@@ -213,7 +213,7 @@ def tree_recurrence(
     return torch.cat(vals_out)[torch.from_numpy(order).to(q.device)][None]
 
 
-def _padding_groups(lengths: np.ndarray, chunk: int) -> list[np.ndarray]:
+def padding_groups(lengths: np.ndarray, chunk: int) -> list[np.ndarray]:
     """Splits a level's nodes (by index) into batches padded to their longest node, longest first,
     each with at most ``2 * tokens + chunk`` rows padded: O(S) memory whatever the lengths (one
     long node beside many short ones would otherwise pad every short one to its length)."""

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
-from test_compile_hybrid import GatedDeltaNetLayer, GdnLM
+from test_compile_hybrid import GatedDeltaNetLayer, GdnLM, _float64_casts
 from test_compile_models import NanoGPT, tiny
 from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
@@ -167,10 +167,21 @@ _MODELS["qwen3-next-moe-aux"] = lambda: _slow_decay(_perturbed(transformers.Qwen
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
     decoder_sparse_step=1, output_router_logits=True, router_aux_loss_coef=1.0), experts_implementation="eager"))
+# Mamba's selective scan (Mamba-1): two Mamba layers; Jamba, a Mamba layer then attention.
+# HF's init decays the state by ~0.9 to 0.999 per token already (dropping the states handed
+# across parts changes the loss by 2e-4).
+_MODELS["mamba"] = lambda: _perturbed(transformers.MambaConfig(
+    vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4))
+_MODELS["jamba"] = lambda: _perturbed(transformers.JambaConfig(
+    **SMALL, num_experts=1, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8,
+    mamba_d_conv=4, mamba_expand=2))
 #: Families with recurrent layers: the reference runs treecompile's float64 scan and conv
 #: kernels per path (HF's fallbacks compute in float32; tests/test_compile_hybrid.py checks
 #: those kernels against HF's and the reference loops).
-_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2", "qwen3-next-moe-aux")
+_HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2", "qwen3-next-moe-aux", "mamba", "jamba")
+#: Families whose float32 casts (``torch.float32`` and ``tensor.float()``) are made float64 on
+#: both sides (test_compile_hybrid's `_float64_casts`): compared to float64 rounding.
+_FLOAT64_CASTS = ("mamba", "jamba")
 #: Extra tree_compile options per family.
 _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
 #: The router auxiliary loss coefficient of the families that have one.
@@ -203,6 +214,15 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     gradient elementwise (COMPILE_TOL) instead of relative to its largest entry: generated
     trees include ones where a gradient is exactly zero and both sides hold rounding noise."""
     model, compiled = _compiled(family, mode)
+    if family in _FLOAT64_CASTS:
+        with _float64_casts(model, methods=True):
+            return _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled, "pure")
+    return _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled,
+                      "pure" if family == "nanogpt" else "hf")
+
+
+def _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled, kind):
+    model, compiled = _compiled(family, mode)
     compiled._stream.options = StreamOptions(budget_rows=budget, mode=mode)
     tree = TrajectoryTree.from_sequences(seqs, weights=weights, loss_masks=masks)
     batch = pack(tree, loss_mode=loss_mode)
@@ -219,7 +239,6 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
         ref.loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    kind = "pure" if family == "nanogpt" else "hf"
     rtol, atol = COMPILE_TOL[kind]
     torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=rtol, atol=atol)
     for i in range(batch.num_paths):
@@ -495,6 +514,58 @@ def test_mamba2_and_conv_hybrids_stream_exactly(family):
     attention side by side) and LFM2 (a short conv, no scan), keep mode."""
     _check(family, "keep", BRANCHY, 4)
     _check(family, "keep", CHAIN, 3)
+
+
+@pytest.mark.parametrize("family,mode", [("jamba", "keep"), pytest.param("mamba", "recompute", marks=pytest.mark.slow)])
+def test_mamba_hybrids_stream_exactly(family, mode):
+    """Mamba's selective scan across parts: Jamba (a Mamba layer with its causal conv, then
+    attention) and Mamba (two Mamba layers, recompute mode), each state injected into and read
+    out of the scan's own rows (`stream_selective_scan`), to float64 rounding."""
+    stats = _check(family, mode, BRANCHY, 4)
+    assert stats.parts > 1
+    _check(family, mode, CHAIN, 3)
+    _, compiled = _compiled(family, mode)
+    if family == "jamba":
+        # The stack layout read from its modules (a Mamba mixer's channels and state size, the
+        # attention's heads) is the one the graph checked: a first call captures it once.
+        import treecompile.stream_runner as stream_runner
+
+        guess, checked = stream_runner._layout_guess(compiled), compiled._stream._shapes
+        assert (guess.shapes, guess.conv, guess.states) == (checked.shapes, checked.conv, checked.states)
+        assert checked.states == [(64, 8, 1, torch.float64)]
+    streamed = [r for r in compiled.compile_records if "route_stream_state_pass" in r.counters][-1]
+    layers = 1 if family == "jamba" else 2
+    assert streamed.counters["route_ssm_state_pass"] == {"selective_scan": layers}
+    assert streamed.counters["route_stream_state_pass"]["recurrent_state"] == layers
+    assert streamed.counters["route_stream_state_pass"]["conv_context"] == layers
+
+
+def test_stream_selective_scan_injects_and_reads_states_exactly():
+    """The streamed selective scan's own rows carry the state in and out: a part's node hanging
+    from an injection node of given state ``S`` runs as the scan from ``S``, and a readout
+    node returns the node's final state, forward and backward, to float64 rounding."""
+    from test_compile_hybrid import _mamba_inputs
+
+    from treecompile.kernels.selective_scan import selective_scan_reference
+    from treecompile.passes.stream import stream_selective_scan
+
+    s, d, n = 7, 5, 3
+    u, dt, a, bb, cc, h0 = _mamba_inputs(1, s, d, n)
+    states = h0.detach()[..., None].requires_grad_()  # [1, D, N, 1]
+    # Injection node (N rows, a root), the part's rows (its child), a readout node (theirs).
+    table = torch.tensor([[0, n, -1], [n, n + s, 0], [n + s, 2 * n + s, 1]])
+    own, read = stream_selective_scan(u, dt, a, bb, cc, states, table, torch.zeros(1, dtype=torch.int64))
+    ref_out, ref_final = selective_scan_reference(u, dt, a, bb, cc, states[..., 0])
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(own, ref_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(read, ref_final[..., None], rtol=rtol, atol=atol)
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = torch.randn(own.shape, generator=g, dtype=own.dtype), torch.randn(read.shape, generator=g, dtype=own.dtype)
+    inputs = [u, dt, a, bb, cc, states]
+    got = torch.autograd.grad((own * w1).sum() + (read * w2).sum(), inputs)
+    want = torch.autograd.grad((ref_out * w1).sum() + (ref_final[..., None] * w2).sum(), inputs)
+    for name, x, y in zip(["u", "dt", "A", "B", "C", "state"], got, want):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ names them and swaps each, for one call, for the drop-in here. A drop-in takes t
 arguments and returns the same result, does the token-wise preparation itself (head repeat,
 L2 norm, query scaling, ``dt`` discretisation) and runs the sequence part as one
 treecompile op (:mod:`treecompile.kernels.conv`, :mod:`~treecompile.kernels.gdn`,
-:mod:`~treecompile.kernels.mamba2`), one node per layer for the passes to find.
+:mod:`~treecompile.kernels.mamba2`, :mod:`~treecompile.kernels.mamba`), one node per layer for
+the passes to find.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch.nn.functional as F
 
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers treecompile::causal_conv1d)
 from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers treecompile::gated_delta_rule)
+from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
 from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
-           "hf_mamba2_split_conv1d_scan_combined"]
+           "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
 
@@ -170,4 +172,66 @@ def hf_mamba2_chunk_scan(
 
 def hf_mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> None:
     """Stands in for HF's fused ``mamba2_split_conv1d_scan_combined``: None, the unfused path."""
+    return None
+
+
+# --------------------------------------------------------------------------- Mamba's selective scan
+
+
+def hf_mamba_selective_scan(
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    use_mambapy: bool = False,
+    use_associative_scan: bool = False,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Drop-in for HF's ``mamba_selective_scan`` (mamba-ssm's ``selective_scan_fn`` signature;
+    Mamba, Falcon-Mamba, Jamba, Zamba, transformers >= 5.15): same arguments and result.
+
+    ``hidden_states`` (``x``) and ``dt`` ``[B, D, S]``, ``A`` ``[D, N]``, ``B, C`` ``[B, N, S]``,
+    ``D`` ``[D]``, ``z`` ``[B, D, S]``, ``delta_bias`` ``[D]``. As HF's: ``dt`` gets its bias
+    and softplus in its own dtype, the scan runs in the dtype of ``A * dt`` (at least
+    float32), its output is read in ``x``'s dtype, then ``+ x * D`` and ``* silu(z)`` as HF
+    writes them. The scan itself is ``treecompile::selective_scan`` with ``u = dt * x``. HF
+    reads the state after casting it to ``x``'s dtype; here it is read in the scan's dtype
+    and the result cast (the same in float32 and float64, one rounding apart in bfloat16).
+    ``use_mambapy`` and ``use_associative_scan`` only choose how HF computes the scan.
+    Returns ``y`` ``[B, D, S]`` (and the final state ``[B, D, N]`` with ``return_last_state``).
+    """
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        raise ValueError("treecompile's selective scan keeps packed sequences apart itself: pass no seq_idx / "
+                         "cu_seqlens")
+    if B.dim() != 3 or C.dim() != 3 or A.dim() != 2:
+        raise ValueError(f"treecompile's selective scan takes input-dependent B, C [batch, state, length] and A "
+                         f"[channels, state]; got B {tuple(B.shape)}, C {tuple(C.shape)}, A {tuple(A.shape)} "
+                         "(grouped or time-invariant B / C are not supported)")
+    input_dtype = hidden_states.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    ct = compute_dtype(torch.promote_types(torch.promote_types(A.dtype, dt.dtype), input_dtype))
+    x = hidden_states.transpose(1, 2).to(ct)  # [B, S, D]
+    step = dt.transpose(1, 2).to(ct)
+    y, final = torch.ops.treecompile.selective_scan(step * x, step, A.to(ct), B.transpose(1, 2).to(ct),
+                                                    C.transpose(1, 2).to(ct), None)
+    out = y.transpose(1, 2).to(torch.promote_types(input_dtype, C.dtype))
+    if D is not None:
+        out = out + hidden_states * D[None, :, None]
+    if z is not None:
+        out = out * F.silu(z)
+    return (out, final) if return_last_state else out
+
+
+def hf_mamba_inner_fn(*args: Any, **kwargs: Any) -> None:
+    """Stands in for HF's fused ``mamba_inner_fn`` (mamba-ssm's training kernel, conv and scan in
+    one): None, which makes the mixer take its unfused path (conv and scan kernels apart)."""
     return None

@@ -165,11 +165,11 @@ class StreamRunner:
 
     def _call(self, args: tuple) -> tuple:
         from treecompile.call import DYNAMO_CONFIG as _DYNAMO_CONFIG
-        from treecompile.capture import hf_interfaces, swapped_kernels
+        from treecompile.capture import TORCH_SWAPS, hf_interfaces, swapped_kernels
 
         w = self.wrapper
         hf = hf_interfaces(w._inner, w._routes_attention) if w._is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(w._kernels + w._mask_swaps):
+        with hf, swapped_kernels(w._kernels + w._mask_swaps + TORCH_SWAPS):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     return self._compiled(*args)
@@ -376,16 +376,19 @@ def _known_layout(wrapper) -> KVLayout | None:
 
 
 #: A Hugging Face mixer's conv channels and recurrent state ``(H, Dk, Dv)``, by attribute
-#: name: Gated DeltaNet, then Mamba2.
+#: name (or a number): Gated DeltaNet, Mamba2, then Mamba's selective scan (one head per
+#: channel, ``Dk`` the state size, ``Dv = 1``; see `treecompile.passes.stream.stream_selective_scan`).
 _MIXER_ATTRIBUTES = (("conv_dim", "num_v_heads", "head_k_dim", "head_v_dim"),
-                     ("conv_dim", "num_heads", "ssm_state_size", "head_dim"))
+                     ("conv_dim", "num_heads", "ssm_state_size", "head_dim"),
+                     ("intermediate_size", "intermediate_size", "ssm_state_size", 1))
 
 
 def _layout_guess(wrapper) -> KVLayout | None:
     """The stack layout of a Hugging Face model read from its modules, in order: each attention
     module's key and value heads and head dim; each Gated DeltaNet's conv channels and
     ``(value heads, key dim, value dim)`` state; each Mamba2 mixer's conv channels and
-    ``(heads, state size, head dim)`` state; the parameters' dtype. None for any other model.
+    ``(heads, state size, head dim)`` state; each Mamba mixer's conv channels and
+    ``(channels, state size, 1)`` state; the parameters' dtype. None for any other model.
     The layout is otherwise learnt by a first capture that only reports it (`KVLayout`), so a
     right guess saves one Dynamo capture of the whole model; a wrong one (a sequence mixer of
     another kind, a state kept in another dtype) is reported by the first capture as before."""
@@ -396,7 +399,7 @@ def _layout_guess(wrapper) -> KVLayout | None:
     shapes, conv, states = [], [], []
 
     def ints(m, *names):
-        values = [getattr(m, n, None) for n in names]
+        values = [getattr(m, n, None) if isinstance(n, str) else n for n in names]
         return values if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else None
 
     for m in wrapper._inner.modules():
