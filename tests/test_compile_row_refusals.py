@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from test_compile_models import NanoGPT, make_batch, tiny
+from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
 
 import treecompile as tc
 from treecompile.errors import UnsupportedModelError
@@ -81,24 +81,35 @@ def test_a_length_temperature_is_refused():
 
 
 class TorchMHA(NanoGPT):
-    """``nn.MultiheadAttention`` with an additive causal mask built from the length."""
+    """``nn.MultiheadAttention`` with an additive causal mask built from the length (or none:
+    bidirectional)."""
 
-    def __init__(self, **kw):
+    def __init__(self, causal: bool = True, **kw):
         super().__init__(**kw)
         self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.causal = causal
 
     def forward(self, idx):
         x = self.emb(idx)
         t = idx.shape[1]
-        m = torch.triu(torch.full((t, t), float("-inf")), 1)
+        m = torch.triu(torch.full((t, t), float("-inf")), 1) if self.causal else None
         y, _ = self.mha(x, x, x, attn_mask=m, need_weights=False)
         return self.head(self.norm(x + y))
 
 
-def test_torch_multihead_attention_is_refused():
+def test_torch_multihead_attention_with_a_causal_mask_is_exact():
+    batch, trees = make_batch("branchy")
+    model = tiny(TorchMHA)
+    compiled = tc.tree_compile(model)
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    assert compiled.counters["rewrite_attention_pass"]["multihead_attention"] == 1
+
+
+def test_torch_multihead_attention_without_a_mask_is_refused_as_bidirectional():
     batch, _ = make_batch("branchy")
-    with pytest.raises(UnsupportedModelError, match=HEAD + r"produces a \[\.\., S, S\] tensor"):
-        tc.tree_compile(tiny(TorchMHA))(batch)
+    with pytest.raises(UnsupportedModelError, match=HEAD + r"is nn.MultiheadAttention over the packed rows, not "
+                       r"rewritten .*\(nn.MultiheadAttention without a causal mask \(bidirectional"):
+        tc.tree_compile(tiny(TorchMHA, causal=False))(batch)
 
 
 @torch.library.custom_op("tctest::smooth", mutates_args=())
