@@ -167,6 +167,13 @@ class CompileRecord:
             captured graph, before the passes.
         max_rows: the longest path this graph is proven exact for (see
             ``PassContext.max_rows``), or None for any length.
+        sources: with ``keep_inputs``, Dynamo's source of each graph input (``L['ids']``,
+            ``L['inner']._modules[...]``), for the first-call probe.
+        last_args: with ``keep_inputs``, the inputs of the graph's latest call (cleared by
+            the probe).
+        probe_graph: with ``keep_inputs``, a copy of the rewritten graph the probe runs.
+        row_states: where each node's rows are, as the verify pass proved them.
+        created: the names of the nodes the passes inserted.
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
@@ -174,6 +181,11 @@ class CompileRecord:
     seq_len: str = ""
     in_place_ops: int = 0
     max_rows: int | None = None
+    sources: list[str] | None = None
+    last_args: list | None = None
+    probe_graph: fx.GraphModule | None = None
+    row_states: dict | None = None
+    created: frozenset = frozenset()
 
 
 def run_passes(
@@ -226,6 +238,8 @@ def make_backend(
     passes: Sequence[Pass] | Pipeline = PASSES,
     probe_rows_of: Callable[[], int] = lambda: 0,
     scan_kernel: str = "auto",
+    keep_inputs: bool = False,
+    judge_cap_of: Callable[[], int] = lambda: 0,
 ) -> Callable:
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
@@ -240,6 +254,9 @@ def make_backend(
             ``PassContext.probe_rows``).
         scan_kernel: the scan kernel of recurrent layers' tree forms (see
             ``PassContext.scan_kernel``).
+        keep_inputs: record what the first-call probe needs (`CompileRecord.sources`,
+            ``last_args``, ``probe_graph``).
+        judge_cap_of: see ``PassContext.judge_cap``.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
@@ -249,13 +266,41 @@ def make_backend(
         gm = _copy(gm)
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
         ctx.probe_rows = probe_rows_of()
+        ctx.judge_cap = judge_cap_of()
         ctx.scan_kernel = scan_kernel
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
+        sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         gm = run_passes(gm, ctx, passes)
-        records.append(CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows))
-        return lower(gm, example_inputs)
+        record = CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows, row_states=ctx.row_states,
+                               created=frozenset(n.name for n in ctx.created))
+        records.append(record)
+        if not keep_inputs:
+            return lower(gm, example_inputs)
+        record.sources, record.probe_graph = sources, _copy(gm)
+        return _recording(lower(gm, example_inputs), record)
 
     return treecompile_backend
+
+
+def _source_name(node: fx.Node) -> str:
+    """Dynamo's name for where a graph input comes from (``L['ids'].size()[1]``), or ``""``."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return ""
+    name = source.name
+    return name() if callable(name) else name  # a method before torch 2.12
+
+
+def _recording(fn: Callable, record: CompileRecord) -> Callable:
+    """``fn``, keeping the inputs of its latest call in ``record.last_args``."""
+
+    def run(*args):
+        if record.probe_graph is not None:  # until the probe has run
+            record.last_args = list(args)
+        return fn(*args)
+
+    return run
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -281,9 +326,12 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
     marker.replace_all_uses_with(ids)
     gm.graph.erase_node(marker)
     seq_len = value(ids).shape[-1]
-    # The wrapper's own loss arithmetic after tree_logprobs sums over targets by design.
+    # The wrapper's own loss arithmetic after tree_logprobs sums over targets by design, and
+    # what reads the targets' tensors (the predicting rows, slots, targets, destinations:
+    # inputs the model never sees) is the wrapper's too (the entropy of the predicting rows).
     wrapper_nodes: set[fx.Node] = set()
     stack = [n for n in gm.graph.nodes if is_marker(n, "tree_logprobs")]
+    stack += [u for n in stack[:1] for a in n.args[1:] if isinstance(a, fx.Node) for u in a.users]
     while stack:
         n = stack.pop()
         if n not in wrapper_nodes:

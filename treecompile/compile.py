@@ -32,7 +32,10 @@ from treecompile.advice import warn_position_overflow
 from treecompile.batch import TreeBatch
 from treecompile.call import DYNAMO_CONFIG, TreeOutput, compile_named, device_of, run_head
 from treecompile.capture import (
+    TORCH_SWAPS,
     call_kwargs,
+    extended_buffers,
+    short_buffers,
     hf_interfaces,
     install_output_hooks,
     is_hf_model,
@@ -41,13 +44,14 @@ from treecompile.capture import (
     sequence_kernels,
     swapped_kernels,
 )
-from treecompile.errors import TreeInputError, UnsupportedModelError, capture_error
+from treecompile.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.probe import ProbeReport, probe_new_graphs
 from treecompile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -62,6 +66,9 @@ __all__ = [
 MASKS = tuple(MASK_KINDS)
 #: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
 OUTPUTS = ("entropy",)
+#: What ``tree_compile(verify=...)`` accepts: the first-call probe, the probe and the full
+#: check against per-path training, or nothing.
+VERIFY = ("probe", True, False)
 #: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
 BACKENDS = tuple(LOWERINGS)
 
@@ -74,7 +81,7 @@ def tree_compile(
     *,
     mask: str = "interval",
     backend: str | None = None,
-    verify: bool = False,
+    verify: bool | str = "probe",
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
     temperature: float = 1.0,
@@ -91,13 +98,19 @@ def tree_compile(
             pack with ``path_bits=True``).
         backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
             CUDA and aot_eager on CPU.
-        verify: on the first call, check the compiled model on a small random tree against
-            the unmodified model run on each path: loss and every parameter's gradient, in
-            float64 on a CPU copy of the model (or, for a model over 2 GiB in float64, on
-            the model itself in its dtype). Raises `UnsupportedModelError` naming the
-            parameter that differs most. Cheap enough to leave on: one small tree, once.
-            With ``stream``, the first streamed call also checks the streamed variant, on
-            that tree cut into several parts (`TreeCompiledModel.stream_verified`).
+        verify: ``"probe"`` (default): on the first call and after every recompile, run
+            the rewritten graph on a small forest from the batch's tokens, again with one
+            branch's tokens changed (rows outside it must not change, bit for bit) and with
+            one path alone (its rows must match); a mismatch refuses the model naming the
+            first op whose rows differ (:mod:`treecompile.probe`; a few forward runs of a
+            tiny forest, no gradients). ``True``: the probe, and on the first call the full
+            check: a small random tree against the unmodified model run on each path, loss
+            and every parameter's gradient, in float64 on a CPU copy of the model (or, for a
+            model over 2 GiB in float64, on the model itself in its dtype), raising
+            `UnsupportedModelError` naming the parameter that differs most; with
+            ``stream``, the first streamed call also checks the streamed variant, on that
+            tree cut into several parts (`TreeCompiledModel.stream_verified`). ``False``:
+            neither.
         outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
             entropy of each target's predicting distribution (differentiable, for entropy
             bonuses; the vocabulary projection then runs on every predicting row).
@@ -105,6 +118,7 @@ def tree_compile(
             ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
             computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
             never formed (other heads, e.g. with final soft-capping, fall back to gather).
+            It saves memory, not time: 3.4x to 3.8x slower steps on an H100 (docs/benchmarks.md).
         temperature: the logits are divided by it before the log-softmax and the entropy,
             as a sampler and RL trainers (TRL's GRPO) do; 1 leaves them as they are.
         disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
@@ -141,6 +155,8 @@ def tree_compile(
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if scan_kernel not in SCAN_KERNELS:
         raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
+    if verify not in VERIFY:
+        raise ValueError(f"unknown verify {verify!r}; valid: {', '.join(map(repr, VERIFY))}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
     if stream is not None:
         from treecompile.stream import StreamOptions
@@ -162,8 +178,9 @@ class TreeCompiledModel(nn.Module):
 
     Attributes:
         mask: the mask encoding, ``"interval"`` or ``"bitmask"``.
-        verify: whether the first call checks the compiled model against per-path training.
-        verified: the report of that check once it has run, else None.
+        verify: ``"probe"``, True or False (see `tree_compile`).
+        verified: the report of the full check (``verify=True``) once it has run, else None.
+        probed: the report of the probe of each compiled graph (``verify`` not False).
         stream_verified: with ``stream=``, the report of the check of the streamed variant,
             run at the first streamed call (its ``stream`` holds the check run's parts).
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
@@ -177,7 +194,7 @@ class TreeCompiledModel(nn.Module):
         *,
         mask: str,
         backend: str | None,
-        verify: bool,
+        verify: bool | str,
         passes: tuple = PASSES,
         outputs: tuple[str, ...] = (),
         temperature: float = 1.0,
@@ -211,11 +228,16 @@ class TreeCompiledModel(nn.Module):
         self._first_record = 0
         self._proven_rows: int | None = None
         self._probe_rows = 0
+        self._judge_cap = 0
+        self._extends = False  # whether short buffers are extended for a call (see forward)
         self._passes = passes
         self._outputs = outputs
         self.temperature = temperature
         self.scan_kernel = scan_kernel
         self.verified: VerifyReport | None = None
+        self.probed: list[ProbeReport] = []
+        # A model the probe refused stays refused (its compiled graph is not run again).
+        self._refused: UnsupportedModelError | None = None
         self.stream_verified: VerifyReport | None = None
         # A treecompile.stream.StreamRunner with stream=: batches over its budget stream.
         self._stream = None
@@ -367,9 +389,11 @@ class TreeCompiledModel(nn.Module):
         # A path longer than the model's context trains exactly as per path, which is itself
         # out of the model's range: say so (once per call site, as warnings do).
         warn_position_overflow(batch, self._inner, stacklevel=2)
+        if self._refused is not None:
+            raise self._refused
         if self._stream is not None and self._stream.wants(batch):
             out = self._stream(batch)
-            if self.verify and self.stream_verified is None:  # the streamed variant is checked on its own
+            if self.verify is True and self.stream_verified is None:  # the streamed variant is checked on its own
                 self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
             return out
         if self.mask == "bitmask" and batch.path_bits is None:
@@ -389,15 +413,45 @@ class TreeCompiledModel(nn.Module):
         batch = batch.padded(MIN_ROWS)
         batch = batch.to(device) if batch.device != device else batch
         args = self._inputs(batch)
+        compiled_before = len(self.compile_records)
         if self._compiled is None:
             self._compiled = self._build(device)
             self._first_record = len(self.compile_records)
+        # Buffers shorter than the rows but as long as the longest path (nanoGPT's tril[:T, :T])
+        # fail a capture when sliced by the row count: extended for the call once a capture has
+        # failed so (then for every such batch); masks are judged no longer than they were.
+        short = short_buffers(self._inner, batch.num_tokens, longest)
+        try:
+            out = self._call(args, short if self._extends else [], rows, longest)
+        except CaptureFailed as failed:
+            if not short or self._extends:
+                raise failed.error from None
+            self._extends = True
+            try:
+                out = self._call(args, short, rows, longest)
+            except CaptureFailed as again:
+                raise again.error from None
+        loss, logprobs, aux, entropy = out
+        bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
+        self._proven_rows = min(bounds) if bounds else None
+        out = TreeOutput(
+            loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
+        )
+        if self.verify is not False:
+            probe_new_graphs(self, self.compile_records[compiled_before:], batch)
+        if self.verify is True and self.verified is None:
+            self.verified = verify_tree_compile(self, batch)
+        return out
+
+    def _call(self, args: tuple, extend: list, rows: int, longest: int) -> tuple:
+        """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
+        self._judge_cap = min((size for _, _, size in extend), default=0)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
         hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(self._kernels + self._mask_swaps):
+        with hf, swapped_kernels(self._kernels + self._mask_swaps + TORCH_SWAPS), extended_buffers(extend, rows):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
                 try:
-                    loss, logprobs, aux, entropy = self._compiled(*args)
+                    return self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
                     # Our passes' refusals reach the user as themselves, not wrapped by Dynamo.
                     if isinstance(e.inner_exception, UnsupportedModelError):
@@ -408,17 +462,12 @@ class TreeCompiledModel(nn.Module):
                     # model outside the rewritten graph; a model that fails under tracing
                     # (FakeTensor errors, exceptions in its code) is refused the same way, with
                     # Dynamo's message condensed to what failed, where and why.
-                    raise _row_count_error(self._inner, rows, longest, capture_error(e)) from None
-        bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
-        self._proven_rows = min(bounds) if bounds else None
-        out = TreeOutput(
-            loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
-        )
-        if self.verify and self.verified is None:
-            self.verified = verify_tree_compile(self, batch)
-        return out
+                    short = extend or short_buffers(self._inner, rows, longest)
+                    raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
+                        from None
 
-    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, probe_rows_of=None):
+    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, probe_rows_of=None,
+                 keep_inputs: bool = False, judge_cap_of=None):
         """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
         wrapper's lowering (its default per device), recording into ``compile_records``. The
         whole-tree graph and the streamed part graph (:mod:`treecompile.stream_runner`) differ
@@ -432,6 +481,8 @@ class TreeCompiledModel(nn.Module):
             passes=passes,
             probe_rows_of=probe_rows_of or (lambda: 0),
             scan_kernel=self.scan_kernel,
+            keep_inputs=keep_inputs,
+            judge_cap_of=judge_cap_of or (lambda: 0),
         )
 
     def _graph_parts(self) -> tuple[nn.Module, Any, Any, bool, float]:
@@ -444,7 +495,8 @@ class TreeCompiledModel(nn.Module):
 
     def _build(self, device: torch.device):
         backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
-                                passes=self._passes, probe_rows_of=lambda: self._probe_rows)
+                                passes=self._passes, probe_rows_of=lambda: self._probe_rows,
+                                keep_inputs=self.verify is not False, judge_cap_of=lambda: self._judge_cap)
         inner, kwargs_of, router, want_entropy, temperature = self._graph_parts()
 
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
@@ -527,25 +579,6 @@ def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
     scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
     return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
                                path_coef=batch.path_coef * scale.to(batch.path_coef.device))
-
-
-def _row_count_error(model: nn.Module, rows: int, longest: int, error: UnsupportedModelError) -> UnsupportedModelError:
-    """``error``, or, if the model has a buffer shorter than the batch's rows but as long as
-    every path, a refusal that names it: a buffer sliced by the sequence length (``tril[:T, :T]``,
-    ``cos_cached[:T]``) is sliced by the row count on a packed row, and Dynamo cannot capture
-    a row longer than the buffer, though each path alone fits."""
-    for name, buf in model.named_buffers():
-        sizes = [d for d in buf.shape if longest <= d < rows]
-        if sizes:
-            first, _, rest = str(error).partition("\n")
-            return UnsupportedModelError(
-                f"treecompile cannot capture this model on a batch of {rows} rows: it slices buffer {name!r} "
-                f"({sizes[0]} entries) by the sequence length, and the packed row is longer than the buffer although "
-                f"every path fits ({longest} tokens).\n"
-                f"  What to do: pack at most {sizes[0]} rows per batch (treecompile.partition with that capacity), or "
-                f"enlarge the buffer.\n  The capture failed with: {first}"
-            )
-    return error
 
 
 def _check_model(model: Any) -> None:

@@ -1,9 +1,12 @@
 """Exceptions raised by treecompile."""
 
+from __future__ import annotations
+
 import ast
 import re
+from typing import Any
 
-__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error"]
+__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed"]
 
 
 class TreeInputError(ValueError):
@@ -103,3 +106,37 @@ def _package_dirs() -> list[str]:
         if path:
             dirs.append(os.path.dirname(path) + os.sep)
     return dirs
+
+
+class CaptureFailed(Exception):
+    """A failed capture, carrying its refusal (``error``)."""
+
+    def __init__(self, error: UnsupportedModelError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModelError,
+                     short: list) -> UnsupportedModelError:
+    """``error``, or, if the batch has more rows than its longest path, a refusal that says how
+    to run it: a model that checks or slices by the sequence length sees the packed row's length.
+    A buffer shorter than the rows but as long as every path (``tril[:T, :T]``, ``cos[:T]``) is
+    extended for the call (`short`); a capture that fails anyway names it."""
+    first, _, rest = str(error).partition("\n")
+    if short:
+        module, attr, size = short[0]
+        name = next((f"{n}.{attr}" if n else attr for n, m in model.named_modules() if m is module), attr)
+        return UnsupportedModelError(
+            f"treecompile cannot capture this model on a batch of {rows} rows: it slices buffer {name!r} "
+            f"({size} entries) by the sequence length, and the packed row is longer than the buffer although "
+            f"every path fits ({longest} tokens).\n"
+            f"  What to do: pack at most {size} rows per batch (treecompile.partition with that capacity), or "
+            f"enlarge the buffer.\n  The capture failed with: {first}"
+        )
+    if rows > longest:
+        return UnsupportedModelError(
+            f"{first}\n  The batch packs {rows} rows and its longest path has {longest} tokens: a check or slice by "
+            "the sequence length in the model sees the packed row's length. If the model runs each path alone, pack "
+            f"fewer rows per batch (treecompile.partition with a smaller capacity).\n{rest}"
+        )
+    return error

@@ -1,0 +1,143 @@
+"""The first-call probe (treecompile/probe.py): on by default, cheap, and it refuses a model
+that slips past the row rules, naming the op.
+
+To build models that slip past the static check, a test replaces one rule of the table with
+a wrong one (``cumsum`` judged element-wise): the static check then accepts a scan along the
+sequence, exactly as it would accept an op whose rule had a hole, and only the probe stands
+between the model and silently wrong training.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compile_models import NanoGPT, make_batch, tiny
+from torch import nn
+from treecompile.passes.rows import RULES, Rule
+from treecompile.passes.rows.elementwise import pointwise
+
+import treecompile as tc
+from treecompile.errors import UnsupportedModelError
+
+
+@pytest.fixture
+def cumsum_rule_with_a_hole(monkeypatch):
+    monkeypatch.setitem(RULES, "cumsum", Rule(pointwise, "pointwise"))
+
+
+class RunningMeanLM(NanoGPT):
+    """NanoGPT whose embeddings get a running mean over the sequence: mixes the rows of
+    different paths (a sibling's tokens reach the rows after it)."""
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.emb(idx)
+        x = x + 0.5 * x.cumsum(1)
+        for blk in self.blocks:
+            x = blk(x, pos)
+        return self.head(self.norm(x))
+
+
+class RowIndexPositionLM(NanoGPT):
+    """NanoGPT whose positions are the row index counted with a scan (ones(T).cumsum(0) - 1):
+    on a packed row, a token's row index is not its position on its path."""
+
+    def forward(self, idx):
+        pos = (torch.ones(idx.shape[1], device=idx.device).cumsum(0) - 1).long()
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x, pos)
+        return self.head(self.norm(x))
+
+
+def test_the_probe_runs_by_default_and_reports():
+    batch, _ = make_batch("branchy")
+    compiled = tc.tree_compile(tiny(NanoGPT, layers=1))
+    compiled(batch)
+    assert compiled.verify == "probe" and len(compiled.probed) == 1
+    report = compiled.probed[0]
+    assert report.edited_rows_compared > 0 and report.alone_rows_compared > 0 and not report.skipped
+    compiled(batch)  # no new graph, no new probe
+    assert len(compiled.probed) == 1
+
+
+def test_verify_false_turns_the_probe_off(cumsum_rule_with_a_hole):
+    batch, _ = make_batch("branchy")
+    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1), verify=False)
+    compiled(batch)  # the hole lets it through: what verify=False means
+    assert compiled.probed == []
+
+
+def test_the_probe_refuses_a_branch_mixing_op_the_rules_let_through(cumsum_rule_with_a_hole):
+    batch, _ = make_batch("branchy")
+    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1))
+    with pytest.raises(UnsupportedModelError) as info:
+        compiled(batch)
+    first, where = str(info.value).splitlines()[:2]
+    assert "first-call probe found that node 'cumsum' (call_method cumsum) at test_probe.py:" in first, first
+    assert "when only the tokens of another branch change" in first, first
+    assert "x.cumsum(1)" in where, where
+    # A refused model stays refused: its graph is not run again.
+    with pytest.raises(UnsupportedModelError, match="first-call probe"):
+        compiled(batch)
+
+
+def test_the_probe_refuses_a_row_index_position_the_rules_let_through(cumsum_rule_with_a_hole):
+    batch, _ = make_batch("branchy")
+    compiled = tc.tree_compile(tiny(RowIndexPositionLM, layers=1))
+    with pytest.raises(UnsupportedModelError) as info:
+        compiled(batch)
+    first = str(info.value).splitlines()[0]
+    assert "first-call probe found that node 'cumsum'" in first, first
+    assert "differs from the same token's row when its path runs alone" in first, first
+
+
+def test_the_probe_runs_again_after_a_recompile():
+    compiled = tc.tree_compile(tiny(NanoGPT, layers=1), mask="bitmask")
+    batch, _ = make_batch("branchy")
+    compiled(batch)
+    paths = [[1, a, b] for a in range(2, 12) for b in range(2, 9)]
+    compiled(tc.pack([tc.TrajectoryTree.from_sequences(paths)], path_bits=True))  # 70 paths, 2 chunks: a new graph
+    assert len(compiled.compile_records) == 2 and len(compiled.probed) == 2
+
+
+class DropoutLM(NanoGPT):
+    def __init__(self):
+        super().__init__(layers=1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.drop(self.emb(idx))
+        for blk in self.blocks:
+            x = blk(x, pos)
+        return self.head(self.norm(x))
+
+
+def test_a_model_that_draws_random_numbers_skips_the_comparisons_and_says_so():
+    batch, _ = make_batch("branchy")
+    compiled = tc.tree_compile(tiny(DropoutLM).train())
+    compiled(batch)
+    (report,) = compiled.probed
+    assert report.edited_rows_compared == 0 and "random" in report.skipped[0]
+
+
+def test_verify_takes_probe_true_or_false():
+    with pytest.raises(ValueError, match="unknown verify 'yes'; valid: 'probe', True, False"):
+        tc.tree_compile(tiny(NanoGPT, layers=1), verify="yes")
+
+
+def test_the_probe_leaves_the_training_step_unchanged():
+    """The probe runs without gradients and restores the random state: the step's loss, its
+    gradients and the next random draw are the same with and without it."""
+    batch, _ = make_batch("forest")
+    results = []
+    for verify in ("probe", False):
+        model = tiny(NanoGPT, layers=1)
+        torch.manual_seed(3)
+        out = tc.tree_compile(model, verify=verify)(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(3)))
+    (loss_a, grads_a, draw_a), (loss_b, grads_b, draw_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(draw_a, draw_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
