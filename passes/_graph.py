@@ -6,6 +6,7 @@ and ``call_method`` on tensors), so matchers here accept every spelling of an op
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -21,7 +22,7 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 
-__all__ = ["PassContext", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "Emitter", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
 
 
 @dataclass
@@ -53,8 +54,13 @@ class PassContext:
             recompiles for a batch with a longer path.
         probe_rows: the length at which to judge such things when it exceeds the example
             length (the wrapper asks for twice the longest path it has seen), or 0.
+        judge_cap: when the wrapper extended a buffer the model slices by the row count past
+            its size for the call (`treecompile.compile.extended_buffers`), that size: masks
+            are judged at most this long (the extension holds no pattern), or 0.
         scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
             of :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
+        row_states: per node, where its rows are (:class:`treecompile.passes.rows.Rows`), as
+            the verify pass proved them; the first-call probe compares those rows.
     """
 
     mask: str
@@ -73,8 +79,10 @@ class PassContext:
     node_table: fx.Node | None = None
     max_rows: int | None = None
     probe_rows: int = 0
+    judge_cap: int = 0
     scan_kernel: str = "auto"
     pass_name: str = ""
+    row_states: dict[fx.Node, Any] = field(default_factory=dict)
 
     def count(self, kind: str, n: int = 1) -> None:
         """Adds ``n`` rewrites of ``kind`` to the running pass's counter."""
@@ -345,6 +353,28 @@ def uses_functorch_levels(nodes: Iterable[fx.Node]) -> bool:
     return any(_calls(n, FUNCTORCH_LEVEL_OPS) for n in nodes)
 
 
+#: Ops whose result is new memory (nothing else aliases it when it is made).
+_FRESH = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full", "zeros_like",
+          "ones_like", "empty_like", "full_like", "clone", "rand", "randn"}
+#: Ops whose result views their first argument's memory.
+_VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem", "__getitem__",
+          "select", "narrow", "flatten", "unflatten", "movedim", "view_as", "expand_as", "t", "contiguous"}
+
+
+def _fresh_root(node: Any) -> Any:
+    """For a tensor whose memory Dynamo's example value does not show (inside ``torch.vmap``),
+    the node that created that memory fresh (``new_zeros`` ...), through views; else None (the
+    write goes to memory of unknown origin)."""
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+        name = op_name(node)
+        if name in _FRESH:
+            return ("fresh", node)
+        if name not in _VIEWS or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
 def eliminate_dead_code(gm: fx.GraphModule) -> int:
     """Dead-code elimination that keeps every observable mutation; returns nodes removed.
 
@@ -360,19 +390,21 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
     graph = gm.graph
     nodes = list(graph.nodes)
     external = {storage_of(n) for n in nodes if n.op in ("placeholder", "get_attr")} - {None}
-    writes: dict[fx.Node, set[int | None]] = {}
+    writes: dict[fx.Node, set] = {}
     for n in nodes:
         targets = mutated_args(n)
         if targets:
-            writes[n] = {storage_of(t) for t in targets}
+            writes[n] = {storage_of(t) if storage_of(t) is not None else _fresh_root(t) for t in targets}
     live: set[fx.Node] = set()
 
     def mark(n: fx.Node) -> None:
         _add_upstream([n], live)
 
     for n in nodes:
+        # x[i] = v is impure to torch.fx; here it is a write like the others, live as they are.
         impure = n.op in ("placeholder", "output", "call_module") or (
-            n.op == "call_function" and (n.is_impure() or n.target in STATE_SWITCHES))
+            n.op == "call_function" and (n.is_impure() and n.target is not operator.setitem
+                                         or n.target in STATE_SWITCHES))
         storages = writes.get(n)
         if impure or (storages is not None and (None in storages or storages & external)):
             mark(n)
@@ -384,6 +416,7 @@ def eliminate_dead_code(gm: fx.GraphModule) -> int:
     while changed:
         changed = False
         read = {storage_of(i) for m in live for i in m.all_input_nodes} | {storage_of(m) for m in live}
+        read |= {_fresh_root(i) for m in live for i in m.all_input_nodes} | {_fresh_root(m) for m in live}
         for n, storages in writes.items():
             if n not in live and storages & read:
                 mark(n)
@@ -523,3 +556,26 @@ def is_identity_row_index(index: fx.Node, s: Any) -> bool:
     end = index.kwargs.get("end", end)
     step = index.kwargs.get("step", step)
     return start == 0 and step == 1 and end is not None and same_size(end, s)
+
+
+class Emitter:
+    """Inserts marked nodes before ``at``, with example values computed on fake tensors."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, at: fx.Node) -> None:
+        self.gm, self.ctx, self.at = gm, ctx, at
+
+    def fn(self, target, *args) -> fx.Node:
+        return self._emit("call_function", target, args)
+
+    def method(self, name: str, *args) -> fx.Node:
+        return self._emit("call_method", name, args)
+
+    def _emit(self, op: str, target, args) -> fx.Node:
+        with self.gm.graph.inserting_before(self.at):
+            n = self.gm.graph.create_node(op, target, args, {})
+        self.ctx.mark(n, like=self.at)
+        vals = torch.fx.node.map_arg(args, value)
+        fake = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
+        with fake if fake is not None else contextlib.nullcontext():
+            n.meta["example_value"] = target(*vals) if op == "call_function" else getattr(vals[0], target)(*vals[1:])
+        return n

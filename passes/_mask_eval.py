@@ -11,22 +11,69 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, ancestors, describe, functorch_state_nodes, uses_functorch_levels, value
+from treecompile.passes._graph import (
+    PassContext,
+    ancestors,
+    describe,
+    functorch_state_nodes,
+    mutated_args,
+    storage_of,
+    uses_functorch_levels,
+    value,
+)
 
-__all__ = ["depends_on_inputs", "structural_causal", "evaluate"]
+__all__ = ["depends_on_inputs", "value_inputs", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+
+#: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
+#: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
+#: spread over more than 9000, which no softmax that is not already one-hot does. It covers
+#: ``-inf``, any dtype's ``finfo.min`` (a float32 minimum inside a float64 model included),
+#: GPT-2's ``-1e10`` and GPT-1's ``-1e4``.
+BLOCKED = -1e4
 
 
 def depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
-    """Whether ``node`` depends on the token ids or on a parameter (is not structural)."""
-    anc = ancestors(node) | {node}
-    for n in anc:
+    """Whether ``node``'s values depend on the token ids or on a parameter (is not structural).
+
+    A tensor that only lends its dtype, device or shape (``mask.type_as(h)``, ``mask.to(h)``,
+    ``h.new_zeros(..)``, ``zeros_like(h)``, ``h.size(1)``) gives none of its values."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
         if n is ctx.input_ids:
             return True
         if n.op == "placeholder":
             v = value(n)
             if isinstance(v, torch.Tensor) and v.requires_grad:
                 return True
+        stack.extend(value_inputs(n))
     return False
+
+
+#: Methods (and functions) whose tensor arguments at these positions give only dtype, device or shape.
+_SHAPE_SOURCES = {"type_as": (1,), "to": (1,), "new_zeros": (0,), "new_ones": (0,), "new_empty": (0,),
+                  "new_full": (0,), "new_tensor": (0,), "zeros_like": (0,), "ones_like": (0,), "empty_like": (0,),
+                  "full_like": (0,), "size": (0,), "dim": (0,), "numel": (0,), "expand_as": (1,), "view_as": (1,),
+                  "reshape_as": (1,)}
+
+
+def value_inputs(n: fx.Node) -> list[fx.Node]:
+    """The inputs of ``n`` that give it values (see `depends_on_inputs`)."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None) if n.op == "call_function" else None
+    skip = _SHAPE_SOURCES.get(name, ())
+    if not skip:
+        return n.all_input_nodes
+    kept = [a for i, a in enumerate(n.args) if i not in skip]
+    return _nodes((kept, n.kwargs))
+
+
+def _nodes(a) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(a, lambda x: out.append(x))
+    return out
 
 
 def structural_causal(
@@ -61,12 +108,19 @@ def _structural_causal_bias(ctx, mask, kind, heads):
     if depends_on_inputs(ctx, mask):
         return None, "computed from the inputs or parameters (a padding or data-dependent mask)", None, False
     m = None
+    rows = None
     if ctx.probe_rows and _symbolic_length(ctx):
         # Judge the mask at the length the wrapper asks for (longer than this batch), so that
         # the judgement covers the paths it has seen; a mask that cannot be built that long
         # (a fixed-size buffer) is judged at the example length.
+        rows = max(ctx.probe_rows, ctx.seq_len.node.hint)
+    if ctx.judge_cap and _symbolic_length(ctx):
+        # A buffer was extended past its size for this call (its new entries hold no pattern):
+        # judge no longer than the buffer was (every path of the batch fits in it).
+        rows = min(rows or ctx.seq_len.node.hint, ctx.judge_cap)
+    if rows is not None:
         try:
-            m = evaluate(ctx, mask, rows=max(ctx.probe_rows, ctx.seq_len.node.hint))
+            m = evaluate(ctx, mask, rows=rows)
         except Exception:
             m = None
     if m is None:
@@ -83,7 +137,7 @@ def _structural_causal_bias(ctx, mask, kind, heads):
     flat = m.reshape(-1, rows, s)
     slopes = None
     if (kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool)) and m.is_floating_point():
-        blocked = flat <= torch.finfo(m.dtype).min / 2
+        blocked = flat <= BLOCKED
         bias = flat.masked_fill(blocked, 0.0)
         if torch.any(bias != 0):
             if heads is None:
@@ -96,6 +150,8 @@ def _structural_causal_bias(ctx, mask, kind, heads):
         kind = "masked_fill"
     if slopes is not None and not torch.any(flat):
         return None, None, slopes, False  # a bias and no mask: causality must come from elsewhere
+    if rows == 1 and slopes is None and not torch.any(flat.bool()):
+        return None, None, None, False  # a term that changes no score (an all-zero padding mask)
     if rows == 1:
         if slopes is None or torch.any(flat.bool()):
             return None, f"of shape {tuple(m.shape)}, not [.., S, S]", None, False
@@ -107,7 +163,7 @@ def _structural_causal_bias(ctx, mask, kind, heads):
         allowed = ~m.bool()
     elif kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool):
         if m.is_floating_point():
-            blocked = m <= torch.finfo(m.dtype).min / 2
+            blocked = m <= BLOCKED
             if not torch.all((m == 0) | blocked):
                 return None, "an additive bias, not a 0/-inf mask", None, False
             allowed = ~blocked
@@ -115,16 +171,28 @@ def _structural_causal_bias(ctx, mask, kind, heads):
             return None, f"of dtype {m.dtype}", None, False
     else:
         allowed = m.bool()
+    window, why = causal_pattern(allowed)
+    if why:
+        return None, why, None, False
+    return window, None, slopes, True
+
+
+def causal_pattern(allowed: torch.Tensor) -> tuple[int | None, str | None]:
+    """``(window or None, None)`` if ``allowed`` ``[S, S]`` (query, key) is the causal pattern,
+    optionally within a sliding window; ``(None, reason)`` otherwise."""
+    s = allowed.shape[-1]
+    if allowed.dim() != 2 or allowed.shape[0] != s:
+        return None, f"of shape {tuple(allowed.shape)}, not [S, S]"
     causal = torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril()
     if torch.equal(allowed, causal):
-        return None, None, slopes, True
+        return None, None
     if torch.any(allowed & ~causal):
-        return None, "not causal (some token sees a later one)", None, False
+        return None, "not causal (some token sees a later one)"
     window = int(allowed.sum(-1).max())
     idx = torch.arange(s, device=allowed.device)
     if window >= 1 and torch.equal(allowed, causal & (idx[:, None] - idx[None, :] < window)):
-        return window, None, slopes, True
-    return None, "causal but not a plain causal or sliding-window pattern", None, False
+        return window, None
+    return None, "causal but not a plain causal or sliding-window pattern"
 
 
 # Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).
@@ -178,6 +246,7 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
     """Runs the subgraph that computes ``node`` on the example inputs (with the sequence
     length taken as ``rows`` if given)."""
     needed = ancestors(node) | {node}
+    needed |= _writes_before_read(node, needed)
     if uses_functorch_levels(needed):
         # A mask built under torch.vmap: its batched ops need the levels the vmap calls open.
         for state in functorch_state_nodes(node.graph.nodes):
@@ -190,8 +259,8 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
         # (a guard would specialize the whole graph to this S).
         if isinstance(ex, torch.SymInt):
             env[p] = rows if length is not None and ex.node.expr == length else ex.node.hint
-        elif rows is not None and p in needed and isinstance(ex, torch.Tensor):
-            raise ValueError("the mask reads a tensor input; it is judged at the example length")
+        elif rows is not None and p in needed and isinstance(ex, torch.Tensor) and _mentions_length(ex, length):
+            raise ValueError("the mask reads a tensor input of the row count; it is judged at the example length")
         else:
             env[p] = ex
     sub = fx.Graph()
@@ -219,6 +288,32 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
             _pop_functorch_level()
         if _autograd_switches() != switches:
             _set_autograd_switches(*switches)
+
+
+def _writes_before_read(node: fx.Node, needed: set[fx.Node]) -> set[fx.Node]:
+    """The in-place writes into the memory of ``needed`` made before ``node`` is read
+    (``mask = ones(T, T).triu(1); mask.masked_fill_(mask.bool(), -inf)``), with what they read:
+    the mask's value includes them. A read that only feeds such a write (``mask.bool()``
+    above) is part of the write."""
+    stores = {storage_of(n) for n in needed} - {None}
+    writers = [n for n in node.graph.nodes if n not in needed and mutated_args(n)
+               and {storage_of(t) for t in mutated_args(n)} & stores]
+    if not writers:
+        return set()
+    feeding = set().union(*(ancestors(w) for w in writers))
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    reads = [order[u] for u in node.users if u not in writers and u not in feeding]
+    until = min(reads, default=len(order))
+    writes: set[fx.Node] = set()
+    for w in writers:
+        if order[w] < until:
+            writes |= ancestors(w) | {w}
+    return writes
+
+
+def _mentions_length(t: torch.Tensor, length) -> bool:
+    """Whether a tensor input's shape involves the sequence length (a buffer's does not)."""
+    return any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols & length.free_symbols for d in t.shape)
 
 
 def _autograd_switches() -> tuple[bool, bool, bool]:

@@ -42,6 +42,7 @@ from torch import fx
 from treecompile.errors import UnsupportedModelError
 from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
 from treecompile.passes._graph import (
+    Emitter,
     MATMUL,
     SDPA,
     SOFTMAX,
@@ -53,7 +54,18 @@ from treecompile.passes._graph import (
     source_of,
     value,
 )
-from treecompile.passes._mask_eval import depends_on_inputs, evaluate, structural_causal
+from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, structural_causal
+from treecompile.passes.attention_operands import (
+    chain_end,
+    drops_last_column,
+    forward_chain,
+    output_operands,
+    outside_use,
+    scores_operands,
+    single_user,
+    sink_column,
+)
+from treecompile.passes.score_chain import StopWalk, arithmetic_mask, spell_softmax, walk_scores
 from treecompile.passes.markers import is_marker
 
 __all__ = ["rewrite_attention_pass"]
@@ -66,9 +78,11 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Replaces causal attention calls with tree FlexAttention; counts them by kind.
 
     Counters (``ctx.counters["rewrite_attention_pass"]``): ``hf_interface``, ``sdpa``,
-    ``softmax_attention``. Calls that are not provably causal are left in place with a
-    note; the verify pass refuses them.
+    ``softmax_attention``, ``multihead_attention``, ``flex_attention``. Calls that are not provably causal are
+    left in place with a note; the verify pass refuses them.
     """
+    for node in list(gm.graph.nodes):
+        spell_softmax(gm, node)
     for node in list(gm.graph.nodes):
         if is_marker(node, "causal_attention"):
             q, k, v, scale, window, softcap, *rest = node.args
@@ -82,6 +96,10 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             _rewrite_sdpa(gm, ctx, node)
         elif is_call(node, SOFTMAX, ("softmax",)):
             _rewrite_softmax_attention(gm, ctx, node)
+        elif is_call(node, (torch.nn.functional.multi_head_attention_forward,)):
+            _rewrite_multihead(gm, ctx, node)
+        elif node.op == "call_function" and node.target is getattr(torch.ops.higher_order, "flex_attention", None):
+            _rewrite_flex(gm, ctx, node)
     return gm
 
 
@@ -199,19 +217,163 @@ def _heads(node: fx.Node) -> int | None:
     return n
 
 
-# --------------------------------------------------------------------------- manual softmax
+# --------------------------------------------------------------------------- FlexAttention
 
 
-def _single_user(node: fx.Node) -> fx.Node | None:
+def _rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+    """A model's own ``flex_attention(q, k, v, block_mask=...)``: rewritten when it has no
+    ``score_mod`` and its ``mask_mod``, evaluated over the example length (its buffers
+    structural), is the causal pattern, optionally within a window. The model's ``BlockMask``
+    is then dead; the tree kernel builds its own."""
+    q, k, v, score_mod, block, scale = node.args[:6]
+    mask_buffers = node.args[8] if len(node.args) > 8 else ()
+    why = None
+    score_gm = getattr(gm, score_mod.target, None) if isinstance(score_mod, fx.Node) else None
+    if score_gm is None or not _returns_first_input(score_gm):
+        why = "a score_mod (a bias or soft-cap on the scores), which the tree kernel does not take"
+    mask_fn = block[-1] if isinstance(block, (tuple, list)) and block else None
+    mask_gm = getattr(gm, mask_fn.target, None) if isinstance(mask_fn, fx.Node) else None
+    window = None
+    if why is None:
+        allowed = _mask_mod_pattern(ctx, mask_gm, mask_buffers)
+        if isinstance(allowed, str):
+            why = allowed
+        else:
+            window, why = causal_pattern(allowed)
+            ctx.max_rows = allowed.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, allowed.shape[-1])
+            why = f"the mask_mod is {why}" if why else None
     users = list(node.users)
-    return users[0] if len(users) == 1 else None
+    if why is None and not all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        why = "its result is used as a whole"
+    if why is None and any(u.args[1] != 0 and u.users for u in users):
+        why = "its log-sum-exp is used"
+    if why is not None:
+        ctx.notes[node] = why
+        return
+    outputs = [u for u in users if u.args[1] == 0]
+    for extra in outputs[1:]:
+        extra.replace_all_uses_with(outputs[0])
+    if outputs and _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=outputs[0]):
+        ctx.count("flex_attention")
+
+
+def _returns_first_input(sub: fx.GraphModule) -> bool:
+    first = next((n for n in sub.graph.nodes if n.op == "placeholder"), None)
+    out = next((n for n in sub.graph.nodes if n.op == "output"), None)
+    result = out.args[0] if out is not None else None
+    result = result[0] if isinstance(result, (tuple, list)) and len(result) == 1 else result
+    return first is not None and result is first
+
+
+def _mask_mod_pattern(ctx: PassContext, mask_gm, buffers) -> torch.Tensor | str:
+    """The ``[S, S]`` pattern a ``mask_mod`` allows at the example length (query, key), or why not."""
+    if mask_gm is None:
+        return "a block mask whose mask_mod treecompile cannot see"
+    if any(isinstance(b, fx.Node) and depends_on_inputs(ctx, b) is not False for b in buffers):
+        return "a mask_mod that reads the tokens or parameters (e.g. document ids), not a structural mask"
+    try:
+        values = [evaluate(ctx, b) if isinstance(b, fx.Node) else b for b in buffers]
+        s = int(ctx.seq_len.node.hint if isinstance(ctx.seq_len, torch.SymInt) else ctx.seq_len)
+        idx = torch.arange(s)
+        zero = torch.zeros((), dtype=torch.int64)
+        with torch.no_grad():
+            allowed = mask_gm(zero, zero, idx[:, None], idx[None, :], *values)
+        return torch.broadcast_to(allowed, (s, s)).bool()
+    except Exception as e:
+        return f"a mask_mod that cannot be evaluated over the sequence ({type(e).__name__})"
+
+
+# --------------------------------------------------------------------------- nn.MultiheadAttention
+
+_MHA_ARGS = ["query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
+             "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+             "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal"]
+_MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+                 "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+                 "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+                 "is_causal": False, "bias_k": None, "bias_v": None, "add_zero_attn": False, "dropout_p": 0.0}
+
+
+def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, fairseq) as self-attention
+    over the rows ``[S, 1, E]`` under a structural causal ``attn_mask``: its projections,
+    split into heads, the tree attention, and the output projection, as the function computes
+    them (the scale ``1 / sqrt(E / H)``)."""
+    a = bind(node, _MHA_ARGS, _MHA_DEFAULTS)
+    query = a["query"]
+    qv = value(query)
+    if not isinstance(qv, torch.Tensor) or qv.dim() != 3 or 0 not in row_dims(query, ctx.seq_len, "seq") \
+            or qv.shape[1] != 1:
+        return  # not over the rows (sequence-first, batch of one), e.g. over the heads or a memory
+    why = None
+    if a["key"] is not query or a["value"] is not query:
+        why = "attends to keys other than its queries (cross-attention over the packed rows)"
+    elif any(a[k] is not None for k in ("bias_k", "bias_v", "key_padding_mask", "static_k", "static_v")) \
+            or a["add_zero_attn"]:
+        why = "uses bias_k / bias_v, add_zero_attn, a key padding mask or static keys"
+    elif a["attn_mask"] is None:
+        why = ("nn.MultiheadAttention without a causal mask (bidirectional: every token sees the whole packed row)"
+               if not a["is_causal"] else "is_causal without the mask nn.MultiheadAttention needs")
+    if a["dropout_p"] and a["training"]:
+        raise UnsupportedModelError(
+            f"{describe(node)} at {source_of(node)}: attention dropout {a['dropout_p']} cannot match per-path training "
+            "(it is random per call); use model.eval() or dropout=0")
+    heads = a["num_heads"]
+    window = None
+    if why is None:
+        window, bad, alibi, causal = structural_causal(ctx, a["attn_mask"], kind="sdpa", heads=heads)
+        why = f"attn_mask is {bad}" if bad else ("attn_mask is a bias without a causal mask" if not causal else
+                                                  "attn_mask has an ALiBi bias" if alibi is not None else None)
+    users = list(node.users)
+    if why is None and not all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        why = "its result is used as a whole"
+    if why is None and any(u.args[1] == 1 and u.users for u in users):
+        why = "its attention weights are used (need_weights)"
+    if why is not None:
+        ctx.notes[node] = why
+        return
+    outputs = [u for u in users if u.args[1] == 0]
+    if not outputs:
+        return
+    e = int(qv.shape[-1])
+    hd = e // heads
+    emit = Emitter(gm, ctx, node)
+    bias = a["in_proj_bias"]
+    if a["use_separate_proj_weight"]:
+        biases = [None] * 3 if bias is None else [emit.method("__getitem__", bias, slice(i * e, (i + 1) * e))
+                                                  for i in range(3)]
+        q, k, v = (emit.fn(torch.nn.functional.linear, query, a[f"{w}_proj_weight"], b)
+                   for w, b in zip("qkv", biases))
+    else:
+        qkv = emit.fn(torch.nn.functional.linear, query, a["in_proj_weight"], bias)
+        q, k, v = (emit.method("__getitem__", qkv, (Ellipsis, slice(i * e, (i + 1) * e))) for i in range(3))
+    # [S, 1, E] -> [1, H, S, hd]
+    q, k, v = (emit.method("unsqueeze", emit.method("transpose", emit.method("view", x, -1, heads, hd), 0, 1), 0)
+               for x in (q, k, v))
+    out_w, out_b = a["out_proj_weight"], a["out_proj_bias"]
+
+    def post(g: fx.Graph, y: fx.Node) -> fx.Node:  # [1, H, S, hd] -> [S, 1, E] -> out projection
+        y = g.call_method("reshape", (g.call_method("transpose", (g.call_method("squeeze", (y, 0)), 0, 1)), -1, 1, e))
+        ctx.mark(y.args[0], like=node)
+        ctx.mark(y.args[0].args[0], like=node)
+        ctx.mark(y, like=node)
+        return g.call_function(torch.nn.functional.linear, (y, out_w, out_b))
+
+    output = outputs[0]
+    for extra in outputs[1:]:
+        extra.replace_all_uses_with(output)
+    if _replace(gm, ctx, node, q, k, v, scale=None, window=window, softcap=None, output=output, post=post):
+        ctx.count("multihead_attention")
+
+
+# --------------------------------------------------------------------------- manual softmax
 
 
 def _is_scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-_NEG = ("masked_fill",)
 
 
 _VIEWS = ("view", "reshape", "contiguous")
@@ -231,89 +393,29 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
     sv = value(scores)
     if not isinstance(sv, torch.Tensor) or sv.dim() < 2 or args["dim"] not in (-1, sv.dim() - 1):
         return
-    sink = _sink_column(ctx, scores)
+    sink = sink_column(ctx, scores)
     if sink is not None:
         # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
         scores = scores.args[0][0]
     if len(row_dims(scores, ctx.seq_len, "seq")) < 2:
         return
-    # Walk back from the softmax input to q @ k^T, collecting the scale and the masks.
-    scale = 1.0
-    masks: list[tuple[str, fx.Node]] = []
-    cur = scores
-    while True:
-        if is_call(cur, MATMUL, ("matmul", "bmm")) or is_call(cur, (torch.einsum,)):
-            break
-        if is_call(cur, (torch.baddbmm,), ("baddbmm",)):
-            b = bind(cur, ["input", "batch1", "batch2"], {"beta": 1.0, "alpha": 1.0})
-            if not (_is_scalar(b["beta"]) and _is_scalar(b["alpha"])):
-                return
-            if b["beta"] != 0:
-                if b["beta"] != 1 or not isinstance(b["input"], fx.Node):
-                    return
-                masks.append(("additive", b["input"]))
-            scale *= b["alpha"]
-            break
-        if cur.op == "call_function" and cur.target in (operator.mul, torch.mul) or is_call(cur, (), ("mul",)):
-            a, b = cur.args[:2]
-            if _is_scalar(b) and isinstance(a, fx.Node):
-                scale, cur = scale * b, a
-            elif _is_scalar(a) and isinstance(b, fx.Node):
-                scale, cur = scale * a, b
-            else:
-                return
-        elif cur.op == "call_function" and cur.target in (operator.truediv, torch.div) or is_call(cur, (), ("div",)):
-            a, b = cur.args[:2]
-            if not (_is_scalar(b) and isinstance(a, fx.Node)):
-                return
-            scale, cur = scale / b, a
-        elif is_call(cur, (torch.masked_fill,), _NEG):
-            t, m, fill = (list(cur.args) + [cur.kwargs.get("value")])[:3]
-            if not (_is_scalar(fill) and fill <= -1e30) or not isinstance(m, fx.Node):
-                return
-            masks.append(("masked_fill", m))
-            cur = t
-        elif cur.op == "call_function" and cur.target in (operator.add, torch.add) or is_call(cur, (), ("add",)):
-            a, b = cur.args[:2]
-            # The scores branch is the one that comes from q @ k^T.
-            if isinstance(b, fx.Node) and depends_on_inputs(ctx, b) is False:
-                masks.append(("additive", b))
-                cur = a
-            elif isinstance(a, fx.Node) and depends_on_inputs(ctx, a) is False:
-                masks.append(("additive", a))
-                cur = b
-            else:
-                ctx.notes[node] = (
-                    "the scores get an additive bias computed from parameters or the inputs (e.g. a learned "
-                    "T5-style relative position bias), which treecompile cannot express in path positions yet"
-                )
-                return
-        elif is_call(cur, (torch.where,), ("where",)) and len(cur.args) == 3:
-            # torch.where(mask, scores, very_negative) (GPT-Neo): the mask says what is allowed.
-            cond, x, fill = cur.args
-            if not (isinstance(cond, fx.Node) and isinstance(x, fx.Node) and _very_negative(ctx, fill)):
-                return
-            masks.append(("where", cond))
-            cur = x
-        elif is_call(cur, (torch.max, torch.maximum), ("max", "maximum")) and len(cur.args) == 2 \
-                and _very_negative(ctx, cur.args[1]):
-            cur = cur.args[0]  # clamping the scores to the dtype's minimum (XGLM): masked stays masked
-        elif is_call(cur, (torch.reshape,), _CASTS + _VIEWS):
-            cur = cur.args[0]
-        else:
-            return
-        if not isinstance(cur, fx.Node):
-            return
-    qk = _scores_operands(cur)
+    try:
+        walk = walk_scores(ctx, node, scores)
+    except StopWalk as e:
+        if str(e):
+            ctx.notes[node] = str(e)
+        return
+    chain, cur, scale, masks = walk.nodes + [args["input"]], walk.qk, walk.scale, walk.masks
+    qk = scores_operands(cur)
     if qk is None:
         return
     q, k, q_layout = qk
     # Forward: softmax -> [dropout(p=0) | cast | view] -> @ v.
-    out = _single_user(node)
+    out = single_user(node)
     if sink is not None:
-        if out is None or not _drops_last_column(out):
+        if out is None or not drops_last_column(out):
             return
-        out = _single_user(out)
+        out = single_user(out)
     while out is not None and is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
         if is_call(out, (torch.nn.functional.dropout,)):
             p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
@@ -321,21 +423,30 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
                 raise UnsupportedModelError(
                     f"{describe(out)} at {source_of(out)}: attention dropout cannot match per-path training"
                 )
-        out = _single_user(out)
+        out = single_user(out)
     if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
         return
-    pv = _output_operands(out, q_layout)
+    pv = output_operands(out, q_layout)
     if pv is None:
         return
     p_arg, v, post = pv
-    if p_arg is not _chain_end(node, out):
+    if p_arg is not chain_end(node, out):
+        return
+    chain += forward_chain(node, out)
+    other = outside_use(chain, out)
+    if other is not None:
+        ctx.notes[out] = (f"the attention scores are also used by {describe(other)} at {source_of(other)} (an in-place "
+                          "edit or a second reader), which rewriting the attention would drop")
         return
     window, alibi, causal = None, None, False
     if not masks:
         ctx.notes[out] = "softmax attention without a causal mask (bidirectional)"
         return
     heads = _heads(node)
+    arithmetic = any(kind in ("multiply", "subtract") for kind, _ in masks)
     for kind, m in masks:
+        if arithmetic:
+            break  # judged together below
         w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
         if why:
             ctx.notes[node] = f"the attention mask is {why}"
@@ -348,6 +459,21 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         causal = causal or is_mask
         if w is not None:
             window = w if window is None else min(window, w)
+    allowed = arithmetic_mask(ctx, walk)
+    if isinstance(allowed, str):
+        ctx.notes[node] = f"the attention mask is {allowed}"
+        return
+    if allowed is not None:
+        flat = allowed.reshape(-1, *allowed.shape[-2:])
+        w, why = causal_pattern(flat[0]) if all(torch.equal(flat[0], f) for f in flat[1:]) else \
+            (None, "different across batch or heads")
+        if why:
+            ctx.notes[node] = f"the attention mask is {why}"
+            return
+        ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
+        causal = True
+        if w is not None:
+            window = w if window is None else min(window, w)
     if not causal:
         ctx.notes[out] = "softmax attention without a causal mask (bidirectional)"
         return
@@ -355,144 +481,6 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         q, k, v = (ctx.mark(x(gm.graph), like=out) if callable(x) else x for x in (q, k, v))
         if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=out)
-    if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=out, post=post,
-                alibi=alibi, sinks=sink):
+    if _replace(gm, ctx, node, q, k, v, scale=scale * (walk.softcap or 1.0), window=window, softcap=walk.softcap,
+                output=out, post=post, alibi=alibi, sinks=sink):
         ctx.count("softmax_attention")
-
-
-def _sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
-    """``sink`` if ``cat`` is ``torch.cat([scores, sink], dim=-1)`` with ``sink`` ``[.., S, 1]``."""
-    if not is_call(cat, (torch.cat,), ()):
-        return None
-    b = bind(cat, ["tensors", "dim"], {"dim": 0})
-    parts, dim = b["tensors"], b["dim"]
-    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not all(isinstance(p, fx.Node) for p in parts):
-        return None
-    sv, kv = value(parts[0]), value(parts[1])
-    if not (isinstance(sv, torch.Tensor) and isinstance(kv, torch.Tensor)) or sv.dim() != kv.dim():
-        return None
-    if dim not in (-1, sv.dim() - 1) or len(row_dims(parts[0], ctx.seq_len, "seq")) < 2 or kv.shape[-1] != 1:
-        return None
-    return parts[1]
-
-
-def _drops_last_column(node: fx.Node) -> bool:
-    """``x[..., :-1]``."""
-    if not (node.op == "call_function" and node.target is operator.getitem):
-        return False
-    idx = node.args[1]
-    return isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis and idx[1] == slice(None, -1, None)
-
-
-def _very_negative(ctx: PassContext, x) -> bool:
-    """Whether ``x`` is a constant (a number or a structural scalar tensor) <= -1e30."""
-    if _is_scalar(x):
-        return x <= -1e30
-    if not isinstance(x, fx.Node) or depends_on_inputs(ctx, x):
-        return False
-    if is_call(x, (torch.full,), ()) and len(x.args) >= 2 and _is_scalar(x.args[1]):
-        return x.args[1] <= -1e30  # torch.tensor(finfo(float64).min) is captured as full((), value)
-    v = value(x)
-    if not isinstance(v, torch.Tensor) or v.numel() != 1:
-        return False
-    try:
-        return bool(evaluate(ctx, x).max() <= -1e30)
-    except RuntimeError:  # e.g. torch.full((), float64 min) in float32: no constant to compare
-        return False
-
-
-def _einsum_spec(node: fx.Node) -> tuple[str, str, str] | None:
-    """``(in0, in1, out)`` letters of a two-operand einsum without ellipsis, else None."""
-    eq = node.args[0]
-    if not isinstance(eq, str) or "..." in eq or "->" not in eq or len(node.args) != 3:
-        return None
-    ins, out = eq.replace(" ", "").split("->")
-    parts = ins.split(",")
-    if len(parts) != 2:
-        return None
-    return parts[0], parts[1], out
-
-
-def _permute(spec_in: str, spec_out: str, x: fx.Node):
-    """A graph builder for ``einsum('in->out', x)`` (a permutation), or ``x`` if none is needed."""
-    if spec_in == spec_out:
-        return x
-    perm = [spec_in.index(c) for c in spec_out]
-
-    def build(g: fx.Graph) -> fx.Node:
-        n = g.call_function(torch.einsum, (f"{spec_in}->{spec_out}", x))
-        n.meta["example_value"] = value(x).permute(perm)
-        return n
-
-    return build
-
-
-def _scores_operands(qk: fx.Node):
-    """``(q, k, layout)`` for a scores node ``q @ k^T``; q and k are ``[..., S, D]`` nodes (or
-    graph builders of them) and ``layout`` the einsum letters of the scores (None for a matmul)."""
-    if is_call(qk, (torch.einsum,)):
-        spec = _einsum_spec(qk)
-        if spec is None:
-            return None
-        a, b, out = spec
-        contracted = [c for c in a if c in b and c not in out]
-        ql = [c for c in a if c not in b and c in out]
-        kl = [c for c in b if c not in a and c in out]
-        batch = [c for c in out if c in a and c in b]
-        if len(contracted) != 1 or len(ql) != 1 or len(kl) != 1 or out != "".join(batch) + ql[0] + kl[0]:
-            return None
-        if set(a) != set(batch + ql + contracted) or set(b) != set(batch + kl + contracted):
-            return None
-        d, bt = contracted[0], "".join(batch)
-        return _permute(a, bt + ql[0] + d, qk.args[1]), _permute(b, bt + kl[0] + d, qk.args[2]), out
-    if is_call(qk, (torch.baddbmm,), ("baddbmm",)):
-        b = bind(qk, ["input", "batch1", "batch2"], {})
-        q, kt = b["batch1"], b["batch2"]
-    else:
-        q, kt = qk.args[:2]
-    k = _untranspose(kt)
-    return None if k is None else (q, k, None)
-
-
-def _output_operands(out: fx.Node, layout: str | None):
-    """``(probs, v, post)`` for ``probs @ v``: ``v`` as ``[..., S, Dv]`` (or a builder) and
-    ``post`` the layout change from the kernel's ``[..., S, Dv]`` to ``out``'s (or None)."""
-    if not is_call(out, (torch.einsum,)):
-        return out.args[0], out.args[1], None
-    spec = _einsum_spec(out)
-    if spec is None:
-        return None
-    a, b, res = spec
-    contracted = [c for c in a if c in b and c not in res]
-    if len(a) < 2 or len(contracted) != 1 or contracted[0] != a[-1]:
-        return None
-    batch, ql, kl = a[:-2], a[-2], a[-1]
-    dl = [c for c in b if c not in a]
-    if len(dl) != 1 or set(b) != set(batch + kl + dl[0]) or set(res) != set(batch + ql + dl[0]):
-        return None
-    canon = batch + ql + dl[0]
-    post = None if res == canon else (lambda g, x: g.call_function(torch.einsum, (f"{canon}->{res}", x)))
-    return out.args[1], _permute(b, batch + kl + dl[0], out.args[2]), post
-
-
-def _chain_end(softmax: fx.Node, matmul: fx.Node) -> fx.Node:
-    cur = softmax
-    while True:
-        nxt = _single_user(cur)
-        if nxt is None or nxt is matmul:
-            return cur
-        cur = nxt
-
-
-def _untranspose(kt) -> fx.Node | None:
-    """``k`` if ``kt`` is ``k`` with its last two dims swapped."""
-    if not isinstance(kt, fx.Node):
-        return None
-    kv = value(kt)
-    if is_call(kt, (torch.transpose,), ("transpose",)):
-        dims = [d % kv.dim() for d in kt.args[1:3]]
-        if sorted(dims) == [kv.dim() - 2, kv.dim() - 1]:
-            return kt.args[0]
-    if kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT":
-        return kt.args[0]
-    return None

@@ -98,9 +98,10 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         padding, padded = _ints(a["padding"]), None
         if padding == [kk - 1]:
-            # conv1d(x, padding=K - 1)[..., :S]: the output's one user keeps the first S rows.
+            # conv1d(x, padding=K - 1)[..., :S] (or [..., :-(K - 1)]): the output's one user keeps
+            # the first S rows.
             users = list(node.users)
-            if len(users) != 1 or not _keeps_first(users[0], ctx.seq_len):
+            if len(users) != 1 or not _keeps_first(users[0], ctx.seq_len, kk):
                 continue
             replaced = users[0]
         elif padding == [0] and _left_padded(x, kk):
@@ -133,8 +134,8 @@ def _ints(v) -> list | None:
     return None
 
 
-def _keeps_first(node: fx.Node, seq_len) -> bool:
-    """``y[..., :S]`` or ``y[:, :, :S]`` on a ``[B, C, S + K - 1]`` conv output."""
+def _keeps_first(node: fx.Node, seq_len, kk: int) -> bool:
+    """``y[..., :S]``, ``y[:, :, :S]`` or ``y[..., :-(K - 1)]`` on a ``[B, C, S + K - 1]`` conv output."""
     if not (node.op == "call_function" and node.target is operator.getitem):
         return False
     index = node.args[1]
@@ -146,7 +147,7 @@ def _keeps_first(node: fx.Node, seq_len) -> bool:
         return False
     last = index[2]
     return (isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1)
-            and same_size(last.stop, seq_len))
+            and (same_size(last.stop, seq_len) or last.stop == 1 - kk))
 
 
 def _left_padded(x, kk: int) -> bool:

@@ -13,6 +13,10 @@ so every place where a model derives a position from the row index must read
   ``table.index_select(dim, positions)``.
 * ``position_ids`` given to a model (Hugging Face) already are the tree positions; they
   are only counted.
+* ``cumsum`` along the rows of an integer or boolean tensor (RoBERTa's and fairseq's
+  positions, ``cumsum(ids != pad) + pad``): on a path it counts the tokens before each one
+  on that path, so it becomes the sum over the row's ancestors-or-self
+  (:func:`treecompile.kernels.path_scan.path_cumsum`, from ``subtree_end``; interval mask).
 
 Aranges that feed mask building (a comparison) are left alone: a mask built from the
 sequence index is not a position, and if it survived the attention pass the verify pass
@@ -26,7 +30,9 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_indices, same_size, value
+from treecompile.kernels.path_scan import path_cumsum
+from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, multiple_of, row_indices, same_size, value
+from treecompile.passes._mask_eval import depends_on_inputs
 
 __all__ = ["rewrite_positions_pass"]
 
@@ -42,7 +48,7 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Replaces sequence-index positions with tree positions.
 
     Counters (``ctx.counters["rewrite_positions_pass"]``): ``arange``, ``table_slice``,
-    ``position_ids_input``.
+    ``position_ids_input``, ``path_cumsum``.
     """
     external = [u for u in ctx.positions.users if u not in ctx.created]
     if external:
@@ -64,6 +70,16 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             ctx.mark(new, like=node)
             node.replace_all_uses_with(new)
             ctx.count("arange")
+        elif is_call(node, (torch.cumsum,), ("cumsum",)) and _integer_row_scan(node, ctx) is not None:
+            dim = _integer_row_scan(node, ctx)
+            with gm.graph.inserting_before(node):
+                new = ctx.mark(gm.graph.call_function(path_cumsum, (node.args[0], dim, ctx.mask_buffers[0])), like=node)
+                if value(node).dtype != torch.int64:
+                    new = gm.graph.call_method("to", (new, value(node).dtype))
+            new.meta["example_value"] = value(node)
+            ctx.mark(new, like=node)
+            node.replace_all_uses_with(new)
+            ctx.count("path_cumsum")
         elif node.op == "call_function" and node.target is operator.getitem:
             dim = _table_slice_dim(node, ctx)
             if dim is not None:
@@ -74,6 +90,21 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 node.replace_all_uses_with(new)
                 ctx.count("table_slice")
     return gm
+
+
+def _integer_row_scan(node: fx.Node, ctx: PassContext) -> int | None:
+    """The rows' dim if ``node`` is ``cumsum`` of an integer or boolean tensor along the rows
+    (S of them) under the interval mask, else None."""
+    if ctx.mask != "interval" or node.kwargs.get("out") is not None:
+        return None
+    a = bind(node, ["input", "dim"], {"dim": None})
+    x, dim = a["input"], a["dim"]
+    xv = value(x)
+    if not isinstance(xv, torch.Tensor) or not isinstance(dim, int) or xv.dtype.is_floating_point \
+            or xv.dtype.is_complex or a.get("dtype") not in (None, torch.int64, torch.int32):
+        return None
+    dim %= xv.dim()
+    return dim if same_size(xv.shape[dim], ctx.seq_len) else None
 
 
 def _row_index_offset(node: fx.Node, ctx: PassContext) -> int | None:
@@ -115,10 +146,23 @@ def _feeds_comparison(node: fx.Node) -> bool:
     return False
 
 
+_TABLE_CASTS = {"to", "type", "float", "double", "half", "bfloat16", "contiguous", "detach"}
+
+
+def _constant_table(node: fx.Node) -> fx.Node | None:
+    """The input (a buffer, or a tensor the model holds) that ``node`` is, up to casts and moves
+    (``self.freqs_cis.to(h.device)``), else None."""
+    while node.op == "call_method" and node.target in _TABLE_CASTS and \
+            not any(isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor) for a in node.args[1:]):
+        node = node.args[0]
+    return node if node.op in ("placeholder", "get_attr") else None
+
+
 def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
     """The dim ``d`` if ``node`` is ``table[..., :S, ...]`` on a constant table, else None."""
     table, index = node.args
-    if not isinstance(table, fx.Node) or table.op != "placeholder" or table in (ctx.input_ids, ctx.positions):
+    if not isinstance(table, fx.Node) or table in (ctx.input_ids, ctx.positions) or \
+            _constant_table(table) is None and depends_on_inputs(ctx, table) is not False:
         return None
     tv = value(table)
     if not isinstance(tv, torch.Tensor):
@@ -135,7 +179,11 @@ def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
         if i.start not in (None, 0) or i.step not in (None, 1) or not same_size(i.stop, ctx.seq_len):
             return None
         sliced.append(d)
-    # Exactly one dim cut to S: a [:S, :S] cut is a mask, not a position table.
+    # Exactly one dim cut to S: a [:S, :S] cut is a mask, not a position table. A table built in
+    # the graph (from the inputs' sizes, e.g. f(arange(2 * T))) is at least S long there.
     if len(sliced) != 1 or same_size(tv.shape[sliced[0]], ctx.seq_len):
+        return None
+    length = tv.shape[sliced[0]]
+    if _constant_table(table) is None and not (isinstance(length, torch.SymInt) and multiple_of(length, ctx.seq_len)):
         return None
     return sliced[0]

@@ -220,23 +220,35 @@ def test_verify_in_place_checks_a_twin_without_the_check_and_the_temperature(mon
     assert compiled.temperature == temperature and compiled.verify
 
 
-def test_verify_catches_a_silently_wrong_model():
-    # A wrapper whose mask lets every row see every earlier row of the packed row (siblings
-    # included): a silent error no graph check can see. verify=True must refuse it.
-    import dataclasses
+class _LeakyMask(TreeCompiledModel):
+    """A wrapper whose mask lets every row see every earlier row of the packed row (siblings
+    included): a silent error no graph check can see."""
 
-    from treecompile.compile import TreeCompiledModel
+    def _inputs(self, batch):
+        import dataclasses
+
+        leaky = dataclasses.replace(batch, subtree_end=torch.full_like(batch.subtree_end, batch.num_tokens))
+        return super()._inputs(leaky)
+
+
+def test_the_probe_catches_a_silently_wrong_model():
     from treecompile.errors import UnsupportedModelError
 
-    class LeakyMask(TreeCompiledModel):
-        def _inputs(self, batch):
-            leaky = dataclasses.replace(batch, subtree_end=torch.full_like(batch.subtree_end, batch.num_tokens))
-            return super()._inputs(leaky)
+    batch, _ = make_batch("forest")
+    with pytest.raises(UnsupportedModelError, match=r"(?s)first-call probe found that node 'tree_flex_attention_interval'"
+                       r".*when only the tokens of another branch change.*one treecompile inserted"):
+        _LeakyMask(tiny(NanoGPT), mask="interval", backend="eager", verify="probe")(batch)
 
-    model = tiny(NanoGPT)
+
+def test_verify_catches_a_silently_wrong_model(monkeypatch):
+    """verify=True's full check refuses it on its own (the probe, which runs first, is skipped here)."""
+    import treecompile.probe
+    from treecompile.errors import UnsupportedModelError
+
+    monkeypatch.setattr(treecompile.probe, "probe_graph", lambda *args: treecompile.probe.ProbeReport(0, 0, 0))
     batch, _ = make_batch("forest")
     with pytest.raises(UnsupportedModelError, match="gradient of '.*' differs by"):
-        LeakyMask(model, mask="interval", backend="eager", verify=True)(batch)
+        _LeakyMask(tiny(NanoGPT), mask="interval", backend="eager", verify=True)(batch)
 
 
 def test_temperature_divides_the_logits_exactly():

@@ -51,6 +51,8 @@ from treecompile.drop_ins import (
     hf_chunk_gated_delta_rule,
     hf_mamba2_chunk_scan,
     hf_mamba2_split_conv1d_scan_combined,
+    hf_mamba_inner_fn,
+    hf_mamba_selective_scan,
 )
 from treecompile.passes import markers
 
@@ -79,6 +81,8 @@ SEQUENCE_KERNELS = {
     "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
     "mamba2_chunk_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba2_chunk_scan),
     "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
+    "mamba_selective_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba_selective_scan),
+    "mamba_inner_fn": (("xz", "conv1d_weight"), hf_mamba_inner_fn),
 }
 
 
@@ -412,6 +416,87 @@ def swapped_kernels(kernels: list[tuple[Any, str, Any]]):
             setattr(module, name, original)
 
 
+def short_buffers(model: nn.Module, rows: int, longest: int) -> list[tuple[nn.Module, str, int]]:
+    """``(module, name, size)`` for each buffer with a dim shorter than ``rows`` but at least
+    ``longest`` long: a model slicing it by the row count (``tril[:T, :T]``, ``cos[:T]``) cannot
+    be captured on a packed row that long, though every path fits it (parameters are never
+    extended: their gradients must reach them)."""
+    out = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            sizes = [d for d in getattr(buf, "shape", ()) if longest <= d < rows]
+            if sizes and buf.dim() >= 1:
+                # The longest such dims are the table's length (a head dim may fall in the range too).
+                out.append((module, name, max(sizes)))
+    return out
+
+
+@contextlib.contextmanager
+def extended_buffers(short: list[tuple[nn.Module, str, int]], rows: int):
+    """For one call, each of ``short``'s buffers with its dims of that size grown to the next
+    power of two >= ``rows`` (a capture per doubling), the new entries zero. What a pass proves
+    exact reads no entry past the longest path (positions are below it, masks are judged no
+    longer than the buffer, see ``PassContext.judge_cap``); the model outside the call sees
+    its own buffers."""
+    target = 1 << max(rows - 1, 1).bit_length()
+    saved = []
+    try:
+        for module, name, size in short:
+            buf = module._buffers[name]
+            shape = [target if d == size else d for d in buf.shape]
+            grown = buf.new_zeros(shape)
+            grown[tuple(slice(0, d) for d in buf.shape)] = buf
+            saved.append((module, name, buf))
+            module._buffers[name] = grown
+        yield
+    finally:
+        for module, name, buf in saved:
+            module._buffers[name] = buf
+
+
+_LINSPACE = torch.linspace
+
+
+def _linspace(start, end, steps, *, out=None, dtype=None, layout=torch.strided, device=None, requires_grad=False):
+    """``torch.linspace`` for a call under capture: ``linspace(0, n - 1, n)`` (positions written as a
+    linspace) is ``arange(n)`` in the same values, which the capture keeps symbolic in ``n`` (the
+    positions pass reads it as the row index); torch's own would make the length a constant."""
+    if out is None and layout == torch.strided and isinstance(start, int) and start == 0 and end == steps - 1:
+        return torch.arange(steps, dtype=dtype or torch.get_default_dtype(), device=device,
+                            requires_grad=requires_grad)
+    return _LINSPACE(start, end, steps, out=out, dtype=dtype, layout=layout, device=device,
+                     requires_grad=requires_grad)
+
+
+def _detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
+    """``nn.Transformer*``'s check whether a mask is causal compares its values (a branch on data,
+    which a capture cannot follow). It only picks a kernel: the mask is applied either way, so
+    under capture the caller's own flag is kept (False when not given)."""
+    return bool(is_causal)
+
+
+def _validate_device(query, key, value) -> None:
+    """FlexAttention's device check for a call under capture, without its refusal of a backward
+    on CPU: the attention pass replaces a causal ``flex_attention`` with the tree kernel (which
+    has one) and the verify pass refuses any other, so the CPU backward it guards never runs."""
+
+
+def _torch_swaps() -> list[tuple[Any, str, Any]]:
+    import torch.nn.attention.flex_attention as flex
+    import torch.nn.modules.transformer as transformer
+
+    swaps = [(torch, "linspace", _linspace)]
+    if hasattr(transformer, "_detect_is_causal_mask"):
+        swaps.append((transformer, "_detect_is_causal_mask", _detect_is_causal_mask))
+    if hasattr(flex, "_validate_device"):
+        swaps.append((flex, "_validate_device", _validate_device))
+    return swaps
+
+
+#: Functions of torch swapped for every captured call (each gives the same values).
+TORCH_SWAPS: list[tuple[Any, str, Any]] = _torch_swaps()
+
+
 def plain_experts(model: nn.Module) -> None:
     """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
     and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts
@@ -445,11 +530,19 @@ def is_hf_model(model: nn.Module) -> bool:
     return tf is not None and isinstance(base, tf.PreTrainedModel)
 
 
+def _positions_from_ids(model: nn.Module) -> bool:
+    """Whether the model derives position ids from the token ids when given none (Hugging
+    Face's RoBERTa family: an embeddings module with ``create_position_ids_from_input_ids``)."""
+    return any(callable(getattr(type(m), "create_position_ids_from_input_ids", None)) for m in model.modules())
+
+
 def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
     """``positions -> kwargs`` for calling the model: tree position ids where it takes them,
     and the router logits when the model has a router auxiliary loss (off otherwise)."""
     params = inspect.signature(model.forward).parameters
-    takes_pos = is_hf or "position_ids" in params
+    # A model that numbers tokens from its ids (RoBERTa's padding_idx + running count of
+    # non-pad tokens) computes them itself: its running sum becomes one along each path.
+    takes_pos = (is_hf or "position_ids" in params) and not _positions_from_ids(model)
     takes_cache = is_hf or "use_cache" in params
     takes_router = "output_router_logits" in params
 

@@ -1,0 +1,320 @@
+"""The scores of a hand-written softmax attention: from the softmax back to ``q @ k^T``.
+
+Model code writes what happens between the scores and the softmax in many ways. Each way
+is one step in `STEPS`, a table of ``(matches, take)`` pairs: ``take`` reads one node,
+records what it does (a scale, a mask, a soft-cap) and returns the node before it. The
+walk ends at the scores product (``matmul``, ``bmm``, ``einsum``, ``baddbmm``).
+
+Masks come in these spellings, each judged by evaluating its structural operand
+(:mod:`treecompile.passes._mask_eval`): ``masked_fill(m, very negative)`` (also in place,
+``masked_fill_``), ``+ bias`` (also ``+=`` and ``add_``), ``where(m, scores, very
+negative)``, and the arithmetic ``scores * b - c * (1 - b)`` (GPT-2's first release),
+judged as a whole: where ``b`` is 1 and ``c`` is 0 the score passes, where ``b`` is 0 and
+``c`` is at least ``-BLOCKED`` it is blocked, and nothing else is allowed. An in-place
+edit of the scores (``att.masked_fill_(...)`` without rebinding ``att``) before the
+softmax reads them is part of the chain; any other in-place edit or a second reader stops
+the rewrite (the rewrite would drop it).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from treecompile.passes._graph import (
+    MATMUL,
+    PassContext,
+    bind,
+    is_call,
+    mutated_args,
+    value,
+)
+from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate
+
+__all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS"]
+
+
+@dataclass
+class ScoreChain:
+    """What lies between the scores product and the softmax.
+
+    Attributes:
+        qk: the scores product node.
+        scale: the product of the constant factors on the scores (before the soft-cap).
+        softcap: ``c`` of ``c * tanh(x / c)``, or None.
+        masks: ``(kind, node)``: ``masked_fill``, ``additive``, ``where``, ``multiply``,
+            ``subtract`` (the last two judged together, see `arithmetic_mask`).
+        nodes: the nodes the rewrite replaces.
+    """
+
+    qk: fx.Node | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+    masks: list[tuple[str, fx.Node]] = field(default_factory=list)
+    nodes: list[fx.Node] = field(default_factory=list)
+    after_cap: bool = False  # the walk has passed the soft-cap's tanh (no mask may follow)
+
+
+class StopWalk(Exception):
+    """Not this attention: ``str(e)`` is why (a note for the refusal), or empty."""
+
+
+_CASTS = ("float", "double", "to", "type", "type_as")
+_VIEWS = ("view", "reshape", "contiguous")
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _constant(ctx: PassContext, x) -> float | None:
+    """``x`` as a number: a Python number, or a structural one-element tensor."""
+    if _is_scalar(x):
+        return float(x)
+    if not isinstance(x, fx.Node) or depends_on_inputs(ctx, x):
+        return None
+    v = value(x)
+    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+        return None
+    try:
+        return float(evaluate(ctx, x))
+    except Exception:
+        return None
+
+
+def _mask(ctx: PassContext, chain: ScoreChain, kind: str, m) -> None:
+    if chain.after_cap:
+        raise StopWalk("a mask before the soft-cap's tanh (tanh of a very negative score is not very negative)")
+    chain.masks.append((kind, m))
+
+
+def _structural(ctx: PassContext, x) -> bool:
+    return isinstance(x, fx.Node) and depends_on_inputs(ctx, x) is False
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def _baddbmm(ctx, chain, cur):
+    b = bind(cur, ["input", "batch1", "batch2"], {"beta": 1.0, "alpha": 1.0})
+    if not (_is_scalar(b["beta"]) and _is_scalar(b["alpha"])):
+        raise StopWalk("")
+    if b["beta"] != 0:
+        if b["beta"] != 1 or not isinstance(b["input"], fx.Node):
+            raise StopWalk("")
+        _mask(ctx, chain, "additive", b["input"])
+    chain.scale *= b["alpha"]
+    chain.qk = cur
+    return None
+
+
+def _mul(ctx, chain, cur):
+    a, b = cur.args[:2]
+    for x, other in ((b, a), (a, b)):
+        c = _constant(ctx, x)
+        if c is not None and isinstance(other, fx.Node):
+            chain.scale *= c
+            return other
+    for x, other in ((b, a), (a, b)):
+        if _structural(ctx, x) and isinstance(other, fx.Node) and not _structural(ctx, other):
+            _mask(ctx, chain, "multiply", x)
+            return other
+    raise StopWalk("")
+
+
+def _div(ctx, chain, cur):
+    a, b = cur.args[:2]
+    c = _constant(ctx, b)
+    if c is None or not isinstance(a, fx.Node):
+        raise StopWalk("")
+    chain.scale /= c
+    return a
+
+
+def _masked_fill(ctx, chain, cur):
+    t, m, fill = (list(cur.args) + [cur.kwargs.get("value")])[:3]
+    c = _constant(ctx, fill)
+    if c is None or c > BLOCKED or not isinstance(m, fx.Node):
+        raise StopWalk("")
+    _mask(ctx, chain, "masked_fill", m)
+    return t
+
+
+def _add(ctx, chain, cur):
+    a, b = cur.args[:2]
+    # The scores branch is the one that comes from q @ k^T.
+    for bias, scores in ((b, a), (a, b)):
+        if _structural(ctx, bias) and isinstance(scores, fx.Node):
+            _mask(ctx, chain, "additive", bias)
+            return scores
+    raise StopWalk("the scores get an additive bias computed from parameters or the inputs (e.g. a learned T5-style "
+                "relative position bias), which treecompile cannot express in path positions yet")
+
+
+def _sub(ctx, chain, cur):
+    a, b = cur.args[:2]
+    if not (isinstance(a, fx.Node) and _structural(ctx, b)):
+        raise StopWalk("")
+    _mask(ctx, chain, "subtract", b)
+    return a
+
+
+def _where(ctx, chain, cur):
+    # torch.where(mask, scores, very_negative) (GPT-Neo): the mask says what is allowed.
+    cond, x, fill = cur.args
+    c = _constant(ctx, fill)
+    if not (isinstance(cond, fx.Node) and isinstance(x, fx.Node)) or c is None or c > BLOCKED:
+        raise StopWalk("")
+    _mask(ctx, chain, "where", cond)
+    return x
+
+
+def _clamp_min(ctx, chain, cur):
+    c = _constant(ctx, cur.args[1])
+    if c is None or c > BLOCKED:
+        raise StopWalk("")
+    return cur.args[0]  # clamping the scores to the dtype's minimum (XGLM): masked stays masked
+
+
+def _tanh(ctx, chain, cur):
+    # c * tanh(x / c): the factors after the tanh are the cap, those before it the scale / cap.
+    if chain.softcap is not None:
+        raise StopWalk("")
+    chain.softcap, chain.scale, chain.after_cap = chain.scale, 1.0, True
+    return cur.args[0]
+
+
+def _through(ctx, chain, cur):
+    return cur.args[0]
+
+
+def _calls(functions=(), methods=()) -> Callable[[fx.Node], bool]:
+    return lambda n: is_call(n, functions, methods)
+
+
+def _binary(*ops) -> Callable[[fx.Node], bool]:
+    names = tuple(op.__name__.strip("_") for op in ops if hasattr(op, "__name__"))
+    return lambda n: (n.op == "call_function" and n.target in ops) or (n.op == "call_method" and n.target in names)
+
+
+#: ``(matches(node), take(ctx, chain, node) -> the node before it, or None at the scores)``.
+STEPS: list[tuple[Callable[[fx.Node], bool], Callable]] = [
+    (_calls((torch.baddbmm,), ("baddbmm",)), _baddbmm),
+    (_binary(operator.mul, torch.mul, operator.imul), _mul),
+    (_binary(operator.truediv, torch.div, operator.itruediv), _div),
+    (_calls((torch.masked_fill,), ("masked_fill", "masked_fill_")), _masked_fill),
+    (_binary(operator.add, torch.add, operator.iadd), _add),
+    (_binary(operator.sub, torch.sub), _sub),
+    (lambda n: is_call(n, (torch.where,), ("where",)) and len(n.args) == 3, _where),
+    (lambda n: is_call(n, (torch.max, torch.maximum), ("max", "maximum")) and len(n.args) == 2, _clamp_min),
+    (_calls((torch.tanh,), ("tanh",)), _tanh),
+    (_calls((torch.reshape,), _CASTS + _VIEWS), _through),
+]
+
+#: In-place edits of the scores, read back before the softmax: ``(method, step)``.
+_IN_PLACE = {"masked_fill_": _masked_fill, "add_": _add, "mul_": _mul, "div_": _div}
+
+
+def walk_scores(ctx: PassContext, softmax: fx.Node, scores: fx.Node) -> ScoreChain:
+    """Walks from the softmax's input ``scores`` to the scores product.
+
+    Raises:
+        StopWalk: not a softmax attention the rewrite can take (``str`` says why, or is empty).
+    """
+    chain = ScoreChain(nodes=[softmax])
+    order = {n: i for i, n in enumerate(softmax.graph.nodes)}
+    cur, reader = scores, softmax
+    while True:
+        chain.nodes.append(cur)
+        _in_place_edits(ctx, chain, cur, reader, order)
+        if is_call(cur, MATMUL, ("matmul", "bmm")) or is_call(cur, (torch.einsum,)):
+            chain.qk = cur
+            return chain
+        step = next((take for matches, take in STEPS if matches(cur)), None)
+        if step is None:
+            raise StopWalk("")
+        before = step(ctx, chain, cur)
+        if before is None:
+            return chain
+        if not isinstance(before, fx.Node):
+            raise StopWalk("")
+        cur, reader = before, cur
+
+
+def _in_place_edits(ctx: PassContext, chain: ScoreChain, cur: fx.Node, reader: fx.Node, order: dict) -> None:
+    """Takes the in-place edits of ``cur`` made before ``reader`` reads it (latest first)."""
+    edits = [u for u in cur.users if u is not reader and order[u] < order[reader] and cur in mutated_args(u)]
+    for u in sorted(edits, key=order.get, reverse=True):
+        step = _IN_PLACE.get(u.target) if u.op == "call_method" else None
+        if step is None:
+            raise StopWalk(f"the scores are edited in place by {u.format_node()}, which the rewrite cannot express")
+        chain.nodes.append(u)
+        step(ctx, chain, u)
+
+
+def arithmetic_mask(ctx: PassContext, chain: ScoreChain) -> torch.Tensor | str | None:
+    """The allowed pattern of masks written as arithmetic, ``scores * b - c`` or ``scores * b +
+    a`` (a ``multiply`` term with ``subtract`` or ``additive`` ones), evaluated as a whole: True
+    where the score passes (``b`` is 1, the sum of the other terms 0), False where it is blocked
+    (that sum at most `BLOCKED`, ``b`` 0 or 1); a reason if another entry exists; None if the
+    chain has no ``multiply`` or ``subtract`` term (its other masks are judged one by one)."""
+    kinds = {k for k, _ in chain.masks}
+    if not kinds & {"multiply", "subtract"}:
+        return None
+    b, c = 1.0, 0.0
+    try:
+        for kind, m in chain.masks:
+            if kind == "multiply":
+                b = b * evaluate(ctx, m).double()
+            elif kind == "subtract":
+                c = c - evaluate(ctx, m).double()
+            elif kind == "additive":
+                c = c + evaluate(ctx, m).double()
+            else:
+                return f"a {kind} mask mixed with an arithmetic one"
+    except Exception as e:  # an operand that cannot be evaluated alone
+        return f"a score mask that cannot be evaluated ({type(e).__name__})"
+    b, c = torch.broadcast_tensors(torch.as_tensor(b), torch.as_tensor(c))
+    allowed = (b == 1) & (c == 0)
+    blocked = ((b == 0) | (b == 1)) & (c <= BLOCKED)
+    if not torch.all(allowed | blocked):
+        return "an arithmetic score mask (scores * b - c) that does not only pass or block scores"
+    return allowed
+
+
+def spell_softmax(gm: fx.GraphModule, node: fx.Node) -> None:
+    """A softmax written out, ``e = exp(x - x.amax(d, keepdim=True)); e / e.sum(d, keepdim=True)``
+    (GPT-2's first release), becomes ``softmax(x, d)``: the same values (torch subtracts the
+    same maximum), so the matchers below see one spelling. Only when its parts have no other use."""
+    if not (node.op == "call_function" and node.target in (operator.truediv, torch.div)) or len(node.args) != 2:
+        return
+    e, total = node.args
+    if not (isinstance(e, fx.Node) and isinstance(total, fx.Node) and is_call(e, (torch.exp,), ("exp",))):
+        return
+    s = bind(total, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    if not (is_call(total, (torch.sum,), ("sum",)) and s["input"] is e and s["keepdim"] and isinstance(s["dim"], int)):
+        return
+    dim = s["dim"]
+    shifted = e.args[0]
+    x = shifted
+    if isinstance(shifted, fx.Node) and is_call(shifted, (operator.sub, torch.sub), ("sub",)):
+        x, top = shifted.args[:2]
+        t = bind(top, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False}) if isinstance(top, fx.Node) else {}
+        if not (isinstance(top, fx.Node) and is_call(top, (torch.amax,), ("amax",)) and t.get("input") is x
+                and t.get("keepdim") and t.get("dim") in (dim, [dim], (dim,))):
+            return
+    if not isinstance(x, fx.Node) or len(e.users) != 2 or len(total.users) != 1:
+        return
+    xv = value(x)
+    if not isinstance(xv, torch.Tensor) or dim % max(xv.dim(), 1) != xv.dim() - 1:
+        return
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.softmax, (x, -1))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    for dead in (node, total, e, shifted, shifted.args[1] if shifted is not x else None):
+        if isinstance(dead, fx.Node) and not dead.users:
+            gm.graph.erase_node(dead)
