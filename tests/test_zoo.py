@@ -26,7 +26,7 @@ def _param(case: zoo.Case):
     return pytest.param(case, id=case.id, marks=marks)
 
 
-@pytest.mark.parametrize("case", [_param(c) for c in zoo.CASES])
+@pytest.mark.parametrize("case", [_param(c) for c in zoo.all_cases()])
 def test_zoo_model_is_exact_or_refused_by_name(case):
     if case.hf:
         pytest.importorskip("transformers")
@@ -44,15 +44,27 @@ def test_zoo_model_is_exact_or_refused_by_name(case):
 
 
 def test_zoo_has_distinct_ids_and_known_outcomes():
-    assert len(zoo.BY_ID) == len(zoo.CASES)
-    assert {c.expect for c in zoo.CASES} <= {"exact", "refused", "xfail"}
-    assert all(c.reason for c in zoo.CASES if c.expect != "exact")
-    for c in zoo.CASES:
+    cases = zoo.all_cases()
+    assert len({c.id for c in cases}) == len(cases)
+    assert {c.expect for c in cases} <= {"exact", "refused", "xfail"}
+    assert all(c.reason for c in cases if c.expect != "exact")
+    for c in cases:
         if c.before:
             (version, fields) = c.before
             assert len(version) == 2 and set(fields) <= {"expect", "reason", "attention"}, c.id
             old = dataclasses.replace(c, **fields)
             assert old.expect in {"exact", "refused", "xfail"} and (old.expect == "exact" or old.reason), c.id
+
+
+def test_repository_models_are_causal_as_written():
+    """Each repository model, run as an ordinary model, is causal (changing the last tokens
+    leaves earlier logits unchanged) unless it is meant to be refused for mixing rows."""
+    import zoo_repos
+
+    for c in zoo_repos.CASES:
+        if c.hf or c.expect == "refused":
+            continue
+        assert zoo_repos.check_causal(c.build()) == 0.0, c.id
 
 
 def test_supported_models_page_is_up_to_date():

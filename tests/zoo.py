@@ -18,6 +18,7 @@ identity norm: zero init hides wrong masks and dropped terms) and states what
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ class Case:
             (``compiled.counters["rewrite_attention_pass"]``), so a spelling is known to be matched.
         since: the first transformers version ``(major, minor)`` that has the model.
         before: ``((major, minor), {field: value})``: the fields that differ on older versions.
+        reference: ``reference(model)``, a context manager under which the per-path reference
+            runs, for a model whose own kernel has no backward on CPU (FlexAttention): it must
+            compute the same function (e.g. the causal FlexAttention by SDPA); None: the model as
+            it is.
     """
 
     id: str
@@ -57,6 +62,7 @@ class Case:
     attention: dict | None = None
     since: tuple[int, int] = (0, 0)
     before: tuple = ()
+    reference: Callable | None = None
 
     def installed(self) -> Case:
         """The case as it holds on the installed transformers: ``before`` is ``((major, minor),
@@ -138,6 +144,13 @@ CASES: list[Case] = [
          _custom(zc.ToDtypeLM), attention={"softmax_attention": 2}),
     Case("masked-fill-triu", "custom: masked_fill(ones(T, T).triu(1), -inf)",
          _custom(zc.MaskedFillInfLM), attention={"softmax_attention": 2}),
+    Case("in-place-scores", "custom: att.masked_fill_(tril == 0, -inf) as a statement before the softmax",
+         _custom(zc.InPlaceScoresLM), attention={"softmax_attention": 2}),
+    Case("in-place-bias", "custom: a learned bias added to the scores in place (att.add_(bias[:T, :T]))",
+         _custom(zc.InPlaceBiasLM), expect="refused",
+         reason="the scores get an additive bias computed from parameters or the inputs"),
+    Case("conv-slice-negative", "custom: depthwise conv1d(padding=K-1)[..., :-(K-1)] after attention",
+         _custom(zc.CausalConvSliceLM)),
     Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
          _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
     Case("vmap-mask", "custom: SDPA under a mask built with nested torch.vmap (as transformers 5.10 builds masks)",
@@ -159,12 +172,10 @@ CASES: list[Case] = [
          _custom(zc.NoHeadAttnLM), attention={"softmax_attention": 1}),
     Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
          _custom(zc.WpeShortTableLM)),
-    Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows",
-         _custom(zc.ShortTrilLM), expect="refused",
-         reason="rows: it slices buffer 'blocks.0.causal' (16 entries) by the sequence length"),
-    Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows",
-         _custom(zc.ShortRopeTableLM), expect="refused",
-         reason="rows: it slices buffer 'blocks.0.cos_cached' (16 entries) by the sequence length"),
+    Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows than entries "
+         "(the buffer is extended for the call; every path fits it)", _custom(zc.ShortTrilLM)),
+    Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows than entries",
+         _custom(zc.ShortRopeTableLM)),
     Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
          _custom(zc.InplaceMoELM), expect="exact"),
     Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",
@@ -248,11 +259,11 @@ CASES: list[Case] = [
     Case("gpt-bigcode", "GPT-BigCode: multi-query attention", hf=True,
          build=_hf("GPTBigCodeConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                    n_positions=64, bos_token_id=0, eos_token_id=0)),
-    # Before transformers 5.13 CTRL builds its mask as triu(ones(S, S)): refused, naming that line.
-    Case("ctrl", "CTRL: sinusoidal positions, own attention (refused before transformers 5.13)", hf=True,
+    # Before transformers 5.13 CTRL builds its mask as triu(ones(S, S)) * -1e4, added to the scores.
+    Case("ctrl", "CTRL: sinusoidal positions, own attention (its mask an additive triu(ones(S, S)) * -1e4 before "
+         "transformers 5.13)", hf=True,
          build=_hf("CTRLConfig", common=False, vocab_size=VOCAB, n_embd=32, dff=64, n_layer=2, n_head=4,
-                   n_positions=64),
-         before=((5, 13), {"expect": "refused", "reason": "node 'ones' (call_function ones) at modeling_ctrl.py"})),
+                   n_positions=64)),
     Case("mixtral", "Mixtral: sparse MoE", hf=True,
          build=_hf("MixtralConfig", num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2)),
     Case("qwen2-moe", "Qwen2-MoE: MoE with a shared expert", hf=True,
@@ -312,6 +323,14 @@ CASES: list[Case] = [
 BY_ID = {c.id: c for c in CASES}
 
 
+def all_cases() -> list[Case]:
+    """The zoo's own cases, then the models written as public repositories write them
+    (``tests/zoo_repos``)."""
+    import zoo_repos
+
+    return CASES + zoo_repos.CASES
+
+
 # ---------------------------------------------------------------------- running a case
 
 #: Two trees of different lengths (two different structures): shared prefixes, a 1-token
@@ -334,7 +353,7 @@ def batches():
     return out
 
 
-def compare(model: nn.Module, compiled, batch, trees) -> dict:
+def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None = None) -> dict:
     """Loss, per-path log-probs and every gradient of the tree vs per-path training.
 
     Returns ``{"loss": rel diff, "grad": worst scaled diff, "param": its name}``; raises
@@ -347,7 +366,8 @@ def compare(model: nn.Module, compiled, batch, trees) -> dict:
     out, tree_grads = backward_grads(model, lambda: compiled(batch))
     router = getattr(compiled, "_router_aux", None)
     coef = None if router is None else router.coef
-    ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, router_aux_loss_coef=coef))
+    with reference(model) if reference is not None else contextlib.nullcontext():
+        ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, router_aux_loss_coef=coef))
     rel = ZOO_TOLERANCE
     loss_diff = abs(out.loss.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1e-30)
     assert loss_diff <= rel, f"loss {out.loss.item():.10g} vs per path {ref.loss.item():.10g} (rel {loss_diff:.3e})"
@@ -383,7 +403,7 @@ def run(case: Case) -> list[dict]:
 
     model = case.build()
     compiled = tree_compile(model, backend="eager")
-    diffs = [compare(model, compiled, batch, trees) for _, batch, trees in batches()]
+    diffs = [compare(model, compiled, batch, trees, case.reference) for _, batch, trees in batches()]
     if case.attention is not None:
         assert dict(compiled.counters["rewrite_attention_pass"]) == case.attention, compiled.counters["rewrite_attention_pass"]
     return diffs

@@ -165,14 +165,55 @@ class VmapHeadsAttn(SdpaTrilMaskAttn):
         return torch.vmap(lambda yh, g: yh @ g, in_dims=(1, 0), out_dims=1)(y, self.gate)
 
 
+class InPlaceScoresAttn(_Attn):
+    """``att.masked_fill_(upper, -inf)`` as a statement (``att`` not rebound) before the softmax."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.mT) * HD**-0.5
+        att.masked_fill_(self.causal[0, 0, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class InPlaceBiasAttn(_Attn):
+    """A learned bias added to the scores in place (``att.add_(bias[:T, :T])``) under a causal
+    mask: the rewrite must not drop it (T5-style biases have no tree form here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(MAX_LEN, MAX_LEN))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.mT) * HD**-0.5
+        att.add_(self.bias[:t, :t])
+        return att.masked_fill(self.causal[0, 0, :t, :t] == 0, float("-inf")).softmax(-1) @ v
+
+
+class CausalConvSliceAttn(_Attn):
+    """A depthwise causal conv spelled ``conv1d(x, padding=K - 1)[..., :-(K - 1)]`` after attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, 4, padding=3, groups=DIM)
+
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        x = super().forward(x)
+        return x + self.conv(x.transpose(1, 2))[..., :-3].transpose(1, 2)
+
+
 def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
 
-BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM = (
+(BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM,
+ InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM) = (
     _spelling(c)
     for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn,
-              VmapMaskAttn, VmapHeadsAttn)
+              VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn)
 )
 
 

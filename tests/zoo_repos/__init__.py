@@ -1,0 +1,153 @@
+"""Tiny causal LMs written the way public repositories write them, for the architecture zoo.
+
+Each class reproduces one repository's own spelling of attention, masks, positions, norms
+and MLP (copied and cut down to tiny sizes: vocab 32, dim 32, 4 heads, 2 layers, a context
+of 64), so that ``tree_compile`` meets the code people actually train, not a paraphrase of
+it. The class docstring names the repository and file (and the commit where the file moved
+on since), and says what was left out (KV caches, dropout, distributed code) or changed to
+fit the zoo's calling convention: every model takes ``idx`` ``[B, T]`` (a LongTensor) and
+returns logits ``[B, T, VOCAB]`` (or a tuple / an object whose first item / ``.logits`` are
+the logits), over every position, never only the last one.
+
+``CASES`` at the end states what ``tree_compile`` does with each model, as `tests/zoo.py`'s
+own cases do: ``exact`` (loss, log-probabilities and every gradient equal per-path training),
+or ``refused`` with a fragment of the refusal's first line. tests/test_zoo.py runs them with
+the zoo's own cases, and docs/supported-models.md lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+import zoo
+from torch import nn
+from zoo import perturb
+
+from zoo_repos.attention import (
+    MHALM,
+    DiffShiftLM,
+    FinfoBiasBufferLM,
+    GPT2TFPort,
+    LinspacePosLM,
+    TorchExamplesTransformerLM,
+)
+from zoo_repos.common import VOCAB
+from zoo_repos.convs import HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM
+from zoo_repos.gpt import (
+    MinGPT,
+    ModdedNanoGPT,
+    ModdedNanoGPTFlex,
+    NanoGPT,
+    sdpa_reference,
+)
+from zoo_repos.litgpt import LitGPT
+from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
+from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
+from zoo_repos.xtransformers_olmo import OLMo, OlmoTrainerCall, XTransformerDecoder
+
+
+def _build(cls, *args, **kw):
+    def build():
+        torch.manual_seed(0)
+        return perturb(cls(*args, **kw).double().eval())
+
+    return build
+
+
+def check_causal(model: nn.Module, T: int = 12, seed: int = 0) -> float:
+    """Largest change of the logits at positions ``< T - 3`` when the last 3 tokens change
+    (0 for a causal model), and of the logits when nothing changes (0: deterministic)."""
+    from treecompile.reference import logits_of
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(2, VOCAB, (1, T), generator=g)
+    b = a.clone()
+    b[0, -3:] = (b[0, -3:] + 5) % VOCAB
+    with torch.no_grad():
+        la = logits_of(model(a))
+        lb = logits_of(model(b))
+    return (la[0, : T - 3] - lb[0, : T - 3]).abs().max().item()
+
+
+_ROBERTA = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=80, pad_token_id=1, bos_token_id=0, eos_token_id=2, is_decoder=True)
+
+CASES: list[zoo.Case] = [
+    zoo.Case("nanogpt-flash", "karpathy/nanoGPT model.py: SDPA is_causal, learned wpe(arange), tied head, LayerNorm "
+             "without bias", _build(NanoGPT, bias=False, flash=True)),
+    zoo.Case("nanogpt-manual", "karpathy/nanoGPT model.py: manual attention, bias tril buffer [1,1,64,64] sliced "
+             "[:,:,:T,:T] == 0 -> -inf", _build(NanoGPT, bias=True, flash=False)),
+    zoo.Case("mingpt", "karpathy/minGPT mingpt/model.py: bias buffer masked_fill -inf, NewGELU, MLP via a lambda",
+             _build(MinGPT)),
+    zoo.Case("modded-nanogpt-sdpa", "KellerJordan/modded-nanogpt train_gpt2.py @607f2a38: rotary cached on the module "
+             "(bf16), qk rms_norm, relu^2, value residual, U-net skips, SDPA is_causal, float32 logits",
+             _build(ModdedNanoGPT)),
+    zoo.Case("modded-nanogpt-flex", "modded-nanogpt 2024-12-04_ValueEmbed: flex_attention with a causal BlockMask "
+             "from create_block_mask, value embeddings (the per-path reference computes the causal attention by SDPA: "
+             "FlexAttention has no backward on CPU)", _build(ModdedNanoGPTFlex), reference=sdpa_reference,
+             attention={"flex_attention": 2}),
+    zoo.Case("litgpt", "Lightning-AI/litgpt model.py: fused qkv, GQA repeat_interleave, cos[:T] rope cache, SDPA "
+             "is_causal, RMSNorm in float32", _build(LitGPT)),
+    zoo.Case("litgpt-softcap", "litgpt with attention_logit_softcapping: manual scores, mask ones(T,T).triu(1) "
+             "masked_fill_ in place with finfo.min", _build(LitGPT, attention_logit_softcapping=50.0)),
+    zoo.Case("litgpt-sliding", "litgpt sliding window on layer 0: a Python loop over range(T) filling a full(-inf) "
+             "mask row by row", _build(LitGPT, sliding_window_size=4, sliding_window_indices=[1, 0]), expect="refused",
+             reason="the model makes the sequence length a constant"),
+    zoo.Case("torchtitan-llama3", "pytorch/torchtitan llama3 model.py @177b295d2: complex freqs_cis[0:seqlen], "
+             "view_as_complex, repeat_kv by expand, SDPA under sdpa_kernel, nn.RMSNorm", _build(TitanLlama3)),
+    zoo.Case("x-transformers-xpos", "lucidrains/x-transformers: rotary (half the head dim) with xPos scale built from "
+             "t.max(), einsum attention, masked_fill(ones(i, j).triu(j - i + 1), -finfo.max), float32 softmax",
+             _build(XTransformerDecoder), expect="refused",
+             reason="node 'max_1' (call_method max) at xtransformers_olmo.py"),
+    zoo.Case("x-transformers-rotary", "x-transformers Decoder(rotary_pos_emb=True) without xPos: rotary of half the "
+             "head dim (the unused t.max() still computed), einsum attention, triu(j - i + 1) mask",
+             _build(XTransformerDecoder, rotary_xpos=False)),
+    zoo.Case("olmo", "allenai/OLMo olmo/model.py, called without a mask: RoPE cached in a dict, SwiGLU, SDPA "
+             "is_causal, tied head", _build(OLMo)),
+    zoo.Case("olmo-attention-bias", "OLMo as its trainer calls it (attention_mask of ones): triu(ones).masked_fill_"
+             "(finfo.min) bias cached in a dict, + (1 - mask) * min, SDPA additive attn_mask",
+             _build(OlmoTrainerCall)),
+    zoo.Case("hyena-short-conv", "HazyResearch/safari Hyena operator without its long filter: Conv1d(padding=2, "
+             "groups) on x.transpose(1, 2) sliced [..., :l], gated; then an SDPA layer", _build(HyenaShortConvLM)),
+    zoo.Case("hyena-fft", "safari standalone_hyena.py HyenaOperator: implicit long filter z[:, :L] and fftconv "
+             "(torch.fft.rfft over 2L)", _build(HyenaFFTLM), expect="refused",
+             reason="reshapes the rows so that one row's entries land in several rows"),
+    zoo.Case("roberta-causal-lm", "transformers RobertaForCausalLM (is_decoder): positions cumsum(input_ids != pad) "
+             "+ padding_idx, pad id 1 occurring in the trees", zoo._hf("RobertaConfig", "RobertaForCausalLM",
+                                                                       common=False, **_ROBERTA), hf=True),
+    zoo.Case("roberta-style-positions", "hand-written decoder with RoBERTa's create_position_ids_from_input_ids "
+             "(cumsum of non-pad + padding_idx)", _build(RobertaStyleLM)),
+    zoo.Case("fairseq-transformer-lm", "facebookresearch/fairseq TransformerDecoder: make_positions sinusoids, "
+             "buffered_future_mask cached on the module (fill_ -inf, triu), F.multi_head_attention_forward",
+             _build(FairseqTransformerLM)),
+    zoo.Case("mistral-moe", "mistralai/mistral-src moe_one_file_ref.py: torch.where(selected_experts == i), "
+             "results[batch_idx] +=, freqs_cis[positions], mask log(tril(ones))", _build(MistralMoE)),
+    zoo.Case("mixtral-index-add", "transformers' pre-fusion Mixtral dispatch: zeros((B * S, H)), one_hot expert "
+             "mask, torch.where, hidden_states[None, top_x], index_add_; SDPA attention",
+             _build(MistralMoE, index_add=True)),
+    zoo.Case("mha-no-mask", "nn.MultiheadAttention(h, h, h) without a mask in layer 0 (bidirectional), SDPA causal "
+             "in layer 1", _build(MHALM, causal=False), expect="refused",
+             reason="nn.MultiheadAttention without a causal mask (bidirectional"),
+    zoo.Case("mha-causal-mask", "nn.MultiheadAttention with attn_mask=nn.Transformer.generate_square_subsequent_mask"
+             "(T), is_causal=True", _build(MHALM, causal=True)),
+    zoo.Case("torch-examples-transformer", "pytorch/examples word_language_model TransformerModel: nn.Transformer "
+             "encoder, float mask (triu(ones) == 1).transpose cached in self.src_mask, sequence-first",
+             _build(TorchExamplesTransformerLM)),
+    zoo.Case("diff-shift", "h + torch.diff(h, dim=1, prepend=zeros) after attention (mixes each row with the "
+             "previous row)", _build(DiffShiftLM), expect="refused",
+             reason="changes the sequence length (a shift, pad or cat along the sequence)"),
+    zoo.Case("rwkv-token-shift", "BlinkDL/RWKV-LM v4neo RWKV_ChannelMix: token shift nn.ZeroPad2d((0, 0, 1, -1)) "
+             "as the feed-forward, SDPA attention", _build(RWKVShiftLM), expect="refused",
+             reason="pads or shifts along the sequence"),
+    zoo.Case("llama1-reference", "meta-llama/llama model.py: freqs_cis for max_seq_len * 2 as a plain attribute, "
+             "re-assigned in forward, sliced [start_pos : start_pos + seqlen]; triu(full(-inf), 1) additive",
+             _build(Llama1Reference)),
+    zoo.Case("rope-2t-sliced", "RoPE table precompute_freqs_cis(hd, 2 * T) built per call and sliced [0:T]",
+             _build(Rope2TLM)),
+    zoo.Case("linspace-positions", "sinusoidal positions at torch.linspace(0, T - 1, T)", _build(LinspacePosLM)),
+    zoo.Case("finfo-min-bias-buffer", "additive 0 / finfo(float32).min causal bias buffer sliced [:, :, :T, :T]",
+             _build(FinfoBiasBufferLM)),
+    zoo.Case("gpt2-tf-port", "openai/gpt-2 src/model.py ported: mask as arithmetic w * b - 1e10 * (1 - b), "
+             "hand-written softmax/norm/gelu, wte[X] + wpe[positions] by indexing", _build(GPT2TFPort)),
+]
+
+BY_ID = {c.id: c for c in CASES}
