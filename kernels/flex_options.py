@@ -4,11 +4,15 @@
     treecompile tune                       # measures candidates on this GPU, prints a new table
 
 :func:`treecompile.kernels.flex.call_flex_hop` passes these to FlexAttention on CUDA; the
-table below is the one place they are written. Its entries restate torch 2.13's own
-defaults for Hopper (``torch/_inductor/template_heuristics/triton.py``, sm90), so that a
-compiled step behaves as with torch's defaults until ``treecompile tune`` has measured
-better ones on an H100 and its printed table replaces these lines. **No entry here has been
-measured by treecompile yet.**
+table below is the one place they are written, and it holds only entries measured to beat
+torch's own choice on a tree step. **It is empty**: on an H100 (torch 2.11, triton 3.6,
+2026-11-27, `scripts/gpu.sh perf`) no candidate for head dim 128 in bfloat16 beat torch's
+default beyond the spread of the timings: forward + backward of one 16k-row tree attention,
+torch's default 8.08 ms, the fastest candidate 7.93 ms (-1.8%, one timing of each), and a
+Qwen3-1.7B-shaped step (8 layers, POR 0.8) 73.7 ms with torch 2.13's restated defaults and
+73.2 ms with that candidate. Other head dims, dtypes and GPUs were not measured. A table
+measured elsewhere (`treecompile tune --write FILE`) is used without editing this file by
+setting ``TREECOMPILE_FLEX_OPTIONS=FILE``.
 
 Tree masks give a constraint torch's defaults need not meet: treecompile's BlockMasks use
 128-row blocks (:data:`treecompile.kernels.flex.BLOCK_SIZE`), and FlexAttention needs the
@@ -17,6 +21,9 @@ mask's block size to be a multiple of every kernel tile, so every tile here divi
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import statistics
 import sys
 import time
@@ -25,8 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlexOptions", "FLEX_OPTIONS", "arch_of", "candidates", "flex_kernel_options", "tune", "format_table",
-           "cmd_tune"]
+__all__ = ["FlexOptions", "FLEX_OPTIONS", "TABLE_ENV", "arch_of", "candidates", "flex_kernel_options", "load_table",
+           "save_table", "tune", "format_table", "cmd_tune"]
+
+#: A JSON file written by ``treecompile tune --write FILE``: when set, its table replaces
+#: :data:`FLEX_OPTIONS` (a key it lacks gets torch's own choice), e.g. for a GPU the package's
+#: table has not measured.
+TABLE_ENV = "TREECOMPILE_FLEX_OPTIONS"
 
 #: Rows per BlockMask block; each tile must divide it (kept equal to ``kernels.flex.BLOCK_SIZE``).
 MASK_BLOCK = 128
@@ -63,14 +75,9 @@ class FlexOptions:
         }
 
 
-#: (GPU arch, head dim, dtype) -> options. Restated torch 2.13 sm90 defaults (see the module
-#: docstring); replace with the table `treecompile tune` prints on an H100.
-FLEX_OPTIONS: dict[tuple[str, int, str], FlexOptions] = {
-    ("sm90", 64, "bfloat16"): FlexOptions(fwd=(128, 128, 4, 3), bwd=(64, 128, 128, 64, 8, 3)),
-    ("sm90", 128, "bfloat16"): FlexOptions(fwd=(128, 64, 8, 3), bwd=(64, 128, 128, 64, 8, 3)),
-    ("sm90", 64, "float32"): FlexOptions(fwd=(128, 32, 4, 3), bwd=(16, 16, 16, 16, 4, 1)),
-    ("sm90", 128, "float32"): FlexOptions(fwd=(32, 64, 4, 3), bwd=(16, 16, 16, 16, 4, 1)),
-}
+#: (GPU arch, head dim, dtype) -> options: entries measured to beat torch's default (none yet;
+#: see the module docstring); a key without an entry gets torch's own choice.
+FLEX_OPTIONS: dict[tuple[str, int, str], FlexOptions] = {}
 
 
 def arch_of(device: torch.device) -> str:
@@ -83,30 +90,58 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def save_table(table: dict[tuple[str, int, str], FlexOptions], path: str, note: str = "") -> None:
+    """Writes ``table`` as JSON for :data:`TABLE_ENV` / `load_table`."""
+    rows = [{"arch": a, "head_dim": d, "dtype": t, "fwd": list(o.fwd), "bwd": list(o.bwd)}
+            for (a, d, t), o in sorted(table.items())]
+    with open(path, "w") as f:
+        json.dump({"note": note, "entries": rows}, f, indent=2)
+
+
+@functools.cache
+def load_table(path: str) -> dict[tuple[str, int, str], FlexOptions]:
+    """A table written by `save_table`.
+
+    Raises:
+        ValueError: the file is not such a table (the message names the file).
+    """
+    try:
+        with open(path) as f:
+            rows = json.load(f)["entries"]
+        return {(r["arch"], int(r["head_dim"]), r["dtype"]): FlexOptions(tuple(r["fwd"]), tuple(r["bwd"]))
+                for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{TABLE_ENV}={path}: not a FlexAttention options table written by "
+                         f"`treecompile tune --write` ({type(e).__name__}: {e})") from e
+
+
 def flex_kernel_options(q: torch.Tensor, table: dict | None = None) -> dict[str, int]:
     """The table's kernel options for queries ``q`` ``[B, H, S, D]``; ``{}`` (torch's own
-    choice) off CUDA or for a (GPU, head dim, dtype) the table lacks."""
+    choice) off CUDA or for a (GPU, head dim, dtype) the table lacks. The table is ``table``,
+    else the file :data:`TABLE_ENV` names, else :data:`FLEX_OPTIONS`."""
     if q.device.type != "cuda":
         return {}
-    entry = (FLEX_OPTIONS if table is None else table).get((arch_of(q.device), q.shape[-1], _dtype_name(q.dtype)))
+    if table is None:
+        path = os.environ.get(TABLE_ENV)
+        table = load_table(path) if path else FLEX_OPTIONS
+    entry = table.get((arch_of(q.device), q.shape[-1], _dtype_name(q.dtype)))
     return entry.as_kernel_options() if entry is not None else {}
 
 
 def candidates(head_dim: int, dtype: torch.dtype) -> list[FlexOptions]:
-    """Configurations `tune` times: a small grid around torch's defaults (tiles dividing 128)."""
-    out: list[FlexOptions] = []
+    """Configurations `tune` times: a small grid around torch's defaults (tiles dividing 128).
+    The backward's variants come first: on a tree step its kernel takes about 3.6 times the
+    forward's (H100, 2026-11-24), and a time budget may stop the list early."""
     small = dtype == torch.float32 or head_dim > 128
     fwd_tiles = [(64, 64), (128, 32), (32, 64)] if small else [(128, 128), (128, 64), (64, 64), (64, 128)]
     bwd_tiles = [(16, 16, 16, 16), (32, 32, 32, 32)] if small else [(64, 128, 128, 64), (32, 64, 64, 32),
                                                                    (64, 64, 64, 64)]
-    for bm, bn in fwd_tiles:
-        for warps in (4, 8):
-            out.append(FlexOptions(fwd=(bm, bn, warps, 3), bwd=(*bwd_tiles[0], 8 if not small else 4, 3 if not small
-                                                                else 1)))
-    for tiles in bwd_tiles[1:]:
-        for warps in (4, 8):
-            out.append(FlexOptions(fwd=out[0].fwd, bwd=(*tiles, warps, 2 if small else 3)))
-    return out
+    base_fwd = (64, 64, 4, 3) if small else (128, 64, 8, 3)  # torch's sm90 forward default, bf16 / fp16
+    bwd: list[FlexOptions] = [FlexOptions(fwd=base_fwd, bwd=(*tiles, warps, 2 if small else 3))
+                              for tiles in bwd_tiles[1:] for warps in (4, 8)]
+    fwd = [FlexOptions(fwd=(bm, bn, warps, 3), bwd=(*bwd_tiles[0], 4 if small else 8, 1 if small else 3))
+           for bm, bn in fwd_tiles for warps in (4, 8)]
+    return bwd + fwd
 
 
 def _synthetic_subtree_end(rows: int, paths: int, device) -> torch.Tensor:
@@ -125,6 +160,7 @@ def _synthetic_subtree_end(rows: int, paths: int, device) -> torch.Tensor:
 def _time_config(opts: dict, q, k, v, block_mask, repeats: int) -> float:
     from torch.nn.attention.flex_attention import flex_attention
 
+    torch._dynamo.reset()  # one compile per configuration, never Dynamo's recompile limit (eager beyond it)
     fn = torch.compile(flex_attention, dynamic=False)
 
     def step():
@@ -152,13 +188,15 @@ def tune(
     heads: int = 16,
     kv_heads: int = 8,
     repeats: int = 10,
+    time_budget_s: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[tuple[str, int, str], FlexOptions], list[dict]]:
     """Times every candidate (forward + backward of one tree attention, median of ``repeats``
     CUDA-event timings after a compiling call) and returns ``(best per key, all timings)``.
 
     The tree has one shared prefix of half the ``rows`` and 8 leaves, masked with the
-    interval rule through treecompile's own BlockMask builder.
+    interval rule through treecompile's own BlockMask builder. Past ``time_budget_s`` no
+    further candidate starts (torch's default is always timed first); the timings say which ran.
 
     Raises:
         RuntimeError: no CUDA device.
@@ -173,6 +211,7 @@ def tune(
     block_mask = tree_block_mask(_synthetic_subtree_end(rows, 8, dev), block_size=MASK_BLOCK)
     best: dict[tuple[str, int, str], FlexOptions] = {}
     timings: list[dict] = []
+    t0 = time.perf_counter()
     for dtype in dtypes:
         for d in head_dims:
             g = torch.Generator(device=dev).manual_seed(0)
@@ -183,6 +222,10 @@ def tune(
             scored: list[tuple[float, FlexOptions | None]] = []
             for opts in [None, *candidates(d, dtype)]:
                 label = "torch default" if opts is None else str(opts)
+                if opts is not None and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                    timings.append({"key": list(key), "options": label, "ms": None,
+                                    "error": f"not run: time budget {time_budget_s:.0f} s spent"})
+                    continue
                 try:
                     ms = _time_config({} if opts is None else opts.as_kernel_options(), q, k, v, block_mask, repeats)
                 except Exception as e:  # a configuration the compiler rejects (e.g. out of shared memory)
@@ -219,15 +262,15 @@ def cmd_tune(args) -> int:
     t0 = time.perf_counter()
     best, timings = tune(
         args.head_dims, [getattr(torch, d) for d in args.dtypes], rows=args.rows, repeats=args.repeats,
-        progress=lambda s: print(s, file=sys.stderr),
+        time_budget_s=getattr(args, "time_budget", None), progress=lambda s: print(s, file=sys.stderr, flush=True),
     )
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump(timings, f, indent=2)
     device = torch.cuda.get_device_name()
     note = f"measured by `treecompile tune --rows {args.rows}` on {device}, torch {torch.__version__}, " \
            f"{time.perf_counter() - t0:.0f} s; keys where torch's default won are absent"
+    if getattr(args, "write", None):
+        save_table(best, args.write, note)
     print(format_table(best, note))
     return 0

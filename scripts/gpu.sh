@@ -5,6 +5,7 @@
 #   scripts/gpu.sh bench [--out DIR] [--dry-run] [--no-install]   # treecompile bench --device cuda (< 8 min)
 #   scripts/gpu.sh tune  [--out DIR] [--no-install]               # treecompile tune: a new FlexAttention options table
 #   scripts/gpu.sh profile [--out DIR] [--no-install]             # one Qwen3-1.7B-shaped step under torch.profiler
+#   scripts/gpu.sh perf  [--out DIR] [--dry-run]                  # tune + benchmark at every POR + profile (< 9 min)
 #   scripts/gpu.sh install                                        # only the install step
 #   --sections a,b: run only those sections (e.g. one that ran out of time)
 #
@@ -16,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$cmd" in
-  check|bench|tune|profile|install) ;;
+  check|bench|tune|profile|perf|install) ;;
   *) usage >&2; exit 2 ;;
 esac
 mkdir -p "$out"
@@ -63,11 +64,14 @@ link_checkout() {
   for f in "$PWD"/treecompile/*; do ln -s "$f" "$site/treecompile/"; done
   ln -s "$PWD/passes" "$site/treecompile/passes"
   ln -s "$PWD/kernels" "$site/treecompile/kernels"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" TREECOMPILE_LINKED_SITE="$site"
 }
 
 note="not run" project="not installed"
-if [ "$cmd" = install ] || { [ "$dry" = 0 ] && [ "$install" = 1 ]; }; then
+if [ "$cmd" = perf ]; then  # no pip: Qwen3 needs nothing beyond the image, and the checkout is linked in
+  link_checkout
+  note="none needed: the checkout through PYTHONPATH"
+elif [ "$cmd" = install ] || { [ "$dry" = 0 ] && [ "$install" = 1 ]; }; then
   if install_project >"$out/gpu-install.log" 2>&1; then
     note="ok (--no-deps; project: $project; requirements-gpu.txt installed)"
   else

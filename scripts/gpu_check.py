@@ -4,6 +4,7 @@ Called by ``scripts/gpu.sh`` (which installs the project first); see docs/gpu.md
 
     python scripts/gpu_check.py check --out DIR [--dry-run]
     python scripts/gpu_check.py bench --out DIR [--dry-run]
+    python scripts/gpu_check.py perf --out DIR [--dry-run]
 
 Each section runs in its own process under a time limit, so a failing, crashing or hanging
 section never stops the others. Writes ``DIR/gpu-COMMAND.md``, ``DIR/gpu-COMMAND.json`` and
@@ -55,7 +56,20 @@ CHECK_SECTIONS = [
 BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
 TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
 PROFILE_SECTIONS = [("profile", "treecompile.profile_cuda", 420)]
-SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS, "profile": PROFILE_SECTIONS}
+#: ``perf``: one command of at most 9 minutes. FlexAttention options for the Qwen3 head dim are
+#: tuned first (its table, when it found one, is what the benchmark's tree methods then use),
+#: then the benchmark on the Qwen3-1.7B shape with 8 layers at every POR and one real tree,
+#: with the profile of the first tree step. Files go straight to ``--out`` as they are made
+#: (eight of them, no archive), so a run stopped from outside keeps what it measured.
+PERF_SECTIONS = [("tune", "treecompile tune --head-dims 128", 130), ("bench", "treecompile.bench_cuda", 390)]
+#: perf's sections together: the benchmark gets what the tune left of it (on an H100 the tune
+#: took 60 s, 2026-11-27).
+PERF_TOTAL_S = 520
+PERF_BENCH = ["--models", "qwen3-1.7b-8l", "--path-tokens", "32768", "--por", "0.8", "0", "0.5", "0.92",
+              "--real-trees", "tau", "--baselines", "faster",
+              "--methods", "hf-packed-flex", "hf-padded-sdpa", "tree", "tree-fused"]
+SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS, "profile": PROFILE_SECTIONS,
+            "perf": PERF_SECTIONS}
 
 
 def _version(pkg: str) -> str:
@@ -147,7 +161,9 @@ class _Proc:
     def __init__(self, cmd: list[str], log: Path, limit: int, env: dict | None = None):
         self.limit, self.t0 = limit, time.perf_counter()
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            # Where gpu.sh linked the checkout in as a package, the sections run outside the
+            # checkout: its root's own treecompile/ folder would shadow the linked package.
+            self.proc = subprocess.Popen(cmd, cwd=os.environ.get("TREECOMPILE_LINKED_SITE", ROOT), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def wait(self) -> tuple[int | None, float]:
@@ -161,9 +177,17 @@ class _Proc:
         return rc, time.perf_counter() - self.t0
 
 
-def _run(cmd: list[str], log: Path, limit: int) -> tuple[int | None, float]:
+def _importable() -> None:
+    """Makes ``treecompile`` importable: installed, linked in by gpu.sh, or else the checkout."""
+    try:
+        import treecompile  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+
+
+def _run(cmd: list[str], log: Path, limit: int, env: dict | None = None) -> tuple[int | None, float]:
     """``(return code or None if it ran past the limit, seconds)``; output to ``log``."""
-    return _Proc(cmd, log, limit).wait()
+    return _Proc(cmd, log, limit, env).wait()
 
 
 def parse_report_lines(path: Path) -> list[dict]:
@@ -236,28 +260,46 @@ def run_test_section(name: str, what: str, limit: int, work: Path, proc: _Proc |
     return {"name": name, "status": status, "seconds": round(secs, 1), "tests": tests, "log_tail": text[-3000:]}
 
 
-def run_bench_section(name: str, limit: int, work: Path) -> dict:
+def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> dict:
     out, mdfile, log = work / "bench.json", work / "bench.md", work / "bench.log"
-    cmd = [sys.executable, "-m", "treecompile.bench_cuda", "--out", str(out), "--markdown", str(mdfile),
-           "--time-budget", str(int(limit * 0.8))]
-    rc, secs = _run(cmd, log, limit)
+    cmd = [sys.executable, "-m", "treecompile.bench_cuda", "--out", str(out), "--time-budget", str(int(limit * 0.75))]
+    env = None
+    if perf:
+        cmd += [*PERF_BENCH, "--profile", str(work / "profile.json")]
+        if (work / "flex-options.json").exists():  # what the tune section measured
+            env = {"TREECOMPILE_FLEX_OPTIONS": str(work / "flex-options.json")}
+    else:
+        cmd += ["--markdown", str(mdfile)]
+    rc, secs = _run(cmd, log, limit, env)
     text = log.read_text(errors="replace")
     result = json.loads(out.read_text()) if out.exists() else None
     table = None
     if result is not None:
-        sys.path.insert(0, str(ROOT))
+        _importable()
         from treecompile.bench_cuda import markdown_table
 
         table = markdown_table(result)
     status = {None: f"timed out after {limit} s (rows so far kept)", 0: "passed", 1: "loss mismatch"}.get(
         rc, f"failed (exit {rc})")
-    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": [], "bench": result,
-            "table": table, "log_tail": text[-3000:]}
+    section = {"name": name, "status": status, "seconds": round(secs, 1), "tests": [], "bench": result,
+               "table": table, "log_tail": text[-3000:], "flex_options": (env or {}).get("TREECOMPILE_FLEX_OPTIONS")}
+    if perf and (work / "profile.json").exists():
+        _importable()
+        from treecompile.profile_cuda import markdown_report
+
+        profile = json.loads((work / "profile.json").read_text())
+        section["profile"] = profile
+        if "error" not in profile:
+            section["table"] = (table or "") + "\n\nProfile of the first workload's tree step:\n\n" + markdown_report(profile)
+    return section
 
 
-def run_tune_section(name: str, limit: int, work: Path) -> dict:
+def run_tune_section(name: str, limit: int, work: Path, perf: bool = False) -> dict:
     log, out = work / "tune.log", work / "tune.json"
-    rc, secs = _run([sys.executable, "-m", "treecompile.cli", "tune", "--json", str(out)], log, limit)
+    cmd = [sys.executable, "-m", "treecompile.cli", "tune", "--json", str(out)]
+    if perf:  # the Qwen3 head dim, bfloat16; a budget that leaves time to finish the candidate in hand
+        cmd += ["--head-dims", "128", "--write", str(work / "flex-options.json"), "--time-budget", str(int(limit * 0.6))]
+    rc, secs = _run(cmd, log, limit)
     text = log.read_text(errors="replace")
     status = {None: f"timed out after {limit} s", 0: "passed"}.get(rc, f"failed (exit {rc})")
     table = text[text.rfind("# measured by"):] if "# measured by" in text else None
@@ -332,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": args.command, "invocation": args.invocation or " ".join(["scripts/gpu.sh", *sys.argv[1:]]),
               "env": env, "install": args.install, "sections": []}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        perf = args.command == "perf"
+        work = args.out if perf else Path(tmp)
         listed = collect_only(sections, work) if skip else {}
         started = {}
         if args.command == "check" and not skip:  # every test section at once
@@ -348,14 +391,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "check":
                 section = run_test_section(name, what, limit, work, started[name])
             else:
+                if perf and name == "bench":
+                    limit = max(limit, PERF_TOTAL_S - int(sum(x["seconds"] or 0 for x in report["sections"])))
                 print(f"[gpu.sh] {name}: up to {limit} s", file=sys.stderr, flush=True)
-                run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section}[args.command]
-                section = run(name, limit, work)
+                if perf:
+                    section = {"bench": run_bench_section, "tune": run_tune_section}[name](name, limit, work, perf=True)
+                else:
+                    run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section}[args.command]
+                    section = run(name, limit, work)
             print(f"[gpu.sh] {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
             report["sections"].append(section)
-        with tarfile.open(args.out / f"gpu-{args.command}-raw.tar.gz", "w:gz") as tar:
-            for f in sorted(work.iterdir()):
-                tar.add(f, arcname=f.name)
+        if not perf:
+            with tarfile.open(args.out / f"gpu-{args.command}-raw.tar.gz", "w:gz") as tar:
+                for f in sorted(work.iterdir()):
+                    tar.add(f, arcname=f.name)
     (args.out / f"gpu-{args.command}.json").write_text(json.dumps(report, indent=2))
     text = render_markdown(report)
     (args.out / f"gpu-{args.command}.md").write_text(text)

@@ -12,7 +12,6 @@ from treecompile.kernels.flex import BLOCK_SIZE
 
 def test_every_table_entry_fits_the_tree_block_mask():
     assert fo.MASK_BLOCK == BLOCK_SIZE
-    assert fo.FLEX_OPTIONS, "the table is empty"
     for (arch, head_dim, dtype), opts in fo.FLEX_OPTIONS.items():
         assert arch.startswith("sm") and head_dim > 0 and hasattr(torch, dtype)
         kw = opts.as_kernel_options()
@@ -39,11 +38,44 @@ def test_cpu_tensors_get_torch_defaults():
     assert fo.flex_kernel_options(q) == {}
 
 
-def test_printed_table_is_the_literal_it_replaces():
-    text = fo.format_table(fo.FLEX_OPTIONS, note="test")
+TABLE = {("sm90", 128, "bfloat16"): fo.FlexOptions(fwd=(128, 128, 8, 3), bwd=(64, 128, 128, 64, 8, 3)),
+         ("sm90", 64, "float32"): fo.FlexOptions(fwd=(64, 64, 4, 3), bwd=(16, 16, 16, 16, 4, 1))}
+
+
+@pytest.mark.parametrize("table", [fo.FLEX_OPTIONS, TABLE], ids=["package", "two-entries"])
+def test_printed_table_is_the_literal_it_replaces(table):
+    text = fo.format_table(table, note="test")
     scope = {"FlexOptions": fo.FlexOptions}
     exec(text, scope)
-    assert scope["FLEX_OPTIONS"] == fo.FLEX_OPTIONS
+    assert scope["FLEX_OPTIONS"] == table
+
+
+class _CudaQueries:
+    """Stands in for CUDA queries: only the device type, the head dim and the dtype are read."""
+
+    device = torch.device("cuda")
+    shape = (1, 16, 256, 128)
+    dtype = torch.bfloat16
+
+
+def test_a_saved_table_replaces_the_package_one_through_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "options.json"
+    fo.save_table(TABLE, str(path), note="measured somewhere")
+    assert fo.load_table(str(path)) == TABLE
+    monkeypatch.setattr(fo, "arch_of", lambda device: "sm90")
+    monkeypatch.delenv(fo.TABLE_ENV, raising=False)
+    assert fo.flex_kernel_options(_CudaQueries()) == {}  # the package table has no entry: torch's choice
+    monkeypatch.setenv(fo.TABLE_ENV, str(path))
+    assert fo.flex_kernel_options(_CudaQueries()) == TABLE[("sm90", 128, "bfloat16")].as_kernel_options()
+
+
+def test_a_file_that_is_not_a_table_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "options.json"
+    path.write_text('{"note": "x"}')
+    monkeypatch.setattr(fo, "arch_of", lambda device: "sm90")
+    monkeypatch.setenv(fo.TABLE_ENV, str(path))
+    with pytest.raises(ValueError, match="TREECOMPILE_FLEX_OPTIONS=.*options.json: not a FlexAttention options"):
+        fo.flex_kernel_options(_CudaQueries())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")

@@ -60,6 +60,18 @@ def test_bench_and_profile_dry_runs_write_the_report(tmp_path, command):
     assert f"## {command}: skipped: no CUDA" in (tmp_path / f"gpu-{command}.md").read_text()
 
 
+@no_cuda
+def test_perf_dry_run_names_its_sections_and_writes_no_archive(tmp_path):
+    # perf writes its files straight to --out (eight at most come back from a lent GPU machine).
+    proc = _gpu_sh("perf", "--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu-perf.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["sections"]] == [("tune", "skipped: no CUDA"),
+                                                                      ("bench", "skipped: no CUDA")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-perf.json", "gpu-perf.md"]
+    assert "checkout through PYTHONPATH" in report["install"]
+
+
 def test_unknown_command_exits_2(tmp_path):
     assert _gpu_sh("prove", "--out", str(tmp_path)).returncode == 2
 

@@ -30,8 +30,7 @@ each baseline, the FLOP bound ``1 / (1 - POR)`` and the fraction of it reached o
 A time budget (``time_budget_s``) stops starting new measurements once spent; rows not run
 say so. On CPU the same code runs with a tiny configuration (tests).
 
-Kept as one module (over 450 lines): one benchmark, its workloads, the baselines written out as
-a user runs them, the run and its table.
+The models and the baselines as a user runs them are in `treecompile.bench_hf`.
 """
 
 from __future__ import annotations
@@ -42,24 +41,16 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from treecompile.bench_hf import MODEL_SHAPES, Packed, Padded, model_of
+from treecompile.errors import UnsupportedModelError
+
 __all__ = ["MODEL_SHAPES", "METHODS", "CudaBenchConfig", "DEFAULT", "CudaRow", "run_cuda_bench", "markdown_table",
            "cmd_bench_cuda", "main"]
-
-#: Hugging Face Qwen3 shapes (the published configs' sizes; weights random).
-MODEL_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    # Seconds on a CPU: for tests of this module.
-    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, vocab_size=2048, tie_word_embeddings=True),
-}
 
 #: Methods in table order; the first two are the baselines.
 METHODS = ("hf-padded-sdpa", "hf-packed-flex", "tree", "tree-fused")
@@ -80,11 +71,17 @@ class CudaBenchConfig:
         path_tokens: path tokens of the synthetic workloads.
         paths: paths per synthetic tree.
         pors: target POR of each synthetic workload.
-        real_data: add the bundled tau-bench task and GSM8K groups as workloads.
+        real_data: add the bundled real trees as workloads.
+        real_trees: which: ``"all"`` (a tau-bench task and 8 GSM8K groups) or ``"tau"`` (the task alone).
         methods: names from :data:`METHODS`.
         dtype: model dtype.
         warmup, repeats: steps before timing (the first compiles), and timed steps.
         compile_baselines: run the HF baselines under ``torch.compile``.
+        baselines: ``"all"`` runs every baseline method on every workload; ``"faster"`` runs both on
+            the first workload where both ran and afterwards only the faster of the two (each
+            baseline's work depends on the path lengths alone, not on the POR).
+        profile_out: a JSON file: the ``tree`` step of the first workload is profiled there
+            (`treecompile.profile_cuda.profile_compiled`), reusing its compiled graph.
         packed_attention: HF attention implementation of ``hf-packed-flex`` (``"flex_attention"``;
             ``"sdpa"`` on CPU, where FlexAttention has no backward).
         time_budget_s: start no new measurement after this many seconds.
@@ -98,11 +95,14 @@ class CudaBenchConfig:
     paths: int = 16
     pors: tuple[float, ...] = (0.8, 0.0, 0.5, 0.92)
     real_data: bool = True
+    real_trees: str = "all"
     methods: tuple[str, ...] = METHODS
     dtype: str = "bfloat16"
     warmup: int = 2
     repeats: int = 5
     compile_baselines: bool = True
+    baselines: str = "all"
+    profile_out: str | None = None
     packed_attention: str = "flex_attention"
     time_budget_s: float = 420.0
     seed: int = 0
@@ -126,9 +126,11 @@ class CudaRow:
     tokens_per_s: float | None = None
     peak_gib: float | None = None
     first_step_s: float | None = None
+    probe_s: float | None = None  # the first-call probe's share of first_step_s (tree methods)
     loss: float | None = None
     loss_rel_diff: float | None = None
     micro_batches: int = 1
+    note: str = ""  # e.g. the probe's refusal, when the row was measured with verify=False
     speedup_vs_packed: float | None = None
     speedup_vs_padded: float | None = None
 
@@ -156,7 +158,7 @@ def _workloads(cfg: CudaBenchConfig, vocab: int) -> list[tuple[str, list]]:
             size = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
             out.append((f"{size} POR {por:g}", [tree]))
     if cfg.real_data:
-        real = bench.BenchConfig(pors=(), tau_tasks=1, gsm8k_groups=8, vocab=vocab)
+        real = bench.BenchConfig(pors=(), tau_tasks=1, gsm8k_groups=8 if cfg.real_trees == "all" else 0, vocab=vocab)
         out += bench._workloads(real)
     return out
 
@@ -174,119 +176,6 @@ def _paths(trees) -> list[tuple[list[int], list[bool]]]:
 
 
 # ---------------------------------------------------------------------------- methods
-
-
-def _model(name: str, dtype: torch.dtype, device: torch.device, seed: int):
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**MODEL_SHAPES[name], max_position_embeddings=1 << 17)
-    with device:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.train()
-
-
-def _padded_inputs(paths, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(t) for t, _ in paths)
-    ids = torch.zeros(len(paths), width, dtype=torch.int64)
-    att = torch.zeros(len(paths), width, dtype=torch.int64)
-    labels = torch.full((len(paths), width), -100, dtype=torch.int64)
-    for i, (toks, mask) in enumerate(paths):
-        n = len(toks)
-        ids[i, :n] = torch.tensor(toks)
-        att[i, :n] = 1
-        lab = torch.tensor(toks)
-        lab[~torch.tensor(mask)] = -100
-        labels[i, :n] = lab
-    return ids.to(device), att.to(device), labels.to(device)
-
-
-def _packed_inputs(paths, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids, pos, labels = [], [], []
-    for toks, mask in paths:
-        ids += toks
-        pos += list(range(len(toks)))
-        lab = [t if m else -100 for t, m in zip(toks, mask)]
-        lab[0] = -100  # HF shifts labels: the first token would be "predicted" by the previous path
-        labels += lab
-    as_row = lambda x: torch.tensor([x], dtype=torch.int64, device=device)  # noqa: E731
-    return as_row(ids), as_row(pos), as_row(labels)
-
-
-def _micro_batches(paths, micro: int) -> list[list]:
-    """The paths in ``micro`` consecutive groups of (nearly) equal size."""
-    k = -(-len(paths) // micro)
-    return [paths[i:i + k] for i in range(0, len(paths), k)]
-
-
-def _targets(paths) -> int:
-    """Targets HF's shifted labels count: every loss-masked token after a path's first."""
-    return sum(sum(m[1:]) for _, m in paths)
-
-
-class _Baseline:
-    """One step of an HF baseline over ``micro`` micro-batches of the paths (1 unless a step ran
-    out of memory): HF's loss is a token mean per call, so each micro-batch's is re-weighted to
-    the mean over all (gradient accumulation). The inputs are built once per ``micro``, outside
-    the timed steps, as the tree's batch is packed once."""
-
-    attention: str  #: the HF attention implementation the model runs with
-
-    def __init__(self, model, fn, paths, device):
-        self.model, self.fn, self.paths, self.device = model, fn, paths, device
-        self.micro = 1
-        self.total = _targets(paths)
-        self._inputs: tuple[int, list] | None = None  # (micro, [(call kwargs, targets)])
-
-    def _call_kwargs(self, paths) -> dict:
-        raise NotImplementedError
-
-    def __call__(self) -> float:
-        if self._inputs is None or self._inputs[0] != self.micro:
-            self._inputs = None  # the previous micro-batches' memory first
-            self._inputs = (self.micro, [(self._call_kwargs(part), _targets(part))
-                                         for part in _micro_batches(self.paths, self.micro)])
-        self.model.config._attn_implementation = self.attention
-        loss_sum = 0.0
-        for kwargs, n in self._inputs[1]:
-            out = self.fn(**kwargs, use_cache=False)
-            (out.loss * (n / self.total)).backward()
-            loss_sum += float(out.loss.detach()) * n / self.total
-        return loss_sum
-
-
-class _Padded(_Baseline):
-    """The paths right-padded into one batch with an attention mask, SDPA."""
-
-    attention = "sdpa"
-
-    def _call_kwargs(self, paths) -> dict:
-        ids, att, labels = _padded_inputs(paths, self.device)
-        return dict(input_ids=ids, attention_mask=att, labels=labels)
-
-
-class _Packed(_Baseline):
-    """The paths packed into one row. With FlexAttention, the document-causal BlockMask is
-    handed to HF (which passes a BlockMask through unchanged): the interval rule on a forest of
-    one-path trees, built from per-block bounds like the tree's own. Otherwise HF derives the
-    document mask from ``position_ids``."""
-
-    def __init__(self, model, fn, paths, device, attention: str):
-        super().__init__(model, fn, paths, device)
-        self.attention = attention
-
-    def _call_kwargs(self, paths) -> dict:
-        ids, pos, labels = _packed_inputs(paths, self.device)
-        mask = None
-        if self.attention == "flex_attention":
-            from treecompile.kernels.blockmask import tree_block_mask
-
-            ends, total = [], 0
-            for t, _ in paths:
-                total += len(t)
-                ends += [total] * len(t)
-            mask = tree_block_mask(torch.tensor(ends, dtype=torch.int64, device=self.device))
-        return dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels)
 
 
 class _Tree:
@@ -362,13 +251,16 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
         raise RuntimeError("no CUDA device: treecompile bench --device cuda needs one")
     dtype = getattr(torch, cfg.dtype)
     result: dict[str, Any] = {"env": environment(command), "config": asdict(cfg), "rows": []}
+    if cfg.baselines not in ("all", "faster") or cfg.real_trees not in ("all", "tau"):
+        raise ValueError(f"baselines must be 'all' or 'faster', real_trees 'all' or 'tau': {cfg}")
     rows: list[CudaRow] = []
     start = time.perf_counter()
+    dropped: set[str] = set()  # baselines found slower (cfg.baselines == "faster")
     for model_name in cfg.models:
         model, fns = None, {}
         for workload, trees in _workloads(cfg, MODEL_SHAPES[model_name]["vocab_size"]):
             if model is None and time.perf_counter() - start <= cfg.time_budget_s:
-                model = _model(model_name, dtype, dev, cfg.seed)
+                model = model_of(model_name, dtype, dev, cfg.seed)
                 # One compiled function per method and model, reused by every workload (dynamic shapes).
                 fns = {m: _compiled_for(m, model, cfg, tree_compile) for m in cfg.methods}
             stats = [t.stats() for t in trees]
@@ -382,13 +274,20 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
             for method in cfg.methods:
                 row = CudaRow(model_name, workload, method, por, path_tokens, batch_rows[method])
                 group.append(row)
+                if method in dropped:
+                    row.status = "not run: the other baseline was faster on the first workload"
+                    continue
                 if time.perf_counter() - start > cfg.time_budget_s:
                     row.status = f"not run: time budget {cfg.time_budget_s:.0f} s spent"
                     continue
                 if progress is not None:
                     progress(f"{model_name} / {workload}: {method}")
                 _run_row(row, method, model, fns[method], trees, paths, cfg, dev, pack)
+                if method == "tree" and cfg.profile_out and not result.get("profile") and row.status == "ok":
+                    result["profile"] = _profile(fns[method], model, trees, dev, pack, cfg, path_tokens)
             _relate(group, cfg)
+            if cfg.baselines == "faster" and not dropped:
+                dropped = _slower_baseline(group)
             rows += group
             result["rows"] = [_row_dict(r) for r in rows]
             if on_row is not None:
@@ -402,17 +301,47 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
     return result
 
 
+def _slower_baseline(group: list[CudaRow]) -> set[str]:
+    """The slower of the two baselines, once both have a step time."""
+    by = {r.method: r.step_ms for r in group if r.status == "ok" and r.method in METHODS[:2]}
+    if len(by) < 2:
+        return set()
+    return {max(by, key=by.get)}
+
+
+def _profile(compiled, model, trees, dev, pack, cfg: CudaBenchConfig, path_tokens: int) -> dict:
+    """The tree step under the profiler (written to ``cfg.profile_out``); an error is reported, not raised."""
+    from treecompile.profile_cuda import ProfileConfig, profile_compiled
+
+    batch = pack(trees, device=dev, warn_por=False)
+    try:
+        label = ProfileConfig(model=cfg.models[0], path_tokens=path_tokens, dtype=cfg.dtype, warmup=1)
+        report = profile_compiled(compiled, model, batch, label, device=dev, path_tokens=path_tokens)
+    except Exception as e:  # the benchmark's rows matter more than the profile
+        report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    with open(cfg.profile_out, "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
 def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
     if method.startswith("tree"):
         return tree_compile(model, lm_head="fused" if method == "tree-fused" else "gather")
     return torch.compile(model) if cfg.compile_baselines else model
 
 
+def tree_compile_unverified(model, method: str):
+    from treecompile.compile import tree_compile
+
+    model.zero_grad(set_to_none=True)
+    return tree_compile(model, lm_head="fused" if method == "tree-fused" else "gather", verify=False)
+
+
 def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack) -> None:
     try:
         if method in ("hf-padded-sdpa", "hf-packed-flex"):
-            step = (_Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
-                    else _Packed(model, fn, paths, dev, cfg.packed_attention))
+            step = (Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
+                    else Packed(model, fn, paths, dev, cfg.packed_attention))
             while True:
                 try:
                     measured = _measure(step, model, cfg, dev)
@@ -425,7 +354,16 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
                     step.micro *= 2
             row.micro_batches = step.micro
         else:
-            measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
+            try:
+                measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
+            except UnsupportedModelError as e:
+                # A refusal by the first-call probe alone is a finding, and the step still gets
+                # measured (the rules proved the graph row-local): with verify=False, said in the row.
+                if "first-call probe" not in str(e):
+                    raise
+                row.note = f"first-call probe refused ({str(e).splitlines()[0][:200]}); measured with verify=False"
+                fn = tree_compile_unverified(model, method)
+                measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
     except Exception as e:  # one failing row never stops the others
         model.zero_grad(set_to_none=True)
         row.status = ("out of memory" if _is_oom(e) else "error") + f": {type(e).__name__}: {str(e)[:300]}"
@@ -434,6 +372,8 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
         return
     loss, first, step_s, peak = measured
     row.loss, row.first_step_s, row.step_ms, row.peak_gib = loss, first, step_s * 1e3, peak
+    if method.startswith("tree"):
+        row.probe_s = sum(p.seconds for p in getattr(fn, "probed", ()))
     row.tokens_per_s = row.path_tokens / step_s
 
 
@@ -479,6 +419,7 @@ def markdown_table(result: dict) -> str:
         diff = r["loss_rel_diff"]
         flag = "" if diff is None or diff <= tol else " MISMATCH"
         status = r["status"] + (f" ({r['micro_batches']} micro-batches)" if r["micro_batches"] > 1 else "")
+        status += f"; {r['note']}" if r.get("note") else ""
         lines.append("| " + " | ".join([
             r["model"], r["workload"], f"{r['por']:.3f}", str(r["path_tokens"]), str(r["rows"]), r["method"],
             _fmt(r["step_ms"], ".1f"), _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_gib"], ".2f"),
@@ -533,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="a subset of the methods (default: all)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-real-data", action="store_true")
+    p.add_argument("--real-trees", default=None, choices=("all", "tau"),
+                   help="the bundled real trees: a tau-bench task and 8 GSM8K groups (all), or the task alone")
+    p.add_argument("--baselines", default=None, choices=("all", "faster"),
+                   help="faster: after the first workload, only the faster baseline runs")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="profile the first workload's tree step into FILE (JSON), reusing its compiled graph")
     p.add_argument("--time-budget", type=float, default=None, metavar="S")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -542,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
             "pors": tuple(args.por) if args.por else None, "repeats": args.repeats,
             "methods": tuple(args.methods) if args.methods else None,
             "real_data": False if args.no_real_data else None, "time_budget_s": args.time_budget,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "real_trees": args.real_trees, "baselines": args.baselines,
+            "profile_out": args.profile}
     cfg = dataclasses.replace(DEFAULT, **{k: v for k, v in over.items() if v is not None})
     if args.device == "cpu":  # FlexAttention has no CPU backward, and compiling baselines on CPU is slow
         cfg = dataclasses.replace(cfg, packed_attention="sdpa", compile_baselines=False)

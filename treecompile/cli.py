@@ -276,6 +276,10 @@ def _add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int, default=16384, metavar="S", help="tree rows (default 16384)")
     p.add_argument("--repeats", type=int, default=10, metavar="N")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every timing to FILE")
+    p.add_argument("--write", default=None, metavar="FILE",
+                   help="also write the table as JSON: TREECOMPILE_FLEX_OPTIONS=FILE makes treecompile use it")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="start no new candidate after S seconds")
     p.set_defaults(func=cmd_tune)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "ProfileConfig", "profile_step", "markdown_report", "host_syncs", "main"]
+__all__ = ["CATEGORIES", "ProfileConfig", "profile_step", "profile_compiled", "markdown_report", "host_syncs", "main"]
 
 #: ``(category, regular expression on the kernel or operator name)``, first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -56,7 +56,7 @@ class ProfileConfig:
     """What one profile runs.
 
     Attributes:
-        model: a key of `treecompile.bench_cuda.MODEL_SHAPES`.
+        model: a key of `treecompile.bench_hf.MODEL_SHAPES`.
         path_tokens, paths, por: the synthetic tree.
         dtype: the model's dtype.
         lm_head: ``tree_compile(lm_head=...)``.
@@ -129,11 +129,9 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
     Raises:
         RuntimeError: ``device="cuda"`` without a CUDA device.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     from treecompile.batch import pack
-    from treecompile.bench import environment, synthetic_tree
-    from treecompile.bench_cuda import MODEL_SHAPES, _model
+    from treecompile.bench import synthetic_tree
+    from treecompile.bench_hf import MODEL_SHAPES, model_of
     from treecompile.compile import tree_compile
 
     dev = torch.device(device)
@@ -144,10 +142,24 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
         raise ValueError(f"unknown model {cfg.model!r}; models: {', '.join(MODEL_SHAPES)}")
     vocab = MODEL_SHAPES[cfg.model]["vocab_size"]
     tree = synthetic_tree(cfg.paths, cfg.path_tokens // cfg.paths, cfg.por, vocab, cfg.seed)
-    stats = tree.stats()
-    model = _model(cfg.model, getattr(torch, cfg.dtype), dev, cfg.seed)
+    model = model_of(cfg.model, getattr(torch, cfg.dtype), dev, cfg.seed)
     compiled = tree_compile(model, lm_head=cfg.lm_head)
     batch = pack(tree, device=dev, warn_por=False)
+    return profile_compiled(compiled, model, batch, cfg, device=dev, path_tokens=tree.stats().path_tokens)
+
+
+def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(), *,
+                     device: torch.device | str = "cuda", path_tokens: int | None = None) -> dict[str, Any]:
+    """Profiles ``cfg.steps`` training steps of ``compiled`` (a `tree_compile` result on
+    ``model``) on ``batch``; what `profile_step` reports, after ``cfg.warmup`` unprofiled steps
+    (the first may compile). ``cfg``'s model and tree fields only label the report, and
+    ``path_tokens`` (the paths' total length) gives its POR."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from treecompile.bench import environment
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
@@ -206,8 +218,8 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
         "config": dataclasses.asdict(cfg),
         "device": dev.type,
         "rows": batch.num_tokens,
-        "path_tokens": stats.path_tokens,
-        "por": stats.por,
+        "path_tokens": path_tokens,
+        "por": None if not path_tokens else 1.0 - batch.num_tokens / path_tokens,
         "first_step_s": first_s,
         "step_wall_ms": wall_ms,
         "busy_ms": busy_ms,
