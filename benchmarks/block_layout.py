@@ -40,7 +40,7 @@ tau2: one per task; Tree-of-Thoughts game of 24: one search tree per problem; To
 CoT: one tree of 10 samples per prompt; GSM8K: one tree of 4 solutions per question) built
 with the loaders and options ``treecompile stats`` uses (tokenizer cl100k, or the bundled
 sample tokenizer when tiktoken is missing), and synthetic trees from
-`treecompile.bench.synthetic_tree`. Each workload is measured three ways: every tree in
+`treecompile.bench.trees.synthetic_tree`. Each workload is measured three ways: every tree in
 its own row (summed over trees), and trees packed in file order into rows of at most
 16k and 32k tokens (a tree larger than the row gets a row of its own).
 """
@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from treecompile.batch import TreeBatch, pack
-from treecompile.tree import TrajectoryTree
+from treecompile.core.batch import TreeBatch, pack
+from treecompile.core.tree import TrajectoryTree
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 BLOCK_SIZES = (128, 64)
@@ -271,7 +271,7 @@ def count_blocks(subtree_end: np.ndarray, block_size: int, real: np.ndarray | No
 
 def _tokenizer() -> tuple[object, str]:
     """cl100k as ``treecompile stats`` uses by default; the bundled sample BPE without tiktoken."""
-    from treecompile.tokenizer import load_tokenizer
+    from treecompile.core.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer("cl100k"), "cl100k (the `treecompile stats` default)"
@@ -281,8 +281,8 @@ def _tokenizer() -> tuple[object, str]:
 
 def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[TrajectoryTree]]]:
     """``(name, trees)`` per source file, built as ``treecompile stats`` builds them."""
-    from treecompile import chat, datasets
-    from treecompile.rl_data import tot_search_samples
+    from treecompile.data import chat, datasets
+    from treecompile.rl.data import tot_search_samples
 
     def tree(convs: list) -> TrajectoryTree:
         return chat.tree_from_messages(convs, tokenizer, on_drift="ignore", weights=[1.0] * len(convs))
@@ -309,7 +309,7 @@ def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[Trajec
 
 def synthetic_workloads() -> list[tuple[str, list[TrajectoryTree]]]:
     """`synthetic_tree` at the bench's shape (16 paths x 128) and 16 paths x 1024, 8 seeds each."""
-    from treecompile.bench import synthetic_tree
+    from treecompile.bench.trees import synthetic_tree
 
     out = []
     for path_len in (128, 1024):

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from treecompile.batch import pack
+from treecompile.core.batch import pack
 from treecompile.kernels.blockmask import tree_block_mask
 from treecompile.kernels.masks import bind_buffers, interval_mask_mod
-from treecompile.tree import TrajectoryTree
+from treecompile.core.tree import TrajectoryTree
 
 
 def random_tree(tokens: int, node_len: int = 64, seed: int = 0) -> TrajectoryTree:

@@ -25,7 +25,7 @@ import time
 import torch
 
 import treecompile as tc
-from treecompile.bench import synthetic_tree
+from treecompile.bench.trees import synthetic_tree
 
 
 def _model(name: str):

@@ -7,7 +7,7 @@ two-level tree (a prompt, ``fanout[0]`` turns, each with ``fanout[1]`` leaves), 
 
 * ``whole``: the tree packed in one call (``tree_compile`` without a budget);
 * ``stream-keep`` / ``stream-recompute``: ``tree_compile(stream=StreamOptions(budget))``;
-* ``partition``: ``treecompile.partition`` at the same budget, each part one call, ancestors
+* ``partition``: ``treecompile.planning.partition`` at the same budget, each part one call, ancestors
   recomputed in every part that needs them (the baseline streaming replaces).
 
 With ``--budget-bytes B`` the streamed methods get ``StreamOptions(budget_bytes=B)`` (the
@@ -16,7 +16,7 @@ partitioning gets the rows one call fits in ``B`` (`CostModel.capacity`, SGD: no
 state); the peak column then adds the parameters' bytes, so that it compares with ``B``.
 
 Peak memory is the CPU allocator's peak above the bytes live before the step
-(`treecompile.budget.measure_peak_bytes`, torch's allocator events), after one warm-up step
+(`treecompile.planning.budget.measure_peak_bytes`, torch's allocator events), after one warm-up step
 that compiles. Step time is wall-clock and process CPU time (all threads; on a shared
 machine the CPU time is the steadier of the two). ERR is ``1 - rows computed forward / path
 tokens``. The losses of the four
@@ -72,9 +72,9 @@ def main(argv=None) -> None:
 
     import treecompile
     from treecompile import pack, tree_compile
-    from treecompile.budget import measure_peak_bytes
-    from treecompile.partition import loss_denominator, partition_tree
-    from treecompile.stream import StreamOptions
+    from treecompile.planning.budget import measure_peak_bytes
+    from treecompile.planning.partition import loss_denominator, partition_tree
+    from treecompile.stream.options import StreamOptions
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     path_tokens, rows = stats.path_tokens, batch.num_tokens
     cost = None
     if args.budget_bytes is not None:
-        from treecompile.budget import CostModel
+        from treecompile.planning.budget import CostModel
 
         cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="sgd")
         args.budget = cost.capacity(args.budget_bytes)  # what partitioning's parts may hold
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
         return run, (lambda: part.partition_tokens), compiled
 
     results = []
-    from treecompile.budget import BudgetError
+    from treecompile.planning.budget import BudgetError
 
     for method in args.methods:
         step, forward_rows, compiled = step_of(method)

@@ -23,10 +23,10 @@ import time
 import torch
 
 import treecompile
-from treecompile.extract import logprobs as tree_logprobs
-from treecompile.reference import path_logprobs
-from treecompile.rl import PolicyLossConfig, per_path_policy_loss, policy_loss
-from treecompile.rl_data import RLCollator, RLRecord
+from treecompile.compile.extract import logprobs as tree_logprobs
+from treecompile.core.reference import path_logprobs
+from treecompile.rl.losses import PolicyLossConfig, per_path_policy_loss, policy_loss
+from treecompile.rl.data import RLCollator, RLRecord
 
 VOCAB = 16
 PROMPTS = [[5, 9, 12, 7], [3, 14, 6, 6]]
@@ -90,7 +90,7 @@ def train(model: torch.nn.Module, ref_model: torch.nn.Module, steps: int, on_tre
                 ref = [path_logprobs(ref_model, p.tokens) for p in paths]
         advantages = [a for s in samples for a in s.advantages]
         if on_trees:
-            rl = treecompile.rl.build_rl_batch([s.tree for s in samples], advantages=advantages, old_logprobs=old,
+            rl = treecompile.rl.losses.build_rl_batch([s.tree for s in samples], advantages=advantages, old_logprobs=old,
                                                ref_logprobs=ref, loss_agg_mode=MODE)
         for _ in range(EPOCHS):
             opt.zero_grad()

@@ -6,7 +6,7 @@ predecessor (zero where there is none). `causal_conv1d_reference` is that sum as
 
 * ``treecompile::causal_conv1d(x, weight, bias)``: predecessors along the row (``s - d``),
   the semantics of Hugging Face's ``causal_conv1d_fn`` before its activation
-  (:func:`treecompile.drop_ins.hf_causal_conv1d_fn` is the drop-in the wrapper swaps in before capture).
+  (:func:`treecompile.capture.drop_ins.hf_causal_conv1d_fn` is the drop-in the wrapper swaps in before capture).
 * ``treecompile::tree_causal_conv1d(x, weight, bias, ancestors)``: predecessors along the
   row's own path, ``ancestors[s, d - 1]`` (``pred_index`` followed ``d`` times, -1 past the
   root), what the conv context pass puts in place of the former. A node's first rows read

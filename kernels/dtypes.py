@@ -1,7 +1,7 @@
 """The one compute-dtype rule of treecompile.
 
 Log-probabilities, losses and recurrent states are computed in at least float32, as the
-per-path reference (`treecompile.reference`) computes them: bfloat16 or float16 inputs give
+per-path reference (`treecompile.core.reference`) computes them: bfloat16 or float16 inputs give
 float32, float32 and float64 stay as they are.
 """
 

@@ -13,7 +13,7 @@ on a tree by depth levels) and registers the ops:
 * ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state)`` ``-> (out, final_state)``:
   the linear-sequence core of Hugging Face's ``torch_chunk_gated_delta_rule`` and
   flash-linear-attention's ``chunk_gated_delta_rule`` (after their head repeat, L2 norm and
-  query scaling, which the drop-ins in :mod:`treecompile.drop_ins` do outside the op). The
+  query scaling, which the drop-ins in :mod:`treecompile.capture.drop_ins` do outside the op). The
   wrapper swaps a model's kernel for a drop-in before capture, so each GDN layer is one node
   the SSM state pass can find.
 * ``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table)``

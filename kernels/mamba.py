@@ -11,7 +11,7 @@ Registered ops:
 * ``treecompile::selective_scan(u, dt, A, B, C, initial_state)`` ``-> (y, final_state)``: the
   linear-sequence core of Hugging Face's ``mamba_selective_scan`` (Mamba, Falcon-Mamba,
   Jamba, Zamba) after its bias, softplus and ``u = dt * x``, which the drop-in in
-  :mod:`treecompile.drop_ins` does outside the op. The wrapper swaps a model's kernel for the
+  :mod:`treecompile.capture.drop_ins` does outside the op. The wrapper swaps a model's kernel for the
   drop-in before capture, so each layer is one node the SSM state pass can find.
 * ``treecompile::tree_selective_scan(u, dt, A, B, C, initial_state, node_table, scan_kernel)``
   ``-> y``: what the pass puts in its place; each tree node runs from its parent node's

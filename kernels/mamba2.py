@@ -13,7 +13,7 @@ computes it and registers the ops ``treecompile::ssd_scan(q, k, v, g, beta, init
 SSM state pass puts in place of the former) and their backward.
 
 The drop-ins for Hugging Face's ``mamba2_chunk_scan`` and its fused training kernel are in
-:mod:`treecompile.drop_ins`.
+:mod:`treecompile.capture.drop_ins`.
 """
 
 from __future__ import annotations

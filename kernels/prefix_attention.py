@@ -1,6 +1,6 @@
 """Tree attention of one streamed part over its ancestors' keys and values and its own.
 
-A streamed part (see :mod:`treecompile.stream`) holds ``S`` consecutive rows of the packed
+A streamed part (see :mod:`treecompile.stream.options`) holds ``S`` consecutive rows of the packed
 tree. Its queries attend to ``L = P + S`` keys: the ``P`` rows of earlier parts on the
 root path of the part's first row (the KV stack, in any order), then its own ``S`` rows.
 Query ``i`` sits at concatenated index ``c_i = P + i``; key ``j`` is visible to it iff

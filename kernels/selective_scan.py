@@ -9,7 +9,7 @@ Mamba's layer (Gu and Dao, 2023) writes ``u = dt * x``: its step ``dt`` (after b
 softplus) both sets the decay and scales the input ``x``. The scan here takes the write
 ``u`` as an input of its own, so that a row with ``dt = 0`` writes without decaying; the
 ``D * x`` skip and the ``silu(z)`` gate act on each row alone and stay outside (see
-:func:`treecompile.drop_ins.hf_mamba_selective_scan`). Unlike Mamba2's scan the decay differs
+:func:`treecompile.capture.drop_ins.hf_mamba_selective_scan`). Unlike Mamba2's scan the decay differs
 along the state (``A`` is ``[D, N]``), so it is not a scalar-gated recurrence of
 :mod:`treecompile.kernels.recurrence`; it is gated linear attention with one head per
 channel, ``Dk = N`` and ``Dv = 1``, which is how streamed parts keep its state (``[D, N, 1]``).

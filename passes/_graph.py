@@ -10,6 +10,7 @@ import contextlib
 import functools
 import operator
 import os
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -55,7 +56,7 @@ class PassContext:
         probe_rows: the length at which to judge such things when it exceeds the example
             length (the wrapper asks for twice the longest path it has seen), or 0.
         judge_cap: when the wrapper extended a buffer the model slices by the row count past
-            its size for the call (`treecompile.compile.extended_buffers`), that size: masks
+            its size for the call (`treecompile.compile.wrapper.extended_buffers`), that size: masks
             are judged at most this long (the extension holds no pattern), or 0.
         scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
             of :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
@@ -195,11 +196,9 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 @functools.cache
 def _own_dirs() -> tuple[str, ...]:
     """treecompile's own source folders (its drop-ins and kernels run inside the model's calls)."""
-    import treecompile
-    import treecompile.kernels
-    import treecompile.passes
-
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (treecompile, treecompile.passes, treecompile.kernels))
+    # The package and its two sub-packages are imported before this module can run.
+    names = ("treecompile", "treecompile.passes", "treecompile.kernels")
+    return tuple(os.path.dirname(sys.modules[n].__file__) + os.sep for n in names)
 
 
 def source_of(node: fx.Node) -> str:

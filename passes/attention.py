@@ -39,7 +39,7 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
 from treecompile.passes._graph import (
     Emitter,

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
 from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call, is_op, same_size, source_of, value
 

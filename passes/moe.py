@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import PassContext, describe, is_row_size, source_of, value
 from treecompile.passes.markers import is_marker
 

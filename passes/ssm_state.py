@@ -37,7 +37,7 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
 from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers the treecompile:: selective-scan ops)
 from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)

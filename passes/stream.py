@@ -1,7 +1,7 @@
 """The streamed-part variant of the graph: attention over the ancestors' keys and values.
 
 A tree too large for one call is run in parts of consecutive rows (see
-:mod:`treecompile.stream`). Each part's graph is the model's graph with two changes:
+:mod:`treecompile.stream.options`). Each part's graph is the model's graph with two changes:
 
 * every tree attention (after ``rewrite_attention_pass``) attends over ``[prefix ; own]``
   keys and values: the prefix rows are the part's ancestors' keys and values for that
@@ -29,7 +29,7 @@ The number of attention calls and their key/value shapes (and the conv contexts'
 recurrent states') are checked against the graph: a compile given another layout raises
 `KVLayout` with the graph's, which the wrapper catches to call again with it. The wrapper
 starts from a guess where it has one (`stack_layout` of the whole-tree graph, see
-`treecompile.stream_runner`).
+`treecompile.stream.runner`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers treecompile::tree_selective_scan)
 from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
@@ -334,7 +334,7 @@ def stack_layout(gm: fx.GraphModule) -> KVLayout | None:
     """The KV stack layout of a streamed part graph of the model whose whole-tree graph
     (after the tree passes) is ``gm``: both graphs trace the same model code, so they hold
     the same attention calls, convs and scans. None where the part graph's passes would
-    refuse one. A guess for `treecompile.stream_runner`, which the part graph's passes check
+    refuse one. A guess for `treecompile.stream.runner`, which the part graph's passes check
     (`KVLayout` on a mismatch)."""
     try:
         return KVLayout(_kv_shapes(_attention_calls(gm)), _conv_shapes(_conv_calls(gm)),

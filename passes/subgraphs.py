@@ -21,7 +21,7 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import PassContext
 
 __all__ = ["inline_subgraphs_pass", "CHECKPOINT_OPS"]

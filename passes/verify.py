@@ -23,8 +23,8 @@ import warnings
 import torch
 from torch import fx
 
-from treecompile.advice import TreeWarning
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.advice import TreeWarning
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import (
     PassContext,
     _add_upstream,

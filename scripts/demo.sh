@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "hf"
-python3 -m treecompile.demo "$@"
+python3 -m treecompile.cli.demo "$@"

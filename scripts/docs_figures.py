@@ -5,7 +5,7 @@
 
 * ``tree-row-mask.svg``: three sequences -> their prefix tree (`TrajectoryTree.from_sequences`)
   -> the packed depth-first row (`pack`: tokens and position ids) -> the attention mask of that
-  row (`treecompile.inspection.mask_matrix`), with axes and a legend;
+  row (`treecompile.compile.inspection.mask_matrix`), with axes and a legend;
 * ``partition.svg``: a tree split into parts under a token capacity (`partition_tree`), the
   nodes each part computes and the duplicated ones;
 * ``sharding.svg``: the paths of a small forest split across 2 ranks (`shard_paths`), in
@@ -33,11 +33,11 @@ from matplotlib.backends.backend_svg import FigureCanvasSVG  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Patch  # noqa: E402
 
-# One colour per node (or part), colour-blind safe (Okabe-Ito), and the mask colours of treecompile.plots.
+# One colour per node (or part), colour-blind safe (Okabe-Ito), and the mask colours of treecompile.cli.plots.
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
 VISIBLE, HIDDEN = "#264696", "#f4f4f4"
 SEQUENCES = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8]]  # the example of the home page and Concepts
-PARTITIONED = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 8, 9]]  # treecompile.partition's example
+PARTITIONED = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 8, 9]]  # treecompile.planning.partition's example
 SHARDED = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7, 8, 9], [10, 11, 12], [10, 11, 13]]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 
@@ -106,7 +106,7 @@ def _draw_tree(ax, tree, colours, *, hatched=(), labels=None) -> None:
 def tree_row_mask() -> Figure:
     """Sequences -> tree -> packed row -> mask."""
     from treecompile import TrajectoryTree, pack
-    from treecompile.inspection import mask_matrix
+    from treecompile.compile.inspection import mask_matrix
 
     tree = TrajectoryTree.from_sequences(SEQUENCES)
     batch = pack(tree)
@@ -171,7 +171,7 @@ def tree_row_mask() -> Figure:
 def partition() -> Figure:
     """A tree split into parts of at most C tokens: which nodes each part computes."""
     from treecompile import TrajectoryTree
-    from treecompile.partition import partition_tree
+    from treecompile.planning.partition import partition_tree
 
     tree = TrajectoryTree.from_sequences(PARTITIONED)
     capacity = 6
@@ -206,7 +206,7 @@ def partition() -> Figure:
 def sharding() -> Figure:
     """The paths of a forest split across 2 ranks: contiguous DFS groups against greedy by tokens."""
     from treecompile import TrajectoryTree
-    from treecompile.shard import shard_paths
+    from treecompile.planning.shard import shard_paths
 
     tree = TrajectoryTree.from_sequences(SHARDED)
     ranks = 2

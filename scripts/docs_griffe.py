@@ -379,7 +379,7 @@ def _resolve(obj: griffe.Object, name: str) -> str | None:
 
 
 def _canonical(obj: griffe.Object, path: str) -> str:
-    """Follows aliases (``treecompile.TreeBatch`` -> ``treecompile.batch.TreeBatch``)."""
+    """Follows aliases (``treecompile.TreeBatch`` -> ``treecompile.core.batch.TreeBatch``)."""
     root = obj
     while root.parent is not None:
         root = root.parent

@@ -1,7 +1,7 @@
 """mkdocs hooks: the pages and pictures that are made from the library at build time, so that
 they cannot drift from it.
 
-* ``cli.md``: the command-line reference, from the argparse parsers of ``treecompile.cli``;
+* ``cli.md``: the command-line reference, from the argparse parsers of ``treecompile.cli.main``;
 * ``figures/*.svg``: the diagrams of ``scripts/docs_figures.py`` (a tree, its packed row and
   its mask; a partition; the measured speedups of ``docs/benchmarks.md``).
 
@@ -100,14 +100,14 @@ def cli_page() -> str:
 
 
 def _cli_page() -> str:
-    from treecompile.cli import build_parser
+    from treecompile.cli.main import build_parser
 
     parser = build_parser()
     out = [
         "# Command line",
         "",
         "Installing treecompile (`pip install .` in a checkout) adds the `treecompile` command. This page is generated from its",
-        "argparse definitions (`treecompile/cli.py` and the modules it registers) when the site is built,",
+        "argparse definitions (`treecompile/cli/main.py` and the modules it registers) when the site is built,",
         "so it lists exactly the options the installed version takes. Every command also answers `--help`.",
         "Errors in the input print one line and exit with status 2.",
         "",

@@ -53,15 +53,15 @@ CHECK_SECTIONS = [
                          ("moe-hybrid", f"interval-gather-{dtype} and {_SPARSE}"),
                          ("masks-heads", f"{dtype} and not interval-gather-{dtype}"))),
 ]
-BENCH_SECTIONS = [("bench", "treecompile.bench_cuda", 450)]
+BENCH_SECTIONS = [("bench", "treecompile.bench.cuda", 450)]
 TUNE_SECTIONS = [("tune", "treecompile tune", 450)]
-PROFILE_SECTIONS = [("profile", "treecompile.profile_cuda", 420)]
+PROFILE_SECTIONS = [("profile", "treecompile.bench.profile_cuda", 420)]
 #: ``perf``: one command of at most 9 minutes. FlexAttention options for the Qwen3 head dim are
 #: tuned first (its table, when it found one, is what the benchmark's tree methods then use),
 #: then the benchmark on the Qwen3-1.7B shape with 8 layers at every POR and one real tree,
 #: with the profile of the first tree step. Files go straight to ``--out`` as they are made
 #: (eight of them, no archive), so a run stopped from outside keeps what it measured.
-PERF_SECTIONS = [("tune", "treecompile tune --head-dims 128", 130), ("bench", "treecompile.bench_cuda", 390)]
+PERF_SECTIONS = [("tune", "treecompile tune --head-dims 128", 130), ("bench", "treecompile.bench.cuda", 390)]
 #: perf's sections together: the benchmark gets what the tune left of it (on an H100 the tune
 #: took 60 s, 2026-11-27).
 PERF_TOTAL_S = 520
@@ -262,7 +262,7 @@ def run_test_section(name: str, what: str, limit: int, work: Path, proc: _Proc |
 
 def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> dict:
     out, mdfile, log = work / "bench.json", work / "bench.md", work / "bench.log"
-    cmd = [sys.executable, "-m", "treecompile.bench_cuda", "--out", str(out), "--time-budget", str(int(limit * 0.75))]
+    cmd = [sys.executable, "-m", "treecompile.bench.cuda", "--out", str(out), "--time-budget", str(int(limit * 0.75))]
     env = None
     if perf:
         cmd += [*PERF_BENCH, "--profile", str(work / "profile.json")]
@@ -276,7 +276,7 @@ def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> 
     table = None
     if result is not None:
         _importable()
-        from treecompile.bench_cuda import markdown_table
+        from treecompile.bench.cuda import markdown_table
 
         table = markdown_table(result)
     status = {None: f"timed out after {limit} s (rows so far kept)", 0: "passed", 1: "loss mismatch"}.get(
@@ -285,7 +285,7 @@ def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> 
                "table": table, "log_tail": text[-3000:], "flex_options": (env or {}).get("TREECOMPILE_FLEX_OPTIONS")}
     if perf and (work / "profile.json").exists():
         _importable()
-        from treecompile.profile_cuda import markdown_report
+        from treecompile.bench.profile_cuda import markdown_report
 
         profile = json.loads((work / "profile.json").read_text())
         section["profile"] = profile
@@ -296,7 +296,7 @@ def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> 
 
 def run_tune_section(name: str, limit: int, work: Path, perf: bool = False) -> dict:
     log, out = work / "tune.log", work / "tune.json"
-    cmd = [sys.executable, "-m", "treecompile.cli", "tune", "--json", str(out)]
+    cmd = [sys.executable, "-m", "treecompile.cli.main", "tune", "--json", str(out)]
     if perf:  # the Qwen3 head dim, bfloat16; a budget that leaves time to finish the candidate in hand
         cmd += ["--head-dims", "128", "--write", str(work / "flex-options.json"), "--time-budget", str(int(limit * 0.6))]
     rc, secs = _run(cmd, log, limit)
@@ -309,7 +309,7 @@ def run_tune_section(name: str, limit: int, work: Path, perf: bool = False) -> d
 
 def run_profile_section(name: str, limit: int, work: Path) -> dict:
     out, mdfile, log = work / "profile.json", work / "profile.md", work / "profile.log"
-    rc, secs = _run([sys.executable, "-m", "treecompile.profile_cuda", "--out", str(out), "--markdown", str(mdfile)],
+    rc, secs = _run([sys.executable, "-m", "treecompile.bench.profile_cuda", "--out", str(out), "--markdown", str(mdfile)],
                     log, limit)
     text = log.read_text(errors="replace")
     status = {None: f"timed out after {limit} s", 0: "passed"}.get(rc, f"failed (exit {rc})")

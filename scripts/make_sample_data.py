@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Regenerates treecompile/data/ (the bundled sample trajectories and tokenizer) from ../shared/data.
+"""Regenerates treecompile/samples/ (the bundled sample trajectories and tokenizer) from ../shared/data.
 
 Usage: python scripts/make_sample_data.py [--shared PATH_TO_SHARED_DATA]
 
 Deterministic: the same input files give byte-identical outputs (checked with --check).
-What it writes, and from where, is described in treecompile/data/README.md.
+What it writes, and from where, is described in treecompile/samples/README.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from treecompile.chat import render_text  # noqa: E402
-from treecompile.datasets import GSM8K_SOLVERS, load_gsm8k_solutions, load_tau2, load_tau_bench  # noqa: E402
+from treecompile.data.chat import render_text  # noqa: E402
+from treecompile.data.datasets import GSM8K_SOLVERS, load_gsm8k_solutions, load_tau2, load_tau_bench  # noqa: E402
 
 # The tau-bench airline tasks with the smallest trajectories (total JSON size of their 4
 # trials, measured on gpt-4o-airline-even-tasks.json): modest trees, 10 to 16 messages each.
@@ -116,7 +116,7 @@ OUTPUTS = (
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", type=Path, default=REPO.parent / "shared" / "data")
-    parser.add_argument("--out", type=Path, default=REPO / "treecompile" / "data")
+    parser.add_argument("--out", type=Path, default=REPO / "treecompile" / "samples")
     parser.add_argument("--check", action="store_true", help="regenerate into a temporary folder and compare")
     args = parser.parse_args()
     if not args.shared.is_dir():

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import treecompile as tc
-from treecompile.reference import per_path_loss
+from treecompile.core.reference import per_path_loss
 
 #: How much larger than the per-path float32 run's error the tree's may be (see the docstring).
 FP32_RATIO = 2.0

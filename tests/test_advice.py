@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from treecompile import TrajectoryTree, advice, pack
-from treecompile.advice import (
+from treecompile.core.advice import (
     MEASURED_SPEEDUP,
     TreeWarning,
     low_por_advice,
@@ -18,7 +18,7 @@ from treecompile.advice import (
     warn_low_por,
     warn_position_overflow,
 )
-from treecompile.cli import main
+from treecompile.cli.main import main
 
 
 def test_module_examples():
@@ -108,7 +108,7 @@ def test_position_overflow_reads_a_hf_config():
 
 
 def test_stats_prints_the_advice(tmp_path, capsys):
-    from treecompile.io import SequenceRecord, save_sequences
+    from treecompile.data.io import SequenceRecord, save_sequences
 
     path = tmp_path / "low.jsonl"
     save_sequences(path, [SequenceRecord([1, 2, 3, 4, 5, 6, 7, 8]), SequenceRecord([1, 9, 9, 9, 9, 9, 9, 9])])

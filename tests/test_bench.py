@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from testing import eager_default_lowering
 
-from treecompile import bench
-from treecompile.cli import main
+from treecompile.bench import trees as bench
+from treecompile.cli.main import main
 
 pytest.importorskip("transformers")
 
@@ -71,7 +71,7 @@ def test_unknown_method():
 
 
 def test_cli_parses_bench():
-    from treecompile.cli import build_parser
+    from treecompile.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--tiny", "--por", "0.5", "--methods", "packed", "interval"])
     assert args.tiny and args.por == [0.5] and args.methods == ["packed", "interval"]
@@ -134,7 +134,7 @@ def test_measured_rows_carry_their_spread(tiny_result):
 
 
 def test_the_progress_bar_counts_every_measurement(tiny_result):
-    from treecompile.cli import _bench_measurements
+    from treecompile.cli.main import _bench_measurements
 
     assert _bench_measurements(bench.TINY) == len(tiny_result.rows)
     # 2 synthetic PORs, the tau-bench tasks asked for (the sample holds 4), one GSM8K workload.

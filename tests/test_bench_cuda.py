@@ -1,4 +1,4 @@
-"""treecompile/bench_cuda.py end to end on the CPU with a tiny model (the GPU run uses Qwen3 shapes)."""
+"""treecompile/bench/cuda.py end to end on the CPU with a tiny model (the GPU run uses Qwen3 shapes)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 
 from testing import TOLERANCES, assert_grads_close, eager_default_lowering
 
-from treecompile import bench_cuda, bench_hf
-from treecompile.cli import main as cli_main
+from treecompile.bench import cuda as bench_cuda
+from treecompile.bench import hf as bench_hf
+from treecompile.cli.main import main as cli_main
 
 pytest.importorskip("transformers")
 
@@ -52,14 +53,14 @@ def test_methods_option_runs_only_those_methods(tmp_path):
                             "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["method"] for r in result["rows"]] == ["hf-padded-sdpa", "tree"]
-    assert result["env"]["command"].startswith("python -m treecompile.bench_cuda --device cpu --models tiny")
+    assert result["env"]["command"].startswith("python -m treecompile.bench.cuda --device cpu --models tiny")
 
 
 @pytest.mark.parametrize("method", ["hf-padded-sdpa", "hf-packed-flex"])
 def test_baseline_micro_batches_give_the_one_batch_step(method):
     """The baselines' fallback on out-of-memory (gradient accumulation over micro-batches of
     paths) trains the same step: the token-mean loss and every gradient, float64."""
-    from treecompile.bench import synthetic_tree
+    from treecompile.bench.trees import synthetic_tree
 
     model = bench_hf.model_of("tiny", torch.float64, torch.device("cpu"), 0)
     paths = bench_cuda._paths([synthetic_tree(5, 24, 0.5, 2048, 0)])
@@ -85,7 +86,7 @@ def test_baseline_inputs_are_built_once_outside_the_timed_steps(monkeypatch):
     """The tree's batch is packed once before its steps; the baselines' input tensors too (the
     first, untimed step builds them), else the baselines' times would include host work the
     tree's do not."""
-    from treecompile.bench import synthetic_tree
+    from treecompile.bench.trees import synthetic_tree
 
     model = bench_hf.model_of("tiny", torch.float32, torch.device("cpu"), 0)
     paths = bench_cuda._paths([synthetic_tree(4, 16, 0.5, 2048, 0)])

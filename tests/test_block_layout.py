@@ -81,8 +81,8 @@ def test_alignment_padding_changes_no_real_row(what, block, case):
 @functools.cache
 def _sample_row(name):
     """A packed row of real trees: one bundled tau-bench task, or 12 bundled GSM8K groups."""
-    from treecompile.chat import tree_from_messages
-    from treecompile.data import sample_gsm8k, sample_tau_bench
+    from treecompile.data.chat import tree_from_messages
+    from treecompile.data.samples import sample_gsm8k, sample_tau_bench
 
     def tree(convs):
         return tree_from_messages(convs, "sample", on_drift="ignore")

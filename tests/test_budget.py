@@ -1,4 +1,4 @@
-"""treecompile.budget: the cost model's formula, capacity solving, and its accuracy against the
+"""treecompile.planning.budget: the cost model's formula, capacity solving, and its accuracy against the
 peak memory measured on CPU for tiny float32 Qwen3 and Llama training steps."""
 
 import gc
@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from treecompile.budget import (
+from treecompile.planning.budget import (
     CPU_BLOCK_ROWS,
     BudgetError,
     CostModel,
@@ -115,7 +115,7 @@ def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
     on one path of S tokens (every key live: the model's worst case), float32 on CPU."""
     import treecompile
     from treecompile import TrajectoryTree
-    from treecompile.compile import tree_compile
+    from treecompile.compile.wrapper import tree_compile
 
     cfg = _config(name)
     torch.manual_seed(0)
@@ -153,9 +153,9 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak():
     under one attention block (many parts, a deep stack) and over it."""
     import treecompile
     from treecompile import TrajectoryTree
-    from treecompile.compile import tree_compile
-    from treecompile.stream import StreamOptions, plan_stream
-    from treecompile.stream_plan import stream_peak_bytes
+    from treecompile.compile.wrapper import tree_compile
+    from treecompile.stream.options import StreamOptions, plan_stream
+    from treecompile.stream.plan import stream_peak_bytes
 
     cfg = _config("qwen3-attention")
     torch.manual_seed(0)

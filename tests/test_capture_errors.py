@@ -7,7 +7,7 @@ import pytest
 from test_compile_models import NanoGPT, make_batch, tiny
 
 import treecompile as tc
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 
 
 class BranchOnValues(NanoGPT):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from treecompile.cli import main
+from treecompile.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_bad_arguments_are_refused_before_torch_is_imported():
              ["stats", str(ROOT)]]
     code = (
         "import contextlib, io, sys\n"
-        "from treecompile.cli import main\n"
+        "from treecompile.cli.main import main\n"
         f"for argv in {cases!r}:\n"
         "    with contextlib.redirect_stderr(io.StringIO()):\n"
         "        try:\n"
@@ -178,9 +178,9 @@ def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_
 
 
 def test_capacity_advice_covers_every_tree(capsys):
-    from treecompile.chat import tree_from_messages
-    from treecompile.data import sample_gsm8k
-    from treecompile.partition import path_lengths
+    from treecompile.data.chat import tree_from_messages
+    from treecompile.data.samples import sample_gsm8k
+    from treecompile.planning.partition import path_lengths
 
     trees = {k: tree_from_messages(v, "bytes") for k, v in sample_gsm8k().items()}
     longest = {k: int(path_lengths(t).max()) for k, t in trees.items()}

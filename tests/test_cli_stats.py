@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from treecompile.cli import main
-from treecompile.io import SequenceRecord, save_sequences, save_trees, trees_from_sequences
+from treecompile.cli.main import main
+from treecompile.data.io import SequenceRecord, save_sequences, save_trees, trees_from_sequences
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TAU_AIRLINE = SHARED / "tau_bench" / "gpt-4o-airline-even-tasks.json"
@@ -122,7 +122,7 @@ def test_unknown_choice_is_refused_by_argparse(capsys):
 
 
 def test_progress_bar_only_on_a_terminal_and_for_many_trees(monkeypatch):
-    from treecompile.cli_args import _PROGRESS_MIN_TREES, progress_bar
+    from treecompile.cli.args import _PROGRESS_MIN_TREES, progress_bar
 
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.setenv("TERM", "dumb")

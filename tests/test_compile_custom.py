@@ -26,9 +26,9 @@ from test_compile_models import (
     tiny,
 )
 
-from treecompile.compile import BACKENDS, MASKS, TreeCompiledModel, tree_compile
-from treecompile.errors import UnsupportedModelError
-from treecompile.stream import StreamOptions
+from treecompile.compile.wrapper import BACKENDS, MASKS, TreeCompiledModel, tree_compile
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.stream.options import StreamOptions
 
 MODELS = {
     # model -> the rewrites its graph must show, per pass.
@@ -63,8 +63,8 @@ def test_a_dropped_wrapper_frees_its_model(stream, monkeypatch):
     for a model that was never wrapped: torch.compile keeps every backend it was given for
     the life of the process, so the backend must not hold the wrapper. Streamed, the stack
     layout is learnt by a capture (none is known yet) and remembered for the architecture
-    (`treecompile.stream_runner._LEARNT`), which must not hold the model either."""
-    import treecompile.stream_runner as stream_runner
+    (`treecompile.stream.runner._LEARNT`), which must not hold the model either."""
+    import treecompile.stream.runner as stream_runner
 
     monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
     model = tiny(NanoGPT)
@@ -210,7 +210,7 @@ def test_verify_in_place_checks_a_twin_without_the_check_and_the_temperature(mon
     """A model too large to copy is checked in place, through a twin that neither checks again
     (the wrapper itself would recurse) nor divides by a temperature the per-path reference
     does not apply."""
-    import treecompile.selfcheck as selfcheck
+    import treecompile.compile.selfcheck as selfcheck
 
     monkeypatch.setattr(selfcheck, "VERIFY_COPY_LIMIT_BYTES", 0)
     model = tiny(NanoGPT)
@@ -232,7 +232,7 @@ class _LeakyMask(TreeCompiledModel):
 
 
 def test_the_probe_catches_a_silently_wrong_model():
-    from treecompile.errors import UnsupportedModelError
+    from treecompile.core.errors import UnsupportedModelError
 
     batch, _ = make_batch("forest")
     with pytest.raises(UnsupportedModelError, match=r"(?s)first-call probe found that node 'tree_flex_attention_interval'"
@@ -242,10 +242,10 @@ def test_the_probe_catches_a_silently_wrong_model():
 
 def test_verify_catches_a_silently_wrong_model(monkeypatch):
     """verify=True's full check refuses it on its own (the probe, which runs first, is skipped here)."""
-    import treecompile.probe
-    from treecompile.errors import UnsupportedModelError
+    import treecompile.compile.probe
+    from treecompile.core.errors import UnsupportedModelError
 
-    monkeypatch.setattr(treecompile.probe, "probe_graph", lambda *args: treecompile.probe.ProbeReport(0, 0, 0))
+    monkeypatch.setattr(treecompile.compile.probe, "probe_graph", lambda *args: treecompile.compile.probe.ProbeReport(0, 0, 0))
     batch, _ = make_batch("forest")
     with pytest.raises(UnsupportedModelError, match="gradient of '.*' differs by"):
         _LeakyMask(tiny(NanoGPT), mask="interval", backend="eager", verify=True)(batch)
@@ -256,7 +256,7 @@ def test_temperature_divides_the_logits_exactly():
     the LM head still reads only the gathered rows."""
     from testing import COMPILE_TOL, assert_grads_close, backward_grads
 
-    from treecompile.reference import model_logits, path_logprobs
+    from treecompile.core.reference import model_logits, path_logprobs
 
     model = tiny(NanoGPT)
     batch, trees = make_batch("branchy")

@@ -12,7 +12,7 @@ import torch
 from test_compile_models import compare_with_paths, make_batch
 from testing import perturbed_hf_model
 
-from treecompile.compile import tree_compile
+from treecompile.compile.wrapper import tree_compile
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,7 +68,7 @@ def test_hf_model_matches_per_path_training(family, mask):
 
 def test_sliding_window_matters_in_the_test_trees():
     """Guards the test above: without its window, Mistral gives different logprobs on these trees."""
-    from treecompile.reference import path_logprobs
+    from treecompile.core.reference import path_logprobs
 
     windowed = _model("mistral-sw4")
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def test_softcap_the_models_attention_would_drop_is_refused():
     """Hugging Face's sdpa attention applies no soft-cap (transformers 5.10 drops it silently):
     a Gemma2 loaded with sdpa trains per path without it, so the tree, which would apply it,
     refuses by name and says how to load the model."""
-    from treecompile.errors import UnsupportedModelError
+    from treecompile.core.errors import UnsupportedModelError
 
     model = _model("gemma2-softcap-sw4")
     model.config._attn_implementation_internal = "sdpa"
@@ -126,7 +126,7 @@ def test_each_compiled_graph_gets_a_code_name_of_its_own():
     inherited its history: a Qwen3 with head_dim 8 after one with 16 saw its attention scale
     as a variable float, which the attention pass cannot read (measured with every graph given
     one name). So no two graphs of a process share a name."""
-    from treecompile.call import compile_named
+    from treecompile.capture.call import compile_named
 
     def fn(x):
         return x + 1
@@ -143,8 +143,8 @@ def test_an_attention_scale_traced_as_a_variable_is_refused_by_name(monkeypatch)
     refused naming the attention and why, instead of failing inside the pass."""
     import itertools
 
-    import treecompile.call as call
-    from treecompile.errors import UnsupportedModelError
+    import treecompile.capture.call as call
+    from treecompile.core.errors import UnsupportedModelError
 
     # A name no earlier graph of this process had (Dynamo's history of a name outlives its graphs).
     monkeypatch.setattr(call, "_GRAPH_NUMBERS", itertools.repeat("one_name_for_every_graph"))

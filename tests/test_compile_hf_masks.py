@@ -1,5 +1,5 @@
 """Hugging Face masks are reproduced or refused, never dropped: each layer's mask kind comes
-from the ``masking_utils`` builder the model calls (see treecompile/capture.py)."""
+from the ``masking_utils`` builder the model calls (see treecompile/capture/dynamo.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from test_compile_models import compare_with_paths, make_batch
 from testing import perturbed_hf_model
 
 import treecompile as tc
-from treecompile.capture import TreeMask, _replacement
-from treecompile.errors import UnsupportedModelError
+from treecompile.capture.dynamo import _replacement
+from treecompile.capture.hf import TreeMask
+from treecompile.core.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,7 +56,7 @@ def test_extra_mask_functions_are_refused():
 
 
 def test_the_marker_refuses_a_mask_tensor_built_by_the_model():
-    from treecompile.passes.markers import _window_from_mask
+    from treecompile.capture.hf import _window_from_mask
 
     assert _window_from_mask("Attn", None, 5) == 5
     assert _window_from_mask("Attn", TreeMask("sliding", "create_sliding_window_causal_mask", 4), None) == 4

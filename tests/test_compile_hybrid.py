@@ -37,15 +37,15 @@ from testing import TOLERANCES, assert_grads_close, backward_grads
 from zoo import transformers_version
 
 import treecompile as tc
-from treecompile.capture import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
-from treecompile.compile import tree_compile
-from treecompile.selfcheck import verify_tree_compile
-from treecompile.errors import UnsupportedModelError
-from treecompile import drop_ins
+from treecompile.capture.dynamo import sequence_kernels as _sequence_kernels, swapped_kernels as _swapped
+from treecompile.compile.wrapper import tree_compile
+from treecompile.compile.selfcheck import verify_tree_compile
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.capture import drop_ins
 from treecompile.kernels import conv, gdn, mamba2, recurrence, selective_scan
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.reference import per_path_loss
+from treecompile.core.reference import per_path_loss
 
 PURE = TOLERANCES[("float64", "pure")]
 F64 = torch.float64

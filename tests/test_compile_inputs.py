@@ -11,7 +11,7 @@ from torch import nn
 from test_compile_models import NanoGPT, make_batch, tiny
 
 import treecompile as tc
-from treecompile.errors import TreeInputError
+from treecompile.core.errors import TreeInputError
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_an_already_compiled_model_is_refused(compiled):
 
 def test_a_path_longer_than_the_model_context_warns():
     transformers = pytest.importorskip("transformers")
-    from treecompile.advice import TreeWarning
+    from treecompile.core.advice import TreeWarning
 
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8,

@@ -162,8 +162,8 @@ def test_no_custom_op_argument_shadows_inductors_fallback_lowering():
     from torch._inductor.ir import FallbackKernel
 
     # What registers every treecompile:: op: the wrapper (capture, drop-ins, passes) and streaming.
-    import treecompile.compile  # noqa: F401
-    import treecompile.stream_runner  # noqa: F401
+    import treecompile.compile.wrapper  # noqa: F401
+    import treecompile.stream.runner  # noqa: F401
 
     reserved = {n for n, p in inspect.signature(FallbackKernel.create).parameters.items()
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}

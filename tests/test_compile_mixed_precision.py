@@ -16,7 +16,7 @@ from test_compile_models import NanoGPT, make_batch, tiny
 from testing import perturbed_hf_model
 
 import treecompile as tc
-from treecompile.reference import per_path_loss
+from treecompile.core.reference import per_path_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import treecompile as tc
-from treecompile.reference import per_path_loss
+from treecompile.core.reference import per_path_loss
 
 from testing import COMPILE_TOL, backward_grads
 

@@ -23,10 +23,10 @@ from test_compile_models import TOL, make_batch
 from testing import assert_grads_close, backward_grads
 
 import treecompile as tc
-from treecompile.compile import tree_compile
-from treecompile.errors import UnsupportedModelError
-from treecompile.router_aux import router_aux_of
-from treecompile.reference import per_path_loss
+from treecompile.compile.wrapper import tree_compile
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.capture.router_aux import router_aux_of
+from treecompile.core.reference import per_path_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from test_compile_models import VOCAB, ConvLM, CumsumLM, GruLM, make_batch, tiny
 from torch import nn
 
 from treecompile import UnsupportedModelError
-from treecompile.compile import tree_compile
+from treecompile.compile.wrapper import tree_compile
 
 
 class _EmbedHeadLM(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
 
 import treecompile as tc
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 
 HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) at test_compile_row_refusals\.py:\d+ "
 

@@ -10,7 +10,7 @@ from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
 from testing import perturbed_hf_model
 
 import treecompile as tc
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 
 
 class CheckpointedGPT(NanoGPT):

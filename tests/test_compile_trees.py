@@ -71,8 +71,8 @@ def real_trees():
     """Trees from the bundled real data (GSM8K groups of 4 solutions; tau-bench trials cut
     after their second assistant turn), tokenized with the bundled 2048-token BPE, and one
     compiled Qwen3 that every loss mode reuses."""
-    from treecompile.data import sample_gsm8k, sample_tau_bench
-    from treecompile.tokenizer import load_tokenizer
+    from treecompile.data.samples import sample_gsm8k, sample_tau_bench
+    from treecompile.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer("sample")
     gsm = list(sample_gsm8k().values())[:2]
@@ -92,7 +92,7 @@ def test_qwen3_on_real_gsm8k_and_tau_bench_trees(real_trees, mode):
     trees, model, compiled = real_trees
     batch = pack(trees, loss_mode=mode)
     assert batch.num_paths == sum(t.num_paths for t in trees) == 4 + 4 + 8
-    from treecompile.reference import per_path_loss
+    from treecompile.core.reference import per_path_loss
 
     out, tree_grads = backward_grads(model, lambda: compiled(batch))
     ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, trees, loss_mode=mode))

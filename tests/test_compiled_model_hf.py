@@ -12,7 +12,7 @@ from test_compile_models import compare_with_paths, make_batch
 from testing import perturbed_hf_model
 
 import treecompile as tc
-from treecompile.compile import TreeCompiledModel, TreeOutput
+from treecompile.compile.wrapper import TreeCompiledModel, TreeOutput
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,7 +105,7 @@ def test_deepcopy_copies_the_model_and_keeps_the_options():
 
 
 def test_deepcopy_keeps_the_temperature_and_the_streaming_options():
-    from treecompile.stream import StreamOptions
+    from treecompile.stream.options import StreamOptions
 
     options = StreamOptions(budget_rows=64)
     compiled = tc.tree_compile(_qwen3(), temperature=0.7, stream=options, backend="eager")
@@ -214,7 +214,7 @@ def test_called_with_padded_rows_it_returns_the_stock_loss(compiled_qwen3):
 
 
 def test_padded_rows_it_cannot_train_exactly_are_refused():
-    from treecompile.errors import TreeInputError
+    from treecompile.core.errors import TreeInputError
 
     compiled = tc.tree_compile(_qwen3(), backend="eager")
     rows = _padded_rows()
@@ -236,7 +236,7 @@ def test_pickled_wrapper_reloads_and_compiles_again(compiled_qwen3, tmp_path):
     options; the loaded wrapper compiles at its first call and computes what the original did."""
     import pickle
 
-    from treecompile.stream import StreamOptions
+    from treecompile.stream.options import StreamOptions
 
     model, compiled = compiled_qwen3
     batch, _ = make_batch("branchy")

@@ -8,9 +8,9 @@ from strategies import path_sets
 from testing import TOLERANCES, NoModel, hash_forward, tree_hash_logits
 
 from treecompile import LOSS_MODES, TrajectoryTree, gather_logprobs, tree_loss
-from treecompile.dataloader import StepSampler, TreeCollator, as_tree, plan_step
-from treecompile.partition import path_lengths
-from treecompile.reference import per_path_loss
+from treecompile.planning.dataloader import StepSampler, TreeCollator, as_tree, plan_step
+from treecompile.planning.partition import path_lengths
+from treecompile.core.reference import per_path_loss
 
 VOCAB = 8
 

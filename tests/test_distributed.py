@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from testing import SCALED_GRAD_TOLERANCE, perturbed_hf_model
 
 from treecompile import TrajectoryTree
-from treecompile.dataloader import plan_step
+from treecompile.planning.dataloader import plan_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +43,7 @@ def _model():
 
 
 def _worker(rank, init_file, out_dir):
-    from treecompile.distributed import train_step, wrap_ddp, wrap_fsdp
+    from treecompile.compile.distributed import train_step, wrap_ddp, wrap_fsdp
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -75,7 +75,7 @@ def _worker(rank, init_file, out_dir):
 
 
 def test_ddp_and_fsdp_step_equals_per_path_training():
-    from treecompile.reference import per_path_loss
+    from treecompile.core.reference import per_path_loss
 
     trees = _trees()
     plan = plan_step(trees, capacity=CAPACITY, ranks=WORLD, loss_mode=MODE)

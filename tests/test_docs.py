@@ -301,7 +301,7 @@ def test_every_public_name_is_on_an_api_page(site_pages):
 
 
 def test_every_cli_subcommand_and_option_is_on_the_cli_page(site_pages):
-    from treecompile.cli import build_parser
+    from treecompile.cli.main import build_parser
 
     page = site_pages["cli/index.html"]
     text = "".join(page.prose + page.code)
@@ -355,13 +355,13 @@ def test_docstring_conversion_reads_rest_habits_as_markdown():
 
     doc = (
         "Summary.\n\nExample::\n\n    treecompile stats x.jsonl\n\nRendered as::\n\n    a = 1\n\n"
-        "See :class:`~treecompile.batch.TreeBatch` and :func:`nowhere_at_all`.\n\n"
+        "See :class:`~treecompile.core.batch.TreeBatch` and :func:`nowhere_at_all`.\n\n"
         "Example:\n    >>> 1 + 1\n    2\n"
     )
     module = griffe.Module("treecompile")
     text = SphinxToMarkdown().rewrite(module, doc)
     assert "Example:\n\n    ```bash\n    treecompile stats x.jsonl\n    ```" in text
     assert "Rendered as:\n\n```python\na = 1\n```" in text
-    assert '<autoref identifier="treecompile.batch.TreeBatch" optional><code>TreeBatch</code></autoref>' in text
+    assert '<autoref identifier="treecompile.core.batch.TreeBatch" optional><code>TreeBatch</code></autoref>' in text
     assert "`nowhere_at_all`" in text and ":func:" not in text and ":class:" not in text
     assert "Examples:\n    >>> 1 + 1\n    2" in text

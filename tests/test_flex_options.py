@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treecompile.cli import main
+from treecompile.cli.main import main
 from treecompile.kernels import flex_options as fo
 from treecompile.kernels.flex import BLOCK_SIZE
 

@@ -1,6 +1,6 @@
 """`treecompile inspect`: HF configs and module:factory models, per-pass records, JSON, PNG, refusals.
 
-The command runs in-process through `treecompile.cli.main`. The outputs pasted in
+The command runs in-process through `treecompile.cli.main.main`. The outputs pasted in
 docs/passes.md are checked here against the real output, in their essentials (the
 per-pass headers and counts, the rewrite table and the mask picture), so the page cannot
 drift from what the command prints.
@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from treecompile.cli import main
-from treecompile.inspection import EXAMPLE_SEQUENCES, example_trees
-from treecompile.maskview import mask_matrix, mask_picture, png_bytes
+from treecompile.cli.main import main
+from treecompile.compile.inspection import EXAMPLE_SEQUENCES, example_trees
+from treecompile.compile.maskview import mask_matrix, mask_picture, png_bytes
 from treecompile.passes.pipeline import PASSES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,7 +311,7 @@ def test_png_is_a_valid_image():
 
 def test_the_module_imports_nothing_heavy():
     code = (
-        "import argparse, sys; from treecompile.cli_inspect import add_inspect_command; "
+        "import argparse, sys; from treecompile.cli.inspect_cmd import add_inspect_command; "
         "add_inspect_command(argparse.ArgumentParser().add_subparsers()); "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy"
     )
@@ -418,7 +418,7 @@ def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys)
 
 def test_stream_rows_shows_the_part_graph_with_the_stack_inputs_and_outputs(capsys, monkeypatch):
     from treecompile import pack
-    from treecompile.stream import plan_stream
+    from treecompile.stream.options import plan_stream
 
     monkeypatch.chdir(ROOT)
     code, out, _ = run(capsys, "tests.test_compile_models:ManualGPT", "--stream-rows", "8")
@@ -463,7 +463,7 @@ def test_stream_rows_shows_a_hybrids_conv_and_state_routing(tmp_path, capsys):
 
 
 def test_stream_rows_that_would_not_stream_are_refused():
-    from treecompile.inspection import inspect_model
+    from treecompile.compile.inspection import inspect_model
     from test_compile_models import ManualGPT
 
     model = ManualGPT()

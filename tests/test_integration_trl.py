@@ -44,7 +44,7 @@ from testing import (  # noqa: E402
     assert_grads_close,
 )
 
-from treecompile.errors import TreeInputError  # noqa: E402
+from treecompile.core.errors import TreeInputError  # noqa: E402
 from treecompile.integrations.trl import TreeGRPOTrainer, TreeSFTTrainer, rows_to_tree  # noqa: E402
 
 
@@ -76,7 +76,7 @@ CHATML = (
 
 def _tokenizer():
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(resources.files("treecompile.data") / "sample-tokenizer.json"),
+        tokenizer_file=str(resources.files("treecompile") / "samples" / "sample-tokenizer.json"),
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
     )
     tok.chat_template = CHATML
@@ -84,7 +84,7 @@ def _tokenizer():
 
 
 def _gsm8k(n: int) -> list[dict]:
-    path = resources.files("treecompile.data") / "gsm8k_sample.jsonl"
+    path = resources.files("treecompile") / "samples" / "gsm8k_sample.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()[:n]]
 
 
@@ -429,7 +429,7 @@ def test_grpo_temperature_and_entropy(grpo_setup, tmp_path):
 def test_records_from_trl_chat_uses_the_template_and_its_assistant_mask():
     """Conversational prompt/completion rows from a datasets.Dataset: rendered by the
     tokenizer's own chat template; only the {% generation %} tokens are trained."""
-    from treecompile.rl_data import RLCollator, records_from_trl
+    from treecompile.rl.data import RLCollator, records_from_trl
 
     tok = _tokenizer()
     rows = _gsm8k(8)
@@ -449,8 +449,8 @@ def test_records_from_trl_chat_uses_the_template_and_its_assistant_mask():
 
 
 def test_records_from_trl_text_and_drift():
-    from treecompile.chat import RetokenizationDriftWarning
-    from treecompile.rl_data import records_from_trl
+    from treecompile.data.chat import RetokenizationDriftWarning
+    from treecompile.rl.data import records_from_trl
 
     tok = _tokenizer()
     [rec] = records_from_trl([{"prompt": "The answer is", "completion": " 42.", "reward": 1.0}], tok)

@@ -25,7 +25,7 @@ import torch
 from testing import TRAINER_ERROR_RATIO, TRAINER_TOLERANCE, perturbed_hf_model
 
 import treecompile as tc
-from treecompile.errors import TreeInputError
+from treecompile.core.errors import TreeInputError
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer's own requirement

@@ -17,9 +17,9 @@ import torch
 from testing import COMPILE_TOL, perturbed_hf_model
 
 import treecompile as tc
-from treecompile.errors import TreeInputError
+from treecompile.core.errors import TreeInputError
 from treecompile.integrations.verl import logprobs_to_verl, tree_from_verl
-from treecompile.rl import PolicyLossConfig, policy_loss
+from treecompile.rl.losses import PolicyLossConfig, policy_loss
 
 transformers = pytest.importorskip("transformers")
 

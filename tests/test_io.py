@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from treecompile import TrajectoryTree, TreeInputError
-from treecompile.chat import tree_from_messages
-from treecompile.data import sample_conversations, sample_path
-from treecompile.io import (
+from treecompile.data.chat import tree_from_messages
+from treecompile.data.samples import sample_conversations, sample_path
+from treecompile.data.io import (
     UNGROUPED,
     ConversationRecord,
     SequenceRecord,
@@ -119,7 +119,7 @@ def test_single_tree_json_document(tmp_path):
 
 def test_bad_tree_line_names_the_line(tmp_path):
     path = tmp_path / "trees.jsonl"
-    path.write_text('{"format": "treecompile.tree/1", "nodes": [{"parent": -1}], "paths": []}\n')
+    path.write_text('{"format": "treecompile.core.tree/1", "nodes": [{"parent": -1}], "paths": []}\n')
     with pytest.raises(TreeInputError, match=r"trees.jsonl:1: malformed tree"):
         load_trees(path)
 

@@ -5,7 +5,7 @@ from strategies import forests
 from testing import TOLERANCES, NoModel, hash_forward, tree_hash_logits
 
 from treecompile import LOSS_MODES, TrajectoryTree, gather_logprobs, pack, tree_loss
-from treecompile.reference import per_path_loss
+from treecompile.core.reference import per_path_loss
 
 VOCAB = 5
 RTOL, ATOL = TOLERANCES[("float64", "pure")]

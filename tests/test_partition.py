@@ -17,7 +17,7 @@ from testing import (
 )
 
 from treecompile import LOSS_MODES, TrajectoryTree, TreeInputError, gather_logprobs, pack, tree_loss
-from treecompile.partition import (
+from treecompile.planning.partition import (
     METHODS,
     CapacityError,
     greedy_groups,
@@ -29,8 +29,8 @@ from treecompile.partition import (
     subtree,
     union_tokens,
 )
-from treecompile.grouping import brute_force_optimum
-from treecompile.reference import per_path_loss
+from treecompile.planning.grouping import brute_force_optimum
+from treecompile.core.reference import per_path_loss
 
 # The greedy heuristic's factor (greedy total / optimal total) on the fixed sample of
 # `_seeded_trees(200)`. Measured: worst 30 / 28 = 1.071, mean 1.0004, 99.5% optimal (the same
@@ -306,7 +306,7 @@ MASKS = [[0, 1, 1, 1, 1, 1], None, [0, 0, 0, 1, 1, 0], [1, 1, 0], None, [0, 1, 1
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_accumulated_part_gradients_equal_per_path_training(mode):
-    from treecompile.reference import dense_mask_logits
+    from treecompile.core.reference import dense_mask_logits
 
     model = tiny_qwen3()
     tree = TrajectoryTree.from_sequences(SEQS, weights=[1, 2, 0.5, 1, 3, 1], loss_masks=MASKS)

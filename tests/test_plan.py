@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from treecompile.plan import add_plan_command, run_plan
+from treecompile.cli.plan import add_plan_command, run_plan
 
 
 def _run(argv, capsys):
@@ -42,7 +42,7 @@ def test_plan_table_on_tau_bench_err_close_to_por(shared_data, capsys):
 
 
 def test_plan_capacity_below_a_path_is_a_clear_error(capsys):
-    from treecompile.partition import CapacityError
+    from treecompile.planning.partition import CapacityError
 
     with pytest.raises(CapacityError, match="fits every path of every tree"):
         _run(["sample:tau_bench", "--tokenizer", "sample", "--capacity", "100"], capsys)

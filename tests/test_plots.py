@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from treecompile import pack  # noqa: E402
-from treecompile.cli import main  # noqa: E402
-from treecompile.inspection import example_trees, mask_matrix  # noqa: E402
-from treecompile.plots import mask_figure, save_png, stats_figure  # noqa: E402
+from treecompile.cli.main import main  # noqa: E402
+from treecompile.compile.inspection import example_trees, mask_matrix  # noqa: E402
+from treecompile.cli.plots import mask_figure, save_png, stats_figure  # noqa: E402
 
 
 def png_size(path) -> tuple[int, int]:

@@ -1,10 +1,10 @@
-"""The tree primitives (treecompile/preorder.py) against definitions by ancestor sets."""
+"""The tree primitives (treecompile/core/preorder.py) against definitions by ancestor sets."""
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treecompile.preorder import climb, preorder_violation, root_path_sum, subtree_max, subtree_sum
+from treecompile.core.preorder import climb, preorder_violation, root_path_sum, subtree_max, subtree_sum
 
 
 @st.composite

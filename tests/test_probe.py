@@ -1,4 +1,4 @@
-"""The first-call probe (treecompile/probe.py): on by default, cheap, and it refuses a model
+"""The first-call probe (treecompile/compile/probe.py): on by default, cheap, and it refuses a model
 that slips past the row rules, naming the op.
 
 To build models that slip past the static check, a test replaces one rule of the table with
@@ -17,7 +17,7 @@ from treecompile.passes.rows import RULES, Rule
 from treecompile.passes.rows.elementwise import pointwise
 
 import treecompile as tc
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 
 
 @pytest.fixture

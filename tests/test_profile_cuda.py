@@ -1,4 +1,4 @@
-"""treecompile.profile_cuda on the CPU: a tiny model's step, profiled and reported."""
+"""treecompile.bench.profile_cuda on the CPU: a tiny model's step, profiled and reported."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings  # noqa: E402
 
 from testing import eager_default_lowering  # noqa: E402
 
-from treecompile.profile_cuda import (  # noqa: E402
+from treecompile.bench.profile_cuda import (  # noqa: E402
     ProfileConfig, _category, _union_us, markdown_report, profile_step, sync_lines, sync_sites)
 
 

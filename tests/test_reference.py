@@ -5,7 +5,7 @@ import torch
 from testing import TOLERANCES, assert_grads_close, param_grads
 
 from treecompile import LOSS_MODES, TrajectoryTree, gather_logprobs, pack, tree_loss
-from treecompile.reference import dense_mask_logits, path_logprobs, per_path_loss
+from treecompile.core.reference import dense_mask_logits, path_logprobs, per_path_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,9 +10,9 @@ from test_rl_objectives import CONFIGS, VOCAB, _compare, _noise, _path_terms, _p
 from testing import TOLERANCES, tree_hash_logits
 
 from treecompile import gather_logprobs
-from treecompile.errors import TreeInputError
-from treecompile.rl import PolicyLossConfig, per_path_policy_loss, policy_loss
-from treecompile.rl_data import (
+from treecompile.core.errors import TreeInputError
+from treecompile.rl.losses import PolicyLossConfig, per_path_policy_loss, policy_loss
+from treecompile.rl.data import (
     RLCollator,
     group_advantages,
     grpo_group,

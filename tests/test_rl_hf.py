@@ -9,10 +9,10 @@ from test_rl_objectives import CONFIGS, _noise
 from testing import TOLERANCES, assert_grads_close, param_grads, perturbed_hf_model
 
 from treecompile import TrajectoryTree
-from treecompile.compile import tree_compile
-from treecompile.extract import logprobs
-from treecompile.reference import model_logits
-from treecompile.rl import LOSS_AGG_MODES, build_rl_batch, per_path_policy_loss, policy_loss
+from treecompile.compile.wrapper import tree_compile
+from treecompile.compile.extract import logprobs
+from treecompile.core.reference import model_logits
+from treecompile.rl.losses import LOSS_AGG_MODES, build_rl_batch, per_path_policy_loss, policy_loss
 
 transformers = pytest.importorskip("transformers")
 RTOL, ATOL = TOLERANCES[("float64", "hf")]

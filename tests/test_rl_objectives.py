@@ -19,7 +19,7 @@ from strategies import forests
 from testing import TOLERANCES, hash_forward, tree_hash_logits
 
 from treecompile import TrajectoryTree, gather_logprobs, pack
-from treecompile.rl import (
+from treecompile.rl.losses import (
     LOSS_AGG_MODES,
     PolicyLossConfig,
     build_rl_batch,
@@ -214,7 +214,7 @@ def test_on_policy_ppo_gradient_equals_policy_gradient():
 
 
 def test_misaligned_inputs_are_refused():
-    from treecompile.errors import TreeInputError
+    from treecompile.core.errors import TreeInputError
 
     tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2]])
     with pytest.raises(TreeInputError, match="2 paths"):

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from strategies import path_sets
 
 from treecompile import TrajectoryTree
-from treecompile.partition import union_tokens
-from treecompile.shard import SHARD_METHODS, ShardCost, dfs_path_order, shard_paths
+from treecompile.planning.partition import union_tokens
+from treecompile.planning.shard import SHARD_METHODS, ShardCost, dfs_path_order, shard_paths
 
 
 def _trees(forest):
@@ -96,8 +96,8 @@ def test_unknown_method_lists_the_valid_ones():
 
 
 def test_tau_bench_dfs_beats_greedy(shared_data):
-    from treecompile.datasets import load_tau_bench
-    from treecompile.tokenizer import load_tokenizer
+    from treecompile.data.datasets import load_tau_bench
+    from treecompile.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer("cl100k")
     convs = load_tau_bench(shared_data / "tau_bench" / "gpt-4o-airline-even-tasks.json")

@@ -1,4 +1,4 @@
-"""Streaming execution with a KV stack (treecompile.stream) against per-path training.
+"""Streaming execution with a KV stack (treecompile.stream.options) against per-path training.
 
 The plan (parts of consecutive rows, each row once, prefixes = root paths of the parts'
 first rows, backward order), the prefix attention kernel against its dense reference, and
@@ -23,11 +23,11 @@ from test_compile_models import NanoGPT, tiny
 from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
-from treecompile.capture import sequence_kernels, swapped_kernels
-from treecompile.errors import UnsupportedModelError
+from treecompile.capture.dynamo import sequence_kernels, swapped_kernels
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.prefix_attention import prefix_attention_reference
-from treecompile.reference import per_path_loss
-from treecompile.stream import StreamOptions, plan_stream, stream_logprob_loss
+from treecompile.core.reference import per_path_loss
+from treecompile.stream.options import StreamOptions, plan_stream, stream_logprob_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -273,7 +273,7 @@ def _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled, ki
 def _path_entropy(model, tokens):
     """``[T]`` entropy of the distribution predicting each token of one path (0 first), by
     the unmodified model on the path alone."""
-    from treecompile.reference import model_logits
+    from treecompile.core.reference import model_logits
 
     logp = torch.log_softmax(model_logits(model, torch.tensor([tokens]))[0, :-1].double(), dim=-1)
     return torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
@@ -321,7 +321,7 @@ def test_qwen3_streams_exactly(loss_mode):
 
 def _counted_builds(monkeypatch) -> list[int]:
     """The stack layout size (key and value tensors) of every part graph built from now on."""
-    import treecompile.stream_runner as stream_runner
+    import treecompile.stream.runner as stream_runner
 
     builds = []
     build = stream_runner.StreamRunner._build
@@ -345,7 +345,7 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
     capture and corrected (one capture more), with the same loss and gradients, the per-path ones."""
     from collections import OrderedDict
 
-    import treecompile.stream_runner as stream_runner
+    import treecompile.stream.runner as stream_runner
 
     builds = _counted_builds(monkeypatch)
     model = _perturbed(transformers.Qwen3Config(**{**SMALL, "num_hidden_layers": 1}, head_dim=8))
@@ -374,7 +374,7 @@ def test_a_hybrid_models_stack_layout_is_read_from_its_modules(family, monkeypat
     architecture known before), exactly."""
     from collections import OrderedDict
 
-    import treecompile.stream_runner as stream_runner
+    import treecompile.stream.runner as stream_runner
 
     builds = _counted_builds(monkeypatch)
     monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
@@ -392,7 +392,7 @@ def test_a_known_architectures_stack_layout_saves_the_capture_that_learns_it(mon
     capture and corrected (one capture more). Every run gives the per-path loss and gradients."""
     from collections import OrderedDict
 
-    import treecompile.stream_runner as stream_runner
+    import treecompile.stream.runner as stream_runner
 
     builds = _counted_builds(monkeypatch)
     monkeypatch.setattr(stream_runner, "_LEARNT", OrderedDict())
@@ -463,7 +463,7 @@ def test_moe_router_aux_loss_and_entropy_stream_exactly(mode):
 def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
     """A load_balancing_loss_func that is not E * sum(T * P) / N^2 (here squared) cannot be
     added up from the parts' sums: refused when the model is wrapped, naming the function."""
-    from treecompile.router_aux import router_aux_of
+    from treecompile.capture.router_aux import router_aux_of
 
     model = _MODELS["qwen3-moe-aux"]()
     fn = router_aux_of(model).loss_fn
@@ -528,7 +528,7 @@ def test_mamba_hybrids_stream_exactly(family, mode):
     if family == "jamba":
         # The stack layout read from its modules (a Mamba mixer's channels and state size, the
         # attention's heads) is the one the graph checked: a first call captures it once.
-        import treecompile.stream_runner as stream_runner
+        import treecompile.stream.runner as stream_runner
 
         guess, checked = stream_runner._layout_guess(compiled), compiled._stream._shapes
         assert (guess.shapes, guess.conv, guess.states) == (checked.shapes, checked.conv, checked.states)
@@ -650,8 +650,8 @@ def test_budget_bytes_streams_in_the_largest_parts_whose_streamed_step_fits():
     """A byte budget bounds the whole streamed step, stack included: the parts are the
     largest whose predicted peak (`stream_peak_bytes`) fits, chosen per batch; the result
     is the row budget's, bit for bit, and per-path training's."""
-    from treecompile.budget import CostModel
-    from treecompile.stream_plan import stream_peak_bytes
+    from treecompile.planning.budget import CostModel
+    from treecompile.stream.plan import stream_peak_bytes
 
     cost = CostModel.from_config(NANO_DIMS, dtype="float64", device="cpu", optimizer="sgd")
     tree = TrajectoryTree.from_sequences(BRANCHY)
@@ -696,7 +696,7 @@ def test_budget_bytes_streams_in_the_largest_parts_whose_streamed_step_fits():
 def _prompt_with_rollouts():
     """A cost model of a small Qwen3-shaped float32 model (SGD) and a 320-token prompt with
     12 rollouts of 120 tokens: the byte-budget search tests' tree (no model runs)."""
-    from treecompile.budget import CostModel, ModelDims
+    from treecompile.planning.budget import CostModel, ModelDims
 
     dims = ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=64)
     cost = CostModel.from_config(dims, dtype="float32", device="cpu", optimizer="sgd")
@@ -712,8 +712,8 @@ def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
     alone (no model runs): a roomy budget keeps (every row forward once); a tighter one
     where keep mode needs many more parts than recompute mode recomputes rows takes
     recompute; tighter still, keep mode does not fit at all."""
-    from treecompile.budget import BudgetError
-    from treecompile.stream_plan import PART_OVERHEAD_ROWS, choose_stream, stream_peak_bytes
+    from treecompile.planning.budget import BudgetError
+    from treecompile.stream.plan import PART_OVERHEAD_ROWS, choose_stream, stream_peak_bytes
 
     cost, batch = _prompt_with_rollouts()
     whole = cost.peak_bytes(batch.num_tokens)
@@ -744,7 +744,7 @@ def test_auto_mode_weighs_keep_modes_parts_against_recomputed_rows():
 def test_budget_search_plans_each_size_once_and_never_over_max_parts(monkeypatch):
     """`choose_stream` plans each part size once for both modes of ``"auto"``, and never
     tries sizes that cut the batch into more than `MAX_STREAM_PARTS` parts."""
-    import treecompile.stream_plan as sp
+    import treecompile.stream.plan as sp
 
     cost, batch = _prompt_with_rollouts()
     tried = []
@@ -757,7 +757,7 @@ def test_budget_search_plans_each_size_once_and_never_over_max_parts(monkeypatch
 
 
 def test_budget_bytes_reads_a_hugging_face_models_config_and_dtype():
-    from treecompile.budget import CostModel
+    from treecompile.planning.budget import CostModel
 
     model = _MODELS["qwen3"]()
     runner = tree_compile(model, backend="eager", stream=StreamOptions(budget_bytes=50_000_000))._stream
@@ -766,7 +766,7 @@ def test_budget_bytes_reads_a_hugging_face_models_config_and_dtype():
 
 
 def test_budget_bytes_too_small_or_not_modelled_is_refused():
-    from treecompile.budget import BudgetError, CostModel
+    from treecompile.planning.budget import BudgetError, CostModel
 
     cost = CostModel.from_config(NANO_DIMS, dtype="float64", device="cpu")
     with pytest.raises(BudgetError, match=r"StreamOptions\(budget_bytes=\d+\): a budget of .* does not fit one token: "
@@ -785,7 +785,7 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
     import argparse
     import json
 
-    from treecompile.plan import add_plan_command, run_plan
+    from treecompile.cli.plan import add_plan_command, run_plan
 
     parser = argparse.ArgumentParser()
     add_plan_command(parser.add_subparsers(dest="command"))
@@ -809,7 +809,7 @@ def test_plan_stream_command_counts_the_aux_loss_pass(mode, capsys):
     forward once more without a graph; the report counts it, so even keep mode's ERR < POR."""
     import json
 
-    from treecompile.cli import main
+    from treecompile.cli.main import main
 
     base = ["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity", "300", "--stream", mode]
     assert main([*base, "--json"]) == 0
@@ -840,10 +840,10 @@ def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
     import argparse
     import json
 
-    from treecompile.budget import BudgetError, CostModel
-    from treecompile.cli import main
-    from treecompile.plan import _load_trees, add_plan_command
-    from treecompile.stream_plan import choose_stream
+    from treecompile.planning.budget import BudgetError, CostModel
+    from treecompile.cli.main import main
+    from treecompile.cli.plan import _load_trees, add_plan_command
+    from treecompile.stream.plan import choose_stream
 
     config = transformers.Qwen3Config(**SMALL, head_dim=8)
     config.save_pretrained(tmp_path / "qwen3")
@@ -922,12 +922,12 @@ def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
 @_ON_NANOGPT_WORKER
 @pytest.mark.parametrize("objective", ["ppo-dualclip-k3", "pg-k1"])
 def test_rl_objectives_stream_exactly(objective):
-    """`treecompile.rl.policy_loss` (off-policy clipped ratios with dual-clip and a KL to a
+    """`treecompile.rl.losses.policy_loss` (off-policy clipped ratios with dual-clip and a KL to a
     reference, or the plain policy gradient), streamed through `stream_logprob_loss` in parts
     of 3 rows, equals it on the one-call tree (itself per-path training:
     tests/test_rl_objectives.py). The entropy bonus is not a function of the
     log-probabilities and does not stream (streamed entropies are values)."""
-    from treecompile.rl import PolicyLossConfig, build_rl_batch, policy_loss
+    from treecompile.rl.losses import PolicyLossConfig, build_rl_batch, policy_loss
 
     model, compiled = _compiled("nanogpt", "keep")
     tree = TrajectoryTree.from_sequences(BRANCHY)
@@ -962,11 +962,11 @@ def test_rl_objectives_stream_exactly(objective):
 
 @pytest.mark.slow
 def test_streamed_peak_memory_is_below_the_whole_tree():
-    """The CPU allocator's peak over one step (treecompile.budget.measure_peak_bytes): a tree
+    """The CPU allocator's peak over one step (treecompile.planning.budget.measure_peak_bytes): a tree
     8x the budget, streamed in recompute mode, peaks under half of the whole tree in one
     call; keep mode (the stack's graphs alive) under the whole tree (docs/benchmarks.md
     measures a larger tree)."""
-    from treecompile.budget import measure_peak_bytes
+    from treecompile.planning.budget import measure_peak_bytes
 
     cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -1024,7 +1024,7 @@ def test_verify_checks_the_streamed_variant(mode, cuts):
 def test_verify_catches_a_wrong_streamed_variant(monkeypatch):
     """A streamed variant whose parts read zeros instead of their ancestors' keys and values
     is wrong only where a part has a prefix: verify=True must refuse it at the first streamed call."""
-    import treecompile.stream_runner as stream_runner
+    import treecompile.stream.runner as stream_runner
 
     def no_prefix(*args, **kwargs):
         kv, conv, states = gather_prefix(*args, **kwargs)

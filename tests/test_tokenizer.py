@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from treecompile import tokenizer as tokmod
-from treecompile.data import sample_path
-from treecompile.tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
+from treecompile.data.samples import sample_path
+from treecompile.core.tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
 
 
 def test_bytes_tokenizer_encodes_utf8_and_has_specials_after_256():
@@ -109,28 +109,28 @@ def test_tokenizer_instance_passes_through():
 
 
 def test_public_api_is_pinned():
-    import treecompile.chat
-    import treecompile.cli
-    import treecompile.data
-    import treecompile.datasets
-    import treecompile.io
-    import treecompile.tokenizer
+    import treecompile.data.chat
+    import treecompile.cli.main
+    import treecompile.data.samples
+    import treecompile.data.datasets
+    import treecompile.data.io
+    import treecompile.core.tokenizer
 
-    assert treecompile.tokenizer.__all__ == ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
-    assert treecompile.chat.__all__ == [
+    assert treecompile.core.tokenizer.__all__ == ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
+    assert treecompile.data.chat.__all__ == [
         "LOSS_ON", "ON_DRIFT", "SAMPLES", "TEMPLATES", "THINK", "RetokenizationDriftWarning",
         "normalize_conversation", "render_text", "tree_from_messages",
     ]  # fmt: skip
-    assert treecompile.datasets.__all__ == ["GSM8K_SOLVERS", "load_gsm8k_solutions", "load_tau2", "load_tau_bench"]
-    assert treecompile.io.__all__ == [
+    assert treecompile.data.datasets.__all__ == ["GSM8K_SOLVERS", "load_gsm8k_solutions", "load_tau2", "load_tau_bench"]
+    assert treecompile.data.io.__all__ == [
         "FILE_KINDS", "UNGROUPED", "ConversationRecord", "SequenceRecord", "detect_kind", "group_records",
         "iter_jsonl",
         "load_conversations", "load_sequences", "load_trees", "save_conversations", "save_sequences",
         "save_trees", "trees_from_sequences", "write_jsonl",
     ]  # fmt: skip
-    assert treecompile.cli.__all__ == ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
+    assert treecompile.cli.main.__all__ == ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
     assert treecompile.data.__all__ == [
         "SAMPLE_FILES", "sample_conversations", "sample_gsm8k", "sample_path", "sample_tau_bench", "sample_think",
     ]  # fmt: skip
-    for module in (treecompile.chat, treecompile.io, treecompile.tokenizer, treecompile.cli, treecompile.data):
+    for module in (treecompile.data.chat, treecompile.data.io, treecompile.core.tokenizer, treecompile.cli.main, treecompile.data.samples):
         assert all(hasattr(module, name) for name in module.__all__), module.__name__

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zoo
 
-from treecompile.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError
 
 ROOT = Path(__file__).resolve().parents[1]
 

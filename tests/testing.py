@@ -88,7 +88,7 @@ def hash_logits(prefix: tuple[int, ...], vocab: int) -> np.ndarray:
 
 
 def hash_forward(vocab: int):
-    """``forward(model, ids[1, T]) -> logits[1, T, V]`` for :func:`treecompile.reference.per_path_loss`."""
+    """``forward(model, ids[1, T]) -> logits[1, T, V]`` for :func:`treecompile.core.reference.per_path_loss`."""
 
     def forward(model, ids):
         toks = ids[0].tolist()
@@ -195,7 +195,7 @@ def eager_default_lowering():
     tests of what does not depend on the lowering (docs examples, the benchmark's rows) whose
     model families the equivalence tests already check through the default lowering: the
     lowering is two thirds of a small model's compile time."""
-    from treecompile.compile import TreeCompiledModel
+    from treecompile.compile.wrapper import TreeCompiledModel
 
     backend = TreeCompiledModel._backend
 

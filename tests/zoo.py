@@ -5,7 +5,7 @@ identity norm: zero init hides wrong masks and dropped terms) and states what
 ``tree_compile`` must do with it:
 
 * ``exact``: loss and every parameter gradient equal per-path training
-  (:func:`treecompile.reference.per_path_loss`, the unmodified model run on each
+  (:func:`treecompile.core.reference.per_path_loss`, the unmodified model run on each
   root-to-leaf path alone), to ``ZOO_TOLERANCE``, on two trees of different lengths;
 * ``refused``: `UnsupportedModelError` whose first line contains ``reason``;
 * ``xfail``: today silently wrong or crashing, for the class of bug named in ``reason``
@@ -361,7 +361,7 @@ def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None
     """
     from testing import ZOO_TOLERANCE, backward_grads
 
-    from treecompile.reference import per_path_loss
+    from treecompile.core.reference import per_path_loss
 
     out, tree_grads = backward_grads(model, lambda: compiled(batch))
     router = getattr(compiled, "_router_aux", None)
@@ -399,7 +399,7 @@ def run(case: Case) -> list[dict]:
     tests, and lowering with AOTAutograd (tested on its own in test_compile_custom.py)
     would triple the compile time of every case.
     """
-    from treecompile.compile import tree_compile
+    from treecompile.compile.wrapper import tree_compile
 
     model = case.build()
     compiled = tree_compile(model, backend="eager")

@@ -12,23 +12,26 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from treecompile._moved import install as _install_moved
+from treecompile.core.version import __version__
+
+_install_moved()  # the flat layout's module paths (treecompile.batch, ...) keep working
 
 _EXPORTS = {
-    "LOSS_MODES": "treecompile.loss",
-    "Path": "treecompile.tree",
-    "TrajectoryTree": "treecompile.tree",
-    "TreeBatch": "treecompile.batch",
-    "TreeInputError": "treecompile.errors",
-    "TreeStats": "treecompile.tree",
-    "UnsupportedModelError": "treecompile.errors",
-    "gather_logprobs": "treecompile.loss",
-    "pack": "treecompile.batch",
-    "tree_loss": "treecompile.loss",
-    "tree_compile": "treecompile.compile",
-    "TreeCompiledModel": "treecompile.compile",
-    "TreeOutput": "treecompile.compile",
-    "logprobs": "treecompile.extract",
+    "LOSS_MODES": "treecompile.core.loss",
+    "Path": "treecompile.core.tree",
+    "TrajectoryTree": "treecompile.core.tree",
+    "TreeBatch": "treecompile.core.batch",
+    "TreeInputError": "treecompile.core.errors",
+    "TreeStats": "treecompile.core.tree",
+    "UnsupportedModelError": "treecompile.core.errors",
+    "gather_logprobs": "treecompile.core.loss",
+    "pack": "treecompile.core.batch",
+    "tree_loss": "treecompile.core.loss",
+    "tree_compile": "treecompile.compile.wrapper",
+    "TreeCompiledModel": "treecompile.compile.wrapper",
+    "TreeOutput": "treecompile.compile.wrapper",
+    "logprobs": "treecompile.compile.extract",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,9 +51,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from treecompile.batch import TreeBatch, pack
-    from treecompile.compile import TreeCompiledModel, TreeOutput, tree_compile
-    from treecompile.extract import logprobs
-    from treecompile.errors import TreeInputError, UnsupportedModelError
-    from treecompile.loss import LOSS_MODES, gather_logprobs, tree_loss
-    from treecompile.tree import Path, TrajectoryTree, TreeStats
+    from treecompile.core.batch import TreeBatch, pack
+    from treecompile.compile.wrapper import TreeCompiledModel, TreeOutput, tree_compile
+    from treecompile.compile.extract import logprobs
+    from treecompile.core.errors import TreeInputError, UnsupportedModelError
+    from treecompile.core.loss import LOSS_MODES, gather_logprobs, tree_loss
+    from treecompile.core.tree import Path, TrajectoryTree, TreeStats

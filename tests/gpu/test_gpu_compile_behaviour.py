@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import treecompile as tc
-from treecompile.profile_cuda import host_syncs
+from treecompile.bench.profile_cuda import host_syncs
 from gpu_exactness import VOCAB, build_model, copy_as, exactness_trees
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

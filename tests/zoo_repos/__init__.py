@@ -56,7 +56,7 @@ def _build(cls, *args, **kw):
 def check_causal(model: nn.Module, T: int = 12, seed: int = 0) -> float:
     """Largest change of the logits at positions ``< T - 3`` when the last 3 tokens change
     (0 for a causal model), and of the logits when nothing changes (0: deterministic)."""
-    from treecompile.reference import logits_of
+    from treecompile.core.reference import logits_of
 
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(2, VOCAB, (1, T), generator=g)

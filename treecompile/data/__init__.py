@@ -1,84 +1,11 @@
-"""Sample trajectories and a small tokenizer shipped with treecompile.
+"""Reading trajectories: files, datasets, chats, and the bundled samples.
 
-Real public data (MIT-licensed; sources and license notices in this folder's
-``README.md``), small enough to ship, so that the demo and the examples work with
-only the repository:
+`io` reads and writes tree files (JSONL, JSON), `datasets` reads Hugging Face datasets,
+`chat` builds trees from chat conversations, `samples` opens the real public samples
+shipped in ``treecompile/samples/``.
 
-* :func:`sample_tau_bench`: 4 tau-bench airline tasks x 4 trials of a GPT-4o agent;
-* :func:`sample_gsm8k`: 30 GSM8K questions x 4 model solutions (GRPO-like groups);
-* :func:`sample_think`: 2 tau2-bench airline trials of grok-3-mini, with its reasoning;
-* ``sample-tokenizer.json``: a byte-level BPE (2,048 ids, ChatML specials) trained on
-  tau-bench airline and GSM8K text, loaded by ``load_tokenizer("sample")``.
-
-Example:
-    >>> from treecompile import TrajectoryTree
-    >>> from treecompile.data import sample_conversations
-    >>> tree = TrajectoryTree.from_messages(sample_conversations(), "sample")
-    >>> tree.num_paths
-    4
-
-``scripts/make_sample_data.py`` regenerates every file from the full data.
+Layer 8: imports kernels and core (and the layers between, which it does not need).
 """
 
-from __future__ import annotations
-
-import json
-from importlib import resources
-from pathlib import Path
-from typing import Any
-
-__all__ = ["SAMPLE_FILES", "sample_conversations", "sample_gsm8k", "sample_path", "sample_tau_bench", "sample_think"]
-
-#: Short names of the sample files, as the CLI accepts them (``sample:tau_bench``).
-SAMPLE_FILES = {
-    "tau_bench": "tau_bench_airline_sample.json",
-    "gsm8k": "gsm8k_sample.jsonl",
-    "think": "tau2_airline_think_sample.jsonl",
-    "tokenizer": "sample-tokenizer.json",
-}
-
-
-def sample_path(name: str) -> Path:
-    """The path of a bundled file, by file name or short name (see :data:`SAMPLE_FILES`).
-
-    Raises:
-        ValueError: for a name that is not bundled.
-    """
-    filename = SAMPLE_FILES.get(name, name)
-    if filename not in SAMPLE_FILES.values():
-        raise ValueError(f"no sample file {name!r}; expected one of {', '.join(SAMPLE_FILES)}")
-    # The package is installed as plain files (setuptools package data), so the
-    # traversable is a real path.
-    return Path(str(resources.files(__name__).joinpath(filename)))
-
-
-def _grouped_jsonl(name: str) -> dict[str, list[list[dict[str, Any]]]]:
-    out: dict[str, list[list[dict[str, Any]]]] = {}
-    with sample_path(name).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                obj = json.loads(line)
-                out.setdefault(obj["group"], []).append(obj["messages"])
-    return out
-
-
-def sample_tau_bench() -> dict[int, list[list[dict[str, Any]]]]:
-    """tau-bench airline sample: ``task_id -> [conversation per trial]`` (4 tasks x 4 trials)."""
-    from treecompile.datasets import load_tau_bench
-
-    return load_tau_bench(sample_path("tau_bench"))
-
-
-def sample_gsm8k() -> dict[str, list[list[dict[str, Any]]]]:
-    """GSM8K sample: ``"gsm8k-{i}" -> 4 conversations`` ([user question, assistant solution])."""
-    return _grouped_jsonl("gsm8k")
-
-
-def sample_think() -> dict[str, list[list[dict[str, Any]]]]:
-    """tau2-bench airline sample with assistant reasoning (``reasoning_content``): task -> 2 trials."""
-    return _grouped_jsonl("think")
-
-
-def sample_conversations() -> list[list[dict[str, Any]]]:
-    """The 4 trials of the first sample tau-bench task: one ready-made group of conversations."""
-    return next(iter(sample_tau_bench().values()))
+from treecompile.data.samples import *  # noqa: F401,F403  (``treecompile.data.sample_tau_bench``)
+from treecompile.data.samples import __all__  # noqa: F401

@@ -31,21 +31,21 @@ into a tree itself (`batch_from_rows`) and returns the stock loss.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from treecompile.batch import TreeBatch, pack
-from treecompile.errors import TreeInputError
-from treecompile.loss import LOSS_MODES
-from treecompile.tree import TrajectoryTree
+from treecompile.core.batch import pack
+from treecompile.core.errors import TreeInputError
+from treecompile.core.loss import LOSS_MODES
+from treecompile.capture.hf import refuse_label_smoothing
+from treecompile.core.rows import IGNORE_INDEX, as_int_list, batch_from_rows, rows_to_tree
+from treecompile.core.tree import TrajectoryTree
 
 __all__ = ["TreeCollator", "IGNORE_INDEX", "rows_to_tree", "batch_from_rows", "refuse_label_smoothing"]
 
 #: The label Hugging Face's losses skip.
-IGNORE_INDEX = -100
 
 
 class TreeCollator:
@@ -126,12 +126,12 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[in
             f"record {i} has no 'input_ids' (keys: {sorted(record)}); TreeCollator takes tokenized records "
             "{'input_ids': [...], 'labels': [...] (optional), 'attention_mask': [...] (optional)}"
         )
-    ids = _ints(record["input_ids"])
-    labels = None if record.get("labels") is None else _ints(record["labels"])
+    ids = as_int_list(record["input_ids"])
+    labels = None if record.get("labels") is None else as_int_list(record["labels"])
     if labels is not None and len(labels) != len(ids):
         raise TreeInputError(f"record {i}: {len(labels)} labels for {len(ids)} input_ids")
     if record.get("attention_mask") is not None:
-        keep = _ints(record["attention_mask"])
+        keep = as_int_list(record["attention_mask"])
         if len(keep) != len(ids):
             raise TreeInputError(f"record {i}: {len(keep)} attention_mask entries for {len(ids)} input_ids")
         cols = [t for t, m in enumerate(keep) if m]
@@ -157,173 +157,3 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[in
             "trains each sequence on its own tokens (mask a token with -100 instead)"
         )
     return ids, [int(y != IGNORE_INDEX) for y in labels], labels
-
-
-def _ints(values: Any) -> list[int]:
-    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
-
-
-# --------------------------------------------------------------------------- padded rows
-
-
-def _row_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-               position_ids: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
-    """``(row, columns)`` of every sequence in a padded or padding-free batch."""
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise TreeInputError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                                 f"{tuple(input_ids.shape)}")
-        out = []
-        for i in range(input_ids.shape[0]):
-            cols = torch.nonzero(attention_mask[i]).flatten()
-            if cols.numel() and int(cols[-1] - cols[0]) + 1 != cols.numel():
-                raise TreeInputError(f"row {i}: the attention mask has a hole (columns {cols[0].item()} to "
-                                     f"{cols[-1].item()} are not all 1); a row must be one sequence plus padding")
-            out.append((i, cols))
-        return out
-    if position_ids is None:
-        return [(i, torch.arange(input_ids.shape[1], device=input_ids.device)) for i in range(input_ids.shape[0])]
-    # Padding-free: sequences concatenated in one row, each starting at position 0.
-    out = []
-    for i in range(input_ids.shape[0]):
-        starts = torch.nonzero(position_ids[i] == 0).flatten().tolist() + [input_ids.shape[1]]
-        if starts[0] != 0:
-            raise TreeInputError(f"row {i}: padding-free position_ids must start at 0")
-        for a, b in zip(starts[:-1], starts[1:]):
-            out.append((i, torch.arange(a, b, device=input_ids.device)))
-    return out
-
-
-def rows_to_tree(
-    input_ids: torch.Tensor,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> TrajectoryTree:
-    """A trainer's padded (or padding-free) batch as one prefix tree, one path per sequence.
-
-    Args:
-        input_ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T]`` 1 on real tokens (each row one contiguous run), or None.
-        labels: ``[B, T]`` the trainer's labels: a token is a target iff its label is not
-            -100 (HF's convention: ``labels[t]`` is the token predicted from position
-            ``t - 1``); None: every token is a target.
-        position_ids: ``[B, T]`` for a padding-free batch without an attention mask
-            (sequences concatenated in a row, each starting at 0).
-
-    Returns:
-        The tree, paths in row order (in a padding-free row, in order along the row).
-
-    Raises:
-        TreeInputError: a label that is neither -100 nor the token itself (labels must not be
-            shifted), a row with a hole in its attention mask, or an empty sequence.
-    """
-    spans = _row_spans(input_ids, attention_mask, position_ids)
-    if labels is not None and labels.shape != input_ids.shape:
-        raise TreeInputError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-    ids_cpu = input_ids.detach().cpu()
-    lab_cpu = None if labels is None else labels.detach().cpu()
-    seqs, masks = [], []
-    for k, (i, cols) in enumerate(spans):
-        cols = cols.cpu()
-        if cols.numel() == 0:
-            raise TreeInputError(f"sequence {k} (row {i}) is empty")
-        toks = ids_cpu[i, cols]
-        seqs.append(toks.numpy())
-        if lab_cpu is None:
-            masks.append(None)
-            continue
-        lab = lab_cpu[i, cols]
-        target = lab != IGNORE_INDEX
-        wrong = target & (lab != toks)
-        if bool(wrong.any()):
-            j = int(torch.nonzero(wrong)[0])
-            raise TreeInputError(
-                f"sequence {k} (row {i}): label {int(lab[j])} at column {int(cols[j])} is neither -100 nor the "
-                f"token there ({int(toks[j])}); tree packing reads unshifted HF labels (labels[t] = input_ids[t])"
-            )
-        masks.append(target.to(torch.int64).numpy())
-    return TrajectoryTree.from_sequences(seqs, loss_masks=masks)
-
-
-def batch_from_rows(
-    input_ids: torch.Tensor,
-    *,
-    labels: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-) -> TreeBatch:
-    """A stock collator's padded causal-LM batch as one ``token-mean`` tree batch.
-
-    What a tree-compiled model runs when it is called the Hugging Face way,
-    ``model(input_ids=..., labels=..., attention_mask=...)``: the rows merged into one prefix
-    tree (`rows_to_tree`), packed on ``input_ids``' device. Its loss is the stock causal-LM
-    loss: the mean negative log-likelihood of the tokens whose label is not -100 (every token
-    after the first without ``labels``).
-
-    Args:
-        input_ids: ``[B, T]`` token ids.
-        labels: ``[B, T]`` unshifted labels, -100 where a token is not trained, or None.
-        attention_mask: ``[B, T]`` 1 on tokens, 0 on padding (each row one run of ones), or None.
-
-    Returns:
-        The packed `TreeBatch`.
-
-    Raises:
-        TreeInputError: ``input_ids`` not a ``[B, T]`` tensor, a trained label on padding (the
-            stock loss would train it), or what `rows_to_tree` refuses.
-    """
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2):
-        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise TreeInputError(f"input_ids must be a [batch, tokens] tensor, got {got}; or pass batch= from "
-                             "treecompile.pack or TreeCollator")
-    if labels is not None and attention_mask is not None and labels.shape == attention_mask.shape:
-        trained_pad = (attention_mask == 0) & (labels != IGNORE_INDEX)
-        if bool(trained_pad.any()):
-            i, t = (int(v) for v in torch.nonzero(trained_pad)[0])
-            raise TreeInputError(f"labels[{i}, {t}] = {int(labels[i, t])} trains a padding token (attention_mask 0); "
-                                 f"mask it with {IGNORE_INDEX}")
-    tree = rows_to_tree(input_ids, attention_mask=attention_mask, labels=labels)
-    return pack(tree, loss_mode="token-mean", device=input_ids.device)
-
-
-#: How many frames above the model's ``forward`` the ``Trainer``'s ``compute_loss`` may be
-#: (``nn.Module.__call__``, accelerate's autocast wrappers, DDP's forward in between).
-_CALLER_DEPTH = 16
-
-
-def refuse_label_smoothing() -> None:
-    """Raises `TreeInputError` when the running call comes from Hugging Face's
-    ``Trainer.compute_loss`` with label smoothing (``label_smoothing_factor > 0``).
-
-    Label smoothing is computed from the logits, which a tree-compiled model never forms (its
-    LM head gathers only each target's log-prob). With a ``token-mean`` `TreeCollator` the
-    ``Trainer`` would fail in its own code, finding a scalar where it expects logits; with
-    another loss mode the collator returns no labels and the ``Trainer`` would skip the
-    smoothing, training without it silently. The ``Trainer`` takes the labels out of the
-    inputs before the call and does not pass its options, so this looks at the calling
-    ``compute_loss`` (a subclass's own ``compute_loss`` is not looked into)."""
-    trainer_module = sys.modules.get("transformers.trainer")
-    trainer_class = getattr(trainer_module, "Trainer", None)
-    code = getattr(getattr(trainer_class, "compute_loss", None), "__code__", None)
-    if code is None:
-        return
-    frame = sys._getframe(1)
-    try:
-        for _ in range(_CALLER_DEPTH):
-            if frame is None or frame.f_code is code:
-                break
-            frame = frame.f_back
-        else:
-            return
-        trainer = None if frame is None else frame.f_locals.get("self")
-        if getattr(trainer, "label_smoother", None) is None:
-            return
-        factor = getattr(getattr(trainer, "args", None), "label_smoothing_factor", "?")
-        raise TreeInputError(
-            f"Trainer(args.label_smoothing_factor={factor}): label smoothing is computed from the logits, which a "
-            "tree-compiled model never forms (its LM head gathers only each target's log-prob); train with "
-            "label_smoothing_factor=0, or with the stock model"
-        )
-    finally:
-        del frame

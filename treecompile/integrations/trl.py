@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from treecompile.batch import TreeBatch, pack
-from treecompile.compile import TreeCompiledModel, tree_compile
-from treecompile.errors import TreeInputError
+from treecompile.core.batch import TreeBatch, pack
+from treecompile.compile.wrapper import TreeCompiledModel, tree_compile
+from treecompile.core.errors import TreeInputError
 from treecompile.integrations.hf import rows_to_tree
 
 __all__ = [

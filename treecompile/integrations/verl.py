@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from treecompile.batch import TreeBatch
-from treecompile.errors import TreeInputError
-from treecompile.rl import RLBatch, build_rl_batch
-from treecompile.tree import TrajectoryTree
+from treecompile.core.batch import TreeBatch
+from treecompile.core.errors import TreeInputError
+from treecompile.rl.losses import RLBatch, build_rl_batch
+from treecompile.core.tree import TrajectoryTree
 
 __all__ = ["VerlTreeBatch", "tree_from_verl", "logprobs_to_verl"]
 
@@ -42,7 +42,7 @@ class VerlTreeBatch:
 
     Attributes:
         rl: the packed tree with the per-row advantages and log-probs, for
-            `treecompile.rl.policy_loss`; path ``b`` is row ``b`` of the verl batch.
+            `treecompile.rl.losses.policy_loss`; path ``b`` is row ``b`` of the verl batch.
         prompt_lengths: ``[B]`` real prompt tokens per row.
         response_lengths: ``[B]`` real response tokens per row.
         response_width: ``Tr``, the width of verl's response tensors.
@@ -71,7 +71,7 @@ def tree_from_verl(
 
     Args:
         data: a verl ``DataProto`` or a mapping with its tensors.
-        loss_agg_mode: verl's ``loss_agg_mode``, a key of `treecompile.rl.LOSS_AGG_MODES`.
+        loss_agg_mode: verl's ``loss_agg_mode``, a key of `treecompile.rl.losses.LOSS_AGG_MODES`.
         max_len: ``L`` of ``seq-mean-token-sum-norm``.
         denominator: replaces the token or sequence count (global normalisation over
             micro-batches, as verl's ``global_batch_info``).

@@ -1,0 +1,149 @@
+"""What every call of a tree-compiled model shares, whole (:mod:`treecompile.compile.wrapper`) or in
+streamed parts (:mod:`treecompile.stream.options`): what it returns (`TreeOutput`), the Dynamo
+settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from treecompile.passes import markers
+from treecompile.core.reference import logits_of
+
+__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named"]
+
+
+@dataclass
+class TreeOutput:
+    """What a tree-compiled model returns.
+
+    Attributes:
+        loss: scalar, ``-(target_weight * logprobs).sum()``, plus ``coef * aux_loss`` for a
+            model with a router auxiliary loss; backward fills the model's grads.
+        logprobs: ``[S]`` log-probability of each row's token given its path prefix,
+            aligned with ``target_weight``; 0 where ``pred_index`` is -1.
+        aux_loss: scalar router load-balancing loss over all tokens of all paths (each row
+            weighted by ``path_count``), unscaled, as per-path training computes it; None for
+            a model without one (see :mod:`treecompile.passes.moe`).
+        entropy: ``[S]`` entropy of the distribution that predicts each row's token, aligned
+            with ``logprobs`` (0 where ``pred_index`` is -1), differentiable; only with
+            ``tree_compile(outputs=("entropy",))``, else None.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def __getitem__(self, key: int | slice | str) -> Any:
+        """``out[0]`` or ``out["loss"]`` is the loss, as Hugging Face's ``Trainer`` reads a model's
+        output; an index or slice reads `to_tuple` (``out[1:]``: the outputs beside the loss)."""
+        if isinstance(key, (int, slice)) and not isinstance(key, bool):
+            return self.to_tuple()[key]
+        if isinstance(key, str) and key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: a TreeOutput has an index, a slice or {', '.join(self.__dataclass_fields__)}")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the dataclass does not have: say why ``logits`` is missing (code written
+        # for Hugging Face outputs, e.g. a Trainer's ``compute_loss_func``, reads it).
+        if name == "logits":
+            raise AttributeError(
+                "a tree-compiled model returns no logits: the [rows, vocab] logits are never kept (the LM head "
+                "gathers each target's log-prob); read .logprobs ([S], aligned with the batch's target_weight), "
+                "or tree_compile(outputs=('entropy',)) for the entropy"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The fields that are set, in order (loss first), as Hugging Face's ``ModelOutput.to_tuple``."""
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None)
+
+
+# Dynamo settings for our calls only:
+# - allow_rnn: capture recurrent layers so the verify pass can name them;
+# - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
+#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
+DYNAMO_CONFIG = {
+    k: v
+    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
+    if k in torch._dynamo.config._config
+}
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def gathered_entropy(
+    logits: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """``[S]`` entropies of the ``R`` predicting rows' distributions, put at each target's row.
+
+    Every op acts along the vocabulary dimension of one row, so the verify pass accepts them.
+    """
+    z = markers._upcast(logits[0].index_select(0, rows))
+    logp = torch.log_softmax(z, dim=-1)
+    ent = -(logp.exp() * logp).sum(dim=-1)
+    return markers.scatter_to_rows(ent[slot], dest, like.shape[0])
+
+
+def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,
+             rows: torch.Tensor, slot: torch.Tensor, target: torch.Tensor, dest: torch.Tensor,
+             weight: torch.Tensor, temperature: float, want_entropy: bool) -> tuple:
+    """Inside a compiled call: the model on the packed ``ids``, then what a call returns from its
+    logits. ``(model output, loss, logprobs [S], entropy [S] or None)``; the loss is
+    ``-(weight * logprobs).sum()`` (a router's auxiliary loss is the caller's)."""
+    out = inner(ids, **kwargs)
+    logits = logits_of(out)
+    if temperature != 1.0:
+        # A row-wise scalar division: the loss pass still gathers before the LM head.
+        logits = logits / temperature
+    logprobs = torch.ops.treecompile.tree_logprobs(logits, rows, slot, target, dest)
+    loss = -(weight.to(logprobs.dtype) * logprobs).sum()
+    entropy = gathered_entropy(logits, rows, slot, dest, positions) if want_entropy else None
+    return out, loss, logprobs, entropy
+
+
+_GRAPH_NUMBERS = itertools.count()
+
+
+def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:
+    """``torch.compile(fn)`` under a code object named ``name`` and a number no other call in
+    the process gets: Dynamo caches compiled graphs per code object and keeps what it learnt
+    about a function's inputs (which sizes and floats vary) per file, line and name, so a name
+    of its own per graph keeps wrappers from sharing a recompile budget or another wrapper's
+    dynamic inputs (an id would be reused once its wrapper is freed).
+
+    torch.compile keeps every backend it is given in a process-wide table (for
+    ``torch._dynamo.reset``); ``backend`` closes over its wrapper, and through it the model,
+    so Dynamo gets a weak reference to it and the compiled function the strong one: a wrapper
+    that is dropped frees its model, parameters and graphs."""
+    code = fn.__code__.replace(co_name=f"{name}_{next(_GRAPH_NUMBERS)}")
+    fn = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
+    compiled = torch.compile(fn, backend=_WeakBackend(backend), fullgraph=True)
+    compiled._treecompile_backend = backend  # lives as long as the compiled function
+    return compiled
+
+
+class _WeakBackend:
+    """A Dynamo backend that calls ``backend`` through a weak reference (see `compile_named`)."""
+
+    def __init__(self, backend: Callable) -> None:
+        self._backend = weakref.ref(backend)
+        self.__name__ = getattr(backend, "__name__", "treecompile_backend")
+
+    def __call__(self, gm, example_inputs):
+        # Alive: Dynamo calls it only inside a call of the compiled function, which holds it.
+        return self._backend()(gm, example_inputs)

@@ -1,0 +1,5 @@
+"""``python -m treecompile.cli``."""
+
+from treecompile.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,598 @@
+"""``tree_compile(model)``: train any causal LM on a packed tree batch, exactly.
+
+    model = tree_compile(model)            # keeps the model's parameters
+    out = model(treecompile.pack(trees))   # out.loss, out.logprobs
+    out.loss.backward()                    # grads land on the original parameters
+
+The model is captured with Dynamo as one graph, rewritten by the passes in
+:mod:`treecompile.passes.pipeline` (attention, positions, loss, MoE, verify) and lowered
+with AOTAutograd (CPU) or Inductor (CUDA). The tree tensors of each batch reach the graph
+as inputs through a marker op; the BlockMask is built once per batch, outside the model.
+
+One module: the entry point and the wrapper it returns (its calls, compile records, copying
+and pickling); what the wrapper uses lives elsewhere (model surgery in
+:mod:`treecompile.capture.dynamo`, the model head in :mod:`treecompile.capture.call`, the first-call check
+in :mod:`treecompile.compile.selfcheck`, streaming in :mod:`treecompile.stream.runner`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from treecompile.core.advice import warn_position_overflow
+from treecompile.core.batch import TreeBatch
+from treecompile.capture.call import DYNAMO_CONFIG, TreeOutput, compile_named, device_of, run_head
+from treecompile.capture.dynamo import (
+    TORCH_SWAPS,
+    call_kwargs,
+    extended_buffers,
+    short_buffers,
+    hf_interfaces,
+    install_output_hooks,
+    is_hf_model,
+    mask_builder_swaps,
+    model_vocab_size,
+    sequence_kernels,
+    swapped_kernels,
+)
+from treecompile.core.rows import batch_from_rows
+from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
+from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.kernels.masks import MASK_KINDS
+from treecompile.kernels.recurrence import SCAN_KERNELS
+from treecompile.capture.hf import refuse_label_smoothing, uses_attention_interface
+from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
+from treecompile.capture.router_aux import router_aux_of
+from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.compile.probe import ProbeReport, probe_new_graphs
+from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
+
+if TYPE_CHECKING:
+    from treecompile.stream.options import StreamOptions
+
+__all__ = [
+    "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
+    "OUTPUTS",
+]
+
+#: Mask encodings ``tree_compile(mask=...)`` accepts.
+MASKS = tuple(MASK_KINDS)
+#: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
+OUTPUTS = ("entropy",)
+#: What ``tree_compile(verify=...)`` accepts: the first-call probe, the probe and the full
+#: check against per-path training, or nothing.
+VERIFY = ("probe", True, False)
+#: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
+BACKENDS = tuple(LOWERINGS)
+
+#: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
+MIN_ROWS = 2
+
+
+def tree_compile(
+    model: nn.Module,
+    *,
+    mask: str = "interval",
+    backend: str | None = None,
+    verify: bool | str = "probe",
+    outputs: tuple[str, ...] = (),
+    lm_head: str = "gather",
+    temperature: float = 1.0,
+    disable_passes: tuple[str, ...] = (),
+    stream: StreamOptions | None = None,
+    scan_kernel: str = "auto",
+) -> TreeCompiledModel:
+    """Wraps a causal LM so that it trains on packed tree batches exactly.
+
+    Args:
+        model: a Hugging Face causal LM or any module ``model(ids[1, S]) -> logits`` (a
+            tensor, a tuple starting with logits, or an object with ``.logits``).
+        mask: ``"interval"`` (``subtree_end``, default) or ``"bitmask"`` (``path_bits``;
+            pack with ``path_bits=True``).
+        backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
+            CUDA and aot_eager on CPU.
+        verify: ``"probe"`` (default): on the first call and after every recompile, run
+            the rewritten graph on a small forest from the batch's tokens, again with one
+            branch's tokens changed (rows outside it must not change, bit for bit) and with
+            one path alone (its rows must match); a mismatch refuses the model naming the
+            first op whose rows differ (:mod:`treecompile.compile.probe`; a few forward runs of a
+            tiny forest, no gradients). ``True``: the probe, and on the first call the full
+            check: a small random tree against the unmodified model run on each path, loss
+            and every parameter's gradient, in float64 on a CPU copy of the model (or, for a
+            model over 2 GiB in float64, on the model itself in its dtype), raising
+            `UnsupportedModelError` naming the parameter that differs most; with
+            ``stream``, the first streamed call also checks the streamed variant, on that
+            tree cut into several parts (`TreeCompiledModel.stream_verified`). ``False``:
+            neither.
+        outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
+            entropy of each target's predicting distribution (differentiable, for entropy
+            bonuses; the vocabulary projection then runs on every predicting row).
+        lm_head: ``"gather"`` (default): the LM head runs on the predicting rows only;
+            ``"fused"``: a plain LM head (a ``linear``) is fused with the log-softmax and
+            computed in row chunks, forward and backward, so the ``[rows, vocab]`` logits are
+            never formed (other heads, e.g. with final soft-capping, fall back to gather).
+            It saves memory, not time: 3.4x to 3.8x slower steps on an H100 (docs/benchmarks.md).
+        temperature: the logits are divided by it before the log-softmax and the entropy,
+            as a sampler and RL trainers (TRL's GRPO) do; 1 leaves them as they are.
+        disable_passes: names of passes not to run (``"rewrite_positions_pass"`` ...), to find
+            which rewrite a model needs; the verification still refuses a graph left inexact.
+        stream: a :class:`~treecompile.stream.options.StreamOptions`: a batch with more rows than
+            its ``budget_rows`` (or whose step does not fit its ``budget_bytes``) runs in
+            parts with a KV stack (:mod:`treecompile.stream.options`);
+            smaller batches are unchanged. None: every batch runs as one call.
+        scan_kernel: what runs the Gated DeltaNet / Mamba2 scans of a hybrid model on the
+            tree: ``"auto"`` (default: flash-linear-attention's kernels on CUDA when they are
+            installed and pass a check against the torch scan, else the torch scan),
+            ``"torch"`` or ``"fla"`` (raises at the first call where it cannot be used);
+            see :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
+
+    Returns:
+        A :class:`TreeCompiledModel` sharing ``model``'s parameters.
+
+    Raises:
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head``, ``scan_kernel`` or pass name.
+        UnsupportedModelError: (at the first call) the model mixes the sequence in a way
+            that cannot be made exact on a tree; the message names the op and source line.
+            (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
+            per path (see :func:`treecompile.capture.router_aux.router_aux_of`).
+    """
+    _check_model(model)
+    if mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    unknown = [o for o in outputs if o not in OUTPUTS]
+    if unknown or isinstance(outputs, str):
+        raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if scan_kernel not in SCAN_KERNELS:
+        raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
+    if verify not in VERIFY:
+        raise ValueError(f"unknown verify {verify!r}; valid: {', '.join(map(repr, VERIFY))}")
+    passes = passes_for(lm_head, disable_passes=disable_passes)
+    if stream is not None:
+        from treecompile.stream.options import StreamOptions
+
+        if not isinstance(stream, StreamOptions):
+            raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
+    return TreeCompiledModel(
+        model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
+        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream,
+    )
+
+
+class TreeCompiledModel(nn.Module):
+    """A causal LM that takes a :class:`~treecompile.TreeBatch` and returns a :class:`TreeOutput`.
+
+    The wrapped model is not registered as a submodule: ``parameters()``,
+    ``state_dict()``, ``load_state_dict()``, ``train()``, ``to()`` and attribute access
+    go straight to it, so optimizers, checkpoints and keys are unchanged (no prefix).
+
+    Attributes:
+        mask: the mask encoding, ``"interval"`` or ``"bitmask"``.
+        verify: ``"probe"``, True or False (see `tree_compile`).
+        verified: the report of the full check (``verify=True``) once it has run, else None.
+        probed: the report of the probe of each compiled graph (``verify`` not False).
+        stream_verified: with ``stream=``, the report of the check of the streamed variant,
+            run at the first streamed call (its ``stream`` holds the check run's parts).
+        compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
+            (re)compile, with the per-pass rewrite counters.
+        scan_kernel: the scan kernel of recurrent layers (see `tree_compile`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mask: str,
+        backend: str | None,
+        verify: bool | str,
+        passes: tuple = PASSES,
+        outputs: tuple[str, ...] = (),
+        temperature: float = 1.0,
+        scan_kernel: str = "auto",
+        stream: StreamOptions | None = None,
+    ) -> None:
+        super().__init__()
+        object.__setattr__(self, "_inner", model)
+        self.training = model.training
+        self.mask = mask
+        self.verify = verify
+        self._backend_name = backend
+        self.compile_records: list[CompileRecord] = []
+        self._layout = None
+        self._chunks = 0
+        self._is_hf = is_hf_model(model)
+        self._vocab_size = model_vocab_size(model, self._is_hf)
+        # Hugging Face attention-interface calls become tree markers, and the masks they are
+        # handed become TreeMasks; a model that computes attention itself keeps both.
+        self._routes_attention = self._is_hf and uses_attention_interface(model)
+        self._mask_swaps = mask_builder_swaps(model) if self._routes_attention else []
+        # Read once, here: the router auxiliary loss the model adds to its loss (from
+        # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
+        self._router_aux = router_aux_of(model) if self._is_hf else None
+        # Sequence kernels swapped for treecompile ops during each call (hybrid models).
+        self._kernels = sequence_kernels(model)
+        # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
+        self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
+        self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
+        self._compiled = None
+        self._first_record = 0
+        self._proven_rows: int | None = None
+        self._probe_rows = 0
+        self._judge_cap = 0
+        self._extends = False  # whether short buffers are extended for a call (see forward)
+        self._passes = passes
+        self._outputs = outputs
+        self.temperature = temperature
+        self.scan_kernel = scan_kernel
+        self.verified: VerifyReport | None = None
+        self.probed: list[ProbeReport] = []
+        # A model the probe refused stays refused (its compiled graph is not run again).
+        self._refused: UnsupportedModelError | None = None
+        self.stream_verified: VerifyReport | None = None
+        # A treecompile.stream.options.StreamRunner with stream=: batches over its budget stream.
+        self._stream = None
+        if stream is not None:
+            from treecompile.stream.runner import StreamRunner
+
+            self._stream = StreamRunner(self, stream)
+
+    # ------------------------------------------------------------------ delegation
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model (its parameters are the ones trained)."""
+        return self._inner
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self._inner.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._inner.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self._inner.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._inner.named_buffers(*args, **kwargs)
+
+    def children(self):
+        return self._inner.children()
+
+    def named_children(self):
+        return self._inner.named_children()
+
+    def modules(self):
+        return self._inner.modules()
+
+    def named_modules(self, *args, **kwargs):
+        return self._inner.named_modules(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self._inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._inner.load_state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> TreeCompiledModel:
+        self._inner.train(mode)
+        self.training = mode
+        return self
+
+    @property
+    def __class__(self) -> type:
+        # A Hugging Face model's wrapper passes isinstance checks as the model (as a transparent
+        # proxy does), so that Trainer.save_model saves the plain model with save_pretrained;
+        # type() still gives TreeCompiledModel. See treecompile/integrations/hf.py.
+        state = object.__getattribute__(self, "__dict__")
+        return type(state["_inner"]) if state.get("_is_hf") else type(self)
+
+    def _apply(self, fn, recurse=True):
+        self._inner._apply(fn, recurse)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none)
+
+    def _options(self) -> dict[str, Any]:
+        """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
+        return dict(mask=self.mask, backend=self._backend_name, verify=self.verify, passes=self._passes,
+                    outputs=self._outputs, temperature=self.temperature, scan_kernel=self.scan_kernel)
+
+    def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
+        # A copy of the model, wrapped with the same options (compiled again at its first call),
+        # as a reference-model copy of a trainer expects.
+        stream = None if self._stream is None else self._stream.options
+        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), stream)
+
+    def __reduce_ex__(self, protocol: int):
+        # The compiled graph and the kernels swapped in around it cannot be pickled: a pickled
+        # wrapper is its model and options, wrapped again on loading and compiled at its first
+        # call (``pickle``, ``torch.save`` of the whole wrapper).
+        stream = None if self._stream is None else self._stream.options
+        return _rewrap, (self._inner, self._options(), stream)
+
+    @property
+    def counters(self) -> dict[str, Counter]:
+        """Rewrite counters of the latest compile, per pass (empty before the first call)."""
+        return self.compile_records[-1].counters if self.compile_records else {}
+
+    # ------------------------------------------------------------------ forward
+
+    #: Hugging Face's ``Trainer`` passes ``num_items_in_batch`` to a model that says it takes it.
+    accepts_loss_kwargs = True
+
+    def forward(
+        self,
+        batch: TreeBatch | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> TreeOutput:
+        """Runs the model on a packed tree batch.
+
+        The keyword arguments are Hugging Face's (what its ``Trainer`` passes; see
+        :mod:`treecompile.integrations.hf`).
+
+        Args:
+            batch: from :func:`treecompile.pack` (or ``TreeCollator``), on the model's device.
+            input_ids: ``[B, T]`` instead of ``batch``: a stock collator's padded rows, merged
+                into one ``token-mean`` tree (``integrations.hf.batch_from_rows``), so the loss is
+                the stock causal-LM loss.
+            labels: ``[B, T]`` with ``input_ids``: -100 where a token is not trained. Beside a
+                ``batch`` it is not read (the ``batch`` holds the targets; the ``Trainer``
+                counts the trained tokens from it).
+            attention_mask: ``[B, T]`` with ``input_ids``: 0 on padding.
+            num_items_in_batch: the trained tokens of every micro-batch of the accumulation
+                window: a ``token-mean`` batch's summed loss is divided by it instead of by
+                its own count, as Hugging Face's causal-LM loss does.
+
+        Returns:
+            :class:`TreeOutput` with ``loss`` and ``logprobs`` ``[S]``.
+        """
+        if "transformers.trainer" in sys.modules:
+            refuse_label_smoothing()
+        if batch is None and input_ids is not None:
+            batch = batch_from_rows(input_ids, labels=labels, attention_mask=attention_mask)
+        elif batch is not None and (input_ids is not None or attention_mask is not None):
+            raise TreeInputError("pass either a TreeBatch (batch=) or padded rows (input_ids=, attention_mask=), "
+                                 "not both")
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"expected a TreeBatch (treecompile.pack) or input_ids, got {type(batch).__name__}")
+        if num_items_in_batch is not None:
+            batch = _normalised(batch, num_items_in_batch)
+        # Every batch is checked before it runs (O(S + N)): a malformed one (two batches
+        # concatenated field by field, ids beyond the vocabulary, NaN weights) would otherwise
+        # give NaN or silently wrong results, or fail deep inside the compiled graph.
+        batch.validate(vocab_size=self._vocab_size)
+        # A path longer than the model's context trains exactly as per path, which is itself
+        # out of the model's range: say so (once per call site, as warnings do).
+        warn_position_overflow(batch, self._inner, stacklevel=2)
+        if self._refused is not None:
+            raise self._refused
+        if self._stream is not None and self._stream.wants(batch):
+            out = self._stream(batch)
+            if self.verify is True and self.stream_verified is None:  # the streamed variant is checked on its own
+                self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
+            return out
+        if self.mask == "bitmask" and batch.path_bits is None:
+            raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
+        device = device_of(self._inner)
+        rows = batch.num_tokens
+        # Torch specialises a size-1 dimension as a constant, which would both recompile and
+        # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
+        # isolated padding row of weight 0 changes nothing else).
+        longest = int(batch.position_ids.max()) + 1
+        if self._proven_rows is not None and longest > self._proven_rows:
+            # The compiled graph rests on a judgement made at a shorter length (the model's own
+            # mask evaluated at the example length): compile again, judging at twice this
+            # path's length so that growing batches recompile O(log) times.
+            self._compiled, self._proven_rows = None, None
+            self._probe_rows = 2 * longest
+        batch = batch.padded(MIN_ROWS)
+        batch = batch.to(device) if batch.device != device else batch
+        args = self._inputs(batch)
+        compiled_before = len(self.compile_records)
+        if self._compiled is None:
+            self._compiled = self._build(device)
+            self._first_record = len(self.compile_records)
+        # Buffers shorter than the rows but as long as the longest path (nanoGPT's tril[:T, :T])
+        # fail a capture when sliced by the row count: extended for the call once a capture has
+        # failed so (then for every such batch); masks are judged no longer than they were.
+        short = short_buffers(self._inner, batch.num_tokens, longest)
+        try:
+            out = self._call(args, short if self._extends else [], rows, longest)
+        except CaptureFailed as failed:
+            if not short or self._extends:
+                raise failed.error from None
+            self._extends = True
+            try:
+                out = self._call(args, short, rows, longest)
+            except CaptureFailed as again:
+                raise again.error from None
+        loss, logprobs, aux, entropy = out
+        bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
+        self._proven_rows = min(bounds) if bounds else None
+        out = TreeOutput(
+            loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
+        )
+        if self.verify is not False:
+            probe_new_graphs(self, self.compile_records[compiled_before:], batch)
+        if self.verify is True and self.verified is None:
+            self.verified = verify_tree_compile(self, batch)
+        return out
+
+    def _call(self, args: tuple, extend: list, rows: int, longest: int) -> tuple:
+        """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
+        self._judge_cap = min((size for _, _, size in extend), default=0)
+        # No duck shaping: S, M and R must not be assumed equal because they once were.
+        hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels(self._kernels + self._mask_swaps + TORCH_SWAPS), extended_buffers(extend, rows):
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
+                try:
+                    return self._compiled(*args)
+                except torch._dynamo.exc.BackendCompilerFailed as e:
+                    # Our passes' refusals reach the user as themselves, not wrapped by Dynamo.
+                    if isinstance(e.inner_exception, UnsupportedModelError):
+                        raise e.inner_exception from None
+                    raise
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    # A graph break (or data-dependent control flow) would run part of the
+                    # model outside the rewritten graph; a model that fails under tracing
+                    # (FakeTensor errors, exceptions in its code) is refused the same way, with
+                    # Dynamo's message condensed to what failed, where and why.
+                    short = extend or short_buffers(self._inner, rows, longest)
+                    raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
+                        from None
+
+    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, probe_rows_of=None,
+                 keep_inputs: bool = False, judge_cap_of=None):
+        """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
+        wrapper's lowering (its default per device), recording into ``compile_records``. The
+        whole-tree graph and the streamed part graph (:mod:`treecompile.stream.runner`) differ
+        only in the arguments."""
+        return make_backend(
+            mask=mask,
+            layout_of=layout_of,
+            chunks_of=chunks_of,
+            lowering=self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager"),
+            records=self.compile_records,
+            passes=passes,
+            probe_rows_of=probe_rows_of or (lambda: 0),
+            scan_kernel=self.scan_kernel,
+            keep_inputs=keep_inputs,
+            judge_cap_of=judge_cap_of or (lambda: 0),
+        )
+
+    def _graph_parts(self) -> tuple[nn.Module, Any, Any, bool, float]:
+        """What a compiled graph of this wrapper closes over, whole-tree or streamed part:
+        ``(model, its call kwargs, router aux loss or None, entropy wanted, temperature)``.
+        A model with a router aux loss gets HF's output-capturing hooks installed first."""
+        if self._router_aux is not None:
+            install_output_hooks(self._inner)
+        return self._inner, self._call_kwargs, self._router_aux, "entropy" in self._outputs, self.temperature
+
+    def _build(self, device: torch.device):
+        backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
+                                passes=self._passes, probe_rows_of=lambda: self._probe_rows,
+                                keep_inputs=self.verify is not False, judge_cap_of=lambda: self._judge_cap)
+        inner, kwargs_of, router, want_entropy, temperature = self._graph_parts()
+
+        def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
+                         path_count):
+            ids = torch.ops.treecompile.tree_inputs(
+                ids, [positions, *mask_buffers], list(block_tensors), list(structure)
+            )
+            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
+                                                    dest, weight, temperature, want_entropy)
+            aux = None
+            if router is not None:
+                # Per-path training counts each token once per path through it: path_count
+                # weights each row's router statistics (see passes/moe.py).
+                aux = router.tree_aux_loss(out.router_logits, path_count)
+                loss = loss + router.coef * aux.to(loss.dtype)
+            return loss, logprobs, aux, entropy
+
+        return compile_named(tree_forward, "tree_forward", backend)
+
+    def _inputs(self, batch: TreeBatch) -> tuple:
+        """The compiled function's arguments for one batch (block mask built here, once)."""
+        if self.mask == "interval":
+            buffers = [batch.subtree_end]
+            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
+            self._chunks = 0
+        else:
+            if batch.path_bits is None:
+                raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
+            buffers = [batch.tree_ids, batch.path_bits]
+            # The bitmask rule is the same relation as the interval rule, so the block classes
+            # from subtree_end are its exact classes (what create_block_mask would find); the
+            # bitmask mask_mod decides the pairs inside partial blocks.
+            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
+            self._chunks = int(batch.path_bits.shape[1])
+            # The chunk loop is unrolled in the mask_mod: a new chunk count must recompile.
+            torch._dynamo.mark_static(batch.path_bits, 1)
+        block_tensors, self._layout = split_block_mask(block_mask)
+        pred = batch.pred_index
+        dest = torch.nonzero(pred >= 0).flatten()
+        rows, slot = torch.unique(pred[dest], return_inverse=True)
+        target = batch.input_ids[dest]
+        ids = batch.input_ids[None]
+        # The path structure, for the conv context and SSM state passes (hybrid models only).
+        # The node table lives on the CPU: the scan ops read it on the host, without a device sync.
+        structure = (
+            [batch.pred_index, torch.stack([batch.node_start, batch.node_end, batch.node_parent], 1).cpu()]
+            if self._structure else []
+        )
+        # S, the number of targets M and of predicting rows R vary per batch: one graph
+        # for all (no recompile per batch size).
+        for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
+                     (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers],
+                     *[(b, 0) for b in structure],
+                     # The block tables' sizes follow S too ([1, 1, nb] and [1, 1, nb, nb]): dynamic
+                     # from the first call, so a second batch size does not recompile.
+                     *[(b, d) for b in block_tensors for d in range(2, b.dim())]]:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        return (ids, batch.position_ids, buffers, block_tensors, structure, rows, slot, target, dest,
+                batch.target_weight, batch.path_count)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:
+    """A pickled `TreeCompiledModel` loaded: ``model`` wrapped again with its ``options``."""
+    return TreeCompiledModel(model, **options, stream=stream)
+
+
+def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
+    """``batch`` with its ``token-mean`` weights over ``num_items`` target tokens instead of its own
+    ``n_targets``: the loss becomes the summed loss over ``num_items``, as Hugging Face's causal-LM
+    loss with ``num_items_in_batch``. Tensor arithmetic, so a count on the GPU is not synced."""
+    if batch.loss_mode != "token-mean":
+        raise TreeInputError(
+            f"num_items_in_batch divides a token-mean loss, but this batch was packed with loss_mode "
+            f"{batch.loss_mode!r}; pack it with 'token-mean' (TreeCollator returns no labels for other modes, so "
+            "the Trainer passes no count)"
+        )
+    scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
+    return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
+                               path_coef=batch.path_coef * scale.to(batch.path_coef.device))
+
+
+def _check_model(model: Any) -> None:
+    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap."""
+    expected = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
+                "mapping token ids [1, S] to logits [1, S, vocab]")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
+    if isinstance(model, TreeCompiledModel):
+        raise TypeError(f"{expected}; got a model that is already tree-compiled (pass its .model)")
+    if type(model).__module__.startswith("torch.nn.") and not any(True for _ in model.children()):
+        raise TypeError(f"{expected}; got a bare torch.nn.{type(model).__name__}, which is one layer, not a model")
+    if is_hf_model(model):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None and not hasattr(model, "lm_head"):
+            raise TypeError(
+                f"{expected}; got {type(model).__name__}, a base model without an LM head "
+                "(load it with AutoModelForCausalLM)"
+            )

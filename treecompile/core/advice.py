@@ -1,0 +1,167 @@
+"""Warnings about batches that train exactly but not well: paths past the model's position
+range, and overlap too low for the tree to pay off.
+
+Example:
+    >>> from treecompile import TrajectoryTree
+    >>> tree = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 5, 6, 7]])
+    >>> round(tree.stats().por, 3)
+    0.125
+    >>> print(low_por_advice(tree.stats().por))  # doctest: +ELLIPSIS
+    POR 0.125 is low: ... per-path training with sequence packing may be as fast or faster; ...
+    >>> print(position_overflow([tree], max_positions=3))  # doctest: +ELLIPSIS
+    the longest path has 4 tokens (tree 0, path 0), more than the model's max_position_embeddings = 3; ...
+
+Each check has a pure function that returns the message (or None) and a ``warn_*`` wrapper
+that raises it as a :class:`TreeWarning` through :mod:`warnings`, so callers can filter or
+escalate it. Neither changes the batch or the result: the gradients stay exact either way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "MEASURED_SPEEDUP",
+    "TreeWarning",
+    "low_por_advice",
+    "measured_speedup",
+    "position_overflow",
+    "warn_low_por",
+    "warn_low_por_value",
+    "warn_position_overflow",
+]
+
+
+class TreeWarning(UserWarning):
+    """A batch that trains exactly but probably not as the caller intends."""
+
+
+#: ``(POR, speedup of the tree over per-path packing)``, interval mask, from the CPU table of
+#: ``docs/benchmarks.md`` (``treecompile bench --quick``: Qwen3-shaped, 2 layers, hidden 128,
+#: 2,048 path tokens, 2 threads, 2026-11-21). GPU speedups are not measured yet.
+MEASURED_SPEEDUP: tuple[tuple[float, float], ...] = (
+    (0.000, 1.02),
+    (0.198, 0.93),
+    (0.498, 1.57),
+    (0.798, 3.57),
+    (0.923, 7.37),
+)
+
+# Below this measured speedup the tree is not faster than packing within the spread of the
+# bench's repeats (the four methods at POR 0 spread from 0.97x to 1.02x).
+_NO_GAIN = 1.05
+
+
+def measured_speedup(por: float) -> float:
+    """The speedup over per-path packing at ``por``, linearly interpolated in :data:`MEASURED_SPEEDUP`."""
+    if not 0.0 <= por <= 1.0:
+        raise ValueError(f"POR must be in [0, 1], got {por}")
+    pts = MEASURED_SPEEDUP
+    if por >= pts[-1][0]:
+        return pts[-1][1]
+    for (p0, s0), (p1, s1) in zip(pts, pts[1:]):
+        if p0 <= por <= p1:
+            return s0 + (s1 - s0) * (por - p0) / (p1 - p0)
+    return pts[0][1]
+
+
+def low_por_advice(por: float) -> str | None:
+    """A message if at ``por`` tree training measured no faster than per-path packing, else None."""
+    speedup = measured_speedup(por)
+    if speedup >= _NO_GAIN:
+        return None
+    below = [f"{s:.2f}x at POR {p:.2f}" for p, s in MEASURED_SPEEDUP if s < _NO_GAIN]
+    return (
+        f"POR {por:.3f} is low: tree training measured about {speedup:.2f}x the speed of per-path packing here "
+        f"({', '.join(below)} in docs/benchmarks.md, CPU), so per-path training with sequence packing may be as "
+        f"fast or faster; the tree pays off from about POR {_break_even():.2f}"
+    )
+
+
+def _break_even() -> float:
+    """The lowest POR from which the interpolated measured speedup stays at least ``_NO_GAIN``."""
+    pts = MEASURED_SPEEDUP
+    for i in range(len(pts) - 1, 0, -1):
+        (p0, s0), (p1, s1) = pts[i - 1], pts[i]
+        if s0 < _NO_GAIN <= s1:
+            return p0 + (p1 - p0) * (_NO_GAIN - s0) / (s1 - s0)
+    return pts[0][0]
+
+
+def _path_lengths(data: Any) -> list[tuple[int, int, int]]:
+    """``(length, tree, path)`` of every path of a TreeBatch or a sequence of trees."""
+    from treecompile.core.path_sets import path_lengths
+
+    if hasattr(data, "position_ids") and hasattr(data, "tree_ids"):  # a TreeBatch
+        pos = data.position_ids.cpu()
+        tree_ids = data.tree_ids.cpu()
+        j = int(pos.argmax())
+        return [(int(pos[j]) + 1, int(tree_ids[j]), -1)]
+    out = []
+    for t, tree in enumerate(data):
+        lengths = path_lengths(tree)
+        p = int(lengths.argmax())
+        out.append((int(lengths[p]), t, p))
+    return out
+
+
+def position_overflow(data: Any, max_positions: int | None) -> str | None:
+    """A message if a path is longer than ``max_positions`` tokens, else None.
+
+    Args:
+        data: a :class:`~treecompile.TreeBatch` or a sequence of trees.
+        max_positions: the model's ``config.max_position_embeddings``; None checks nothing.
+    """
+    if max_positions is None:
+        return None
+    longest, tree, path = max(_path_lengths(data))
+    if longest <= max_positions:
+        return None
+    where = f"tree {tree}, path {path}" if path >= 0 else f"tree {tree}"
+    return (
+        f"the longest path has {longest} tokens ({where}), more than the model's max_position_embeddings = "
+        f"{max_positions}; positions past it were never trained (rotary embeddings extrapolate, learned "
+        "position tables fail): truncate the paths or use a model with a longer context"
+    )
+
+
+def _max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        value = getattr(source, "max_position_embeddings", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def warn_position_overflow(data: Any, model: Any, *, stacklevel: int = 2) -> bool:
+    """Warns (:class:`TreeWarning`) if a path of ``data`` is longer than ``model.config.max_position_embeddings``.
+
+    Meant for the compiled model's call: cheap (one argmax over ``[S]`` positions). A model
+    without that config field is not checked. Returns whether it warned.
+    """
+    message = position_overflow(data, _max_positions(model))
+    if message is not None:
+        warnings.warn(message, TreeWarning, stacklevel=stacklevel + 1)
+    return message is not None
+
+
+def warn_low_por(trees: Sequence[Any], *, stacklevel: int = 2) -> bool:
+    """Warns (:class:`TreeWarning`) if the batch's POR is so low that per-path training may be
+    faster (`treecompile.pack` does this for every batch it packs)."""
+    path_tokens = tree_tokens = 0
+    for tree in trees:
+        s = tree.stats()
+        path_tokens += s.path_tokens
+        tree_tokens += s.tree_tokens
+    return warn_low_por_value(1.0 - tree_tokens / path_tokens if path_tokens else 0.0, stacklevel=stacklevel + 1)
+
+
+def warn_low_por_value(por: float, *, stacklevel: int = 2) -> bool:
+    """Warns (:class:`TreeWarning`) if at ``por`` per-path training may be faster; whether it warned."""
+    message = low_por_advice(por)
+    if message is not None:
+        warnings.warn(message, TreeWarning, stacklevel=stacklevel + 1)
+    return message is not None

@@ -1,0 +1,399 @@
+"""DFS serialization: trees packed side by side into one row, a `TreeBatch`.
+
+Each tree's nodes are laid out in depth-first preorder, so every node's subtree
+is one contiguous range of rows and every token is computed once. Several trees
+sit side by side in the row as a forest. The per-row fields say everything a
+model needs to compute, on that row, exactly what per-path training computes:
+
+* ``position_ids``: the token's position on its own path (siblings repeat positions);
+* ``subtree_end``: key row ``k`` is visible to query row ``q`` iff ``k <= q < subtree_end[k]``
+  (``k`` is an ancestor of ``q`` or earlier in the same node);
+* ``pred_index``: the row whose output predicts the token: the previous row inside a node,
+  the parent's last row for a node's first token (shared by all children), -1 for a root's
+  first token;
+* ``target_weight``: the token's weight in the loss, summed over the paths through it.
+
+Invariants (checked by `TreeBatch.validate`):
+
+1. Nodes are in preorder: ``node_parent[n] < n``; the children of a node tile the rows
+   from its end to its subtree's end in order; trees tile the row.
+2. ``subtree_end`` is constant on a node and equals the end of its subtree; ``k`` sees
+   ``q`` iff ``node(k)`` is an ancestor-or-self of ``node(q)`` and ``k <= q``.
+3. ``pred_index[j] = j - 1`` inside a node, the parent's last row at a node start,
+   -1 exactly at a root's first row.
+4. ``position_ids[j] = position_ids[pred_index[j]] + 1``, and 0 where ``pred_index`` is -1.
+5. ``target_weight`` is finite and 0 where ``pred_index`` is -1.
+6. ``input_ids`` are in ``[0, vocab_size)``.
+7. ``path_count`` is the number of paths through each row's node.
+8. Index fields are int64; every per-row field has S entries; no node and no parent link
+   crosses a tree boundary (``tree_ids``, ``tree_offsets``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treecompile.core.advice import warn_low_por_value
+from treecompile.core.errors import TreeInputError
+from treecompile.core.preorder import climb, preorder_violation, subtree_max, subtree_sum
+from treecompile.core.tree import TrajectoryTree
+from treecompile.core.weights import path_loss_coefficients, path_target_counts, tree_target_weights
+
+__all__ = ["TreeBatch", "pack"]
+
+
+@dataclass
+class TreeBatch:
+    """One packed row of S tokens holding a forest of trees in DFS order.
+
+    Per-row fields are 1-D tensors of length S; node fields have length N (all
+    nodes of all trees, globally numbered); path fields have length P.
+
+    Attributes:
+        input_ids: ``[S]`` int64 token ids.
+        position_ids: ``[S]`` int64 position of each token on its own path.
+        subtree_end: ``[S]`` int64 exclusive end row of the token's node's subtree.
+        pred_index: ``[S]`` int64 row whose output predicts this token, or -1.
+        target_weight: ``[S]`` float64 loss weight of predicting this token.
+        tree_ids: ``[S]`` int64 index of the row's tree in the forest.
+        path_count: ``[S]`` int64 number of paths through the row's token: how many times
+            per-path training computes it (for per-token statistics such as an MoE router's
+            load-balancing loss, which count a token once per path).
+        node_start: ``[N]`` int64 first row of each node.
+        node_end: ``[N]`` int64 exclusive last row of each node's own tokens.
+        node_parent: ``[N]`` int64 parent node (global id), -1 for roots.
+        path_node: ``[P]`` int64 node each path ends at.
+        path_tree: ``[P]`` int64 tree of each path.
+        path_weight: ``[P]`` float64 path weights.
+        path_coef: ``[P]`` float64 per-path loss coefficients of ``loss_mode``.
+        path_bits: optional ``[S, C]`` int64 Prompt Trees path bitmask: bit ``k % 64`` of
+            chunk ``k // 64`` is set iff the tree's node ``k`` (numbered per tree) is on the
+            row's root path.
+        tree_offsets: ``[T + 1]`` int64 first row of each tree, then S.
+        loss_mode: the loss mode the weights implement.
+        n_targets: total target tokens over all paths (path tokens, shared ones counted per path).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    pred_index: torch.Tensor
+    target_weight: torch.Tensor
+    tree_ids: torch.Tensor
+    path_count: torch.Tensor
+    node_start: torch.Tensor
+    node_end: torch.Tensor
+    node_parent: torch.Tensor
+    path_node: torch.Tensor
+    path_tree: torch.Tensor
+    path_weight: torch.Tensor
+    path_coef: torch.Tensor
+    tree_offsets: torch.Tensor
+    loss_mode: str
+    n_targets: int
+    path_bits: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows in the batch (S)."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of all trees (N)."""
+        return int(self.node_start.shape[0])
+
+    @property
+    def num_paths(self) -> int:
+        """Paths of all trees (P)."""
+        return int(self.path_node.shape[0])
+
+    @property
+    def num_trees(self) -> int:
+        """Trees in the forest."""
+        return int(self.tree_offsets.shape[0]) - 1
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors are."""
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> TreeBatch:
+        """A copy with every tensor moved to ``device``."""
+        moved = {
+            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return TreeBatch(**moved)
+
+    def padded(self, num_tokens: int) -> TreeBatch:
+        """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
+
+        A padding row sees only itself, no row sees it, nothing predicts from it and it has no
+        target, so every other row's outputs, the loss and the gradients are unchanged.
+        """
+        extra = num_tokens - self.num_tokens
+        if extra <= 0:
+            return self
+        s, n, t = self.num_tokens, self.num_nodes, self.num_trees
+        dev = self.device
+
+        def ext(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, tail.to(device=dev, dtype=x.dtype)])
+
+        rows = torch.arange(s, num_tokens, device=dev)
+        zeros = torch.zeros(extra, dtype=torch.int64, device=dev)
+        return dataclasses.replace(
+            self,
+            input_ids=ext(self.input_ids, zeros),
+            position_ids=ext(self.position_ids, zeros),
+            subtree_end=ext(self.subtree_end, rows + 1),
+            pred_index=ext(self.pred_index, zeros - 1),
+            target_weight=ext(self.target_weight, zeros),
+            tree_ids=ext(self.tree_ids, torch.arange(t, t + extra, device=dev)),
+            path_count=ext(self.path_count, zeros),
+            node_start=ext(self.node_start, rows),
+            node_end=ext(self.node_end, rows + 1),
+            node_parent=ext(self.node_parent, zeros - 1),
+            tree_offsets=ext(self.tree_offsets, rows + 1),
+            path_bits=None if self.path_bits is None else ext(
+                self.path_bits, torch.zeros(extra, self.path_bits.shape[1], dtype=torch.int64).index_fill_(1, torch.tensor([0]), 1)
+            ),
+        )
+
+    def path_rows(self, p: int) -> torch.Tensor:
+        """``[T_p]`` rows of path ``p`` from its root, in path order."""
+        starts, ends = self.node_start.tolist(), self.node_end.tolist()
+        chain = list(climb(self.node_parent.tolist(), self.path_node[p]))
+        rows = [torch.arange(starts[n], ends[n]) for n in reversed(chain)]
+        return torch.cat(rows).to(self.device)
+
+    def reference_attention_mask(self) -> torch.Tensor:
+        """``[S, S]`` bool, entry ``[q, k]`` true iff query ``q`` sees key ``k``.
+
+        A reference for tests and small examples only: O(S^2) memory.
+        """
+        idx = torch.arange(self.num_tokens, device=self.device)
+        q, k = idx[:, None], idx[None, :]
+        return (k <= q) & (q < self.subtree_end[None, :])
+
+    def validate(self, vocab_size: int | None = None) -> TreeBatch:
+        """Checks every invariant listed in `treecompile.core.batch`; returns self.
+
+        Raises:
+            TreeInputError: naming the first violated invariant and where.
+        """
+        _validate(self, vocab_size)
+        return self
+
+
+def _fail(msg: str) -> None:
+    raise TreeInputError(f"invalid TreeBatch: {msg}")
+
+
+def _validate(b: TreeBatch, vocab_size: int | None) -> None:
+    s = b.num_tokens
+    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "target_weight", "tree_ids", "path_count"):
+        t = getattr(b, name)
+        if t.dim() != 1 or t.shape[0] != s:
+            _fail(f"{name} has shape {tuple(t.shape)}, expected ({s},)")
+    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "tree_ids", "path_count", "node_start",
+                 "node_end", "node_parent", "path_node", "tree_offsets"):
+        if getattr(b, name).dtype != torch.int64:
+            _fail(f"{name} must be int64, got {getattr(b, name).dtype}")
+    ids = b.input_ids.cpu().numpy()
+    if s == 0:
+        _fail("the batch is empty")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int64).max)))[0])
+        _fail(f"input_ids[{bad}] = {int(ids[bad])} is out of range for vocab_size={vocab_size}")
+
+    start, end, parent = (t.cpu().numpy() for t in (b.node_start, b.node_end, b.node_parent))
+    n = start.shape[0]
+    if n == 0 or start[0] != 0 or end[-1] != s or np.any(start[1:] != end[:-1]) or np.any(end <= start):
+        _fail("nodes must tile the row in order, each with at least one token")
+    why = preorder_violation(parent)
+    if why is not None:
+        _fail(f"node_parent: {why}")
+    sub_end_node = subtree_max(parent, np.arange(1, n + 1))
+    node_sub_end_row = np.append(start, s)[sub_end_node]
+
+    lengths = end - start
+    node_of_row = np.repeat(np.arange(n), lengths)
+    rows = np.arange(s)
+    sub = b.subtree_end.cpu().numpy()
+    bad = np.flatnonzero(sub != node_sub_end_row[node_of_row])
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"subtree_end[{j}] = {int(sub[j])}, but its node's subtree ends at {int(node_sub_end_row[node_of_row[j]])}")
+    first = start[node_of_row] == rows
+    par = parent[node_of_row]
+    expected_pred = np.where(first, np.where(par >= 0, end[np.maximum(par, 0)] - 1, -1), rows - 1)
+    pred = b.pred_index.cpu().numpy()
+    bad = np.flatnonzero(pred != expected_pred)
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"pred_index[{j}] = {int(pred[j])}, expected {int(expected_pred[j])}")
+    pos = b.position_ids.cpu().numpy()
+    expected_pos = np.where(pred >= 0, pos[np.maximum(pred, 0)] + 1, 0)
+    bad = np.flatnonzero(pos != expected_pos)
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"position_ids[{j}] = {int(pos[j])}, expected {int(expected_pos[j])} (one past its predecessor's)")
+    w = b.target_weight.detach().cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(w) | ((pred < 0) & (w != 0)))
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"target_weight[{j}] = {w[j]}: weights must be finite and 0 where there is no predictor")
+    offs = b.tree_offsets.cpu().numpy()
+    if offs[0] != 0 or offs[-1] != s or np.any(np.diff(offs) <= 0):
+        _fail("tree_offsets must start at 0, end at S and increase")
+    tid = b.tree_ids.cpu().numpy()
+    if np.any(tid != np.repeat(np.arange(len(offs) - 1), np.diff(offs))):
+        _fail("tree_ids must number the trees given by tree_offsets")
+    # A node, or a link from a node to its parent, never crosses a tree boundary.
+    if np.any(tid[start] != tid[end - 1]) or np.any((parent >= 0) & (tid[start] != tid[start[np.maximum(parent, 0)]])):
+        _fail("a node or a parent link crosses a tree boundary")
+    through = subtree_sum(parent, np.bincount(b.path_node.cpu().numpy(), minlength=n))
+    bad = np.flatnonzero(b.path_count.cpu().numpy() != through[node_of_row])
+    if bad.size:
+        j = int(bad[0])
+        _fail(f"path_count[{j}] = {int(b.path_count[j])}, but {int(through[node_of_row[j]])} paths pass through it")
+    if b.path_bits is not None:
+        if b.path_bits.dim() != 2 or b.path_bits.shape[0] != s:
+            _fail(f"path_bits has shape {tuple(b.path_bits.shape)}, expected ({s}, C)")
+
+
+def _tree_path_bits(tree: TrajectoryTree, chunks: int) -> np.ndarray:
+    """``[N, chunks]`` uint64 path vectors: node ``k``'s bit on every node below it."""
+    n = tree.num_nodes
+    bits = np.zeros((n, chunks), dtype=np.uint64)
+    for v in range(n):
+        p = tree.parent[v]
+        if p >= 0:
+            bits[v] = bits[p]
+        bits[v, v // 64] |= np.uint64(1) << np.uint64(v % 64)
+    return bits
+
+
+def pack(
+    trees: TrajectoryTree | Sequence[TrajectoryTree],
+    *,
+    loss_mode: str = "token-mean",
+    denominator: float | None = None,
+    max_tokens: int | None = None,
+    vocab_size: int | None = None,
+    path_bits: bool = False,
+    device: torch.device | str | None = None,
+    warn_por: bool = True,
+) -> TreeBatch:
+    """Serializes trees depth-first into one packed row.
+
+    Args:
+        trees: a tree or a list of trees, placed side by side as a forest.
+        loss_mode: a key of `treecompile.core.loss.LOSS_MODES`; the normalization is
+            over all paths of all trees in the batch.
+        denominator: replaces the batch's own normalizer (token count or path count), for
+            normalizing globally over micro-batches and ranks.
+        max_tokens: refuse a batch with more rows than this.
+        vocab_size: refuse token ids at or above this.
+        path_bits: also build the Prompt Trees path bitmask (``[S, C]`` int64).
+        device: where to put the tensors.
+        warn_por: warn (`treecompile.core.advice.TreeWarning`, once per call site) when the
+            batch's POR is so low that per-path training may be as fast
+            (`treecompile.core.advice.low_por_advice`).
+
+    Returns:
+        The `TreeBatch`.
+    """
+    if isinstance(trees, TrajectoryTree):
+        trees = [trees]
+    trees = list(trees)
+    if not trees:
+        raise TreeInputError("pack needs at least one tree")
+    for i, t in enumerate(trees):
+        if not isinstance(t, TrajectoryTree):
+            raise TreeInputError(f"trees[{i}] is a {type(t).__name__}, not a TrajectoryTree")
+    sizes = [t.num_tokens for t in trees]
+    total = sum(sizes)
+    if max_tokens is not None and total > max_tokens:
+        biggest = int(np.argmax(sizes))
+        raise TreeInputError(
+            f"the batch has {total} tokens, over max_tokens={max_tokens} (largest tree: #{biggest} "
+            f"with {sizes[biggest]} tokens); pack fewer trees or partition them"
+        )
+    if vocab_size is not None:
+        for i, t in enumerate(trees):
+            if t.tokens.size and t.tokens.max() >= vocab_size:
+                j = int(np.argmax(t.tokens >= vocab_size))
+                raise TreeInputError(
+                    f"tree {i}: token id {int(t.tokens[j])} is out of range for vocab_size={vocab_size}"
+                )
+
+    counts = np.concatenate([path_target_counts(t) for t in trees])
+    weights = np.concatenate([t.path_weight for t in trees])
+    coef = path_loss_coefficients(counts, weights, loss_mode, denominator)
+
+    ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
+    nstart, nend, npar, pnode, ptree = [], [], [], [], []
+    row_base = node_base = path_base = 0
+    chunks = max((t.num_nodes + 63) // 64 for t in trees)
+    bits = []
+    for ti, t in enumerate(trees):
+        n, lengths, offs = t.num_nodes, t.node_lengths, t.node_offsets
+        node_of_row = np.repeat(np.arange(n), lengths)
+        local = np.arange(t.num_tokens) - offs[node_of_row]
+        ids.append(t.tokens)
+        pos.append(t.depth_start[node_of_row] + local)
+        sub.append(offs[t.subtree_end_node][node_of_row] + row_base)
+        parent_last = np.where(t.parent >= 0, offs[np.maximum(t.parent, 0) + 1] - 1 + row_base, -1)
+        pred.append(np.where(local == 0, parent_last[node_of_row], np.arange(t.num_tokens) - 1 + row_base))
+        tw.append(tree_target_weights(t, coef[path_base : path_base + t.num_paths]))
+        tid.append(np.full(t.num_tokens, ti, dtype=np.int64))
+        pcount.append(t.path_counts()[node_of_row])
+        nstart.append(offs[:-1] + row_base)
+        nend.append(offs[1:] + row_base)
+        npar.append(np.where(t.parent >= 0, t.parent + node_base, -1))
+        pnode.append(t.path_node + node_base)
+        ptree.append(np.full(t.num_paths, ti, dtype=np.int64))
+        if path_bits:
+            bits.append(_tree_path_bits(t, chunks)[node_of_row])
+        row_base += t.num_tokens
+        node_base += n
+        path_base += t.num_paths
+
+    def cat(parts: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype=dtype, device=device)
+
+    # Per-path training would compute every row once per path through it: a batch that shares
+    # too little gains nothing from the tree (once per call site, as warnings are).
+    if warn_por:
+        path_tokens = int(sum(int(c.sum()) for c in pcount))
+        warn_low_por_value(1.0 - total / path_tokens if path_tokens else 0.0, stacklevel=2)
+
+    return TreeBatch(
+        input_ids=cat(ids, torch.int64),
+        position_ids=cat(pos, torch.int64),
+        subtree_end=cat(sub, torch.int64),
+        pred_index=cat(pred, torch.int64),
+        target_weight=cat(tw, torch.float64),
+        tree_ids=cat(tid, torch.int64),
+        path_count=cat(pcount, torch.int64),
+        node_start=cat(nstart, torch.int64),
+        node_end=cat(nend, torch.int64),
+        node_parent=cat(npar, torch.int64),
+        path_node=cat(pnode, torch.int64),
+        path_tree=cat(ptree, torch.int64),
+        path_weight=torch.from_numpy(weights.copy()).to(device=device),
+        path_coef=torch.from_numpy(coef.copy()).to(device=device),
+        tree_offsets=torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64, device=device),
+        loss_mode=loss_mode,
+        n_targets=int(counts.sum()),
+        path_bits=cat([b.view(np.int64) for b in bits], torch.int64) if path_bits else None,
+    )

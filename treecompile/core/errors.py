@@ -1,0 +1,142 @@
+"""Exceptions raised by treecompile."""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed"]
+
+
+class TreeInputError(ValueError):
+    """Input data (sequences, masks, weights, trees, batches) that cannot be trained on exactly."""
+
+
+class UnsupportedModelError(RuntimeError):
+    """A model contains an operation that treecompile cannot make exact on a tree."""
+
+
+def capture_error(exc: BaseException) -> UnsupportedModelError:
+    """Turns an error raised while Dynamo captures the model into a refusal whose first line
+    says what failed, where in the model's source, and why.
+
+    Dynamo's own message (a graph-break type such as "Observed exception", an explanation,
+    hints and developer context) is condensed: its user-code frame gives the source line, its
+    explanation or the exception the model raised gives the reason. Dynamo's full message is
+    not repeated (it would bury the reason); ``TORCHDYNAMO_VERBOSE=1`` shows its trace.
+    """
+    text = str(exc)
+    lines = text.splitlines()
+    kind = lines[0].strip() if lines else type(exc).__name__
+    where, code = _user_frame(lines)
+    raised = _after(text, "Developer debug context: raised exception ")
+    explanation = _after(text, "Explanation: ")
+    fake = re.search(r"got (\w+(?:Error|Exception)\(.*?\))\s*$", text, re.MULTILINE)
+    if fake and not raised:
+        raised = fake.group(1)
+    if raised.startswith(f"{UnsupportedModelError.__name__}("):
+        # One of treecompile's own refusals, raised inside the model's call (an attention or
+        # mask marker): its text is the reason, the model's call site the place.
+        try:
+            reason = ast.literal_eval(raised[len(UnsupportedModelError.__name__):].strip()[1:-1].rstrip(","))
+        except (ValueError, SyntaxError):
+            reason = raised
+        short = where.rsplit("/", 1)[-1]
+        return UnsupportedModelError(
+            f"treecompile cannot make this model exact on a tree: {reason} (called at {short}).\n  at {where}: {code}"
+        )
+    if raised:
+        why = f"it raises {raised} when traced"
+        hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
+               "tensor need it built, which tree batches do not do"
+    elif kind.lower().startswith("data-dependent branching"):
+        why = "it branches on a tensor's value, which cannot be captured as one graph"
+        hint = "make the code branchless (torch.where) or move the decision out of the model"
+    elif explanation:
+        why = explanation.rstrip(".")
+        hint = "the model must run on one packed row of any length; see docs/supported-models.md"
+    else:
+        why = kind
+        hint = "see docs/supported-models.md"
+    site = f"`{code}` at {where}" if where else "the model"
+    return UnsupportedModelError(
+        f"treecompile cannot capture this model: {site}: {why} ({kind}).\n  What to do: {hint}.\n"
+        f"  (Dynamo: {kind}; set TORCHDYNAMO_VERBOSE=1 for its full trace.)"
+    )
+
+
+def _after(text: str, marker: str) -> str:
+    i = text.find(marker)
+    if i < 0:
+        return ""
+    rest = text[i + len(marker):].strip().splitlines()
+    return rest[0].strip() if rest else ""
+
+
+def _user_frame(lines: list[str]) -> tuple[str, str]:
+    """``("file:line", code)`` of the innermost frame under "from user code:" outside treecompile."""
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == "from user code:")
+    except StopIteration:
+        return "", ""
+    frames = []
+    for i in range(start + 1, len(lines)):
+        ln = lines[i].strip()
+        if ln.startswith('File "'):
+            path = ln.split('"')[1]
+            lineno = ln.split("line ")[1].split(",")[0] if "line " in ln else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            frames.append((f"{path}:{lineno}", code, path))
+    ours = _package_dirs()
+    outside = [f for f in frames if not any(f[2].startswith(d) for d in ours)]
+    chosen = (outside or frames or [("", "", "")])[-1]
+    return chosen[0], chosen[1]
+
+
+def _package_dirs() -> list[str]:
+    """Directories of treecompile's own code (its passes and kernels may live apart from it)."""
+    import os
+    import sys
+
+    dirs = []
+    for name in ("treecompile", "treecompile.passes", "treecompile.kernels"):
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path) + os.sep)
+    return dirs
+
+
+class CaptureFailed(Exception):
+    """A failed capture, carrying its refusal (``error``)."""
+
+    def __init__(self, error: UnsupportedModelError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModelError,
+                     short: list) -> UnsupportedModelError:
+    """``error``, or, if the batch has more rows than its longest path, a refusal that says how
+    to run it: a model that checks or slices by the sequence length sees the packed row's length.
+    A buffer shorter than the rows but as long as every path (``tril[:T, :T]``, ``cos[:T]``) is
+    extended for the call (`short`); a capture that fails anyway names it."""
+    first, _, rest = str(error).partition("\n")
+    if short:
+        module, attr, size = short[0]
+        name = next((f"{n}.{attr}" if n else attr for n, m in model.named_modules() if m is module), attr)
+        return UnsupportedModelError(
+            f"treecompile cannot capture this model on a batch of {rows} rows: it slices buffer {name!r} "
+            f"({size} entries) by the sequence length, and the packed row is longer than the buffer although "
+            f"every path fits ({longest} tokens).\n"
+            f"  What to do: pack at most {size} rows per batch (treecompile.planning.partition with that capacity), or "
+            f"enlarge the buffer.\n  The capture failed with: {first}"
+        )
+    if rows > longest:
+        return UnsupportedModelError(
+            f"{first}\n  The batch packs {rows} rows and its longest path has {longest} tokens: a check or slice by "
+            "the sequence length in the model sees the packed row's length. If the model runs each path alone, pack "
+            f"fewer rows per batch (treecompile.planning.partition with a smaller capacity).\n{rest}"
+        )
+    return error

@@ -1,0 +1,8 @@
+"""What fits where: memory models, partitions of a tree, shards, micro-batches.
+
+`budget` and `peak_memory` predict and measure a step's peak; `partition` cuts a tree
+into parts under a budget; `shard` spreads parts over ranks; `grouping` finds samples
+that share prefixes; `dataloader` builds tree batches from datasets.
+
+Layer 5: imports kernels and core.
+"""
