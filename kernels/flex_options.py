@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["FlexOptions", "FLEX_OPTIONS", "TABLE_ENV", "arch_of", "candidates", "flex_kernel_options", "load_table",
-           "save_table", "tune", "format_table", "cmd_tune"]
+           "save_table", "tune", "format_table"]
 
 #: A JSON file written by ``treecompile tune --write FILE``: when set, its table replaces
 #: :data:`FLEX_OPTIONS` (a key it lacks gets torch's own choice), e.g. for a GPU the package's
@@ -250,27 +249,3 @@ def format_table(table: dict[tuple[str, int, str], FlexOptions], note: str = "")
         lines.append(f"    {key!r}: FlexOptions(fwd={o.fwd!r}, bwd={o.bwd!r}),")
     lines.append("}")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def cmd_tune(args) -> int:
-    if not torch.cuda.is_available():
-        print("treecompile tune: no CUDA device; kernel options are tuned on the GPU they run on", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    best, timings = tune(
-        args.head_dims, [getattr(torch, d) for d in args.dtypes], rows=args.rows, repeats=args.repeats,
-        time_budget_s=getattr(args, "time_budget", None), progress=lambda s: print(s, file=sys.stderr, flush=True),
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(timings, f, indent=2)
-    device = torch.cuda.get_device_name()
-    note = f"measured by `treecompile tune --rows {args.rows}` on {device}, torch {torch.__version__}, " \
-           f"{time.perf_counter() - t0:.0f} s; keys where torch's default won are absent"
-    if getattr(args, "write", None):
-        save_table(best, args.write, note)
-    print(format_table(best, note))
-    return 0

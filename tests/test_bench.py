@@ -134,12 +134,12 @@ def test_measured_rows_carry_their_spread(tiny_result):
 
 
 def test_the_progress_bar_counts_every_measurement(tiny_result):
-    from treecompile.cli.main import _bench_measurements
+    from treecompile.cli.bench import measurements
 
-    assert _bench_measurements(bench.TINY) == len(tiny_result.rows)
+    assert measurements(bench.TINY) == len(tiny_result.rows)
     # 2 synthetic PORs, the tau-bench tasks asked for (the sample holds 4), one GSM8K workload.
-    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 5
-    assert _bench_measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
+    assert measurements(bench.with_overrides(bench.TINY, tau_tasks=2, methods=("packed",))) == 5
+    assert measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
 
 
 def test_tests_sharing_the_run_are_one_xdist_group(request, tiny_result):

@@ -311,8 +311,8 @@ def test_png_is_a_valid_image():
 
 def test_the_module_imports_nothing_heavy():
     code = (
-        "import argparse, sys; from treecompile.cli.inspect_cmd import add_inspect_command; "
-        "add_inspect_command(argparse.ArgumentParser().add_subparsers()); "
+        "import argparse, sys; from treecompile.cli.inspect_cmd import add_command; "
+        "add_command(argparse.ArgumentParser().add_subparsers()); "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

@@ -5,15 +5,15 @@ import json
 
 import pytest
 
-from treecompile.cli.plan import add_plan_command, run_plan
+from treecompile.cli.plan import add_command, run
 
 
 def _run(argv, capsys):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    add_plan_command(sub)
+    add_command(sub)
     args = parser.parse_args(["plan", *argv])
-    assert run_plan(args) == 0
+    assert run(args) == 0
     return capsys.readouterr().out
 
 

@@ -785,14 +785,14 @@ def test_plan_stream_command_reports_the_schedule(mode, capsys):
     import argparse
     import json
 
-    from treecompile.cli.plan import add_plan_command, run_plan
+    from treecompile.cli.plan import add_command, run
 
     parser = argparse.ArgumentParser()
-    add_plan_command(parser.add_subparsers(dest="command"))
+    add_command(parser.add_subparsers(dest="command"))
     # A capacity below the longest path: partitioning would refuse it, streaming does not.
     args = parser.parse_args(["plan", "sample:tau_bench", "--tokenizer", "sample", "--limit", "2", "--capacity",
                               "300", "--stream", mode, "--json"])
-    assert run_plan(args) == 0
+    assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
     for t in out["trees"]:
         assert t["parts"] >= -(-t["rows"] // 300) and 1 <= t["stack_depth"] <= t["parts"]
@@ -842,7 +842,7 @@ def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
 
     from treecompile.planning.budget import BudgetError, CostModel
     from treecompile.cli.main import main
-    from treecompile.cli.plan import _load_trees, add_plan_command
+    from treecompile.cli.plan import _load_trees, add_command
     from treecompile.stream.plan import choose_stream
 
     config = transformers.Qwen3Config(**SMALL, head_dim=8)
@@ -858,7 +858,7 @@ def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["capacity"] == 1000 and out["budget"]["budget_bytes"] == budget and out["budget"]["capacity"] == 1000
         parser = argparse.ArgumentParser()
-        add_plan_command(parser.add_subparsers(dest="command"))
+        add_command(parser.add_subparsers(dest="command"))
         _, trees, _ = _load_trees(parser.parse_args(base))
         streamed = 0
         for t, tree in zip(out["trees"], trees):

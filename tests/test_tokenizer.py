@@ -128,7 +128,7 @@ def test_public_api_is_pinned():
         "load_conversations", "load_sequences", "load_trees", "save_conversations", "save_sequences",
         "save_trees", "trees_from_sequences", "write_jsonl",
     ]  # fmt: skip
-    assert treecompile.cli.main.__all__ == ["COMMANDS", "build_parser", "cmd_bench", "cmd_stats", "main"]
+    assert treecompile.cli.main.__all__ == ["COMMANDS", "build_parser", "main"]
     assert treecompile.data.__all__ == [
         "SAMPLE_FILES", "sample_conversations", "sample_gsm8k", "sample_path", "sample_tau_bench", "sample_think",
     ]  # fmt: skip

@@ -4,7 +4,7 @@ Example::
 
     treecompile inspect ./qwen3-tiny --mask bitmask --png mask.png
 
-Registered by ``treecompile.cli.main`` as ``add_inspect_command(subparsers)``; ``run_inspect(args)``
+Registered by ``treecompile.cli.main`` as ``add_command(subparsers)``; ``run(args)``
 builds the model (:mod:`treecompile.capture.model_loader`), inspects it
 (:func:`treecompile.compile.inspection.inspect_model`) and prints the text or JSON report. Nothing
 heavy is imported until the command runs.
@@ -20,10 +20,10 @@ from treecompile.compile.inspection import BACKENDS, as_json, inspect_model, ren
 from treecompile.compile.maskview import PNG_CELL
 from treecompile.capture.model_loader import DTYPES, MAX_PARAMS, load_model
 
-__all__ = ["add_inspect_command", "run_inspect"]
+__all__ = ["add_command", "run"]
 
 
-def add_inspect_command(sub: argparse._SubParsersAction) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``inspect`` subcommand to the CLI's subparsers (imports nothing heavy)."""
     from treecompile.cli.args import int_at_least
 
@@ -72,10 +72,10 @@ def add_inspect_command(sub: argparse._SubParsersAction) -> None:
         "--allow-large", action="store_true",
         help=f"build HF configs above {MAX_PARAMS / 1e9:.0f}B parameters (refused by default)",
     )
-    p.set_defaults(func=run_inspect)
+    p.set_defaults(func=run)
 
 
-def run_inspect(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
     if args.png:
         from treecompile.cli.args import require_plot

@@ -9,7 +9,7 @@ Prints, per tree, its parts under the token capacity C with POR and ERR (Tree Tr
 builds it (paths sharded by AReaL-DTA Algorithm 4, partitioned, packed into micro-batches):
 per-rank load and duplicated tokens, compared with greedy sharding by token count.
 
-Registered by ``treecompile.cli.main`` as ``add_plan_command(subparsers)``; ``run_plan(args)``
+Registered by ``treecompile.cli.main`` as ``add_command(subparsers)``; ``run(args)``
 does the work. Inputs are read as ``treecompile stats`` reads them.
 """
 
@@ -20,10 +20,10 @@ import json
 import time
 from typing import Any
 
-__all__ = ["add_plan_command", "run_plan"]
+__all__ = ["add_command", "run"]
 
 
-def add_plan_command(sub: argparse._SubParsersAction) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``plan`` subcommand to the CLI's subparsers."""
     from treecompile.data.chat import SAMPLES, THINK
     from treecompile.cli.args import int_at_least
@@ -79,7 +79,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         help="with --stream: the model adds a router auxiliary loss (MoE), whose gradient costs one more forward "
         "pass over every tree without a graph; counted in the forward rows and the ERR",
     )
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run)
 
 
 def _bytes_amount(text: str) -> int:
@@ -139,7 +139,7 @@ def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[st
     return inputs.names, inputs.trees, header
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``treecompile plan FILE``: partition, POR, ERR, per-rank load and duplicated tokens."""
     from treecompile.planning.dataloader import plan_step
     from treecompile.planning.partition import partition_tree, path_lengths

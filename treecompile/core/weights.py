@@ -32,18 +32,25 @@ from treecompile.core.preorder import root_path_sum, subtree_sum
 if TYPE_CHECKING:
     from treecompile.core.tree import TrajectoryTree
 
-__all__ = ["LOSS_MODES", "path_loss_coefficients", "path_target_counts", "tree_target_weights"]
+__all__ = ["MODES", "LOSS_MODES", "path_loss_coefficients", "path_target_counts", "tree_target_weights"]
 
-LOSS_MODES: dict[str, str] = {
+#: Every way a batch's per-path losses are combined, as its per-path coefficient ``c_p``:
+#: ``w_p`` is the path weight, ``n_p`` its number of target tokens, ``P`` the number of paths,
+#: ``N`` the total number of target tokens over all paths and ``L`` a constant length. A
+#: ``denominator`` replaces ``N`` (token-mean) or ``P`` (seq-mean modes): a global count across
+#: micro-batches and ranks. The one table: `LOSS_MODES` (what ``pack(loss_mode=...)`` builds
+#: from the tree alone) and `treecompile.rl.losses.LOSS_AGG_MODES` (verl's ``loss_agg_mode``)
+#: are its rows.
+MODES: dict[str, str] = {
     "token-mean": "c_p = w_p / N: the mean over every target token of every path",
-    "seq-mean-token-mean": "c_p = w_p / (P * n_p): each path's mean, then the mean over paths",
-    "seq-mean-token-sum": "c_p = w_p / P: each path's sum, then the mean over paths",
+    "seq-mean-token-mean": "c_p = w_p / (P * n_p): each path's token mean, then the mean over paths",
+    "seq-mean-token-sum": "c_p = w_p / P: each path's token sum, then the mean over paths",
     "sum": "c_p = w_p: the plain sum over paths and their target tokens",
+    "seq-mean-token-sum-norm": "c_p = w_p / (P * L): each path's sum over a constant length L (Dr. GRPO)",
 }
-"""Loss modes and their per-path coefficient ``c_p``: ``w_p`` is the path weight, ``n_p`` its
-number of target tokens, ``P`` the number of paths and ``N`` the total number of target tokens
-over all paths. A ``denominator`` replaces ``N`` or ``P`` (for example a global count across
-micro-batches and ranks)."""
+
+LOSS_MODES: dict[str, str] = {m: MODES[m] for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")}
+"""The loss modes ``pack`` and `tree_compile` take (rows of :data:`MODES`)."""
 
 
 def _check_mode(mode: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treecompile.core.weights import MODES
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError
 from treecompile.kernels.dtypes import compute_dtype
@@ -62,16 +63,10 @@ __all__ = [
     "per_path_policy_loss",
 ]
 
-LOSS_AGG_MODES: dict[str, str] = {
-    "token-mean": "c_p = w_p / N: the mean over every target token of every path",
-    "seq-mean-token-mean": "c_p = w_p / (P * n_p): each path's token mean, then the mean over paths",
-    "seq-mean-token-sum": "c_p = w_p / P: each path's token sum, then the mean over paths",
-    "seq-mean-token-sum-norm": "c_p = w_p / (P * L): each path's sum over a constant length L (Dr. GRPO)",
-}
-"""Loss aggregation modes and their per-path coefficient: ``w_p`` the path weight, ``n_p`` its target
-tokens, ``P`` the paths, ``N`` the target tokens of all paths, ``L`` a constant (``max_len``). A
-``denominator`` replaces ``N`` (token-mean) or ``P`` (seq-mean modes): a global count over
-micro-batches and ranks. verl's ``seq-mean-token-sum-norm`` divides the batch sum by ``L`` only: pass
+LOSS_AGG_MODES: dict[str, str] = {m: MODES[m] for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                                          "seq-mean-token-sum-norm")}
+"""The loss aggregation modes (verl's ``loss_agg_mode``): rows of `treecompile.core.weights.MODES`.
+``L`` is ``max_len``; verl's ``seq-mean-token-sum-norm`` divides the batch sum by ``L`` only: pass
 ``denominator=1`` for that."""
 
 OBJECTIVES: dict[str, str] = {
