@@ -31,6 +31,7 @@ removes it, runs the passes, then lowers with the chosen backend.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -48,10 +49,11 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
+from treecompile.passes.stream import StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
-__all__ = [
+__all__ = ["streamed", 
     "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
 ]
 
@@ -129,6 +131,21 @@ def passes_for(
             f" ({', '.join(p.__name__ for p in _REQUIRED)} always runs)"
         )
     return Pipeline(tuple(p for p in passes if p.__name__ not in disable_passes), before, after)
+
+
+def streamed(pipeline: Pipeline, state: StreamGraph) -> Pipeline:
+    """The pipeline of a streamed part's graph: ``pipeline`` with the stream passes
+    (`treecompile.passes.stream`, sharing ``state``) each right after the pass it follows:
+    the stream inputs are read after the subgraphs are inlined, the prefix K/V routed after
+    the attention rewrite, the recurrent state and conv context after the SSM state pass."""
+    read, route, route_state = stream_passes(state)
+    after = {inline_subgraphs_pass: read, rewrite_attention_pass: route, route_ssm_state_pass: route_state}
+    passes = []
+    for p in pipeline.passes:
+        passes.append(p)
+        if p in after:
+            passes.append(after[p])
+    return dataclasses.replace(pipeline, passes=tuple(passes))
 
 
 def _lower_eager(gm: fx.GraphModule, example_inputs):

@@ -112,7 +112,7 @@ def test_deepcopy_keeps_the_temperature_and_the_streaming_options():
     twin = copy.deepcopy(compiled)
     assert twin.temperature == 0.7
     assert twin._stream is not compiled._stream
-    assert twin._stream.options == options and twin._stream.wrapper is twin
+    assert twin._stream.options == options and twin._stream.setup.model is twin.model  # runs the twin, not the original
 
 
 def test_generate_runs_the_original_model():
@@ -256,7 +256,7 @@ def test_pickled_wrapper_reloads_and_compiles_again(compiled_qwen3, tmp_path):
                                                                               other._passes)
     options = StreamOptions(budget_rows=64)
     copy_ = pickle.loads(pickle.dumps(tc.tree_compile(model, stream=options, backend="eager")))
-    assert copy_._stream.options == options and copy_._stream.wrapper is copy_
+    assert copy_._stream.options == options and copy_._stream.setup.model is copy_.model  # runs the copy
 
 
 # ----------------------------------------------------------------------------- PEFT

@@ -530,7 +530,7 @@ def test_mamba_hybrids_stream_exactly(family, mode):
         # attention's heads) is the one the graph checked: a first call captures it once.
         import treecompile.stream.runner as stream_runner
 
-        guess, checked = stream_runner._layout_guess(compiled), compiled._stream._shapes
+        guess, checked = stream_runner._layout_guess(compiled._stream.setup), compiled._stream._shapes
         assert (guess.shapes, guess.conv, guess.states) == (checked.shapes, checked.conv, checked.states)
         assert checked.states == [(64, 8, 1, torch.float64)]
     streamed = [r for r in compiled.compile_records if "route_stream_state_pass" in r.counters][-1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
-__all__ = ["TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named"]
+__all__ = ["CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named"]
 
 
 @dataclass
@@ -147,3 +147,40 @@ class _WeakBackend:
     def __call__(self, gm, example_inputs):
         # Alive: Dynamo calls it only inside a call of the compiled function, which holds it.
         return self._backend()(gm, example_inputs)
+
+
+@dataclass(frozen=True)
+class CallSetup:
+    """What a streamed call takes from its `TreeCompiledModel`, handed over as one object
+    (`treecompile.stream.runner.StreamRunner`), all fixed when the wrapper is built.
+
+    Attributes:
+        model: the wrapped model.
+        structure: whether the model has recurrent or convolution layers (the calls pass the
+            path structure).
+        passes: the `treecompile.passes.pipeline.Pipeline` (or pass tuple) of the wrapper.
+        backend: ``backend(device, *, mask, layout_of, chunks_of, passes, ...)``: the
+            treecompile Dynamo backend for a graph.
+        graph_parts: ``() -> (inner, kwargs_of, router, want_entropy, temperature)``: what the
+            traced forward calls.
+        is_hf: a Hugging Face model.
+        routes_attention: its attention-interface calls become tree markers.
+        kernels: sequence kernels swapped in for the call (`treecompile.capture.dynamo`).
+        mask_swaps: mask builders swapped in for the call.
+        router_aux: the model's router auxiliary loss (`treecompile.capture.router_aux`), or None.
+        outputs: extra per-row outputs asked for (``("entropy",)``).
+        compile_records: the wrapper's list of compile records (appended to as graphs compile).
+    """
+
+    model: Any
+    structure: bool
+    passes: Any
+    backend: Callable
+    graph_parts: Callable
+    is_hf: bool
+    routes_attention: bool
+    kernels: Sequence
+    mask_swaps: Sequence
+    router_aux: Any
+    outputs: Sequence[str]
+    compile_records: list

@@ -10,9 +10,7 @@ with AOTAutograd (CPU) or Inductor (CUDA). The tree tensors of each batch reach 
 as inputs through a marker op; the BlockMask is built once per batch, outside the model.
 
 One module: the entry point and the wrapper it returns (its calls, compile records, copying
-and pickling); what the wrapper uses lives elsewhere (model surgery in
-:mod:`treecompile.capture.dynamo`, the model head in :mod:`treecompile.capture.call`, the first-call check
-in :mod:`treecompile.compile.selfcheck`, streaming in :mod:`treecompile.stream.runner`).
+and pickling); what it uses lives in the layers below (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import DYNAMO_CONFIG, TreeOutput, compile_named, device_of, run_head
+from treecompile.capture.call import DYNAMO_CONFIG, CallSetup, TreeOutput, compile_named, device_of, run_head
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
@@ -101,18 +99,16 @@ def tree_compile(
         backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
             CUDA and aot_eager on CPU.
         verify: ``"probe"`` (default): on the first call and after every recompile, run
-            the rewritten graph on a small forest from the batch's tokens, again with one
-            branch's tokens changed (rows outside it must not change, bit for bit) and with
-            one path alone (its rows must match); a mismatch refuses the model naming the
-            first op whose rows differ (:mod:`treecompile.compile.probe`; a few forward runs of a
-            tiny forest, no gradients). ``True``: the probe, and on the first call the full
+            the rewritten graph on a small forest from the batch's tokens, with one branch
+            changed (rows outside it must not change) and one path alone (its rows must
+            match); a mismatch refuses the model naming the first op whose rows differ
+            (:mod:`treecompile.compile.probe`). ``True``: the probe, and on the first call the full
             check: a small random tree against the unmodified model run on each path, loss
             and every parameter's gradient, in float64 on a CPU copy of the model (or, for a
             model over 2 GiB in float64, on the model itself in its dtype), raising
             `UnsupportedModelError` naming the parameter that differs most; with
             ``stream``, the first streamed call also checks the streamed variant, on that
-            tree cut into several parts (`TreeCompiledModel.stream_verified`). ``False``:
-            neither.
+            tree cut into parts (`TreeCompiledModel.stream_verified`). ``False``: neither.
         outputs: extra per-row outputs: ``("entropy",)`` adds `TreeOutput.entropy`, the
             entropy of each target's predicting distribution (differentiable, for entropy
             bonuses; the vocabulary projection then runs on every predicting row).
@@ -241,12 +237,12 @@ class TreeCompiledModel(nn.Module):
         # A model the probe refused stays refused (its compiled graph is not run again).
         self._refused: UnsupportedModelError | None = None
         self.stream_verified: VerifyReport | None = None
-        # A treecompile.stream.options.StreamRunner with stream=: batches over its budget stream.
-        self._stream = None
-        if stream is not None:
-            from treecompile.stream.runner import StreamRunner
-
-            self._stream = StreamRunner(self, stream)
+        # With stream=, a StreamRunner runs batches over its budget from what it needs, handed over.
+        self._stream = None if stream is None else _stream_runner(stream, CallSetup(
+            model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
+            graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
+            kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
+            outputs=self._outputs, compile_records=self.compile_records))
 
     # ------------------------------------------------------------------ delegation
 
@@ -557,6 +553,12 @@ class TreeCompiledModel(nn.Module):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _stream_runner(options: StreamOptions, setup: CallSetup):
+    from treecompile.stream.runner import StreamRunner
+
+    return StreamRunner(setup, options)
 
 
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:

@@ -5,7 +5,6 @@ loss's backward (see `treecompile.stream.options`)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,14 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import compile_named, run_head
+from treecompile.capture.call import CallSetup, compile_named, run_head
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
-from treecompile.passes.attention import rewrite_attention_pass
-from treecompile.passes.pipeline import Pipeline
-from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout, stream_passes
-from treecompile.passes.subgraphs import inline_subgraphs_pass
+from treecompile.passes.pipeline import Pipeline, streamed
+from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
 from treecompile.stream.plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
                                      stream_cost_model)
@@ -60,8 +56,8 @@ class _StreamedLoss(torch.autograd.Function):
 class StreamRunner:
     """Runs batches over the budget for a `TreeCompiledModel` (see the module docstring)."""
 
-    def __init__(self, wrapper, options: StreamOptions) -> None:
-        self.wrapper = wrapper
+    def __init__(self, setup: CallSetup, options: StreamOptions) -> None:
+        self.setup = setup
         self.options = options
         self.stats: StreamStats | None = None
         self._compiled = None
@@ -69,7 +65,7 @@ class StreamRunner:
         self._remembered = False  # whether `_shapes` went into `_LEARNT` (once checked by a call)
         self._layout = None
         self._resolved: tuple | None = None  # (options, cost model, rows) for a budget in bytes
-        _check_streamable(wrapper)
+        _check_streamable(setup)
         self.budget_rows  # noqa: B018  (a budget in bytes is resolved, or refused, here)
 
     @property
@@ -95,13 +91,13 @@ class StreamRunner:
         if self._resolved is None or self._resolved[0] is not o:
             from treecompile.planning.budget import BudgetError
 
-            w = self.wrapper
-            if w._structure:
+            w = self.setup
+            if w.structure:
                 raise BudgetError(
-                    f"StreamOptions(budget_bytes=...): {type(w._inner).__name__} has recurrent or convolution layers, "
+                    f"StreamOptions(budget_bytes=...): {type(w.model).__name__} has recurrent or convolution layers, "
                     "which the cost model (treecompile.planning.budget) does not describe: give budget_rows")
             try:
-                cost = stream_cost_model(w._inner, o)
+                cost = stream_cost_model(w.model, o)
                 rows = cost.capacity(o.budget_bytes)
             except BudgetError as e:
                 raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}): {e}") from None
@@ -131,22 +127,12 @@ class StreamRunner:
     # ------------------------------------------------------------------ compile
 
     def _build(self, device: torch.device, shapes: KVLayout) -> None:
-        w = self.wrapper
+        w = self.setup
         state = StreamGraph()
-        read, route, route_state = stream_passes(state)
-        pipeline = w._passes if isinstance(w._passes, Pipeline) else Pipeline(tuple(w._passes))
-        passes = []
-        for p in pipeline.passes:
-            passes.append(p)
-            if p is inline_subgraphs_pass:
-                passes.append(read)
-            if p is rewrite_attention_pass:
-                passes.append(route)
-            if p is route_ssm_state_pass:
-                passes.append(route_state)
-        backend = w._backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                             passes=dataclasses.replace(pipeline, passes=tuple(passes)))
-        inner, kwargs_of, router, want_entropy, temperature = w._graph_parts()
+        pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
+        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                             passes=streamed(pipeline, state))
+        inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
 
         def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
                            structure, prefix, conv, states, kv_meta):
@@ -167,9 +153,9 @@ class StreamRunner:
         from treecompile.capture.call import DYNAMO_CONFIG as _DYNAMO_CONFIG
         from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
 
-        w = self.wrapper
-        hf = hf_interfaces(w._inner, w._routes_attention) if w._is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(w._kernels + w._mask_swaps + TORCH_SWAPS):
+        w = self.setup
+        hf = hf_interfaces(w.model, w.routes_attention) if w.is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels(w.kernels + w.mask_swaps + TORCH_SWAPS):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 try:
                     return self._compiled(*args)
@@ -183,17 +169,17 @@ class StreamRunner:
     def __call__(self, batch: TreeBatch):
         from treecompile.capture.call import TreeOutput, device_of as _device_of
 
-        w = self.wrapper
-        device = _device_of(w._inner)
+        w = self.setup
+        device = _device_of(w.model)
         batch = batch.to(device) if batch.device != device else batch
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
-        params = [p for p in w._inner.parameters() if p.requires_grad] if grad else []
+        params = [p for p in w.model.parameters() if p.requires_grad] if grad else []
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        router = w._router_aux
+        router = w.router_aux
         try:
             aux_grad, first_rows = None, 0
             if router is not None and grad:
@@ -228,11 +214,11 @@ class StreamRunner:
         ``aux_grad``: ``[2E + 1]``, the gradient of ``coef * aux`` with respect to the
         router sums; each part's backward adds ``aux_grad . stats_j`` to its loss."""
         keep = mode == "keep"
-        data = BatchArrays(batch, plan, self.wrapper._structure)
+        data = BatchArrays(batch, plan, self.setup.structure)
         entries: dict[int, StackEntry] = {}
         total = torch.zeros((), dtype=torch.float64, device=device)
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
-        entropy = torch.zeros_like(logprobs) if "entropy" in self.wrapper._outputs else None
+        entropy = torch.zeros_like(logprobs) if "entropy" in self.setup.outputs else None
         router_stats = None
         forward_rows = 0
         for j in range(plan.num_parts):
@@ -273,7 +259,7 @@ class StreamRunner:
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
         if self._shapes is None:
-            guess = _known_layout(self.wrapper) or _layout_guess(self.wrapper)
+            guess = _known_layout(self.setup) or _layout_guess(self.setup)
             if guess is not None:
                 self._build(device, guess)
                 guessed = True
@@ -297,7 +283,7 @@ class StreamRunner:
                 self._build(device, e)
                 return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
             if not self._remembered:
-                _remember_layout(self.wrapper._inner, self._shapes)
+                _remember_layout(self.setup.model, self._shapes)
                 self._remembered = True
             main = loss.detach()
             if aux_grad is not None and with_graph:
@@ -353,21 +339,21 @@ def _remember_layout(model: torch.nn.Module, layout: KVLayout) -> None:
         _LEARNT.popitem(last=False)
 
 
-def _known_layout(wrapper) -> KVLayout | None:
+def _known_layout(setup: CallSetup) -> KVLayout | None:
     """A guess at the stack layout from what this process has seen of the model: its
     whole-tree graph, if the wrapper compiled one (`treecompile.passes.stream.stack_layout`),
     else the layout a streamed call of its architecture checked (`_LEARNT`), its dtypes moved
     to the model's. None when neither is known (a first capture then learns it)."""
-    for record in reversed(wrapper.compile_records):
+    for record in reversed(setup.compile_records):
         # A part graph counts its stack inputs or routes (one without any has an empty layout,
         # which is what reading it as a whole-tree graph gives).
         if record.graph_module is not None and not _PART_PASSES & record.counters.keys():
             return stack_layout(record.graph_module)
-    known = _LEARNT.get(_architecture(wrapper._inner))
+    known = _LEARNT.get(_architecture(setup.model))
     if known is None:
         return None
     layout, was = known
-    now = _dtype_of(wrapper._inner)
+    now = _dtype_of(setup.model)
 
     def moved(entries: list[tuple]) -> list[tuple]:
         return [(*e[:-1], now if e[-1] == was else e[-1]) for e in entries]
@@ -383,7 +369,7 @@ _MIXER_ATTRIBUTES = (("conv_dim", "num_v_heads", "head_k_dim", "head_v_dim"),
                      ("intermediate_size", "intermediate_size", "ssm_state_size", 1))
 
 
-def _layout_guess(wrapper) -> KVLayout | None:
+def _layout_guess(setup: CallSetup) -> KVLayout | None:
     """The stack layout of a Hugging Face model read from its modules, in order: each attention
     module's key and value heads and head dim; each Gated DeltaNet's conv channels and
     ``(value heads, key dim, value dim)`` state; each Mamba2 mixer's conv channels and
@@ -394,7 +380,7 @@ def _layout_guess(wrapper) -> KVLayout | None:
     another kind, a state kept in another dtype) is reported by the first capture as before."""
     from treecompile.capture.hf import _calls_attention_interface
 
-    if not wrapper._is_hf or not wrapper._routes_attention:
+    if not setup.is_hf or not setup.routes_attention:
         return None
     shapes, conv, states = [], [], []
 
@@ -402,7 +388,7 @@ def _layout_guess(wrapper) -> KVLayout | None:
         values = [getattr(m, n, None) if isinstance(n, str) else n for n in names]
         return values if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else None
 
-    for m in wrapper._inner.modules():
+    for m in setup.model.modules():
         dtype = _dtype_of(m)
         if _calls_attention_interface(type(m)):
             heads = getattr(getattr(m, "config", None), "num_key_value_heads", None)
@@ -410,12 +396,12 @@ def _layout_guess(wrapper) -> KVLayout | None:
             if not (isinstance(heads, int) and isinstance(head_dim, int) and dtype is not None):
                 return None
             shapes += [(heads, head_dim, dtype)] * 2
-        elif wrapper._structure and dtype is not None:
+        elif setup.structure and dtype is not None:
             mixer = next(filter(None, (ints(m, *names) for names in _MIXER_ATTRIBUTES)), None)
             if mixer is not None:
                 conv.append((mixer[0], dtype))
                 states.append((*mixer[1:], dtype))
-    if wrapper._structure and not states:
+    if setup.structure and not states:
         return None  # recurrent or conv layers of a kind not read here: learnt by a capture
     return KVLayout(shapes, conv, states) if shapes or states else None
 
@@ -454,7 +440,7 @@ def stream_logprob_loss(
     return TreeOutput(loss=value.detach() + (out.loss - out.loss.detach()), logprobs=lp.detach())
 
 
-def _check_streamable(wrapper) -> None:
+def _check_streamable(setup: CallSetup) -> None:
     """Refuses, when the model is wrapped, what streaming cannot make exact yet."""
-    if wrapper._router_aux is not None:
-        wrapper._router_aux.check_stats_form()
+    if setup.router_aux is not None:
+        setup.router_aux.check_stats_form()
