@@ -58,6 +58,8 @@ class PassContext:
         judge_cap: when the wrapper extended a buffer the model slices by the row count past
             its size for the call (`treecompile.compile.wrapper.extended_buffers`), that size: masks
             are judged at most this long (the extension holds no pattern), or 0.
+        dropout: ``"refuse"``: a random op in the graph (dropout in training mode) is refused;
+            ``"shared"``: accepted, one draw per tree row (see ``tree_compile(dropout=...)``).
         scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
             of :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
         row_states: per node, where its rows are (:class:`treecompile.passes.rows.Rows`), as
@@ -82,6 +84,7 @@ class PassContext:
     probe_rows: int = 0
     judge_cap: int = 0
     scan_kernel: str = "auto"
+    dropout: str = "refuse"
     pass_name: str = ""
     row_states: dict[fx.Node, Any] = field(default_factory=dict)
 

@@ -255,6 +255,7 @@ def make_backend(
     passes: Sequence[Pass] | Pipeline = PASSES,
     probe_rows_of: Callable[[], int] = lambda: 0,
     scan_kernel: str = "auto",
+    dropout: str = "refuse",
     keep_inputs: bool = False,
     judge_cap_of: Callable[[], int] = lambda: 0,
 ) -> Callable:
@@ -271,6 +272,7 @@ def make_backend(
             ``PassContext.probe_rows``).
         scan_kernel: the scan kernel of recurrent layers' tree forms (see
             ``PassContext.scan_kernel``).
+        dropout: see ``PassContext.dropout``.
         keep_inputs: record what the first-call probe needs (`CompileRecord.sources`,
             ``last_args``, ``probe_graph``).
         judge_cap_of: see ``PassContext.judge_cap``.
@@ -285,6 +287,7 @@ def make_backend(
         ctx.probe_rows = probe_rows_of()
         ctx.judge_cap = judge_cap_of()
         ctx.scan_kernel = scan_kernel
+        ctx.dropout = dropout
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
         sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         gm = run_passes(gm, ctx, passes)

@@ -130,3 +130,29 @@ def test_progress_bar_only_on_a_terminal_and_for_many_trees(monkeypatch):
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich then treats stderr as a terminal
     assert not progress_bar("trees", _PROGRESS_MIN_TREES).disable
     assert progress_bar("trees", _PROGRESS_MIN_TREES - 1).disable
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("{data}", "is the input file"),
+    ("{tok}", "is the input file"),
+    ("{dir}/out.txt", "the file written is a PNG; name it *.png"),
+    ("{dir}/missing/out.png", "the folder"),
+    ("{dir}", "is a folder"),
+], ids=["the-input", "the-tokenizer", "not-png", "no-folder", "a-folder"])
+def test_a_plot_path_is_checked_before_any_work_and_never_an_input(tmp_path, capsys, monkeypatch, plot, message):
+    """``--plot`` naming the data file used to overwrite it with a PNG (exit 0). The output is
+    checked before the input is read: the data and the tokenizer file are left untouched and
+    nothing is parsed (the loader would fail on this data)."""
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'{"tokens": [1, 2, 3]}\n')
+    tok = tmp_path / "tok.json"
+    tok.write_bytes(b"{}")
+    before = {p: p.read_bytes() for p in (data, tok)}
+    import treecompile.cli.stats as stats
+
+    monkeypatch.setattr(stats, "load_input_trees", lambda args: pytest.fail("the input was read"))
+    argv = ["stats", str(data), "--tokenizer", str(tok), "--plot", plot.format(data=data, tok=tok, dir=tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treecompile stats: error: --plot ") and message in err and err.count("\n") == 1, err
+    assert {p: p.read_bytes() for p in (data, tok)} == before

@@ -119,3 +119,18 @@ def test_a_path_longer_than_the_model_context_warns():
     batch, _ = make_batch("single", path_bits=False)  # one path of 9 tokens
     with pytest.warns(TreeWarning, match=r"the longest path has 9 tokens \(tree 0\), more than the model.s max_position_embeddings = 8"):
         tc.tree_compile(model, backend="eager")(batch)
+
+
+def test_a_model_on_the_meta_device_is_refused_as_having_no_data():
+    with torch.device("meta"):
+        model = NanoGPT(layers=1)
+    with pytest.raises(TypeError, match=r"NanoGPT is on the meta device \(\S+ and others have a shape but no data\)"):
+        tc.tree_compile(model)
+
+
+def test_padded_rows_may_be_passed_positionally_as_input_ids():
+    """``compiled(ids)`` is ``compiled(input_ids=ids)``: padded rows, as a Hugging Face model takes them."""
+    torch.manual_seed(0)
+    compiled = tc.tree_compile(tiny(NanoGPT, layers=1))
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]])
+    assert torch.equal(compiled(ids).loss, compiled(input_ids=ids).loss)

@@ -116,10 +116,35 @@ class DropoutLM(NanoGPT):
 
 def test_a_model_that_draws_random_numbers_skips_the_comparisons_and_says_so():
     batch, _ = make_batch("branchy")
-    compiled = tc.tree_compile(tiny(DropoutLM).train())
+    compiled = tc.tree_compile(tiny(DropoutLM).train(), dropout="shared")
     compiled(batch)
     (report,) = compiled.probed
     assert report.edited_rows_compared == 0 and "random" in report.skipped[0]
+
+
+def test_dropout_in_training_mode_is_refused_unless_shared_is_asked_for():
+    """Per-path training draws a dropout mask per path, a tree one per shared token: another
+    estimator. It is refused by default, naming the op and the option; in eval mode, or with
+    dropout 0, nothing is drawn and nothing is refused."""
+    batch, _ = make_batch("branchy")
+    with pytest.raises(tc.UnsupportedModelError, match=r"(?s)dropout \(p=0.3\) in training mode.*"
+                                                        r"dropout=\"shared\""):
+        tc.tree_compile(tiny(DropoutLM).train())(batch)
+    assert torch.isfinite(tc.tree_compile(tiny(DropoutLM).eval())(batch).loss)
+    with pytest.raises(ValueError, match="unknown dropout 'yes'; valid: 'refuse', 'shared'"):
+        tc.tree_compile(tiny(DropoutLM), dropout="yes")
+
+
+def test_gpt2_with_residual_dropout_in_training_mode_is_refused_by_name():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64, resid_pdrop=0.1,
+                                  embd_pdrop=0.1, attn_pdrop=0.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    batch = tc.pack([tc.TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])])
+    with pytest.raises(tc.UnsupportedModelError, match=r"dropout \(p=0.1\) in training mode"):
+        tc.tree_compile(model)(batch)
+    assert torch.isfinite(tc.tree_compile(model, dropout="shared")(batch).loss)
 
 
 def test_verify_takes_probe_true_or_false():

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["int_at_least", "por_value", "device_name", "require_plot", "check_cuda", "progress_bar"]
+__all__ = ["int_at_least", "por_value", "device_name", "require_plot", "check_output_file", "check_cuda",
+           "progress_bar"]
 
 # Above this many trees, building them shows a progress bar (on stderr).
 _PROGRESS_MIN_TREES = 20
@@ -71,6 +74,32 @@ def require_plot(option: str) -> None:
     """Raises ImportError naming the extra if matplotlib, which ``option`` needs, is missing."""
     if not _installed("matplotlib"):
         raise ImportError(f"{option} draws with matplotlib: pip install 'treecompile[plot]'")
+
+
+def check_output_file(option: str, path: str, suffix: str, inputs: Sequence[str | None] = ()) -> Path:
+    """``path`` checked as a file ``option`` will write, before any work: it ends in ``suffix``,
+    its folder exists and is writable, and it is none of ``inputs`` (the command's input files,
+    which writing would destroy). Returns it, with ``~`` expanded.
+
+    Raises:
+        ValueError: naming the option and what is wrong.
+    """
+    out = Path(path).expanduser()
+    for given in inputs:
+        if given is not None and Path(given).expanduser().exists() and out.exists() \
+                and os.path.samefile(Path(given).expanduser(), out):
+            raise ValueError(f"{option} {path} is the input file {given}: writing it would destroy it; "
+                             "name another file")
+    if out.is_dir():
+        raise ValueError(f"{option} {path} is a folder; name a file *{suffix}")
+    if out.suffix.lower() != suffix:
+        raise ValueError(f"{option} {path}: the file written is a {suffix[1:].upper()}; name it *{suffix}")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"{option} {path}: not writable")
+    return out
 
 
 def check_cuda(device: str | None) -> None:

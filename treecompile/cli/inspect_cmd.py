@@ -78,9 +78,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """``treecompile inspect MODEL``: 0 if the model compiles, 1 if it is refused."""
     if args.png:
-        from treecompile.cli.args import require_plot
+        from treecompile.cli.args import check_output_file, require_plot
 
-        require_plot("--png")  # before the model is built
+        # Before the model is built, and never the model's own file.
+        args.png = str(check_output_file("--png", args.png, ".png", inputs=[args.model]))
+        require_plot("--png")
     model, source = load_model(args.model, dtype=args.dtype, allow_large=args.allow_large)
     insp = inspect_model(model, mask=args.mask, backend=args.backend, source=source, lm_head=args.lm_head,
                          stream_rows=args.stream_rows)

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from treecompile.cli.args import int_at_least, require_plot
+from treecompile.cli.args import check_output_file, int_at_least, require_plot
 from treecompile.cli.inputs import CHAT_KINDS, DEFAULT_CHAT_TOKENIZER, load_input_trees
 from treecompile.core.advice import low_por_advice
 
@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     """``treecompile stats FILE``: per-tree and total size and overlap of a file's trees."""
     from rich.console import Console
 
-    if args.plot is not None:
+    if args.plot is not None:  # before any work: a wrong name costs nothing, and never an input file
+        args.plot = str(check_output_file("--plot", args.plot, ".png", inputs=[args.file, args.tokenizer]))
         require_plot("--plot")
     inputs = load_input_trees(args)
     path, kind, tokenizer, names, trees = inputs.path, inputs.kind, inputs.tokenizer, inputs.names, inputs.trees

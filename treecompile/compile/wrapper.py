@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,7 @@ from treecompile.capture.dynamo import (
     sequence_kernels,
     swapped_kernels,
 )
-from treecompile.core.rows import batch_from_rows
+from treecompile.core.rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
@@ -51,6 +51,7 @@ from treecompile.capture.hf import refuse_label_smoothing, uses_attention_interf
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.compile.model_checks import EXPECTED, check_model
 from treecompile.compile.probe import ProbeReport, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
@@ -62,6 +63,7 @@ __all__ = [
     "OUTPUTS",
 ]
 
+_CALLS = threading.RLock()  # see TreeCompiledModel.__call__
 #: Mask encodings ``tree_compile(mask=...)`` accepts.
 MASKS = tuple(MASK_KINDS)
 #: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
@@ -69,6 +71,8 @@ OUTPUTS = ("entropy",)
 #: What ``tree_compile(verify=...)`` accepts: the first-call probe, the probe and the full
 #: check against per-path training, or nothing.
 VERIFY = ("probe", True, False)
+#: What ``tree_compile(dropout=...)`` accepts (see there).
+DROPOUT = ("refuse", "shared")
 #: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
 BACKENDS = tuple(LOWERINGS)
 
@@ -88,6 +92,7 @@ def tree_compile(
     disable_passes: tuple[str, ...] = (),
     stream: StreamOptions | None = None,
     scan_kernel: str = "auto",
+    dropout: str = "refuse",
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -130,18 +135,25 @@ def tree_compile(
             installed and pass a check against the torch scan, else the torch scan),
             ``"torch"`` or ``"fla"`` (raises at the first call where it cannot be used);
             see :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
+        dropout: dropout outside attention in training mode draws one mask per path in
+            per-path training and one per tree row here (a shared prefix token is dropped or
+            kept for all its paths): another estimator of the same expectation, not the same
+            numbers. ``"refuse"`` (default) refuses it (train with ``model.eval()`` or dropout 0);
+            ``"shared"`` trains with it. Attention dropout is refused either way.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
 
     Raises:
-        ValueError: an unknown ``mask``, ``backend``, ``lm_head``, ``scan_kernel`` or pass name.
+        ValueError: an unknown ``mask``, ``backend``, ``lm_head``, ``scan_kernel``, ``dropout`` or pass name.
         UnsupportedModelError: (at the first call) the model mixes the sequence in a way
             that cannot be made exact on a tree; the message names the op and source line.
             (Here already) a Hugging Face MoE model's router auxiliary loss cannot be counted
             per path (see :func:`treecompile.capture.router_aux.router_aux_of`).
     """
-    _check_model(model)
+    if isinstance(model, TreeCompiledModel):
+        raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
+    check_model(model)
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:
@@ -153,6 +165,8 @@ def tree_compile(
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if scan_kernel not in SCAN_KERNELS:
         raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
+    if dropout not in DROPOUT:
+        raise ValueError(f"unknown dropout {dropout!r}; valid: {', '.join(map(repr, DROPOUT))}")
     if verify not in VERIFY:
         raise ValueError(f"unknown verify {verify!r}; valid: {', '.join(map(repr, VERIFY))}")
     passes = passes_for(lm_head, disable_passes=disable_passes)
@@ -163,7 +177,7 @@ def tree_compile(
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
-        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream,
+        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout,
     )
 
 
@@ -183,7 +197,7 @@ class TreeCompiledModel(nn.Module):
             run at the first streamed call (its ``stream`` holds the check run's parts).
         compile_records: one :class:`~treecompile.passes.pipeline.CompileRecord` per
             (re)compile, with the per-pass rewrite counters.
-        scan_kernel: the scan kernel of recurrent layers (see `tree_compile`).
+        scan_kernel, dropout: as `tree_compile` took them.
     """
 
     def __init__(
@@ -198,6 +212,7 @@ class TreeCompiledModel(nn.Module):
         temperature: float = 1.0,
         scan_kernel: str = "auto",
         stream: StreamOptions | None = None,
+        dropout: str = "refuse",
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -232,6 +247,7 @@ class TreeCompiledModel(nn.Module):
         self._outputs = outputs
         self.temperature = temperature
         self.scan_kernel = scan_kernel
+        self.dropout = dropout
         self.verified: VerifyReport | None = None
         self.probed: list[ProbeReport] = []
         # A model the probe refused stays refused (its compiled graph is not run again).
@@ -310,7 +326,8 @@ class TreeCompiledModel(nn.Module):
     def _options(self) -> dict[str, Any]:
         """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
         return dict(mask=self.mask, backend=self._backend_name, verify=self.verify, passes=self._passes,
-                    outputs=self._outputs, temperature=self.temperature, scan_kernel=self.scan_kernel)
+                    outputs=self._outputs, temperature=self.temperature, scan_kernel=self.scan_kernel,
+                    dropout=self.dropout)
 
     def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
         # A copy of the model, wrapped with the same options (compiled again at its first call),
@@ -331,6 +348,13 @@ class TreeCompiledModel(nn.Module):
         return self.compile_records[-1].counters if self.compile_records else {}
 
     # ------------------------------------------------------------------ forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TreeOutput:
+        # A call swaps module-level functions (Hugging Face's attention interfaces, sequence
+        # kernels) for its duration and may compile or judge the model again: calls from
+        # several threads run one at a time, in this process, whichever wrapper they are on.
+        with _CALLS:
+            return super().__call__(*args, **kwargs)
 
     #: Hugging Face's ``Trainer`` passes ``num_items_in_batch`` to a model that says it takes it.
     accepts_loss_kwargs = True
@@ -367,6 +391,8 @@ class TreeCompiledModel(nn.Module):
         """
         if "transformers.trainer" in sys.modules:
             refuse_label_smoothing()
+        if isinstance(batch, torch.Tensor) and input_ids is None:  # compiled(ids): padded rows, as HF takes them
+            batch, input_ids = None, batch
         if batch is None and input_ids is not None:
             batch = batch_from_rows(input_ids, labels=labels, attention_mask=attention_mask)
         elif batch is not None and (input_ids is not None or attention_mask is not None):
@@ -375,7 +401,7 @@ class TreeCompiledModel(nn.Module):
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"expected a TreeBatch (treecompile.pack) or input_ids, got {type(batch).__name__}")
         if num_items_in_batch is not None:
-            batch = _normalised(batch, num_items_in_batch)
+            batch = normalised(batch, num_items_in_batch)
         # Every batch is checked before it runs (O(S + N)): a malformed one (two batches
         # concatenated field by field, ids beyond the vocabulary, NaN weights) would otherwise
         # give NaN or silently wrong results, or fail deep inside the compiled graph.
@@ -475,6 +501,7 @@ class TreeCompiledModel(nn.Module):
             passes=passes,
             probe_rows_of=probe_rows_of or (lambda: 0),
             scan_kernel=self.scan_kernel,
+            dropout=self.dropout,
             keep_inputs=keep_inputs,
             judge_cap_of=judge_cap_of or (lambda: 0),
         )
@@ -564,37 +591,3 @@ def _stream_runner(options: StreamOptions, setup: CallSetup):
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:
     """A pickled `TreeCompiledModel` loaded: ``model`` wrapped again with its ``options``."""
     return TreeCompiledModel(model, **options, stream=stream)
-
-
-def _normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
-    """``batch`` with its ``token-mean`` weights over ``num_items`` target tokens instead of its own
-    ``n_targets``: the loss becomes the summed loss over ``num_items``, as Hugging Face's causal-LM
-    loss with ``num_items_in_batch``. Tensor arithmetic, so a count on the GPU is not synced."""
-    if batch.loss_mode != "token-mean":
-        raise TreeInputError(
-            f"num_items_in_batch divides a token-mean loss, but this batch was packed with loss_mode "
-            f"{batch.loss_mode!r}; pack it with 'token-mean' (TreeCollator returns no labels for other modes, so "
-            "the Trainer passes no count)"
-        )
-    scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
-    return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
-                               path_coef=batch.path_coef * scale.to(batch.path_coef.device))
-
-
-def _check_model(model: Any) -> None:
-    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap."""
-    expected = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
-                "mapping token ids [1, S] to logits [1, S, vocab]")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
-    if isinstance(model, TreeCompiledModel):
-        raise TypeError(f"{expected}; got a model that is already tree-compiled (pass its .model)")
-    if type(model).__module__.startswith("torch.nn.") and not any(True for _ in model.children()):
-        raise TypeError(f"{expected}; got a bare torch.nn.{type(model).__name__}, which is one layer, not a model")
-    if is_hf_model(model):
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is None and not hasattr(model, "lm_head"):
-            raise TypeError(
-                f"{expected}; got {type(model).__name__}, a base model without an LM head "
-                "(load it with AutoModelForCausalLM)"
-            )

@@ -6,6 +6,7 @@ A Hugging Face-style batch of right- or left-padded rows (``attention_mask`` 0 o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError
 from treecompile.core.tree import TrajectoryTree
 
-__all__ = ["IGNORE_INDEX", "as_int_list", "batch_from_rows", "rows_to_tree"]
+__all__ = ["IGNORE_INDEX", "as_int_list", "batch_from_rows", "normalised", "rows_to_tree"]
 
 #: The label of a position that is not trained (Hugging Face's and PyTorch's ignore index).
 IGNORE_INDEX = -100
@@ -150,3 +151,18 @@ def batch_from_rows(
 
 #: How many frames above the model's ``forward`` the ``Trainer``'s ``compute_loss`` may be
 #: (``nn.Module.__call__``, accelerate's autocast wrappers, DDP's forward in between).
+
+
+def normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
+    """``batch`` with its ``token-mean`` weights over ``num_items`` target tokens instead of its own
+    ``n_targets``: the loss becomes the summed loss over ``num_items``, as Hugging Face's causal-LM
+    loss with ``num_items_in_batch``. Tensor arithmetic, so a count on the GPU is not synced."""
+    if batch.loss_mode != "token-mean":
+        raise TreeInputError(
+            f"num_items_in_batch divides a token-mean loss, but this batch was packed with loss_mode "
+            f"{batch.loss_mode!r}; pack it with 'token-mean' (TreeCollator returns no labels for other modes, so "
+            "the Trainer passes no count)"
+        )
+    scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
+    return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
+                               path_coef=batch.path_coef * scale.to(batch.path_coef.device))

@@ -1,0 +1,37 @@
+"""What `tree_compile` accepts as a model: the checks made before anything is captured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from treecompile.capture.dynamo import is_hf_model
+
+__all__ = ["EXPECTED", "check_model"]
+
+EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
+            "mapping token ids [1, S] to logits [1, S, vocab]")
+
+
+def check_model(model: Any) -> None:
+    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap."""
+    expected = EXPECTED
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
+    if type(model).__module__.startswith("torch.nn.") and not any(True for _ in model.children()):
+        raise TypeError(f"{expected}; got a bare torch.nn.{type(model).__name__}, which is one layer, not a model")
+    if is_hf_model(model):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None and not hasattr(model, "lm_head"):
+            raise TypeError(
+                f"{expected}; got {type(model).__name__}, a base model without an LM head "
+                "(load it with AutoModelForCausalLM)"
+            )
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise TypeError(
+            f"{type(model).__name__} is on the meta device ({meta} and others have a shape but no data): "
+            "a model built without weights cannot train; load or initialise its weights first "
+            "(from_pretrained, or to_empty(device=...) and then load_state_dict)"
+        )
