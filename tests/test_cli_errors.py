@@ -119,6 +119,33 @@ def test_bench_options_that_do_not_fit_together(argv, expected, capsys):
     assert_one_line(*run(["bench", "--tiny", *argv], capsys), expected)
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "--quick", "--tiny"],
+         "treecompile bench: error: argument --tiny: not allowed with argument --quick (see treecompile bench --help)"),
+        (["bench", "--markdown", "--json"],
+         "treecompile bench: error: argument --json: not allowed with argument --markdown "
+         "(see treecompile bench --help)"),
+        (["plan", "sample:gsm8k", "--dtype", "float32"],
+         "treecompile plan: error: --dtype describes the step that --budget-bytes is measured on, and no "
+         "--budget-bytes was given: add it, or leave it out"),
+        (["plan", "sample:gsm8k", "--config", "x", "--optimizer", "sgd"],
+         "treecompile plan: error: --config, --optimizer describe the step that --budget-bytes is measured on, and "
+         "no --budget-bytes was given: add it, or leave it out"),
+    ],
+    ids=["quick-and-tiny", "markdown-and-json", "dtype-without-budget", "config-without-budget"],
+)
+def test_options_that_would_be_ignored_or_conflict_are_refused(argv, expected, capsys):
+    assert_one_line(*run(argv, capsys), expected)
+
+
+def test_more_ranks_than_paths_is_said(capsys):
+    code, err = run(["plan", "sample:gsm8k", "--tokenizer", "bytes", "--ranks", "1000", "--capacity", "4000"], capsys)
+    assert code == 0
+    assert "treecompile plan: warning: --ranks 1000 is more than the 120 paths: 880 ranks get no work" in err, err
+
+
 def test_a_directory_as_data_file(tmp_path, capsys):
     for command in ("stats", "plan"):
         code, err = run([command, str(tmp_path)], capsys)
@@ -164,10 +191,13 @@ def test_a_gz_name_on_a_file_that_is_not_gzip(tmp_path, capsys):
         ('{"input_ids": [], "group": "b"}', "'input_ids' is empty: every path needs at least one token"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2], "group": "b"}',
          "'loss_mask': values must be 0 or 1; position 1 holds 2"),
-        ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a number, got 'heavy'"),
-        ('{"input_ids": [1, 2], "group": "b"', "not valid JSON (Expecting ',' delimiter)"),
+        ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a finite number, got 'heavy'"),
+        ('{"input_ids": [1, 2], "weight": NaN, "group": "b"}', "'weight' must be a finite number, got nan"),
+        ('{"input_ids": [1, 2], "group": "b"', "not valid JSON (Expecting ',' delimiter at column 35)"),
+        ('{"input_ids": [1, 2], "group": "b\tc"}', "not valid JSON (Invalid control character at column 34)"),
     ],
-    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "broken-json"],
+    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "nan-weight", "broken-json",
+         "control-character"],
 )
 def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_path, capsys):
     path = tmp_path / "grouped.jsonl"
@@ -219,3 +249,21 @@ def test_a_bad_line_in_grouped_conversations_names_file_and_line(bad_line, messa
     path.write_text(f"{good}\n{good}\n{bad_line}\n")
     assert_one_line(*run(["stats", str(path), "--tokenizer", "bytes"], capsys),
                     f"treecompile stats: error: {path}:3: {message}")
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01binary", b'{"model_type": "qwen3"}', b""],
+                         ids=["binary", "a-model-config", "empty"])
+def test_a_file_that_is_not_a_tokenizer_is_one_line(tmp_path, capsys, content):
+    path = tmp_path / "tok.json"
+    path.write_bytes(content)
+    code, err = run(["stats", "sample:gsm8k", "--tokenizer", str(path)], capsys)
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith(f"treecompile stats: error: {path} is not a tokenizer file (a Hugging Face tokenizer.json)")
+
+
+def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes("\ufeff".encode() + b'{"input_ids": [1, 2, 3], "group": "a"}\n{"input_ids": [1, 2, 4], "group": "a"}\n')
+    code, err = run(["stats", str(path), "--json"], capsys)
+    assert code == 0 and err == "", err
+

@@ -156,3 +156,18 @@ def test_a_plot_path_is_checked_before_any_work_and_never_an_input(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("treecompile stats: error: --plot ") and message in err and err.count("\n") == 1, err
     assert {p: p.read_bytes() for p in (data, tok)} == before
+
+
+def test_piped_output_keeps_every_digit_and_name(tmp_path):
+    """Not on a terminal (a pipe, a log), rich would assume 80 columns and cut numbers to
+    ``97132…`` and wrap names; the table keeps its natural width instead."""
+    import subprocess
+    import sys
+
+    name = "a-task-name-long-enough-to-be-wrapped-at-eighty-columns-" * 2
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(f'{{"input_ids": {list(range(1, 40000 + i))}, "group": "{name}"}}\n' for i in range(2)))
+    out = subprocess.run([sys.executable, "-m", "treecompile.cli", "stats", str(path)], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ, "COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    assert "…" not in out.stdout and name in out.stdout and "79999" in out.stdout, out.stdout

@@ -107,3 +107,13 @@ def test_inputs_are_copied_not_aliased():
     mask[0] = 0
     assert tree.path(0).tokens.tolist() == [1, 2, 3]
     assert tree.path(0).loss_mask.tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("token", [2**63, 2**64, 2**70, 1e30], ids=["2^63", "2^64", "2^70", "1e30"])
+def test_a_token_id_over_int64_is_named_without_a_numpy_warning(token):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy cast warning on the way
+        with pytest.raises(TreeInputError, match=r"sequence 0: token id \S+ at position 1 is over 2\*\*63 - 1"):
+            TrajectoryTree.from_sequences([[1, token]])

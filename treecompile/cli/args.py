@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["int_at_least", "por_value", "device_name", "require_plot", "check_output_file", "check_cuda",
-           "progress_bar"]
+           "output_console", "progress_bar"]
 
 # Above this many trees, building them shows a progress bar (on stderr).
 _PROGRESS_MIN_TREES = 20
@@ -100,6 +100,17 @@ def check_output_file(option: str, path: str, suffix: str, inputs: Sequence[str 
     if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ValueError(f"{option} {path}: not writable")
     return out
+
+
+def output_console() -> Any:
+    """The console tables are printed on: a terminal's width on a terminal; elsewhere (a pipe, a
+    log file) wide enough that no column is cut or wrapped (rich would assume 80 columns and
+    cut numbers to ``97132…``)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 100_000)
 
 
 def check_cuda(device: str | None) -> None:

@@ -23,8 +23,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
             "its fraction of the FLOP bound 1/(1-POR), and checks each method's loss against the packed loss."
         ),
     )
-    p.add_argument("--quick", action="store_true", help="the quick configuration (default; a few minutes on CPU)")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long configuration (smoke test)")
+    size = p.add_mutually_exclusive_group()  # one configuration: giving both is a mistake, not a choice
+    size.add_argument("--quick", action="store_true", help="the quick configuration (default; a few minutes on CPU)")
+    size.add_argument("--tiny", action="store_true", help="a seconds-long configuration (smoke test)")
     p.add_argument("--path-tokens", type=int_at_least(4), default=None, metavar="N",
                    help="path tokens per synthetic workload")
     p.add_argument("--paths", type=int_at_least(2), default=None, metavar="P", help="paths per synthetic tree")
@@ -35,8 +36,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),
                    help="model family: qwen3 (default) or qwen3_next (Gated DeltaNet + attention)")
-    p.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
+    output.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=run)
 
 

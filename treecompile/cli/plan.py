@@ -16,6 +16,7 @@ does the work. Inputs are read as ``treecompile stats`` reads them.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import time
 from typing import Any
@@ -51,11 +52,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default=None, metavar="PATH",
                    help="with --budget-bytes: the model's Hugging Face config (a directory with config.json, or it)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16",
+    # Defaults None: an option given without --budget-bytes would be ignored, so it is refused.
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None,
                    help="with --budget-bytes: parameter dtype (default bfloat16)")
-    p.add_argument("--optimizer", default="adamw",
+    p.add_argument("--optimizer", default=None,
                    help="with --budget-bytes: the optimizer whose state B holds (default adamw)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="with --budget-bytes: where the step runs (its attention kernel; default cuda)")
     p.add_argument("--ranks", type=int_at_least(1), default=1, metavar="K", help="data-parallel ranks (default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
@@ -90,6 +92,23 @@ def _bytes_amount(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
     return value
+
+
+#: Options that describe the step --budget-bytes is measured on, and their defaults.
+BUDGET_OPTIONS = {"config": None, "dtype": "bfloat16", "optimizer": "adamw", "device": "cuda"}
+
+
+def _budget_options(args: argparse.Namespace) -> None:
+    """Refuses --config / --dtype / --optimizer / --device without --budget-bytes (they would be
+    ignored); fills in their defaults."""
+    given = [f"--{name}" for name in BUDGET_OPTIONS if getattr(args, name, None) is not None]
+    if given and getattr(args, "budget_bytes", None) is None:
+        verb = "describes" if len(given) == 1 else "describe"
+        raise ValueError(f"{', '.join(given)} {verb} the step that --budget-bytes is measured on, and no "
+                         "--budget-bytes was given: add it, or leave it out")
+    for name, default in BUDGET_OPTIONS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
 
 
 def capacity_from_budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
     if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:
         raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
+    _budget_options(args)
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
     if budget is not None:
@@ -160,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         return plan_stream_report(names, trees, header, args, start)
     if args.ranks < 1:
         raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
+    n_paths = sum(t.num_paths for t in trees)
+    if args.ranks > n_paths:
+        print(f"treecompile plan: warning: --ranks {args.ranks} is more than the {n_paths} paths: "
+              f"{args.ranks - n_paths} ranks get no work", file=sys.stderr)
     longest = max(int(path_lengths(t).max()) for t in trees)
     capacity = args.capacity
     if capacity is None:
@@ -243,10 +267,10 @@ def check_capacity_all(names: list[str], trees: list[Any], capacity: int) -> Non
 
 
 def _print_plan(out: dict[str, Any], rows: int) -> None:
-    from rich.console import Console
+    from treecompile.cli.args import output_console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = output_console()
     cap = f"C = {out['capacity']} tokens" + (" (default: half the largest tree)" if out["capacity_default"] else "")
     if out.get("budget"):
         cap += f" (the cost model's tokens within --budget-bytes {out['budget']['budget_bytes']:,})"

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from treecompile.cli.args import check_output_file, int_at_least, require_plot
+from treecompile.cli.args import check_output_file, int_at_least, output_console, require_plot
 from treecompile.cli.inputs import CHAT_KINDS, DEFAULT_CHAT_TOKENIZER, load_input_trees
 from treecompile.core.advice import low_por_advice
 
@@ -104,7 +104,6 @@ def _drift_total(trees: list[Any], names: list[str]) -> dict[str, Any] | None:
 
 def run(args: argparse.Namespace) -> int:
     """``treecompile stats FILE``: per-tree and total size and overlap of a file's trees."""
-    from rich.console import Console
 
     if args.plot is not None:  # before any work: a wrong name costs nothing, and never an input file
         args.plot = str(check_output_file("--plot", args.plot, ".png", inputs=[args.file, args.tokenizer]))
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    console = Console(highlight=False)
+    console = output_console()
     _print_stats(console, header, names, stats, total, drift, args)
     return 0
 

@@ -18,6 +18,7 @@ escalate it. Neither changes the batch or the result: the gradients stay exact e
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,8 @@ def low_por_advice(por: float) -> str | None:
     return (
         f"POR {por:.3f} is low: tree training measured about {speedup:.2f}x the speed of per-path packing here "
         f"({', '.join(below)} in docs/benchmarks.md, CPU), so per-path training with sequence packing may be as "
-        f"fast or faster; the tree pays off from about POR {_break_even():.2f}"
+        # Rounded up, so that a POR shown as low is never shown as the point it pays off from.
+        f"fast or faster; the tree pays off above about POR {math.ceil(_break_even() * 1000) / 1000:.3f}"
     )
 
 

@@ -241,7 +241,12 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         raise ImportError(
             f"reading the tokenizer file {path} needs the 'tokenizers' package: pip install 'treecompile[hf]'"
         ) from exc
-    return _from_tokenizers(HFTokenizer.from_file(str(path)), name=str(path), owned=True)
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path} is not a tokenizer file (a Hugging Face tokenizer.json): {detail}") from None
+    return _from_tokenizers(hf, name=str(path), owned=True)
 
 
 def _from_tiktoken(enc: Any, *, name: str) -> Tokenizer:

@@ -57,6 +57,10 @@ def as_token_array(seq: Any, index: int, vocab_size: int | None) -> np.ndarray:
         raise TreeInputError(f"sequence {index}: expected a 1-D list of token ids, got shape {arr.shape}")
     if arr.size == 0:
         raise TreeInputError(f"sequence {index} is empty: every path needs at least one token")
+    if arr.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in arr):
+        big = max(range(arr.size), key=lambda i: arr[i])
+        raise TreeInputError(f"sequence {index}: token id {arr[big]!r} at position {big} is over 2**63 - 1, "
+                             "the largest a token id can be")
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
         raise TreeInputError(f"sequence {index}: token ids must be integers, got dtype {arr.dtype}")
     if np.issubdtype(arr.dtype, np.floating):
@@ -65,6 +69,11 @@ def as_token_array(seq: Any, index: int, vocab_size: int | None) -> np.ndarray:
             raise TreeInputError(
                 f"sequence {index}: token ids must be integers; position {int(bad[0])} holds {arr[bad[0]]!r}"
             )
+    # Before the cast, which would wrap them (a float compares with 2**63, which int64 cannot hold).
+    huge = np.flatnonzero(arr >= 2.0**63 if np.issubdtype(arr.dtype, np.floating) else arr > np.iinfo(np.int64).max)
+    if huge.size:
+        raise TreeInputError(f"sequence {index}: token id {seq[int(huge[0])]!r} at position {int(huge[0])} is over "
+                             "2**63 - 1, the largest a token id can be")
     arr = arr.astype(np.int64)
     neg = np.flatnonzero(arr < 0)
     if neg.size:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,9 +110,11 @@ class ConversationRecord:
 
 
 def _open(path: str | Path, mode: str) -> IO[str]:
+    # Read: UTF-8 with or without a byte-order mark (editors on Windows write one); written: without.
+    encoding = "utf-8-sig" if mode == "r" else "utf-8"
     if str(path).endswith(".gz"):
-        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
-    return open(path, mode, encoding="utf-8")
+        return gzip.open(path, mode + "t", encoding=encoding)  # type: ignore[return-value]
+    return open(path, mode, encoding=encoding)
 
 
 def _lines(f: IO[str], path: str | Path) -> Iterator[str]:
@@ -156,9 +159,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))  # columns count on this line, not the next
             except json.JSONDecodeError as exc:
-                raise TreeInputError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                # exc.msg alone can end mid-sentence ("Invalid control character at"): say where.
+                raise TreeInputError(f"{path}:{n}: not valid JSON ({exc.msg.removesuffix(' at')} at column "
+                                     f"{exc.colno})") from None
             if not isinstance(obj, dict):
                 raise TreeInputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
             yield n, obj
@@ -193,8 +198,8 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
         if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
             raise TreeInputError(f"{path}:{n}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
         weight = obj.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            raise TreeInputError(f"{path}:{n}: 'weight' must be a number, got {weight!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
+            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number, got {weight!r}")
         _check_sequence_line(path, n, ids, mask)
         group = obj.get("group")
         out.append(SequenceRecord(ids, float(weight), mask, None if group is None else str(group)))
@@ -257,8 +262,8 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
             raise TreeInputError(f"{path}:{n}: expected a non-empty 'messages' list")
         group = obj.get("group")
         weight = obj.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            raise TreeInputError(f"{path}:{n}: 'weight' must be a number, got {weight!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
+            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number, got {weight!r}")
         _check_conversation_line(path, n, messages)
         extra = {k: v for k, v in obj.items() if k not in ("messages", "group", "weight")}
         out.append(ConversationRecord(messages, None if group is None else str(group), float(weight), extra))
