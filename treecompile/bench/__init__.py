@@ -8,13 +8,7 @@ Face model), `hf` (those models and baselines written out as a user runs them),
 Layer 11: imports the layers below it.
 """
 
+from treecompile.core.reexport import names_of
 
-def __getattr__(name: str):
-    """The names of `treecompile.bench.trees` (what ``treecompile.bench`` was before it became a
-    sub-package), imported on first use: importing a sibling module stays as light as it was."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module("treecompile.bench.trees"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'treecompile.bench' has no attribute {name!r}") from None
+# What ``treecompile.bench`` was before it became a sub-package: `treecompile.bench.trees`'s names.
+__getattr__ = names_of("treecompile.bench", "trees")

@@ -8,13 +8,7 @@ a batch), `inspection` and `maskview` (what `treecompile inspect` shows), `distr
 Layer 7: imports every layer below it (kernels, core, passes, capture, planning, stream).
 """
 
+from treecompile.core.reexport import names_of
 
-def __getattr__(name: str):
-    """The names of `treecompile.compile.wrapper` (what ``treecompile.compile`` was before it became a
-    sub-package), imported on first use: importing a sibling module stays as light as it was."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module("treecompile.compile.wrapper"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'treecompile.compile' has no attribute {name!r}") from None
+# What ``treecompile.compile`` was before it became a sub-package: `treecompile.compile.wrapper`'s names.
+__getattr__ = names_of("treecompile.compile", "wrapper")

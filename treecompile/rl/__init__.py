@@ -6,13 +6,7 @@ records to trees), `records` (records read from TRL and chat formats).
 Layer 9: imports the layers below it.
 """
 
+from treecompile.core.reexport import names_of
 
-def __getattr__(name: str):
-    """The names of `treecompile.rl.losses` (what ``treecompile.rl`` was before it became a
-    sub-package), imported on first use: importing a sibling module stays as light as it was."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module("treecompile.rl.losses"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'treecompile.rl' has no attribute {name!r}") from None
+# What ``treecompile.rl`` was before it became a sub-package: `treecompile.rl.losses`'s names.
+__getattr__ = names_of("treecompile.rl", "losses")

@@ -7,13 +7,7 @@ gathers the prefix K/V; `runner` runs the parts through the rewritten graphs.
 Layer 6: imports kernels, core, passes, capture and planning.
 """
 
+from treecompile.core.reexport import names_of
 
-def __getattr__(name: str):
-    """The names of `treecompile.stream.options` (what ``treecompile.stream`` was before it became a
-    sub-package), imported on first use: importing a sibling module stays as light as it was."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module("treecompile.stream.options"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'treecompile.stream' has no attribute {name!r}") from None
+# What ``treecompile.stream`` was before it became a sub-package: `treecompile.stream.options`'s names.
+__getattr__ = names_of("treecompile.stream", "options")
