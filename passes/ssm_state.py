@@ -38,16 +38,14 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
-from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers the treecompile:: selective-scan ops)
-from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)
+from treecompile.kernels.scans import SCANS
 from treecompile.passes._graph import PassContext, describe, is_op, same_size, source_of, value
 
 __all__ = ["route_ssm_state_pass"]
 
 #: The linear-sequence scan ops this pass rewrites, by counter name: the rank of their
 #: first input, one packed row (``[1, S, H, D]``, or ``[1, S, D]`` for the selective scan).
-SCAN_OPS = {"gated_delta_rule": 4, "ssd_scan": 4, "selective_scan": 3}
+SCAN_OPS = {kind: scan.rank for kind, scan in SCANS.items()}
 
 
 def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

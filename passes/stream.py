@@ -44,7 +44,7 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers treecompile::tree_selective_scan)
+from treecompile.kernels.scans import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
 from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
@@ -170,7 +170,7 @@ def stream_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, context
 @functools.cache
 def stream_scan_fn(kind: str) -> Callable:
     """``fn(q, k, v, g, beta, states, node_table, readouts, kernel) -> (out [1, S, H, Dv], [R, H, Dk, Dv])``
-    (for ``"selective_scan"``, `stream_selective_scan`):
+    (a scan whose `treecompile.kernels.scans.ScanKind` has its own ``stream``: that one):
     the tree recurrence of a part, started from states of earlier parts, reading out states
     for later parts, through the unchanged ``treecompile::tree_{kind}`` op.
 
@@ -189,8 +189,8 @@ def stream_scan_fn(kind: str) -> Callable:
     The gradients flow through the same rows: into the injected states, and from the
     read-out states into the part's rows.
     """
-    if kind == "selective_scan":
-        return stream_selective_scan
+    if SCANS[kind].stream is not None:  # a scan with its own injection form (kernels/scans.py)
+        return SCANS[kind].stream
     op = getattr(torch.ops.treecompile, f"tree_{kind}")
 
     def stream_scan(q, k, v, g, beta, states, node_table, readouts, kernel="auto"):
@@ -213,46 +213,6 @@ def stream_scan_fn(kind: str) -> Callable:
     return stream_scan
 
 
-def stream_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor, node_table: Tensor,
-                          readouts: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """The tree selective scan (Mamba-1, :mod:`treecompile.kernels.selective_scan`) of a part,
-    started from states of earlier parts, reading out states for later parts, through the
-    unchanged ``treecompile::tree_selective_scan`` op, with the node table of `stream_scan_fn`.
-
-    Its state ``[D, N]`` is kept on the stack as ``[D, N, 1]`` (one head per channel, ``Dk = N``,
-    ``Dv = 1``). A given state cannot be written by one row (a row's write ``u B^T`` has rank
-    one), and a row that writes also decays unless ``dt = 0``; the scan takes its write ``u``
-    apart from its step ``dt`` for this:
-
-    * an *injection node* of ``N`` rows per given state ``S``: row ``t`` has ``u = S[:, t]``,
-      ``dt = 0``, ``B = e_t``, ``C = 0``, run from the zero state: no decay (``exp(0) = 1``), and
-      row ``t`` writes column ``t`` alone (``S[:, t] * 1`` and exact zeros), so after the node
-      the state is ``S`` exactly;
-    * a *readout node* of ``N`` rows per state to return: ``u = dt = B = 0``, ``C = e_t`` (no
-      decay, no write), so row ``t`` outputs column ``t`` of the parent's final state, exactly.
-
-    Args:
-        u, dt: ``[1, S, D]``; A: ``[D, N]``; B, C: ``[1, S, N]`` (as for the tree op).
-        states: ``[E, D, N, 1]`` the injected states.
-        node_table, readouts, kernel: as for `stream_scan_fn`.
-
-    Returns:
-        ``(y [1, S, D], read [R, D, N, 1])``.
-    """
-    n_in, d, n, _ = states.shape
-    n_out = readouts.shape[0]
-    s = u.shape[1]
-    ins = (states[..., 0].to(u.dtype).transpose(1, 2).reshape(n_in * n, d), dt.new_zeros(n_in * n, d),
-           torch.eye(n, dtype=B.dtype, device=B.device).repeat(n_in, 1), C.new_zeros(n_in * n, n))
-    outs = (u.new_zeros(n_out * n, d), dt.new_zeros(n_out * n, d), B.new_zeros(n_out * n, n),
-            torch.eye(n, dtype=C.dtype, device=C.device).repeat(n_out, 1))
-    full = [torch.cat([a, x[0], b])[None] for a, x, b in zip(ins, (u, dt, B, C), outs)]
-    out = torch.ops.treecompile.tree_selective_scan(full[0], full[1], A, full[2], full[3], None, node_table, kernel)
-    own = out[:, n_in * n:n_in * n + s]
-    read = out[0, n_in * n + s:].reshape(n_out, n, d).transpose(1, 2)[..., None]
-    return own, read
-
-
 def _attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
     """The tree attention calls (after ``rewrite_attention_pass``), in graph order."""
     return [n for n in gm.graph.nodes
@@ -266,7 +226,7 @@ def _conv_calls(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _scan_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """``(node, kind)`` of the tree recurrent scans (after ``route_ssm_state_pass``), in graph order."""
-    return [(n, kind) for n in gm.graph.nodes for kind in ("gated_delta_rule", "ssd_scan", "selective_scan")
+    return [(n, kind) for n in gm.graph.nodes for kind in SCANS
             if is_op(n, getattr(torch.ops.treecompile, f"tree_{kind}"))]
 
 
@@ -298,19 +258,13 @@ def _conv_shapes(convs: list[fx.Node]) -> list[tuple[int, torch.dtype]]:
 
 
 def _state_of(n: fx.Node, kind: str) -> tuple[int, int, int, torch.dtype]:
-    """``(H, Dk, Dv, dtype)`` of a tree scan's state: ``q`` ``[1, S, H, Dk]`` and ``v`` ``[1, S, H, Dv]``,
-    or, for the selective scan, ``u`` ``[1, S, D]`` and ``A`` ``[D, N]`` (``(D, N, 1)``); refused with
-    an initial state or a symbolic size."""
+    """``(H, Dk, Dv, dtype)`` of a tree scan's state (`treecompile.kernels.scans.ScanKind.state_of`);
+    refused with an initial state or a symbolic size."""
     if n.args[5] is not None:
         raise UnsupportedModelError(
             f"treecompile: {describe(n)} is a recurrent scan with an initial state: a streamed part starts "
             f"its roots from the zero state.\n  at {source_of(n)}")
-    if kind == "selective_scan":
-        u, a = value(n.args[0]), value(n.args[2])
-        dims, dtype = (u.shape[2], a.shape[-1], 1), u.dtype
-    else:
-        q, v = value(n.args[0]), value(n.args[2])
-        dims, dtype = (q.shape[2], q.shape[3], v.shape[3]), v.dtype
+    dims, dtype = SCANS[kind].state_of(*(value(a) for a in n.args[:5]))
     if not all(isinstance(d, int) for d in dims):
         raise UnsupportedModelError(
             f"treecompile: {describe(n)} has a symbolic head count or state size {dims}: its state "
