@@ -23,8 +23,11 @@ def test_all_methods_run_and_agree_on_the_loss(tmp_path):
     with eager_default_lowering():
         rc = bench_cuda.main(["--device", "cpu", "--models", "tiny", "--path-tokens", "96", "--por", "0.5",
                               "--repeats", "1", "--no-real-data", "--dtype", "float32", "--out", str(out),
-                              "--markdown", str(md)])
+                              "--markdown", str(md), "--profile", str(tmp_path / "profile.json")])
     assert rc == 0
+    # The tree step profiled in the same process, on the workload's own batch.
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert "error" not in profile and profile["path_tokens"] == 96 and profile["compiles_during_profile"] == 0
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == list(bench_cuda.METHODS)
@@ -36,6 +39,27 @@ def test_all_methods_run_and_agree_on_the_loss(tmp_path):
     assert rows["tree"]["bound"] == pytest.approx(1 / (1 - rows["tree"]["por"]))
     assert rows["hf-packed-flex"]["speedup_vs_packed"] == 1.0
     assert "| tiny | 96 POR 0.5 |" in md.read_text()
+
+
+def test_only_the_faster_baseline_runs_after_the_first_workload(monkeypatch):
+    """``baselines="faster"``: both baselines run on the first workload, then only the faster."""
+    ran = []
+
+    def fake_row(row, method, model, fn, *args):
+        ran.append((row.workload, method))
+        row.step_ms, row.loss, row.tokens_per_s = {"hf-padded-sdpa": 9.0, "hf-packed-flex": 5.0}.get(method, 1.0), 1.0, 1.0
+        return fn
+
+    monkeypatch.setattr(bench_cuda, "_run_row", fake_row)
+    monkeypatch.setattr(bench_cuda, "_compiled_for", lambda *args: None)
+    cfg = dataclasses.replace(bench_cuda.DEFAULT, models=("tiny",), path_tokens=(64,), pors=(0.5, 0.0),
+                              real_data=False, baselines="faster")
+    result = bench_cuda.run_cuda_bench(cfg, device="cpu")
+    first, second = (w for w in dict.fromkeys(r["workload"] for r in result["rows"]))
+    assert [m for w, m in ran if w == first] == list(bench_cuda.METHODS)
+    assert [m for w, m in ran if w == second] == ["hf-packed-flex", "tree", "tree-fused"]
+    skipped = [r for r in result["rows"] if r["workload"] == second and r["method"] == "hf-padded-sdpa"]
+    assert skipped[0]["status"].startswith("not run: the other baseline was faster")
 
 
 def test_time_budget_marks_rows_not_run():
@@ -141,3 +165,23 @@ def test_cpu_bench_flags_are_refused_with_device_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert cli_main(["bench", "--device", "cuda", "--arch", "qwen3_next"]) == 2
     assert "--arch do not apply with --device cuda" in capsys.readouterr().err
+
+
+def test_a_probe_refusal_is_reported_and_the_step_measured_without_the_probe(monkeypatch):
+    """The benchmark keeps measuring a model the first-call probe refuses (the rules proved it),
+    says so in the row, and reuses the unverified wrapper for the later workloads."""
+    import treecompile.compile.probe as probe
+    from treecompile.core.errors import UnsupportedModelError
+
+    def refuse(*args):
+        raise UnsupportedModelError("the first-call probe found a difference (planted by the test)")
+
+    monkeypatch.setattr(probe, "probe_graph", refuse)
+    cfg = dataclasses.replace(bench_cuda.DEFAULT, models=("tiny",), path_tokens=(64,), pors=(0.5, 0.0),
+                              real_data=False, methods=("tree",), repeats=1, warmup=1)
+    with eager_default_lowering():
+        result = bench_cuda.run_cuda_bench(cfg, device="cpu")
+    rows = result["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert rows[0]["note"].startswith("first-call probe refused (the first-call probe found a difference")
+    assert rows[1]["note"] == ""  # the second workload ran on the wrapper compiled with verify=False

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -282,7 +283,7 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
                     continue
                 if progress is not None:
                     progress(f"{model_name} / {workload}: {method}")
-                _run_row(row, method, model, fns[method], trees, paths, cfg, dev, pack)
+                fns[method] = _run_row(row, method, model, fns[method], trees, paths, cfg, dev, pack)
                 if method == "tree" and cfg.profile_out and not result.get("profile") and row.status == "ok":
                     result["profile"] = _profile(fns[method], model, trees, dev, pack, cfg, path_tokens)
             _relate(group, cfg)
@@ -330,14 +331,8 @@ def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
     return torch.compile(model) if cfg.compile_baselines else model
 
 
-def tree_compile_unverified(model, method: str):
-    from treecompile.compile.wrapper import tree_compile
-
-    model.zero_grad(set_to_none=True)
-    return tree_compile(model, lm_head="fused" if method == "tree-fused" else "gather", verify=False)
-
-
-def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack) -> None:
+def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack):
+    """Measures ``row``; returns the compiled function later rows of ``method`` use."""
     try:
         if method in ("hf-padded-sdpa", "hf-packed-flex"):
             step = (Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
@@ -359,22 +354,26 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
             except UnsupportedModelError as e:
                 # A refusal by the first-call probe alone is a finding, and the step still gets
                 # measured (the rules proved the graph row-local): with verify=False, said in the row.
-                if "first-call probe" not in str(e):
+                if getattr(fn, "_refused", None) is not e:  # not the probe's refusal (which the wrapper keeps)
                     raise
                 row.note = f"first-call probe refused ({str(e).splitlines()[0][:200]}); measured with verify=False"
-                fn = tree_compile_unverified(model, method)
+                from treecompile.compile.wrapper import tree_compile
+
+                model.zero_grad(set_to_none=True)
+                fn = _compiled_for(method, model, cfg, functools.partial(tree_compile, verify=False))
                 measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
     except Exception as e:  # one failing row never stops the others
         model.zero_grad(set_to_none=True)
         row.status = ("out of memory" if _is_oom(e) else "error") + f": {type(e).__name__}: {str(e)[:300]}"
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        return
+        return fn
     loss, first, step_s, peak = measured
     row.loss, row.first_step_s, row.step_ms, row.peak_gib = loss, first, step_s * 1e3, peak
     if method.startswith("tree"):
         row.probe_s = sum(p.seconds for p in getattr(fn, "probed", ()))
     row.tokens_per_s = row.path_tokens / step_s
+    return fn
 
 
 def _relate(group: list[CudaRow], cfg: CudaBenchConfig) -> None:
