@@ -27,6 +27,14 @@ model's ``forward``: a tree-compiled model's names ``input_ids``, ``labels`` and
 ``attention_mask`` beside ``batch``, the columns this collator reads. Called with those
 tensors instead of a ``batch`` (a stock collator's padded batch), the model merges the rows
 into a tree itself (`batch_from_rows`) and returns the stock loss.
+
+Which records share a micro-batch is the sampler's choice; the ``Trainer``'s random sampler
+scatters records that share a prefix. `PrefixGroupingMixin` before ``Trainer`` in a subclass's
+bases makes each micro-batch a group of records sharing long prefixes
+(`treecompile.planning.prefix_sampler.PrefixGroupedSampler`)::
+
+    class PrefixTrainer(PrefixGroupingMixin, Trainer):
+        pass
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ from treecompile.core.loss import LOSS_MODES
 from treecompile.capture.hf import refuse_label_smoothing
 from treecompile.core.rows import IGNORE_INDEX, as_int_list, batch_from_rows, rows_to_tree
 from treecompile.core.tree import TrajectoryTree
+from treecompile.planning.prefix_sampler import PrefixGroupedSampler
 
-__all__ = ["TreeCollator", "IGNORE_INDEX", "rows_to_tree", "batch_from_rows", "refuse_label_smoothing"]
+__all__ = ["TreeCollator", "IGNORE_INDEX", "rows_to_tree", "batch_from_rows", "refuse_label_smoothing",
+           "PrefixGroupingMixin", "prefix_grouped_sampler", "record_sequences"]
 
 #: The label Hugging Face's losses skip.
 
@@ -157,3 +167,72 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[in
             "trains each sequence on its own tokens (mask a token with -100 instead)"
         )
     return ids, [int(y != IGNORE_INDEX) for y in labels], labels
+
+
+# --------------------------------------------------------------------------- prefix grouping
+
+
+def record_sequences(dataset: Any) -> list[Any]:
+    """The token ids of each record of ``dataset``, in order: its ``input_ids``, without the
+    positions where its ``attention_mask`` is 0 (the tokens `TreeCollator` and TRL's trees keep).
+
+    Args:
+        dataset: a ``datasets.Dataset`` with an ``input_ids`` column, or any sequence of records
+            ``{"input_ids": [T], "attention_mask": [T] (optional)}``. Only read.
+
+    Raises:
+        TreeInputError: a record that is not such a mapping (a `TrajectoryTree` record included).
+    """
+    names = getattr(dataset, "column_names", None)
+    if names is not None:
+        if "input_ids" not in names:
+            raise TreeInputError(f"prefix grouping reads the dataset's 'input_ids' column; its columns are {names}")
+        ids = dataset["input_ids"]
+        masks = dataset["attention_mask"] if "attention_mask" in names else [None] * len(dataset)
+        rows = ({"input_ids": x, "attention_mask": m} for x, m in zip(ids, masks))
+    else:
+        rows = (dataset[i] for i in range(len(dataset)))
+    out = []
+    for i, record in enumerate(rows):
+        if not isinstance(record, Mapping) or "input_ids" not in record:
+            what = type(record).__name__ if not isinstance(record, Mapping) else f"keys {sorted(record)}"
+            raise TreeInputError(f"record {i} ({what}): prefix grouping sorts records by their 'input_ids'")
+        ids = record["input_ids"]
+        if record.get("attention_mask") is not None:
+            keep = as_int_list(record["attention_mask"])
+            ids = [t for t, m in zip(as_int_list(ids), keep) if m]
+        out.append(ids)
+    return out
+
+
+def prefix_grouped_sampler(trainer: Any, dataset: Any = None) -> PrefixGroupedSampler:
+    """The ``Trainer``'s training sampler with each micro-batch a group of records sharing long
+    prefixes: groups of the data loader's batch size, seeded with ``args.data_seed`` (else
+    ``args.seed``) and the epoch, the short group left out with ``args.dataloader_drop_last``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (TRL's trainers included).
+        dataset: the training dataset (default ``trainer.train_dataset``); see `record_sequences`.
+    """
+    args = trainer.args
+    dataset = trainer.train_dataset if dataset is None else dataset
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    return PrefixGroupedSampler(record_sequences(dataset), group_size=getattr(trainer, "_train_batch_size",
+                                                                              args.train_batch_size),
+                                seed=seed, drop_last=args.dataloader_drop_last)
+
+
+class PrefixGroupingMixin:
+    """``Trainer`` mixin: each training micro-batch is a group of records sharing long prefixes.
+
+    Put it before ``Trainer`` in the bases. Overrides ``_get_train_sampler`` only, with
+    `prefix_grouped_sampler`: every record once per epoch, a new grouping and group order each
+    epoch (the ``Trainer`` calls ``set_epoch``), the same on every process. Datasets without a
+    length (``IterableDataset``) keep the ``Trainer``'s own order.
+    """
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return super()._get_train_sampler(train_dataset)
+        return prefix_grouped_sampler(self, dataset)

@@ -42,7 +42,7 @@ import torch
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.compile.wrapper import TreeCompiledModel, tree_compile
 from treecompile.core.errors import TreeInputError
-from treecompile.integrations.hf import rows_to_tree
+from treecompile.integrations.hf import prefix_grouped_sampler, rows_to_tree
 
 __all__ = [
     "TreeSFTMixin",
@@ -170,13 +170,27 @@ class TreeSFTMixin:
     ``num_items_in_batch`` and the ``entropy`` and ``num_tokens`` metrics are the stock
     trainer's (``mean_token_accuracy`` is not logged: the tree computes no argmax). An
     evaluation that asks for logits (``return_outputs=True``) runs the stock path.
+
+    ``prefix_grouping=True`` (an argument of the trainer, or the class attribute) makes each
+    training micro-batch a group of samples sharing long prefixes instead of a random draw
+    (`treecompile.integrations.hf.prefix_grouped_sampler`); not with ``packing=True``.
     """
 
     tree_compile_options: dict[str, Any] = {}
+    prefix_grouping: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs = _init_tree(self, kwargs)
+        self.prefix_grouping = bool(kwargs.pop("prefix_grouping", type(self).prefix_grouping))
         super().__init__(*args, **kwargs)
+        if self.prefix_grouping and getattr(self.args, "packing", False):
+            raise ValueError("prefix_grouping groups samples; packing=True has already packed unrelated samples "
+                             "into each row: turn one of them off")
+
+    def _get_train_sampler(self, train_dataset=None):
+        if not self.prefix_grouping:
+            return super()._get_train_sampler(train_dataset)
+        return prefix_grouped_sampler(self, train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
