@@ -13,6 +13,7 @@ from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.compile.wrapper import TreeCompiledModel, TreeOutput
+from treecompile.core.errors import TreeInputError
 
 transformers = pytest.importorskip("transformers")
 
@@ -284,6 +285,40 @@ def test_lora_adapters_applied_before_compile_are_exact(family):
     assert compiled.counters["rewrite_positions_pass"]["position_ids_input"] >= 1
     assert isinstance(compiled, peft.PeftModel)
     assert list(compiled.state_dict()) == list(peft_model.state_dict())
+
+
+@pytest.mark.parametrize("called_first", [False, True], ids=["fresh", "after-a-call"])
+def test_lora_adapters_applied_after_compile_are_exact(called_first):
+    peft = pytest.importorskip("peft")
+    model = _qwen3()
+    compiled = tc.tree_compile(model, backend="eager")
+    batch, trees = make_batch("branchy")
+    if called_first:
+        plain = compiled(batch).loss.detach()
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(compiled, lora)
+    # The adapters went into the wrapped model: the wrapper's next call recompiles with them.
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) == 4
+    assert peft_model.base_model.model is compiled
+    for name in ("branchy", "forest"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, lambda b: peft_model(b), batch, trees, tol="hf")
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    if called_first:
+        assert len(compiled.compile_records) >= 2
+        assert not torch.equal(peft_model(make_batch("branchy")[0]).loss.detach(), plain)
+
+
+def test_hf_forward_arguments_pass_unset_and_are_refused_when_set():
+    compiled = tc.tree_compile(_qwen3(), backend="eager")
+    batch, _ = make_batch("branchy")
+    with pytest.raises(TreeInputError, match="ignores 'output_hidden_states'"):
+        compiled(batch, output_hidden_states=True)
+    with pytest.raises(TreeInputError, match="ignores 'inputs_embeds'"):
+        compiled(input_ids=batch, inputs_embeds=torch.zeros(1, 3, 32))
+    with pytest.raises(TypeError, match="takes no argument 'pixel_values'"):
+        compiled(batch, pixel_values=None)
+    assert compiled._compiled is None  # refused before any work
 
 
 def test_lora_model_saves_its_adapter(tmp_path):

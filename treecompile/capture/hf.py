@@ -265,3 +265,24 @@ def refuse_label_smoothing() -> None:
         )
     finally:
         del frame
+
+
+#: Hugging Face forward arguments a wrapper around a model passes along unset (PEFT's
+#: ``PeftModelForCausalLM.forward`` passes each of them, None when its caller did not).
+_UNSET_OK = ("inputs_embeds", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+             "past_key_values", "cache_position", "logits_to_keep")
+
+
+def check_unset(kwargs: dict[str, Any]) -> None:
+    """Refuses forward arguments a tree call cannot honour: any not in `_UNSET_OK`, and any
+    of those that is set (``return_dict=True`` aside: the output is always one object)."""
+    unknown = sorted(k for k in kwargs if k not in _UNSET_OK)
+    if unknown:
+        raise TypeError(f"a tree-compiled model's forward takes no argument {', '.join(map(repr, unknown))}: it runs a "
+                        "packed TreeBatch (treecompile.pack) or padded input_ids")
+    unsupported = sorted(k for k, v in kwargs.items() if v is not None and not (k == "return_dict" and v is True)
+                         and not (k == "use_cache" and v is False) and not (k == "logits_to_keep" and v == 0))
+    if unsupported:
+        raise TreeInputError(f"a tree-compiled model ignores {', '.join(map(repr, unsupported))}: it computes each "
+                             "target's log-probability from input ids, without a cache or hidden-state outputs; "
+                             "leave them unset")

@@ -20,7 +20,6 @@ import copy
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,10 +46,11 @@ from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedMo
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
-from treecompile.capture.hf import refuse_label_smoothing, uses_attention_interface
+from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.model_checks import EXPECTED, check_model
 from treecompile.compile.probe import ProbeReport, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
@@ -181,7 +181,7 @@ def tree_compile(
     )
 
 
-class TreeCompiledModel(nn.Module):
+class TreeCompiledModel(DelegatingModule):
     """A causal LM that takes a :class:`~treecompile.TreeBatch` and returns a :class:`TreeOutput`.
 
     The wrapped model is not registered as a submodule: ``parameters()``,
@@ -260,69 +260,6 @@ class TreeCompiledModel(nn.Module):
             kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
             outputs=self._outputs, compile_records=self.compile_records))
 
-    # ------------------------------------------------------------------ delegation
-
-    @property
-    def model(self) -> nn.Module:
-        """The wrapped model (its parameters are the ones trained)."""
-        return self._inner
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_inner"), name)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self._inner.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self._inner.named_parameters(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True):
-        return self._inner.buffers(recurse)
-
-    def named_buffers(self, *args, **kwargs):
-        return self._inner.named_buffers(*args, **kwargs)
-
-    def children(self):
-        return self._inner.children()
-
-    def named_children(self):
-        return self._inner.named_children()
-
-    def modules(self):
-        return self._inner.modules()
-
-    def named_modules(self, *args, **kwargs):
-        return self._inner.named_modules(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self._inner.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        return self._inner.load_state_dict(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> TreeCompiledModel:
-        self._inner.train(mode)
-        self.training = mode
-        return self
-
-    @property
-    def __class__(self) -> type:
-        # A Hugging Face model's wrapper passes isinstance checks as the model (as a transparent
-        # proxy does), so that Trainer.save_model saves the plain model with save_pretrained;
-        # type() still gives TreeCompiledModel. See treecompile/integrations/hf.py.
-        state = object.__getattribute__(self, "__dict__")
-        return type(state["_inner"]) if state.get("_is_hf") else type(self)
-
-    def _apply(self, fn, recurse=True):
-        self._inner._apply(fn, recurse)
-        return self
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._inner.zero_grad(set_to_none)
-
     def _options(self) -> dict[str, Any]:
         """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
         return dict(mask=self.mask, backend=self._backend_name, verify=self.verify, passes=self._passes,
@@ -367,6 +304,7 @@ class TreeCompiledModel(nn.Module):
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        **unset: Any,
     ) -> TreeOutput:
         """Runs the model on a packed tree batch.
 
@@ -385,14 +323,21 @@ class TreeCompiledModel(nn.Module):
             num_items_in_batch: the trained tokens of every micro-batch of the accumulation
                 window: a ``token-mean`` batch's summed loss is divided by it instead of by
                 its own count, as Hugging Face's causal-LM loss does.
+            **unset: Hugging Face's other forward arguments, as wrappers such as PEFT's
+                ``PeftModelForCausalLM`` pass them along, accepted while unset
+                (``inputs_embeds=None``, ``output_attentions=None``, ...); one that is set is
+                refused by name.
 
         Returns:
             :class:`TreeOutput` with ``loss`` and ``logprobs`` ``[S]``.
         """
         if "transformers.trainer" in sys.modules:
             refuse_label_smoothing()
+        check_unset(unset)
         if isinstance(batch, torch.Tensor) and input_ids is None:  # compiled(ids): padded rows, as HF takes them
             batch, input_ids = None, batch
+        elif isinstance(input_ids, TreeBatch) and batch is None:  # a wrapper's forward(input_ids=batch)
+            batch, input_ids = input_ids, None
         if batch is None and input_ids is not None:
             batch = batch_from_rows(input_ids, labels=labels, attention_mask=attention_mask)
         elif batch is not None and (input_ids is not None or attention_mask is not None):
