@@ -202,7 +202,11 @@ def _sft_datasets():
     pc = datasets.Dataset.from_list([{"prompt": r["messages"][0]["content"], "completion": r["messages"][1]["content"]}
                                      for r in rows])
     chat = datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
-    return {"prompt-completion": (pc, {}), "assistant-only": (chat, {"assistant_only_loss": True})}
+    # Padding-free and packed batches are one row of sequences (positions restarting at 0): packing
+    # puts samples of several questions in a row, and the tree shares each question's prompt.
+    return {"prompt-completion": (pc, {}), "assistant-only": (chat, {"assistant_only_loss": True}),
+            "padding-free": (pc, {"padding_free": True, "max_length": None}),
+            "packing": (pc, {"packing": True, "max_length": 256, "per_device_train_batch_size": 2})}
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +219,8 @@ def sft_runs(models, tmp_path_factory):
     # float64 compares parameters to the HF floor: plain SGD, since Adam's first steps
     # (lr * g / (|g| + eps)) turn a 1e-7 relative difference of a near-zero gradient into a
     # visible parameter difference. The gradients are compared at every step.
-    plan = [(kind, torch.float64, {"optim": "sgd"}, ("stock", "tree")) for kind in ("prompt-completion", "assistant-only")]
+    plan = [(kind, torch.float64, {"optim": "sgd"}, ("stock", "tree"))
+            for kind in ("prompt-completion", "assistant-only", "padding-free", "packing")]
     plan += [("prompt-completion", torch.float64, {}, ("ref",)), ("prompt-completion", torch.float32, {}, ("stock", "tree"))]
     data = _sft_datasets()
     for kind, dtype, opt, names in plan:
@@ -229,7 +234,7 @@ def sft_runs(models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind", ["prompt-completion", "assistant-only"])
+@pytest.mark.parametrize("kind", ["prompt-completion", "assistant-only", "padding-free", "packing"])
 def test_sft_float64_matches_stock(sft_runs, kind):
     _assert_exact(sft_runs[kind, torch.float64, "tree"], sft_runs[kind, torch.float64, "stock"], f"SFT {kind}")
 
@@ -272,6 +277,25 @@ def test_sft_bf16_checkpointing_within_stock_noise(sft_runs, tmp_path):
                             processing_class=_tokenizer())[:3]
     _assert_within_stock_noise(runs["tree"], runs["stock"], sft_runs["prompt-completion", torch.float64, "ref"],
                                "SFT bf16 + checkpointing")
+
+
+def test_packed_batch_is_its_sequences_and_bounds_must_agree(tmp_path):
+    """TRL's packed batch (one row, positions restarting at 0, cu_seq_lens for the kernels) is the
+    tree of its sequences; cu_seq_lens that disagree with the positions are refused."""
+    ds, extra = _sft_datasets()["packing"]
+    trainer = TreeSFTTrainer(model=_model(torch.float32), args=_sft_args(output_dir=str(tmp_path), **extra),
+                             train_dataset=ds, processing_class=_tokenizer())
+    rows = trainer.train_dataset
+    batch = trainer.data_collator([rows[i] for i in range(len(rows) - 2, len(rows))])  # best-fit: short ones last
+    assert batch["input_ids"].shape[0] == 1 and "cu_seq_lens_k" in batch
+    tree = rows_to_tree(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+    bounds = batch["cu_seq_lens_k"].tolist()
+    assert len(bounds) - 1 > 2  # several samples in each packed row
+    assert tree.sequences() == [batch["input_ids"][0, a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+    wrong = dict(batch, cu_seq_lens_k=batch["cu_seq_lens_k"] + torch.tensor([0, 1] + [0] * (tree.num_paths - 1),
+                                                                             dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seq_lens_k .* disagrees with the sequence starts of position_ids"):
+        trainer.compute_loss(trainer.model, wrong)
 
 
 def test_rows_to_tree_refuses_shifted_labels():

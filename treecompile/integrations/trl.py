@@ -162,6 +162,31 @@ def _init_tree(self: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- SFT
 
+#: What TRL's collator adds to a padding-free batch (``padding_free=True``, and ``packing=True``
+#: with its default ``bfd`` strategy) for the varlen attention kernels: the sequence bounds the
+#: tree reads from the position ids, where each sequence starts at 0.
+_PADDING_FREE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _check_padding_free(inputs: dict[str, Any]) -> None:
+    """A padding-free batch is a list of sequences, one row of them with positions restarting at
+    0; its ``cu_seq_lens`` must give the same bounds (else the stock kernels and the tree would
+    train different sequences)."""
+    bounds = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k") if k in inputs]
+    if not bounds:
+        return
+    positions = inputs.get("position_ids")
+    if positions is None or positions.dim() != 2 or positions.size(0) != 1 or "attention_mask" in inputs:
+        raise ValueError("a padding-free batch (cu_seq_lens) must be one row with position_ids and no attention_mask, "
+                         "as TRL's collator makes it")
+    starts = torch.nonzero(positions[0] == 0).flatten().cpu()
+    want = torch.cat([starts, torch.tensor([positions.size(1)])]).to(torch.int64)
+    for key in bounds:
+        got = inputs[key].detach().cpu().to(torch.int64).flatten()
+        if not torch.equal(got, want):
+            raise ValueError(f"{key} {got.tolist()} disagrees with the sequence starts of position_ids "
+                             f"{want.tolist()}: the tree trains the sequences the positions give")
+
 
 class TreeSFTMixin:
     """`SFTTrainer.compute_loss` on a prefix tree of the micro-batch's sequences.
@@ -202,9 +227,10 @@ class TreeSFTMixin:
             raise ValueError("tree packing in SFTTrainer computes the loss from log-probabilities: a custom "
                              "compute_loss_func or label smoothing needs the full logits (use the stock SFTTrainer)")
         unknown = set(inputs) - {"input_ids", "attention_mask", "labels", "position_ids", "use_cache",
-                                 "completion_mask", "assistant_masks", "seq_lengths"}
+                                 "completion_mask", "assistant_masks", "seq_lengths", *_PADDING_FREE_KEYS}
         if unknown:
             raise ValueError(f"tree packing in SFTTrainer takes text batches only; got extra inputs {sorted(unknown)}")
+        _check_padding_free(inputs)
         mode = "train" if self.model.training else "eval"
         inner = _unwrap(self, model)
         compiled = self._tree_models(inner, _setting(self, inner), outputs=("entropy",))
