@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from treecompile.core.chat_template import TemplateRenderer, has_chat_template, message_dicts
 from treecompile.core.errors import TreeInputError
 from treecompile.core.messages import Message, normalize_conversation
 from treecompile.core.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
@@ -32,10 +33,10 @@ __all__ = [
 ]
 
 SAMPLES = ("conversation", "assistant_turns")
-THINK = ("last", "all", "none")
+THINK = ("auto", "last", "all", "none")
 LOSS_ON = ("assistant", "last_assistant", "all")
 ON_DRIFT = ("warn", "error", "ignore")
-TEMPLATES = ("chatml",)
+TEMPLATES = ("auto", "chatml", "tokenizer")
 
 # How many drifting conversations the report describes in detail.
 _MAX_DRIFT_EXAMPLES = 5
@@ -115,7 +116,7 @@ def _last_assistant(msgs: Sequence[Message], end: int | None = None) -> int:
 
 
 def _keep_reasoning(think: str, j: int, last_assistant: int) -> bool:
-    return think == "all" or (think == "last" and j == last_assistant)
+    return think == "all" or (think in ("last", "auto") and j == last_assistant)
 
 
 @dataclass
@@ -242,10 +243,10 @@ class RenderOptions:
     of the same names, checked when built (an unknown value raises ``ValueError``)."""
 
     samples: str = "conversation"
-    think: str = "last"
+    think: str = "auto"
     normalize_tool_call_ids: bool = True
     loss_on: str = "assistant"
-    template: str = "chatml"
+    template: str = "auto"
     on_drift: str = "warn"
 
     def __post_init__(self) -> None:
@@ -267,7 +268,8 @@ def render_conversations(
     merges the paths into a tree); None means the default :class:`RenderOptions`.
     """
     opts = options if options is not None else RenderOptions()
-    samples, think, loss_on, on_drift = opts.samples, opts.think, opts.loss_on, opts.on_drift
+    samples, loss_on, on_drift = opts.samples, opts.loss_on, opts.on_drift
+    think = "last" if opts.think == "auto" else opts.think
     if isinstance(conversations, dict) or isinstance(conversations, (str, bytes)):
         raise TreeInputError("conversations must be a list of conversations (each a list of messages)")
     conversations = list(conversations)
@@ -282,6 +284,8 @@ def render_conversations(
         weights = list(weights)
         if len(weights) != len(conversations):
             raise TreeInputError(f"weights has {len(weights)} entries for {len(conversations)} conversations")
+    if opts.template == "tokenizer" or (opts.template == "auto" and has_chat_template(tokenizer)):
+        return _render_with_template(conversations, tokenizer, opts, weights)
     tok = load_tokenizer(tokenizer)
     renderer = _Renderer(tok)
 
@@ -334,7 +338,7 @@ def render_conversations(
         warnings.warn(report["summary"], RetokenizationDriftWarning, stacklevel=3)
     metadata = {
         "source": "messages",
-        "template": opts.template,
+        "template": "chatml",
         "tokenizer": tok.name,
         "samples": samples,
         "think": think,
@@ -362,3 +366,58 @@ def _conversation_drift(conv_samples: list[_Sample], tok: Tokenizer) -> dict[str
                 drift["position"] = None  # a window, not a path position
                 return drift
     return None
+
+
+def _render_with_template(
+    conversations: list, tokenizer: Any, opts: RenderOptions, weights: Sequence[float] | None
+) -> RenderedPaths:
+    """`render_conversations` with the tokenizer's own chat template (see
+    :mod:`treecompile.core.chat_template`): each path is its messages rendered and tokenized
+    whole. ``think="auto"`` hands every assistant message its reasoning and lets the template
+    decide what it shows, as at inference."""
+    renderer = TemplateRenderer(tokenizer)
+    think = "all" if opts.think == "auto" else opts.think
+    seqs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    path_weights: list[float] = []
+    path_conv: list[int] = []
+    path_msg: list[int] = []
+    rerendered = 0
+    for c, conv in enumerate(conversations):
+        tools = conv.get("tools") if isinstance(conv, dict) else None
+        msgs = normalize_conversation(conv, normalize_tool_call_ids=opts.normalize_tool_call_ids, index=c)
+        if opts.samples == "conversation":
+            ends = [len(msgs) - 1]
+        else:
+            ends = [j for j, m in enumerate(msgs) if m.role == "assistant"]
+            if not ends:
+                raise TreeInputError(f"conversation {c} has no assistant message; samples='assistant_turns' "
+                                     "makes one path per assistant message")
+        previous: list[int] | None = None
+        for end in ends:
+            last = _last_assistant(msgs, end + 1)
+            dicts = message_dicts(msgs[: end + 1], [_keep_reasoning(think, j, last) for j in range(end + 1)])
+            ids, marked = renderer.ids(dicts, tools, mask=True)
+            mask = renderer.loss_mask(dicts, tools, ids, marked, opts.loss_on, f"conversation {c}")
+            if previous is not None and ids[: len(previous)] != previous:
+                rerendered += 1  # the template renders the history differently once this turn follows
+            previous = ids
+            seqs.append(np.asarray(ids, dtype=np.int64))
+            masks.append(mask)
+            path_weights.append(1.0 if weights is None else weights[c])
+            path_conv.append(c)
+            path_msg.append(end)
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    report: dict[str, Any] = {
+        "tokenizer": name, "conversations": len(conversations), "drifting": 0, "examples": [],
+        "rerendered_samples": rerendered,
+        "summary": (f"rendered whole by the chat template of {name}: no message-by-message tokenization to drift; "
+                    f"{rerendered} samples whose history the template renders differently from the sample before "
+                    "them (they branch off it)"),
+    }
+    metadata = {
+        "source": "messages", "template": "tokenizer", "tokenizer": name, "samples": opts.samples, "think": think,
+        "loss_on": opts.loss_on, "normalize_tool_call_ids": opts.normalize_tool_call_ids, "drift": report,
+        "path_conversation": path_conv, "path_message": path_msg,
+    }
+    return RenderedPaths(seqs, masks, path_weights, metadata)

@@ -10,7 +10,11 @@ Example:
     >>> tree.num_paths, tree.stats().por > 0
     (2, True)
 
-Each message is rendered with a ChatML-like template::
+With a Hugging Face tokenizer that has a chat template (``tokenizer.chat_template``), each
+path is rendered by that template (``apply_chat_template``) and tokenized whole: the tokens
+the model is trained and served with, its system prompt, tool schema and reasoning rules
+included (`treecompile.core.chat_template` says which tokens are trained). Otherwise (or with
+``template="chatml"``) each message is rendered with a ChatML-like template::
 
     <|im_start|>{role}\\n{body}<|im_end|>\\n
 
@@ -64,10 +68,10 @@ def tree_from_messages(
     tokenizer: Any,
     *,
     samples: str = "conversation",
-    think: str = "last",
+    think: str = "auto",
     normalize_tool_call_ids: bool = True,
     loss_on: str = "assistant",
-    template: str = "chatml",
+    template: str = "auto",
     on_drift: str = "warn",
     vocab_size: int | None = None,
     weights: Sequence[float] | None = None,
@@ -76,7 +80,8 @@ def tree_from_messages(
 
     Args:
         conversations: C conversations, each a list of OpenAI-format messages (or a dict
-            with a ``"messages"`` list).
+            with a ``"messages"`` list and optionally ``"tools"``, the tool schemas a chat
+            template renders).
         tokenizer: anything :func:`treecompile.core.tokenizer.load_tokenizer` accepts
             (``"cl100k"``, ``"sample"``, ``"bytes"``, a HF tokenizer, a callable...).
         samples: ``"conversation"``: one path per conversation. ``"assistant_turns"``:
@@ -85,12 +90,17 @@ def tree_from_messages(
         think: which assistant turns keep their reasoning. ``"last"``: only the path's
             final assistant turn (earlier turns are rendered without it, as chat
             templates do, so each turn's sample branches off the next); ``"all"``;
-            ``"none"``.
+            ``"none"``. ``"auto"``: ``"last"`` with ChatML; with the tokenizer's template,
+            every assistant message hands it its reasoning and the template decides what
+            it shows, as at inference (Qwen3's drops the reasoning of turns before the
+            last user message).
         normalize_tool_call_ids: replace random tool-call ids by ``call_0``, ``call_1``, ...
             per conversation, so that trials making the same calls share tokens.
         loss_on: ``"assistant"``: the body and end marker of every assistant message;
             ``"last_assistant"``: only the path's last assistant message; ``"all"``.
-        template: ``"chatml"`` (the only one so far).
+        template: ``"auto"``: the tokenizer's chat template when it has one, else ChatML;
+            ``"tokenizer"``: the tokenizer's chat template (an error without one);
+            ``"chatml"``: the ChatML rendering above, message by message.
         on_drift: what to do when message-by-message tokens differ from tokenizing a
             conversation's whole text: ``"warn"`` (one :class:`RetokenizationDriftWarning`),
             ``"error"`` (raise :class:`TreeInputError`) or ``"ignore"``. The report is in

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from treecompile.core.chat_template import TemplateRenderer
 from treecompile.core.errors import TreeInputError
 
 __all__ = ["RLRecord", "records_from_trl", "records_from_verl"]
@@ -181,9 +182,16 @@ def _render_trl(tokenizer: Any, prompt: Any, completion: Any, i: int) -> tuple[l
         full = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True,
                                              return_assistant_tokens_mask=True)
         mask = full.get("assistant_masks")
-        ids = list(full["input_ids"])
+        ids = [int(t) for t in full["input_ids"]]
         if mask is not None and not any(mask):
-            mask = None  # a template without generation blocks: every completion token is trained
+            mask = None  # a template without generation blocks
+        if mask is None and any(m.get("role") != "assistant" for m in completion):
+            # Tool results or user turns inside the completion are context, not trained: the
+            # assistant messages' tokens are found from the template's renderings of the history.
+            messages = list(prompt) + list(completion)
+            renderer = TemplateRenderer(tokenizer)
+            mask = renderer.loss_mask(messages, None, ids, None, "assistant", f"record {i}").astype(int).tolist()
+        # Otherwise every completion token is trained (a completion of assistant text alone), as TRL does.
         return list(p["input_ids"]), ids, None if mask is None else [int(x) for x in mask]
     raise TreeInputError(f"record {i}: prompt and completion must both be strings or both lists of messages")
 
