@@ -128,6 +128,23 @@ def test_a_model_on_the_meta_device_is_refused_as_having_no_data():
         tc.tree_compile(model)
 
 
+def test_an_fsdp_sharded_model_is_refused_by_name(tmp_path):
+    """FSDP2's hooks gather and free parameters outside any graph: refused before capture,
+    naming the sharded unit (a one-process gloo group is enough to shard)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = tiny(NanoGPT, layers=2)
+        for block in model.blocks:
+            fully_shard(block)
+        with pytest.raises(TypeError, match=r"NanoGPT is sharded by FSDP \(blocks\.0\): tree_compile captures"):
+            tc.tree_compile(model)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_padded_rows_may_be_passed_positionally_as_input_ids():
     """``compiled(ids)`` is ``compiled(input_ids=ids)``: padded rows, as a Hugging Face model takes them."""
     torch.manual_seed(0)

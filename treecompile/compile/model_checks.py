@@ -35,3 +35,17 @@ def check_model(model: Any) -> None:
             "a model built without weights cannot train; load or initialise its weights first "
             "(from_pretrained, or to_empty(device=...) and then load_state_dict)"
         )
+    sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp(m)), None)
+    if sharded is not None:
+        raise TypeError(
+            f"{type(model).__name__} is sharded by FSDP ({sharded}): tree_compile captures the whole forward as one "
+            "graph, and FSDP gathers and frees each unit's parameters in hooks outside it, which the graph cannot hold; "
+            "train with DDP (treecompile.compile.distributed.wrap_ddp) or on one process"
+        )
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP unit (FSDP2's ``fully_shard`` or FSDP1's wrapper), without
+    importing torch.distributed where it is not loaded."""
+    return any(c.__module__.startswith("torch.distributed.fsdp") for c in type(module).__mro__[1:]) or \
+        type(module).__module__.startswith("torch.distributed.fsdp")
