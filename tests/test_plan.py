@@ -46,3 +46,18 @@ def test_plan_capacity_below_a_path_is_a_clear_error(capsys):
 
     with pytest.raises(CapacityError, match="fits every path of every tree"):
         _run(["sample:tau_bench", "--tokenizer", "sample", "--capacity", "100"], capsys)
+
+
+def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
+    out = json.loads(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "4", "--cp-align", "64", "--json"],
+                          capsys))
+    assert out["cp"] == 4 and out["work_model"].startswith("Qwen3-8B")
+    for t in out["trees"]:
+        assert sum(t["rows"]) == t["tokens"] and len(t["rows"]) == 4
+        assert all(b % 64 == 0 for b in t["bounds"][1:-1])
+        assert t["imbalance"] <= t["imbalance_by_rows"] + 1e-9 or t["imbalance"] < 1.05
+        assert t["kv_bytes_needed"][0] == 0 and max(t["kv_bytes_needed"]) <= max(t["kv_bytes_all_gather"])
+    text = " ".join(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2"], capsys).split())
+    assert "over 2 CP ranks" in text and "all-gather" in text
+    with pytest.raises(ValueError, match="--cp plans a context-parallel split of each whole row"):
+        _run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--stream", "keep"], capsys)

@@ -60,6 +60,14 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="with --budget-bytes: where the step runs (its attention kernel; default cuda)")
     p.add_argument("--ranks", type=int_at_least(1), default=1, metavar="K", help="data-parallel ranks (default 1)")
+    p.add_argument(
+        "--cp", type=int_at_least(1), default=None, metavar="K",
+        help="instead: split each tree's packed row over K context-parallel ranks by work (attention pairs, dense "
+        "and LM-head rows weighed by --config's FLOPs; default Qwen3-8B's) and print each rank's share and the "
+        "K/V bytes it receives per layer (treecompile.planning.cp)",
+    )
+    p.add_argument("--cp-align", type=int_at_least(1), default=1, metavar="N",
+                   help="with --cp: cut the row on multiples of N rows (an attention block; default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
     p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
     p.add_argument("--tokenizer", default=None, help="for chat input (default cl100k)")
@@ -102,6 +110,8 @@ def _budget_options(args: argparse.Namespace) -> None:
     """Refuses --config / --dtype / --optimizer / --device without --budget-bytes (they would be
     ignored); fills in their defaults."""
     given = [f"--{name}" for name in BUDGET_OPTIONS if getattr(args, name, None) is not None]
+    if getattr(args, "cp", None) is not None:  # --cp reads the model's dimensions and dtype from them too
+        given = [g for g in given if g not in ("--config", "--dtype")]
     if given and getattr(args, "budget_bytes", None) is None:
         verb = "describes" if len(given) == 1 else "describe"
         raise ValueError(f"{', '.join(given)} {verb} the step that --budget-bytes is measured on, and no "
@@ -169,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
     if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:
         raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
+    if getattr(args, "cp", None) is not None and (getattr(args, "stream", None) or getattr(args, "budget_bytes", None)):
+        raise ValueError("--cp plans a context-parallel split of each whole row: leave out --stream and --budget-bytes")
     _budget_options(args)
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
@@ -178,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
         from treecompile.stream.options import plan_stream_report
 
         return plan_stream_report(names, trees, header, args, start)
+    if getattr(args, "cp", None) is not None:
+        from treecompile.cli.plan_cp import plan_cp_report
+
+        return plan_cp_report(names, trees, header, args, start)
     if args.ranks < 1:
         raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
     n_paths = sum(t.num_paths for t in trees)

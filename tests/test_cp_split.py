@@ -1,0 +1,107 @@
+"""Splitting a packed tree row over context-parallel ranks by work (`treecompile.planning.cp`),
+against brute force over every contiguous split and against the dense tree mask."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import treecompile as tc
+from treecompile.core.errors import TreeInputError
+from treecompile.planning import cp
+from treecompile.planning.budget import ModelDims
+from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+
+WORK = RowWork(dense=1.0, attention=0.3, head=2.0)
+
+
+def _batch(seqs):
+    return tc.pack(tc.TrajectoryTree.from_sequences(seqs), warn_por=False)
+
+
+def _brute_force_best(batch, ranks: int, work: RowWork, align: int = 1) -> float:
+    """The least largest-rank work over every contiguous split with aligned cuts."""
+    s = batch.num_tokens
+    candidates = [c for c in range(1, s) if c % align == 0]
+    best = np.inf
+    for k in range(ranks):  # some ranks may hold nothing when the row is short
+        for cuts in itertools.combinations(candidates, k):
+            bounds = np.array([0, *cuts, *([s] * (ranks - k))], dtype=np.int64)
+            best = min(best, float(cp._summary(batch, bounds, work).work.max()))
+    return best
+
+
+trees = st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=9), min_size=1, max_size=5)
+
+
+@given(seqs=trees, ranks=st.integers(1, 3), align=st.sampled_from([1, 2, 4]))
+def test_the_largest_ranks_work_is_the_least_any_contiguous_split_gives(seqs, ranks, align):
+    batch = _batch(seqs)
+    if batch.num_tokens < ranks:
+        return
+    split = split_for_cp(batch, ranks, WORK, align=align)
+    assert split.bounds[0] == 0 and split.bounds[-1] == batch.num_tokens and np.all(np.diff(split.bounds) >= 0)
+    assert all(b % align == 0 for b in split.bounds[1:-1] if b != batch.num_tokens)
+    predicting = np.unique(batch.pred_index.numpy()[batch.pred_index.numpy() >= 0])
+    assert split.rows.sum() == batch.num_tokens and split.head_rows.sum() == len(predicting)
+    best = _brute_force_best(batch, ranks, WORK, align)
+    assert split.work.max() <= best * (1 + 1e-9)
+
+
+def _path_mask(batch) -> np.ndarray:
+    """``[S, S]``: query ``i`` sees key ``j`` iff some path holds both and ``j`` is not after ``i``."""
+    mask = np.zeros((batch.num_tokens, batch.num_tokens), dtype=bool)
+    for p in range(batch.num_paths):
+        rows = batch.path_rows(p).numpy()
+        for k, i in enumerate(rows):
+            mask[i, rows[: k + 1]] = True
+    return mask
+
+
+def test_counts_match_the_dense_tree_mask():
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 7, 8], [9, 10]]
+    batch = _batch(seqs)
+    mask = _path_mask(batch)
+    for ranks in (1, 2, 3, 4):
+        split = split_for_cp(batch, ranks, WORK)
+        for r in range(ranks):
+            a, b = int(split.bounds[r]), int(split.bounds[r + 1])
+            assert split.attention_pairs[r] == mask[a:b].sum()
+            # The keys of earlier ranks its queries see: the root path of its first row.
+            assert split.ancestor_rows[r] == (mask[a:b, :a].any(0).sum() if b > a else 0)
+
+
+def test_work_split_beats_rows_on_a_shared_prompt_with_long_branches():
+    prompt = list(range(1, 200))
+    seqs = [prompt + [300 + k] * 100 for k in range(4)]
+    batch = _batch(seqs)
+    work = RowWork.from_dims(ModelDims(layers=8, hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128,
+                                       vocab=151936))
+    by_work, by_rows = split_for_cp(batch, 4, work), equal_rows_split(batch, 4, work)
+    assert by_work.imbalance() < by_rows.imbalance()
+    assert by_work.imbalance() < 1.05
+    kv = by_work.kv_bytes(kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert kv[0] == 0 and (kv[1:] > 0).all()
+    everything = by_work.kv_bytes(kv_heads=8, head_dim=128, dtype_bytes=2, gather="all")
+    assert (everything >= kv).all()
+
+
+def test_bad_requests_are_refused():
+    batch = _batch([[1, 2, 3]])
+    with pytest.raises(TreeInputError, match="a row of 3 tokens cannot be split over 4 ranks"):
+        split_for_cp(batch, 4)
+    with pytest.raises(TreeInputError, match="ranks must be a positive integer"):
+        split_for_cp(batch, 0)
+    with pytest.raises(TreeInputError, match="align must be at least 1"):
+        split_for_cp(batch, 1, align=0)
+    with pytest.raises(ValueError, match="unknown gather='some'"):
+        split_for_cp(batch, 1).kv_bytes(1, 1, 1, gather="some")
+
+
+def test_module_examples():
+    assert doctest.testmod(cp).failed == 0

@@ -1,0 +1,96 @@
+"""``treecompile plan FILE --cp K``: each tree's packed row split over K context-parallel ranks.
+
+Prints, per tree, the split by work (`treecompile.planning.cp.split_for_cp`: attention pairs,
+dense rows and LM-head rows weighed by the model's FLOPs) against the split by row count,
+each rank's share, and the K and V bytes a rank receives per layer: the root path of its
+first row (what its queries see), or every other rank's rows under an all-gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+__all__ = ["DEFAULT_DIMS", "plan_cp_report"]
+
+#: The work model without --config: Qwen3-8B's dimensions.
+DEFAULT_DIMS = dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _dims(args: argparse.Namespace) -> tuple[Any, str]:
+    from treecompile.planning.budget import ModelDims, _dims_of
+
+    if getattr(args, "config", None):
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(args.config)
+        return _dims_of(config), str(args.config)
+    return ModelDims(**DEFAULT_DIMS), "Qwen3-8B dimensions (--config for your model's)"
+
+
+def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], args: argparse.Namespace,
+                   start: float) -> int:
+    """Splits each tree's row over ``args.cp`` ranks; prints the table (or JSON)."""
+    from treecompile.core.batch import pack
+    from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+
+    dims, source = _dims(args)
+    work = RowWork.from_dims(dims)
+    dtype_bytes = _DTYPE_BYTES[args.dtype]
+    out_trees = []
+    for name, tree in zip(names, trees):
+        batch = pack(tree, warn_por=False)
+        if batch.num_tokens < args.cp:
+            raise ValueError(f"tree {name} has {batch.num_tokens} tokens, fewer than --cp {args.cp} ranks")
+        split = split_for_cp(batch, args.cp, work, align=args.cp_align)
+        rows = equal_rows_split(batch, args.cp, work)
+        out_trees.append({
+            "name": name,
+            "tokens": batch.num_tokens,
+            "bounds": split.bounds.tolist(),
+            "rows": split.rows.tolist(),
+            "attention_pairs": split.attention_pairs.tolist(),
+            "head_rows": split.head_rows.tolist(),
+            "work_share": [round(x, 4) for x in split.shares()],
+            "imbalance": round(split.imbalance(), 4),
+            "imbalance_by_rows": round(rows.imbalance(), 4),
+            "kv_bytes_needed": split.kv_bytes(dims.kv_heads, dims.head_dim, dtype_bytes).tolist(),
+            "kv_bytes_all_gather": split.kv_bytes(dims.kv_heads, dims.head_dim, dtype_bytes, gather="all").tolist(),
+        })
+    out = {**header, "cp": args.cp, "align": args.cp_align, "work_model": source, "dtype": args.dtype,
+           "trees": out_trees, "seconds": round(time.perf_counter() - start, 3)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print(out, args.rows)
+    return 0
+
+
+def _print(out: dict[str, Any], rows: int) -> None:
+    from rich.table import Table
+
+    from treecompile.cli.args import output_console
+
+    console = output_console()
+    console.print(f"[bold]treecompile plan[/bold] {out['file']}: each tree's row over {out['cp']} CP ranks")
+    console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}; cuts on multiples of {out['align']} rows")
+    table = Table(pad_edge=False)
+    table.add_column("tree", overflow="fold")
+    for col in ("tokens", "rank rows", "work share", "max/mean", "by rows", "K/V in per layer", "all-gather"):
+        table.add_column(col, justify="right")
+    for t in out["trees"][: max(rows, 0)]:
+        table.add_row(
+            t["name"], str(t["tokens"]), " ".join(map(str, t["rows"])),
+            " ".join(f"{x:.2f}" for x in t["work_share"]), f"{t['imbalance']:.3f}", f"{t['imbalance_by_rows']:.3f}",
+            f"{max(t['kv_bytes_needed']):,}", f"{max(t['kv_bytes_all_gather']):,}",
+        )
+    if len(out["trees"]) > rows:
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 7)
+    console.print(table)
+    console.print("max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
+                  "counts. K/V in per layer: the most any rank receives, the root path of its first row; "
+                  "all-gather: every other rank's rows, padded to the longest")
+    console.print(f"planned in {out['seconds']:.2f} s")

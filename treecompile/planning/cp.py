@@ -1,0 +1,207 @@
+"""Splitting one packed tree row over the ranks of a context-parallel (CP) group, by work.
+
+Example:
+    >>> import treecompile as tc
+    >>> from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+    >>> tree = tc.TrajectoryTree.from_sequences([[1] * 60 + [2] * 20, [1] * 60 + [3] * 20, [1] * 60 + [4] * 20])
+    >>> batch = tc.pack(tree, warn_por=False)
+    >>> work = RowWork(dense=1.0, attention=0.05, head=0.5)
+    >>> split = split_for_cp(batch, 2, work)
+    >>> split.bounds.tolist(), [round(x, 2) for x in split.shares()]
+    ([0, 72, 120], [0.5, 0.5])
+    >>> [round(x, 2) for x in equal_rows_split(batch, 2, work).shares()]  # by rows: the prompt is cheap
+    [0.38, 0.62]
+    >>> split.ancestor_rows.tolist()  # rank 1 reads the root path of its first row
+    [0, 72]
+
+Each rank takes a contiguous run of the row (``bounds[r]:bounds[r + 1]``): its queries, their
+layers' matmuls and their LM-head rows. What costs differ along a DFS row: a row's attention
+reads the keys of its root path, ``position_ids[i] + 1`` of them, so late rows of a deep
+branch cost more than early rows of the prompt; and only rows that predict a target run the
+LM head. Splitting by row count leaves the ranks unequal; `split_for_cp` splits so that the
+largest rank's work is the least any contiguous split allows (a bisection on that bound,
+each candidate checked greedily over the row's prefix sums: O(S + K log S) per candidate).
+
+What a rank must read from the others (per layer, K and V): under the tree mask a query
+``i`` sees key ``j < i`` iff ``j``'s subtree holds ``i``, so the keys of earlier ranks that
+rank ``r`` needs are the root path of its first row, ``position_ids[bounds[r]]`` rows
+(`CPSplit.ancestor_rows`); an all-gather (what torch's FlexAttention CP does) moves every
+other rank's rows instead. `CPSplit.kv_bytes` gives both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treecompile.core.batch import TreeBatch
+from treecompile.core.errors import TreeInputError
+
+__all__ = ["RowWork", "CPSplit", "split_for_cp", "equal_rows_split"]
+
+
+@dataclass(frozen=True)
+class RowWork:
+    """Forward FLOPs of one row's parts, summed over layers (backward scales all alike).
+
+    Attributes:
+        dense: the projections and MLP of one row.
+        attention: one (query, key) pair the mask allows (``Q K^T`` and ``P V``).
+        head: the LM head of one predicting row.
+    """
+
+    dense: float
+    attention: float
+    head: float
+
+    @classmethod
+    def from_dims(cls, dims) -> RowWork:
+        """From a `treecompile.planning.budget.ModelDims` (dense layers: q, k, v, o and a
+        gated MLP)."""
+        q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+        per_layer = 2 * (dims.hidden * q + 2 * dims.hidden * kv + q * dims.hidden + 3 * dims.hidden * dims.intermediate)
+        return cls(dense=float(dims.layers * per_layer), attention=float(dims.layers * 4 * q),
+                   head=float(2 * dims.hidden * dims.vocab))
+
+
+@dataclass
+class CPSplit:
+    """A row split over ``K`` CP ranks (`split_for_cp`).
+
+    Attributes:
+        bounds: ``[K + 1]`` rank ``r`` holds rows ``bounds[r]:bounds[r + 1]``.
+        rows, attention_pairs, head_rows: ``[K]`` per rank: its rows, the (query, key) pairs
+            its queries see, its rows that predict a target.
+        work: ``[K]`` per rank, in `RowWork`'s units.
+        ancestor_rows: ``[K]`` rows of earlier ranks its queries see (the root path of its
+            first row).
+    """
+
+    bounds: np.ndarray
+    rows: np.ndarray
+    attention_pairs: np.ndarray
+    head_rows: np.ndarray
+    work: np.ndarray
+    ancestor_rows: np.ndarray
+
+    @property
+    def ranks(self) -> int:
+        return len(self.rows)
+
+    def shares(self) -> list[float]:
+        """Each rank's fraction of the work."""
+        total = float(self.work.sum())
+        return [float(w) / total if total else 0.0 for w in self.work]
+
+    def imbalance(self) -> float:
+        """The largest rank's work over the mean (1.0: perfectly even)."""
+        mean = float(self.work.mean())
+        return float(self.work.max()) / mean if mean else 1.0
+
+    def kv_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int, gather: str = "needed") -> np.ndarray:
+        """``[K]`` bytes of K and V each rank receives per layer: ``"needed"``, the root path
+        of its first row; ``"all"``, an all-gather of every other rank's rows, each padded to
+        the longest rank's (collectives move equal chunks)."""
+        per_row = 2 * kv_heads * head_dim * dtype_bytes
+        if gather == "needed":
+            return self.ancestor_rows * per_row
+        if gather == "all":
+            return np.full(self.ranks, (self.ranks - 1) * int(self.rows.max()) * per_row, dtype=np.int64)
+        raise ValueError(f"unknown gather={gather!r}; expected 'needed' or 'all'")
+
+
+def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[S]`` attention pairs, LM-head flags and cost of each row."""
+    pairs = batch.position_ids.detach().cpu().numpy().astype(np.int64) + 1
+    pred = batch.pred_index.detach().cpu().numpy()
+    head = np.zeros(batch.num_tokens, dtype=np.int64)
+    head[pred[pred >= 0]] = 1
+    cost = work.dense + work.attention * pairs + work.head * head
+    return pairs, head, cost
+
+
+def _summary(batch: TreeBatch, bounds: np.ndarray, work: RowWork) -> CPSplit:
+    pairs, head, cost = _row_costs(batch, work)
+    positions = batch.position_ids.detach().cpu().numpy().astype(np.int64)
+    seg = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return CPSplit(
+        bounds=bounds,
+        rows=np.diff(bounds),
+        attention_pairs=np.array([pairs[s].sum() for s in seg], dtype=np.int64),
+        head_rows=np.array([head[s].sum() for s in seg], dtype=np.int64),
+        work=np.array([cost[s].sum() for s in seg], dtype=np.float64),
+        ancestor_rows=np.array([positions[s.start] if s.stop > s.start else 0 for s in seg], dtype=np.int64),
+    )
+
+
+def _check(batch: TreeBatch, ranks: int) -> None:
+    if not isinstance(ranks, (int, np.integer)) or ranks < 1:
+        raise TreeInputError(f"ranks must be a positive integer, got {ranks!r}")
+    if batch.num_tokens < ranks:
+        raise TreeInputError(f"a row of {batch.num_tokens} tokens cannot be split over {ranks} ranks")
+
+
+def equal_rows_split(batch: TreeBatch, ranks: int, work: RowWork) -> CPSplit:
+    """The split by row count alone (what a sequence-parallel split of a flat row does), for comparison."""
+    _check(batch, ranks)
+    s = batch.num_tokens
+    bounds = np.array([(r * s) // ranks for r in range(ranks + 1)], dtype=np.int64)
+    return _summary(batch, bounds, work)
+
+
+def _greedy_cuts(prefix: np.ndarray, ranks: int, bound: float, align: int) -> np.ndarray | None:
+    """Cuts giving each rank the most rows whose work stays within ``bound`` (cuts on
+    multiples of ``align`` but the last); None if ``ranks`` runs cannot cover the row."""
+    s = len(prefix) - 1
+    cuts = [0]
+    for _ in range(ranks):
+        start = cuts[-1]
+        if start == s:
+            cuts.append(s)
+            continue
+        end = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
+        if end < s:
+            end -= end % align
+        if end <= start:
+            return None
+        cuts.append(min(end, s))
+    return np.asarray(cuts, dtype=np.int64) if cuts[-1] == s else None
+
+
+def split_for_cp(batch: TreeBatch, ranks: int, work: RowWork | None = None, *, align: int = 1) -> CPSplit:
+    """Splits ``batch``'s packed row over ``ranks`` CP ranks, the largest rank's work least.
+
+    Args:
+        batch: one packed tree row (``treecompile.pack``).
+        ranks: the CP group's size K.
+        work: the per-row costs (`RowWork.from_dims` of the model); default: a dense layer
+            of 1, an attention pair of 0 and an LM-head row of 0, i.e. by rows.
+        align: cuts on multiples of this many rows (an attention block, 128 on GPUs), the
+            row's end aside.
+
+    Returns:
+        The `CPSplit`; a rank may hold no rows when the row is shorter than K aligned blocks.
+
+    Raises:
+        TreeInputError: fewer rows than ranks, or ``ranks`` < 1.
+    """
+    _check(batch, ranks)
+    if align < 1:
+        raise TreeInputError(f"align must be at least 1, got {align}")
+    work = work or RowWork(dense=1.0, attention=0.0, head=0.0)
+    _, _, cost = _row_costs(batch, work)
+    prefix = np.concatenate([[0.0], np.cumsum(cost)])
+    block = np.add.reduceat(cost, np.arange(0, len(cost), align))
+    lo, hi = max(float(prefix[-1]) / ranks, float(block.max())), float(prefix[-1])
+    best = _greedy_cuts(prefix, ranks, hi, align)
+    for _ in range(60):  # bisection on the largest rank's work, to float resolution
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        cuts = _greedy_cuts(prefix, ranks, mid, align)
+        if cuts is None:
+            lo = mid
+        else:
+            best, hi = cuts, mid
+    return _summary(batch, best, work)
