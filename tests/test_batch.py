@@ -113,6 +113,53 @@ def test_validate_catches_corruption(name):
         broken.validate()
 
 
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_an_in_place_change_after_a_check_is_checked_again(name):
+    """The check is kept with each tensor's identity and version: corrupting a checked batch
+    in place (torch bumps the version) or replacing a field is seen by the next check."""
+    field, corrupt, message = CORRUPTIONS[name]
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
+    assert batch._fresh_check() is not None  # pack checks what it builds
+    corrupt(getattr(batch, field))
+    with pytest.raises(TreeInputError, match=message):
+        batch.validate()
+    fresh = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
+    setattr(fresh, field, corrupt(getattr(fresh, field).clone()))
+    with pytest.raises(TreeInputError, match=message):
+        fresh.validate()
+
+
+def test_a_checked_batch_is_not_read_back_again(monkeypatch):
+    """validate() on a packed (or moved) batch reads none of its tensors on the host; a vocab
+    check uses the largest id found by the first check."""
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]])).to("cpu")
+    moved = batch.to("meta")  # a copy elsewhere keeps the check (the values are the same)
+    reads = []
+    for name in ("cpu", "numpy", "tolist", "item"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k: reads.append(_n) or
+                            _real(self, *a, **k))
+    batch.validate(vocab_size=10)
+    moved.validate(vocab_size=10)
+    assert batch.longest_path() == (5, 0) and moved.longest_path() == (5, 0)
+    assert reads == []
+    with pytest.raises(TreeInputError, match=r"input_ids\[\d+\] = [45] is out of range for vocab_size=4"):
+        batch.validate(vocab_size=4)
+
+
+def test_a_padded_or_moved_batch_carries_the_check_a_fresh_one_finds():
+    from treecompile.core.batch import _validate
+
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
+    for other in (batch.padded(batch.num_tokens + 3), batch.to("cpu"), batch.padded(2)):
+        carried, fresh = other._fresh_check(), _validate(other)
+        assert carried is not None
+        assert (carried.max_id, carried.longest, carried.longest_tree) == (fresh.max_id, fresh.longest,
+                                                                          fresh.longest_tree)
+        assert all(torch.equal(a, b) for a, b in zip(carried.head, fresh.head))
+        assert torch.equal(carried.node_table, fresh.node_table)
+
+
 def test_validate_checks_vocab():
     batch = pack(TrajectoryTree.from_sequences([[1, 2, 30]]))
     with pytest.raises(TreeInputError, match="vocab_size=16"):

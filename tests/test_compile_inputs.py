@@ -128,6 +128,38 @@ def test_a_model_on_the_meta_device_is_refused_as_having_no_data():
         tc.tree_compile(model)
 
 
+_HOST_READS = ("cpu", "numpy", "tolist", "item", "__int__", "__bool__", "__float__", "__index__")
+
+
+def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):
+    """After the first call, a call on a packed batch reads none of its tensors on the host in
+    treecompile's own code (each read is a device sync on a GPU): the checks, the longest path,
+    the head index and the node table come from the check `pack` made on the host. (The CPU
+    attention kernel reads its block table; it is not run on GPUs.)"""
+    import traceback
+
+    batch, _ = make_batch("branchy", path_bits=False)
+    compiled(batch)  # compiles
+    again, _ = make_batch("forest", path_bits=False)
+    reads = []
+
+    def counted(real, name):
+        def read(*args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            if "/treecompile/" in caller.filename or "/passes/" in caller.filename:
+                reads.append(f"{name} at {caller.filename.rsplit('/', 2)[-2:]}:{caller.lineno}")
+            return real(*args, **kwargs)
+        return read
+
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), name))
+    for name in ("nonzero", "unique"):
+        monkeypatch.setattr(torch, name, counted(getattr(torch, name), f"torch.{name}"))
+    compiled(again)
+    compiled(batch)
+    assert reads == []
+
+
 def test_an_fsdp_sharded_model_is_refused_by_name(tmp_path):
     """FSDP2's hooks gather and free parameters outside any graph: refused before capture,
     naming the sharded unit (a one-process gloo group is enough to shard)."""

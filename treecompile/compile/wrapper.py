@@ -368,7 +368,7 @@ class TreeCompiledModel(DelegatingModule):
         # Torch specialises a size-1 dimension as a constant, which would both recompile and
         # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
         # isolated padding row of weight 0 changes nothing else).
-        longest = int(batch.position_ids.max()) + 1
+        longest = batch.longest_path()[0]  # from the batch's check: no read of the device
         if self._proven_rows is not None and longest > self._proven_rows:
             # The compiled graph rests on a judgement made at a shorter length (the model's own
             # mask evaluated at the example length): compile again, judging at twice this
@@ -500,15 +500,15 @@ class TreeCompiledModel(DelegatingModule):
             # The chunk loop is unrolled in the mask_mod: a new chunk count must recompile.
             torch._dynamo.mark_static(batch.path_bits, 1)
         block_tensors, self._layout = split_block_mask(block_mask)
-        pred = batch.pred_index
-        dest = torch.nonzero(pred >= 0).flatten()
-        rows, slot = torch.unique(pred[dest], return_inverse=True)
+        # The target rows and their predicting rows, from the batch's check (built on the host
+        # at pack time: no device sync here).
+        dest, rows, slot = batch.head_index()
         target = batch.input_ids[dest]
         ids = batch.input_ids[None]
         # The path structure, for the conv context and SSM state passes (hybrid models only).
         # The node table lives on the CPU: the scan ops read it on the host, without a device sync.
         structure = (
-            [batch.pred_index, torch.stack([batch.node_start, batch.node_end, batch.node_parent], 1).cpu()]
+            [batch.pred_index, batch.node_table()]
             if self._structure else []
         )
         # S, the number of targets M and of predicting rows R vary per batch: one graph

@@ -96,11 +96,9 @@ def _path_lengths(data: Any) -> list[tuple[int, int, int]]:
     """``(length, tree, path)`` of every path of a TreeBatch or a sequence of trees."""
     from treecompile.core.path_sets import path_lengths
 
-    if hasattr(data, "position_ids") and hasattr(data, "tree_ids"):  # a TreeBatch
-        pos = data.position_ids.cpu()
-        tree_ids = data.tree_ids.cpu()
-        j = int(pos.argmax())
-        return [(int(pos[j]) + 1, int(tree_ids[j]), -1)]
+    if hasattr(data, "longest_path"):  # a TreeBatch: from its check, without reading the device
+        length, tree = data.longest_path()
+        return [(length, tree, -1)]
     out = []
     for t, tree in enumerate(data):
         lengths = path_lengths(tree)

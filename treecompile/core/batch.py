@@ -124,13 +124,53 @@ class TreeBatch:
         return self.input_ids.device
 
     def to(self, device: torch.device | str) -> TreeBatch:
-        """A copy with every tensor moved to ``device``."""
-        moved = {
+        """A copy with every tensor moved to ``device`` (a checked batch's copy is checked too:
+        the copy holds the same values)."""
+        moved = TreeBatch(**{
             f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
-        }
-        return TreeBatch(**moved)
+        })
+        checked = self._fresh_check()
+        if checked is not None:
+            moved._checked = dataclasses.replace(checked, fingerprint=_fingerprint(moved),
+                                                 head=tuple(t.to(device) for t in checked.head))
+        return moved
+
+    def _fresh_check(self) -> _Checked | None:
+        """What `validate` found, if no field has changed since (see `_Checked`)."""
+        checked = self.__dict__.get("_checked")
+        return checked if checked is not None and checked.fingerprint == _fingerprint(self) else None
+
+    def head_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dest [M], rows [R], slot [M])``: the rows holding a target, the distinct rows that
+        predict one, and which of those predicts each target (``rows[slot] ==
+        pred_index[dest]``); from the last check when nothing changed since (no device sync),
+        else computed here."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.head
+        dest = torch.nonzero(self.pred_index >= 0).flatten()
+        rows, slot = torch.unique(self.pred_index[dest], return_inverse=True)
+        return dest, rows, slot
+
+    def node_table(self) -> torch.Tensor:
+        """``[N, 3]`` int64 on the CPU: each node's first row, end row and parent (what the
+        sequence-scan ops read on the host); from the last check when nothing changed since."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.node_table
+        return torch.stack([self.node_start, self.node_end, self.node_parent], 1).cpu()
+
+    def longest_path(self) -> tuple[int, int]:
+        """``(tokens, tree)`` of the longest path: from the last check when nothing changed
+        since (no read of the batch's tensors), else read from ``position_ids``."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.longest, checked.longest_tree
+        pos = self.position_ids.cpu()
+        j = int(pos.argmax())
+        return int(pos[j]) + 1, int(self.tree_ids[j])
 
     def padded(self, num_tokens: int) -> TreeBatch:
         """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
@@ -149,7 +189,8 @@ class TreeBatch:
 
         rows = torch.arange(s, num_tokens, device=dev)
         zeros = torch.zeros(extra, dtype=torch.int64, device=dev)
-        return dataclasses.replace(
+        checked = self._fresh_check()
+        out = dataclasses.replace(
             self,
             input_ids=ext(self.input_ids, zeros),
             position_ids=ext(self.position_ids, zeros),
@@ -166,6 +207,15 @@ class TreeBatch:
                 self.path_bits, torch.zeros(extra, self.path_bits.shape[1], dtype=torch.int64).index_fill_(1, torch.tensor([0]), 1)
             ),
         )
+        if checked is not None:
+            # The padding rows are one-token trees with no target that predict nothing: the head
+            # index is unchanged, the node table gains one root node per row.
+            pad_rows = np.arange(s, num_tokens, dtype=np.int64)
+            pad_nodes = torch.from_numpy(np.stack([pad_rows, pad_rows + 1, np.full(extra, -1)], 1))
+            out._checked = dataclasses.replace(
+                checked, fingerprint=_fingerprint(out), max_id=max(checked.max_id, 0),
+                node_table=torch.cat([checked.node_table, pad_nodes]))
+        return out
 
     def path_rows(self, p: int) -> torch.Tensor:
         """``[T_p]`` rows of path ``p`` from its root, in path order."""
@@ -186,18 +236,49 @@ class TreeBatch:
     def validate(self, vocab_size: int | None = None) -> TreeBatch:
         """Checks every invariant listed in `treecompile.core.batch`; returns self.
 
+        The check reads the batch on the host (O(S + N)), once: what it found is kept with the
+        identity and version of every tensor it read, and a later call on unchanged tensors
+        (in-place changes through torch bump a tensor's version; writes through a NumPy view
+        do not) checks only ``vocab_size``, without reading the batch back from its device.
+        `pack` checks the batch it builds, and `to` carries the check to the moved copy.
+
         Raises:
             TreeInputError: naming the first violated invariant and where.
         """
-        _validate(self, vocab_size)
+        checked = self._fresh_check()
+        if checked is None:
+            checked = _validate(self)
+            self._checked = checked
+        if vocab_size is not None and checked.max_id >= vocab_size:
+            ids = self.input_ids.cpu().numpy()
+            bad = int(np.flatnonzero(ids >= vocab_size)[0])
+            _fail(f"input_ids[{bad}] = {int(ids[bad])} is out of range for vocab_size={vocab_size}")
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """What `TreeBatch.validate` found: the fingerprint of the fields it read (each tensor's
+    ``id`` and version, the other fields' values), the largest token id and the longest path."""
+
+    fingerprint: tuple
+    max_id: int
+    longest: int
+    longest_tree: int
+    head: tuple  # (dest, rows, slot) on the batch's device: TreeBatch.head_index
+    node_table: torch.Tensor  # [N, 3] on the CPU: TreeBatch.node_table
+
+
+def _fingerprint(b: TreeBatch) -> tuple:
+    return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
+                 for v in (getattr(b, f.name) for f in dataclasses.fields(b)))
 
 
 def _fail(msg: str) -> None:
     raise TreeInputError(f"invalid TreeBatch: {msg}")
 
 
-def _validate(b: TreeBatch, vocab_size: int | None) -> None:
+def _validate(b: TreeBatch) -> _Checked:
     s = b.num_tokens
     for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "target_weight", "tree_ids", "path_count"):
         t = getattr(b, name)
@@ -210,9 +291,9 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     ids = b.input_ids.cpu().numpy()
     if s == 0:
         _fail("the batch is empty")
-    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
-        bad = int(np.flatnonzero((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int64).max)))[0])
-        _fail(f"input_ids[{bad}] = {int(ids[bad])} is out of range for vocab_size={vocab_size}")
+    if ids.min() < 0:
+        bad = int(np.flatnonzero(ids < 0)[0])
+        _fail(f"input_ids[{bad}] = {int(ids[bad])} is out of range: token ids are never negative")
 
     start, end, parent = (t.cpu().numpy() for t in (b.node_start, b.node_end, b.node_parent))
     n = start.shape[0]
@@ -268,6 +349,13 @@ def _validate(b: TreeBatch, vocab_size: int | None) -> None:
     if b.path_bits is not None:
         if b.path_bits.dim() != 2 or b.path_bits.shape[0] != s:
             _fail(f"path_bits has shape {tuple(b.path_bits.shape)}, expected ({s}, C)")
+    j = int(pos.argmax())
+    dest = np.flatnonzero(pred >= 0)
+    rows_, slot = np.unique(pred[dest], return_inverse=True)
+    head = tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(b.device) for x in (dest, rows_, slot))
+    return _Checked(fingerprint=_fingerprint(b), max_id=int(ids.max()), longest=int(pos[j]) + 1,
+                    longest_tree=int(tid[j]), head=head,
+                    node_table=torch.from_numpy(np.stack([start, end, parent], 1).astype(np.int64)))
 
 
 def _tree_path_bits(tree: TrajectoryTree, chunks: int) -> np.ndarray:
@@ -369,7 +457,7 @@ def pack(
         path_base += t.num_paths
 
     def cat(parts: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype=dtype, device=device)
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype=dtype)
 
     # Per-path training would compute every row once per path through it: a batch that shares
     # too little gains nothing from the tree (once per call site, as warnings are).
@@ -377,7 +465,9 @@ def pack(
         path_tokens = int(sum(int(c.sum()) for c in pcount))
         warn_low_por_value(1.0 - total / path_tokens if path_tokens else 0.0, stacklevel=2)
 
-    return TreeBatch(
+    # Built and checked on the host, then moved: the check travels with it (TreeBatch.validate),
+    # so the model's call reads nothing back from the device.
+    batch = TreeBatch(
         input_ids=cat(ids, torch.int64),
         position_ids=cat(pos, torch.int64),
         subtree_end=cat(sub, torch.int64),
@@ -390,10 +480,11 @@ def pack(
         node_parent=cat(npar, torch.int64),
         path_node=cat(pnode, torch.int64),
         path_tree=cat(ptree, torch.int64),
-        path_weight=torch.from_numpy(weights.copy()).to(device=device),
-        path_coef=torch.from_numpy(coef.copy()).to(device=device),
-        tree_offsets=torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64, device=device),
+        path_weight=torch.from_numpy(weights.copy()),
+        path_coef=torch.from_numpy(coef.copy()),
+        tree_offsets=torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64),
         loss_mode=loss_mode,
         n_targets=int(counts.sum()),
         path_bits=cat([b.view(np.int64) for b in bits], torch.int64) if path_bits else None,
-    )
+    ).validate()
+    return batch if device is None else batch.to(device)
