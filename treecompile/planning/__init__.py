@@ -2,7 +2,8 @@
 
 `budget` and `peak_memory` predict and measure a step's peak; `partition` cuts a tree
 into parts under a budget; `shard` spreads parts over ranks; `grouping` finds samples
-that share prefixes; `dataloader` builds tree batches from datasets.
+that share prefixes; `dataloader` builds tree batches from datasets; `prefix_sampler`
+puts dataset samples that share prefixes into the same micro-batch.
 
 Layer 5: imports kernels and core.
 """
