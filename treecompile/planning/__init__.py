@@ -1,8 +1,8 @@
 """What fits where: memory models, partitions of a tree, shards, micro-batches.
 
 `budget` and `peak_memory` predict and measure a step's peak; `partition` cuts a tree
-into parts under a budget; `shard` spreads parts over ranks; `grouping` finds samples
-that share prefixes; `dataloader` builds tree batches from datasets; `prefix_sampler`
+into parts under a budget, by the methods of `grouping` (which paths go together); `shard`
+spreads parts over ranks; `dataloader` builds tree batches from datasets; `prefix_sampler`
 puts dataset samples that share prefixes into the same micro-batch.
 
 Layer 5: imports kernels and core.
