@@ -8,17 +8,12 @@ cd "$(dirname "$0")/.."
 VERL="verl==0.9.1"
 VENV="${VENV:-.venv-verl}"
 start=$SECONDS
-# The venv sees the packages already installed (torch above all), so only verl and what it
-# pins (transformers, tensordict, ray, hydra, ...) are installed again, in the venv, over them.
-[ -x "$VENV/bin/python3" ] || python3 -m venv --system-site-packages "$VENV"
-# shellcheck disable=SC1091
-source "$VENV/bin/activate"
-bash scripts/setup.sh "test"
-echo "setup: pip install $VERL"
-python3 -m pip install -q "$VERL"
+# verl brings what it pins (transformers, tensordict, ray, hydra, ...) into the venv.
+# shellcheck source=scripts/venv_job.sh
+source scripts/venv_job.sh
+venv_job "$VENV" "test" "$VERL"
 python3 -c 'import transformers, verl; print(f"testing with verl {verl.__version__}, transformers {transformers.__version__}")'
 echo "setup: $((SECONDS - start)) s"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 tests_start=$SECONDS
 python3 -m pytest -q -p no:cacheprovider -W "ignore::UserWarning:verl.workers.engine" tests/needs_verl "$@"
 echo "tests: $((SECONDS - tests_start)) s; total: $((SECONDS - start)) s"
