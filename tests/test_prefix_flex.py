@@ -1,0 +1,73 @@
+"""A streamed part's attention as one FlexAttention call (`treecompile.kernels.prefix_flex`):
+its block classes against the dense mask, every part of real trees at several block sizes,
+and its output against the dense reference of `treecompile.kernels.prefix_attention`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_stream import BRANCHY
+from testing import COMPILE_TOL
+
+from treecompile import TrajectoryTree, pack
+from treecompile.kernels.prefix_attention import prefix_attention_reference
+from treecompile.kernels.prefix_flex import prefix_block_classes, prefix_flex_attention, prefix_mask_mod
+from treecompile.stream.options import plan_stream
+
+
+def _parts(budget: int):
+    """``(kv_end, kv_pos, q_pos)`` of every part of the BRANCHY tree streamed at ``budget`` rows,
+    in the concatenated coordinates the stream runner hands the attention."""
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY), warn_por=False)
+    plan = plan_stream(batch, budget)
+    sub, pos = batch.subtree_end, batch.position_ids
+    for j in range(plan.num_parts):
+        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+        pre = plan.prefix[j]
+        p = len(pre)
+        kv_end = torch.cat([p + sub[pre].clamp(max=b) - a, p + sub[a:b].clamp(max=b) - a])
+        yield kv_end, torch.cat([pos[pre], pos[a:b]]), pos[a:b]
+
+
+def _dense(kv_end, kv_pos, q_pos, window):
+    s, total = q_pos.shape[0], kv_end.shape[0]
+    rule = prefix_mask_mod(window)
+    q, kv = torch.arange(s)[:, None], torch.arange(total)[None, :]
+    return rule(0, 0, q, kv, kv_end, kv_pos, q_pos, torch.tensor([total - s]))
+
+
+@pytest.mark.parametrize("budget", [3, 7, 20])
+@pytest.mark.parametrize("block", [1, 2, 4, 16])
+@pytest.mark.parametrize("window", [0, 3])
+def test_block_classes_hold_every_visible_pair_and_full_blocks_are_full(budget, block, window):
+    for kv_end, kv_pos, q_pos in _parts(budget):
+        s, total = q_pos.shape[0], kv_end.shape[0]
+        dense = _dense(kv_end, kv_pos, q_pos, window)
+        # The rule itself: a query sees its own row, never a later one.
+        p = total - s
+        assert dense[torch.arange(s), p + torch.arange(s)].all() and not dense.triu(p + 1).any()
+        partial, full = prefix_block_classes(kv_end, s, block, windowed=window > 0)
+        assert not (partial & full).any()
+        for qb in range(partial.shape[0]):
+            for kb in range(partial.shape[1]):
+                tile = dense[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block]
+                if full[qb, kb]:
+                    assert tile.shape == (block, block) and tile.all(), (qb, kb)
+                elif not partial[qb, kb]:
+                    assert not tile.any(), f"block ({qb}, {kb}) is empty but holds a visible pair"
+
+
+@pytest.mark.parametrize("softcap,window", [(0.0, 0), (2.0, 3)], ids=["plain", "softcap-w3"])
+def test_one_flex_call_matches_the_dense_reference(softcap, window):
+    torch.manual_seed(0)
+    rtol, atol = COMPILE_TOL["pure"]
+    for kv_end, kv_pos, q_pos in _parts(7):
+        s, total = q_pos.shape[0], kv_end.shape[0]
+        q = torch.randn(1, 4, s, 8, dtype=torch.float64)
+        k = torch.randn(1, 2, total, 8, dtype=torch.float64)
+        v = torch.randn(1, 2, total, 8, dtype=torch.float64)
+        out, lse = prefix_flex_attention(q, k, v, kv_end, kv_pos, q_pos, scale=0.3, softcap=softcap, window=window,
+                                         block_size=4)
+        ref = prefix_attention_reference(q, k, v, kv_end, kv_pos, q_pos, scale=0.3, softcap=softcap, window=window)
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+        assert torch.isfinite(lse).all()
