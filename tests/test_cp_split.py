@@ -105,3 +105,23 @@ def test_bad_requests_are_refused():
 
 def test_module_examples():
     assert doctest.testmod(cp).failed == 0
+
+
+def test_peak_memory_of_a_rank_adds_the_keys_it_reads_to_its_own_rows():
+    from treecompile.planning.budget import CostModel
+
+    dims = ModelDims(layers=4, hidden=256, intermediate=768, heads=8, kv_heads=2, head_dim=32, vocab=1000)
+    cost = CostModel.from_config(dims, dtype="bfloat16")
+    prompt = list(range(1, 300))
+    batch = _batch([prompt + [400 + k] * 200 for k in range(4)])
+    one = split_for_cp(batch, 1).peak_bytes(cost)
+    saved, transient = cost.part_bytes(batch.num_tokens, batch.num_tokens)
+    assert one.tolist() == [cost.static_bytes() + saved + transient]  # one rank: the whole step
+    split = split_for_cp(batch, 4, RowWork.from_dims(dims))
+    peaks = split.peak_bytes(cost)
+    per_row = 2 * dims.kv_heads * dims.head_dim * 2
+    for r in range(4):
+        rows, got = int(split.rows[r]), int(split.ancestor_rows[r])
+        saved, transient = cost.part_bytes(rows, rows + got)
+        assert peaks[r] == cost.static_bytes() + saved + dims.layers * got * per_row + transient
+    assert (peaks < one[0]).all() and (split.peak_bytes(cost, gather="all") >= peaks).all()

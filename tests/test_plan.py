@@ -57,6 +57,7 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
         assert all(b % 64 == 0 for b in t["bounds"][1:-1])
         assert t["imbalance"] <= t["imbalance_by_rows"] + 1e-9 or t["imbalance"] < 1.05
         assert t["kv_bytes_needed"][0] == 0 and max(t["kv_bytes_needed"]) <= max(t["kv_bytes_all_gather"])
+        assert max(t["peak_bytes"]) < t["peak_bytes_one_rank"]  # the activations are split
     text = " ".join(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2"], capsys).split())
     assert "over 2 CP ranks" in text and "all-gather" in text
     with pytest.raises(ValueError, match="--cp plans a context-parallel split of each whole row"):

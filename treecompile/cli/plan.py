@@ -110,8 +110,8 @@ def _budget_options(args: argparse.Namespace) -> None:
     """Refuses --config / --dtype / --optimizer / --device without --budget-bytes (they would be
     ignored); fills in their defaults."""
     given = [f"--{name}" for name in BUDGET_OPTIONS if getattr(args, name, None) is not None]
-    if getattr(args, "cp", None) is not None:  # --cp reads the model's dimensions and dtype from them too
-        given = [g for g in given if g not in ("--config", "--dtype")]
+    if getattr(args, "cp", None) is not None:  # --cp reads the model and the step from them too
+        given = []
     if given and getattr(args, "budget_bytes", None) is None:
         verb = "describes" if len(given) == 1 else "describe"
         raise ValueError(f"{', '.join(given)} {verb} the step that --budget-bytes is measured on, and no "

@@ -37,8 +37,11 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
     from treecompile.core.batch import pack
     from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
 
+    from treecompile.planning.budget import CostModel
+
     dims, source = _dims(args)
     work = RowWork.from_dims(dims)
+    cost = CostModel.from_config(dims, dtype=args.dtype, optimizer=args.optimizer, device=args.device)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
     out_trees = []
     for name, tree in zip(names, trees):
@@ -59,8 +62,12 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
             "imbalance_by_rows": round(rows.imbalance(), 4),
             "kv_bytes_needed": split.kv_bytes(dims.kv_heads, dims.head_dim, dtype_bytes).tolist(),
             "kv_bytes_all_gather": split.kv_bytes(dims.kv_heads, dims.head_dim, dtype_bytes, gather="all").tolist(),
+            "peak_bytes": split.peak_bytes(cost).tolist(),
+            "peak_bytes_all_gather": split.peak_bytes(cost, gather="all").tolist(),
+            "peak_bytes_one_rank": int(split_for_cp(batch, 1, work).peak_bytes(cost)[0]),
         })
     out = {**header, "cp": args.cp, "align": args.cp_align, "work_model": source, "dtype": args.dtype,
+           "optimizer": args.optimizer, "device": args.device,
            "trees": out_trees, "seconds": round(time.perf_counter() - start, 3)}
     if args.json:
         print(json.dumps(out, indent=1))
@@ -79,18 +86,22 @@ def _print(out: dict[str, Any], rows: int) -> None:
     console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}; cuts on multiples of {out['align']} rows")
     table = Table(pad_edge=False)
     table.add_column("tree", overflow="fold")
-    for col in ("tokens", "rank rows", "work share", "max/mean", "by rows", "K/V in per layer", "all-gather"):
+    for col in ("tokens", "rank rows", "work share", "max/mean", "by rows", "K/V in per layer", "all-gather",
+                "peak GB/rank", "1 rank"):
         table.add_column(col, justify="right")
     for t in out["trees"][: max(rows, 0)]:
         table.add_row(
             t["name"], str(t["tokens"]), " ".join(map(str, t["rows"])),
             " ".join(f"{x:.2f}" for x in t["work_share"]), f"{t['imbalance']:.3f}", f"{t['imbalance_by_rows']:.3f}",
             f"{max(t['kv_bytes_needed']):,}", f"{max(t['kv_bytes_all_gather']):,}",
+            f"{max(t['peak_bytes']) / 1e9:.2f}", f"{t['peak_bytes_one_rank'] / 1e9:.2f}",
         )
     if len(out["trees"]) > rows:
-        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 7)
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 9)
     console.print(table)
     console.print("max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
                   "counts. K/V in per layer: the most any rank receives, the root path of its first row; "
-                  "all-gather: every other rank's rows, padded to the longest")
+                  "all-gather: every other rank's rows, padded to the longest. Peak: the largest rank's predicted "
+                  f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
+                  "rank, its rows' activations, the K/V it received for every layer), against one rank's")
     console.print(f"planned in {out['seconds']:.2f} s")

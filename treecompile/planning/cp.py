@@ -26,7 +26,8 @@ What a rank must read from the others (per layer, K and V): under the tree mask 
 ``i`` sees key ``j < i`` iff ``j``'s subtree holds ``i``, so the keys of earlier ranks that
 rank ``r`` needs are the root path of its first row, ``position_ids[bounds[r]]`` rows
 (`CPSplit.ancestor_rows`); an all-gather (what torch's FlexAttention CP does) moves every
-other rank's rows instead. `CPSplit.kv_bytes` gives both.
+other rank's rows instead. `CPSplit.kv_bytes` gives both, `CPSplit.peak_bytes` each rank's
+predicted peak memory.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ class CPSplit:
         if gather == "all":
             return np.full(self.ranks, (self.ranks - 1) * int(self.rows.max()) * per_row, dtype=np.int64)
         raise ValueError(f"unknown gather={gather!r}; expected 'needed' or 'all'")
+
+
+    def peak_bytes(self, cost, gather: str = "needed") -> np.ndarray:
+        """``[K]`` predicted peak bytes of each rank's step (`treecompile.planning.budget.CostModel`):
+        the static bytes (parameters, gradients and optimizer state: each CP rank holds them
+        all), the activations autograd keeps over the rank's own rows, the K and V it
+        received for every layer (autograd keeps each layer's gathered keys and values for
+        that layer's backward) and the largest transient, the attention's over its own rows
+        and the keys it reads."""
+        d = cost.dims
+        received = self.kv_bytes(d.kv_heads, d.head_dim, cost.dtype_bytes, gather)
+        per_row = 2 * d.kv_heads * d.head_dim * cost.dtype_bytes
+        out = []
+        for rows, got in zip(self.rows.tolist(), received.tolist()):
+            saved, transient = cost.part_bytes(max(rows, 1), max(rows, 1) + got // per_row)
+            out.append(cost.static_bytes() + saved + d.layers * got + transient)
+        return np.asarray(out, dtype=np.int64)
 
 
 def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
