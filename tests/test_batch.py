@@ -160,6 +160,23 @@ def test_a_padded_or_moved_batch_carries_the_check_a_fresh_one_finds():
         assert torch.equal(carried.node_table, fresh.node_table)
 
 
+def test_scaled_weights_keep_the_check_and_refuse_a_zero_or_nan_scale(monkeypatch):
+    from treecompile.core.rows import normalised
+
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
+    half = normalised(batch, torch.tensor(2 * batch.n_targets))  # the Trainer's count, a tensor
+    assert torch.allclose(half.target_weight, batch.target_weight / 2) and half._fresh_check() is not None
+    reads = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    half.validate(vocab_size=10)
+    assert reads == []  # no read of the batch: the check carried over
+    monkeypatch.undo()
+    for count in (0, torch.tensor(0), torch.tensor(float("nan"))):
+        with pytest.raises(TreeInputError, match="scale is (inf|nan): it must be finite and positive"):
+            normalised(batch, count)
+
+
 def test_validate_checks_vocab():
     batch = pack(TrajectoryTree.from_sequences([[1, 2, 30]]))
     with pytest.raises(TreeInputError, match="vocab_size=16"):

@@ -32,6 +32,7 @@ Invariants (checked by `TreeBatch.validate`):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,6 +143,28 @@ class TreeBatch:
         checked = self.__dict__.get("_checked")
         return checked if checked is not None and checked.fingerprint == _fingerprint(self) else None
 
+    def scaled(self, scale: torch.Tensor | float) -> TreeBatch:
+        """A copy whose loss weights (``target_weight``, ``path_coef``) are multiplied by
+        ``scale``, a finite positive number (a 0-d tensor or a float).
+
+        A checked batch's copy keeps the check: scaling by a finite positive number keeps
+        every invariant, so only ``scale`` is read (one scalar, none for a float).
+
+        Raises:
+            TreeInputError: ``scale`` is not finite and positive.
+        """
+        value = float(scale)  # the one host read
+        if not (math.isfinite(value) and value > 0):
+            _fail(f"the loss weights' scale is {value}: it must be finite and positive")
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(value, dtype=torch.float64)
+        out = dataclasses.replace(self, target_weight=self.target_weight * scale.to(self.target_weight.device),
+                                  path_coef=self.path_coef * scale.to(self.path_coef.device))
+        checked = self._fresh_check()
+        if checked is not None:
+            out._checked = dataclasses.replace(checked, fingerprint=_fingerprint(out))
+        return out
+
     def head_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dest [M], rows [R], slot [M])``: the rows holding a target, the distinct rows that
         predict one, and which of those predicts each target (``rows[slot] ==
@@ -181,7 +204,7 @@ class TreeBatch:
         extra = num_tokens - self.num_tokens
         if extra <= 0:
             return self
-        s, n, t = self.num_tokens, self.num_nodes, self.num_trees
+        s, t = self.num_tokens, self.num_trees
         dev = self.device
 
         def ext(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ A Hugging Face-style batch of right- or left-padded rows (``attention_mask`` 0 o
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -156,13 +156,17 @@ def batch_from_rows(
 def normalised(batch: TreeBatch, num_items: torch.Tensor | int) -> TreeBatch:
     """``batch`` with its ``token-mean`` weights over ``num_items`` target tokens instead of its own
     ``n_targets``: the loss becomes the summed loss over ``num_items``, as Hugging Face's causal-LM
-    loss with ``num_items_in_batch``. Tensor arithmetic, so a count on the GPU is not synced."""
+    loss with ``num_items_in_batch``. A count on the GPU is read once (one scalar), so that the
+    batch's check carries over instead of reading the whole batch back (`TreeBatch.scaled`)."""
     if batch.loss_mode != "token-mean":
         raise TreeInputError(
             f"num_items_in_batch divides a token-mean loss, but this batch was packed with loss_mode "
             f"{batch.loss_mode!r}; pack it with 'token-mean' (TreeCollator returns no labels for other modes, so "
             "the Trainer passes no count)"
         )
-    scale = batch.n_targets / torch.as_tensor(num_items, dtype=torch.float64).to(batch.target_weight.device)
-    return dataclasses.replace(batch, target_weight=batch.target_weight * scale,
-                               path_coef=batch.path_coef * scale.to(batch.path_coef.device))
+    if isinstance(num_items, torch.Tensor):
+        scale = batch.n_targets / num_items.detach().to(torch.float64)
+    else:
+        scale = batch.n_targets / float(num_items) if num_items else math.inf
+    # One scalar read (none for an int count): the batch's check carries over (TreeBatch.scaled).
+    return batch.scaled(scale)
