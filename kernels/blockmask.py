@@ -3,8 +3,8 @@
 ``create_block_mask`` evaluates the mask on every (query, key) pair: O(S^2) work, seconds
 at 8k tokens and minutes at 64k. The tree rule ``k <= q < subtree_end[k]`` lets each
 (query block, key block) pair be classified from two numbers per key block. For a key
-block ``K`` strictly before a query block ``Q = [q0, q1)``, every ``k`` in ``K`` is
-``<= q``, so
+block ``K`` whose keys are all no later than the first query ``q0`` of a query block
+``Q = [q0, q1)``, every ``k`` in ``K`` is ``<= q``, so
 
 * some pair is visible iff ``max(subtree_end[K]) > q0`` (take ``q = q0``), and
 * every pair is visible iff ``min(subtree_end[K]) >= q1`` (the hardest query is ``q1 - 1``).
@@ -12,9 +12,11 @@ block ``K`` strictly before a query block ``Q = [q0, q1)``, every ``k`` in ``K``
 Rows past S in the last block count as padding that sees nothing, so that block is never
 full, exactly as ``create_block_mask`` classifies it.
 
-A diagonal block always holds visible pairs (``k = q``) and is partial unless it is one
-token wide. Blocks after the query block are empty (``k > q``). The result is identical
-to ``create_block_mask``'s, in O(S + blocks^2) tensor work on the batch's device.
+A key block reaching further into the query block holds visible pairs (``k = q``) and
+a key after some query: partial. Blocks after the query block are empty (``k > q``). The
+result is identical to ``create_block_mask``'s, in O(S + blocks^2) tensor work on the
+batch's device. The queries may be the last rows of the keys only (a streamed part after
+its prefix keys, `treecompile.kernels.prefix_flex`): ``block_classes(..., q_len=S)``.
 """
 
 from __future__ import annotations
@@ -27,32 +29,40 @@ from treecompile.kernels.masks import MaskMod, bind_buffers, interval_mask_mod
 __all__ = ["tree_block_mask", "block_classes", "block_mask_from_classes"]
 
 
-def block_classes(subtree_end: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(partial, full)``: ``[nb, nb]`` bool over (query block, key block) pairs.
+def block_classes(subtree_end: torch.Tensor, block_size: int, *,
+                  q_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)``: ``[nq, nk]`` bool over (query block, key block) pairs.
 
     Args:
-        subtree_end: ``[S]`` int64.
+        subtree_end: ``[L]`` int64, each key's subtree end.
         block_size: rows per block (the same for queries and keys).
+        q_len: the queries are the last ``q_len`` rows (a streamed part's own rows after
+            its ``L - q_len`` prefix keys, `treecompile.kernels.prefix_flex`); default all L.
     """
-    s = subtree_end.shape[0]
-    nb = -(-s // block_size)
-    pad = nb * block_size - s
-    se = subtree_end.to(torch.int64)
-    # Padding rows past S see nothing and are seen by nothing, as create_block_mask
+    total = subtree_end.shape[0]
+    q_len = total if q_len is None else q_len
+    p = total - q_len
+    nq, nk = -(-q_len // block_size), -(-total // block_size)
+    # Padding rows past the end see nothing and are seen by nothing, as create_block_mask
     # evaluates them: they never make a pair visible, and a block holding one is never full.
-    padded = torch.nn.functional.pad(se, (0, pad), value=-1).view(nb, block_size)
-    hi = padded.amax(dim=1)
-    lo = padded.amin(dim=1)
-    blocks = torch.arange(nb, device=se.device)
-    q0 = blocks * block_size
-    q1 = q0 + block_size
-    before = blocks[None, :] < blocks[:, None]
+    end = torch.nn.functional.pad(subtree_end.to(torch.int64), (0, nk * block_size - total), value=-1)
+    end = end.view(nk, block_size)
+    hi, lo = end.amax(dim=1), end.amin(dim=1)
+    dev = subtree_end.device
+    k0 = torch.arange(nk, device=dev) * block_size
+    k_last = torch.clamp(k0 + block_size, max=total) - 1          # the block's last real key
+    q0 = p + torch.arange(nq, device=dev) * block_size               # its first query's row
+    q1 = torch.clamp(q0 + block_size, max=total)                     # past its last real query
+    # Keys no later than the block's first query are <= every query of it: some pair is
+    # visible iff a subtree reaches past the first query, all iff every one reaches past the
+    # last (a block with padding never is).
+    before = k_last[None, :] <= q0[:, None]
     live = before & (hi[None, :] > q0[:, None])
-    full = before & (lo[None, :] >= q1[:, None])
-    diag = torch.eye(nb, dtype=torch.bool, device=se.device)
-    one_token_diag = diag & ((q1 - q0) == 1)[:, None]
-    partial = (live & ~full) | (diag & ~one_token_diag)
-    return partial, full | one_token_diag
+    full = before & (lo[None, :] >= q1[:, None]) & ((q1 - q0) == block_size)[:, None]
+    # Key blocks reaching further into the query block hold a key after some query: partial
+    # (each query sees itself); later ones are empty.
+    reaching = ~before & (k0[None, :] <= (q1 - 1)[:, None])
+    return (live & ~full) | reaching, full
 
 
 def _to_indices(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +104,18 @@ def tree_block_mask(
 
 
 def block_mask_from_classes(
-    partial: torch.Tensor, full: torch.Tensor, seq_len: int, block_size: int, mask_mod: MaskMod | None = None
+    partial: torch.Tensor, full: torch.Tensor, seq_len: int, block_size: int, mask_mod: MaskMod | None = None,
+    *, kv_len: int | None = None,
 ) -> BlockMask:
-    """A ``BlockMask`` from ``[nb, nb]`` bool tables of partial and full (query, key) blocks.
+    """A ``BlockMask`` from ``[nq, nk]`` bool tables of partial and full (query, key) blocks.
 
     Args:
         partial: blocks where ``mask_mod`` decides each pair.
         full: blocks where every pair is visible (``mask_mod`` is skipped); disjoint from ``partial``.
-        seq_len: S, for queries and keys.
+        seq_len: S, the queries (and the keys, without ``kv_len``).
         block_size: rows per block.
         mask_mod: the rule evaluated in partial blocks.
+        kv_len: the keys, where they are not the queries.
     """
     kv_num, kv_idx = _to_indices(partial)
     full_num, full_idx = _to_indices(full)
@@ -113,7 +125,7 @@ def block_mask_from_classes(
     full_q_num, full_q_idx = _to_indices(full.T)
     kwargs = {} if mask_mod is None else {"mask_mod": mask_mod}
     return BlockMask(
-        seq_lengths=(seq_len, seq_len),
+        seq_lengths=(seq_len, seq_len if kv_len is None else kv_len),
         kv_num_blocks=kv_num,
         kv_indices=kv_idx,
         full_kv_num_blocks=full_num,

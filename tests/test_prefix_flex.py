@@ -1,17 +1,19 @@
 """A streamed part's attention as one FlexAttention call (`treecompile.kernels.prefix_flex`):
-its block classes against the dense mask, every part of real trees at several block sizes,
+its block mask against create_block_mask for every part of a tree at several block sizes,
 and its output against the dense reference of `treecompile.kernels.prefix_attention`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
+from test_blockmask import assert_same_block_mask
 from test_stream import BRANCHY
 from testing import COMPILE_TOL
 
 from treecompile import TrajectoryTree, pack
 from treecompile.kernels.prefix_attention import prefix_attention_reference
-from treecompile.kernels.prefix_flex import prefix_block_classes, prefix_flex_attention, prefix_mask_mod
+from treecompile.kernels.prefix_flex import prefix_block_mask, prefix_flex_attention, prefix_mask_mod
 from treecompile.stream.options import plan_stream
 
 
@@ -38,23 +40,27 @@ def _dense(kv_end, kv_pos, q_pos, window):
 
 @pytest.mark.parametrize("budget", [3, 7, 20])
 @pytest.mark.parametrize("block", [1, 2, 4, 16])
-@pytest.mark.parametrize("window", [0, 3])
-def test_block_classes_hold_every_visible_pair_and_full_blocks_are_full(budget, block, window):
+def test_block_mask_equals_create_block_mask(budget, block):
+    """Built from kv_end in O(blocks), it is what evaluating the rule on every pair gives."""
     for kv_end, kv_pos, q_pos in _parts(budget):
         s, total = q_pos.shape[0], kv_end.shape[0]
-        dense = _dense(kv_end, kv_pos, q_pos, window)
+        dense = _dense(kv_end, kv_pos, q_pos, 0)
         # The rule itself: a query sees its own row, never a later one.
         p = total - s
         assert dense[torch.arange(s), p + torch.arange(s)].all() and not dense.triu(p + 1).any()
-        partial, full = prefix_block_classes(kv_end, s, block, windowed=window > 0)
-        assert not (partial & full).any()
-        for qb in range(partial.shape[0]):
-            for kb in range(partial.shape[1]):
-                tile = dense[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block]
-                if full[qb, kb]:
-                    assert tile.shape == (block, block) and tile.all(), (qb, kb)
-                elif not partial[qb, kb]:
-                    assert not tile.any(), f"block ({qb}, {kb}) is empty but holds a visible pair"
+        ours = prefix_block_mask(kv_end, kv_pos, q_pos, block_size=block)
+        ref = create_block_mask(ours.mask_mod, 1, 1, s, total, device="cpu", BLOCK_SIZE=block)
+        assert_same_block_mask(ours, ref)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_a_windowed_block_mask_has_no_full_block_and_every_visible_pair(block):
+    for kv_end, kv_pos, q_pos in _parts(7):
+        dense = _dense(kv_end, kv_pos, q_pos, 3)
+        mask = prefix_block_mask(kv_end, kv_pos, q_pos, block_size=block, window=3)
+        assert int(mask.full_kv_num_blocks.sum()) == 0
+        present = mask.to_dense()[0, 0].repeat_interleave(block, 0).repeat_interleave(block, 1)
+        assert not (dense & ~present[: dense.shape[0], : dense.shape[1]].bool()).any()
 
 
 @pytest.mark.parametrize("softcap,window", [(0.0, 0), (2.0, 3)], ids=["plain", "softcap-w3"])
