@@ -20,6 +20,7 @@ Which tokens are trained:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,8 @@ from treecompile.core.messages import Message
 __all__ = ["has_chat_template", "generation_marked", "message_dicts", "TemplateRenderer"]
 
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+#: Renderings a `TemplateRenderer` keeps (a conversation's histories; cleared when full).
+_MAX_RENDERS = 1024
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -79,10 +82,24 @@ class TemplateRenderer:
         self.tok = tokenizer
         self.marked = generation_marked(tokenizer)
         self._end_of_turn: int | None = None
+        # Renderings by their messages: the samples of a conversation render the same
+        # histories again (each assistant turn's history, for every sample holding it). A
+        # renderer lives for one call (the tokenizer may change between calls).
+        self._renders: dict[str, tuple[list[int], list[int] | None]] = {}
 
     def ids(self, messages: list[dict[str, Any]], tools: Any = None, *, generation_prompt: bool = False,
             mask: bool = False) -> tuple[list[int], list[int] | None]:
         """``(token ids, assistant mask or None)`` of ``messages`` as the template renders them."""
+        key = json.dumps([messages, tools, generation_prompt, mask], sort_keys=True, default=repr)
+        hit = self._renders.get(key)
+        if hit is None:
+            if len(self._renders) >= _MAX_RENDERS:
+                self._renders.clear()
+            hit = self._renders[key] = self._render(messages, tools, generation_prompt, mask)
+        return hit
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool,
+                mask: bool) -> tuple[list[int], list[int] | None]:
         try:
             out = self.tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                add_generation_prompt=generation_prompt,

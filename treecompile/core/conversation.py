@@ -145,6 +145,17 @@ class _Sample:
         return np.concatenate(toks), np.concatenate(masks)
 
 
+def _sample_ends(msgs: Sequence[Message], samples: str, c: int) -> list[int]:
+    """The index of each path's last message in conversation ``c`` under ``samples``."""
+    if samples == "conversation":
+        return [len(msgs) - 1]
+    ends = [j for j, m in enumerate(msgs) if m.role == "assistant"]
+    if not ends:
+        raise TreeInputError(f"conversation {c} has no assistant message; samples='assistant_turns' "
+                             "makes one path per assistant message")
+    return ends
+
+
 def _check_option(name: str, value: Any, valid: Sequence[str]) -> None:
     if value not in valid:
         raise ValueError(f"unknown {name}={value!r}; expected one of {', '.join(map(repr, valid))}")
@@ -298,17 +309,8 @@ def render_conversations(
     drifting = 0
     for c, conv in enumerate(conversations):
         msgs = normalize_conversation(conv, normalize_tool_call_ids=opts.normalize_tool_call_ids, index=c)
-        if samples == "conversation":
-            ends = [len(msgs) - 1]
-        else:
-            ends = [j for j, m in enumerate(msgs) if m.role == "assistant"]
-            if not ends:
-                raise TreeInputError(
-                    f"conversation {c} has no assistant message; samples='assistant_turns' "
-                    "makes one path per assistant message"
-                )
         conv_samples = []
-        for end in ends:
+        for end in _sample_ends(msgs, samples, c):
             last = _last_assistant(msgs, end + 1)
             parts = [(j, renderer.render(msgs[j], _keep_reasoning(think, j, last))) for j in range(end + 1)]
             conv_samples.append(_Sample(c, parts))
@@ -386,15 +388,8 @@ def _render_with_template(
     for c, conv in enumerate(conversations):
         tools = conv.get("tools") if isinstance(conv, dict) else None
         msgs = normalize_conversation(conv, normalize_tool_call_ids=opts.normalize_tool_call_ids, index=c)
-        if opts.samples == "conversation":
-            ends = [len(msgs) - 1]
-        else:
-            ends = [j for j, m in enumerate(msgs) if m.role == "assistant"]
-            if not ends:
-                raise TreeInputError(f"conversation {c} has no assistant message; samples='assistant_turns' "
-                                     "makes one path per assistant message")
         previous: list[int] | None = None
-        for end in ends:
+        for end in _sample_ends(msgs, opts.samples, c):
             last = _last_assistant(msgs, end + 1)
             dicts = message_dicts(msgs[: end + 1], [_keep_reasoning(think, j, last) for j in range(end + 1)])
             ids, marked = renderer.ids(dicts, tools, mask=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.chat_template import TemplateRenderer
+from treecompile.core.chat_template import TemplateRenderer, has_chat_template
 from treecompile.core.errors import TreeInputError
 
 __all__ = ["RLRecord", "records_from_trl", "records_from_verl"]
@@ -76,13 +76,15 @@ def records_from_trl(
     if isinstance(rows, dict):
         rows = _split_trl_batch(rows)
     out, drifted = [], []
+    # One renderer for every chat record: its end-of-turn probe and shared histories render once.
+    renderer = TemplateRenderer(tokenizer) if has_chat_template(tokenizer) else None
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
             raise TreeInputError(f"record {i}: expected a dict, got {type(r).__name__}")
         if "prompt_ids" in r and "completion_ids" in r:
             prompt, completion, mask, keep = _trl_token_record(r, i)
         elif "prompt" in r and "completion" in r:
-            prompt, completion, mask, drift = _trl_text_record(r, i, tokenizer)
+            prompt, completion, mask, drift = _trl_text_record(r, i, tokenizer, renderer)
             keep = slice(0, len(completion))
             if drift is not None:
                 drifted.append(drift)
@@ -170,36 +172,35 @@ def _trl_token_record(r: dict, i: int) -> tuple[list[int], list[int], list[int] 
     return prompt.tolist(), completion[:n].tolist(), mask, slice(0, n)
 
 
-def _render_trl(tokenizer: Any, prompt: Any, completion: Any, i: int) -> tuple[list[int], list[int], list[int] | None]:
-    """(prompt ids, full ids, assistant mask of the full ids or None) of one text or chat record."""
+def _render_trl(tokenizer: Any, renderer: TemplateRenderer | None, prompt: Any, completion: Any,
+                i: int) -> tuple[list[int], list[int], list[int] | None]:
+    """(prompt ids, full ids, assistant mask of the full ids or None) of one text or chat record
+    (chats through ``renderer``, the tokenizer's chat template; None without one)."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return (list(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
                 list(tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]), None)
     if isinstance(prompt, list) and isinstance(completion, list):
-        if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", None) is None:
+        if renderer is None:
             raise TreeInputError(f"record {i} is a chat: the tokenizer needs a chat template (apply_chat_template)")
-        p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-        full = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True,
-                                             return_assistant_tokens_mask=True)
-        mask = full.get("assistant_masks")
-        ids = [int(t) for t in full["input_ids"]]
+        messages = list(prompt) + list(completion)
+        p_ids, _ = renderer.ids(list(prompt), generation_prompt=True)
+        ids, mask = renderer.ids(messages, mask=True)
         if mask is not None and not any(mask):
-            mask = None  # a template without generation blocks
+            mask = None  # generation blocks that mark nothing in this record
         if mask is None and any(m.get("role") != "assistant" for m in completion):
             # Tool results or user turns inside the completion are context, not trained: the
             # assistant messages' tokens are found from the template's renderings of the history.
-            messages = list(prompt) + list(completion)
-            renderer = TemplateRenderer(tokenizer)
             mask = renderer.loss_mask(messages, None, ids, None, "assistant", f"record {i}").astype(int).tolist()
         # Otherwise every completion token is trained (a completion of assistant text alone), as TRL does.
-        return list(p["input_ids"]), ids, None if mask is None else [int(x) for x in mask]
+        return list(p_ids), list(ids), mask
     raise TreeInputError(f"record {i}: prompt and completion must both be strings or both lists of messages")
 
 
-def _trl_text_record(r: dict, i: int, tokenizer: Any) -> tuple[list[int], list[int], list[int] | None, str | None]:
+def _trl_text_record(r: dict, i: int, tokenizer: Any,
+                     renderer: TemplateRenderer | None) -> tuple[list[int], list[int], list[int] | None, str | None]:
     if tokenizer is None:
         raise TreeInputError(f"record {i} holds text: pass the tokenizer that renders it (records_from_trl(rows, tok))")
-    p_ids, full, amask = _render_trl(tokenizer, r["prompt"], r["completion"], i)
+    p_ids, full, amask = _render_trl(tokenizer, renderer, r["prompt"], r["completion"], i)
     k = 0
     while k < min(len(p_ids), len(full)) and p_ids[k] == full[k]:
         k += 1
