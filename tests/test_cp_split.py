@@ -28,11 +28,11 @@ def _brute_force_best(batch, ranks: int, work: RowWork, align: int = 1) -> float
     """The least largest-rank work over every contiguous split with aligned cuts."""
     s = batch.num_tokens
     candidates = [c for c in range(1, s) if c % align == 0]
-    best = np.inf
+    best, costs = np.inf, cp._row_costs(batch, work)
     for k in range(ranks):  # some ranks may hold nothing when the row is short
         for cuts in itertools.combinations(candidates, k):
             bounds = np.array([0, *cuts, *([s] * (ranks - k))], dtype=np.int64)
-            best = min(best, float(cp._summary(batch, bounds, work).work.max()))
+            best = min(best, float(cp._summary(bounds, costs).work.max()))
     return best
 
 

@@ -58,6 +58,22 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
         assert t["imbalance"] <= t["imbalance_by_rows"] + 1e-9 or t["imbalance"] < 1.05
         assert t["kv_bytes_needed"][0] == 0 and max(t["kv_bytes_needed"]) <= max(t["kv_bytes_all_gather"])
         assert max(t["peak_bytes"]) < t["peak_bytes_one_rank"]  # the activations are split
+    transformers = pytest.importorskip("transformers")
+    from treecompile.planning.budget import CostModel
+    from treecompile.planning.cp import RowWork
+
+    config = transformers.Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config.save_pretrained(tmp_path / "qwen3")
+    cost = CostModel.from_config(config, dtype="float32", optimizer="sgd", device="cpu")
+    mine = json.loads(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--config", str(tmp_path / "qwen3"),
+                            "--dtype", "float32", "--optimizer", "sgd", "--device", "cpu", "--json"], capsys))
+    assert mine["work_model"].endswith("config.json") and mine["dtype"] == "float32"
+    t = mine["trees"][0]
+    # The per-rank K/V and peaks are the cost model's of that config (float32: 4 bytes per value).
+    per_row = 2 * cost.dims.kv_heads * cost.dims.head_dim * 4
+    assert t["kv_bytes_needed"][1] > 0 and all(b % per_row == 0 for b in t["kv_bytes_needed"])
+    assert RowWork.from_dims(cost.dims).head > 0 and max(t["peak_bytes"]) > cost.static_bytes()
     text = " ".join(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2"], capsys).split())
     assert "over 2 CP ranks" in text and "all-gather" in text
     with pytest.raises(ValueError, match="--cp plans a context-parallel split of each whole row"):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["int_at_least", "por_value", "device_name", "require_plot", "check_output_file", "check_cuda",
+__all__ = ["load_config", "int_at_least", "por_value", "device_name", "require_plot", "check_output_file", "check_cuda",
            "output_console", "progress_bar"]
 
 # Above this many trees, building them shows a progress bar (on stderr).
@@ -150,3 +151,28 @@ def progress_bar(label: str, total: int, *, min_total: int = _PROGRESS_MIN_TREES
     )
     progress.add_task(label, total=total)
     return progress
+
+
+def load_config(value: str) -> tuple[Any, Any]:
+    """``(path, config)`` of ``--config``: a Hugging Face config directory or its config.json,
+    as a ``PretrainedConfig`` where transformers reads it (the cost model then finds q/k norms
+    on a meta-device model), else its JSON dict.
+
+    Raises:
+        ValueError: no such file, or not JSON.
+    """
+    path = Path(value).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--config {value}: no such file (a Hugging Face config directory or config.json)")
+    try:
+        config: Any = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config {path} is not valid JSON: {exc}") from None
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except (ImportError, ValueError, KeyError):
+        pass
+    return path, config

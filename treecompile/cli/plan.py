@@ -129,28 +129,15 @@ def capacity_from_budget(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: both --capacity and --budget-bytes, no --config, or a config that is not
             a Hugging Face config; `treecompile.planning.budget.BudgetError` if B does not fit one token.
     """
-    from pathlib import Path
-
     from treecompile.planning.budget import CostModel
 
     if args.capacity is not None:
         raise ValueError("give --capacity (rows) or --budget-bytes (bytes), not both")
     if not args.config:
         raise ValueError("--budget-bytes needs --config PATH: the model's Hugging Face config (directory or file)")
-    path = Path(args.config).expanduser()
-    path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(f"--config {args.config}: no such file (a Hugging Face config directory or config.json)")
-    try:
-        config: Any = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--config {path} is not valid JSON: {exc}") from None
-    try:  # a PretrainedConfig lets the cost model find q/k norms on a meta-device model
-        import transformers
+    from treecompile.cli.args import load_config
 
-        config = transformers.AutoConfig.from_pretrained(str(path))
-    except (ImportError, ValueError, KeyError):
-        pass
+    path, config = load_config(args.config)
     cost = CostModel.from_config(config, dtype=args.dtype, optimizer=args.optimizer, device=args.device)
     args.capacity = cost.capacity(args.budget_bytes)
     args.cost_model = cost  # --stream plans each tree's parts with it

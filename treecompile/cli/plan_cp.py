@@ -17,18 +17,19 @@ __all__ = ["DEFAULT_DIMS", "plan_cp_report"]
 
 #: The work model without --config: Qwen3-8B's dimensions.
 DEFAULT_DIMS = dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936)
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
-def _dims(args: argparse.Namespace) -> tuple[Any, str]:
-    from treecompile.planning.budget import ModelDims, _dims_of
+def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The cost model of --config (else of Qwen3-8B's dimensions) and the step's options."""
+    from treecompile.cli.args import load_config
+    from treecompile.planning.budget import CostModel, ModelDims
 
     if getattr(args, "config", None):
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(args.config)
-        return _dims_of(config), str(args.config)
-    return ModelDims(**DEFAULT_DIMS), "Qwen3-8B dimensions (--config for your model's)"
+        path, config = load_config(args.config)
+        source = str(path)
+    else:
+        config, source = ModelDims(**DEFAULT_DIMS), "Qwen3-8B dimensions (--config for your model's)"
+    return CostModel.from_config(config, dtype=args.dtype, optimizer=args.optimizer, device=args.device), source
 
 
 def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], args: argparse.Namespace,
@@ -37,12 +38,9 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
     from treecompile.core.batch import pack
     from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
 
-    from treecompile.planning.budget import CostModel
-
-    dims, source = _dims(args)
+    cost, source = _cost_model(args)
+    dims, dtype_bytes = cost.dims, cost.dtype_bytes
     work = RowWork.from_dims(dims)
-    cost = CostModel.from_config(dims, dtype=args.dtype, optimizer=args.optimizer, device=args.device)
-    dtype_bytes = _DTYPE_BYTES[args.dtype]
     out_trees = []
     for name, tree in zip(names, trees):
         batch = pack(tree, warn_por=False)

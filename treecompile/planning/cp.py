@@ -139,9 +139,9 @@ def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray,
     return pairs, head, cost
 
 
-def _summary(batch: TreeBatch, bounds: np.ndarray, work: RowWork) -> CPSplit:
-    pairs, head, cost = _row_costs(batch, work)
-    positions = batch.position_ids.detach().cpu().numpy().astype(np.int64)
+def _summary(bounds: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> CPSplit:
+    """The `CPSplit` of ``bounds`` over the rows' ``(pairs, head, cost)`` (`_row_costs`)."""
+    pairs, head, cost = costs
     seg = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     return CPSplit(
         bounds=bounds,
@@ -149,7 +149,8 @@ def _summary(batch: TreeBatch, bounds: np.ndarray, work: RowWork) -> CPSplit:
         attention_pairs=np.array([pairs[s].sum() for s in seg], dtype=np.int64),
         head_rows=np.array([head[s].sum() for s in seg], dtype=np.int64),
         work=np.array([cost[s].sum() for s in seg], dtype=np.float64),
-        ancestor_rows=np.array([positions[s.start] if s.stop > s.start else 0 for s in seg], dtype=np.int64),
+        # A row's root path before it: its position (pairs - 1).
+        ancestor_rows=np.array([pairs[s.start] - 1 if s.stop > s.start else 0 for s in seg], dtype=np.int64),
     )
 
 
@@ -165,7 +166,7 @@ def equal_rows_split(batch: TreeBatch, ranks: int, work: RowWork) -> CPSplit:
     _check(batch, ranks)
     s = batch.num_tokens
     bounds = np.array([(r * s) // ranks for r in range(ranks + 1)], dtype=np.int64)
-    return _summary(batch, bounds, work)
+    return _summary(bounds, _row_costs(batch, work))
 
 
 def _greedy_cuts(prefix: np.ndarray, ranks: int, bound: float, align: int) -> np.ndarray | None:
@@ -208,7 +209,8 @@ def split_for_cp(batch: TreeBatch, ranks: int, work: RowWork | None = None, *, a
     if align < 1:
         raise TreeInputError(f"align must be at least 1, got {align}")
     work = work or RowWork(dense=1.0, attention=0.0, head=0.0)
-    _, _, cost = _row_costs(batch, work)
+    costs = _row_costs(batch, work)
+    cost = costs[2]
     prefix = np.concatenate([[0.0], np.cumsum(cost)])
     block = np.add.reduceat(cost, np.arange(0, len(cost), align))
     lo, hi = max(float(prefix[-1]) / ranks, float(block.max())), float(prefix[-1])
@@ -222,4 +224,4 @@ def split_for_cp(batch: TreeBatch, ranks: int, work: RowWork | None = None, *, a
             lo = mid
         else:
             best, hi = cuts, mid
-    return _summary(batch, best, work)
+    return _summary(best, costs)
