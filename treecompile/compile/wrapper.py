@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import threading
 from collections import Counter
@@ -64,6 +65,17 @@ __all__ = [
 ]
 
 _CALLS = threading.RLock()  # see TreeCompiledModel.__call__
+
+
+def _one_at_a_time(method):
+    """``method`` under `_CALLS` (re-entrant: a call through ``__call__`` holds it already)."""
+
+    @functools.wraps(method)
+    def locked(*args, **kwargs):
+        with _CALLS:
+            return method(*args, **kwargs)
+
+    return locked
 #: Mask encodings ``tree_compile(mask=...)`` accepts.
 MASKS = tuple(MASK_KINDS)
 #: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
@@ -296,6 +308,7 @@ class TreeCompiledModel(DelegatingModule):
     #: Hugging Face's ``Trainer`` passes ``num_items_in_batch`` to a model that says it takes it.
     accepts_loss_kwargs = True
 
+    @_one_at_a_time  # also when called as .forward, as PEFT's LoraModel calls its base model
     def forward(
         self,
         batch: TreeBatch | None = None,
