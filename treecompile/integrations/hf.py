@@ -197,11 +197,8 @@ def record_sequences(dataset: Any) -> list[Any]:
         if not isinstance(record, Mapping) or "input_ids" not in record:
             what = type(record).__name__ if not isinstance(record, Mapping) else f"keys {sorted(record)}"
             raise TreeInputError(f"record {i} ({what}): prefix grouping sorts records by their 'input_ids'")
-        ids = record["input_ids"]
-        if record.get("attention_mask") is not None:
-            keep = as_int_list(record["attention_mask"])
-            ids = [t for t, m in zip(as_int_list(ids), keep) if m]
-        out.append(ids)
+        # The tokens TreeCollator keeps, read and checked as it reads them (labels aside).
+        out.append(_sequence(i, {"input_ids": record["input_ids"], "attention_mask": record.get("attention_mask")})[0])
     return out
 
 
