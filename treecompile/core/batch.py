@@ -165,30 +165,35 @@ class TreeBatch:
             out._checked = dataclasses.replace(checked, fingerprint=_fingerprint(out))
         return out
 
-    def _check(self) -> _Checked:
-        """What `validate` finds, checking now if a field changed since the last check."""
-        return self._fresh_check() or self.validate().__dict__["_checked"]
-
     def head_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dest [M], rows [R], slot [M])``: the rows holding a target, the distinct rows that
         predict one, and which of those predicts each target (``rows[slot] ==
-        pred_index[dest]``), on the batch's device; from the batch's check (no device sync
-        once checked, as a packed batch is).
-
-        Raises:
-            TreeInputError: the batch is invalid (it is checked if it was not).
-        """
-        return self._check().head
+        pred_index[dest]``); from the last check when nothing changed since (no device sync),
+        else computed here."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.head
+        dest = torch.nonzero(self.pred_index >= 0).flatten()
+        rows, slot = torch.unique(self.pred_index[dest], return_inverse=True)
+        return dest, rows, slot
 
     def node_table(self) -> torch.Tensor:
         """``[N, 3]`` int64 on the CPU: each node's first row, end row and parent (what the
-        sequence-scan ops read on the host); from the batch's check."""
-        return self._check().node_table
+        sequence-scan ops read on the host); from the last check when nothing changed since."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.node_table
+        return torch.stack([self.node_start, self.node_end, self.node_parent], 1).cpu()
 
     def longest_path(self) -> tuple[int, int]:
-        """``(tokens, tree)`` of the longest path; from the batch's check."""
-        checked = self._check()
-        return checked.longest, checked.longest_tree
+        """``(tokens, tree)`` of the longest path: from the last check when nothing changed
+        since (no read of the batch's tensors), else read from ``position_ids``."""
+        checked = self._fresh_check()
+        if checked is not None:
+            return checked.longest, checked.longest_tree
+        pos = self.position_ids.cpu()
+        j = int(pos.argmax())
+        return int(pos[j]) + 1, int(self.tree_ids[j])
 
     def padded(self, num_tokens: int) -> TreeBatch:
         """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
