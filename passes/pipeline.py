@@ -43,6 +43,7 @@ from treecompile.kernels.flex import BlockLayout
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.passes._graph import PassContext, describe, eliminate_dead_code, mutated_args, source_of, value
 from treecompile.passes.attention import rewrite_attention_pass
+from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.lm_head import fuse_lm_head_pass, gather_logits_pass
 from treecompile.passes.markers import is_marker
@@ -53,8 +54,8 @@ from treecompile.passes.stream import StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
-__all__ = ["streamed", 
-    "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
+__all__ = [
+    "streamed", "context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
 ]
 
 log = logging.getLogger("treecompile.passes")
@@ -139,7 +140,22 @@ def streamed(pipeline: Pipeline, state: StreamGraph) -> Pipeline:
     the stream inputs are read after the subgraphs are inlined, the prefix K/V routed after
     the attention rewrite, the recurrent state and conv context after the SSM state pass."""
     read, route, route_state = stream_passes(state)
-    after = {inline_subgraphs_pass: read, rewrite_attention_pass: route, route_ssm_state_pass: route_state}
+    return _with_after(pipeline, {inline_subgraphs_pass: read, rewrite_attention_pass: route,
+                                  route_ssm_state_pass: route_state})
+
+
+def context_parallel(pipeline: Pipeline, state: CPGraph) -> Pipeline:
+    """The pipeline of a context-parallel rank's graph: ``pipeline`` with the CP passes
+    (`treecompile.passes.cp`, sharing ``state``) each right after the pass it follows: the CP
+    inputs are read after the subgraphs are inlined, the keys and values gathered after the
+    attention rewrite, recurrent layers refused after the SSM state pass."""
+    read, route, refuse = cp_passes(state)
+    return _with_after(pipeline, {inline_subgraphs_pass: read, rewrite_attention_pass: route,
+                                  route_ssm_state_pass: refuse})
+
+
+def _with_after(pipeline: Pipeline, after: dict[Pass, Pass]) -> Pipeline:
+    """``pipeline`` with ``after[p]`` inserted right after each pass ``p`` it names."""
     passes = []
     for p in pipeline.passes:
         passes.append(p)

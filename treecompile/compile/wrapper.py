@@ -105,6 +105,7 @@ def tree_compile(
     stream: StreamOptions | None = None,
     scan_kernel: str = "auto",
     dropout: str = "refuse",
+    cp: Any = None,
 ) -> TreeCompiledModel:
     """Wraps a causal LM so that it trains on packed tree batches exactly.
 
@@ -152,6 +153,12 @@ def tree_compile(
             kept for all its paths): another estimator of the same expectation, not the same
             numbers. ``"refuse"`` (default) refuses it (train with ``model.eval()`` or dropout 0);
             ``"shared"`` trains with it. Attention dropout is refused either way.
+        cp: context parallelism: a ``torch.distributed`` process group (or a 1-D
+            ``DeviceMesh``) whose ranks each call the wrapper with the same batch; each runs
+            its share of the packed row (split by work), the attention layers gather the keys
+            and values their queries see from the other ranks, and every rank gets the whole
+            tree's loss, log-probabilities and gradients (:mod:`treecompile.stream.context_parallel`).
+            Models with recurrent or convolution layers are refused under it. None: no CP.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -187,9 +194,18 @@ def tree_compile(
 
         if not isinstance(stream, StreamOptions):
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
+    if cp is not None:
+        from treecompile.stream.context_parallel import cp_group_of
+
+        cp = cp_group_of(cp)
+        if stream is not None:
+            raise ValueError("tree_compile takes cp= or stream=, not both: a streamed batch under context parallelism "
+                             "is not supported")
+        if mask != "interval":
+            raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
-        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout,
+        temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout, cp=cp,
     )
 
 
@@ -225,6 +241,7 @@ class TreeCompiledModel(DelegatingModule):
         scan_kernel: str = "auto",
         stream: StreamOptions | None = None,
         dropout: str = "refuse",
+        cp: Any = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", model)
@@ -271,6 +288,12 @@ class TreeCompiledModel(DelegatingModule):
             graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
             kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
             outputs=self._outputs, compile_records=self.compile_records))
+        # With cp=, a CPRunner runs every batch split over the group.
+        self._cp = None if cp is None else _cp_runner(cp, CallSetup(
+            model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
+            graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
+            kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
+            outputs=self._outputs, compile_records=self.compile_records))
 
     def _options(self) -> dict[str, Any]:
         """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
@@ -282,12 +305,16 @@ class TreeCompiledModel(DelegatingModule):
         # A copy of the model, wrapped with the same options (compiled again at its first call),
         # as a reference-model copy of a trainer expects.
         stream = None if self._stream is None else self._stream.options
-        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), stream)
+        cp = None if self._cp is None else self._cp.group  # the copy runs over the same group
+        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), stream, cp)
 
     def __reduce_ex__(self, protocol: int):
         # The compiled graph and the kernels swapped in around it cannot be pickled: a pickled
         # wrapper is its model and options, wrapped again on loading and compiled at its first
         # call (``pickle``, ``torch.save`` of the whole wrapper).
+        if self._cp is not None:
+            raise TypeError("a context-parallel TreeCompiledModel holds a process group and cannot be pickled: "
+                            "pickle its .model and wrap it again in the loading process")
         stream = None if self._stream is None else self._stream.options
         return _rewrap, (self._inner, self._options(), stream)
 
@@ -369,6 +396,8 @@ class TreeCompiledModel(DelegatingModule):
         warn_position_overflow(batch, self._inner, stacklevel=2)
         if self._refused is not None:
             raise self._refused
+        if self._cp is not None:
+            return self._cp(batch)
         if self._stream is not None and self._stream.wants(batch):
             out = self._stream(batch)
             if self.verify is True and self.stream_verified is None:  # the streamed variant is checked on its own
@@ -546,6 +575,12 @@ def _stream_runner(options: StreamOptions, setup: CallSetup):
     return StreamRunner(setup, options)
 
 
-def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None) -> TreeCompiledModel:
-    """A pickled `TreeCompiledModel` loaded: ``model`` wrapped again with its ``options``."""
-    return TreeCompiledModel(model, **options, stream=stream)
+def _cp_runner(group, setup: CallSetup):
+    from treecompile.stream.context_parallel import CPRunner, row_work_of
+
+    return CPRunner(setup, group, row_work_of(setup.model))
+
+
+def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None, cp=None) -> TreeCompiledModel:
+    """A pickled (or copied) `TreeCompiledModel`: ``model`` wrapped again with its ``options``."""
+    return TreeCompiledModel(model, **options, stream=stream, cp=cp)

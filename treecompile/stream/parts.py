@@ -93,7 +93,7 @@ class BatchArrays:
         plan = self.plan
         a, b = int(plan.starts[j]), int(plan.starts[j + 1])
         s = b - a
-        s_run = self._s_run(a, b)
+        s_run = self.run_rows(a, b)
         prefix = plan.prefix[j]
         n_read = PAD_STATES + (len(self.readout[j]) if self.has_structure else 0)
         readouts = torch.zeros(n_read, dtype=torch.int64, device=device)
@@ -139,7 +139,8 @@ class BatchArrays:
                    torch.tensor(table, dtype=torch.int64)]
         return tensors, torch.from_numpy(conv_pred.astype(np.int64)).to(device), readouts
 
-    def _s_run(self, a: int, b: int) -> int:
+    def run_rows(self, a: int, b: int) -> int:
+        """``S_run`` of rows ``[a, b)`` (see `part_inputs`)."""
         lo, hi = np.searchsorted(self.target_pred, [a, b])
         return max(b - a, max(int(hi - lo), 2), 2)
 

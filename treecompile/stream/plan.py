@@ -10,7 +10,7 @@ import numpy as np
 
 from treecompile.core.batch import TreeBatch
 
-__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream",
+__all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream", "root_path",
            "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
            "MAX_STREAM_PARTS", "PART_OVERHEAD_ROWS", "STREAM_PEAK_MARGIN_PERCENT", "BYTE_BUDGET_MODES",
            "PREFIX_INDEX_BYTES"]
@@ -163,6 +163,24 @@ class StreamPlan:
         return max((len(p) for p in self.prefix), default=0)
 
 
+def _nodes(batch: TreeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+
+
+def root_path(batch: TreeBatch, row: int, nodes: tuple | None = None) -> np.ndarray:
+    """``[P]`` the rows before ``row`` on its root path, root first (``P`` is its position):
+    the earlier rows a run of rows starting at ``row`` may see. ``nodes``: ``(node_start,
+    node_end, node_parent)`` as numpy arrays, when the caller has them."""
+    n_start, n_end, parent = nodes if nodes is not None else _nodes(batch)
+    v = int(np.searchsorted(n_start, row, side="right")) - 1
+    chain = [np.arange(n_start[v], row)]
+    u = int(parent[v])
+    while u >= 0:
+        chain.append(np.arange(n_start[u], n_end[u]))
+        u = int(parent[u])
+    return np.concatenate(chain[::-1]).astype(np.int64)
+
+
 def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
     """Cuts ``batch`` into parts of at most ``budget_rows`` consecutive rows and schedules them.
 
@@ -196,16 +214,8 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
             bounds.append(b)
             a = b
         starts = np.asarray(bounds, dtype=np.int64)
-    n_start, n_end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
-    prefix = []
-    for a in starts[:-1].tolist():
-        v = int(np.searchsorted(n_start, a, side="right")) - 1
-        chain = [np.arange(n_start[v], a)]
-        u = int(parent[v])
-        while u >= 0:
-            chain.append(np.arange(n_start[u], n_end[u]))
-            u = int(parent[u])
-        prefix.append(np.concatenate(chain[::-1]).astype(np.int64))
+    nodes = _nodes(batch)
+    prefix = [root_path(batch, a, nodes) for a in starts[:-1].tolist()]
     n = len(starts) - 1
     # A part's backward must come after that of every part that reads it (they add its
     # keys' and values' gradients), and so after theirs in turn: done[q] is the latest

@@ -1,0 +1,183 @@
+"""Context parallelism (treecompile.stream.context_parallel): one packed row split over 2 and
+4 CPU processes (gloo) equals per-path training, float64: loss, log-probs, router auxiliary
+loss, entropies and every parameter gradient, on every rank, for a dense model, a windowed
+and soft-capped one (the window crosses rank boundaries) and an MoE with its auxiliary loss
+(2 ranks: also the dense model through the default lowering, whose AOTAutograd traces the
+gathers' backward). Two trees of different lengths, the second deep enough that the last
+ranks read keys from several earlier ranks. A hybrid model is refused by name, and a group
+of one rank runs as no CP does (in this process)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from testing import COMPILE_TOL, assert_grads_close
+
+from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.core.errors import UnsupportedModelError
+
+transformers = pytest.importorskip("transformers")
+
+#: The families run under CP (tests/test_stream.py builds them) and their options.
+FAMILIES = {
+    "qwen3": dict(backend="eager"),
+    "gemma2-softcap-sw3": dict(backend="eager"),
+    "qwen3-moe-aux": dict(backend="eager", outputs=("entropy",)),
+}
+#: Run under 2 ranks only (each rank of each run compiles every family: the suite's time).
+TWO_RANKS = {"qwen3-lowered": dict()}
+
+
+def _trees():
+    short = TrajectoryTree.from_sequences(
+        [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 10], [1, 2, 11, 12, 13, 14, 15], [1, 2, 3]],
+        weights=[1, 2, 1, 0.5], loss_masks=[None, [0, 0, 0, 1, 1, 1], None, None])
+    trunk = list(range(20, 36))
+    long = TrajectoryTree.from_sequences(
+        [trunk + [40, 41, 42], trunk + [43, 44, 45, 46, 47, 48], trunk[:9] + [50, 51, 52], trunk + [40, 41, 53],
+         [60, 61, 62, 63]],
+        weights=[1, 1, 2, 1, 0.5])
+    return [short, long]
+
+
+def _model(family):
+    from test_stream import _MODELS
+
+    return _MODELS[family.removesuffix("-lowered")]()
+
+
+def _worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for family, options in {**FAMILIES, **(TWO_RANKS if world == 2 else {})}.items():
+            model = _model(family)
+            compiled = tree_compile(model, cp=dist.group.WORLD, **options)
+            runs = []
+            for tree in _trees():
+                batch = pack(tree, warn_por=False)
+                model.zero_grad(set_to_none=True)
+                out = compiled(batch)
+                out.loss.backward()
+                runs.append(dict(
+                    loss=out.loss.detach(), logprobs=out.logprobs, aux=out.aux_loss, entropy=out.entropy,
+                    grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                    bounds=compiled._cp.split.bounds.tolist()))
+            results[family] = runs
+    except Exception:
+        results["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
+
+
+def _reference(family, tree):
+    from test_stream import _AUX, _path_entropy
+
+    from treecompile.core.reference import per_path_loss
+
+    model = _model(family)
+    ref = per_path_loss(model, [tree], router_aux_loss_coef=_AUX.get(family))
+    ref.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    entropy = [_path_entropy(model, seq) for seq in tree.sequences()] if family == "qwen3-moe-aux" else None
+    return ref, grads, entropy
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    rtol, atol = COMPILE_TOL["hf"]
+    for family in {**FAMILIES, **(TWO_RANKS if world == 2 else {})}:
+        for t, tree in enumerate(_trees()):
+            ref, want, entropy = _reference(family, tree)
+            batch = pack(tree, warn_por=False)
+            bounds = ranks[0][family][t]["bounds"]
+            assert len(bounds) == world + 1 and all(b > a for a, b in zip(bounds, bounds[1:])), bounds
+            for r, got in enumerate(ranks):
+                run = got[family][t]
+                where = f"{family}, tree {t}, rank {r} of {world}"
+                torch.testing.assert_close(run["loss"], ref.loss.detach(), rtol=rtol, atol=atol, msg=where)
+                for i in range(batch.num_paths):
+                    torch.testing.assert_close(run["logprobs"][batch.path_rows(i)], ref.logprobs[i].detach(),
+                                               rtol=rtol, atol=atol, msg=lambda m, i=i: f"{where}, path {i}: {m}")
+                if ref.aux_loss is None:
+                    assert run["aux"] is None, where
+                else:
+                    torch.testing.assert_close(run["aux"], ref.aux_loss.detach().to(run["aux"].dtype), rtol=rtol,
+                                               atol=atol, msg=where)
+                if entropy is not None:
+                    for i in range(batch.num_paths):
+                        torch.testing.assert_close(run["entropy"][batch.path_rows(i)], entropy[i], rtol=rtol,
+                                                   atol=atol, msg=lambda m, i=i: f"{where}, entropy {i}: {m}")
+                assert_grads_close(run["grads"], want, ("float64", "hf"))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_runs_as_the_whole_tree_and_a_hybrid_is_refused_by_name(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tree = _trees()[1]
+    batch = pack(tree, warn_por=False)
+    model = _model("qwen3")
+    plain = tree_compile(model, backend="eager")
+    want = plain(batch)
+    want.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    got = tree_compile(model, backend="eager", cp=mesh["cp"])(batch)
+    got.loss.backward()
+    rtol, atol = COMPILE_TOL["pure"]
+    torch.testing.assert_close(got.loss, want.loss.detach(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=rtol, atol=atol)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=rtol, atol=atol, msg=n)
+    with pytest.raises(UnsupportedModelError) as info:
+        tree_compile(_model("qwen3-next"), cp=one_rank, backend="eager")(batch)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("treecompile: ") and "context parallelism does not hand" in first, first
+    assert "\n  at " in str(info.value)  # the model's source line
+
+
+def test_what_cp_cannot_run_is_refused(one_rank):
+    import pickle
+
+    from treecompile.stream.options import StreamOptions
+
+    model = _model("qwen3")
+    with pytest.raises(ValueError, match="cp= or stream=, not both"):
+        tree_compile(model, cp=one_rank, stream=StreamOptions(budget_rows=8))
+    with pytest.raises(ValueError, match="runs the interval mask"):
+        tree_compile(model, cp=one_rank, mask="bitmask")
+    with pytest.raises(TypeError, match="takes a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str"):
+        tree_compile(model, cp="cp")
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(tree_compile(model, cp=one_rank))
+
+
+def test_cp_needs_an_initialised_group():
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+        tree_compile(_model("qwen3"), cp=object())

@@ -1,0 +1,258 @@
+"""Context parallelism (CP): one packed tree row split over the ranks of a process group.
+
+``tree_compile(model, cp=group)`` (a ``torch.distributed`` process group, or a 1-D
+``DeviceMesh``): every rank of the group calls the wrapper with the same batch; each runs the
+model on its own consecutive rows only (`treecompile.planning.cp.split_for_cp`, balanced by
+work), and every attention layer gathers, from the other ranks, the keys and values of the
+rows its queries see before its first row: the root path of that row
+(`treecompile.passes.cp`). The loss, the log-probabilities and every parameter's gradient
+come back on every rank equal to one process training the whole tree, so to per-path
+training:
+
+* a rank's targets are those its rows predict (the predicting row's output is local);
+* the loss is the sum of the ranks' losses; a router's auxiliary loss is computed from the
+  ranks' summed router statistics, and its gradient reaches each rank's share through them;
+* the backward runs inside the call, as the streamed path's does
+  (`treecompile.stream.runner`): each rank's graph backward reduce-scatters the gradients
+  of the keys and values it read back to their owners, then the parameter gradients are
+  summed over the group, and ``loss.backward()`` hands them to the parameters.
+
+Memory per rank: the parameters and optimizer state (each rank holds them all), the
+activations of its own rows, and per layer the keys and values of its prefix rows, which
+the attention keeps for its backward (`treecompile.planning.cp.CPSplit.peak_bytes` predicts
+it; the all-gather itself is transient, one layer at a time).
+
+Hybrid models (recurrent or convolution layers) are refused under CP by the op's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from treecompile.capture.call import CallSetup, TreeOutput, compile_named, device_of, run_head
+from treecompile.core.batch import TreeBatch
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.kernels.cp_gather import register_group
+from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.passes.cp import CPGraph
+from treecompile.passes.pipeline import Pipeline, context_parallel
+from treecompile.planning.cp import CPSplit, RowWork, split_for_cp
+from treecompile.stream.parts import PAD_PREFIX, BatchArrays
+from treecompile.stream.plan import root_path
+from treecompile.stream.runner import _StreamedLoss
+
+__all__ = ["CPRunner", "cp_group_of", "row_work_of"]
+
+
+def row_work_of(model) -> RowWork | None:
+    """The per-row costs a CP split balances, from ``model.config`` (a dense decoder's
+    dimensions, `RowWork.from_dims`); None (split by rows) for a model without a config the
+    cost model reads (no config, mixture-of-experts)."""
+    from treecompile.planning.budget import BudgetError, CostModel
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        return RowWork.from_dims(CostModel.from_config(config, device="cpu").dims)
+    except (BudgetError, TypeError, ValueError):
+        return None
+
+
+def cp_group_of(cp) -> dist.ProcessGroup:
+    """The process group of ``tree_compile(cp=...)``: a group, or a 1-D ``DeviceMesh``'s.
+
+    Raises:
+        TypeError: anything else, or a mesh of more than one dimension (pass ``mesh["cp"]``).
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("tree_compile(cp=...) needs torch.distributed initialised (dist.init_process_group)")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(cp, DeviceMesh):
+        if cp.ndim != 1:
+            raise TypeError(f"tree_compile(cp=...) takes a 1-D DeviceMesh (mesh['cp']), got one of {cp.ndim} dimensions")
+        return cp.get_group()
+    if isinstance(cp, dist.ProcessGroup):
+        return cp
+    raise TypeError(f"tree_compile(cp=...) takes a torch.distributed ProcessGroup or a 1-D DeviceMesh, "
+                    f"got {type(cp).__name__}")
+
+
+class CPRunner:
+    """Runs a `TreeCompiledModel`'s batches split over a CP group (see the module docstring).
+
+    Attributes:
+        group: the process group; rank and world size are read from it.
+        work: the per-row costs the split balances (None: by rows).
+        align: cuts on multiples of this many rows.
+        split: the `CPSplit` of the latest batch.
+    """
+
+    def __init__(self, setup: CallSetup, group: dist.ProcessGroup, work: RowWork | None = None,
+                 align: int = 1) -> None:
+        if setup.router_aux is not None:
+            setup.router_aux.check_stats_form()
+        self.setup = setup
+        self.group = group
+        self.work = work
+        self.align = align
+        self.split: CPSplit | None = None
+        self._name = register_group(group)
+        self._compiled = None
+        self._layout = None
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def _build(self, device: torch.device) -> None:
+        w = self.setup
+        state = CPGraph(group=self._name)
+        pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
+        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                            passes=context_parallel(pipeline, state))
+        inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
+
+        def cp_forward(ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest, weight,
+                       path_count, cp_meta):
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
+            ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
+            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
+                                                    dest, weight, temperature, want_entropy)
+            stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
+            return loss, logprobs, stats, entropy
+
+        self._compiled = compile_named(cp_forward, "cp_forward", backend)
+
+    def _call(self, args: tuple) -> tuple:
+        from treecompile.capture.call import DYNAMO_CONFIG
+        from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
+
+        w = self.setup
+        hf = hf_interfaces(w.model, w.routes_attention) if w.is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels(w.kernels + w.mask_swaps + TORCH_SWAPS):
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
+                try:
+                    return self._compiled(*args)
+                except torch._dynamo.exc.BackendCompilerFailed as e:
+                    if isinstance(e.inner_exception, UnsupportedModelError):
+                        raise e.inner_exception from None
+                    raise
+
+    def inputs(self, batch: TreeBatch) -> tuple[tuple, torch.Tensor]:
+        """This rank's compiled-call arguments for ``batch`` and the global rows of its targets;
+        sets `split`."""
+        split = split_for_cp(batch, self.world, self.work, align=self.align)
+        self.split = split
+        bounds = split.bounds
+        data = BatchArrays(batch)
+        runs = np.array([data.run_rows(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+        a, b = int(bounds[self.rank]), int(bounds[self.rank + 1])
+        prefix = root_path(batch, a) if b > a else np.zeros(0, dtype=np.int64)
+        inputs, dest = data.part_inputs(a, b, prefix)
+        # The prefix rows in the all-gather's coordinates (rank r's row i at r * max(runs) + i);
+        # the padding keys (never visible) read row 0.
+        owner = np.searchsorted(bounds, prefix, side="right") - 1
+        index = np.concatenate([np.zeros(PAD_PREFIX, np.int64), owner * int(runs.max()) + prefix - bounds[owner]])
+        ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
+        block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        device = device_of(self.setup.model)
+        moved = [x.to(device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local, weight,
+                                         path_count, kv_end, kv_pos, torch.from_numpy(index))]
+        ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos, index = moved
+        block_tensors = type(block_tensors)(*(t.to(device) for t in block_tensors))
+        sizes = torch.from_numpy(runs)  # on the CPU: the gather reads it on the host
+        for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest_local, 0),
+                     (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), (index, 0),
+                     *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        # A model with recurrent or conv layers gets its rows' own structure, so that the capture
+        # reaches the pass that refuses those layers by name (`treecompile.passes.cp`).
+        structure = _local_structure(batch, a, b, int(runs[self.rank]), device) if self.setup.structure else []
+        args = (ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest_local, weight,
+                path_count, [kv_end, kv_pos, index, sizes])
+        return args, dest
+
+    def __call__(self, batch: TreeBatch) -> TreeOutput:
+        w = self.setup
+        device = device_of(w.model)
+        batch = batch.to(device) if batch.device != device else batch
+        args, dest = self.inputs(batch)
+        if self._compiled is None:
+            self._build(device)
+        grad = torch.is_grad_enabled()
+        params = [p for p in w.model.parameters() if p.requires_grad] if grad else []
+        router = w.router_aux
+        with torch.set_grad_enabled(grad):
+            loss, lp, stats, ent = self._call(args)
+        m = dest.shape[0]
+        dest = dest.to(device)
+        # What the ranks computed, summed over the group in one collective: the loss, the
+        # log-probabilities (and entropies) at their targets' rows, the router statistics.
+        pieces = [loss.detach().to(torch.float64).reshape(1)]
+        lp_full = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
+        lp_full[dest] = lp[:m].detach().to(torch.float64)
+        pieces.append(lp_full)
+        if ent is not None:
+            ent_full = torch.zeros_like(lp_full)
+            ent_full[dest] = ent[:m].detach().to(torch.float64)
+            pieces.append(ent_full)
+        if stats is not None:
+            pieces.append(stats.detach().to(torch.float64).reshape(-1))
+        summed = torch.cat(pieces)
+        dist.all_reduce(summed, group=self.group)
+        s = batch.num_tokens
+        total, logprobs = summed[0], summed[1:1 + s]
+        entropy = summed[1 + s:1 + 2 * s] if ent is not None else None
+        value, aux = total.to(loss.dtype), None
+        if stats is not None:
+            all_stats = summed[summed.shape[0] - stats.numel():].reshape(stats.shape)
+            aux = router.aux_from_stats(all_stats)
+            value = value + router.coef * aux.to(value.dtype)
+        if not grad:
+            return TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
+                              entropy=None if entropy is None else entropy.to(lp.dtype))
+        objective = loss
+        if stats is not None:
+            # coef * aux depends on this rank's router sums through the group's sums: its
+            # gradient with respect to them, dotted with this rank's sums, is this rank's share.
+            probe = all_stats.clone().requires_grad_(True)
+            (aux_grad,) = torch.autograd.grad(router.coef * router.aux_from_stats(probe), probe)
+            objective = objective + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
+        # Every rank runs its backward (its gathers' reduce-scatters meet the other ranks').
+        grads = torch.autograd.grad(objective, params, allow_unused=True, materialize_grads=True)
+        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads]) if grads else None
+        if flat is not None:
+            dist.all_reduce(flat, group=self.group)
+            out, offset = [], 0
+            for g in grads:
+                out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
+                offset += g.numel()
+            grads = out
+        value = _StreamedLoss.apply(value.detach(), list(grads), *params)
+        return TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
+                          entropy=None if entropy is None else entropy.to(lp.dtype))
+
+
+def _local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:
+    """``[pred_index [S_run], node_table [N, 3]]`` of rows ``[a, b)`` alone (the tree's nodes
+    clipped to them, a node reaching before ``a`` a root; padding rows one more root)."""
+    pred = batch.pred_index.cpu().numpy()[a:b]
+    pred_local = np.concatenate([np.where(pred >= a, pred - a, -1), np.full(s_run - (b - a), -1)])
+    start, end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    v0, v1 = int(np.searchsorted(start, a, side="right")) - 1, int(np.searchsorted(start, b, side="left"))
+    table = [[max(int(start[v]), a) - a, min(int(end[v]), b) - a,
+              int(parent[v]) - v0 if start[v] >= a and parent[v] >= v0 else -1] for v in range(v0, v1)] if b > a else []
+    if s_run > b - a:
+        table.append([b - a, s_run, -1])
+    return [torch.from_numpy(pred_local.astype(np.int64)).to(device), torch.tensor(table, dtype=torch.int64)]
