@@ -63,8 +63,13 @@ def _path_mask(batch) -> np.ndarray:
     return mask
 
 
-def test_counts_match_the_dense_tree_mask():
-    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 7, 8], [9, 10]]
+@pytest.mark.parametrize("seqs", [[[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 7, 8], [9, 10]],
+                                  # over one query block (128 rows) per rank
+                                  [list(range(1, 151)) + [200 + k] * (60 + 7 * k) for k in range(4)]],
+                         ids=["small", "blocks"])
+def test_counts_match_the_dense_tree_mask(seqs):
+    from treecompile.planning.budget import CPU_BLOCK_ROWS
+
     batch = _batch(seqs)
     mask = _path_mask(batch)
     for ranks in (1, 2, 3, 4):
@@ -74,6 +79,10 @@ def test_counts_match_the_dense_tree_mask():
             assert split.attention_pairs[r] == mask[a:b].sum()
             # The keys of earlier ranks its queries see: the root path of its first row.
             assert split.ancestor_rows[r] == (mask[a:b, :a].any(0).sum() if b > a else 0)
+            # The most keys a query block sees.
+            blocks = [mask[q:min(q + CPU_BLOCK_ROWS, b), :min(q + CPU_BLOCK_ROWS, b)].any(0).sum()
+                      for q in range(a, b, CPU_BLOCK_ROWS)]
+            assert split.live_keys[r] == max(blocks, default=0)
 
 
 def test_work_split_beats_rows_on_a_shared_prompt_with_long_branches():
@@ -120,8 +129,9 @@ def test_peak_memory_of_a_rank_adds_the_keys_it_reads_to_its_own_rows():
     split = split_for_cp(batch, 4, RowWork.from_dims(dims))
     peaks = split.peak_bytes(cost)
     per_row = 2 * dims.kv_heads * dims.head_dim * 2
+    gather_buffer = 4 * int(split.rows.max()) * per_row // 2
     for r in range(4):
         rows, got = int(split.rows[r]), int(split.ancestor_rows[r])
-        saved, transient = cost.part_bytes(rows, rows + got)
-        assert peaks[r] == cost.static_bytes() + saved + dims.layers * got * per_row + transient
+        saved, transient = cost.part_bytes(rows, min(rows + got, int(split.live_keys[r])))
+        assert peaks[r] == cost.static_bytes() + saved + dims.layers * got * per_row + max(transient, gather_buffer)
     assert (peaks < one[0]).all() and (split.peak_bytes(cost, gather="all") >= peaks).all()

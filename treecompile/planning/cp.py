@@ -77,6 +77,9 @@ class CPSplit:
         work: ``[K]`` per rank, in `RowWork`'s units.
         ancestor_rows: ``[K]`` rows of earlier ranks its queries see (the root path of its
             first row).
+        live_keys: ``[K]`` the most keys one block of its queries reads (``block`` rows from
+            the block's first row ``q``: the root path of ``q``, ``position_ids[q]`` rows, and
+            the block's own rows), which bounds the attention's score blocks.
     """
 
     bounds: np.ndarray
@@ -85,6 +88,7 @@ class CPSplit:
     head_rows: np.ndarray
     work: np.ndarray
     ancestor_rows: np.ndarray
+    live_keys: np.ndarray
 
     @property
     def ranks(self) -> int:
@@ -117,15 +121,18 @@ class CPSplit:
         the static bytes (parameters, gradients and optimizer state: each CP rank holds them
         all), the activations autograd keeps over the rank's own rows, the K and V it
         received for every layer (autograd keeps each layer's gathered keys and values for
-        that layer's backward) and the largest transient, the attention's over its own rows
-        and the keys it reads."""
+        that layer's backward) and the largest transient: the attention's over its own rows
+        and the keys one block of them reads (`live_keys`), or the all-gather's buffer of one
+        layer's keys (every rank's rows, padded to the longest rank's), whichever is larger."""
         d = cost.dims
         received = self.kv_bytes(d.kv_heads, d.head_dim, cost.dtype_bytes, gather)
         per_row = 2 * d.kv_heads * d.head_dim * cost.dtype_bytes
+        gather_buffer = self.ranks * int(self.rows.max()) * per_row // 2 if self.ranks > 1 else 0
         out = []
-        for rows, got in zip(self.rows.tolist(), received.tolist()):
-            saved, transient = cost.part_bytes(max(rows, 1), max(rows, 1) + got // per_row)
-            out.append(cost.static_bytes() + saved + d.layers * got + transient)
+        for rows, got, live in zip(self.rows.tolist(), received.tolist(), self.live_keys.tolist()):
+            rows = max(rows, 1)
+            saved, transient = cost.part_bytes(rows, max(1, min(rows + got // per_row, live)))
+            out.append(cost.static_bytes() + saved + d.layers * got + max(transient, gather_buffer))
         return np.asarray(out, dtype=np.int64)
 
 
@@ -137,6 +144,16 @@ def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray,
     head[pred[pred >= 0]] = 1
     cost = work.dense + work.attention * pairs + work.head * head
     return pairs, head, cost
+
+
+def _live_keys(pairs: np.ndarray, a: int, b: int) -> int:
+    """The most keys a block of queries in rows ``[a, b)`` reads (`CPSplit.live_keys`)."""
+    from treecompile.planning.budget import CPU_BLOCK_ROWS
+
+    if b <= a:
+        return 0
+    starts = np.arange(a, b, CPU_BLOCK_ROWS)
+    return int((pairs[starts] - 1 + np.minimum(CPU_BLOCK_ROWS, b - starts)).max())
 
 
 def _summary(bounds: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> CPSplit:
@@ -151,6 +168,7 @@ def _summary(bounds: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray
         work=np.array([cost[s].sum() for s in seg], dtype=np.float64),
         # A row's root path before it: its position (pairs - 1).
         ancestor_rows=np.array([pairs[s.start] - 1 if s.stop > s.start else 0 for s in seg], dtype=np.int64),
+        live_keys=np.array([_live_keys(pairs, s.start, s.stop) for s in seg], dtype=np.int64),
     )
 
 

@@ -230,15 +230,12 @@ class CPRunner:
             (aux_grad,) = torch.autograd.grad(router.coef * router.aux_from_stats(probe), probe)
             objective = objective + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
         # Every rank runs its backward (its gathers' reduce-scatters meet the other ranks').
-        grads = torch.autograd.grad(objective, params, allow_unused=True, materialize_grads=True)
-        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads]) if grads else None
-        if flat is not None:
-            dist.all_reduce(flat, group=self.group)
-            out, offset = [], 0
-            for g in grads:
-                out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
-                offset += g.numel()
-            grads = out
+        grads = [g.contiguous() for g in
+                 torch.autograd.grad(objective, params, allow_unused=True, materialize_grads=True)]
+        # Summed over the group in place, one collective per tensor, all in flight at once
+        # (no flat copy of every gradient).
+        for work in [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]:
+            work.wait()
         value = _StreamedLoss.apply(value.detach(), list(grads), *params)
         return TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
                           entropy=None if entropy is None else entropy.to(lp.dtype))
