@@ -1,0 +1,136 @@
+"""Context parallelism on CPU: rows, bytes moved and step time over 1, 2 and 4 ranks.
+
+    python benchmarks/context_parallel.py --ranks 1 2 4 --prompt 512 --turn 256 --leaf 128 --fanout 4 4
+
+One training step (forward, backward, SGD) of a small Qwen3-shaped model (float32, random
+weights) on one two-level tree (a prompt, ``fanout[0]`` turns, each with ``fanout[1]``
+leaves), with ``tree_compile(model, cp=group)`` over K gloo processes on this machine, for
+each K given. Per K: the largest rank's rows and its share of the work
+(`treecompile.planning.cp.split_for_cp`), the keys and values each rank receives per layer
+(the all-gather, every other rank's rows padded to the longest; and the root path its
+queries read of them), the median step time over ``--steps`` steps after a warm-up step
+that compiles, and the largest rank's peak memory, measured (CPU allocator) and predicted
+(`CPSplit.peak_bytes`). The loss is printed for each K: it must not change.
+
+The ranks share this machine's cores (each rank gets ``cores // K`` torch threads, at least
+one): a CPU run shows what the split and the collectives cost, not the speed-up of K
+devices. Prints a Markdown table and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=32)
+
+
+def _tree(prompt: int, turn: int, leaf: int, fanout: tuple[int, int], vocab: int):
+    from treecompile import TrajectoryTree
+
+    rng = np.random.default_rng(0)
+    root = rng.integers(0, vocab, prompt).tolist()
+    seqs = []
+    for _ in range(fanout[0]):
+        mid = rng.integers(0, vocab, turn).tolist()
+        seqs += [root + mid + rng.integers(0, vocab, leaf).tolist() for _ in range(fanout[1])]
+    return TrajectoryTree.from_sequences(seqs)
+
+
+def _worker(rank: int, world: int, init: str, out: str, args) -> None:
+    import gc
+
+    import transformers
+
+    from treecompile import pack, tree_compile
+    from treecompile.planning.budget import CostModel
+    from treecompile.planning.peak_memory import measure_peak_bytes
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    cfg = transformers.Qwen3Config(**CONFIG)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    batch = pack(_tree(args.prompt, args.turn, args.leaf, tuple(args.fanout), cfg.vocab_size), warn_por=False)
+    compiled = tree_compile(model, cp=dist.group.WORLD)
+
+    def step():
+        loss = compiled(batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    loss = step()  # compiles
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    gc.collect()
+    live = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    measured = live + measure_peak_bytes(step)
+    split = compiled._cp.split
+    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="sgd")
+    row = dict(loss=loss, time=statistics.median(times), measured=measured,
+               predicted=int(split.peak_bytes(cost)[rank]))
+    gathered = split.kv_bytes(cfg.num_key_value_heads, cfg.head_dim, 4, gather="all")
+    needed = split.kv_bytes(cfg.num_key_value_heads, cfg.head_dim, 4, gather="needed")
+    if rank == 0:
+        row.update(rows=split.rows.tolist(), shares=split.shares(), gathered=int(gathered.max()),
+                   needed=int(needed.max()), tokens=batch.num_tokens)
+    torch.save(row, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--turn", type=int, default=256)
+    ap.add_argument("--leaf", type=int, default=128)
+    ap.add_argument("--fanout", type=int, nargs=2, default=(4, 4))
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    results = []
+    for world in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, args), nprocs=world, join=True)
+            rows = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        results.append((world, rows))
+        print(f"{world} ranks: loss {rows[0]['loss']:.6f}, step {rows[0]['time']:.2f} s", file=sys.stderr)
+    mib = 2 ** 20
+    print(f"Tree: {results[0][1][0]['tokens']} rows (prompt {args.prompt}, {args.fanout[0]} turns of {args.turn}, "
+          f"{args.fanout[1]} leaves of {args.leaf} each); model: Qwen3-shaped {CONFIG}, float32, SGD.\n")
+    print("| ranks | rows per rank | largest share of the work | K/V all-gathered per layer (MiB) | of which kept: "
+          "root path (MiB) | step (s) | peak, largest rank (MiB) | predicted (MiB) | loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world, rows in results:
+        r0 = rows[0]
+        print(f"| {world} | {', '.join(map(str, r0['rows']))} | {max(r0['shares']):.2f} | {r0['gathered'] / mib:.2f} | "
+              f"{r0['needed'] / mib:.2f} | {max(r['time'] for r in rows):.2f} | "
+              f"{max(r['measured'] for r in rows) / mib:.1f} | {max(r['predicted'] for r in rows) / mib:.1f} | "
+              f"{r0['loss']:.6f} |")
+    print(f"\nDevice: CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}); torch "
+          f"{torch.__version__}, Python {platform.python_version()}; {datetime.date.today()}; "
+          f"command: python benchmarks/context_parallel.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
