@@ -3,10 +3,12 @@
 loss, entropies and every parameter gradient, on every rank, for a windowed and soft-capped
 model whose other layers attend in full (Gemma 2: the window crosses rank boundaries) and an
 MoE with its auxiliary loss; on 2 ranks also a plain dense model (Qwen3) through the default
-lowering, whose AOTAutograd traces the gathers' backward (each rank compiles every family:
-the families are what the suite's time allows). Two trees of different lengths, the second deep enough that the last
-ranks read keys from several earlier ranks. A hybrid model is refused by name, and a group
-of one rank runs as no CP does (in this process)."""
+lowering, whose AOTAutograd traces the gathers' backward; on 4 ranks also a 2 x 2 mesh, FSDP2
+over data parallel x CP (each rank compiles every family: the families are what the suite's
+time allows). Two trees of different lengths, the second deep enough that the last ranks
+read keys from several earlier ranks. A hybrid model is refused by name, and a group of one
+rank runs as no CP does (in this process). The 2-rank run also checks each rank's predicted
+peak memory against the measured one."""
 
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ def _worker(rank, world, init_file, out_dir):
             results[family] = runs
         if world == 2:
             results["memory"] = _measured_peak(rank)
+        else:
+            results["fsdp"] = _fsdp_step()
     except Exception:
         results["error"] = traceback.format_exc()
         raise
@@ -82,6 +86,29 @@ def _worker(rank, world, init_file, out_dir):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
+
+
+#: The family run on a 2 x 2 mesh: data parallel (FSDP2) x CP.
+FSDP_FAMILY = "qwen3-moe-aux"
+
+
+def _fsdp_step():
+    """One step on a (dp 2, cp 2) mesh: FSDP2 shards the parameters over ``dp``, each ``dp``
+    replica trains its own tree (`_trees`, by its dp rank) split over its ``cp`` pair.
+    ``(dp rank, loss, every full gradient)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = _model(FSDP_FAMILY)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    compiled = tree_compile(model, cp=mesh["cp"], backend="eager")
+    out = compiled(pack(_trees()[dp], warn_por=False))
+    out.loss.backward()
+    return dp, out.loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
 def _measured_peak(rank):
@@ -161,6 +188,14 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
                         torch.testing.assert_close(run["entropy"][batch.path_rows(i)], entropy[i], rtol=rtol,
                                                    atol=atol, msg=lambda m, i=i: f"{where}, entropy {i}: {m}")
                 assert_grads_close(run["grads"], want, ("float64", "hf"))
+    if world == 4:
+        # 2 x 2: each replica's loss is its tree's, every gradient the sum over both trees.
+        refs = [_reference(FSDP_FAMILY, tree) for tree in _trees()]
+        want = {n: refs[0][1][n] + refs[1][1][n] for n in refs[0][1]}
+        for r, got in enumerate(ranks):
+            dp, loss, grads = got["fsdp"]
+            torch.testing.assert_close(loss, refs[dp][0].loss.detach(), rtol=rtol, atol=atol, msg=f"rank {r}")
+            assert_grads_close(grads, want, ("float64", "hf"))
     if world == 2:
         # The prediction never under the measured peak; above it by the score blocks' rounding
         # (the whole-tree model's +10%, tests/test_budget.py) and the CPU kernel's keys per

@@ -14,8 +14,9 @@ EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCa
             "mapping token ids [1, S] to logits [1, S, vocab]")
 
 
-def check_model(model: Any) -> None:
-    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap."""
+def check_model(model: Any, fsdp: bool = False) -> None:
+    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap; an FSDP
+    model only with ``fsdp`` (context parallelism, which runs it unsharded for each call)."""
     expected = EXPECTED
     if not isinstance(model, nn.Module):
         raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
@@ -35,13 +36,21 @@ def check_model(model: Any) -> None:
             "a model built without weights cannot train; load or initialise its weights first "
             "(from_pretrained, or to_empty(device=...) and then load_state_dict)"
         )
-    sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp(m)), None)
+    sharded = next((name or "the model" for name, m in model.named_modules()
+                    if _is_fsdp(m) and not (fsdp and _is_fsdp2(m))), None)
     if sharded is not None:
         raise TypeError(
             f"{type(model).__name__} is sharded by FSDP ({sharded}): tree_compile captures the whole forward as one "
             "graph, and FSDP gathers and frees each unit's parameters in hooks outside it, which the graph cannot hold; "
-            "train with DDP (treecompile.compile.distributed.wrap_ddp) or on one process"
+            "train with DDP (treecompile.compile.distributed.wrap_ddp), on one process, or with tree_compile(cp=group), "
+            "which runs FSDP2 units unsharded for each call"
         )
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
+    return any(c.__name__ == "FSDPModule" and c.__module__.startswith("torch.distributed.fsdp")
+               for c in type(module).__mro__)
 
 
 def _is_fsdp(module: nn.Module) -> bool:

@@ -172,7 +172,7 @@ def tree_compile(
     """
     if isinstance(model, TreeCompiledModel):
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
-    check_model(model)
+    check_model(model, fsdp=cp is not None)
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:

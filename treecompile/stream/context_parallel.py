@@ -44,6 +44,7 @@ from treecompile.planning.cp import CPSplit, RowWork, split_for_cp
 from treecompile.stream.parts import PAD_PREFIX, BatchArrays
 from treecompile.stream.plan import root_path
 from treecompile.stream.runner import _StreamedLoss
+from treecompile.stream.sharded import Unsharded
 
 __all__ = ["CPRunner", "cp_group_of", "row_work_of"]
 
@@ -184,14 +185,35 @@ class CPRunner:
         return args, dest
 
     def __call__(self, batch: TreeBatch) -> TreeOutput:
+        """The whole tree's loss and log-probabilities on every rank; with grad enabled,
+        ``loss.backward()`` gives every parameter the whole tree's gradient (FSDP2's sharded
+        parameters: their shards of it, summed over the data-parallel mesh, see
+        `treecompile.stream.sharded`)."""
         w = self.setup
         device = device_of(w.model)
         batch = batch.to(device) if batch.device != device else batch
         args, dest = self.inputs(batch)
         if self._compiled is None:
             self._build(device)
+        with Unsharded(w.model) as unsharded:
+            out, names, grads = self._step(batch, args, dest, device)
+        if names is None:
+            return out
+        wanted = set(names)
+        params = [p for n, p in w.model.named_parameters() if n in wanted]
+        if unsharded.units:
+            params, grads = unsharded.shard_grads(names, grads)
+        loss = _StreamedLoss.apply(out.loss.detach(), list(grads), *params)
+        return TreeOutput(loss=loss, logprobs=out.logprobs, aux_loss=out.aux_loss, entropy=out.entropy)
+
+    def _step(self, batch: TreeBatch, args: tuple, dest: torch.Tensor, device) -> tuple:
+        """``(output, names, gradients)`` of this rank's call: the loss and log-probabilities
+        summed over the group; with grad enabled, the parameters' names and their gradients,
+        summed over the group (else None and None)."""
+        w = self.setup
         grad = torch.is_grad_enabled()
-        params = [p for p in w.model.parameters() if p.requires_grad] if grad else []
+        named = [(n, p) for n, p in w.model.named_parameters() if p.requires_grad] if grad else []
+        params = [p for _, p in named]
         router = w.router_aux
         with torch.set_grad_enabled(grad):
             loss, lp, stats, ent = self._call(args)
@@ -219,9 +241,10 @@ class CPRunner:
             all_stats = summed[summed.shape[0] - stats.numel():].reshape(stats.shape)
             aux = router.aux_from_stats(all_stats)
             value = value + router.coef * aux.to(value.dtype)
+        out = TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
+                         entropy=None if entropy is None else entropy.to(lp.dtype))
         if not grad:
-            return TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
-                              entropy=None if entropy is None else entropy.to(lp.dtype))
+            return out, None, None
         objective = loss
         if stats is not None:
             # coef * aux depends on this rank's router sums through the group's sums: its
@@ -236,9 +259,7 @@ class CPRunner:
         # (no flat copy of every gradient).
         for work in [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]:
             work.wait()
-        value = _StreamedLoss.apply(value.detach(), list(grads), *params)
-        return TreeOutput(loss=value, logprobs=logprobs.to(lp.dtype), aux_loss=aux,
-                          entropy=None if entropy is None else entropy.to(lp.dtype))
+        return out, [n for n, _ in named], grads
 
 
 def _local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:

@@ -50,7 +50,15 @@ class _StreamedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None, *[None if x is None else x * g.to(x.dtype) for x in ctx.grads])
+        return (None, None, *[None if x is None else _scaled(x, g) for x in ctx.grads])
+
+
+def _scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x * g``; for a DTensor gradient (an FSDP2 parameter's shard), its local part scaled."""
+    if hasattr(x, "to_local"):
+        return type(x).from_local(x.to_local() * g.to(x.dtype), x.device_mesh, x.placements, shape=x.shape,
+                                  stride=x.stride())
+    return x * g.to(x.dtype)
 
 
 class StreamRunner:
