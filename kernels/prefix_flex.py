@@ -7,8 +7,11 @@ window also ``q_pos[i] - kv_pos[j] < window``) as a ``mask_mod`` over ``S`` quer
 pairs: `treecompile.kernels.blockmask.block_classes` with the queries the last ``S`` of the
 ``L`` rows (``q_len=S``); with a window no block is known full.
 The gradients reach the prefix keys and values as any key's: the stack's K/V get theirs
-from the same call. The per-block loop of `treecompile.kernels.prefix_attention` stays the
-CPU kernel (FlexAttention has no CPU backward).
+from the same call. `prefix_flex_hop` is what a streamed part's (or a context-parallel
+rank's) graph calls on CUDA: FlexAttention's higher-order op with the tables of
+`prefix_block_mask`, as `treecompile.kernels.flex` calls it for the whole tree (it runs
+forward and backward on CPU too, over every pair: how the tests check it). The per-block
+loop of `treecompile.kernels.prefix_attention` stays the CPU kernel.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from treecompile.kernels.blockmask import block_classes, block_mask_from_classes
+from treecompile.kernels.flex import BLOCK_SIZE, call_flex_hop, softcap_score_mod, split_block_mask
 
-__all__ = ["prefix_mask_mod", "prefix_block_mask", "prefix_flex_attention"]
+__all__ = ["prefix_mask_mod", "prefix_block_mask", "prefix_flex_attention", "prefix_flex_hop"]
 
 
 def prefix_mask_mod(window: int = 0):
@@ -43,7 +47,7 @@ def prefix_block_mask(kv_end: torch.Tensor, kv_pos: torch.Tensor, q_pos: torch.T
     partial, full = block_classes(kv_end, block_size, q_len=q_len)
     if window > 0:  # the window restricts the rule further: no block is known full
         partial, full = partial | full, torch.zeros_like(full)
-    offset = torch.tensor([total - q_len], dtype=torch.int64, device=kv_end.device)
+    offset = kv_end.new_full((1,), total - q_len)
     rule = prefix_mask_mod(window)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -66,3 +70,17 @@ def prefix_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     out, lse = flex_attention(q, k, v, block_mask=block_mask, scale=scale, score_mod=capped if softcap > 0 else None,
                               enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
     return out, lse
+
+
+def prefix_flex_hop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor, kv_pos: torch.Tensor,
+                    q_pos: torch.Tensor, *, scale: float, softcap: float = 0.0, window: int = 0,
+                    block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_flex_attention` through FlexAttention's higher-order op (what a compiled part
+    graph calls: `treecompile.kernels.flex.call_flex_hop`), the rule's tensors passed as mask
+    buffers so that one graph serves every part. ``(out [1, Hq, S, Dv], lse [1, Hq, S])``,
+    the log-sum-exp natural."""
+    tables, layout = split_block_mask(prefix_block_mask(kv_end, kv_pos, q_pos, block_size=block_size, window=window))
+    offset = kv_end.new_full((1,), kv_end.shape[0] - q_pos.shape[0])
+    return call_flex_hop(q, k, v, score_mod=softcap_score_mod(softcap or None), mask_mod=prefix_mask_mod(window),
+                         block_tensors=tables, layout=layout, mask_buffers=(kv_end, kv_pos, q_pos, offset),
+                         scale=scale, return_lse=True)

@@ -47,6 +47,7 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.scans import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
 from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
+from treecompile.kernels.prefix_flex import prefix_flex_hop
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 
 __all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
@@ -57,6 +58,12 @@ Tensor = torch.Tensor
 
 #: Queries per block of the prefix attention kernel.
 PREFIX_BLOCK = 128
+
+#: The kernel of a part's attention over ``[prefix ; own]``, by device type: ``"flex"``, one
+#: FlexAttention call (`treecompile.kernels.prefix_flex.prefix_flex_hop`); ``"blocks"``, the
+#: per-block op of `treecompile.kernels.prefix_attention` (devices not named here). ALiBi
+#: always takes the per-block op (its bias reads query and key positions of two tables).
+PREFIX_KERNEL = {"cuda": "flex"}
 
 
 @torch.library.custom_op("treecompile::stream_inputs", mutates_args=())
@@ -131,6 +138,10 @@ def stream_attention_fn(spec: AttentionSpec) -> Callable:
     def stream_tree_attention(q, k, v, pk, pv, kv_end, kv_pos, q_pos, sinks=None):
         q, k, v = _common_dtype(q, torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if PREFIX_KERNEL.get(q.device.type, "blocks") == "flex" and not spec.alibi:
+            out, lse = prefix_flex_hop(q, k, v, kv_end, kv_pos, q_pos, scale=float(scale),
+                                       softcap=float(spec.softcap or 0.0), window=int(spec.window or 0))
+            return out if sinks is None else _with_sinks(out, lse, sinks)
         out, lse = torch.ops.treecompile.prefix_tree_attention(
             q, k, v, kv_end, kv_pos, q_pos, PREFIX_BLOCK, float(scale), float(spec.softcap or 0.0),
             int(spec.window or 0), list(spec.alibi) if spec.alibi else None,

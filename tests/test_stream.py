@@ -433,6 +433,26 @@ def test_gemma2_window_across_parts_streams_exactly():
     assert stats.forward_rows > 30  # parts read later ran forward twice
 
 
+@pytest.mark.parametrize("family,mode", [pytest.param("qwen3", "keep", marks=_ON_QWEN3_WORKER),
+                                         ("gemma2-softcap-sw3", "recompute")])
+def test_a_parts_attention_as_one_flex_call_streams_exactly(family, mode, monkeypatch):
+    """The kernel a part's graph runs on CUDA (`PREFIX_KERNEL`: one FlexAttention call over
+    ``[prefix ; own]``), here on CPU through the same higher-order op: exact, and called."""
+    import treecompile.passes.stream as stream_passes
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flex_hop(*args, **kwargs)
+
+    flex_hop = stream_passes.prefix_flex_hop
+    monkeypatch.setitem(stream_passes.PREFIX_KERNEL, "cpu", "flex")
+    monkeypatch.setattr(stream_passes, "prefix_flex_hop", counted)
+    _check(family, mode, BRANCHY, 5)
+    assert calls
+
+
 @pytest.mark.slow
 def test_moe_without_aux_loss_streams_exactly():
     _check("qwen3-moe-no-aux", "keep", BRANCHY, 4)
