@@ -1,0 +1,81 @@
+"""Streamed parts and context parallelism on CUDA, through Inductor, against per-path training.
+
+* A streamed part's attention on CUDA is one FlexAttention call over ``[prefix ; own]``
+  (`treecompile.kernels.prefix_flex`): float32, a dense and a windowed + soft-capped model,
+  parts that cut nodes, checked as the whole-tree exactness tests are (tests/gpu_exactness.py:
+  the tree's difference from the per-path run within the per-path run's own float32 error).
+* CP over a group of one rank (NCCL) on the GPU: the same check, and equal to the whole-tree
+  call to float32 rounding.
+* CP over 2 CPU ranks (gloo) on this machine: the CPU test, rehearsed where the GPU runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import treecompile as tc
+from gpu_exactness import build_model, copy_as, exactness_trees, fp32_check, run_paths, run_tree
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("qwen3", "gemma2")
+
+
+def _check(compiled, name: str, trees) -> None:
+    ref64 = run_paths(copy_as(compiled.model, torch.float64, "cpu"), trees)
+    path = run_paths(compiled.model, trees)
+    tree = run_tree(compiled, tc.pack(trees, device="cuda"))
+    chk = fp32_check(tree, path, ref64)
+    assert not chk.failures(), (name, chk.failures(), chk.budget)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_streamed_parts_on_cuda_run_one_flex_call_each_and_are_exact(name, monkeypatch):
+    import treecompile.passes.stream as stream_passes
+    from treecompile.stream.options import StreamOptions
+
+    calls = []
+    real = stream_passes.prefix_flex_hop
+    monkeypatch.setattr(stream_passes, "prefix_flex_hop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = copy_as(build_model(name), torch.float32, "cuda")
+    compiled = tc.tree_compile(model, stream=StreamOptions(budget_rows=100))  # parts cut inside nodes
+    trees = exactness_trees()
+    _check(compiled, name, trees)
+    assert compiled._stream.stats.parts > 2 and calls, "the parts did not run the FlexAttention kernel"
+
+
+@pytest.fixture
+def nccl_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cp_of_one_rank_on_cuda_is_exact_and_equals_the_whole_tree(name, nccl_rank):
+    base = build_model(name)
+    trees = exactness_trees()
+    batch = tc.pack(trees, device="cuda")
+    whole = run_tree(tc.tree_compile(copy_as(base, torch.float32, "cuda")), batch)
+    compiled = tc.tree_compile(copy_as(base, torch.float32, "cuda"), cp=nccl_rank)
+    _check(compiled, name, trees)
+    cp = run_tree(compiled, batch)
+    torch.testing.assert_close(cp.loss, whole.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cp.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_cp_over_two_cpu_ranks_rehearsed_on_this_machine():
+    from test_context_parallel import test_context_parallel_step_equals_per_path_training_on_every_rank as cp_test
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cp_test(2)
