@@ -2,8 +2,9 @@
 4 CPU processes (gloo) equals per-path training, float64: loss, log-probs, router auxiliary
 loss, entropies and every parameter gradient, on every rank, for a windowed and soft-capped
 model whose other layers attend in full (Gemma 2: the window crosses rank boundaries) and an
-MoE with its auxiliary loss; on 2 ranks also a plain dense model (Qwen3) through the default
-lowering, whose AOTAutograd traces the gathers' backward; on 4 ranks also a 2 x 2 mesh, FSDP2
+MoE with its auxiliary loss; on 2 ranks also a plain dense model (Qwen3) with the fused LM
+head through the default lowering, whose AOTAutograd traces the gathers' backward, and gpt-oss
+(attention sinks, sliding layers, MoE); on 4 ranks also a 2 x 2 mesh, FSDP2
 over data parallel x CP (each rank compiles every family: the families are what the suite's
 time allows). Two trees of different lengths, the second deep enough that the last ranks
 read keys from several earlier ranks. A hybrid model is refused by name, and a group of one
@@ -33,8 +34,9 @@ FAMILIES = {
     "gemma2-softcap-sw3": dict(backend="eager"),
     "qwen3-moe-aux": dict(backend="eager", outputs=("entropy",)),
 }
-#: Run under 2 ranks only.
-TWO_RANKS = {"qwen3-lowered": dict()}
+#: Run under 2 ranks only: the fused LM head through the default lowering, and gpt-oss's
+#: attention sinks (with its sliding layers and MoE, no auxiliary loss).
+TWO_RANKS = {"qwen3-lowered": dict(lm_head="fused"), "gpt-oss": dict(backend="eager")}
 
 
 def _trees():
@@ -52,6 +54,11 @@ def _trees():
 def _model(family):
     from test_stream import _MODELS
 
+    if family == "gpt-oss":  # the zoo's (tests/zoo.py), with the vocabulary of these trees
+        import zoo
+
+        return zoo._hf("GptOssConfig", vocab_size=64, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=4, layer_types=["sliding_attention", "full_attention"])()
     return _MODELS[family.removesuffix("-lowered")]()
 
 
