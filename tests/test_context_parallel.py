@@ -95,14 +95,27 @@ def _worker(rank, world, init_file, out_dir):
     os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
 
 
-#: The family run on a 2 x 2 mesh: data parallel (FSDP2) x CP.
-FSDP_FAMILY = "qwen3-moe-aux"
+#: The family run on a 2 x 2 mesh, data parallel (FSDP2) x CP, over a partitioned step: dense
+#: (a router auxiliary loss is a function of each micro-batch in any data-parallel step, not
+#: of the step's trees).
+FSDP_FAMILY = "gemma2-softcap-sw3"
+
+
+#: The step's partition over the 2 data-parallel replicas: some tree is cut (its prefix
+#: duplicated), and one replica pads its second micro-step with a one-row batch.
+FSDP_CAPACITY = 26
+
+
+def _fsdp_plan():
+    from treecompile.planning.dataloader import plan_step
+
+    return plan_step(_trees(), capacity=FSDP_CAPACITY, ranks=2, loss_mode="token-mean")
 
 
 def _fsdp_step():
-    """One step on a (dp 2, cp 2) mesh: FSDP2 shards the parameters over ``dp``, each ``dp``
-    replica trains its own tree (`_trees`, by its dp rank) split over its ``cp`` pair.
-    ``(dp rank, loss, every full gradient)``."""
+    """One step on a (dp 2, cp 2) mesh: FSDP2 shards the parameters over ``dp``, and each
+    ``dp`` replica runs its micro-batches of the partitioned step (`_fsdp_plan`), each split
+    over its ``cp`` pair. ``(dp rank, summed loss, every full gradient)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -113,9 +126,12 @@ def _fsdp_step():
     fully_shard(model, mesh=mesh["dp"])
     dp = mesh["dp"].get_local_rank()
     compiled = tree_compile(model, cp=mesh["cp"], backend="eager")
-    out = compiled(pack(_trees()[dp], warn_por=False))
-    out.loss.backward()
-    return dp, out.loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    loss = 0.0
+    for batch in _fsdp_plan().batches(dp):
+        out = compiled(batch)
+        out.loss.backward()
+        loss = loss + out.loss.detach()
+    return dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
 def _measured_peak(rank):
@@ -153,16 +169,18 @@ def _measured_peak(rank):
     return measured, int(compiled._cp.split.peak_bytes(cost)[rank])
 
 
-def _reference(family, tree):
+def _reference(family, tree, **kw):
+    """Per-path training of ``tree`` (or a list of trees): ``(output, gradients, entropies)``."""
     from test_stream import _AUX, _path_entropy
 
     from treecompile.core.reference import per_path_loss
 
     model = _model(family)
-    ref = per_path_loss(model, [tree], router_aux_loss_coef=_AUX.get(family))
+    trees = tree if isinstance(tree, list) else [tree]
+    ref = per_path_loss(model, trees, router_aux_loss_coef=_AUX.get(family), **kw)
     ref.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    entropy = [_path_entropy(model, seq) for seq in tree.sequences()] if family == "qwen3-moe-aux" else None
+    entropy = [_path_entropy(model, seq) for seq in trees[0].sequences()] if family == "qwen3-moe-aux" else None
     return ref, grads, entropy
 
 
@@ -196,13 +214,14 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
                                                    atol=atol, msg=lambda m, i=i: f"{where}, entropy {i}: {m}")
                 assert_grads_close(run["grads"], want, ("float64", "hf"))
     if world == 4:
-        # 2 x 2: each replica's loss is its tree's, every gradient the sum over both trees.
-        refs = [_reference(FSDP_FAMILY, tree) for tree in _trees()]
-        want = {n: refs[0][1][n] + refs[1][1][n] for n in refs[0][1]}
-        for r, got in enumerate(ranks):
-            dp, loss, grads = got["fsdp"]
-            torch.testing.assert_close(loss, refs[dp][0].loss.detach(), rtol=rtol, atol=atol, msg=f"rank {r}")
-            assert_grads_close(grads, want, ("float64", "hf"))
+        # 2 x 2: the replicas' losses add up to the step's, every gradient is the step's.
+        plan = _fsdp_plan()
+        assert plan.duplicated_tokens > 0 and min(b.num_tokens for r in (0, 1) for b in plan.batches(r)) < 2
+        ref, want, _ = _reference(FSDP_FAMILY, _trees(), loss_mode="token-mean")
+        losses = {got["fsdp"][0]: got["fsdp"][1] for got in ranks}
+        torch.testing.assert_close(losses[0] + losses[1], ref.loss.detach(), rtol=rtol, atol=atol)
+        for got in ranks:
+            assert_grads_close(got["fsdp"][2], want, ("float64", "hf"))
     if world == 2:
         # The prediction never under the measured peak; above it by the score blocks' rounding
         # (the whole-tree model's +10%, tests/test_budget.py) and the CPU kernel's keys per

@@ -192,11 +192,18 @@ class CPRunner:
         w = self.setup
         device = device_of(w.model)
         batch = batch.to(device) if batch.device != device else batch
+        rows = batch.num_tokens
+        # Fewer rows than ranks (a data-parallel rank's padding micro-step): one-token trees of
+        # weight 0 give every rank a row and change nothing else.
+        batch = batch.padded(self.world)
         args, dest = self.inputs(batch)
         if self._compiled is None:
             self._build(device)
         with Unsharded(w.model) as unsharded:
             out, names, grads = self._step(batch, args, dest, device)
+        if rows < batch.num_tokens:
+            out = TreeOutput(loss=out.loss, logprobs=out.logprobs[:rows], aux_loss=out.aux_loss,
+                             entropy=None if out.entropy is None else out.entropy[:rows])
         if names is None:
             return out
         wanted = set(names)
