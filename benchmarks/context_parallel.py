@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,22 +36,12 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidde
               num_key_value_heads=2, head_dim=32)
 
 
-def _tree(prompt: int, turn: int, leaf: int, fanout: tuple[int, int], vocab: int):
-    from treecompile import TrajectoryTree
-
-    rng = np.random.default_rng(0)
-    root = rng.integers(0, vocab, prompt).tolist()
-    seqs = []
-    for _ in range(fanout[0]):
-        mid = rng.integers(0, vocab, turn).tolist()
-        seqs += [root + mid + rng.integers(0, vocab, leaf).tolist() for _ in range(fanout[1])]
-    return TrajectoryTree.from_sequences(seqs)
-
-
 def _worker(rank: int, world: int, init: str, out: str, args) -> None:
     import gc
 
     import transformers
+
+    from stream_memory import _tree  # the same tree shape (benchmarks/stream_memory.py)
 
     from treecompile import pack, tree_compile
     from treecompile.planning.budget import CostModel

@@ -102,6 +102,20 @@ def test_explain_lists_every_term():
         assert needle in text, needle
 
 
+def turns_batch(vocab: int, prompt: int, turn: int, leaf: int):
+    """A packed tree of random tokens: a prompt, 3 turns, 3 leaves on each."""
+    import treecompile
+    from treecompile import TrajectoryTree
+
+    gen = torch.Generator().manual_seed(0)
+    root = torch.randint(0, vocab, (prompt,), generator=gen).tolist()
+    seqs = []
+    for _ in range(3):
+        mid = torch.randint(0, vocab, (turn,), generator=gen).tolist()
+        seqs += [root + mid + torch.randint(0, vocab, (leaf,), generator=gen).tolist() for _ in range(3)]
+    return treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
+
+
 def _live_bytes(model, opt):
     ts = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
           *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
@@ -151,8 +165,6 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak():
     """`stream_peak_bytes` against the CPU allocator's peak of one streamed step (forward,
     backward into existing gradients, AdamW's step), float32, in both modes, at a part size
     under one attention block (many parts, a deep stack) and over it."""
-    import treecompile
-    from treecompile import TrajectoryTree
     from treecompile.compile.wrapper import tree_compile
     from treecompile.stream.options import StreamOptions, plan_stream
     from treecompile.stream.plan import stream_peak_bytes
@@ -162,13 +174,7 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak():
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (96,), generator=gen).tolist()
-    seqs = []
-    for _ in range(3):
-        turn = torch.randint(0, cfg.vocab_size, (64,), generator=gen).tolist()
-        seqs += [prompt + turn + torch.randint(0, cfg.vocab_size, (32,), generator=gen).tolist() for _ in range(3)]
-    batch = treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
+    batch = turns_batch(cfg.vocab_size, 96, 64, 32)
     compiled = tree_compile(model, stream=StreamOptions(budget_rows=24))
     for mode, rows in [("keep", 24), ("recompute", 24), ("keep", 160), ("recompute", 160)]:
         compiled._stream.options = StreamOptions(budget_rows=rows, mode=mode)  # one compiled graph for all

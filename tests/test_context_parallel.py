@@ -140,7 +140,7 @@ def _measured_peak(rank):
     the CPU allocator's peak against `CPSplit.peak_bytes`."""
     import gc
 
-    from test_budget import _config, _live_bytes
+    from test_budget import _config, _live_bytes, turns_batch
 
     from treecompile.planning.budget import CostModel
     from treecompile.planning.peak_memory import measure_peak_bytes
@@ -149,13 +149,7 @@ def _measured_peak(rank):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (256,), generator=gen).tolist()
-    seqs = []
-    for _ in range(3):
-        turn = torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()
-        seqs += [prompt + turn + torch.randint(0, cfg.vocab_size, (64,), generator=gen).tolist() for _ in range(3)]
-    batch = pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
+    batch = turns_batch(cfg.vocab_size, 256, 128, 64)
     compiled = tree_compile(model, cp=dist.group.WORLD)
 
     def step():

@@ -18,7 +18,8 @@ from torch import nn
 from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
-__all__ = ["CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named"]
+__all__ = ["CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named",
+           "call_under_setup"]
 
 
 @dataclass
@@ -184,3 +185,24 @@ class CallSetup:
     router_aux: Any
     outputs: Sequence[str]
     compile_records: list
+
+
+def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing: tuple = ()) -> Any:
+    """``compiled(*args)`` under ``setup``'s swaps (Hugging Face's interfaces, the sequence
+    kernels and mask builders) and Dynamo settings: what a streamed part's or a CP rank's call
+    runs in. A refusal of the passes (`UnsupportedModelError`, or a type in ``passing``)
+    reaches the caller as itself, not wrapped by Dynamo."""
+    import contextlib
+
+    from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
+    from treecompile.core.errors import UnsupportedModelError
+
+    hf = hf_interfaces(setup.model, setup.routes_attention) if setup.is_hf else contextlib.nullcontext()
+    with hf, swapped_kernels(setup.kernels + setup.mask_swaps + TORCH_SWAPS):
+        with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
+            try:
+                return compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                if isinstance(e.inner_exception, (UnsupportedModelError, *passing)):
+                    raise e.inner_exception from None
+                raise

@@ -27,15 +27,13 @@ Hybrid models (recurrent or convolution layers) are refused under CP by the op's
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from treecompile.capture.call import CallSetup, TreeOutput, compile_named, device_of, run_head
+from treecompile.capture.call import CallSetup, TreeOutput, call_under_setup, compile_named, device_of, run_head
 from treecompile.core.batch import TreeBatch
-from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.cp_gather import register_group
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.cp import CPGraph
@@ -136,19 +134,7 @@ class CPRunner:
         self._compiled = compile_named(cp_forward, "cp_forward", backend)
 
     def _call(self, args: tuple) -> tuple:
-        from treecompile.capture.call import DYNAMO_CONFIG
-        from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
-
-        w = self.setup
-        hf = hf_interfaces(w.model, w.routes_attention) if w.is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(w.kernels + w.mask_swaps + TORCH_SWAPS):
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
-                try:
-                    return self._compiled(*args)
-                except torch._dynamo.exc.BackendCompilerFailed as e:
-                    if isinstance(e.inner_exception, UnsupportedModelError):
-                        raise e.inner_exception from None
-                    raise
+        return call_under_setup(self.setup, self._compiled, args)
 
     def inputs(self, batch: TreeBatch) -> tuple[tuple, torch.Tensor]:
         """This rank's compiled-call arguments for ``batch`` and the global rows of its targets;

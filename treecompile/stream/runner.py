@@ -4,7 +4,6 @@ loss's backward (see `treecompile.stream.options`)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,8 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import CallSetup, compile_named, run_head
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.capture.call import CallSetup, call_under_setup, compile_named, run_head
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.pipeline import Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
@@ -158,19 +156,7 @@ class StreamRunner:
         self._remembered = False
 
     def _call(self, args: tuple) -> tuple:
-        from treecompile.capture.call import DYNAMO_CONFIG as _DYNAMO_CONFIG
-        from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
-
-        w = self.setup
-        hf = hf_interfaces(w.model, w.routes_attention) if w.is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(w.kernels + w.mask_swaps + TORCH_SWAPS):
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(_DYNAMO_CONFIG):
-                try:
-                    return self._compiled(*args)
-                except torch._dynamo.exc.BackendCompilerFailed as e:
-                    if isinstance(e.inner_exception, (KVLayout, UnsupportedModelError)):
-                        raise e.inner_exception from None
-                    raise
+        return call_under_setup(self.setup, self._compiled, args, passing=(KVLayout,))
 
     # ------------------------------------------------------------------ run
 
