@@ -8,8 +8,9 @@ head through the default lowering, whose AOTAutograd traces the gathers' backwar
 over data parallel x CP (each rank compiles every family: the families are what the suite's
 time allows). Two trees of different lengths, the second deep enough that the last ranks
 read keys from several earlier ranks. A hybrid model is refused by name, and a group of one
-rank runs as no CP does (in this process). The 2-rank run also checks each rank's predicted
-peak memory against the measured one."""
+rank runs as no CP does (in this process). The 2-rank run also trains a non-linear function
+of the log-probabilities (`stream_logprob_loss`) and checks each rank's predicted peak memory
+against the measured one."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def _worker(rank, world, init_file, out_dir):
                     grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                     bounds=compiled._cp.split.bounds.tolist()))
             results[family] = runs
+            if family == LOGPROB_FAMILY and world == 2:
+                results["logprob_loss"] = _logprob_loss_run(model, compiled)
         if world == 2:
             results["memory"] = _measured_peak(rank)
         else:
@@ -93,6 +96,26 @@ def _worker(rank, world, init_file, out_dir):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
+
+
+#: The family whose CP wrapper also trains a loss that is a function of the log-probabilities
+#: (`stream_logprob_loss`: a call without grad, then one with the loss's gradient as weights).
+LOGPROB_FAMILY = "gemma2-softcap-sw3"
+
+
+def _logprob_objective(lp):
+    """Not linear in the log-probabilities (an RL objective's stand-in)."""
+    return 0.1 * (lp ** 2).sum() + lp[::3].sum()
+
+
+def _logprob_loss_run(model, compiled):
+    """``(value, every gradient)`` of `_logprob_objective` over the long tree, through CP."""
+    from treecompile.stream.runner import stream_logprob_loss
+
+    model.zero_grad(set_to_none=True)
+    out = stream_logprob_loss(compiled, pack(_trees()[1], warn_por=False), _logprob_objective)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 #: The family run on a 2 x 2 mesh, data parallel (FSDP2) x CP, over a partitioned step: dense
@@ -217,6 +240,22 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
         for got in ranks:
             assert_grads_close(got["fsdp"][2], want, ("float64", "hf"))
     if world == 2:
+        # The objective of the per-path log-probabilities, each target row's from a path through it.
+        from treecompile.core.reference import per_path_loss
+
+        model = _model(LOGPROB_FAMILY)
+        batch = pack(_trees()[1], warn_por=False)
+        ref = per_path_loss(model, [_trees()[1]])
+        rows = torch.zeros(batch.num_tokens, dtype=torch.float64)
+        for i in range(batch.num_paths):
+            rows = rows.index_put((batch.path_rows(i),), ref.logprobs[i])
+        value = _logprob_objective(rows)
+        value.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for r, got in enumerate(ranks):
+            loss, grads = got["logprob_loss"]
+            torch.testing.assert_close(loss, value.detach(), rtol=rtol, atol=atol, msg=f"rank {r}")
+            assert_grads_close(grads, want, ("float64", "hf"))
         # The prediction never under the measured peak; above it by the score blocks' rounding
         # (the whole-tree model's +10%, tests/test_budget.py) and the CPU kernel's keys per
         # block, which it bounds from above (measured +16% to +23% over 1, 2 and 4 ranks).
