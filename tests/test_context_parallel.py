@@ -310,6 +310,8 @@ def test_what_cp_cannot_run_is_refused(one_rank):
         tree_compile(model, cp=one_rank, stream=StreamOptions(budget_rows=8))
     with pytest.raises(ValueError, match="runs the interval mask"):
         tree_compile(model, cp=one_rank, mask="bitmask")
+    with pytest.raises(ValueError, match="cannot run the group's collectives"):
+        tree_compile(model, cp=one_rank, verify=True)
     with pytest.raises(TypeError, match="takes a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str"):
         tree_compile(model, cp="cp")
     with pytest.raises(TypeError, match="cannot be pickled"):

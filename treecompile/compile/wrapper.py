@@ -203,6 +203,10 @@ def tree_compile(
                              "is not supported")
         if mask != "interval":
             raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
+        if verify is True:
+            raise ValueError("tree_compile(cp=..., verify=True): the full check runs one process on a float64 CPU "
+                             "copy and cannot run the group's collectives; check the model without cp= "
+                             "(tree_compile(model, verify=True) on one process), whose passes a CP rank's graph shares")
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout, cp=cp,
