@@ -135,3 +135,16 @@ def test_peak_memory_of_a_rank_adds_the_keys_it_reads_to_its_own_rows():
         saved, transient = cost.part_bytes(rows, min(rows + got, int(split.live_keys[r])))
         assert peaks[r] == cost.static_bytes() + saved + dims.layers * got * per_row + max(transient, gather_buffer)
     assert (peaks < one[0]).all() and (split.peak_bytes(cost, gather="all") >= peaks).all()
+
+
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_the_work_split_is_no_worse_than_the_row_split_at_the_same_alignment(align):
+    """Both cut on multiples of ``align``: the least largest work over such splits is at most
+    the equal-row split's (the comparison `treecompile plan --cp --cp-align` prints)."""
+    prompt = list(range(1, 120))
+    batch = _batch([prompt + [200 + k] * (30 + 11 * k) for k in range(5)])
+    for ranks in (2, 3, 4):
+        by_work = split_for_cp(batch, ranks, WORK, align=align)
+        by_rows = equal_rows_split(batch, ranks, WORK, align=align)
+        assert all(b % align == 0 for b in by_rows.bounds[:-1]) and by_rows.bounds[-1] == batch.num_tokens
+        assert by_work.work.max() <= by_rows.work.max() + 1e-9

@@ -47,7 +47,7 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
         if batch.num_tokens < args.cp:
             raise ValueError(f"tree {name} has {batch.num_tokens} tokens, fewer than --cp {args.cp} ranks")
         split = split_for_cp(batch, args.cp, work, align=args.cp_align)
-        rows = equal_rows_split(batch, args.cp, work)
+        rows = equal_rows_split(batch, args.cp, work, align=args.cp_align)
         out_trees.append({
             "name": name,
             "tokens": batch.num_tokens,

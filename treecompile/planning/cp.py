@@ -179,11 +179,16 @@ def _check(batch: TreeBatch, ranks: int) -> None:
         raise TreeInputError(f"a row of {batch.num_tokens} tokens cannot be split over {ranks} ranks")
 
 
-def equal_rows_split(batch: TreeBatch, ranks: int, work: RowWork) -> CPSplit:
-    """The split by row count alone (what a sequence-parallel split of a flat row does), for comparison."""
+def equal_rows_split(batch: TreeBatch, ranks: int, work: RowWork, *, align: int = 1) -> CPSplit:
+    """The split by row count alone (what a sequence-parallel split of a flat row does), for
+    comparison; with ``align``, each cut rounded to the nearest multiple of it (the row's end
+    aside), as `split_for_cp`'s cuts are."""
     _check(batch, ranks)
+    if align < 1:
+        raise TreeInputError(f"align must be at least 1, got {align}")
     s = batch.num_tokens
-    bounds = np.array([(r * s) // ranks for r in range(ranks + 1)], dtype=np.int64)
+    cuts = [min(s, int(round((r * s // ranks) / align)) * align) for r in range(ranks)]
+    bounds = np.array([*cuts, s], dtype=np.int64)
     return _summary(bounds, _row_costs(batch, work))
 
 
