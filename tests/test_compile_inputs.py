@@ -160,19 +160,36 @@ def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):
     assert reads == []
 
 
-def test_an_fsdp_sharded_model_is_refused_by_name(tmp_path):
-    """FSDP2's hooks gather and free parameters outside any graph: refused before capture,
-    naming the sharded unit (a one-process gloo group is enough to shard)."""
+def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path):
+    """FSDP2's hooks gather and free parameters outside any graph: a call gathers every unit
+    first and the backward puts each gradient in its shard (a one-process gloo group is
+    enough to shard). Equal to the unsharded model's; stream= and verify=True refused."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
+    from treecompile.compile.distributed import wrap_fsdp
+    from treecompile.stream.options import StreamOptions
+
+    torch.manual_seed(0)
+    model = tiny(NanoGPT, layers=2)
+    batch = tc.pack(tc.TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5], [6, 7]]), warn_por=False)
+    plain = tc.tree_compile(model, backend="eager")
+    want = plain(batch)
+    want.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        model = tiny(NanoGPT, layers=2)
-        for block in model.blocks:
-            fully_shard(block)
-        with pytest.raises(TypeError, match=r"NanoGPT is sharded by FSDP \(blocks\.0\): tree_compile captures"):
-            tc.tree_compile(model)
+        wrap_fsdp(model, layers=list(model.blocks))
+        compiled = tc.tree_compile(model, backend="eager")
+        for _ in range(2):  # twice: the shards come back after each backward, and accumulate
+            compiled(batch).loss.backward()
+        for n, p in model.named_parameters():
+            assert type(p).__name__ == "DTensor", n
+            torch.testing.assert_close(p.grad.full_tensor(), 2 * grads[n], rtol=1e-12, atol=1e-12, msg=n)
+        with pytest.raises(ValueError, match="does not run the units unsharded"):
+            tc.tree_compile(model, stream=StreamOptions(budget_rows=4))
+        with pytest.raises(ValueError, match="copies the model to one process"):
+            tc.tree_compile(model, verify=True)
     finally:
         dist.destroy_process_group()
 

@@ -140,13 +140,12 @@ def _fsdp_step():
     ``dp`` replica runs its micro-batches of the partitioned step (`_fsdp_plan`), each split
     over its ``cp`` pair. ``(dp rank, summed loss, every full gradient)``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from treecompile.compile.distributed import wrap_fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     model = _model(FSDP_FAMILY)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    wrap_fsdp(model, mesh=mesh["dp"], layers=list(model.model.layers))  # the replicas' gradients summed
     dp = mesh["dp"].get_local_rank()
     compiled = tree_compile(model, cp=mesh["cp"], backend="eager")
     loss = 0.0

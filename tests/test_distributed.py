@@ -1,5 +1,7 @@
 """DDP and FSDP2 on tree batches: one optimizer step over 2 CPU processes (gloo) equals
-single-process per-path training, every parameter, float64."""
+single-process per-path training, every parameter, float64. FSDP2 with the reference forward
+and with `tree_compile`'s (the units run unsharded from each call to the end of its backward;
+the loss here is taken from the differentiable log-probabilities)."""
 
 import os
 import sys
@@ -17,6 +19,7 @@ from treecompile.planning.dataloader import plan_step
 transformers = pytest.importorskip("transformers")
 
 WORLD = 2
+KINDS = ("ddp", "fsdp", "fsdp-compiled")
 LR = 0.5
 CAPACITY = 10
 MODE = "token-mean"
@@ -42,21 +45,37 @@ def _model():
     return perturbed_hf_model(cfg, eval=False)
 
 
+def _logprob_forward(compiled):
+    """The tree loss from the compiled call's log-probabilities (a function of them, as an RL
+    loss is), so that the backward runs through them rather than through ``out.loss``."""
+
+    def forward(_model, batch):
+        lp = compiled(batch).logprobs
+        return -(batch.target_weight.to(lp.dtype) * lp).sum()
+
+    return forward
+
+
 def _worker(rank, init_file, out_dir):
-    from treecompile.compile.distributed import train_step, wrap_ddp, wrap_fsdp
+    from treecompile.compile.distributed import reference_forward, train_step, wrap_ddp, wrap_fsdp
+    from treecompile.compile.wrapper import tree_compile
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         plan = plan_step(_trees(), capacity=CAPACITY, ranks=WORLD, loss_mode=MODE)
         batches = plan.batches(rank)
-        for kind in ("ddp", "fsdp"):
+        for kind in KINDS:
             model = _model()
+            forward = reference_forward
             if kind == "ddp":
                 wrapped = wrap_ddp(model)
             else:
                 wrapped = wrap_fsdp(model, layers=list(model.model.layers))
+            if kind == "fsdp-compiled":
+                forward = _logprob_forward(tree_compile(wrapped, backend="eager"))
+
             opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
-            loss = train_step(wrapped, batches, opt)
+            loss = train_step(wrapped, batches, opt, forward=forward)
             params = {}
             for name, p in wrapped.named_parameters():
                 t = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -95,7 +114,7 @@ def test_ddp_and_fsdp_step_equals_per_path_training():
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         mp.spawn(_worker, args=(init_file, tmp), nprocs=WORLD, join=True)
-        results = {k: torch.load(os.path.join(tmp, f"{k}.pt")) for k in ("ddp", "fsdp")}
+        results = {k: torch.load(os.path.join(tmp, f"{k}.pt")) for k in KINDS}
 
     tol = SCALED_GRAD_TOLERANCE[("float64", "hf")]
     for kind, res in results.items():

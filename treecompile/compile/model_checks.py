@@ -8,7 +8,7 @@ from torch import nn
 
 from treecompile.capture.dynamo import is_hf_model
 
-__all__ = ["EXPECTED", "check_model"]
+__all__ = ["EXPECTED", "check_model", "check_sharded"]
 
 EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
             "mapping token ids [1, S] to logits [1, S, vocab]")
@@ -51,6 +51,20 @@ def _is_fsdp2(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
     return any(c.__name__ == "FSDPModule" and c.__module__.startswith("torch.distributed.fsdp")
                for c in type(module).__mro__)
+
+
+def check_sharded(model: nn.Module, *, stream: Any, verify: Any) -> None:
+    """Raises ``ValueError`` for the options an FSDP2 model cannot take: ``stream=`` (a streamed
+    call does not run the units unsharded) and ``verify=True`` (the full check copies the model
+    to one process)."""
+    if not any(_is_fsdp2(m) for m in model.modules()):
+        return
+    if stream is not None:
+        raise ValueError("tree_compile(stream=...) of an FSDP2 model: the streamed call does not run the units "
+                         "unsharded; stream the model unsharded, or use cp= for trees over one device's memory")
+    if verify is True:
+        raise ValueError("tree_compile(verify=True) of an FSDP2 model: the full check copies the model to one "
+                         "process; check it before sharding it (tree_compile(model, verify=True) on one process)")
 
 
 def _is_fsdp(module: nn.Module) -> bool:

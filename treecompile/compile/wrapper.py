@@ -52,7 +52,8 @@ from treecompile.passes import markers  # noqa: F401  (registers the treecompile
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
-from treecompile.compile.model_checks import EXPECTED, check_model
+from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
+from treecompile.stream.sharded import fsdp_call_of
 from treecompile.compile.probe import ProbeReport, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
@@ -172,7 +173,7 @@ def tree_compile(
     """
     if isinstance(model, TreeCompiledModel):
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
-    check_model(model, fsdp=cp is not None)
+    check_model(model, fsdp=True)
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:
@@ -194,19 +195,11 @@ def tree_compile(
 
         if not isinstance(stream, StreamOptions):
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
+    check_sharded(model, stream=stream, verify=verify)
     if cp is not None:
-        from treecompile.stream.context_parallel import cp_group_of
+        from treecompile.stream.context_parallel import cp_group_checked
 
-        cp = cp_group_of(cp)
-        if stream is not None:
-            raise ValueError("tree_compile takes cp= or stream=, not both: a streamed batch under context parallelism "
-                             "is not supported")
-        if mask != "interval":
-            raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
-        if verify is True:
-            raise ValueError("tree_compile(cp=..., verify=True): the full check runs one process on a float64 CPU "
-                             "copy and cannot run the group's collectives; check the model without cp= "
-                             "(tree_compile(model, verify=True) on one process), whose passes a CP rank's graph shares")
+        cp = cp_group_checked(cp, stream=stream, mask=mask, verify=verify)
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout, cp=cp,
@@ -292,6 +285,8 @@ class TreeCompiledModel(DelegatingModule):
             graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
             kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
             outputs=self._outputs, compile_records=self.compile_records))
+        # An FSDP2 model runs unsharded from each call to the end of its backward.
+        self._fsdp = fsdp_call_of(model) if cp is None else None
         # With cp=, a CPRunner runs every batch split over the group.
         self._cp = None if cp is None else _cp_runner(cp, CallSetup(
             model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
@@ -407,6 +402,18 @@ class TreeCompiledModel(DelegatingModule):
             if self.verify is True and self.stream_verified is None:  # the streamed variant is checked on its own
                 self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
             return out
+        if self._fsdp is None:
+            return self._forward_tree(batch)
+        self._fsdp.begin()
+        out = None
+        try:
+            out = self._forward_tree(batch)
+        finally:
+            self._fsdp.forward_done([] if out is None else [out.loss, out.logprobs, out.aux_loss, out.entropy])
+        return out
+
+    def _forward_tree(self, batch: TreeBatch) -> TreeOutput:
+        """The whole tree as one compiled call (``batch`` checked)."""
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)

@@ -44,7 +44,7 @@ from treecompile.stream.plan import root_path
 from treecompile.stream.runner import _StreamedLoss
 from treecompile.stream.sharded import Unsharded
 
-__all__ = ["CPRunner", "cp_group_of", "row_work_of"]
+__all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of"]
 
 
 def row_work_of(model) -> RowWork | None:
@@ -81,6 +81,25 @@ def cp_group_of(cp) -> dist.ProcessGroup:
         return cp
     raise TypeError(f"tree_compile(cp=...) takes a torch.distributed ProcessGroup or a 1-D DeviceMesh, "
                     f"got {type(cp).__name__}")
+
+
+def cp_group_checked(cp, *, stream, mask: str, verify) -> dist.ProcessGroup:
+    """`cp_group_of` ``cp``, with the other `tree_compile` options it cannot take refused.
+
+    Raises:
+        ValueError: ``stream=`` as well, a mask other than ``"interval"``, ``verify=True``.
+    """
+    group = cp_group_of(cp)
+    if stream is not None:
+        raise ValueError("tree_compile takes cp= or stream=, not both: a streamed batch under context parallelism "
+                         "is not supported")
+    if mask != "interval":
+        raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
+    if verify is True:
+        raise ValueError("tree_compile(cp=..., verify=True): the full check runs one process on a float64 CPU "
+                         "copy and cannot run the group's collectives; check the model without cp= "
+                         "(tree_compile(model, verify=True) on one process), whose passes a CP rank's graph shares")
+    return group
 
 
 class CPRunner:

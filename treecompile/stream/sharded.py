@@ -8,12 +8,11 @@ does not need them: `Unsharded` gathers every unit's parameters first (``unshard
 own all-gather), sets the units' hooks aside, so the graph sees an ordinary module holding
 full parameters, and afterwards gives each unit its hooks back and frees the full
 parameters again (``reshard()``). `Unsharded.shard_grads` then turns the full gradients into
-FSDP2's sharded ones: summed over the data-parallel mesh (a reduce-scatter) and cut as
-FSDP2 cuts the parameters (dim 0, ``torch.chunk``'s sizes).
-
-The sum, not FSDP2's default mean: as with `treecompile.compile.distributed.wrap_fsdp`, each
-rank's batch weights are already the global loss's share (``plan_step``), so the global
-gradient is the sum over ranks.
+FSDP2's sharded ones as FSDP2 would: reduced over the data-parallel mesh (a reduce-scatter),
+divided as the units are configured (``set_gradient_divide_factor``: by that factor; FSDP2's
+default, the mesh size: the mean; `treecompile.compile.distributed.wrap_fsdp` sets 1, the
+sum), in the shards' dtype, and cut as FSDP2 cuts the parameters (dim 0, ``torch.chunk``'s
+sizes).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-__all__ = ["Unsharded"]
+__all__ = ["Unsharded", "UnshardedUntilBackward", "fsdp_call_of"]
 
 #: The hook tables of an ``nn.Module`` a forward call reads.
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -54,24 +53,38 @@ class Unsharded:
         self._hooks: list[tuple] = []
 
     def __enter__(self) -> Unsharded:
-        if not self.units:
-            return self
-        self.sharded = dict(self.model.named_parameters())
+        self.unshard()
+        self.hooks_aside()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks_back()
+        self.reshard()
+
+    def unshard(self) -> None:
+        """Every unit's full parameters in place of its shards (FSDP2's ``unshard()``)."""
+        if self.units:
+            self.sharded = dict(self.model.named_parameters())
         for unit in self.units:
             unit.unshard()
+
+    def reshard(self) -> None:
+        """The shards back (FSDP2's ``reshard()``)."""
+        for unit in self.units:
+            unit.reshard()
+
+    def hooks_aside(self) -> None:
+        """The units' forward hooks set aside: a forward runs the modules alone."""
         for unit in self.units:
             self._hooks.append(tuple(getattr(unit, t) for t in _HOOK_TABLES))
             for t in _HOOK_TABLES:
                 setattr(unit, t, OrderedDict())
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def hooks_back(self) -> None:
         for unit, tables in zip(self.units, self._hooks):
             for t, table in zip(_HOOK_TABLES, tables):
                 setattr(unit, t, table)
         self._hooks = []
-        for unit in self.units:
-            unit.reshard()
 
     def shard_grads(self, names: list[str], grads: list[torch.Tensor]) -> tuple[list, list]:
         """``(parameters, gradients)``: the sharded parameter of each name and its gradient,
@@ -85,6 +98,7 @@ class Unsharded:
         """
         from torch.distributed.tensor import DTensor, Shard
 
+        factor = self._divide_factor()
         params, out, mesh = [], [], None
         for name, g in zip(names, grads):
             p = self.sharded[name]
@@ -94,16 +108,31 @@ class Unsharded:
                         f"{name} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: tree_compile(cp=...) takes "
                         "FSDP2 parameters sharded along dim 0 on one mesh dimension")
                 mesh = p.device_mesh
+                g = g.to(p.dtype) / (factor or mesh.size())
                 local = _reduce_scatter_dim0(g, mesh.get_group(), p.to_local().shape[0])
                 out.append(DTensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride()))
             else:
                 out.append(g)
             params.append(p)
         if mesh is not None:
-            for p, g in zip(params, out):
+            for i, (p, g) in enumerate(zip(params, out)):
                 if not isinstance(p, DTensor):
+                    out[i] = g = g / (factor or mesh.size())
                     dist.all_reduce(g, group=mesh.get_group())
         return params, out
+
+    def _divide_factor(self) -> float | None:
+        """The units' gradient divide factor (``set_gradient_divide_factor``), None for FSDP2's
+        default (the mesh size). Read from FSDP2's state, whose layout is not public: where it
+        cannot be read, None."""
+        factors = set()
+        for unit in self.units:
+            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None:  # a unit that holds parameters
+                factors.add(getattr(group, "gradient_divide_factor", None))
+        if len(factors) > 1:
+            raise NotImplementedError(f"FSDP2 units with different gradient divide factors {sorted(map(str, factors))}")
+        return next(iter(factors), None)
 
 
 def _reduce_scatter_dim0(full: torch.Tensor, group: dist.ProcessGroup, rows: int) -> torch.Tensor:
@@ -117,3 +146,60 @@ def _reduce_scatter_dim0(full: torch.Tensor, group: dist.ProcessGroup, rows: int
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(mine, padded, group=group)
     return mine[:rows].contiguous()
+
+
+class UnshardedUntilBackward:
+    """A whole-tree call of an FSDP2 model: `begin` before the forward (full parameters,
+    hooks aside), `forward_done` after it (hooks back); the full parameters stay until the end
+    of the backward through the call's outputs, when each gradient is reduce-scattered into
+    its shard (added to the shard's ``.grad``; `Unsharded.shard_grads`) and the shards come
+    back. Outputs that need no gradient: the shards come back at once. A call whose backward
+    never comes is finished (its gradients dropped) by the next `begin`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.state = Unsharded(model)
+        self._pending = False
+        self._queued = False
+
+    @property
+    def units(self) -> list:
+        return self.state.units
+
+    def begin(self) -> None:
+        if self._pending:
+            self._finish(keep_grads=False)
+        self.state.unshard()
+        self.state.hooks_aside()
+
+    def forward_done(self, outputs: list) -> None:
+        self.state.hooks_back()
+        live = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not live:
+            self.state.reshard()
+            return
+        self._pending, self._queued = True, False
+        for t in live:
+            t.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._queued:  # once per backward: at its end, after every gradient is in
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(keep_grads=True))
+        return grad
+
+    def _finish(self, keep_grads: bool) -> None:
+        self._pending = False
+        full = [(n, p) for n, p in self.state.model.named_parameters() if p.grad is not None]
+        if keep_grads and full:
+            params, grads = self.state.shard_grads([n for n, _ in full], [p.grad for _, p in full])
+            for p, g in zip(params, grads):
+                p.grad = g if p.grad is None else p.grad + g
+        for _, p in full:
+            p.grad = None
+        self.state.reshard()
+
+
+def fsdp_call_of(model: torch.nn.Module) -> UnshardedUntilBackward | None:
+    """An `UnshardedUntilBackward` for a model with FSDP2 units, else None."""
+    call = UnshardedUntilBackward(model)
+    return call if call.units else None
