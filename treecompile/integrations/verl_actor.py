@@ -27,10 +27,12 @@ micro-batch. ``use_remove_padding``, ``pad_to_length`` and the entropy-chunking 
 change how verl lays out its own forward; the tree ignores them. ``use_dynamic_bsz`` works
 as in verl (it only decides which sequences share a micro-batch).
 
-A module sharded by FSDP is refused too (``strategy``): `treecompile.tree_compile` captures
-the whole forward as one graph and cannot capture FSDP's hooks, and verl's own engine build
-(``initialize``) always wraps the module in FSDP or FSDP2. So today the tree engine runs on a
-module given to it unsharded (``engine.module = model``), as the tests do.
+A module sharded by FSDP is refused too (``strategy``): verl's own engine build
+(``initialize``) always wraps the module in FSDP or FSDP2; `treecompile.tree_compile` takes
+FSDP2 models (each call unsharded, the gradients reduce-scattered into the shards at the end
+of its backward) but not FSDP1, and the engine is not yet checked against verl's sharded
+engine. So today the tree engine runs on a module given to it unsharded
+(``engine.module = model``), as the tests do.
 
 This module imports verl only inside the functions that need it.
 """
@@ -68,9 +70,9 @@ UNSUPPORTED: dict[str, str] = {
     "multi_modal_inputs": "multi-modal inputs (pixel values) are not packed into trees",
     "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits a packed sequence across ranks",
     "mtp": "multi-token prediction heads",
-    "strategy": "verl's 'fsdp' and 'fsdp2' wrappers shard the module, and tree_compile captures the whole "
-                "forward as one graph, which cannot hold FSDP's hooks (the all-gather before a layer, the "
-                "reduce-scatter after its backward): the tree engine runs on an unsharded module",
+    "strategy": "verl's 'fsdp' and 'fsdp2' wrappers shard the module; tree_compile takes FSDP2 models (each "
+                "call unsharded, the gradients reduce-scattered at the end of its backward) but not FSDP1, and the "
+                "tree engine is not yet checked against verl's sharded engine: it runs on an unsharded module",
 }
 """Options of verl's actor that the tree engine refuses, with the reason."""
 
