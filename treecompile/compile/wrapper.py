@@ -112,7 +112,8 @@ def tree_compile(
 
     Args:
         model: a Hugging Face causal LM or any module ``model(ids[1, S]) -> logits`` (a
-            tensor, a tuple starting with logits, or an object with ``.logits``).
+            tensor, a tuple starting with logits, or an object with ``.logits``); FSDP2-sharded
+            too (each call unsharded, `treecompile.stream.sharded.UnshardedUntilBackward`).
         mask: ``"interval"`` (``subtree_end``, default) or ``"bitmask"`` (``path_bits``;
             pack with ``path_bits=True``).
         backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
