@@ -116,6 +116,19 @@ def turns_batch(vocab: int, prompt: int, turn: int, leaf: int):
     return treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
 
 
+def measured_step_peak(compiled, batch, model, opt) -> int:
+    """Peak bytes of one step (forward, backward into existing gradients, the optimizer's step)
+    after a first one, the live parameters, gradients and optimizer state included."""
+
+    def step():
+        compiled(batch).loss.backward()
+        opt.step()
+
+    step()  # the gradients and the optimizer state exist before the measured step
+    gc.collect()
+    return _live_bytes(model, opt) + measure_peak_bytes(step)
+
+
 def _live_bytes(model, opt):
     ts = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
           *(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
@@ -178,14 +191,7 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak():
     compiled = tree_compile(model, stream=StreamOptions(budget_rows=24))
     for mode, rows in [("keep", 24), ("recompute", 24), ("keep", 160), ("recompute", 160)]:
         compiled._stream.options = StreamOptions(budget_rows=rows, mode=mode)  # one compiled graph for all
-
-        def step():
-            compiled(batch).loss.backward()
-            opt.step()
-
-        step()  # the gradients and the optimizer state exist before the measured step
-        gc.collect()
-        measured = _live_bytes(model, opt) + measure_peak_bytes(step)
+        measured = measured_step_peak(compiled, batch, model, opt)
         plan = plan_stream(batch, rows)
         predicted = stream_peak_bytes(plan, cost, mode)
         rel = predicted / measured - 1

@@ -160,12 +160,9 @@ def _measured_peak(rank):
     """``(measured, predicted)`` peak bytes of one CP step (forward, backward into existing
     gradients, AdamW's step) of a float32 model on this rank, through the default lowering:
     the CPU allocator's peak against `CPSplit.peak_bytes`."""
-    import gc
-
-    from test_budget import _config, _live_bytes, turns_batch
+    from test_budget import _config, measured_step_peak, turns_batch
 
     from treecompile.planning.budget import CostModel
-    from treecompile.planning.peak_memory import measure_peak_bytes
 
     cfg = _config("qwen3-attention")
     torch.manual_seed(0)
@@ -173,14 +170,7 @@ def _measured_peak(rank):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = turns_batch(cfg.vocab_size, 256, 128, 64)
     compiled = tree_compile(model, cp=dist.group.WORLD)
-
-    def step():
-        compiled(batch).loss.backward()
-        opt.step()
-
-    step()  # the gradients and the optimizer state exist before the measured step
-    gc.collect()
-    measured = _live_bytes(model, opt) + measure_peak_bytes(step)
+    measured = measured_step_peak(compiled, batch, model, opt)
     cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     return measured, int(compiled._cp.split.peak_bytes(cost)[rank])
 
