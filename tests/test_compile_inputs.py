@@ -163,7 +163,7 @@ def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):
 def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path):
     """FSDP2's hooks gather and free parameters outside any graph: a call gathers every unit
     first and the backward puts each gradient in its shard (a one-process gloo group is
-    enough to shard). Equal to the unsharded model's; stream= and verify=True refused."""
+    enough to shard). Equal to the unsharded model's, whole and streamed; verify=True refused."""
     import torch.distributed as dist
 
     from treecompile.compile.distributed import wrap_fsdp
@@ -177,6 +177,7 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
     want.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    stream = StreamOptions(budget_rows=3)  # parts of 3 rows: the tree's 7 rows stream
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         wrap_fsdp(model, layers=list(model.blocks))
@@ -186,8 +187,12 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
         for n, p in model.named_parameters():
             assert type(p).__name__ == "DTensor", n
             torch.testing.assert_close(p.grad.full_tensor(), 2 * grads[n], rtol=1e-12, atol=1e-12, msg=n)
-        with pytest.raises(ValueError, match="does not run the units unsharded"):
-            tc.tree_compile(model, stream=StreamOptions(budget_rows=4))
+        model.zero_grad(set_to_none=True)
+        streamed = tc.tree_compile(model, backend="eager", stream=stream)
+        streamed(batch).loss.backward()
+        assert streamed._stream.stats.parts > 1
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[n], rtol=1e-12, atol=1e-12, msg=n)
         with pytest.raises(ValueError, match="copies the model to one process"):
             tc.tree_compile(model, verify=True)
     finally:

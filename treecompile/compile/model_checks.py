@@ -53,15 +53,11 @@ def _is_fsdp2(module: nn.Module) -> bool:
                for c in type(module).__mro__)
 
 
-def check_sharded(model: nn.Module, *, stream: Any, verify: Any) -> None:
-    """Raises ``ValueError`` for the options an FSDP2 model cannot take: ``stream=`` (a streamed
-    call does not run the units unsharded) and ``verify=True`` (the full check copies the model
-    to one process)."""
+def check_sharded(model: nn.Module, *, verify: Any) -> None:
+    """Raises ``ValueError`` for the option an FSDP2 model cannot take: ``verify=True`` (the
+    full check copies the model to one process)."""
     if not any(_is_fsdp2(m) for m in model.modules()):
         return
-    if stream is not None:
-        raise ValueError("tree_compile(stream=...) of an FSDP2 model: the streamed call does not run the units "
-                         "unsharded; stream the model unsharded, or use cp= for trees over one device's memory")
     if verify is True:
         raise ValueError("tree_compile(verify=True) of an FSDP2 model: the full check copies the model to one "
                          "process; check it before sharding it (tree_compile(model, verify=True) on one process)")

@@ -196,7 +196,7 @@ def tree_compile(
 
         if not isinstance(stream, StreamOptions):
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
-    check_sharded(model, stream=stream, verify=verify)
+    check_sharded(model, verify=verify)
     if cp is not None:
         from treecompile.stream.context_parallel import cp_group_checked
 

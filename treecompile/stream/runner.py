@@ -19,6 +19,7 @@ from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
 from treecompile.stream.plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
                                      stream_cost_model)
+from treecompile.stream.sharded import Unsharded
 from treecompile.stream.stack import StackEntry, backward_part, gather_prefix
 
 if TYPE_CHECKING:
@@ -169,7 +170,34 @@ class StreamRunner:
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
-        params = [p for p in w.model.parameters() if p.requires_grad] if grad else []
+        with Unsharded(w.model) as unsharded:  # an FSDP2 model runs unsharded (treecompile.stream.sharded)
+            result, first_rows, names, streamed = self._step(batch, plan, mode, device, grad)
+        wanted = set(names)
+        params = [p for n, p in w.model.named_parameters() if n in wanted]
+        if unsharded.units and grad:  # each gradient into its shard, as FSDP2 would
+            held = [i for i, g in enumerate(streamed) if g is not None]
+            _, grads = unsharded.shard_grads([names[i] for i in held], [streamed[i] for i in held])
+            params, streamed = [unsharded.sharded[n] for n in names], [None] * len(names)
+            for i, g in zip(held, grads):
+                streamed[i] = g
+        router = w.router_aux
+        self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
+                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens,
+                                 budget_rows=choice.rows, mode=mode, peak_bytes=choice.peak_bytes, why=choice.why)
+        loss, aux = result.loss, None
+        if router is not None:
+            aux = router.aux_from_stats(result.router_stats)
+            loss = loss + router.coef * aux.to(loss.dtype)
+        if grad:
+            loss = _StreamedLoss.apply(loss, streamed, *params)
+        return TreeOutput(loss=loss, logprobs=result.logprobs, aux_loss=aux, entropy=result.entropy)
+
+    def _step(self, batch: TreeBatch, plan: StreamPlan, mode: str, device, grad: bool) -> tuple:
+        """``(result, rows of the aux loss's first pass, parameter names, their gradients)`` of
+        one streamed call; the parameters' own gradients are left as they were."""
+        w = self.setup
+        named = [(n, p) for n, p in w.model.named_parameters() if p.requires_grad] if grad else []
+        params = [p for _, p in named]
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -190,16 +218,7 @@ class StreamRunner:
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
-        self.stats = StreamStats(parts=plan.num_parts, stack_depth=plan.stack_depth, max_prefix=plan.max_prefix,
-                                 forward_rows=first_rows + result.forward_rows, rows=batch.num_tokens,
-                                 budget_rows=choice.rows, mode=mode, peak_bytes=choice.peak_bytes, why=choice.why)
-        loss, aux = result.loss, None
-        if router is not None:
-            aux = router.aux_from_stats(result.router_stats)
-            loss = loss + router.coef * aux.to(loss.dtype)
-        if grad:
-            loss = _StreamedLoss.apply(loss, streamed, *params)
-        return TreeOutput(loss=loss, logprobs=result.logprobs, aux_loss=aux, entropy=result.entropy)
+        return result, first_rows, [n for n, _ in named], streamed
 
     def _run(self, batch: TreeBatch, plan: StreamPlan, mode: str, device, grad: bool,
              aux_grad: torch.Tensor | None = None) -> _RunResult:

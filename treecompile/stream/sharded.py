@@ -1,5 +1,7 @@
 """A model sharded by FSDP2, run as one unsharded model for the length of a call whose
-backward runs inside it (context parallelism, `treecompile.stream.context_parallel`).
+backward runs inside it (a streamed call, `treecompile.stream.runner`; context parallelism,
+`treecompile.stream.context_parallel`), or until the end of the backward through a
+whole-tree call's outputs (`UnshardedUntilBackward`).
 
 FSDP2 (``fully_shard``) gathers a unit's parameters in a forward hook and frees them in
 another, and reduce-scatters their gradients in backward hooks: outside any graph, where
