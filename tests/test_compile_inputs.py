@@ -199,6 +199,18 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
         dist.destroy_process_group()
 
 
+def test_an_fsdp1_model_is_refused_by_name():
+    """FSDP1's flat parameters are gathered in hooks outside the graph: refused, naming the
+    unit (its class as torch names it: FSDP1 needs an accelerator to build one)."""
+    fsdp1 = type("FullyShardedDataParallel", (torch.nn.Module,),
+                 {"__module__": "torch.distributed.fsdp.fully_sharded_data_parallel"})
+    model = tiny(NanoGPT, layers=2)
+    model.blocks[0] = fsdp1()
+    model.blocks[0].inner = torch.nn.Identity()
+    with pytest.raises(TypeError, match=r"NanoGPT is sharded by FSDP \(blocks\.0\), FSDP1: .*shard with FSDP2"):
+        tc.tree_compile(model)
+
+
 def test_padded_rows_may_be_passed_positionally_as_input_ids():
     """``compiled(ids)`` is ``compiled(input_ids=ids)``: padded rows, as a Hugging Face model takes them."""
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCa
             "mapping token ids [1, S] to logits [1, S, vocab]")
 
 
-def check_model(model: Any, fsdp: bool = False) -> None:
-    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap; an FSDP
-    model only with ``fsdp`` (context parallelism, which runs it unsharded for each call)."""
+def check_model(model: Any) -> None:
+    """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap (FSDP1
+    included; FSDP2 units are run unsharded for each call, `treecompile.stream.sharded`)."""
     expected = EXPECTED
     if not isinstance(model, nn.Module):
         raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
@@ -36,14 +36,14 @@ def check_model(model: Any, fsdp: bool = False) -> None:
             "a model built without weights cannot train; load or initialise its weights first "
             "(from_pretrained, or to_empty(device=...) and then load_state_dict)"
         )
-    sharded = next((name or "the model" for name, m in model.named_modules()
-                    if _is_fsdp(m) and not (fsdp and _is_fsdp2(m))), None)
+    sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp(m) and not _is_fsdp2(m)),
+                   None)
     if sharded is not None:
         raise TypeError(
-            f"{type(model).__name__} is sharded by FSDP ({sharded}): tree_compile captures the whole forward as one "
-            "graph, and FSDP gathers and frees each unit's parameters in hooks outside it, which the graph cannot hold; "
-            "train with DDP (treecompile.compile.distributed.wrap_ddp), on one process, or with tree_compile(cp=group), "
-            "which runs FSDP2 units unsharded for each call"
+            f"{type(model).__name__} is sharded by FSDP ({sharded}), FSDP1: tree_compile captures the whole forward "
+            "as one graph, and FSDP1's flat parameters are gathered and freed in hooks outside it; shard with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard, treecompile.compile.distributed.wrap_fsdp), whose units tree_compile "
+            "runs unsharded for each call, or train with DDP (treecompile.compile.distributed.wrap_ddp)"
         )
 
 

@@ -174,7 +174,7 @@ def tree_compile(
     """
     if isinstance(model, TreeCompiledModel):
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
-    check_model(model, fsdp=True)
+    check_model(model)
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
     if backend is not None and backend not in BACKENDS:
@@ -280,20 +280,18 @@ class TreeCompiledModel(DelegatingModule):
         # A model the probe refused stays refused (its compiled graph is not run again).
         self._refused: UnsupportedModelError | None = None
         self.stream_verified: VerifyReport | None = None
-        # With stream=, a StreamRunner runs batches over its budget from what it needs, handed over.
-        self._stream = None if stream is None else _stream_runner(stream, CallSetup(
+        # With stream= (cp=), a StreamRunner (CPRunner) runs batches over its budget (every batch,
+        # split over the group) from what it needs, handed over.
+        setup = CallSetup(
             model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
             graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
             kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
-            outputs=self._outputs, compile_records=self.compile_records))
-        # An FSDP2 model runs unsharded from each call to the end of its backward.
+            outputs=self._outputs, compile_records=self.compile_records)
+        self._stream = None if stream is None else _stream_runner(stream, setup)
+        self._cp = None if cp is None else _cp_runner(cp, setup)
+        # An FSDP2 model runs unsharded from each call to the end of its backward (the CP
+        # runner runs it unsharded for each call itself).
         self._fsdp = fsdp_call_of(model) if cp is None else None
-        # With cp=, a CPRunner runs every batch split over the group.
-        self._cp = None if cp is None else _cp_runner(cp, CallSetup(
-            model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
-            graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
-            kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
-            outputs=self._outputs, compile_records=self.compile_records))
 
     def _options(self) -> dict[str, Any]:
         """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""

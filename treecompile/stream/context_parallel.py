@@ -192,8 +192,8 @@ class CPRunner:
     def __call__(self, batch: TreeBatch) -> TreeOutput:
         """The whole tree's loss and log-probabilities on every rank; with grad enabled,
         ``loss.backward()`` gives every parameter the whole tree's gradient (FSDP2's sharded
-        parameters: their shards of it, summed over the data-parallel mesh, see
-        `treecompile.stream.sharded`)."""
+        parameters: their shards of it, reduced over the data-parallel mesh as the units are
+        configured, see `treecompile.stream.sharded`)."""
         w = self.setup
         device = device_of(w.model)
         batch = batch.to(device) if batch.device != device else batch

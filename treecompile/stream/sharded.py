@@ -90,9 +90,9 @@ class Unsharded:
 
     def shard_grads(self, names: list[str], grads: list[torch.Tensor]) -> tuple[list, list]:
         """``(parameters, gradients)``: the sharded parameter of each name and its gradient,
-        ``grads`` (full, of the unsharded parameters) summed over the parameter's mesh and
-        cut as FSDP2 cuts it; a parameter FSDP2 does not shard keeps its own, summed over the
-        units' mesh.
+        ``grads`` (full, of the unsharded parameters) reduced over the parameter's mesh,
+        divided as the units are configured (`_divide_factor`) and cut as FSDP2 cuts it; a
+        parameter FSDP2 does not shard keeps its own, reduced over the units' mesh alike.
 
         Raises:
             NotImplementedError: a parameter placed otherwise than sharded along dim 0 on a
@@ -107,8 +107,8 @@ class Unsharded:
             if isinstance(p, DTensor):
                 if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
                     raise NotImplementedError(
-                        f"{name} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: tree_compile(cp=...) takes "
-                        "FSDP2 parameters sharded along dim 0 on one mesh dimension")
+                        f"{name} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: tree_compile takes FSDP2 "
+                        "parameters sharded along dim 0 on one mesh dimension")
                 mesh = p.device_mesh
                 g = g.to(p.dtype) / (factor or mesh.size())
                 local = _reduce_scatter_dim0(g, mesh.get_group(), p.to_local().shape[0])
@@ -129,7 +129,8 @@ class Unsharded:
         cannot be read, None."""
         factors = set()
         for unit in self.units:
-            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+            state = getattr(unit, "_get_fsdp_state", None)
+            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
             if group is not None:  # a unit that holds parameters
                 factors.add(getattr(group, "gradient_divide_factor", None))
         if len(factors) > 1:
