@@ -12,8 +12,8 @@ after the optimizer step (``update_actor``).
 
 Setting: CPU, float64, a tiny Qwen3 with perturbed weights (`testing.perturbed_hf_model`),
 gradient checkpointing as verl enables it. verl's engine builder would make a float32 module
-and wrap it in FSDP, so both engines get the same float64 module unsharded instead (the
-tree engine refuses an FSDP-sharded module, tested below). verl 0.9 has no CPU platform;
+and wrap it in FSDP, so both engines get the same float64 module unsharded instead; one test
+shards both with verl's own FSDP2 build (in float64) and compares again, and FSDP1 is refused. verl 0.9 has no CPU platform;
 `CpuPlatform` is one, set before verl's engine modules are imported.
 
 Needs verl 0.9.1 (which pins transformers < 5.11): scripts/test_verl.sh builds a venv with it
@@ -408,13 +408,77 @@ def test_options_a_tree_cannot_reproduce_are_refused_by_name(engines, edit, erro
         engines.tree.infer_batch(data)
 
 
-def test_an_fsdp_sharded_module_is_refused_naming_the_strategy(engines, model_dir):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(engine, module):
+    """``module`` sharded as verl's engine build shards it for strategy 'fsdp2' (``apply_fsdp2``:
+    every decoder layer, then the root, on the engine's device mesh), in float64 (verl's
+    precision config has no float64: its policy's dtypes are given here)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from verl.utils.fsdp_utils import apply_fsdp2
 
-    module = fully_shard(perturbed_hf_model(model_dir[1], eval=False), mesh=engines.verl.device_mesh)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64, cast_forward_inputs=True)
+    apply_fsdp2(module, {"mesh": engine.device_mesh, "mp_policy": policy, "reshard_after_forward": True},
+                engine.engine_config)
+    return module
+
+
+def test_fsdp2_sharded_modules_give_verls_log_probs_gradients_and_step(engines, model_dir):
+    """Both engines on modules sharded by verl's own FSDP2 build (one gloo rank): the tree
+    engine's calls run the module unsharded and reduce-scatter each gradient into its shard;
+    log-probs, losses, metrics, gradients (verl clips them as DTensors) and the step equal
+    verl's. Non-final micro-batches run under verl's ``set_requires_gradient_sync(False)``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = {}
+    for kind in ("verl", "tree"):
+        module = _verl_module(model_dir[1])
+        module.load_state_dict(engines.start)
+        cls = FSDPEngineWithLMHead if kind == "verl" else tree_engine_class()
+        engine = engines._engine(cls, None, engines.verl.optimizer_config)
+        engine.module = _fsdp2(engine, module)
+        engine.optimizer = engine._build_optimizer(engine.module)
+        engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
+        sharded[kind] = engine
+    assert isinstance(sharded["tree"].module, FSDPModule)
+
+    name = "B8-Tp6-Tr7-micro4"
+    groups, size, tp, tr, seed, micro = BATCHES[name]
+    tensors = rollout(groups, size, tp, tr, seed)
+    log_probs = {}
+    for kind, engine in sharded.items():
+        data = worker_batch(tensors, train=False, micro=micro)
+        with engine.eval_mode():
+            log_probs[kind] = no_padding_2_padding(engine.infer_batch(data)["model_output"]["log_probs"], data)
+    close(log_probs["tree"], log_probs["verl"], "log-probs")
+
+    tensors["old_log_probs"] = log_probs["verl"].detach() * tensors["response_mask"]
+    tensors["ref_log_prob"] = tensors["old_log_probs"] + 0.1 * tensors["response_mask"]
+    config = actor_config("token-mean", micro=2, group_size=size)
+    results = {kind: _train(engine, worker_batch(tensors, micro=2, entropy=True), partial(ppo_loss, config=config))
+               for kind, engine in sharded.items()}
+    (want, want_grads, want_params), (got, got_grads, got_params) = results["verl"], results["tree"]
+    assert len(want["loss"]) == groups * size // 2  # micro-batched: gradients accumulate in the shards
+    close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), "loss per micro-batch")
+    close(torch.tensor(_metrics(got)["grad_norm"]), torch.tensor(_metrics(want)["grad_norm"]), "grad_norm")
+    assert all(isinstance(g, DTensor) for g in got_grads.values())  # in the shards, as FSDP2 keeps them
+    full = lambda d: {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in d.items()}  # noqa: E731
+    assert_grads_close(full(got_grads), full(want_grads), ("float64", "hf"))
+    for n, p in full(want_params).items():
+        upd, want_upd = full(got_params)[n] - engines.start[n], p - engines.start[n]
+        err = (upd - want_upd).abs().max().item() / max(want_upd.abs().max().item(), 1e-30)
+        assert err <= 2e-6, f"{n}: update error {err:.3e}"
+
+
+def test_an_fsdp1_sharded_module_is_refused_naming_the_strategy(engines, model_dir):
+    """FSDP1 gathers its flat parameters in hooks outside the one captured graph: refused,
+    pointing to strategy 'fsdp2'. (FSDP1 needs an accelerator to build one: a stand-in with
+    its class name, as torch names it, is what the check reads.)"""
+    module = perturbed_hf_model(model_dir[1], eval=False)
+    module.model.layers[0] = type("FullyShardedDataParallel", (torch.nn.Module,),
+                                  {"__module__": "torch.distributed.fsdp.fully_sharded_data_parallel"})()
     engine = engines._engine(tree_engine_class(), module, engines.verl.optimizer_config)
     data = worker_batch(rollout(*BATCHES["B8-Tp6-Tr7-micro4"][:5]), train=False)
-    with pytest.raises(UnsupportedModelError, match=r"sharded by FSDP .*'fsdp2'.*runs on an unsharded module"), \
+    with pytest.raises(UnsupportedModelError, match=r"sharded by FSDP1 .*strategy 'fsdp'.*strategy=fsdp2"), \
             engine.eval_mode():
         engine.infer_batch(data)
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from treecompile.capture.dynamo import is_hf_model
 
-__all__ = ["EXPECTED", "check_model", "check_sharded"]
+__all__ = ["EXPECTED", "check_model", "check_sharded", "fsdp1_unit"]
 
 EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
             "mapping token ids [1, S] to logits [1, S, vocab]")
@@ -36,8 +36,7 @@ def check_model(model: Any) -> None:
             "a model built without weights cannot train; load or initialise its weights first "
             "(from_pretrained, or to_empty(device=...) and then load_state_dict)"
         )
-    sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp(m) and not _is_fsdp2(m)),
-                   None)
+    sharded = fsdp1_unit(model)
     if sharded is not None:
         raise TypeError(
             f"{type(model).__name__} is sharded by FSDP ({sharded}), FSDP1: tree_compile captures the whole forward "
@@ -45,6 +44,12 @@ def check_model(model: Any) -> None:
             "(torch.distributed.fsdp.fully_shard, treecompile.compile.distributed.wrap_fsdp), whose units tree_compile "
             "runs unsharded for each call, or train with DDP (treecompile.compile.distributed.wrap_ddp)"
         )
+
+
+def fsdp1_unit(model: nn.Module) -> str | None:
+    """The name of ``model``'s first FSDP1 unit (``"the model"`` for the root), or None."""
+    return next((name or "the model" for name, m in model.named_modules() if _is_fsdp(m) and not _is_fsdp2(m)),
+                None)
 
 
 def _is_fsdp2(module: nn.Module) -> bool:

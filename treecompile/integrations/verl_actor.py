@@ -27,12 +27,15 @@ micro-batch. ``use_remove_padding``, ``pad_to_length`` and the entropy-chunking 
 change how verl lays out its own forward; the tree ignores them. ``use_dynamic_bsz`` works
 as in verl (it only decides which sequences share a micro-batch).
 
-A module sharded by FSDP is refused too (``strategy``): verl's own engine build
-(``initialize``) always wraps the module in FSDP or FSDP2; `treecompile.tree_compile` takes
-FSDP2 models (each call unsharded, the gradients reduce-scattered into the shards at the end
-of its backward) but not FSDP1, and the engine is not yet checked against verl's sharded
-engine. So today the tree engine runs on a module given to it unsharded
-(``engine.module = model``), as the tests do.
+verl's engine build (``initialize``) wraps the module in FSDP2 (strategy ``fsdp2``) or FSDP1
+(``fsdp``). FSDP2 works: each tree call gathers the full parameters once (FSDP2's own
+``unshard``), runs the one captured graph, and at the end of its backward reduce-scatters
+every gradient into its shard as FSDP2 would (`treecompile.stream.sharded`); verl's gradient
+clipping and optimizer then act on the shards. The full parameters and full gradients of a
+call live together until its backward ends (FSDP2's per-layer gathering does not apply to one
+graph). verl's ``set_requires_gradient_sync(False)`` on non-final micro-batches is not read:
+each micro-batch's gradients are reduce-scattered at once, which sums to the same shards.
+FSDP1 (``strategy``) is refused.
 
 This module imports verl only inside the functions that need it.
 """
@@ -70,9 +73,9 @@ UNSUPPORTED: dict[str, str] = {
     "multi_modal_inputs": "multi-modal inputs (pixel values) are not packed into trees",
     "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits a packed sequence across ranks",
     "mtp": "multi-token prediction heads",
-    "strategy": "verl's 'fsdp' and 'fsdp2' wrappers shard the module; tree_compile takes FSDP2 models (each "
-                "call unsharded, the gradients reduce-scattered at the end of its backward) but not FSDP1, and the "
-                "tree engine is not yet checked against verl's sharded engine: it runs on an unsharded module",
+    "strategy": "FSDP1 gathers its flat parameters in hooks outside the one graph a tree call captures; "
+                "use verl's strategy=fsdp2 (FSDP2: each call runs the module unsharded and reduce-scatters every "
+                "gradient into its shard)",
 }
 """Options of verl's actor that the tree engine refuses, with the reason."""
 
@@ -179,14 +182,13 @@ def _scalar_temperature(temperature: Any) -> float:
     return float(temperature)
 
 
-def _refuse_sharded(module: torch.nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+def _refuse_fsdp1(module: torch.nn.Module) -> None:
+    from treecompile.compile.model_checks import fsdp1_unit
 
-    sharded = next((name or type(module).__name__ for name, m in module.named_modules()
-                    if isinstance(m, (FSDPModule, FullyShardedDataParallel))), None)
-    if sharded is not None:
-        raise UnsupportedModelError(f"the engine's module is sharded by FSDP ({sharded}; verl's strategy 'fsdp' or "
-                                    f"'fsdp2'): {UNSUPPORTED['strategy']}")
+    unit = fsdp1_unit(module)
+    if unit is not None:
+        raise UnsupportedModelError(f"the engine's module is sharded by FSDP1 ({unit}; verl's strategy 'fsdp'): "
+                                    f"{UNSUPPORTED['strategy']}")
 
 
 class TreeForwardStep:
@@ -205,7 +207,7 @@ class TreeForwardStep:
         cache = self.__dict__.setdefault("_tree_wrappers", {})
         key = (id(self.module), temperature, entropy)
         if key not in cache:
-            _refuse_sharded(self.module)
+            _refuse_fsdp1(self.module)
             cache[key] = tree_compile(self.module, temperature=temperature,
                                       outputs=("entropy",) if entropy else (), **self.tree_compile_options)
         return cache[key]
