@@ -22,8 +22,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from testing import COMPILE_TOL, assert_grads_close
+from testing import COMPILE_TOL, assert_grads_close, spawn_ranks
 
 from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.core.errors import UnsupportedModelError
@@ -193,7 +192,7 @@ def _reference(family, tree, **kw):
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
+        spawn_ranks(_worker, (world, os.path.join(tmp, "init"), tmp), world)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     rtol, atol = COMPILE_TOL["hf"]
     for family in {**FAMILIES, **(TWO_RANKS if world == 2 else {})}:

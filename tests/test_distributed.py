@@ -10,8 +10,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from testing import SCALED_GRAD_TOLERANCE, perturbed_hf_model
+from testing import SCALED_GRAD_TOLERANCE, perturbed_hf_model, spawn_ranks
 
 from treecompile import TrajectoryTree
 from treecompile.planning.dataloader import plan_step
@@ -113,7 +112,7 @@ def test_ddp_and_fsdp_step_equals_per_path_training():
 
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(init_file, tmp), nprocs=WORLD, join=True)
+        spawn_ranks(_worker, (init_file, tmp), WORLD)
         results = {k: torch.load(os.path.join(tmp, f"{k}.pt")) for k in KINDS}
 
     tol = SCALED_GRAD_TOLERANCE[("float64", "hf")]

@@ -213,3 +213,22 @@ def eager_default_lowering():
         yield
     finally:
         TreeCompiledModel._backend = backend
+
+
+#: What every spawned rank imports: loaded once by the fork server (`spawn_ranks`).
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "treecompile.compile.wrapper",
+                "treecompile.stream.context_parallel", "treecompile.compile.distributed"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, with each rank forked from
+    a fork server that imported torch, transformers and treecompile once (`RANK_PRELOAD`),
+    instead of a fresh interpreter importing them per rank (about 5 s of CPU each). The server
+    is a single-threaded process of its own: nothing of the test process (threads, compiled
+    graphs) is forked."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
