@@ -12,8 +12,9 @@ after the optimizer step (``update_actor``).
 
 Setting: CPU, float64, a tiny Qwen3 with perturbed weights (`testing.perturbed_hf_model`),
 gradient checkpointing as verl enables it. verl's engine builder would make a float32 module
-and wrap it in FSDP, so both engines get the same float64 module unsharded instead; one test
-shards both with verl's own FSDP2 build (in float64) and compares again, and FSDP1 is refused. verl 0.9 has no CPU platform;
+and wrap it in FSDP, so both engines get the same float64 module unsharded instead; two tests
+shard both with verl's own FSDP2 build (in float64; on one rank and on two data-parallel
+ranks) and compare again, and FSDP1 is refused. verl 0.9 has no CPU platform;
 `CpuPlatform` is one, set before verl's engine modules are imported.
 
 Needs verl 0.9.1 (which pins transformers < 5.11): scripts/test_verl.sh builds a venv with it
@@ -467,6 +468,65 @@ def test_fsdp2_sharded_modules_give_verls_log_probs_gradients_and_step(engines, 
         upd, want_upd = full(got_params)[n] - engines.start[n], p - engines.start[n]
         err = (upd - want_upd).abs().max().item() / max(want_upd.abs().max().item(), 1e-30)
         assert err <= 2e-6, f"{n}: update error {err:.3e}"
+
+
+def _two_rank_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    """One of two gloo ranks: verl's engine and the tree engine on modules sharded by verl's
+    FSDP2 build over both ranks; this rank trains on its own GRPO group (data parallel)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        model_config = HFModelConfig(path=model_dir, load_tokenizer=False)
+        optimizer_config = FSDPOptimizerConfig(optimizer="SGD", lr=LR, weight_decay=0.01, clip_grad=1.0,
+                                               total_training_steps=4)
+        start = _verl_module(config).state_dict()
+        groups, size, tp, tr, seed, _ = BATCHES["B8-Tp6-Tr7-micro4"]
+        tensors = rollout(groups, size, tp, tr, seed)
+        mine = {k: v[rank * size:(rank + 1) * size] for k, v in tensors.items()}  # this rank's group
+        mine["old_log_probs"] = -2.0 * mine["response_mask"]
+        mine["ref_log_prob"] = -1.9 * mine["response_mask"]
+        results = {}
+        for kind, cls in (("verl", FSDPEngineWithLMHead), ("tree", tree_engine_class())):
+            engine = cls(model_config=model_config, engine_config=FSDPEngineConfig(strategy="fsdp2"),
+                         optimizer_config=optimizer_config, checkpoint_config=CheckpointConfig())
+            module = _verl_module(config)
+            module.load_state_dict(start)
+            engine.module = _fsdp2(engine, module)
+            engine._autocast_dtype = torch.float32
+            engine.optimizer = engine._build_optimizer(engine.module)
+            engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
+            data = worker_batch(mine, micro=2, entropy=True)
+            tu.assign_non_tensor(data, global_batch_size=groups * size)
+            out, grads, params = _train(engine, data, partial(ppo_loss, config=actor_config("token-mean", 2, size)))
+            results[kind] = (out["loss"], _metrics(out)["grad_norm"],
+                             {n: g.full_tensor() for n, g in grads.items()},
+                             {n: q.full_tensor() for n, q in params.items()})
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_over_two_ranks_gives_verls_gradients_and_step(model_dir):
+    """Two gloo ranks, each with its own GRPO group, both engines sharded by verl's FSDP2 build
+    over both: the gradients FSDP2's reduce-scatter divides over the ranks (verl's loss is
+    normalised by the global token count) and the step equal verl's on every rank."""
+    from testing import spawn_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_ranks(_two_rank_worker, (os.path.join(tmp, "init"), model_dir[0], tmp), 2)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    for rank, results in enumerate(ranks):
+        (want_loss, want_norm, want_grads, want_params), (loss, norm, grads, params) = results["verl"], results["tree"]
+        close(torch.tensor(loss), torch.tensor(want_loss), f"rank {rank}: loss per micro-batch")
+        close(torch.tensor(norm), torch.tensor(want_norm), f"rank {rank}: grad_norm")
+        assert_grads_close(grads, want_grads, ("float64", "hf"))
+        assert all(g.abs().max() > 0 for g in want_grads.values())
+        for n, want in want_params.items():
+            torch.testing.assert_close(params[n], want, rtol=0, atol=2e-6 * LR, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
+    # Both ranks hold the same model after the step (one reduction, not two local updates).
+    for n, want in ranks[0]["tree"][3].items():
+        assert torch.equal(ranks[1]["tree"][3][n], want), n
+    assert not torch.allclose(torch.tensor(ranks[0]["verl"][0]), torch.tensor(ranks[1]["verl"][0]))  # own data
 
 
 def test_an_fsdp1_sharded_module_is_refused_naming_the_strategy(engines, model_dir):
