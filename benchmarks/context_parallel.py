@@ -6,9 +6,10 @@ One training step (forward, backward, SGD) of a small Qwen3-shaped model (float3
 weights) on one two-level tree (a prompt, ``fanout[0]`` turns, each with ``fanout[1]``
 leaves), with ``tree_compile(model, cp=group)`` over K gloo processes on this machine, for
 each K given. Per K: the largest rank's rows and its share of the work
-(`treecompile.planning.cp.split_for_cp`), the keys and values each rank receives per layer
-(the all-gather, every other rank's rows padded to the longest; and the root path its
-queries read of them), the median step time over ``--steps`` steps after a warm-up step
+(`treecompile.planning.cp.split_for_cp`), the keys and values a rank receives per layer (the
+root path of its first row: what the exchange moves) and sends (its rows on later ranks'
+paths), against what an all-gather would move (every other rank's rows padded to the
+longest), the median step time over ``--steps`` steps after a warm-up step
 that compiles, and the largest rank's peak memory, measured (CPU allocator) and predicted
 (`CPSplit.peak_bytes`). The loss is printed for each K: it must not change.
 
@@ -80,9 +81,10 @@ def _worker(rank: int, world: int, init: str, out: str, args) -> None:
                predicted=int(split.peak_bytes(cost)[rank]))
     gathered = split.kv_bytes(cfg.num_key_value_heads, cfg.head_dim, 4, gather="all")
     needed = split.kv_bytes(cfg.num_key_value_heads, cfg.head_dim, 4, gather="needed")
+    per_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     if rank == 0:
         row.update(rows=split.rows.tolist(), shares=split.shares(), gathered=int(gathered.max()),
-                   needed=int(needed.max()), tokens=batch.num_tokens)
+                   needed=int(needed.max()), sent=int(split.sent_rows.max()) * per_row, tokens=batch.num_tokens)
     torch.save(row, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -107,13 +109,13 @@ def main(argv=None) -> None:
     mib = 2 ** 20
     print(f"Tree: {results[0][1][0]['tokens']} rows (prompt {args.prompt}, {args.fanout[0]} turns of {args.turn}, "
           f"{args.fanout[1]} leaves of {args.leaf} each); model: Qwen3-shaped {CONFIG}, float32, SGD.\n")
-    print("| ranks | rows per rank | largest share of the work | K/V all-gathered per layer (MiB) | of which kept: "
-          "root path (MiB) | step (s) | peak, largest rank (MiB) | predicted (MiB) | loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | rows per rank | largest share of the work | K/V received per layer (MiB) | K/V sent per layer "
+          "(MiB) | an all-gather would move (MiB) | step (s) | peak, largest rank (MiB) | predicted (MiB) | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world, rows in results:
         r0 = rows[0]
-        print(f"| {world} | {', '.join(map(str, r0['rows']))} | {max(r0['shares']):.2f} | {r0['gathered'] / mib:.2f} | "
-              f"{r0['needed'] / mib:.2f} | {max(r['time'] for r in rows):.2f} | "
+        print(f"| {world} | {', '.join(map(str, r0['rows']))} | {max(r0['shares']):.2f} | {r0['needed'] / mib:.2f} | "
+              f"{r0['sent'] / mib:.2f} | {r0['gathered'] / mib:.2f} | {max(r['time'] for r in rows):.2f} | "
               f"{max(r['measured'] for r in rows) / mib:.1f} | {max(r['predicted'] for r in rows) / mib:.1f} | "
               f"{r0['loss']:.6f} |")
     print(f"\nDevice: CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}); torch "

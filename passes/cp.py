@@ -6,14 +6,15 @@ one graph over its own consecutive rows of the packed row, as a streamed part do
 (`treecompile.passes.stream`), with one difference: the prefix keys and values (the root
 path of the rank's first row, held by earlier ranks) are not graph inputs computed before
 the call but gathered inside it, layer by layer, from the keys and values the other ranks
-compute in the same layer (``treecompile::cp_gather_rows``, an all-gather whose backward
-reduce-scatters the gradients, `treecompile.kernels.cp_gather`). Each attention then runs
+compute in the same layer (``treecompile::cp_gather_rows``, an all-to-all of the rows each
+rank reads whose backward sends the gradients back, `treecompile.kernels.cp_gather`). Each attention then runs
 over ``[prefix ; own]`` with the concatenated interval rule of
 `treecompile.kernels.prefix_attention`, exactly as a streamed part's.
 
 The wrapper routes the gather's index data through one marker:
-``treecompile::cp_inputs(ids, [kv_end, kv_pos, gather_index, sizes])`` returns a copy of
-``ids`` and makes the four tensors graph inputs; `read_cp_inputs_pass` removes it first.
+``treecompile::cp_inputs(ids, [kv_end, kv_pos, gather_index, send_rows, counts])`` returns a
+copy of ``ids`` and makes the five tensors graph inputs; `read_cp_inputs_pass` removes it
+first.
 
 Why it is exact: as for streamed parts (see `treecompile.passes.stream`), with the earlier
 parts' keys and values of a layer being the other ranks' keys and values of that layer,
@@ -44,8 +45,8 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("treecompile::cp_inputs", mutates_args=())
 def cp_inputs(ids: Tensor, meta: list[Tensor]) -> Tensor:
-    """Identity on ``ids`` ``[1, S]``; makes ``meta`` (``[kv_end, kv_pos, gather_index, sizes]``)
-    graph inputs."""
+    """Identity on ``ids`` ``[1, S]``; makes ``meta`` (``[kv_end, kv_pos, gather_index,
+    send_rows, counts]``) graph inputs."""
     return ids.clone()
 
 
@@ -62,7 +63,8 @@ class CPGraph:
     kv_end: fx.Node | None = None
     kv_pos: fx.Node | None = None
     gather_index: fx.Node | None = None
-    sizes: fx.Node | None = None
+    send_rows: fx.Node | None = None
+    counts: fx.Node | None = None
 
 
 def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
@@ -76,7 +78,7 @@ def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
             raise RuntimeError(f"treecompile: expected one cp_inputs marker, found {len(found)}")
         node = found[0]
         ids, meta = node.args
-        state.kv_end, state.kv_pos, state.gather_index, state.sizes = meta
+        state.kv_end, state.kv_pos, state.gather_index, state.send_rows, state.counts = meta
         node.replace_all_uses_with(ids)
         gm.graph.erase_node(node)
         return gm
@@ -89,8 +91,8 @@ def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
             with gm.graph.inserting_before(node):
                 prefix = []
                 for x in (k, v):
-                    got = ctx.mark(gm.graph.call_function(gather, (x, state.gather_index, state.sizes, state.group)),
-                                   like=node)
+                    args = (x, state.gather_index, state.send_rows, state.counts, state.group)
+                    got = ctx.mark(gm.graph.call_function(gather, args), like=node)
                     t = value(x)
                     got.meta["example_value"] = t.new_empty(1, t.shape[1], n_keys, t.shape[3])
                     prefix.append(got)

@@ -85,6 +85,32 @@ def test_counts_match_the_dense_tree_mask(seqs):
             assert split.live_keys[r] == max(blocks, default=0)
 
 
+@given(seqs=trees, ranks=st.integers(1, 4))
+def test_the_exchange_hands_each_rank_exactly_the_keys_its_queries_see(seqs, ranks):
+    """`CPSplit.exchange`: what the other ranks send a rank, concatenated in rank order, is
+    the set of earlier keys its queries see under the dense tree mask, in row order (the order
+    its gather index assumes); the send and receive counts of every pair of ranks agree;
+    ``sent_rows`` is what each rank sends."""
+    batch = _batch(seqs)
+    if batch.num_tokens < ranks:
+        return
+    split = split_for_cp(batch, ranks, WORK)
+    mask = _path_mask(batch)
+    plans = [split.exchange(r) for r in range(ranks)]
+    for r in range(ranks):
+        a, b = int(split.bounds[r]), int(split.bounds[r + 1])
+        sees = np.flatnonzero(mask[a:b, :a].any(0)) if b > a else np.zeros(0, np.int64)
+        got = []
+        for s, (send_rows, send_counts, _) in enumerate(plans):
+            start = int(send_counts[:r].sum())
+            got.append(send_rows[start:start + int(send_counts[r])] + split.bounds[s])
+        got = np.concatenate(got)
+        assert np.array_equal(got, sees) and np.array_equal(split.paths[r], sees), (r, got, sees)
+        assert [int(plans[s][1][r]) for s in range(ranks)] == plans[r][2].tolist()
+        assert int(plans[r][1].sum()) == int(split.sent_rows[r]) == len(plans[r][0])
+        assert plans[r][1][r] == 0 and plans[r][2][r] == 0
+
+
 def test_work_split_beats_rows_on_a_shared_prompt_with_long_branches():
     prompt = list(range(1, 200))
     seqs = [prompt + [300 + k] * 100 for k in range(4)]

@@ -3,7 +3,8 @@
 Prints, per tree, the split by work (`treecompile.planning.cp.split_for_cp`: attention pairs,
 dense rows and LM-head rows weighed by the model's FLOPs) against the split by row count,
 each rank's share, and the K and V bytes a rank receives per layer: the root path of its
-first row (what its queries see), or every other rank's rows under an all-gather.
+first row (what its queries see, and what treecompile's exchange moves), against every other
+rank's rows under an all-gather (what a flat-sequence CP moves).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def _print(out: dict[str, Any], rows: int) -> None:
         table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 9)
     console.print(table)
     console.print("max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
-                  "counts. K/V in per layer: the most any rank receives, the root path of its first row; "
-                  "all-gather: every other rank's rows, padded to the longest. Peak: the largest rank's predicted "
+                  "counts. K/V in per layer: the most any rank receives, the root path of its first row (what "
+                  "it moves); all-gather: every other rank's rows, padded to the longest (for comparison). Peak: the largest rank's predicted "
                   f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
                   "rank, its rows' activations, the K/V it received for every layer), against one rank's")
     console.print(f"planned in {out['seconds']:.2f} s")

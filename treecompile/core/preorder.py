@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["preorder_violation", "subtree_sum", "subtree_max", "root_path_sum", "climb"]
+__all__ = ["preorder_violation", "subtree_sum", "subtree_max", "root_path_sum", "climb", "rows_before_on_path"]
 
 
 def preorder_violation(parent: np.ndarray) -> str | None:
@@ -94,3 +94,16 @@ def climb(parent: np.ndarray, v: int, stop: np.ndarray | None = None) -> Iterato
     while v >= 0 and (stop is None or not stop[v]):
         yield v
         v = int(parent[v])
+
+
+def rows_before_on_path(node_start: np.ndarray, node_end: np.ndarray, parent: np.ndarray, row: int) -> np.ndarray:
+    """``[P]`` int64: the rows before ``row`` on its root path, root first, in a packed row whose
+    node ``v`` holds rows ``node_start[v]:node_end[v]`` (nodes in preorder, ``parent`` as above):
+    the earlier rows ``row`` and the rows after it in its subtree may attend to. O(depth)."""
+    v = int(np.searchsorted(node_start, row, side="right")) - 1
+    chain = [np.arange(node_start[v], row)]
+    u = int(parent[v])
+    while u >= 0:
+        chain.append(np.arange(node_start[u], node_end[u]))
+        u = int(parent[u])
+    return np.concatenate(chain[::-1]).astype(np.int64)

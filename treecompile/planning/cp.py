@@ -32,12 +32,14 @@ predicted peak memory.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from treecompile.core.batch import TreeBatch
 from treecompile.core.errors import TreeInputError
+from treecompile.core.preorder import rows_before_on_path
 
 __all__ = ["RowWork", "CPSplit", "split_for_cp", "equal_rows_split"]
 
@@ -80,6 +82,11 @@ class CPSplit:
         live_keys: ``[K]`` the most keys one block of its queries reads (``block`` rows from
             the block's first row ``q``: the root path of ``q``, ``position_ids[q]`` rows, and
             the block's own rows), which bounds the attention's score blocks.
+        paths: per rank, ``[ancestor_rows[r]]`` int64: the global rows of earlier ranks its
+            queries see (the root path of its first row, root first; empty for rank 0 and a
+            rank without rows).
+        sent_rows: ``[K]`` rows each rank sends the later ones per layer (for K, and as many
+            for V): its rows on their paths, a row counted once per rank that reads it.
     """
 
     bounds: np.ndarray
@@ -89,6 +96,27 @@ class CPSplit:
     work: np.ndarray
     ancestor_rows: np.ndarray
     live_keys: np.ndarray
+    paths: tuple = ()
+    sent_rows: np.ndarray | None = None
+
+    def owner(self, rows: np.ndarray) -> np.ndarray:
+        """The rank that holds each of ``rows`` (global row numbers)."""
+        return np.searchsorted(self.bounds, rows, side="right") - 1
+
+    def exchange(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What ``rank`` sends and receives in a layer's exchange of keys (or values):
+        ``(send_rows, send_counts, recv_counts)``: its own rows (local numbers) that the other
+        ranks read, grouped by the reading rank in rank order; ``[K]`` rows it sends to each
+        rank; ``[K]`` rows it receives from each. What it receives, concatenated in rank
+        order, is ``paths[rank]`` in order (a root path runs through the ranks in order)."""
+        a = int(self.bounds[rank])
+        send = [np.zeros(0, np.int64)] * self.ranks
+        for r, path in enumerate(self.paths):
+            if r != rank and len(path):
+                send[r] = path[self.owner(path) == rank] - a
+        recv = np.bincount(self.owner(self.paths[rank]), minlength=self.ranks).astype(np.int64) \
+            if len(self.paths[rank]) else np.zeros(self.ranks, np.int64)
+        return (np.concatenate(send).astype(np.int64), np.array([len(x) for x in send], dtype=np.int64), recv)
 
     @property
     def ranks(self) -> int:
@@ -109,7 +137,7 @@ class CPSplit:
         of its first row; ``"all"``, an all-gather of every other rank's rows, each padded to
         the longest rank's (collectives move equal chunks)."""
         per_row = 2 * kv_heads * head_dim * dtype_bytes
-        if gather == "needed":
+        if gather == "needed":  # what `treecompile::cp_gather_rows` moves
             return self.ancestor_rows * per_row
         if gather == "all":
             return np.full(self.ranks, (self.ranks - 1) * int(self.rows.max()) * per_row, dtype=np.int64)
@@ -122,17 +150,25 @@ class CPSplit:
         all), the activations autograd keeps over the rank's own rows, the K and V it
         received for every layer (autograd keeps each layer's gathered keys and values for
         that layer's backward) and the largest transient: the attention's over its own rows
-        and the keys one block of them reads (`live_keys`), or the all-gather's buffer of one
-        layer's keys (every rank's rows, padded to the longest rank's), whichever is larger."""
+        and the keys one block of them reads (`live_keys`), or the exchange's buffers of one
+        layer's keys, whichever is larger. The exchange's buffers: ``"needed"``, the rows it
+        sends (`sent_rows`) and receives; ``"all"``, an all-gather's (every rank's rows,
+        padded to the longest rank's)."""
         d = cost.dims
         received = self.kv_bytes(d.kv_heads, d.head_dim, cost.dtype_bytes, gather)
         per_row = 2 * d.kv_heads * d.head_dim * cost.dtype_bytes
-        gather_buffer = self.ranks * int(self.rows.max()) * per_row // 2 if self.ranks > 1 else 0
+        if self.ranks == 1:
+            buffers = np.zeros(1, np.int64)
+        elif gather == "all":
+            buffers = np.full(self.ranks, self.ranks * int(self.rows.max()) * per_row // 2, dtype=np.int64)
+        else:
+            buffers = (self.sent_rows + self.ancestor_rows) * per_row // 2
         out = []
-        for rows, got, live in zip(self.rows.tolist(), received.tolist(), self.live_keys.tolist()):
+        for rows, got, live, buf in zip(self.rows.tolist(), received.tolist(), self.live_keys.tolist(),
+                                        buffers.tolist()):
             rows = max(rows, 1)
             saved, transient = cost.part_bytes(rows, max(1, min(rows + got // per_row, live)))
-            out.append(cost.static_bytes() + saved + d.layers * got + max(transient, gather_buffer))
+            out.append(cost.static_bytes() + saved + d.layers * got + max(transient, buf))
         return np.asarray(out, dtype=np.int64)
 
 
@@ -154,6 +190,16 @@ def _live_keys(pairs: np.ndarray, a: int, b: int) -> int:
         return 0
     starts = np.arange(a, b, CPU_BLOCK_ROWS)
     return int((pairs[starts] - 1 + np.minimum(CPU_BLOCK_ROWS, b - starts)).max())
+
+
+def _with_paths(batch: TreeBatch, split: CPSplit) -> CPSplit:
+    """``split`` with its `CPSplit.paths` and `CPSplit.sent_rows` (O(ranks x depth))."""
+    nodes = tuple(t.detach().cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    b = split.bounds
+    paths = tuple(rows_before_on_path(*nodes, int(b[r])) if b[r + 1] > b[r] else np.zeros(0, np.int64)
+                  for r in range(split.ranks))
+    sent = np.bincount(split.owner(np.concatenate(paths)), minlength=split.ranks).astype(np.int64)
+    return dataclasses.replace(split, paths=paths, sent_rows=sent)
 
 
 def _summary(bounds: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> CPSplit:
@@ -189,7 +235,7 @@ def equal_rows_split(batch: TreeBatch, ranks: int, work: RowWork, *, align: int 
     s = batch.num_tokens
     cuts = [min(s, int(round((r * s // ranks) / align)) * align) for r in range(ranks)]
     bounds = np.array([*cuts, s], dtype=np.int64)
-    return _summary(bounds, _row_costs(batch, work))
+    return _with_paths(batch, _summary(bounds, _row_costs(batch, work)))
 
 
 def _greedy_cuts(prefix: np.ndarray, ranks: int, bound: float, align: int) -> np.ndarray | None:
@@ -247,4 +293,4 @@ def split_for_cp(batch: TreeBatch, ranks: int, work: RowWork | None = None, *, a
             lo = mid
         else:
             best, hi = cuts, mid
-    return _summary(best, costs)
+    return _with_paths(batch, _summary(best, costs))

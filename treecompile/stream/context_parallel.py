@@ -13,14 +13,14 @@ training:
 * the loss is the sum of the ranks' losses; a router's auxiliary loss is computed from the
   ranks' summed router statistics, and its gradient reaches each rank's share through them;
 * the backward runs inside the call, as the streamed path's does
-  (`treecompile.stream.runner`): each rank's graph backward reduce-scatters the gradients
-  of the keys and values it read back to their owners, then the parameter gradients are
+  (`treecompile.stream.runner`): each rank's graph backward sends the gradients of the keys
+  and values it read back to their owners (the reverse all-to-all), then the parameter gradients are
   summed over the group, and ``loss.backward()`` hands them to the parameters.
 
 Memory per rank: the parameters and optimizer state (each rank holds them all), the
 activations of its own rows, and per layer the keys and values of its prefix rows, which
 the attention keeps for its backward (`treecompile.planning.cp.CPSplit.peak_bytes` predicts
-it; the all-gather itself is transient, one layer at a time).
+it; the exchange's buffers are transient, one layer at a time).
 
 Hybrid models (recurrent or convolution layers) are refused under CP by the op's name.
 """
@@ -40,7 +40,6 @@ from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, context_parallel
 from treecompile.planning.cp import CPSplit, RowWork, split_for_cp
 from treecompile.stream.parts import PAD_PREFIX, BatchArrays
-from treecompile.stream.plan import root_path
 from treecompile.stream.runner import _StreamedLoss
 from treecompile.stream.sharded import Unsharded
 
@@ -164,29 +163,31 @@ class CPRunner:
         data = BatchArrays(batch)
         runs = np.array([data.run_rows(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
         a, b = int(bounds[self.rank]), int(bounds[self.rank + 1])
-        prefix = root_path(batch, a) if b > a else np.zeros(0, dtype=np.int64)
+        prefix = split.paths[self.rank]  # the root path of its first row: what it receives
         inputs, dest = data.part_inputs(a, b, prefix)
-        # The prefix rows in the all-gather's coordinates (rank r's row i at r * max(runs) + i);
-        # the padding keys (never visible) read row 0.
-        owner = np.searchsorted(bounds, prefix, side="right") - 1
-        index = np.concatenate([np.zeros(PAD_PREFIX, np.int64), owner * int(runs.max()) + prefix - bounds[owner]])
+        # The prefix rows in the exchange's coordinates: 1 + i is the i-th row received (in rank
+        # order, which is the path's order); the padding keys (never visible) read the zero row.
+        index = np.concatenate([np.zeros(PAD_PREFIX, np.int64), 1 + np.arange(len(prefix), dtype=np.int64)])
+        send_rows, send_counts, recv_counts = split.exchange(self.rank)
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
         block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
         device = device_of(self.setup.model)
         moved = [x.to(device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local, weight,
-                                         path_count, kv_end, kv_pos, torch.from_numpy(index))]
-        ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos, index = moved
+                                         path_count, kv_end, kv_pos, torch.from_numpy(index),
+                                         torch.from_numpy(send_rows))]
+        (ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos, index,
+         send_rows) = moved
         block_tensors = type(block_tensors)(*(t.to(device) for t in block_tensors))
-        sizes = torch.from_numpy(runs)  # on the CPU: the gather reads it on the host
+        counts = torch.from_numpy(np.stack([send_counts, recv_counts]))  # on the CPU: read on the host
         for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest_local, 0),
-                     (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), (index, 0),
+                     (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), (index, 0), (send_rows, 0),
                      *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
         # A model with recurrent or conv layers gets its rows' own structure, so that the capture
         # reaches the pass that refuses those layers by name (`treecompile.passes.cp`).
         structure = _local_structure(batch, a, b, int(runs[self.rank]), device) if self.setup.structure else []
         args = (ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest_local, weight,
-                path_count, [kv_end, kv_pos, index, sizes])
+                path_count, [kv_end, kv_pos, index, send_rows, counts])
         return args, dest
 
     def __call__(self, batch: TreeBatch) -> TreeOutput:
@@ -264,7 +265,7 @@ class CPRunner:
             probe = all_stats.clone().requires_grad_(True)
             (aux_grad,) = torch.autograd.grad(router.coef * router.aux_from_stats(probe), probe)
             objective = objective + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
-        # Every rank runs its backward (its gathers' reduce-scatters meet the other ranks').
+        # Every rank runs its backward (its gathers' reverse all-to-alls meet the other ranks').
         grads = [g.contiguous() for g in
                  torch.autograd.grad(objective, params, allow_unused=True, materialize_grads=True)]
         # Summed over the group in place, one collective per tensor, all in flight at once

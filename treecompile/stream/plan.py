@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.core.batch import TreeBatch
+from treecompile.core.preorder import rows_before_on_path
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream", "root_path",
            "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
@@ -171,14 +172,7 @@ def root_path(batch: TreeBatch, row: int, nodes: tuple | None = None) -> np.ndar
     """``[P]`` the rows before ``row`` on its root path, root first (``P`` is its position):
     the earlier rows a run of rows starting at ``row`` may see. ``nodes``: ``(node_start,
     node_end, node_parent)`` as numpy arrays, when the caller has them."""
-    n_start, n_end, parent = nodes if nodes is not None else _nodes(batch)
-    v = int(np.searchsorted(n_start, row, side="right")) - 1
-    chain = [np.arange(n_start[v], row)]
-    u = int(parent[v])
-    while u >= 0:
-        chain.append(np.arange(n_start[u], n_end[u]))
-        u = int(parent[u])
-    return np.concatenate(chain[::-1]).astype(np.int64)
+    return rows_before_on_path(*(nodes if nodes is not None else _nodes(batch)), row)
 
 
 def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
