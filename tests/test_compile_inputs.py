@@ -163,7 +163,8 @@ def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):
 def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path):
     """FSDP2's hooks gather and free parameters outside any graph: a call gathers every unit
     first and the backward puts each gradient in its shard (a one-process gloo group is
-    enough to shard). Equal to the unsharded model's, whole and streamed; verify=True refused."""
+    enough to shard). Equal to the unsharded model's, whole and streamed, accumulating over
+    calls with and without FSDP2's gradient synchronisation; verify=True refused."""
     import torch.distributed as dist
 
     from treecompile.compile.distributed import wrap_fsdp
@@ -187,6 +188,22 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
         for n, p in model.named_parameters():
             assert type(p).__name__ == "DTensor", n
             torch.testing.assert_close(p.grad.full_tensor(), 2 * grads[n], rtol=1e-12, atol=1e-12, msg=n)
+        # FSDP2's gradient accumulation without communication (verl's non-final micro-batches):
+        # no reduce-scatter until a backward with synchronisation on, then one per parameter.
+        model.zero_grad(set_to_none=True)
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        calls, collective = [], getattr(dist, name)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dist, name, lambda *a, **k: calls.append(1) or collective(*a, **k))
+            model.set_requires_gradient_sync(False)
+            for _ in range(2):
+                compiled(batch).loss.backward()
+            assert calls == [] and all(p.grad is None for p in model.parameters())
+            model.set_requires_gradient_sync(True)
+            compiled(batch).loss.backward()
+            assert len(calls) == sum(1 for p in model.parameters() if type(p).__name__ == "DTensor")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), 3 * grads[n], rtol=1e-12, atol=1e-12, msg=n)
         model.zero_grad(set_to_none=True)
         streamed = tc.tree_compile(model, backend="eager", stream=stream)
         streamed(batch).loss.backward()

@@ -33,9 +33,8 @@ verl's engine build (``initialize``) wraps the module in FSDP2 (strategy ``fsdp2
 every gradient into its shard as FSDP2 would (`treecompile.stream.sharded`); verl's gradient
 clipping and optimizer then act on the shards. The full parameters and full gradients of a
 call live together until its backward ends (FSDP2's per-layer gathering does not apply to one
-graph). verl's ``set_requires_gradient_sync(False)`` on non-final micro-batches is not read:
-each micro-batch's gradients are reduce-scattered at once, which sums to the same shards.
-FSDP1 (``strategy``) is refused.
+graph). verl's ``set_requires_gradient_sync(False)`` on non-final micro-batches defers the
+reduce-scatter to the final one, as in FSDP2. FSDP1 (``strategy``) is refused.
 
 This module imports verl only inside the functions that need it.
 """

@@ -123,16 +123,35 @@ class Unsharded:
                     dist.all_reduce(g, group=mesh.get_group())
         return params, out
 
+    def reduces_grads(self) -> bool:
+        """False after FSDP2's ``set_requires_gradient_sync(False)`` on the units (their
+        gradients accumulate unsharded until a backward with it on), else True. Read from
+        FSDP2's state, whose layout is not public: where it cannot be read, True.
+
+        Raises:
+            NotImplementedError: some units synchronise and others do not.
+        """
+        flags = {getattr(g, "reduce_grads", True) for g in self._param_groups()}
+        if len(flags) > 1:
+            raise NotImplementedError("FSDP2 units of one model with and without gradient synchronisation "
+                                      "(set_requires_gradient_sync on some units only)")
+        return next(iter(flags), True)
+
+    def _param_groups(self) -> list:
+        """The FSDP2 parameter group of each unit that holds parameters (FSDP2's private state)."""
+        groups = []
+        for unit in self.units:
+            state = getattr(unit, "_get_fsdp_state", None)
+            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+            if group is not None:
+                groups.append(group)
+        return groups
+
     def _divide_factor(self) -> float | None:
         """The units' gradient divide factor (``set_gradient_divide_factor``), None for FSDP2's
         default (the mesh size). Read from FSDP2's state, whose layout is not public: where it
         cannot be read, None."""
-        factors = set()
-        for unit in self.units:
-            state = getattr(unit, "_get_fsdp_state", None)
-            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-            if group is not None:  # a unit that holds parameters
-                factors.add(getattr(group, "gradient_divide_factor", None))
+        factors = {getattr(g, "gradient_divide_factor", None) for g in self._param_groups()}
         if len(factors) > 1:
             raise NotImplementedError(f"FSDP2 units with different gradient divide factors {sorted(map(str, factors))}")
         return next(iter(factors), None)
@@ -157,12 +176,19 @@ class UnshardedUntilBackward:
     of the backward through the call's outputs, when each gradient is reduce-scattered into
     its shard (added to the shard's ``.grad``; `Unsharded.shard_grads`) and the shards come
     back. Outputs that need no gradient: the shards come back at once. A call whose backward
-    never comes is finished (its gradients dropped) by the next `begin`."""
+    never comes is finished (its gradients dropped) by the next `begin`.
+
+    Under FSDP2's ``set_requires_gradient_sync(False)`` (gradient accumulation without
+    communication, as verl runs its non-final micro-batches) the full gradients are kept,
+    summed over such backwards, and reduce-scattered with the next backward that synchronises:
+    one reduce-scatter per parameter for the accumulation, as FSDP2 does, holding full
+    gradients in between."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.state = Unsharded(model)
         self._pending = False
         self._queued = False
+        self._deferred: dict[str, torch.Tensor] = {}
 
     @property
     def units(self) -> list:
@@ -194,11 +220,20 @@ class UnshardedUntilBackward:
         self._pending = False
         full = [(n, p) for n, p in self.state.model.named_parameters() if p.grad is not None]
         if keep_grads and full:
-            params, grads = self.state.shard_grads([n for n, _ in full], [p.grad for _, p in full])
-            for p, g in zip(params, grads):
-                p.grad = g if p.grad is None else p.grad + g
+            for n, p in full:
+                if n in self._deferred:
+                    p.grad = p.grad + self._deferred.pop(n)
+            if not self.state.reduces_grads():
+                self._deferred.update({n: p.grad for n, p in full})
+            else:
+                full += [(n, None) for n in self._deferred]  # deferred, none this time
+                grads = [p.grad if p is not None else self._deferred.pop(n) for n, p in full]
+                params, grads = self.state.shard_grads([n for n, _ in full], grads)
+                for p, g in zip(params, grads):
+                    p.grad = g if p.grad is None else p.grad + g
         for _, p in full:
-            p.grad = None
+            if p is not None:
+                p.grad = None
         self.state.reshard()
 
 
