@@ -173,11 +173,14 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
     torch.manual_seed(0)
     model = tiny(NanoGPT, layers=2)
     batch = tc.pack(tc.TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5], [6, 7]]), warn_por=False)
+    small = tc.pack(tc.TrajectoryTree.from_sequences([[1, 2], [1, 3]]), warn_por=False)  # 3 rows: not streamed
     plain = tc.tree_compile(model, backend="eager")
-    want = plain(batch)
-    want.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    grads = {}
+    for name_, b in (("small", small), ("batch", batch)):
+        plain(b).loss.backward()
+        grads[name_] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    small_grads, grads = grads["small"], grads["batch"]
     stream = StreamOptions(budget_rows=3)  # parts of 3 rows: the tree's 7 rows stream
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
@@ -210,6 +213,18 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
         assert streamed._stream.stats.parts > 1
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad.full_tensor(), grads[n], rtol=1e-12, atol=1e-12, msg=n)
+        # Unsynchronised whole-tree calls of one wrapper, then a synchronised call of another
+        # wrapper of the model, whole-tree (3 rows: under the budget) or streamed: the kept
+        # gradients reach the shards with it, whichever it is.
+        for last, extra in ((small, small_grads), (batch, grads)):
+            model.zero_grad(set_to_none=True)
+            model.set_requires_gradient_sync(False)
+            compiled(small).loss.backward()
+            model.set_requires_gradient_sync(True)
+            streamed(last).loss.backward()
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), small_grads[n] + extra[n], rtol=1e-12, atol=1e-12,
+                                           msg=n)
         with pytest.raises(ValueError, match="copies the model to one process"):
             tc.tree_compile(model, verify=True)
     finally:

@@ -19,6 +19,7 @@ sizes).
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -29,6 +30,13 @@ __all__ = ["Unsharded", "UnshardedUntilBackward", "fsdp_call_of"]
 #: The hook tables of an ``nn.Module`` a forward call reads.
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                 "_forward_hooks_always_called")
+
+
+#: Per model, the full gradients kept under FSDP2's ``set_requires_gradient_sync(False)``
+#: (`Unsharded.defer`), until a call that synchronises puts them in the shards
+#: (`Unsharded.flush`): one table for every wrapper and path of the model, so that none is left
+#: behind whichever call comes next.
+_DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _fsdp_units(model: torch.nn.Module) -> list:
@@ -56,6 +64,7 @@ class Unsharded:
 
     def __enter__(self) -> Unsharded:
         self.unshard()
+        self.flush()  # a call that puts its gradients in the shards takes the kept ones along
         self.hooks_aside()
         return self
 
@@ -123,6 +132,22 @@ class Unsharded:
                     dist.all_reduce(g, group=mesh.get_group())
         return params, out
 
+    def defer(self, grads: dict[str, torch.Tensor]) -> None:
+        """Keeps full gradients (by parameter name) for a later `flush`, summed with those kept."""
+        kept = _DEFERRED.setdefault(self.model, {})
+        for n, g in grads.items():
+            kept[n] = g + kept[n] if n in kept else g
+
+    def flush(self) -> None:
+        """The kept full gradients (`defer`), reduce-scattered into their shards now (needs the
+        shards: after `unshard`)."""
+        kept = _DEFERRED.pop(self.model, None)
+        if not kept:
+            return
+        params, grads = self.shard_grads(list(kept), list(kept.values()))
+        for p, g in zip(params, grads):
+            p.grad = g if p.grad is None else p.grad + g
+
     def reduces_grads(self) -> bool:
         """False after FSDP2's ``set_requires_gradient_sync(False)`` on the units (their
         gradients accumulate unsharded until a backward with it on), else True. Read from
@@ -180,15 +205,15 @@ class UnshardedUntilBackward:
 
     Under FSDP2's ``set_requires_gradient_sync(False)`` (gradient accumulation without
     communication, as verl runs its non-final micro-batches) the full gradients are kept,
-    summed over such backwards, and reduce-scattered with the next backward that synchronises:
-    one reduce-scatter per parameter for the accumulation, as FSDP2 does, holding full
-    gradients in between."""
+    summed over such backwards, and reduce-scattered with the next call that synchronises (a
+    whole-tree backward with it on, or any streamed or CP call of the model, which take them
+    along: `Unsharded.defer`, `Unsharded.flush`): one reduce-scatter per parameter for the
+    accumulation, as FSDP2 does, holding full gradients in between."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.state = Unsharded(model)
         self._pending = False
         self._queued = False
-        self._deferred: dict[str, torch.Tensor] = {}
 
     @property
     def units(self) -> list:
@@ -219,21 +244,12 @@ class UnshardedUntilBackward:
     def _finish(self, keep_grads: bool) -> None:
         self._pending = False
         full = [(n, p) for n, p in self.state.model.named_parameters() if p.grad is not None]
-        if keep_grads and full:
-            for n, p in full:
-                if n in self._deferred:
-                    p.grad = p.grad + self._deferred.pop(n)
-            if not self.state.reduces_grads():
-                self._deferred.update({n: p.grad for n, p in full})
-            else:
-                full += [(n, None) for n in self._deferred]  # deferred, none this time
-                grads = [p.grad if p is not None else self._deferred.pop(n) for n, p in full]
-                params, grads = self.state.shard_grads([n for n, _ in full], grads)
-                for p, g in zip(params, grads):
-                    p.grad = g if p.grad is None else p.grad + g
+        if keep_grads:
+            self.state.defer({n: p.grad for n, p in full})
+            if self.state.reduces_grads():
+                self.state.flush()
         for _, p in full:
-            if p is not None:
-                p.grad = None
+            p.grad = None
         self.state.reshard()
 
 
