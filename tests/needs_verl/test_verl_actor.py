@@ -409,17 +409,25 @@ def test_options_a_tree_cannot_reproduce_are_refused_by_name(engines, edit, erro
         engines.tree.infer_batch(data)
 
 
-def _fsdp2(engine, module):
-    """``module`` sharded as verl's engine build shards it for strategy 'fsdp2' (``apply_fsdp2``:
-    every decoder layer, then the root, on the engine's device mesh), in float64 (verl's
-    precision config has no float64: its policy's dtypes are given here)."""
+def _fsdp2_engine(cls, model_config, optimizer_config, config):
+    """An engine of class ``cls`` on a fresh `_verl_module`, sharded as verl's engine build
+    shards it for strategy 'fsdp2' (``apply_fsdp2``: every decoder layer, then the root, on the
+    engine's device mesh), in float64 (verl's precision config has no float64: its policy's
+    dtypes are given here), with verl's optimizer and scheduler on the shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from verl.utils.fsdp_utils import apply_fsdp2
 
+    engine = cls(model_config=model_config, engine_config=FSDPEngineConfig(strategy="fsdp2"),
+                 optimizer_config=optimizer_config, checkpoint_config=CheckpointConfig())
+    module = _verl_module(config)
     policy = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64, cast_forward_inputs=True)
     apply_fsdp2(module, {"mesh": engine.device_mesh, "mp_policy": policy, "reshard_after_forward": True},
                 engine.engine_config)
-    return module
+    engine.module = module
+    engine._autocast_dtype = torch.float32  # verl's setting for float32 parameters: no autocast
+    engine.optimizer = engine._build_optimizer(engine.module)
+    engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
+    return engine
 
 
 def test_fsdp2_sharded_modules_give_verls_log_probs_gradients_and_step(engines, model_dir):
@@ -430,16 +438,9 @@ def test_fsdp2_sharded_modules_give_verls_log_probs_gradients_and_step(engines, 
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    sharded = {}
-    for kind in ("verl", "tree"):
-        module = _verl_module(model_dir[1])
-        module.load_state_dict(engines.start)
-        cls = FSDPEngineWithLMHead if kind == "verl" else tree_engine_class()
-        engine = engines._engine(cls, None, engines.verl.optimizer_config)
-        engine.module = _fsdp2(engine, module)
-        engine.optimizer = engine._build_optimizer(engine.module)
-        engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
-        sharded[kind] = engine
+    # The same start as `engines.start`: `_verl_module` is seeded.
+    sharded = {kind: _fsdp2_engine(cls, engines.model_config, engines.verl.optimizer_config, model_dir[1])
+               for kind, cls in (("verl", FSDPEngineWithLMHead), ("tree", tree_engine_class()))}
     assert isinstance(sharded["tree"].module, FSDPModule)
 
     name = "B8-Tp6-Tr7-micro4"
@@ -479,7 +480,6 @@ def _two_rank_worker(rank: int, init_file: str, model_dir: str, out_dir: str) ->
         model_config = HFModelConfig(path=model_dir, load_tokenizer=False)
         optimizer_config = FSDPOptimizerConfig(optimizer="SGD", lr=LR, weight_decay=0.01, clip_grad=1.0,
                                                total_training_steps=4)
-        start = _verl_module(config).state_dict()
         groups, size, tp, tr, seed, _ = BATCHES["B8-Tp6-Tr7-micro4"]
         tensors = rollout(groups, size, tp, tr, seed)
         mine = {k: v[rank * size:(rank + 1) * size] for k, v in tensors.items()}  # this rank's group
@@ -487,14 +487,7 @@ def _two_rank_worker(rank: int, init_file: str, model_dir: str, out_dir: str) ->
         mine["ref_log_prob"] = -1.9 * mine["response_mask"]
         results = {}
         for kind, cls in (("verl", FSDPEngineWithLMHead), ("tree", tree_engine_class())):
-            engine = cls(model_config=model_config, engine_config=FSDPEngineConfig(strategy="fsdp2"),
-                         optimizer_config=optimizer_config, checkpoint_config=CheckpointConfig())
-            module = _verl_module(config)
-            module.load_state_dict(start)
-            engine.module = _fsdp2(engine, module)
-            engine._autocast_dtype = torch.float32
-            engine.optimizer = engine._build_optimizer(engine.module)
-            engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
+            engine = _fsdp2_engine(cls, model_config, optimizer_config, config)
             data = worker_batch(mine, micro=2, entropy=True)
             tu.assign_non_tensor(data, global_batch_size=groups * size)
             out, grads, params = _train(engine, data, partial(ppo_loss, config=actor_config("token-mean", 2, size)))

@@ -100,7 +100,8 @@ def _print(out: dict[str, Any], rows: int) -> None:
     console.print(table)
     console.print("max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
                   "counts. K/V in per layer: the most any rank receives, the root path of its first row (what "
-                  "it moves); all-gather: every other rank's rows, padded to the longest (for comparison). Peak: the largest rank's predicted "
+                  "it moves); all-gather: every other rank's rows, padded to the longest (for comparison). "
+                  "Peak: the largest rank's predicted "
                   f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
                   "rank, its rows' activations, the K/V it received for every layer), against one rank's")
     console.print(f"planned in {out['seconds']:.2f} s")

@@ -96,14 +96,16 @@ def climb(parent: np.ndarray, v: int, stop: np.ndarray | None = None) -> Iterato
         v = int(parent[v])
 
 
-def rows_before_on_path(node_start: np.ndarray, node_end: np.ndarray, parent: np.ndarray, row: int) -> np.ndarray:
-    """``[P]`` int64: the rows before ``row`` on its root path, root first, in a packed row whose
-    node ``v`` holds rows ``node_start[v]:node_end[v]`` (nodes in preorder, ``parent`` as above):
-    the earlier rows ``row`` and the rows after it in its subtree may attend to. O(depth)."""
-    v = int(np.searchsorted(node_start, row, side="right")) - 1
-    chain = [np.arange(node_start[v], row)]
+def rows_before_on_path(nodes: np.ndarray, row: int) -> np.ndarray:
+    """``[P]`` int64: the rows before ``row`` on its root path, root first, in a packed row of
+    nodes ``nodes`` ``[N, 3]`` (each node's first row, end row and parent, in preorder: the
+    batch's ``node_table()``): the earlier rows ``row`` and the rows after it in its subtree
+    may attend to. O(depth)."""
+    start, end, parent = nodes[:, 0], nodes[:, 1], nodes[:, 2]
+    v = int(np.searchsorted(start, row, side="right")) - 1
+    chain = [np.arange(start[v], row)]
     u = int(parent[v])
     while u >= 0:
-        chain.append(np.arange(node_start[u], node_end[u]))
+        chain.append(np.arange(start[u], end[u]))
         u = int(parent[u])
     return np.concatenate(chain[::-1]).astype(np.int64)

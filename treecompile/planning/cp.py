@@ -194,9 +194,9 @@ def _live_keys(pairs: np.ndarray, a: int, b: int) -> int:
 
 def _with_paths(batch: TreeBatch, split: CPSplit) -> CPSplit:
     """``split`` with its `CPSplit.paths` and `CPSplit.sent_rows` (O(ranks x depth))."""
-    nodes = tuple(t.detach().cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    nodes = batch.node_table().numpy()  # on the host, from the batch's check
     b = split.bounds
-    paths = tuple(rows_before_on_path(*nodes, int(b[r])) if b[r + 1] > b[r] else np.zeros(0, np.int64)
+    paths = tuple(rows_before_on_path(nodes, int(b[r])) if b[r + 1] > b[r] else np.zeros(0, np.int64)
                   for r in range(split.ranks))
     sent = np.bincount(split.owner(np.concatenate(paths)), minlength=split.ranks).astype(np.int64)
     return dataclasses.replace(split, paths=paths, sent_rows=sent)

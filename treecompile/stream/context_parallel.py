@@ -161,7 +161,6 @@ class CPRunner:
         self.split = split
         bounds = split.bounds
         data = BatchArrays(batch)
-        runs = np.array([data.run_rows(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
         a, b = int(bounds[self.rank]), int(bounds[self.rank + 1])
         prefix = split.paths[self.rank]  # the root path of its first row: what it receives
         inputs, dest = data.part_inputs(a, b, prefix)
@@ -185,7 +184,7 @@ class CPRunner:
             torch._dynamo.maybe_mark_dynamic(t, d)
         # A model with recurrent or conv layers gets its rows' own structure, so that the capture
         # reaches the pass that refuses those layers by name (`treecompile.passes.cp`).
-        structure = _local_structure(batch, a, b, int(runs[self.rank]), device) if self.setup.structure else []
+        structure = _local_structure(batch, a, b, data.run_rows(a, b), device) if self.setup.structure else []
         args = (ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest_local, weight,
                 path_count, [kv_end, kv_pos, index, send_rows, counts])
         return args, dest

@@ -164,15 +164,12 @@ class StreamPlan:
         return max((len(p) for p in self.prefix), default=0)
 
 
-def _nodes(batch: TreeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
-
-
-def root_path(batch: TreeBatch, row: int, nodes: tuple | None = None) -> np.ndarray:
+def root_path(batch: TreeBatch, row: int, nodes: np.ndarray | None = None) -> np.ndarray:
     """``[P]`` the rows before ``row`` on its root path, root first (``P`` is its position):
-    the earlier rows a run of rows starting at ``row`` may see. ``nodes``: ``(node_start,
-    node_end, node_parent)`` as numpy arrays, when the caller has them."""
-    return rows_before_on_path(*(nodes if nodes is not None else _nodes(batch)), row)
+    the earlier rows a run of rows starting at ``row`` may see. ``nodes``: the batch's
+    ``node_table()`` as a numpy array, when the caller has it (read on the host, from the
+    batch's check: no device read)."""
+    return rows_before_on_path(nodes if nodes is not None else batch.node_table().numpy(), row)
 
 
 def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> StreamPlan:
@@ -208,7 +205,7 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
             bounds.append(b)
             a = b
         starts = np.asarray(bounds, dtype=np.int64)
-    nodes = _nodes(batch)
+    nodes = batch.node_table().numpy()
     prefix = [root_path(batch, a, nodes) for a in starts[:-1].tolist()]
     n = len(starts) - 1
     # A part's backward must come after that of every part that reads it (they add its
