@@ -44,6 +44,8 @@ __all__ = [
     "demote_full_blocks",
     "split_block_mask",
     "call_flex_hop",
+    "call_kernel_options",
+    "main_kernel_option",
     "tree_attention_fn",
 ]
 
@@ -209,6 +211,36 @@ def _block_tuple(layout: BlockLayout, tables: BlockTensors, q_len, kv_len, mask_
     return tuple(out)
 
 
+def call_kernel_options(q) -> dict | None:
+    """The ``kernel_options`` our FlexAttention calls ask for: on CUDA, FlexAttention's main
+    Triton kernel (:func:`main_kernel_option`) with the tiles of the options table
+    (kernels/flex_options.py); elsewhere the table's (``None``: torch's own choice)."""
+    table = flex_kernel_options(q)
+    if q.device.type != "cuda":
+        return table or None
+    return {**main_kernel_option(), **table}
+
+
+@functools.cache
+def main_kernel_option() -> dict:
+    """The option that keeps FlexAttention on its main Triton kernel.
+
+    Left to choose (``"AUTO"``), Inductor takes its decoding kernel for fewer than 128 query
+    rows. That kernel sizes its query tile as rows x query heads per key head, rounded up to a
+    power of two, and drops every configuration whose tile does not divide the block mask's
+    128 rows: where rows x heads per key head exceed 128 (65 to 127 rows at two query heads
+    per key head) none is left, and the compile fails (``NoValidChoicesError``; torch 2.11,
+    seen on an H200 for a streamed part's ``[prefix ; own]`` attention). A streamed part, a CP rank's rows or a small tree can have so few
+    rows, and training wants the kernel with a backward anyway."""
+    import typing
+
+    from torch.nn.attention import flex_attention as fa
+
+    if "TRITON" in typing.get_args(getattr(fa, "_Backend", None)):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}  # torch without the BACKEND selector
+
+
 @functools.cache
 def _kernel_options_fn() -> Callable:
     from torch.nn.attention import flex_attention as fa
@@ -218,9 +250,8 @@ def _kernel_options_fn() -> Callable:
 
     def options(q, k, v):
         kwargs = {"return_aux": None} if "return_aux" in params else {}
-        # The log-sum-exp is kept for the backward pass. Tiles, warps and stages on CUDA come
-        # from one table (kernels/flex_options.py); {} leaves them to torch.
-        return dict(apply(q, k, v, True, flex_kernel_options(q) or None, **kwargs))
+        # The log-sum-exp is kept for the backward pass.
+        return dict(apply(q, k, v, True, call_kernel_options(q), **kwargs))
 
     return options
 

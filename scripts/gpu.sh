@@ -8,6 +8,7 @@
 #   scripts/gpu.sh perf  [--out DIR] [--dry-run]                  # tune + benchmark at every POR + profile (< 9 min)
 #   scripts/gpu.sh install                                        # only the install step
 #   --sections a,b: run only those sections (e.g. one that ran out of time)
+#   --limit S: no section runs longer than S seconds (a short GPU lease)
 #
 # Needs a CUDA build of torch >= 2.11 already installed (it is never installed, upgraded or
 # downgraded here: every pip call is --no-deps). Offline machines: put the wheels that
@@ -21,7 +22,7 @@ usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-out=gpu-report dry=0 install=1 sections=
+out=gpu-report dry=0 install=1 sections= limit=
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=${2:?--out needs a directory}; shift 2 ;;
@@ -29,6 +30,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1; shift ;;
     --no-install) install=0; shift ;;
     --sections) sections=${2:?--sections needs names}; shift 2 ;;
+    --limit) limit=${2:?--limit needs seconds}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -88,4 +90,5 @@ fi
 args=("$cmd" --out "$out" --install "$note" --invocation "scripts/gpu.sh $cmd")
 [ "$dry" = 1 ] && args+=(--dry-run)
 [ -n "$sections" ] && args+=(--sections "$sections")
+[ -n "$limit" ] && args+=(--limit "$limit")
 exec "$PY" scripts/gpu_check.py "${args[@]}"

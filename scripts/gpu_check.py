@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install", default=None, help="one line on how the install went (from gpu.sh)")
     p.add_argument("--invocation", default=None)
     p.add_argument("--sections", default=None, help="comma-separated section names to run (default: all)")
+    p.add_argument("--limit", type=int, default=None, metavar="S",
+                   help="cap every section's time limit at S seconds (a short GPU lease)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sections = SECTIONS[args.command]
@@ -370,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown sections {unknown}; {args.command} has: {', '.join(n for n, _, _ in sections)}")
         sections = [s for s in sections if s[0] in wanted]
+    if args.limit is not None:
+        sections = [(name, what, min(limit, args.limit)) for name, what, limit in sections]
     env = environment()  # after the arguments are checked: it imports torch
     skip = "skipped: no CUDA" if not env.get("cuda_available") else ("skipped: dry run" if args.dry_run else None)
     report = {"command": args.command, "invocation": args.invocation or " ".join(["scripts/gpu.sh", *sys.argv[1:]]),

@@ -96,3 +96,30 @@ def test_tuning_tree_is_the_packed_tree(rows, paths):
     seqs = [list(range(prefix)) + [prefix + i] * leaf for i in range(paths)]
     want = pack([TrajectoryTree.from_sequences(seqs)]).subtree_end
     assert torch.equal(fo._synthetic_subtree_end(rows, paths, "cpu"), want)
+
+
+def test_cuda_calls_ask_for_the_main_triton_kernel_with_the_table_tiles(tmp_path, monkeypatch):
+    """On CUDA every call names FlexAttention's main kernel: left to choose, Inductor takes its
+    decoding kernel below 128 query rows, which with grouped heads can have no configuration at
+    all (a compile error on an H200). Off CUDA nothing is asked for; the table's tiles ride along."""
+    from treecompile.kernels import flex
+    from torch.nn.attention import flex_attention as fa
+
+    monkeypatch.setattr(fo, "arch_of", lambda device: "sm90")
+    monkeypatch.delenv(fo.TABLE_ENV, raising=False)
+    main = flex.main_kernel_option()
+    assert main in ({"BACKEND": "TRITON"}, {"FORCE_USE_FLEX_ATTENTION": True})
+    assert flex.call_kernel_options(_CudaQueries()) == main
+    assert flex.call_kernel_options(torch.zeros(1, 4, 100, 16)) is None
+    path = tmp_path / "options.json"
+    fo.save_table(TABLE, str(path))
+    monkeypatch.setenv(fo.TABLE_ENV, str(path))
+    assert flex.call_kernel_options(_CudaQueries()) == {**main, **TABLE[("sm90", 128, "bfloat16")].as_kernel_options()}
+    # the installed torch accepts the option (it validates BACKEND's value)
+    q = torch.zeros(1, 4, 100, 16)
+    options = fa._apply_kernel_options(q, q, q, True, dict(main))
+    assert all(options[k] == v for k, v in main.items())
+    # and what call_flex_hop hands the op is what call_kernel_options asked for
+    monkeypatch.setattr(flex, "call_kernel_options", lambda q: dict(main))
+    options = flex._kernel_options_fn()(q, q, q)
+    assert all(options[k] == v for k, v in main.items()) and options["OUTPUT_LOGSUMEXP"]
