@@ -30,6 +30,13 @@ def test_all_methods_run_and_agree_on_the_loss(tmp_path):
     assert "error" not in profile and profile["path_tokens"] == 96 and profile["compiles_during_profile"] == 0
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
+    # ... and each baseline's step beside it, on its own rows
+    assert set(profile["baselines"]) == {"hf-padded-sdpa", "hf-packed-flex"}
+    for method, report in profile["baselines"].items():
+        assert "error" not in report and report["rows"] == rows[method]["rows"] and report["path_tokens"] == 96
+        assert report["config"]["method"] == method and report["categories_ms"]
+    # every tree row says how many graphs its first step compiled (the first: one)
+    assert rows["tree"]["compiles"] == 1 and rows["tree-fused"]["compiles"] >= 1 and rows["hf-packed-flex"]["compiles"] is None
     assert list(rows) == list(bench_cuda.METHODS)
     for r in rows.values():
         assert r["status"] == "ok", r
@@ -45,7 +52,7 @@ def test_only_the_faster_baseline_runs_after_the_first_workload(monkeypatch):
     """``baselines="faster"``: both baselines run on the first workload, then only the faster."""
     ran = []
 
-    def fake_row(row, method, model, fn, *args):
+    def fake_row(row, method, model, fn, *args, **kwargs):
         ran.append((row.workload, method))
         row.step_ms, row.loss, row.tokens_per_s = {"hf-padded-sdpa": 9.0, "hf-packed-flex": 5.0}.get(method, 1.0), 1.0, 1.0
         return fn
@@ -185,3 +192,15 @@ def test_a_probe_refusal_is_reported_and_the_step_measured_without_the_probe(mon
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     assert rows[0]["note"].startswith("first-call probe refused (the first-call probe found a difference")
     assert rows[1]["note"] == ""  # the second workload ran on the wrapper compiled with verify=False
+
+
+def test_recompile_reasons_keep_the_failed_guard():
+    f = torch.compile(lambda x: x * 2, dynamic=False, backend="eager")
+    torch._logging.set_logs(recompiles=True)
+    try:
+        with bench_cuda.recompile_reasons() as reasons:
+            f(torch.ones(3))
+            f(torch.ones(4))  # a static size guard fails
+    finally:
+        torch._logging.set_logs()
+    assert len(reasons) == 1 and "size mismatch" in reasons[0] and "expected 3, actual 4" in reasons[0]

@@ -11,7 +11,7 @@ import warnings  # noqa: E402
 from testing import eager_default_lowering  # noqa: E402
 
 from treecompile.bench.profile_cuda import (  # noqa: E402
-    ProfileConfig, _category, _union_us, markdown_report, profile_step, sync_lines, sync_sites)
+    ProfileConfig, _category, _union_us, gap_classes, markdown_report, profile_step, sync_lines, sync_sites)
 
 
 def test_categories_and_interval_union():
@@ -23,6 +23,12 @@ def test_categories_and_interval_union():
     assert _category("Memcpy DtoD (Device -> Device)") == "copies and fills"
     assert _category("something unexpected") == "other"
     assert _union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
+def test_idle_gaps_are_summed_by_length_between_overlapping_intervals():
+    # busy 0-3 (two overlapping intervals), then gaps of 10 us, 500 us and 3.4 ms (microseconds)
+    gaps = gap_classes([(0, 2), (1, 3), (13, 1000), (1500, 1600), (5.0e3, 5.1e3)])
+    assert gaps == {"under 20 us": 10, "20 us to 1 ms": 500, "over 1 ms": 3400}
 
 
 def test_profile_of_a_tiny_step_on_cpu():

@@ -36,13 +36,16 @@ The models and the baselines as a user runs them are in `treecompile.bench.hf`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
+import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -82,7 +85,8 @@ class CudaBenchConfig:
             the first workload where both ran and afterwards only the faster of the two (each
             baseline's work depends on the path lengths alone, not on the POR).
         profile_out: a JSON file: the ``tree`` step of the first workload is profiled there
-            (`treecompile.bench.profile_cuda.profile_compiled`), reusing its compiled graph.
+            (`treecompile.bench.profile_cuda.profile_compiled`), reusing its compiled graph,
+            and each baseline's step on that workload beside it (key ``"baselines"``).
         packed_attention: HF attention implementation of ``hf-packed-flex`` (``"flex_attention"``;
             ``"sdpa"`` on CPU, where FlexAttention has no backward).
         time_budget_s: start no new measurement after this many seconds.
@@ -128,6 +132,8 @@ class CudaRow:
     peak_gib: float | None = None
     first_step_s: float | None = None
     probe_s: float | None = None  # the first-call probe's share of first_step_s (tree methods)
+    compiles: int | None = None  # graphs the row compiled (tree methods: treecompile's backend calls)
+    recompiles: list[str] = field(default_factory=list)  # Dynamo's reasons, while the row ran
     loss: float | None = None
     loss_rel_diff: float | None = None
     micro_batches: int = 1
@@ -283,9 +289,16 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
                     continue
                 if progress is not None:
                     progress(f"{model_name} / {workload}: {method}")
-                fns[method] = _run_row(row, method, model, fns[method], trees, paths, cfg, dev, pack)
+                profiles = result.setdefault("baseline_profiles", {}) if cfg.profile_out and not rows else None
+                with recompile_reasons() as reasons:
+                    fns[method] = _run_row(row, method, model, fns[method], trees, paths, cfg, dev, pack,
+                                           profiles=profiles, path_tokens=path_tokens)
+                row.recompiles = ["; ".join(line.strip() for line in r.splitlines()[1:])[:500] for r in reasons]
                 if method == "tree" and cfg.profile_out and not result.get("profile") and row.status == "ok":
                     result["profile"] = _profile(fns[method], model, trees, dev, pack, cfg, path_tokens)
+                    _save_profiles(result, cfg)
+                elif profiles is not None:
+                    _save_profiles(result, cfg)
             _relate(group, cfg)
             if cfg.baselines == "faster" and not dropped:
                 dropped = _slower_baseline(group)
@@ -311,7 +324,7 @@ def _slower_baseline(group: list[CudaRow]) -> set[str]:
 
 
 def _profile(compiled, model, trees, dev, pack, cfg: CudaBenchConfig, path_tokens: int) -> dict:
-    """The tree step under the profiler (written to ``cfg.profile_out``); an error is reported, not raised."""
+    """The tree step under the profiler; an error is reported, not raised."""
     from treecompile.bench.profile_cuda import ProfileConfig, profile_compiled
 
     batch = pack(trees, device=dev, warn_por=False)
@@ -320,9 +333,47 @@ def _profile(compiled, model, trees, dev, pack, cfg: CudaBenchConfig, path_token
         report = profile_compiled(compiled, model, batch, label, device=dev, path_tokens=path_tokens)
     except Exception as e:  # the benchmark's rows matter more than the profile
         report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-    with open(cfg.profile_out, "w") as f:
-        json.dump(report, f, indent=2)
     return report
+
+
+def _profile_baseline(step, model, cfg: CudaBenchConfig, dev, rows: int, path_tokens: int | None, method: str) -> dict:
+    """A baseline's step under the profiler, reported as the tree's is; an error is reported, not raised."""
+    from treecompile.bench.profile_cuda import ProfileConfig, profile_training_step
+
+    try:
+        label = ProfileConfig(model=cfg.models[0], path_tokens=path_tokens or rows, dtype=cfg.dtype, warmup=1,
+                              method=method)
+        return profile_training_step(step, model, label, device=dev, rows=rows, path_tokens=path_tokens)
+    except Exception as e:  # the benchmark's rows matter more than the profile
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+def _save_profiles(result: dict, cfg: CudaBenchConfig) -> None:
+    """``cfg.profile_out``: the tree step's profile, with the baselines' under ``"baselines"``."""
+    with open(cfg.profile_out, "w") as f:
+        json.dump({**(result.get("profile") or {}), "baselines": result.get("baseline_profiles", {})}, f, indent=2)
+
+
+@contextlib.contextmanager
+def recompile_reasons():
+    """Collects Dynamo's recompile messages (each names the guard that failed) logged inside
+    the block; the list is empty unless the ``recompiles`` log is on (`main` turns it on)."""
+    reasons: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            reasons.append(record.getMessage())
+
+    logger, handler = logging.getLogger(_RECOMPILES_LOG), _Keep()
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+
+
+#: The logger Dynamo's ``recompiles`` artifact writes to (``TORCH_LOGS=recompiles``).
+_RECOMPILES_LOG = "torch._dynamo.guards.__recompiles"
 
 
 def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
@@ -331,8 +382,11 @@ def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
     return torch.compile(model) if cfg.compile_baselines else model
 
 
-def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack):
-    """Measures ``row``; returns the compiled function later rows of ``method`` use."""
+def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack, *, profiles: dict | None = None,
+             path_tokens: int | None = None):
+    """Measures ``row``; returns the compiled function later rows of ``method`` use. With
+    ``profiles``, a baseline's step is also profiled there (under its method's name)."""
+    given, before = fn, len(getattr(fn, "compile_records", ()))
     try:
         if method in ("hf-padded-sdpa", "hf-packed-flex"):
             step = (Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
@@ -348,6 +402,8 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
                     torch.cuda.empty_cache()
                     step.micro *= 2
             row.micro_batches = step.micro
+            if profiles is not None:
+                profiles[method] = _profile_baseline(step, model, cfg, dev, row.rows, path_tokens, method)
         else:
             try:
                 measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
@@ -372,6 +428,7 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack)
     row.loss, row.first_step_s, row.step_ms, row.peak_gib = loss, first, step_s * 1e3, peak
     if method.startswith("tree"):
         row.probe_s = sum(p.seconds for p in getattr(fn, "probed", ()))
+        row.compiles = len(fn.compile_records) - (before if fn is given else 0)
     row.tokens_per_s = row.path_tokens / step_s
     return fn
 
@@ -478,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baselines", default=None, choices=("all", "faster"),
                    help="faster: after the first workload, only the faster baseline runs")
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="profile the first workload's tree step into FILE (JSON), reusing its compiled graph")
+                   help="profile the first workload's tree step into FILE (JSON), reusing its compiled graph, "
+                        "and each baseline's step on that workload (key 'baselines')")
     p.add_argument("--time-budget", type=float, default=None, metavar="S")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -502,9 +560,16 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
 
+    logs = "TORCH_LOGS" not in os.environ
+    if logs:  # each row keeps the guards that made it compile again
+        torch._logging.set_logs(recompiles=True)
     command = " ".join(["python -m treecompile.bench.cuda", *(sys.argv[1:] if argv is None else argv)])
-    result = run_cuda_bench(cfg, device=args.device, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                            on_row=write, command=command)
+    try:
+        result = run_cuda_bench(cfg, device=args.device, progress=lambda s: print(s, file=sys.stderr, flush=True),
+                                on_row=write, command=command)
+    finally:
+        if logs:
+            torch._logging.set_logs()
     write(result)
     table = markdown_table(result)
     if args.markdown:

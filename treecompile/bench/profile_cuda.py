@@ -29,12 +29,14 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "ProfileConfig", "profile_step", "profile_compiled", "markdown_report", "host_syncs", "main"]
+__all__ = ["CATEGORIES", "GAP_CLASSES", "ProfileConfig", "profile_step", "profile_compiled", "profile_training_step",
+           "markdown_report", "gap_classes", "host_syncs", "main"]
 
 #: ``(category, regular expression on the kernel or operator name)``, first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -63,6 +65,7 @@ class ProfileConfig:
         warmup, steps: steps before profiling (the first compiles), and profiled steps.
         top: kernels listed by name.
         seed: model and tokens.
+        method: what the profiled step runs (a label: ``"tree"``, or a baseline's name).
     """
 
     model: str = "qwen3-1.7b"
@@ -75,6 +78,7 @@ class ProfileConfig:
     steps: int = 3
     top: int = 15
     seed: int = 0
+    method: str = "tree"
 
 
 def _category(name: str) -> str:
@@ -96,6 +100,24 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
+
+
+#: Idle stretches between device kernels, by length: back-to-back launches, launch-bound
+#: stretches, and the host holding the device (Python, the autograd runtime, a sync).
+GAP_CLASSES = (("under 20 us", 20.0), ("20 us to 1 ms", 1000.0), ("over 1 ms", float("inf")))
+
+
+def gap_classes(intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """The idle time between the union of ``(start, end)`` intervals (microseconds), summed
+    per :data:`GAP_CLASSES` class of gap length."""
+    out = {name: 0.0 for name, _ in GAP_CLASSES}
+    end = None
+    for s, e in sorted(intervals):
+        if end is not None and s > end:
+            gap = s - end
+            out[next(name for name, top in GAP_CLASSES if gap < top)] += gap
+        end = e if end is None else max(end, e)
+    return out
 
 
 def host_syncs(step) -> list[str]:
@@ -154,6 +176,22 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
     ``model``) on ``batch``; what `profile_step` reports, after ``cfg.warmup`` unprofiled steps
     (the first may compile). ``cfg``'s model and tree fields only label the report, and
     ``path_tokens`` (the paths' total length) gives its POR."""
+
+    def step():
+        out = compiled(batch)
+        out.loss.backward()
+
+    return profile_training_step(step, model, cfg, device=device, rows=batch.num_tokens, path_tokens=path_tokens,
+                                 compiles=lambda: len(compiled.compile_records))
+
+
+def profile_training_step(step: Callable[[], Any], model, cfg: ProfileConfig = ProfileConfig(), *,
+                          device: torch.device | str = "cuda", rows: int, path_tokens: int | None = None,
+                          compiles: Callable[[], int] = lambda: 0) -> dict[str, Any]:
+    """Profiles ``cfg.steps`` calls of ``step()`` (one forward and backward of ``model``, which
+    gets ``zero_grad`` before each, and a device synchronisation after) after ``cfg.warmup``
+    unprofiled ones: the tree's step or a baseline's, reported alike. ``rows`` is the step's
+    row count, ``compiles()`` the number of compiles so far (for the count during the profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     from treecompile.bench.trees import environment
@@ -161,11 +199,11 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    inner = step
 
     def step():
         model.zero_grad(set_to_none=True)
-        out = compiled(batch)
-        out.loss.backward()
+        inner()
         sync()
 
     t0 = time.perf_counter()
@@ -173,7 +211,7 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
     first_s = time.perf_counter() - t0
     for _ in range(cfg.warmup - 1):
         step()
-    compiles_before = len(compiled.compile_records)
+    compiles_before = compiles()
     sync_list = host_syncs(step) if cuda else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls = []
@@ -182,7 +220,7 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
             t0 = time.perf_counter()
             step()
             walls.append(time.perf_counter() - t0)
-    compiles = len(compiled.compile_records) - compiles_before
+    compiled_during = compiles() - compiles_before
 
     by_name: dict[str, float] = {}
     intervals = []
@@ -193,6 +231,7 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
                 by_name[e.name] = by_name.get(e.name, 0.0) + us
                 intervals.append((e.time_range.start, e.time_range.end))
         busy_us = _union_us(intervals)
+        gaps = gap_classes(intervals)
     else:
         # An operator's own time counts under its outermost treecompile:: op, if any (the CPU
         # attention ops run their work as aten ops inside them).
@@ -206,6 +245,7 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
                 up = up.cpu_parent
             by_name[name] = by_name.get(name, 0.0) + e.self_cpu_time_total
         busy_us = sum(by_name.values())
+        gaps = None
     n = cfg.steps
     categories: dict[str, float] = {}
     for name, us in by_name.items():
@@ -217,17 +257,19 @@ def profile_compiled(compiled, model, batch, cfg: ProfileConfig = ProfileConfig(
         "env": environment("python -m treecompile.bench.profile_cuda"),
         "config": dataclasses.asdict(cfg),
         "device": dev.type,
-        "rows": batch.num_tokens,
+        "rows": rows,
         "path_tokens": path_tokens,
-        "por": None if not path_tokens else 1.0 - batch.num_tokens / path_tokens,
+        "por": None if not path_tokens else 1.0 - rows / path_tokens,
         "first_step_s": first_s,
         "step_wall_ms": wall_ms,
         "busy_ms": busy_ms,
         "busy_what": "device kernels (union of intervals)" if cuda else "operators' own CPU time",
         "not_busy_ms": max(0.0, wall_ms - busy_ms) if cuda else None,
+        "device_ops_per_step": len(intervals) / n if cuda else None,
+        "gaps_ms": None if gaps is None else {k: us / 1e3 / n for k, us in gaps.items()},
         "categories_ms": {c: us / 1e3 / n for c, us in sorted(categories.items(), key=lambda kv: -kv[1])},
         "top": [(name, us / 1e3 / n) for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:cfg.top]],
-        "compiles_during_profile": compiles,
+        "compiles_during_profile": compiled_during,
         "host_syncs_per_step": None if sync_list is None else len(sync_list),
         "host_sync_sites": None if sync_list is None else sync_sites(sync_list),
     }
@@ -237,9 +279,11 @@ def markdown_report(r: dict[str, Any]) -> str:
     """The report as Markdown: the step's totals, the categories and the top kernels."""
     env, cfg = r["env"], r["config"]
     summed = sum(r["categories_ms"].values())
+    method = cfg.get("method", "tree")
+    head = f", lm_head={cfg['lm_head']!r}" if method.startswith("tree") else ""
     lines = [
-        f"Profile of one tree training step: {cfg['model']}, {cfg['dtype']}, {r['rows']} rows for "
-        f"{r['path_tokens']} path tokens (POR {r['por']:.2f}), lm_head={cfg['lm_head']!r}; mean of "
+        f"Profile of one {method} training step: {cfg['model']}, {cfg['dtype']}, {r['rows']} rows for "
+        f"{r['path_tokens']} path tokens (POR {r['por']:.2f}){head}; mean of "
         f"{cfg['steps']} steps after {cfg['warmup']}. Device: {env.get('device', r['device'])}; "
         f"torch {env.get('torch', '?')}; {env.get('date', '')}.",
         "",
@@ -250,6 +294,10 @@ def markdown_report(r: dict[str, Any]) -> str:
     ]
     if r["not_busy_ms"] is not None:
         lines.append(f"| not busy: host work, launch gaps, synchronisations | {r['not_busy_ms']:.2f} |")
+    for name, ms in (r.get("gaps_ms") or {}).items():
+        lines.append(f"| idle between device operations, gaps {name} | {ms:.2f} |")
+    if r.get("device_ops_per_step") is not None:
+        lines.append(f"| device operations per step (kernels, copies, fills) | {r['device_ops_per_step']:.0f} |")
     lines += [f"| first step (compiles) | {1e3 * r['first_step_s']:.0f} |",
               f"| compiles during the profiled steps | {r['compiles_during_profile']} |"]
     if r["host_syncs_per_step"] is not None:
