@@ -219,3 +219,39 @@ def test_padding_rows_are_isolated_and_weightless(forest):
     zero = torch.zeros((), dtype=torch.int64)
     assert torch.equal(bind_buffers(bitmask_mask_mod(padded.path_bits.shape[1]), padded.tree_ids, padded.path_bits)(zero, zero, q, k), mask)
     assert batch.padded(1) is batch
+
+
+def test_a_batch_bound_for_cuda_is_pinned_and_copied_without_blocking_the_host(monkeypatch):
+    """A copy from pageable memory waits for every kernel queued before it (the previous step):
+    to("cuda") pins each CPU tensor and copies it with non_blocking=True, keeping the check.
+    CUDA stands in here: the tensors record what was asked and stay where they are."""
+    batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
+    pinned, moves = set(), []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: id(self) in pinned)
+
+    def pin(self):
+        pinned.add(id(self))
+        return self
+
+    def to(self, *args, **kwargs):
+        moves.append((id(self), torch.device(args[0]) if args else None, kwargs.get("non_blocking", False)))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    moved = batch.to("cuda")
+    head = batch._fresh_check().head
+    assert len(moves) == len(tensors) + len(head)
+    assert all(device == torch.device("cuda") and non_blocking and i in pinned for i, device, non_blocking in moves)
+    assert moved._fresh_check() is not None  # the copy keeps the check
+    pinned.clear(), moves.clear()
+    assert batch.pin_memory()._fresh_check() is not None and len(pinned) == len(tensors) + len(head)
+    # DataLoader(pin_memory=True) pins what TreeCollator hands it (a list of batches) this way
+    from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
+
+    pinned.clear()
+    (out,) = loader_pin([batch])
+    assert isinstance(out, type(batch)) and len(pinned) == len(tensors) + len(head)
+    batch.to("cpu")  # anything but CPU -> CUDA copies as before: blocking, nothing pinned
+    assert moves and not any(non_blocking for _, _, non_blocking in moves) and len(pinned) == len(tensors) + len(head)

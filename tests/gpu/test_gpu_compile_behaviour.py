@@ -80,3 +80,20 @@ def test_host_syncs_do_not_grow_with_layers(name, lm_head, record_property):
     record_property("syncs_1_layer", len(one))
     record_property("syncs_2_layers", len(two))
     assert len(two) <= len(one), f"1 layer: {len(one)} syncs, 2 layers: {len(two)}: {two}"
+
+
+def test_moving_a_packed_batch_to_the_gpu_does_not_wait_for_queued_work():
+    """`TreeBatch.to("cuda")` copies through pinned memory without blocking the host, so the next
+    batch moves while the GPU still runs this step; the values arrive intact and checked."""
+    batch = tc.pack(exactness_trees())  # on the CPU, as a DataLoader hands it over
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # queued work the copy must not wait for
+        a = a @ a / 64
+    syncs = host_syncs(lambda: batch.to("cuda"))
+    moved = batch.to("cuda")
+    torch.cuda.synchronize()
+    assert syncs == [], syncs
+    for name, v in vars(batch).items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(getattr(moved, name).cpu(), v), name
+    assert moved._fresh_check() is not None

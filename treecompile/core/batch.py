@@ -126,16 +126,30 @@ class TreeBatch:
 
     def to(self, device: torch.device | str) -> TreeBatch:
         """A copy with every tensor moved to ``device`` (a checked batch's copy is checked too:
-        the copy holds the same values)."""
+        the copy holds the same values).
+
+        From the CPU to a CUDA device the copies go through pinned memory and do not block the
+        host (`to_device`): the next batch can be moved while the GPU still runs this step."""
+        device = torch.device(device)
+        return self._map(lambda t: to_device(t, device))
+
+    def pin_memory(self) -> TreeBatch:
+        """A copy whose CPU tensors are in pinned (page-locked) memory, checked as this batch
+        is: what ``DataLoader(pin_memory=True)`` calls on a batch, so that `to` a CUDA device
+        copies without staging."""
+        return self._map(lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
+
+    def _map(self, fn) -> TreeBatch:
+        """A copy with ``fn`` applied to every tensor (one that keeps the values), the check kept."""
         moved = TreeBatch(**{
-            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            f.name: (fn(v) if isinstance(v, torch.Tensor) else v)
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
         })
         checked = self._fresh_check()
         if checked is not None:
             moved._checked = dataclasses.replace(checked, fingerprint=_fingerprint(moved),
-                                                 head=tuple(t.to(device) for t in checked.head))
+                                                 head=tuple(fn(t) for t in checked.head))
         return moved
 
     def _fresh_check(self) -> _Checked | None:
@@ -290,6 +304,17 @@ class _Checked:
     longest_tree: int
     head: tuple  # (dest, rows, slot) on the batch's device: TreeBatch.head_index
     node_table: torch.Tensor  # [N, 3] on the CPU: TreeBatch.node_table
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``. A CPU tensor bound for CUDA is pinned (unless it is already) and
+    copied with ``non_blocking=True``: a copy from pageable memory waits for every kernel
+    queued before it (the previous training step) and holds the host meanwhile. The pinned
+    buffer is the caching host allocator's, which keeps it until the copy has run."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _fingerprint(b: TreeBatch) -> tuple:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from treecompile.capture.call import CallSetup, TreeOutput, call_under_setup, compile_named, device_of, run_head
-from treecompile.core.batch import TreeBatch
+from treecompile.core.batch import TreeBatch, to_device
 from treecompile.kernels.cp_gather import register_group
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.cp import CPGraph
@@ -171,12 +171,12 @@ class CPRunner:
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
         block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
         device = device_of(self.setup.model)
-        moved = [x.to(device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local, weight,
+        moved = [to_device(x, device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local, weight,
                                          path_count, kv_end, kv_pos, torch.from_numpy(index),
                                          torch.from_numpy(send_rows))]
         (ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos, index,
          send_rows) = moved
-        block_tensors = type(block_tensors)(*(t.to(device) for t in block_tensors))
+        block_tensors = type(block_tensors)(*(to_device(t, device) for t in block_tensors))
         counts = torch.from_numpy(np.stack([send_counts, recv_counts]))  # on the CPU: read on the host
         for t, d in [(ids, 1), (positions, 0), (sub_local, 0), (rows, 0), (slot, 0), (target, 0), (dest_local, 0),
                      (weight, 0), (path_count, 0), (kv_end, 0), (kv_pos, 0), (index, 0), (send_rows, 0),
@@ -230,7 +230,7 @@ class CPRunner:
         with torch.set_grad_enabled(grad):
             loss, lp, stats, ent = self._call(args)
         m = dest.shape[0]
-        dest = dest.to(device)
+        dest = to_device(dest, device)
         # What the ranks computed, summed over the group in one collective: the loss, the
         # log-probabilities (and entropies) at their targets' rows, the router statistics.
         pieces = [loss.detach().to(torch.float64).reshape(1)]
@@ -285,4 +285,4 @@ def _local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> li
               int(parent[v]) - v0 if start[v] >= a and parent[v] >= v0 else -1] for v in range(v0, v1)] if b > a else []
     if s_run > b - a:
         table.append([b - a, s_run, -1])
-    return [torch.from_numpy(pred_local.astype(np.int64)).to(device), torch.tensor(table, dtype=torch.int64)]
+    return [to_device(torch.from_numpy(pred_local.astype(np.int64)), device), torch.tensor(table, dtype=torch.int64)]

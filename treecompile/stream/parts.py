@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treecompile.core.batch import TreeBatch
+from treecompile.core.batch import TreeBatch, to_device
 from treecompile.stream.plan import StreamPlan
 
 __all__ = ["PAD_PREFIX", "PAD_STATES", "BatchArrays"]
@@ -135,9 +135,9 @@ class BatchArrays:
         for i, r in enumerate(self.readout[j].tolist(), start=PAD_STATES):
             v = int(np.searchsorted(self.n_start, r, side="right")) - 1
             table.append([off + i * dk, off + (i + 1) * dk, n_in + v - v0])
-        tensors = [torch.from_numpy(pred_local.astype(np.int64)).to(device),
+        tensors = [to_device(torch.from_numpy(pred_local.astype(np.int64)), device),
                    torch.tensor(table, dtype=torch.int64)]
-        return tensors, torch.from_numpy(conv_pred.astype(np.int64)).to(device), readouts
+        return tensors, to_device(torch.from_numpy(conv_pred.astype(np.int64)), device), readouts
 
     def run_rows(self, a: int, b: int) -> int:
         """``S_run`` of rows ``[a, b)`` (see `part_inputs`)."""

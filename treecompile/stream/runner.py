@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treecompile.core.batch import TreeBatch
+from treecompile.core.batch import TreeBatch, to_device
 from treecompile.capture.call import CallSetup, call_under_setup, compile_named, run_head
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.pipeline import Pipeline, streamed
@@ -268,7 +268,7 @@ class StreamRunner:
                       aux_grad: torch.Tensor | None = None):
         a, b = int(plan.starts[j]), int(plan.starts[j + 1])
         inputs, dest = data.part_inputs(a, b, plan.prefix[j])
-        inputs = [x.to(device) for x in inputs]
+        inputs = [to_device(x, device) for x in inputs]
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
         if self._shapes is None:
@@ -306,7 +306,7 @@ class StreamRunner:
         m = dest.shape[0]
         entry = StackEntry(vals=[t.detach() for t in kv], outs=list(kv) if with_graph else None, loss=loss,
                        leaves=leaves, grads=[None] * len(kv), main=main)
-        return entry, lp[:m], dest.to(device), stats, None if ent is None else ent[:m]
+        return entry, lp[:m], to_device(dest, device), stats, None if ent is None else ent[:m]
 
     @staticmethod
     def _args(inputs, block_tensors, structure, stack) -> tuple:

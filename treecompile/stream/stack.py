@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treecompile.core.batch import to_device
 from treecompile.passes.stream import KVLayout
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import StreamPlan
@@ -41,7 +42,7 @@ def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int
     """
     rows = plan.prefix[j]
     owners = plan.part_of(rows)
-    groups = [(int(p), torch.as_tensor(rows[owners == p] - plan.starts[p], device=device))
+    groups = [(int(p), to_device(torch.as_tensor(rows[owners == p] - plan.starts[p]), device))
               for p in np.unique(owners)]
     kv, conv, states = [], [], []
     for i, (h, d, dtype) in enumerate(lay.shapes):
@@ -52,7 +53,7 @@ def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int
         pieces = [torch.zeros(1, c, PAD_PREFIX, dtype=dtype, device=device)]
         pieces += [entries[p].vals[i].index_select(2, idx) for p, idx in groups]
         conv.append(torch.cat(pieces, dim=2))
-    state_groups = ([(p, torch.as_tensor(idx, device=device)) for p, idx in data.entry_sources(j)]
+    state_groups = ([(p, to_device(torch.as_tensor(idx), device)) for p, idx in data.entry_sources(j)]
                     if lay.states else [])
     for i, (h, dk, dv, dtype) in enumerate(lay.states, start=len(lay.shapes) + len(lay.conv)):
         pieces = [torch.zeros(PAD_STATES, h, dk, dv, dtype=dtype, device=device)]
@@ -88,7 +89,7 @@ def backward_part(plan: StreamPlan, data: BatchArrays, p: int, e: StackEntry, en
             owner = entries[q]
             if owner.grads[i] is None:
                 owner.grads[i] = torch.zeros_like(owner.vals[i])
-            owner.grads[i].index_add_(dim, torch.as_tensor(idx, device=g.device), g.narrow(dim, offset, n))
+            owner.grads[i].index_add_(dim, to_device(torch.as_tensor(idx), g.device), g.narrow(dim, offset, n))
             offset += n
     e.outs = e.loss = None
     e.leaves = []
