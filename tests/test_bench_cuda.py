@@ -37,6 +37,8 @@ def test_all_methods_run_and_agree_on_the_loss(tmp_path):
         assert report["config"]["method"] == method and report["categories_ms"]
     # every tree row says how many graphs its first step compiled (the first: one)
     assert rows["tree"]["compiles"] == 1 and rows["tree-fused"]["compiles"] >= 1 and rows["hf-packed-flex"]["compiles"] is None
+    # ... and where its compile time went (Dynamo's frame compile holds the rest)
+    assert 0 < rows["tree"]["compile_phases"]["_compile.compile_inner"] <= rows["tree"]["first_step_s"]
     assert list(rows) == list(bench_cuda.METHODS)
     for r in rows.values():
         assert r["status"] == "ok", r

@@ -134,6 +134,7 @@ class CudaRow:
     probe_s: float | None = None  # the first-call probe's share of first_step_s (tree methods)
     compiles: int | None = None  # graphs the row compiled (tree methods: treecompile's backend calls)
     recompiles: list[str] = field(default_factory=list)  # Dynamo's reasons, while the row ran
+    compile_phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (row)
     loss: float | None = None
     loss_rel_diff: float | None = None
     micro_batches: int = 1
@@ -372,6 +373,23 @@ def recompile_reasons():
         logger.removeHandler(handler)
 
 
+#: Compile phases a row keeps: the longest, of Dynamo's and Inductor's timed phases (nested:
+#: ``_compile.compile_inner`` holds the whole of a frame's compile, the backend included).
+PHASES_KEPT = 10
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds spent so far in this process in each of Dynamo's and Inductor's timed compile
+    phases (``torch._dynamo.utils.compile_times``); ``{}`` where torch does not offer them."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        return {n: float(v) for n, v in zip(names, values)}
+    except Exception:  # a private API: its absence costs the report a column, not the run
+        return {}
+
+
 #: The logger Dynamo's ``recompiles`` artifact writes to (``TORCH_LOGS=recompiles``).
 _RECOMPILES_LOG = "torch._dynamo.guards.__recompiles"
 
@@ -387,6 +405,7 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack,
     """Measures ``row``; returns the compiled function later rows of ``method`` use. With
     ``profiles``, a baseline's step is also profiled there (under its method's name)."""
     given, before = fn, len(getattr(fn, "compile_records", ()))
+    phases_before = compile_phases()
     try:
         if method in ("hf-padded-sdpa", "hf-packed-flex"):
             step = (Padded(model, fn, paths, dev) if method == "hf-padded-sdpa"
@@ -426,6 +445,9 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack,
         return fn
     loss, first, step_s, peak = measured
     row.loss, row.first_step_s, row.step_ms, row.peak_gib = loss, first, step_s * 1e3, peak
+    spent = {k: v - phases_before.get(k, 0.0) for k, v in compile_phases().items()}
+    row.compile_phases = {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])[:PHASES_KEPT]
+                          if v >= 0.05}
     if method.startswith("tree"):
         row.probe_s = sum(p.seconds for p in getattr(fn, "probed", ()))
         row.compiles = len(fn.compile_records) - (before if fn is given else 0)
