@@ -50,6 +50,29 @@ def test_streamed_parts_on_cuda_run_one_flex_call_each_and_are_exact(name, monke
     assert compiled._stream.stats.parts > 2 and calls, "the parts did not run the FlexAttention kernel"
 
 
+def test_a_streamed_call_on_a_cpu_batch_reads_nothing_back_from_the_gpu(record_property):
+    """A streamed call cuts its parts from the batch on the host and moves each part without
+    blocking: given the batch on the CPU (as a DataLoader hands it over), neither the parts'
+    inputs nor the plan read a tensor back from the GPU, and no whole-batch copy waits."""
+    from treecompile.bench.profile_cuda import host_syncs
+    from treecompile.stream.options import StreamOptions
+
+    model = copy_as(build_model("qwen3"), torch.float32, "cuda")
+    compiled = tc.tree_compile(model, stream=StreamOptions(budget_rows=100))
+    batch = tc.pack(exactness_trees())  # on the CPU
+
+    def step():
+        compiled.zero_grad()
+        compiled(batch).loss.backward()
+
+    step()  # compiles
+    syncs = host_syncs(step)
+    record_property("syncs", len(syncs))
+    reads = [s for s in syncs if any(f in s for f in ("stream/parts.py", "stream/plan.py", "core/batch.py",
+                                                       "planning/"))]
+    assert reads == [], reads
+
+
 @pytest.fixture
 def nccl_rank():
     import torch.distributed as dist

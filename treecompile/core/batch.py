@@ -317,6 +317,14 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+def on_host(batch: TreeBatch) -> TreeBatch:
+    """``batch`` on the CPU, for calls that cut it into pieces on the host and move each piece
+    to the device itself (streamed parts, CP ranks): a CPU batch as it is, no transfer at all;
+    a device batch read back once, its check kept, rather than tensor by tensor as the pieces
+    are cut."""
+    return batch if batch.device.type == "cpu" else batch.to("cpu")
+
+
 def _fingerprint(b: TreeBatch) -> tuple:
     return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
                  for v in (getattr(b, f.name) for f in dataclasses.fields(b)))

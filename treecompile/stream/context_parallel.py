@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from treecompile.capture.call import CallSetup, TreeOutput, call_under_setup, compile_named, device_of, run_head
-from treecompile.core.batch import TreeBatch, to_device
+from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.kernels.cp_gather import register_group
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.cp import CPGraph
@@ -196,7 +196,7 @@ class CPRunner:
         configured, see `treecompile.stream.sharded`)."""
         w = self.setup
         device = device_of(w.model)
-        batch = batch.to(device) if batch.device != device else batch
+        batch = on_host(batch)
         rows = batch.num_tokens
         # Fewer rows than ranks (a data-parallel rank's padding micro-step): one-token trees of
         # weight 0 give every rank a row and change nothing else.

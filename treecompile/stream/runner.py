@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treecompile.core.batch import TreeBatch, to_device
+from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, call_under_setup, compile_named, run_head
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.pipeline import Pipeline, streamed
@@ -166,7 +166,7 @@ class StreamRunner:
 
         w = self.setup
         device = _device_of(w.model)
-        batch = batch.to(device) if batch.device != device else batch
+        batch = on_host(batch)
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
