@@ -197,10 +197,12 @@ def test_a_probe_refusal_is_reported_and_the_step_measured_without_the_probe(mon
 
 
 def test_recompile_reasons_keep_the_failed_guard():
+    from treecompile.bench.compile_stats import recompile_reasons
+
     f = torch.compile(lambda x: x * 2, dynamic=False, backend="eager")
     torch._logging.set_logs(recompiles=True)
     try:
-        with bench_cuda.recompile_reasons() as reasons:
+        with recompile_reasons() as reasons:
             f(torch.ones(3))
             f(torch.ones(4))  # a static size guard fails
     finally:

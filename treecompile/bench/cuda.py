@@ -36,11 +36,9 @@ The models and the baselines as a user runs them are in `treecompile.bench.hf`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
-import logging
 import os
 import statistics
 import sys
@@ -50,6 +48,7 @@ from typing import Any
 
 import torch
 
+from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
 from treecompile.bench.hf import MODEL_SHAPES, Packed, Padded, model_of
 from treecompile.core.errors import UnsupportedModelError
 
@@ -355,43 +354,6 @@ def _save_profiles(result: dict, cfg: CudaBenchConfig) -> None:
         json.dump({**(result.get("profile") or {}), "baselines": result.get("baseline_profiles", {})}, f, indent=2)
 
 
-@contextlib.contextmanager
-def recompile_reasons():
-    """Collects Dynamo's recompile messages (each names the guard that failed) logged inside
-    the block; the list is empty unless the ``recompiles`` log is on (`main` turns it on)."""
-    reasons: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            reasons.append(record.getMessage())
-
-    logger, handler = logging.getLogger(_RECOMPILES_LOG), _Keep()
-    logger.addHandler(handler)
-    try:
-        yield reasons
-    finally:
-        logger.removeHandler(handler)
-
-
-#: Compile phases a row keeps: the longest, of Dynamo's and Inductor's timed phases (nested:
-#: ``_compile.compile_inner`` holds the whole of a frame's compile, the backend included).
-PHASES_KEPT = 10
-
-
-def compile_phases() -> dict[str, float]:
-    """Seconds spent so far in this process in each of Dynamo's and Inductor's timed compile
-    phases (``torch._dynamo.utils.compile_times``); ``{}`` where torch does not offer them."""
-    try:
-        from torch._dynamo.utils import compile_times
-
-        names, values = compile_times(repr="csv", aggregate=True)
-        return {n: float(v) for n, v in zip(names, values)}
-    except Exception:  # a private API: its absence costs the report a column, not the run
-        return {}
-
-
-#: The logger Dynamo's ``recompiles`` artifact writes to (``TORCH_LOGS=recompiles``).
-_RECOMPILES_LOG = "torch._dynamo.guards.__recompiles"
 
 
 def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
