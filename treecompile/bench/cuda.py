@@ -354,8 +354,6 @@ def _save_profiles(result: dict, cfg: CudaBenchConfig) -> None:
         json.dump({**(result.get("profile") or {}), "baselines": result.get("baseline_profiles", {})}, f, indent=2)
 
 
-
-
 def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
     if method.startswith("tree"):
         return tree_compile(model, lm_head="fused" if method == "tree-fused" else "gather")
