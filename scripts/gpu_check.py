@@ -47,7 +47,7 @@ CHECK_SECTIONS = [
     ("fused-head", "tests/gpu/test_gpu_fused_head.py", 120),
     ("blockmask", "tests/gpu/test_gpu_blockmask.py", 120),
     ("compile-behaviour", "tests/gpu/test_gpu_compile_behaviour.py", 420),
-    ("stream-cp", "tests/gpu/test_gpu_stream_cp.py", 300),
+    ("stream-cp", "tests/gpu/test_gpu_stream_cp.py", 420),
     *((f"exactness-{short}-{part}", f"{_EXACT} -k {expr}", 420)
       for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))
       for part, expr in (("dense", f"interval-gather-{dtype} and not {_SPARSE}"),
