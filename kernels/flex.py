@@ -230,8 +230,9 @@ def main_kernel_option() -> dict:
     power of two, and drops every configuration whose tile does not divide the block mask's
     128 rows: where rows x heads per key head exceed 128 (65 to 127 rows at two query heads
     per key head) none is left, and the compile fails (``NoValidChoicesError``; torch 2.11,
-    seen on an H200 for a streamed part's ``[prefix ; own]`` attention). A streamed part, a CP rank's rows or a small tree can have so few
-    rows, and training wants the kernel with a backward anyway."""
+    seen on an H200 for a streamed part's ``[prefix ; own]`` attention). A streamed part, a
+    CP rank's rows or a small tree can have so few rows, and training wants the kernel with a
+    backward anyway."""
     import typing
 
     from torch.nn.attention import flex_attention as fa

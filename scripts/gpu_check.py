@@ -293,7 +293,8 @@ def run_bench_section(name: str, limit: int, work: Path, perf: bool = False) -> 
 
         profile = json.loads((work / "profile.json").read_text())
         section["profile"] = profile
-        reports = [markdown_report(r) for r in (profile, *profile.get("baselines", {}).values()) if "categories_ms" in r]
+        steps = (profile, *profile.get("baselines", {}).values())  # the tree's, then each baseline's
+        reports = [markdown_report(r) for r in steps if "categories_ms" in r]
         if reports:
             section["table"] = (table or "") + "\n\nProfiles of the first workload's steps:\n\n" + "\n\n".join(reports)
     return section
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             if skip:
                 tests = [{"name": t, "outcome": "skipped", "seconds": None, "message": skip.removeprefix("skipped: "),
                           "traceback": "", "properties": {}} for t in listed.get(name, [])]
-                report["sections"].append({"name": name, "status": skip, "seconds": None, "tests": tests})
+                report["sections"].append({"name": name, "status": skip, "seconds": None, "limit": limit, "tests": tests})
                 continue
             if args.command == "check":
                 section = run_test_section(name, what, limit, work, started[name])
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section}[args.command]
                     section = run(name, limit, work)
             print(f"[gpu.sh] {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
-            report["sections"].append(section)
+            report["sections"].append({**section, "limit": limit})
         if not perf:
             with tarfile.open(args.out / f"gpu-{args.command}-raw.tar.gz", "w:gz") as tar:
                 for f in sorted(work.iterdir()):

@@ -294,6 +294,23 @@ def test_custom_model_streams_exactly(mode):
 
 
 @_ON_NANOGPT_WORKER
+def test_a_streamed_call_cuts_its_parts_from_the_batch_on_the_host(monkeypatch):
+    """The runner reads the batch where the host has it (`on_host`: a CPU batch as it is, a GPU
+    batch read back once) and never moves it whole to the model's device: each part moves by
+    itself (tests/gpu counts the host syncs this saves on CUDA)."""
+    import treecompile.stream.runner as runner
+    from treecompile.core.batch import TreeBatch
+
+    model, compiled = _compiled("nanogpt", "keep")
+    batch = pack(TrajectoryTree.from_sequences(BRANCHY))
+    seen = []
+    monkeypatch.setattr(runner, "on_host", lambda b: seen.append(b) or b)
+    monkeypatch.setattr(TreeBatch, "to", lambda self, device: pytest.fail(f"the batch was moved to {device}"))
+    assert torch.isfinite(compiled(batch).loss)
+    assert seen == [batch]
+
+
+@_ON_NANOGPT_WORKER
 @settings(max_examples=10)
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
 def test_custom_model_streams_generated_trees_at_any_budget(case, data):

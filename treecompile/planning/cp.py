@@ -85,8 +85,6 @@ class CPSplit:
         paths: per rank, ``[ancestor_rows[r]]`` int64: the global rows of earlier ranks its
             queries see (the root path of its first row, root first; empty for rank 0 and a
             rank without rows).
-        sent_rows: ``[K]`` rows each rank sends the later ones per layer (for K, and as many
-            for V): its rows on their paths, a row counted once per rank that reads it.
     """
 
     bounds: np.ndarray
@@ -97,7 +95,13 @@ class CPSplit:
     ancestor_rows: np.ndarray
     live_keys: np.ndarray
     paths: tuple = ()
-    sent_rows: np.ndarray | None = None
+
+    @property
+    def sent_rows(self) -> np.ndarray:
+        """``[K]`` rows each rank sends the later ones per layer (for K, and as many for V):
+        its rows on their paths, a row counted once per rank that reads it."""
+        rows = np.concatenate([np.zeros(0, np.int64), *self.paths])
+        return np.bincount(self.owner(rows), minlength=self.ranks).astype(np.int64)
 
     def owner(self, rows: np.ndarray) -> np.ndarray:
         """The rank that holds each of ``rows`` (global row numbers)."""
@@ -114,8 +118,7 @@ class CPSplit:
         for r, path in enumerate(self.paths):
             if r != rank and len(path):
                 send[r] = path[self.owner(path) == rank] - a
-        recv = np.bincount(self.owner(self.paths[rank]), minlength=self.ranks).astype(np.int64) \
-            if len(self.paths[rank]) else np.zeros(self.ranks, np.int64)
+        recv = np.bincount(self.owner(self.paths[rank]), minlength=self.ranks).astype(np.int64)
         return (np.concatenate(send).astype(np.int64), np.array([len(x) for x in send], dtype=np.int64), recv)
 
     @property
@@ -193,13 +196,12 @@ def _live_keys(pairs: np.ndarray, a: int, b: int) -> int:
 
 
 def _with_paths(batch: TreeBatch, split: CPSplit) -> CPSplit:
-    """``split`` with its `CPSplit.paths` and `CPSplit.sent_rows` (O(ranks x depth))."""
+    """``split`` with its `CPSplit.paths` (O(ranks x depth))."""
     nodes = batch.node_table().numpy()  # on the host, from the batch's check
     b = split.bounds
     paths = tuple(rows_before_on_path(nodes, int(b[r])) if b[r + 1] > b[r] else np.zeros(0, np.int64)
                   for r in range(split.ranks))
-    sent = np.bincount(split.owner(np.concatenate(paths)), minlength=split.ranks).astype(np.int64)
-    return dataclasses.replace(split, paths=paths, sent_rows=sent)
+    return dataclasses.replace(split, paths=paths)
 
 
 def _summary(bounds: np.ndarray, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> CPSplit:

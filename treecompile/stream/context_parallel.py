@@ -171,9 +171,9 @@ class CPRunner:
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
         block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
         device = device_of(self.setup.model)
-        moved = [to_device(x, device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local, weight,
-                                         path_count, kv_end, kv_pos, torch.from_numpy(index),
-                                         torch.from_numpy(send_rows))]
+        moved = [to_device(x, device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local,
+                                                weight, path_count, kv_end, kv_pos, torch.from_numpy(index),
+                                                torch.from_numpy(send_rows))]
         (ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos, index,
          send_rows) = moved
         block_tensors = type(block_tensors)(*(to_device(t, device) for t in block_tensors))
@@ -279,7 +279,7 @@ def _local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> li
     clipped to them, a node reaching before ``a`` a root; padding rows one more root)."""
     pred = batch.pred_index.cpu().numpy()[a:b]
     pred_local = np.concatenate([np.where(pred >= a, pred - a, -1), np.full(s_run - (b - a), -1)])
-    start, end, parent = (t.cpu().numpy() for t in (batch.node_start, batch.node_end, batch.node_parent))
+    start, end, parent = batch.node_table().numpy().T
     v0, v1 = int(np.searchsorted(start, a, side="right")) - 1, int(np.searchsorted(start, b, side="left"))
     table = [[max(int(start[v]), a) - a, min(int(end[v]), b) - a,
               int(parent[v]) - v0 if start[v] >= a and parent[v] >= v0 else -1] for v in range(v0, v1)] if b > a else []

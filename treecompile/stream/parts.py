@@ -53,8 +53,7 @@ class BatchArrays:
         """
         plan = self.plan
         self.pred = pred
-        self.n_start, self.n_end, self.n_parent = (t.cpu().numpy() for t in
-                                                   (batch.node_start, batch.node_end, batch.node_parent))
+        self.n_start, self.n_end, self.n_parent = batch.node_table().numpy().T
         rows = np.flatnonzero(pred >= 0)
         part = plan.part_of(rows)
         src = pred[rows]
