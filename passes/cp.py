@@ -36,7 +36,8 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
-from treecompile.passes.stream import _attention_calls, _conv_calls, _scan_calls, stream_attention_fn
+from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls,
+                                       stream_attention_fn)
 
 __all__ = ["CPGraph", "cp_inputs", "cp_passes"]
 
@@ -67,10 +68,18 @@ class CPGraph:
     counts: fx.Node | None = None
 
 
-def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
+def cp_passes(state: CPGraph, streamed: bool = False) -> tuple[Callable, Callable, Callable]:
     """``(read_cp_inputs_pass, route_cp_kv_pass, refuse_cp_state_pass)`` sharing ``state``:
     the first runs before every other pass, the second right after ``rewrite_attention_pass``,
-    the third after ``route_ssm_state_pass``."""
+    the third after ``route_ssm_state_pass``.
+
+    ``streamed``: for a streamed part split over the group (`treecompile.stream.stream_cp`),
+    whose attention calls already read a prefix from the KV stack: the second is
+    ``extend_prefix_kv_pass`` instead, which runs right after the stream passes'
+    ``route_prefix_kv_pass`` and appends the gathered rows to each call's prefix (the stack's
+    rows come before the part, the gathered ones inside it, so the concatenation keeps row
+    order); the third must run before ``route_stream_state_pass``.
+    """
 
     def read_cp_inputs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         found = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.cp_inputs)]
@@ -105,6 +114,26 @@ def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
             ctx.count("cp_attention")
         return gm
 
+    def extend_prefix_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        gather = torch.ops.treecompile.cp_gather_rows.default
+        n_keys = value(state.gather_index).shape[0]
+        for node in prefix_attention_calls(gm):
+            q, k, v, pk, pv = node.args[:5]
+            with gm.graph.inserting_before(node):
+                joined = []
+                for x, p in ((k, pk), (v, pv)):
+                    args = (x, state.gather_index, state.send_rows, state.counts, state.group)
+                    got = ctx.mark(gm.graph.call_function(gather, args), like=node)
+                    t, before = value(x), value(p)
+                    got.meta["example_value"] = t.new_empty(1, t.shape[1], n_keys, t.shape[3])
+                    cat = ctx.mark(gm.graph.call_function(torch.cat, ([p, got], 2)), like=node)
+                    cat.meta["example_value"] = before.new_empty(1, before.shape[1], before.shape[2] + n_keys,
+                                                                 before.shape[3])
+                    joined.append(cat)
+            node.args = (q, k, v, *joined, *node.args[5:])
+            ctx.count("cp_attention")
+        return gm
+
     def refuse_cp_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         held = _conv_calls(gm) + [n for n, _ in _scan_calls(gm)]
         if held:
@@ -116,4 +145,4 @@ def cp_passes(state: CPGraph) -> tuple[Callable, Callable, Callable]:
                 f"\n  at {source_of(n)}")
         return gm
 
-    return read_cp_inputs_pass, route_cp_kv_pass, refuse_cp_state_pass
+    return read_cp_inputs_pass, extend_prefix_kv_pass if streamed else route_cp_kv_pass, refuse_cp_state_pass

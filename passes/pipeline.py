@@ -55,7 +55,7 @@ from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
 __all__ = [
-    "streamed", "context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
+    "streamed", "context_parallel", "streamed_context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
 ]
 
 log = logging.getLogger("treecompile.passes")
@@ -154,13 +154,26 @@ def context_parallel(pipeline: Pipeline, state: CPGraph) -> Pipeline:
                                   route_ssm_state_pass: refuse})
 
 
-def _with_after(pipeline: Pipeline, after: dict[Pass, Pass]) -> Pipeline:
-    """``pipeline`` with ``after[p]`` inserted right after each pass ``p`` it names."""
+def streamed_context_parallel(pipeline: Pipeline, stream: StreamGraph, cp: CPGraph) -> Pipeline:
+    """The pipeline of a streamed part split over a CP group (`treecompile.stream.stream_cp`):
+    the stream passes and the CP passes (``streamed=True``), each right after the pass it
+    follows: the inputs read after the subgraphs are inlined; the stack's keys and values
+    routed, then the gathered ones appended, after the attention rewrite; recurrent layers
+    refused after the SSM state pass, before the stream state would be routed."""
+    read, route, route_state = stream_passes(stream)
+    read_cp, extend, refuse = cp_passes(cp, streamed=True)
+    return _with_after(pipeline, {inline_subgraphs_pass: (read, read_cp), rewrite_attention_pass: (route, extend),
+                                  route_ssm_state_pass: (refuse, route_state)})
+
+
+def _with_after(pipeline: Pipeline, after: dict[Pass, Pass | tuple[Pass, ...]]) -> Pipeline:
+    """``pipeline`` with ``after[p]`` (a pass or several, in order) inserted right after each
+    pass ``p`` it names."""
     passes = []
     for p in pipeline.passes:
         passes.append(p)
         if p in after:
-            passes.append(after[p])
+            passes.extend(after[p] if isinstance(after[p], tuple) else (after[p],))
     return dataclasses.replace(pipeline, passes=tuple(passes))
 
 

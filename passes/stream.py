@@ -51,7 +51,7 @@ from treecompile.kernels.prefix_flex import prefix_flex_hop
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 
 __all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
-           "stream_scan_fn", "stream_selective_scan", "stream_inputs", "stream_outputs"]
+           "stream_scan_fn", "stream_selective_scan", "stream_inputs", "stream_outputs", "prefix_attention_calls"]
 
 
 Tensor = torch.Tensor
@@ -151,6 +151,7 @@ def stream_attention_fn(spec: AttentionSpec) -> Callable:
     parts = [f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
              "alibi" if spec.alibi else "", "sinks" if spec.sinks else ""]
     stream_tree_attention.__name__ = "stream_tree_attention" + "".join("_" + p for p in parts if p)
+    stream_tree_attention.prefix_spec = spec  # how the passes after `route_prefix_kv_pass` know it
     return stream_tree_attention
 
 
@@ -222,6 +223,12 @@ def stream_scan_fn(kind: str) -> Callable:
 
     stream_scan.__name__ = f"stream_tree_{kind}"
     return stream_scan
+
+
+def prefix_attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The attention calls over ``[prefix ; own]`` (after `route_prefix_kv_pass`), in graph order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(getattr(n.target, "prefix_spec", None), AttentionSpec)]
 
 
 def _attention_calls(gm: fx.GraphModule) -> list[fx.Node]:

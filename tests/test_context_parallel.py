@@ -7,13 +7,17 @@ head through the default lowering, whose AOTAutograd traces the gathers' backwar
 (attention sinks, sliding layers, MoE); on 4 ranks also a 2 x 2 mesh, FSDP2
 over data parallel x CP (each rank compiles every family: the families are what the suite's
 time allows). Two trees of different lengths, the second deep enough that the last ranks
-read keys from several earlier ranks. A hybrid model is refused by name, and a group of one
-rank runs as no CP does (in this process). The 2-rank run also trains a non-linear function
+read keys from several earlier ranks. Both trees also stream under CP (a windowed and
+soft-capped model in recompute mode on 2 ranks, the MoE with its auxiliary loss in keep mode
+on 4): parts of a few rows per rank, whose ranks read the KV stack and the part's earlier
+ranks. A hybrid model is refused by name (also streamed), and a group of one rank runs as no
+CP does (in this process). The 2-rank run also trains a non-linear function
 of the log-probabilities (`stream_logprob_loss`) and checks each rank's predicted peak memory
 against the measured one."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tempfile
@@ -80,6 +84,8 @@ def _worker(rank, world, init_file, out_dir):
                     grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                     bounds=compiled._cp.split.bounds.tolist()))
             results[family] = runs
+            if family in STREAMED[world]:
+                results[family + STREAMED_KEY] = _streamed_runs(model, family, world, options)
             if family == LOGPROB_FAMILY and world == 2:
                 results["logprob_loss"] = _logprob_loss_run(model, compiled)
         if world == 2:
@@ -95,6 +101,33 @@ def _worker(rank, world, init_file, out_dir):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
+
+
+#: Per group size, the families also run streamed under CP (`treecompile.stream.stream_cp`),
+#: with the stream mode and the rows per rank: small enough that every tree streams, over
+#: parts whose ranks read the stack and the part's earlier ranks.
+STREAMED = {2: {"gemma2-softcap-sw3": ("recompute", 3)}, 4: {"qwen3-moe-aux": ("keep", 2)}}
+STREAMED_KEY = "/streamed"
+
+
+def _streamed_runs(model, family, world, options):
+    from treecompile.stream.options import StreamOptions
+
+    mode, budget = STREAMED[world][family]
+    compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=budget, mode=mode), **options)
+    runs = []
+    for tree in _trees():
+        model.zero_grad(set_to_none=True)
+        out = compiled(pack(tree, warn_por=False))
+        out.loss.backward()
+        stats = compiled._cp.stats
+        runs.append(dict(
+            loss=out.loss.detach(), logprobs=out.logprobs, aux=out.aux_loss, entropy=out.entropy,
+            grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            parts=stats.parts, forward_rows=stats.forward_rows,
+            bounds=[s.bounds.tolist() for s in compiled._cp.splits],
+            reads=[len(s.inside[r]) for s in compiled._cp.splits for r in range(world)]))
+    return runs
 
 
 #: The family whose CP wrapper also trains a loss that is a function of the log-probabilities
@@ -201,9 +234,14 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
             batch = pack(tree, warn_por=False)
             bounds = ranks[0][family][t]["bounds"]
             assert len(bounds) == world + 1 and all(b > a for a, b in zip(bounds, bounds[1:])), bounds
-            for r, got in enumerate(ranks):
-                run = got[family][t]
-                where = f"{family}, tree {t}, rank {r} of {world}"
+            keys = [family] + ([family + STREAMED_KEY] if family in STREAMED[world] else [])
+            if len(keys) > 1:
+                # Streamed: several parts, and ranks that gather rows from the part's earlier ranks.
+                run = ranks[0][keys[1]][t]
+                assert run["parts"] > 1 and run["forward_rows"] >= batch.num_tokens and sum(run["reads"]) > 0, run
+            for (r, got), key in itertools.product(enumerate(ranks), keys):
+                run = got[key][t]
+                where = f"{key}, tree {t}, rank {r} of {world}"
                 torch.testing.assert_close(run["loss"], ref.loss.detach(), rtol=rtol, atol=atol, msg=where)
                 for i in range(batch.num_paths):
                     torch.testing.assert_close(run["logprobs"][batch.path_rows(i)], ref.logprobs[i].detach(),
@@ -281,11 +319,14 @@ def test_one_rank_runs_as_the_whole_tree_and_a_hybrid_is_refused_by_name(one_ran
     torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=rtol, atol=atol)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=rtol, atol=atol, msg=n)
-    with pytest.raises(UnsupportedModelError) as info:
-        tree_compile(_model("qwen3-next"), cp=one_rank, backend="eager")(batch)
-    first = str(info.value).splitlines()[0]
-    assert first.startswith("treecompile: ") and "context parallelism does not hand" in first, first
-    assert "\n  at " in str(info.value)  # the model's source line
+    from treecompile.stream.options import StreamOptions
+
+    for stream in (None, StreamOptions(budget_rows=8)):  # one CP call; streamed parts (the batch has 33 rows)
+        with pytest.raises(UnsupportedModelError) as info:
+            tree_compile(_model("qwen3-next"), cp=one_rank, backend="eager", stream=stream)(batch)
+        first = str(info.value).splitlines()[0]
+        assert first.startswith("treecompile: ") and "context parallelism does not hand" in first, (stream, first)
+        assert "\n  at " in str(info.value)  # the model's source line
 
 
 def test_what_cp_cannot_run_is_refused(one_rank):
@@ -294,8 +335,8 @@ def test_what_cp_cannot_run_is_refused(one_rank):
     from treecompile.stream.options import StreamOptions
 
     model = _model("qwen3")
-    with pytest.raises(ValueError, match="cp= or stream=, not both"):
-        tree_compile(model, cp=one_rank, stream=StreamOptions(budget_rows=8))
+    with pytest.raises(ValueError, match=r"under context parallelism give budget_rows"):
+        tree_compile(model, cp=one_rank, stream=StreamOptions(budget_bytes=2**30))
     with pytest.raises(ValueError, match="runs the interval mask"):
         tree_compile(model, cp=one_rank, mask="bitmask")
     with pytest.raises(ValueError, match="cannot run the group's collectives"):

@@ -174,3 +174,49 @@ def test_the_work_split_is_no_worse_than_the_row_split_at_the_same_alignment(ali
         by_rows = equal_rows_split(batch, ranks, WORK, align=align)
         assert all(b % align == 0 for b in by_rows.bounds[:-1]) and by_rows.bounds[-1] == batch.num_tokens
         assert by_work.work.max() <= by_rows.work.max() + 1e-9
+
+
+@given(seqs=trees, ranks=st.integers(1, 4), budget=st.integers(1, 5), cuts=st.sampled_from(["subtree", "rows"]))
+def test_a_streamed_part_split_over_ranks_reads_exactly_the_keys_its_queries_see(seqs, ranks, budget, cuts):
+    """`treecompile.stream.stream_cp.split_parts`: each part of a streamed plan is split over
+    the ranks by rows (at most ``budget`` rows each); a rank's stack rows (earlier parts) and
+    gathered rows (the part's earlier ranks), in that order, are exactly the earlier keys its
+    queries see under the dense tree mask; the gathered rows are what the exchange hands it;
+    a part's kept rows are exactly the rows later parts' ranks read from it; and a part's
+    call inputs make its padding keys invisible and its real ones visible by the tree rule."""
+    from treecompile.stream.parts import PAD_PREFIX, BatchArrays
+    from treecompile.stream.plan import plan_stream
+    from treecompile.stream.stream_cp import PAD_GATHER, split_parts
+
+    batch = _batch(seqs)
+    plan = plan_stream(batch, budget * ranks, cuts)
+    splits, kept = split_parts(batch, plan, ranks)
+    mask = _path_mask(batch)
+    data = BatchArrays(batch)
+    read = [set() for _ in range(plan.num_parts)]
+    for j, split in enumerate(splits):
+        assert split.bounds[0] == plan.starts[j] and split.bounds[-1] == plan.starts[j + 1]
+        assert (np.diff(split.bounds) >= 0).all() and np.diff(split.bounds).max() <= budget
+        plans = [cp.exchange_of(split.bounds, split.inside, r) for r in range(ranks)]
+        for r in range(ranks):
+            a, b = int(split.bounds[r]), int(split.bounds[r + 1])
+            stack, inside = split.stack[r], split.inside[r]
+            sees = np.flatnonzero(mask[a:b, :a].any(0)) if b > a else np.zeros(0, np.int64)
+            assert np.array_equal(np.concatenate([stack, inside]), sees), (j, r, stack, inside, sees)
+            assert (stack < plan.starts[j]).all() and (inside >= plan.starts[j]).all()
+            got = [plans[s][0][int(plans[s][1][:r].sum()):][:int(plans[s][1][r])] + split.bounds[s]
+                   for s in range(ranks)]
+            assert np.array_equal(np.concatenate(got), inside)
+            for row in stack.tolist():
+                read[int(plan.part_of(np.array([row]))[0])].add(row)
+            # The call's keys: [padding ; stack ; padding ; gathered ; own]; query c sees key k
+            # iff kv_end[k] > c >= k (the interval rule over the concatenation).
+            prefix = np.concatenate([stack, np.full(PAD_GATHER, -1), inside])
+            inputs, _ = data.part_inputs(a, b, prefix)
+            kv_end = inputs[9].numpy()
+            keys = np.concatenate([np.full(PAD_PREFIX, -1), prefix])
+            for q in range(a, b):
+                c = len(keys) + q - a
+                seen = [k for k in range(len(keys)) if k <= c < kv_end[k]]
+                assert [int(keys[k]) for k in seen] == np.flatnonzero(mask[q, :a]).tolist(), (j, r, q)
+    assert [set(k.tolist()) for k in kept] == read

@@ -160,7 +160,9 @@ def tree_compile(
             its share of the packed row (split by work), the attention layers gather the keys
             and values their queries see from the other ranks, and every rank gets the whole
             tree's loss, log-probabilities and gradients (:mod:`treecompile.stream.context_parallel`).
-            Models with recurrent or convolution layers are refused under it. None: no CP.
+            Models with recurrent or convolution layers are refused under it. With ``stream``
+            (``budget_rows``: the rows one rank holds), a batch larger than that streams, each
+            part split over the group (:mod:`treecompile.stream.stream_cp`). None: no CP.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -287,8 +289,10 @@ class TreeCompiledModel(DelegatingModule):
             graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
             kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
             outputs=self._outputs, compile_records=self.compile_records)
-        self._stream = None if stream is None else _stream_runner(stream, setup)
-        self._cp = None if cp is None else _cp_runner(cp, setup)
+        self._stream_options = stream
+        # Under cp= the CP runner streams what is over the budget itself.
+        self._stream = None if stream is None or cp is not None else _stream_runner(stream, setup)
+        self._cp = None if cp is None else _cp_runner(cp, setup, stream)
         # An FSDP2 model runs unsharded from each call to the end of its backward (the CP
         # runner runs it unsharded for each call itself).
         self._fsdp = fsdp_call_of(model) if cp is None else None
@@ -302,9 +306,8 @@ class TreeCompiledModel(DelegatingModule):
     def __deepcopy__(self, memo: dict) -> TreeCompiledModel:
         # A copy of the model, wrapped with the same options (compiled again at its first call),
         # as a reference-model copy of a trainer expects.
-        stream = None if self._stream is None else self._stream.options
         cp = None if self._cp is None else self._cp.group  # the copy runs over the same group
-        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), stream, cp)
+        return _rewrap(copy.deepcopy(self._inner, memo), self._options(), self._stream_options, cp)
 
     def __reduce_ex__(self, protocol: int):
         # The compiled graph and the kernels swapped in around it cannot be pickled: a pickled
@@ -313,8 +316,7 @@ class TreeCompiledModel(DelegatingModule):
         if self._cp is not None:
             raise TypeError("a context-parallel TreeCompiledModel holds a process group and cannot be pickled: "
                             "pickle its .model and wrap it again in the loading process")
-        stream = None if self._stream is None else self._stream.options
-        return _rewrap, (self._inner, self._options(), stream)
+        return _rewrap, (self._inner, self._options(), self._stream_options)
 
     @property
     def counters(self) -> dict[str, Counter]:
@@ -585,10 +587,15 @@ def _stream_runner(options: StreamOptions, setup: CallSetup):
     return StreamRunner(setup, options)
 
 
-def _cp_runner(group, setup: CallSetup):
+def _cp_runner(group, setup: CallSetup, stream: StreamOptions | None = None):
     from treecompile.stream.context_parallel import CPRunner, row_work_of
 
-    return CPRunner(setup, group, row_work_of(setup.model))
+    runner = CPRunner(setup, group, row_work_of(setup.model))
+    if stream is None:
+        return runner
+    from treecompile.stream.stream_cp import StreamCPRunner
+
+    return StreamCPRunner(setup, stream, group, runner)
 
 
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None, cp=None) -> TreeCompiledModel:

@@ -41,7 +41,7 @@ from treecompile.core.batch import TreeBatch
 from treecompile.core.errors import TreeInputError
 from treecompile.core.preorder import rows_before_on_path
 
-__all__ = ["RowWork", "CPSplit", "split_for_cp", "equal_rows_split"]
+__all__ = ["RowWork", "CPSplit", "split_for_cp", "equal_rows_split", "exchange_of"]
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,7 @@ class CPSplit:
         ranks read, grouped by the reading rank in rank order; ``[K]`` rows it sends to each
         rank; ``[K]`` rows it receives from each. What it receives, concatenated in rank
         order, is ``paths[rank]`` in order (a root path runs through the ranks in order)."""
-        a = int(self.bounds[rank])
-        send = [np.zeros(0, np.int64)] * self.ranks
-        for r, path in enumerate(self.paths):
-            if r != rank and len(path):
-                send[r] = path[self.owner(path) == rank] - a
-        recv = np.bincount(self.owner(self.paths[rank]), minlength=self.ranks).astype(np.int64)
-        return (np.concatenate(send).astype(np.int64), np.array([len(x) for x in send], dtype=np.int64), recv)
+        return exchange_of(self.bounds, self.paths, rank)
 
     @property
     def ranks(self) -> int:
@@ -173,6 +167,23 @@ class CPSplit:
             saved, transient = cost.part_bytes(rows, max(1, min(rows + got // per_row, live)))
             out.append(cost.static_bytes() + saved + d.layers * got + max(transient, buf))
         return np.asarray(out, dtype=np.int64)
+
+
+def exchange_of(bounds: np.ndarray, paths, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`CPSplit.exchange` of the runs ``bounds[r]:bounds[r + 1]`` (``[K + 1]``, global rows)
+    whose ranks read ``paths[r]`` (global rows within ``bounds[0]:bounds[r]``, in order)."""
+    ranks = len(bounds) - 1
+    a = int(bounds[rank])
+
+    def owner(rows):
+        return np.searchsorted(bounds, rows, side="right") - 1
+
+    send = [np.zeros(0, np.int64)] * ranks
+    for r, path in enumerate(paths):
+        if r != rank and len(path):
+            send[r] = path[owner(path) == rank] - a
+    recv = np.bincount(owner(paths[rank]), minlength=ranks).astype(np.int64)
+    return (np.concatenate(send).astype(np.int64), np.array([len(x) for x in send], dtype=np.int64), recv)
 
 
 def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -23,6 +23,8 @@ the attention keeps for its backward (`treecompile.planning.cp.CPSplit.peak_byte
 it; the exchange's buffers are transient, one layer at a time).
 
 Hybrid models (recurrent or convolution layers) are refused under CP by the op's name.
+With ``stream=`` as well, a batch larger than the group holds streams, each part split over
+the group (`treecompile.stream.stream_cp`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from treecompile.stream.parts import PAD_PREFIX, BatchArrays
 from treecompile.stream.runner import _StreamedLoss
 from treecompile.stream.sharded import Unsharded
 
-__all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of"]
+__all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of", "local_structure"]
 
 
 def row_work_of(model) -> RowWork | None:
@@ -86,12 +88,14 @@ def cp_group_checked(cp, *, stream, mask: str, verify) -> dist.ProcessGroup:
     """`cp_group_of` ``cp``, with the other `tree_compile` options it cannot take refused.
 
     Raises:
-        ValueError: ``stream=`` as well, a mask other than ``"interval"``, ``verify=True``.
+        ValueError: ``stream=`` with ``budget_bytes`` (`treecompile.stream.stream_cp`), a mask
+            other than ``"interval"``, ``verify=True``.
     """
     group = cp_group_of(cp)
-    if stream is not None:
-        raise ValueError("tree_compile takes cp= or stream=, not both: a streamed batch under context parallelism "
-                         "is not supported")
+    if stream is not None and stream.budget_bytes is not None:
+        raise ValueError("tree_compile(cp=..., stream=StreamOptions(budget_bytes=...)): under context parallelism "
+                         "give budget_rows, the rows one rank holds at once (the byte budget's memory model is "
+                         "one process's)")
     if mask != "interval":
         raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
     if verify is True:
@@ -184,7 +188,7 @@ class CPRunner:
             torch._dynamo.maybe_mark_dynamic(t, d)
         # A model with recurrent or conv layers gets its rows' own structure, so that the capture
         # reaches the pass that refuses those layers by name (`treecompile.passes.cp`).
-        structure = _local_structure(batch, a, b, data.run_rows(a, b), device) if self.setup.structure else []
+        structure = local_structure(batch, a, b, data.run_rows(a, b), device) if self.setup.structure else []
         args = (ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest_local, weight,
                 path_count, [kv_end, kv_pos, index, send_rows, counts])
         return args, dest
@@ -274,7 +278,7 @@ class CPRunner:
         return out, [n for n, _ in named], grads
 
 
-def _local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:
+def local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:
     """``[pred_index [S_run], node_table [N, 3]]`` of rows ``[a, b)`` alone (the tree's nodes
     clipped to them, a node reaching before ``a`` a root; padding rows one more root)."""
     pred = batch.pred_index.cpu().numpy()[a:b]

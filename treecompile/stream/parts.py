@@ -150,6 +150,10 @@ class BatchArrays:
         row's output). A branch row predicts several; the call has ``S_run = max(b - a, M,
         2)`` rows (padding rows see only themselves, nothing sees them) so that the ``M``
         targets' log-probabilities fit in its ``[S_run]`` output, in slots ``0 .. M - 1``.
+
+        ``prefix``: the global rows whose keys and values come before the part's, in row
+        order; ``-1`` for a padding key, which no query sees (``PAD_PREFIX`` of them always
+        come first).
         """
         s = b - a
         lo, hi = np.searchsorted(self.target_pred, [a, b])
@@ -170,9 +174,11 @@ class BatchArrays:
         weight[:m] = self.weight[t]
         path_count = np.concatenate([self.path_count[a:b], np.zeros(pad, np.int64)])
         p = PAD_PREFIX + prefix.shape[0]
-        kv_end = np.concatenate([np.zeros(PAD_PREFIX, np.int64), p + np.minimum(self.sub[prefix], b) - a,
-                                 p + sub_local])
-        kv_pos = np.concatenate([np.zeros(PAD_PREFIX, np.int64), self.pos[prefix], pos])
+        held = prefix >= 0  # -1: a padding key, which no query sees
+        at = np.where(held, prefix, 0)
+        kv_end = np.concatenate([np.zeros(PAD_PREFIX, np.int64),
+                                 np.where(held, p + np.minimum(self.sub[at], b) - a, 0), p + sub_local])
+        kv_pos = np.concatenate([np.zeros(PAD_PREFIX, np.int64), np.where(held, self.pos[at], 0), pos])
         as_t = [torch.from_numpy(np.ascontiguousarray(x)) for x in
                 (ids, pos, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos)]
         as_t = [x.to(torch.int64) if x.dtype != torch.float64 else x for x in as_t]

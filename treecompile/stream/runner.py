@@ -214,7 +214,7 @@ class StreamRunner:
                 (aux_grad,) = torch.autograd.grad(router.aux_from_stats(probs), probs)
                 aux_grad = router.coef * aux_grad
             result = self._run(batch, plan, mode, device, grad, aux_grad)
-            streamed = [p.grad for p in params]
+            streamed = self._reduce_grads(params, [p.grad for p in params])
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
@@ -259,15 +259,44 @@ class StreamRunner:
                     redo = self._forward_part(data, plan, p, entries, device, True, aux_grad)[0]
                     forward_rows += int(plan.starts[p + 1] - plan.starts[p])
                     e.outs, e.loss, e.leaves = redo.outs, redo.loss, redo.leaves
-                backward_part(plan, data, p, e, entries, self._shapes)
+                self._backward_part(plan, data, p, e, entries)
                 del entries[p]
-        return _RunResult(loss=total, logprobs=logprobs, entropy=entropy, router_stats=router_stats,
-                          forward_rows=forward_rows)
+        return self._finish(_RunResult(loss=total, logprobs=logprobs, entropy=entropy, router_stats=router_stats,
+                                       forward_rows=forward_rows))
+
+    # ------------------------------------------------------------------ what a part reads and keeps
+    # (`treecompile.stream.stream_cp` overrides these to split each part over a CP group)
+
+    def _part_inputs(self, data: BatchArrays, plan: StreamPlan, j: int) -> tuple[list, torch.Tensor, list]:
+        """``(compiled-call inputs, global rows of its targets, extra graph inputs)`` of part ``j``."""
+        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+        inputs, dest = data.part_inputs(a, b, plan.prefix[j])
+        return inputs, dest, []
+
+    def _structure(self, data: BatchArrays, plan: StreamPlan, j: int, dk: int, device) -> tuple:
+        return data.structure(j, dk, device)
+
+    def _stack(self, plan: StreamPlan, data: BatchArrays, j: int, entries: dict, device) -> tuple[list, list, list]:
+        return gather_prefix(plan, data, j, entries, self._shapes, device)
+
+    def _kept(self, plan: StreamPlan, j: int, kv: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What part ``j`` keeps on the stack of its outputs ``kv`` (detached)."""
+        return [t.detach() for t in kv]
+
+    def _backward_part(self, plan: StreamPlan, data: BatchArrays, p: int, e: StackEntry, entries: dict) -> None:
+        backward_part(plan, data, p, e, entries, self._shapes)
+
+    def _finish(self, result: _RunResult) -> _RunResult:
+        """The result of a pass over every part (summed over a CP group by `stream_cp`)."""
+        return result
+
+    def _reduce_grads(self, params: list, grads: list) -> list:
+        """The parameter gradients of the call (summed over a CP group by `stream_cp`)."""
+        return grads
 
     def _forward_part(self, data: BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool,
                       aux_grad: torch.Tensor | None = None):
-        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
-        inputs, dest = data.part_inputs(a, b, plan.prefix[j])
+        inputs, dest, extra = self._part_inputs(data, plan, j)
         inputs = [to_device(x, device) for x in inputs]
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
@@ -279,16 +308,17 @@ class StreamRunner:
             else:
                 self._build(device, KVLayout([]))
                 try:
-                    self._call(self._args(inputs, block_tensors, data.structure(j, 1, device), ([], [], [])))
+                    self._call(self._args(inputs, block_tensors, self._structure(data, plan, j, 1, device),
+                                          ([], [], []), extra))
                 except KVLayout as e:
                     self._build(device, e)
         dk = self._shapes.states[0][1] if self._shapes.states else 1
-        structure = data.structure(j, dk, device)
-        stack = gather_prefix(plan, data, j, entries, self._shapes, device)
+        structure = self._structure(data, plan, j, dk, device)
+        stack = self._stack(plan, data, j, entries, device)
         leaves = [x.requires_grad_() for x in (*stack[0], *stack[1], *stack[2])] if with_graph else []
         with torch.set_grad_enabled(with_graph):
             try:
-                loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, structure, stack))
+                loss, lp, kv, stats, ent = self._call(self._args(inputs, block_tensors, structure, stack, extra))
             except KVLayout as e:
                 if not guessed:
                     raise
@@ -304,12 +334,12 @@ class StreamRunner:
                 # share of the auxiliary loss's gradient (see StreamRunner.__call__).
                 loss = loss + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
         m = dest.shape[0]
-        entry = StackEntry(vals=[t.detach() for t in kv], outs=list(kv) if with_graph else None, loss=loss,
+        entry = StackEntry(vals=self._kept(plan, j, kv), outs=list(kv) if with_graph else None, loss=loss,
                        leaves=leaves, grads=[None] * len(kv), main=main)
         return entry, lp[:m], to_device(dest, device), stats, None if ent is None else ent[:m]
 
     @staticmethod
-    def _args(inputs, block_tensors, structure, stack) -> tuple:
+    def _args(inputs, block_tensors, structure, stack, extra=()) -> tuple:
         ids, positions, sub_local, rows, slot, target, dest, weight, path_count, kv_end, kv_pos = inputs
         tables, conv_pred, readouts = structure
         prefix, conv, states = stack
@@ -330,7 +360,8 @@ class StreamRunner:
 _LEARNT: OrderedDict[tuple, tuple[KVLayout, torch.dtype | None]] = OrderedDict()
 _LEARNT_MAX = 32
 #: The passes only a part graph runs (`treecompile.passes.stream.stream_passes`).
-_PART_PASSES = frozenset({"read_stream_inputs_pass", "route_prefix_kv_pass", "route_stream_state_pass"})
+_PART_PASSES = frozenset({"read_stream_inputs_pass", "route_prefix_kv_pass", "route_stream_state_pass",
+                          "read_cp_inputs_pass"})
 
 
 def _architecture(model: torch.nn.Module) -> tuple:

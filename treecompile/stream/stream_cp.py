@@ -1,0 +1,371 @@
+"""Streamed parts split over a context-parallel group: trees larger than the group holds at once.
+
+``tree_compile(model, cp=group, stream=StreamOptions(budget_rows=B))`` on every rank of a
+group of K ranks, each calling the wrapper with the same batch:
+
+* a batch whose CP split (`treecompile.planning.cp.split_for_cp`, by work) gives no rank
+  more than B rows runs as one CP call (`treecompile.stream.context_parallel`);
+* a larger one streams (`treecompile.stream.options`) in parts of at most K x B consecutive
+  rows, cut and scheduled as a streamed batch's are (`plan_stream`), and each part is split
+  over the ranks by rows (at most B each: the budget is what one rank holds).
+
+Within a part, rank ``r``'s attention reads, per layer and in row order: from the KV stack,
+the keys and values of the earlier parts' rows on the root path of its first row (a subset
+of the part's prefix); from the part's earlier ranks, the rows of that path inside the part,
+gathered in the graph by the CP exchange (``treecompile::cp_gather_rows``, whose backward
+sends their gradients back); its own rows. The graph is the streamed part's with the
+gathered rows appended to each attention's prefix (`treecompile.passes.cp`'s
+``extend_prefix_kv_pass``), under the concatenated interval rule.
+
+The stack is replicated: after a part's forward, the keys and values of its rows that a
+later part's rank reads (its *kept rows*) are all-gathered, so every rank holds them. The
+gradients the later parts' ranks add into them are summed over the group (one all-reduce per
+part) right before the part's backward, and each rank hands its own rows' share to its
+graph's backward. The loss, log-probabilities, router statistics and parameter gradients
+are summed over the group at the end, as a CP call's are: every rank ends with the whole
+tree's, equal to per-path training.
+
+Every rank computes the same plan and splits from the batch alone, so the collectives of the
+parts' forward and backward passes (and recompute mode's second forward) meet in the same
+order on every rank.
+
+Memory per rank: the parameters and optimizer state, the activations of at most B rows per
+part alive (keep mode: of every part on the stack; recompute mode: of one), the stack's kept
+rows' keys and values for every layer (the whole group's, on every rank), and per layer the
+keys and values the running part gathers.
+
+Not covered, refused by name: ``budget_bytes`` (its memory model is one process's), hybrid
+models (as under CP), ``verify=True`` (as under CP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from treecompile.capture.call import CallSetup, compile_named, run_head
+from treecompile.core.batch import TreeBatch, on_host, to_device
+from treecompile.core.preorder import rows_before_on_path
+from treecompile.passes.cp import CPGraph
+from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
+from treecompile.passes.stream import KVLayout, StreamGraph
+from treecompile.planning.cp import exchange_of, split_for_cp
+from treecompile.stream.context_parallel import CPRunner, local_structure
+from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
+from treecompile.stream.plan import StreamChoice, StreamOptions, StreamPlan, plan_stream
+from treecompile.stream.runner import StreamRunner, _RunResult
+from treecompile.stream.stack import StackEntry
+
+__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER"]
+
+#: Always-invisible rows before the gathered ones, so that their count is never 0 or 1
+#: (which Dynamo would specialise), as `PAD_PREFIX` is for the stack's.
+PAD_GATHER = 2
+
+
+@dataclass
+class PartSplit:
+    """One part split over the group.
+
+    Attributes:
+        bounds: ``[K + 1]`` global rows: rank ``r`` holds ``bounds[r]:bounds[r + 1]``.
+        stack: per rank, the earlier parts' rows on the root path of its first row (read
+            from the stack).
+        inside: per rank, the part's rows on that path (gathered from the part's earlier
+            ranks).
+    """
+
+    bounds: np.ndarray
+    stack: list[np.ndarray]
+    inside: list[np.ndarray]
+
+
+def split_parts(batch: TreeBatch, plan: StreamPlan, ranks: int) -> tuple[list[PartSplit], list[np.ndarray]]:
+    """Each part of ``plan`` split over ``ranks`` by rows, and each part's kept rows (its rows
+    that a later part's rank reads from the stack), sorted. O(parts x ranks x depth)."""
+    nodes = batch.node_table().numpy()
+    splits, read = [], [[] for _ in range(plan.num_parts)]
+    empty = np.zeros(0, np.int64)
+    for j in range(plan.num_parts):
+        a, b = int(plan.starts[j]), int(plan.starts[j + 1])
+        bounds = a + (np.arange(ranks + 1, dtype=np.int64) * (b - a)) // ranks
+        paths = [rows_before_on_path(nodes, int(bounds[r])) if bounds[r + 1] > bounds[r] else empty
+                 for r in range(ranks)]
+        stack = [p[p < a] for p in paths]
+        for rows in stack:
+            owners = plan.part_of(rows)
+            for q in np.unique(owners).tolist():
+                read[q].append(rows[owners == q])
+        splits.append(PartSplit(bounds=bounds, stack=stack, inside=[p[p >= a] for p in paths]))
+    kept = [np.unique(np.concatenate([empty, *rows])) for rows in read]
+    return splits, kept
+
+
+class StreamCPRunner(StreamRunner):
+    """Runs a `TreeCompiledModel`'s batches over a CP group, streamed where a rank's share is
+    over the budget (see the module docstring).
+
+    Attributes:
+        group: the process group.
+        cp: the `CPRunner` that runs batches within the budget.
+        splits: per part of the latest streamed batch, its `PartSplit`.
+    """
+
+    def __init__(self, setup: CallSetup, options: StreamOptions, group: dist.ProcessGroup, cp: CPRunner) -> None:
+        if options.budget_bytes is not None:  # refused by `cp_group_checked` before this is built
+            raise ValueError("StreamCPRunner takes budget_rows")
+        super().__init__(setup, options)
+        self.group = group
+        self.cp = cp
+        self.splits: list[PartSplit] = []
+        self._kept_rows: list[np.ndarray] = []
+        self._batch: TreeBatch | None = None  # the latest streamed batch (on the host)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def wants(self, batch: TreeBatch) -> bool:
+        """Whether ``batch`` streams: its CP split gives some rank more than ``budget_rows``."""
+        budget = self.options.budget_rows
+        if batch.num_tokens <= budget:
+            return False
+        if batch.num_tokens > budget * self.world:
+            return True
+        split = split_for_cp(batch.padded(self.world), self.world, self.cp.work, align=self.cp.align)
+        return int(split.rows.max()) > budget
+
+    def __call__(self, batch: TreeBatch):
+        batch = on_host(batch)
+        if not self.wants(batch):
+            return self.cp(batch)
+        try:
+            return super().__call__(batch)
+        finally:
+            self._batch = None
+
+    def choose(self, batch: TreeBatch) -> StreamChoice:
+        o = self.options
+        rows = o.budget_rows * self.world
+        plan = plan_stream(batch, rows, o.cuts)
+        self.splits, self._kept_rows = split_parts(batch, plan, self.world)
+        self._batch = batch
+        return StreamChoice(rows=rows, mode=o.mode, peak_bytes=None, plan=plan,
+                            why=f"{o.mode} mode: parts of at most {rows} rows, {o.budget_rows} per rank of "
+                                f"{self.world} (budget_rows)")
+
+    # ------------------------------------------------------------------ compile
+
+    def _build(self, device: torch.device, shapes: KVLayout) -> None:
+        w = self.setup
+        state, cp_state = StreamGraph(), CPGraph(group=self.cp._name)
+        pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
+        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                            passes=streamed_context_parallel(pipeline, state, cp_state))
+        inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
+
+        def stream_cp_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
+                              structure, prefix, conv, states, kv_meta, cp_meta):
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
+            ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
+            ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
+            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
+                                                    dest, weight, temperature, want_entropy)
+            stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
+            kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
+            return loss, logprobs, kv, stats, entropy
+
+        self._compiled = compile_named(stream_cp_forward, f"stream_cp_forward_{len(shapes.shapes)}", backend)
+        self._shapes = shapes
+        self._remembered = False
+
+    @staticmethod
+    def _args(inputs, block_tensors, structure, stack, extra=()) -> tuple:
+        args = StreamRunner._args(inputs, block_tensors, structure, stack)
+        kv_end, kv_pos = args[-1][:2]
+        index, send_rows, counts = extra
+        for t in (index, send_rows):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return (*args, [kv_end, kv_pos, index, send_rows, counts])
+
+    # ------------------------------------------------------------------ a part on this rank
+
+    def _part_inputs(self, data: BatchArrays, plan: StreamPlan, j: int) -> tuple[list, torch.Tensor, list]:
+        split, r = self.splits[j], self.rank
+        a, b = int(split.bounds[r]), int(split.bounds[r + 1])
+        inside = split.inside[r]
+        prefix = np.concatenate([split.stack[r], np.full(PAD_GATHER, -1, np.int64), inside])
+        inputs, dest = data.part_inputs(a, b, prefix)
+        # The gathered rows in the exchange's coordinates (see treecompile::cp_gather_rows):
+        # padding reads the zero row, then the rows received, in rank order (the path's).
+        index = np.concatenate([np.zeros(PAD_GATHER, np.int64), 1 + np.arange(len(inside), dtype=np.int64)])
+        send_rows, send_counts, recv_counts = exchange_of(split.bounds, split.inside, r)
+        device = self._device()
+        extra = [to_device(torch.from_numpy(index), device), to_device(torch.from_numpy(send_rows), device),
+                 torch.from_numpy(np.stack([send_counts, recv_counts]))]  # counts: read on the host
+        return inputs, dest, extra
+
+    def _device(self) -> torch.device:
+        from treecompile.capture.call import device_of
+
+        return device_of(self.setup.model)
+
+    def _structure(self, data: BatchArrays, plan: StreamPlan, j: int, dk: int, device) -> tuple:
+        # Recurrent and conv layers are refused under CP by the graph's passes; a model with
+        # them gets its rows' own structure, so that the capture reaches that refusal.
+        split, r = self.splits[j], self.rank
+        a, b = int(split.bounds[r]), int(split.bounds[r + 1])
+        s_run = data.run_rows(a, b)
+        keys = PAD_PREFIX + len(split.stack[r]) + PAD_GATHER + len(split.inside[r]) + s_run
+        tables = local_structure(self._batch, a, b, s_run, device) if self.setup.structure else []
+        return (tables, torch.full((keys,), -1, dtype=torch.int64, device=device),
+                torch.zeros(PAD_STATES, dtype=torch.int64, device=device))
+
+    def _stack(self, plan: StreamPlan, data: BatchArrays, j: int, entries: dict, device) -> tuple[list, list, list]:
+        """Part ``j``'s keys and values from the stack on this rank: ``[1, Hkv, PAD_PREFIX + P, D]``
+        per slot, padding then the rows of `PartSplit.stack`."""
+        rows = self.splits[j].stack[self.rank]
+        groups = self._by_part(plan, rows, device)
+        kv = []
+        for i, (h, d, dtype) in enumerate(self._shapes.shapes):
+            pieces = [torch.zeros(1, h, PAD_PREFIX, d, dtype=dtype, device=device)]
+            pieces += [entries[q].vals[i].index_select(2, idx) for q, idx, _ in groups]
+            kv.append(torch.cat(pieces, dim=2))
+        return kv, [], []
+
+    def _by_part(self, plan: StreamPlan, rows: np.ndarray, device) -> list[tuple[int, torch.Tensor, int]]:
+        """``(part, indices into its kept rows, count)`` of ``rows`` (sorted), part by part."""
+        owners = plan.part_of(rows)
+        out = []
+        for q in np.unique(owners).tolist():
+            idx = np.searchsorted(self._kept_rows[q], rows[owners == q])
+            out.append((q, to_device(torch.from_numpy(idx.astype(np.int64)), device), len(idx)))
+        return out
+
+    def _own_kept(self, j: int) -> tuple[np.ndarray, int, int]:
+        """``(this rank's local rows of part j's kept rows, their first and end index in them)``."""
+        kept, split, r = self._kept_rows[j], self.splits[j], self.rank
+        lo, hi = np.searchsorted(kept, split.bounds[r:r + 2])
+        return kept[lo:hi] - split.bounds[r], int(lo), int(hi)
+
+    def _kept(self, plan: StreamPlan, j: int, kv: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's kept rows of part ``j`` (all-gathered): ``[1, Hkv, n_kept, D]`` per slot."""
+        local, _, _ = self._own_kept(j)
+        split = self.splits[j]
+        counts = np.diff(np.searchsorted(self._kept_rows[j], split.bounds)).tolist()
+        idx = to_device(torch.from_numpy(local.astype(np.int64)), kv[0].device) if kv else None
+        mine = [t.detach().index_select(2, idx) for t in kv]
+        return _all_gather_rows(mine, counts, self.group)
+
+    def _backward_part(self, plan: StreamPlan, data: BatchArrays, p: int, e: StackEntry, entries: dict) -> None:
+        """Part ``p``'s backward on this rank, with its kept rows' gradients summed over the
+        group; then the gradients of what it read from the stack go to the parts holding it."""
+        tensors, grads = [e.loss], [torch.ones_like(e.loss)]
+        local, lo, hi = self._own_kept(p)
+        if len(self._kept_rows[p]):
+            summed = _all_reduce([g if g is not None else torch.zeros_like(v) for g, v in zip(e.grads, e.vals)],
+                                 self.group)
+            if hi > lo:
+                idx = to_device(torch.from_numpy(local.astype(np.int64)), e.loss.device)
+                for out, g in zip(e.outs, summed):
+                    full = torch.zeros_like(out)
+                    full.index_copy_(2, idx, g[:, :, lo:hi].to(out.dtype))
+                    tensors.append(out)
+                    grads.append(full)
+        torch.autograd.backward(tensors, grads)
+        rows = self.splits[p].stack[self.rank]
+        groups = self._by_part(plan, rows, e.loss.device)
+        for i, leaf in enumerate(e.leaves):
+            if leaf.grad is None:
+                continue
+            g, offset = leaf.grad[:, :, PAD_PREFIX:], 0
+            for q, idx, n in groups:
+                owner = entries[q]
+                if owner.grads[i] is None:
+                    owner.grads[i] = torch.zeros_like(owner.vals[i])
+                owner.grads[i].index_add_(2, idx, g.narrow(2, offset, n))
+                offset += n
+        e.outs = e.loss = None
+        e.leaves = []
+
+    # ------------------------------------------------------------------ the group's sums
+
+    def _finish(self, result: _RunResult) -> _RunResult:
+        """The loss, log-probabilities (entropies) and router sums of every rank, summed."""
+        pieces = [result.loss.reshape(1), result.logprobs]
+        for t in (result.entropy, result.router_stats):
+            if t is not None:
+                pieces.append(t.reshape(-1))
+        summed = torch.cat([t.to(torch.float64) for t in pieces])
+        dist.all_reduce(summed, group=self.group)
+        s = result.logprobs.shape[0]
+        out = summed[1 + s:]
+        entropy, stats = result.entropy, result.router_stats
+        if entropy is not None:
+            entropy, out = out[:s], out[s:]
+        if stats is not None:
+            stats = out.reshape(stats.shape)
+        return _RunResult(loss=summed[0], logprobs=summed[1:1 + s], entropy=entropy, router_stats=stats,
+                          forward_rows=result.forward_rows)
+
+    def _reduce_grads(self, params: list, grads: list) -> list:
+        """Every parameter's gradient summed over the group (zeros where a rank has none, so
+        that every rank sends the same tensors)."""
+        full = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
+        for work in [dist.all_reduce(g, group=self.group, async_op=True) for g in full]:
+            work.wait()
+        return full
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def _all_gather_rows(tensors: list[torch.Tensor], counts: list[int], group) -> list[torch.Tensor]:
+    """``[1, H_i, sum(counts), D_i]`` per tensor: every rank's ``tensors`` (``[1, H_i,
+    counts[rank], D_i]``) concatenated along the rows in rank order, in one all-gather per
+    dtype (each rank's rows padded to the most any rank has)."""
+    total, most = sum(counts), max(counts, default=0)
+    if total == 0:
+        return [t[:, :, :0] for t in tensors]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    world = dist.get_world_size(group)
+    for dtype, members in _by_dtype(tensors).items():
+        rows = [tensors[i][0].transpose(0, 1).reshape(tensors[i].shape[2], tensors[i].shape[1] * tensors[i].shape[3])
+                for i in members]  # [n, H * D]
+        flat = torch.cat(rows, dim=1)
+        buf = flat.new_zeros(most, flat.shape[1])
+        buf[:flat.shape[0]] = flat
+        got = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(got, buf, group=group)
+        joined = torch.cat([x[:n] for x, n in zip(got, counts)])
+        offset = 0
+        for i in members:
+            _, h, _, d = tensors[i].shape
+            out[i] = joined[:, offset:offset + h * d].reshape(total, h, d).transpose(0, 1).unsqueeze(0).contiguous()
+            offset += h * d
+    return out
+
+
+def _all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """``tensors`` summed over the group, one all-reduce per dtype."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype, members in _by_dtype(tensors).items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = flat[offset:offset + n].reshape(tensors[i].shape)
+            offset += n
+    return out
