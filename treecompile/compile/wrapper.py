@@ -588,14 +588,9 @@ def _stream_runner(options: StreamOptions, setup: CallSetup):
 
 
 def _cp_runner(group, setup: CallSetup, stream: StreamOptions | None = None):
-    from treecompile.stream.context_parallel import CPRunner, row_work_of
+    from treecompile.stream.stream_cp import cp_runner
 
-    runner = CPRunner(setup, group, row_work_of(setup.model))
-    if stream is None:
-        return runner
-    from treecompile.stream.stream_cp import StreamCPRunner
-
-    return StreamCPRunner(setup, stream, group, runner)
+    return cp_runner(setup, group, stream)
 
 
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None, cp=None) -> TreeCompiledModel:

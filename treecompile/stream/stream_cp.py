@@ -53,13 +53,13 @@ from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import KVLayout, StreamGraph
 from treecompile.planning.cp import exchange_of, split_for_cp
-from treecompile.stream.context_parallel import CPRunner, local_structure
+from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import StreamChoice, StreamOptions, StreamPlan, plan_stream
 from treecompile.stream.runner import StreamRunner, _RunResult
 from treecompile.stream.stack import StackEntry
 
-__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER"]
+__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER", "cp_runner", "split_parts"]
 
 #: Always-invisible rows before the gathered ones, so that their count is never 0 or 1
 #: (which Dynamo would specialise), as `PAD_PREFIX` is for the stack's.
@@ -102,6 +102,13 @@ def split_parts(batch: TreeBatch, plan: StreamPlan, ranks: int) -> tuple[list[Pa
         splits.append(PartSplit(bounds=bounds, stack=stack, inside=[p[p >= a] for p in paths]))
     kept = [np.unique(np.concatenate([empty, *rows])) for rows in read]
     return splits, kept
+
+
+def cp_runner(setup: CallSetup, group: dist.ProcessGroup, stream: StreamOptions | None = None):
+    """The runner of ``tree_compile(cp=group, stream=stream)``: a `CPRunner` (split by the
+    model's work, `row_work_of`), inside a `StreamCPRunner` with ``stream``."""
+    runner = CPRunner(setup, group, row_work_of(setup.model))
+    return runner if stream is None else StreamCPRunner(setup, stream, group, runner)
 
 
 class StreamCPRunner(StreamRunner):
