@@ -135,16 +135,17 @@ class StreamRunner:
 
     def _build(self, device: torch.device, shapes: KVLayout) -> None:
         w = self.setup
-        state = StreamGraph()
         pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
         backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                             passes=streamed(pipeline, state))
+                            passes=self._pipeline(pipeline))
         inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
 
         def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
-                           structure, prefix, conv, states, kv_meta):
+                           structure, prefix, conv, states, kv_meta, cp_meta):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
             ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
+            if cp_meta:  # a part split over a CP group (`treecompile.stream.stream_cp`): the exchange's data
+                ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)
             # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
@@ -152,9 +153,16 @@ class StreamRunner:
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
             return loss, logprobs, kv, stats, entropy
 
-        self._compiled = compile_named(stream_forward, f"stream_forward_{len(shapes.shapes)}", backend)
+        self._compiled = compile_named(stream_forward, f"{self._GRAPH}_{len(shapes.shapes)}", backend)
         self._shapes = shapes
         self._remembered = False
+
+    #: The part graph's name (with its attention calls' count).
+    _GRAPH = "stream_forward"
+
+    def _pipeline(self, pipeline: Pipeline) -> Pipeline:
+        """The part graph's passes: ``pipeline`` with the stream passes."""
+        return streamed(pipeline, StreamGraph())
 
     def _call(self, args: tuple) -> tuple:
         return call_under_setup(self.setup, self._compiled, args, passing=(KVLayout,))
@@ -350,7 +358,7 @@ class StreamRunner:
                      *[(x, 0) for x in states], *[(bt, d) for bt in block_tensors for d in range(2, bt.dim())]]:
             torch._dynamo.maybe_mark_dynamic(t, d)
         return (ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count, tables,
-                prefix, conv, states, [kv_end, kv_pos, conv_pred, readouts])
+                prefix, conv, states, [kv_end, kv_pos, conv_pred, readouts], list(extra))
 
 
 #: Stack layouts checked by a streamed call in this process, per model architecture

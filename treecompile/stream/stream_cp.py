@@ -46,12 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treecompile.capture.call import CallSetup, compile_named, run_head
+from treecompile.capture.call import CallSetup
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.core.preorder import rows_before_on_path
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
-from treecompile.passes.stream import KVLayout, StreamGraph
+from treecompile.passes.stream import StreamGraph
 from treecompile.planning.cp import exchange_of, split_for_cp
 from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
@@ -131,13 +131,8 @@ class StreamCPRunner(StreamRunner):
         self._kept_rows: list[np.ndarray] = []
         self._batch: TreeBatch | None = None  # the latest streamed batch (on the host)
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size(self.group)
+    rank = property(lambda self: self.cp.rank, doc="This process's rank in the group.")
+    world = property(lambda self: self.cp.world, doc="The group's size.")
 
     def wants(self, batch: TreeBatch) -> bool:
         """Whether ``batch`` streams: its CP split gives some rank more than ``budget_rows``."""
@@ -170,37 +165,19 @@ class StreamCPRunner(StreamRunner):
 
     # ------------------------------------------------------------------ compile
 
-    def _build(self, device: torch.device, shapes: KVLayout) -> None:
-        w = self.setup
-        state, cp_state = StreamGraph(), CPGraph(group=self.cp._name)
-        pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
-        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                            passes=streamed_context_parallel(pipeline, state, cp_state))
-        inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
+    _GRAPH = "stream_cp_forward"
 
-        def stream_cp_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
-                              structure, prefix, conv, states, kv_meta, cp_meta):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
-            ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
-            ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
-            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
-                                                    dest, weight, temperature, want_entropy)
-            stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
-            kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
-            return loss, logprobs, kv, stats, entropy
-
-        self._compiled = compile_named(stream_cp_forward, f"stream_cp_forward_{len(shapes.shapes)}", backend)
-        self._shapes = shapes
-        self._remembered = False
+    def _pipeline(self, pipeline: Pipeline) -> Pipeline:
+        return streamed_context_parallel(pipeline, StreamGraph(), CPGraph(group=self.cp._name))
 
     @staticmethod
     def _args(inputs, block_tensors, structure, stack, extra=()) -> tuple:
-        args = StreamRunner._args(inputs, block_tensors, structure, stack)
-        kv_end, kv_pos = args[-1][:2]
+        # The CP marker's data: the keys' visibility (the stream marker's), then the exchange's.
         index, send_rows, counts = extra
         for t in (index, send_rows):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        return (*args, [kv_end, kv_pos, index, send_rows, counts])
+        kv_end, kv_pos = inputs[9:11]
+        return StreamRunner._args(inputs, block_tensors, structure, stack, [kv_end, kv_pos, index, send_rows, counts])
 
     # ------------------------------------------------------------------ a part on this rank
 
@@ -332,6 +309,7 @@ class StreamCPRunner(StreamRunner):
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """The indices of ``tensors``, grouped by dtype (in order)."""
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
@@ -347,7 +325,7 @@ def _all_gather_rows(tensors: list[torch.Tensor], counts: list[int], group) -> l
         return [t[:, :, :0] for t in tensors]
     out: list[torch.Tensor | None] = [None] * len(tensors)
     world = dist.get_world_size(group)
-    for dtype, members in _by_dtype(tensors).items():
+    for members in _by_dtype(tensors).values():
         rows = [tensors[i][0].transpose(0, 1).reshape(tensors[i].shape[2], tensors[i].shape[1] * tensors[i].shape[3])
                 for i in members]  # [n, H * D]
         flat = torch.cat(rows, dim=1)
@@ -367,7 +345,7 @@ def _all_gather_rows(tensors: list[torch.Tensor], counts: list[int], group) -> l
 def _all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     """``tensors`` summed over the group, one all-reduce per dtype."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype, members in _by_dtype(tensors).items():
+    for members in _by_dtype(tensors).values():
         flat = torch.cat([tensors[i].reshape(-1) for i in members])
         dist.all_reduce(flat, group=group)
         offset = 0
