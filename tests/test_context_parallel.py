@@ -90,6 +90,7 @@ def _worker(rank, world, init_file, out_dir):
                 results["logprob_loss"] = _logprob_loss_run(model, compiled)
         if world == 2:
             results["memory"] = _measured_peak(rank)
+            results["streamed_memory"] = _measured_streamed_peak(rank)
         else:
             results["fsdp"] = _fsdp_step()
     except Exception:
@@ -207,6 +208,35 @@ def _measured_peak(rank):
     return measured, int(compiled._cp.split.peak_bytes(cost)[rank])
 
 
+def _measured_streamed_peak(rank):
+    """Per stream mode, ``(mode, measured, predicted)`` peak bytes of one streamed CP step
+    (forward, backward into existing gradients, AdamW's step) of a float32 model on this
+    rank, 48 rows per rank (7 parts, a stack 3 deep): the CPU allocator's peak against
+    `treecompile.stream.stream_cp.stream_cp_peak_bytes`."""
+    from test_budget import _config, measured_step_peak, turns_batch
+
+    from treecompile.planning.budget import CostModel
+    from treecompile.stream.options import StreamOptions
+    from treecompile.stream.stream_cp import stream_cp_peak_bytes
+
+    cfg = _config("qwen3-attention")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = turns_batch(cfg.vocab_size, 96, 64, 32)
+    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
+    compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=48))
+    out = []
+    for mode in ("keep", "recompute"):
+        runner = compiled._cp
+        runner.options = StreamOptions(budget_rows=48, mode=mode)  # one compiled graph for both
+        measured = measured_step_peak(compiled, batch, model, opt)
+        assert runner.stats.parts > 2 and runner.stats.stack_depth > 1, runner.stats
+        plan = runner.choose(batch).plan
+        out.append((mode, measured, int(stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)[rank])))
+    return out
+
+
 def _reference(family, tree, **kw):
     """Per-path training of ``tree`` (or a list of trees): ``(output, gradients, entropies)``."""
     from test_stream import _AUX, _path_entropy
@@ -288,6 +318,10 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
         for r, got in enumerate(ranks):
             measured, predicted = got["memory"]
             assert 0 <= predicted / measured - 1 <= 0.3, (r, measured, predicted)
+            # Streamed under CP: the streamed prediction's bound (tests/test_budget.py), each
+            # rank's share of the parts (measured +4% to +9%).
+            for mode, measured, predicted in got["streamed_memory"]:
+                assert 0 <= predicted / measured - 1 <= 0.35, (r, mode, measured, predicted)
 
 
 @pytest.fixture

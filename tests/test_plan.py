@@ -76,5 +76,26 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
     assert RowWork.from_dims(cost.dims).head > 0 and max(t["peak_bytes"]) > cost.static_bytes()
     text = " ".join(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2"], capsys).split())
     assert "over 2 CP ranks" in text and "all-gather" in text
-    with pytest.raises(ValueError, match="--cp plans a context-parallel split of each whole row"):
-        _run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--stream", "keep"], capsys)
+    with pytest.raises(ValueError, match="leave out --budget-bytes"):
+        _run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--budget-bytes", "80e9", "--config",
+              str(tmp_path / "qwen3")], capsys)
+
+
+def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys):
+    """``--cp K --stream MODE --capacity C``: parts of at most K x C rows, each split over the
+    ranks (at most C rows each), each rank's predicted peak; a tree whose CP split fits runs
+    as one call; the options it cannot take are refused."""
+    argv = ["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--stream", "recompute"]
+    out = json.loads(_run([*argv, "--capacity", "2000", "--json"], capsys))
+    assert out["cp"] == 2 and out["stream"] == "recompute" and out["capacity"] == 2000
+    for t in out["trees"]:
+        assert t["parts"] >= -(-t["tokens"] // 4000) >= 2 and t["stack_depth"] >= 1
+        assert t["rows_per_rank"] <= 2000 and 0 < t["kept_rows"] and len(t["peak_bytes"]) == 2
+    whole = json.loads(_run([*argv, "--capacity", "6000", "--json"], capsys))
+    assert all(t["parts"] == 1 and t["kept_rows"] == 0 for t in whole["trees"])
+    text = " ".join(_run([*argv, "--capacity", "2000"], capsys).split())
+    assert "streamed over 2 CP ranks, 2000 rows per rank, recompute mode" in text
+    with pytest.raises(ValueError, match="needs --capacity C"):
+        _run(argv, capsys)
+    with pytest.raises(ValueError, match="auto chooses the mode by memory"):
+        _run([*argv[:-1], "auto", "--capacity", "2000"], capsys)

@@ -166,13 +166,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
     if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:
         raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
-    if getattr(args, "cp", None) is not None and (getattr(args, "stream", None) or getattr(args, "budget_bytes", None)):
-        raise ValueError("--cp plans a context-parallel split of each whole row: leave out --stream and --budget-bytes")
+    if getattr(args, "cp", None) is not None and getattr(args, "budget_bytes", None):
+        raise ValueError("--cp plans a context-parallel split (with --stream: its parts at --capacity rows per rank): "
+                         "leave out --budget-bytes")
     _budget_options(args)
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
     if budget is not None:
         header["budget"] = budget
+    if getattr(args, "stream", None) and getattr(args, "cp", None) is not None:
+        from treecompile.cli.plan_cp import plan_stream_cp_report
+
+        return plan_stream_cp_report(names, trees, header, args, start)
     if getattr(args, "stream", None):
         from treecompile.stream.options import plan_stream_report
 

@@ -4,7 +4,8 @@ Prints, per tree, the split by work (`treecompile.planning.cp.split_for_cp`: att
 dense rows and LM-head rows weighed by the model's FLOPs) against the split by row count,
 each rank's share, and the K and V bytes a rank receives per layer: the root path of its
 first row (what its queries see, and what treecompile's exchange moves), against every other
-rank's rows under an all-gather (what a flat-sequence CP moves).
+rank's rows under an all-gather (what a flat-sequence CP moves). With ``--stream MODE
+--capacity C``: each tree streamed over the ranks, C rows per rank (`plan_stream_cp_report`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import json
 import time
 from typing import Any
 
-__all__ = ["DEFAULT_DIMS", "plan_cp_report"]
+import numpy as np
+
+__all__ = ["DEFAULT_DIMS", "plan_cp_report", "plan_stream_cp_report"]
 
 #: The work model without --config: Qwen3-8B's dimensions.
 DEFAULT_DIMS = dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936)
@@ -104,4 +107,82 @@ def _print(out: dict[str, Any], rows: int) -> None:
                   "Peak: the largest rank's predicted "
                   f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
                   "rank, its rows' activations, the K/V it received for every layer), against one rank's")
+    console.print(f"planned in {out['seconds']:.2f} s")
+
+
+def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], args: argparse.Namespace,
+                          start: float) -> int:
+    """``--cp K --stream MODE --capacity C``: per tree, streamed parts of at most ``K x C``
+    rows, each split over the K ranks (`treecompile.stream.stream_cp`): the parts, the stack's
+    depth, the rows a rank gathers per layer and the rows every rank keeps on the stack at
+    most, and each rank's predicted peak (`stream_cp_peak_bytes`) against one process
+    streaming parts of C rows. A tree whose split gives no rank more than C rows runs as one
+    CP call (its row: ``parts`` 1)."""
+    from treecompile.core.batch import pack
+    from treecompile.planning.cp import RowWork, split_for_cp
+    from treecompile.stream.plan import plan_stream, stream_peak_bytes
+    from treecompile.stream.stream_cp import split_parts, stream_cp_peak_bytes
+
+    if args.capacity is None:
+        raise ValueError("--cp with --stream needs --capacity C: the rows one rank holds at once")
+    cost, source = _cost_model(args)
+    work = RowWork.from_dims(cost.dims)
+    k, c, mode = args.cp, args.capacity, args.stream
+    out_trees = []
+    for name, tree in zip(names, trees):
+        batch = pack(tree, warn_por=False)
+        row = {"name": name, "tokens": batch.num_tokens}
+        split = split_for_cp(batch.padded(k), k, work) if batch.num_tokens > c else None
+        if split is None or int(split.rows.max()) <= c:  # one CP call
+            whole = split if split is not None else split_for_cp(batch.padded(k), k, work)
+            row.update(parts=1, stack_depth=1, rows_per_rank=int(whole.rows.max()),
+                       gathered_rows=int(whole.ancestor_rows.max()), kept_rows=0,
+                       peak_bytes=whole.peak_bytes(cost).tolist())
+        else:
+            plan = plan_stream(batch, k * c)
+            splits, kept = split_parts(batch, plan, k)
+            row.update(parts=plan.num_parts, stack_depth=plan.stack_depth,
+                       rows_per_rank=int(max(np.diff(s.bounds).max() for s in splits)),
+                       gathered_rows=int(max(len(x) for s in splits for x in s.inside)),
+                       kept_rows=int(max((len(x) for x in kept), default=0)),
+                       peak_bytes=stream_cp_peak_bytes(plan, splits, kept, cost, mode).tolist())
+        row["peak_bytes_one_process"] = (int(stream_peak_bytes(plan_stream(batch, c), cost, mode))
+                                         if batch.num_tokens > c else int(split_for_cp(batch, 1).peak_bytes(cost)[0]))
+        out_trees.append(row)
+    out = {**header, "cp": k, "stream": mode, "capacity": c, "work_model": source, "dtype": args.dtype,
+           "optimizer": args.optimizer, "device": args.device, "trees": out_trees,
+           "seconds": round(time.perf_counter() - start, 3)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_streamed(out, args.rows)
+    return 0
+
+
+def _print_streamed(out: dict[str, Any], rows: int) -> None:
+    from rich.table import Table
+
+    from treecompile.cli.args import output_console
+
+    console = output_console()
+    console.print(f"[bold]treecompile plan[/bold] {out['file']}: each tree streamed over {out['cp']} CP ranks, "
+                  f"{out['capacity']} rows per rank, {out['stream']} mode")
+    console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}")
+    table = Table(pad_edge=False)
+    table.add_column("tree", overflow="fold")
+    for col in ("tokens", "parts", "depth", "rows/rank", "gathered", "kept", "peak GB/rank", "1 process"):
+        table.add_column(col, justify="right")
+    for t in out["trees"][: max(rows, 0)]:
+        table.add_row(t["name"], str(t["tokens"]), str(t["parts"]), str(t["stack_depth"]), str(t["rows_per_rank"]),
+                      str(t["gathered_rows"]), str(t["kept_rows"]), f"{max(t['peak_bytes']) / 1e9:.2f}",
+                      f"{t['peak_bytes_one_process'] / 1e9:.2f}")
+    if len(out["trees"]) > rows:
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 8)
+    console.print(table)
+    console.print("parts: 1 where the tree's CP split gives no rank more than the capacity (one CP call). "
+                  "rows/rank: the most rows a rank holds of a part; gathered: the most rows of a part a rank "
+                  "gathers from the part's earlier ranks per layer (K and V); kept: the most rows of one part "
+                  "every rank keeps on the stack. Peak: the largest rank's predicted step "
+                  f"({out['optimizer']}, {out['device']}), against one process streaming parts of "
+                  f"{out['capacity']} rows")
     console.print(f"planned in {out['seconds']:.2f} s")

@@ -14,7 +14,7 @@ from treecompile.core.preorder import rows_before_on_path
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream", "root_path",
            "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
            "MAX_STREAM_PARTS", "PART_OVERHEAD_ROWS", "STREAM_PEAK_MARGIN_PERCENT", "BYTE_BUDGET_MODES",
-           "PREFIX_INDEX_BYTES"]
+           "PREFIX_INDEX_BYTES", "PartRows"]
 
 #: ``StreamOptions.mode`` choices.
 MODES = ("keep", "recompute")
@@ -239,7 +239,34 @@ PREFIX_INDEX_BYTES = 16
 STREAM_ROW_BYTES = 16
 
 
-def stream_peak_bytes(plan: StreamPlan, cost, mode: str) -> int:
+@dataclass(frozen=True)
+class PartRows:
+    """What one process holds of each part of a streamed plan, where it is not the whole
+    part (a part split over a CP group, `treecompile.stream.stream_cp`), for
+    `stream_peak_bytes`. Each ``[n]``, per part.
+
+    Attributes:
+        rows: the rows it computes.
+        prefix: the rows of earlier keys and values it reads (the stack's and gathered ones).
+        kept: the rows of keys and values it keeps on the stack for later parts (the whole
+            group's, replicated), with as many of their gradients.
+        after: transient rows of keys and values (every layer) right after the part's
+            forward (the all-gather of its kept rows).
+        exchange: transient rows of one layer's keys and values while the part runs (the
+            exchange's send and receive buffers).
+        summed: transient rows of keys and values (every layer) during the part's backward
+            (its kept rows' gradients summed over the group).
+    """
+
+    rows: np.ndarray
+    prefix: np.ndarray
+    kept: np.ndarray
+    after: np.ndarray
+    exchange: np.ndarray
+    summed: np.ndarray
+
+
+def stream_peak_bytes(plan: StreamPlan, cost, mode: str, parts: PartRows | None = None) -> int:
     """Predicted peak bytes of one streamed training step with this plan, stack included.
 
     Replays the schedule with `treecompile.planning.budget.CostModel.part_bytes` per part: a part
@@ -253,13 +280,22 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str) -> int:
     on the replayed part. Every buffer it names is counted from its first possible
     allocation to its last use; ``tests/test_budget.py`` measures the whole against the
     CPU allocator (an upper bound there, by 1% to 30%).
+
+    ``parts``: what this process holds of each part, where that is not the whole part
+    (`PartRows`; None: the whole part, its prefix, its rows kept).
     """
     if mode not in MODES:
         raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(MODES)}")
     d = cost.dims
     kv_row = 2 * d.layers * d.kv_heads * d.head_dim * cost.dtype_bytes  # keys and values, every layer
-    sizes = np.diff(plan.starts).tolist()
-    read = (plan.last_reader != np.arange(plan.num_parts)).tolist()  # a later part reads it
+    n_parts = plan.num_parts
+    read = (plan.last_reader != np.arange(n_parts)).tolist()  # a later part reads it
+    if parts is None:
+        sizes = np.diff(plan.starts)
+        none = np.zeros(n_parts, np.int64)
+        parts = PartRows(rows=sizes, prefix=np.array([len(p) for p in plan.prefix], dtype=np.int64), kept=sizes,
+                         after=none, exchange=none, summed=none)
+    sizes, kept_rows = parts.rows.tolist(), parts.kept.tolist()
     keep = mode == "keep"
     held = 0  # bytes of the parts on the stack
     on_stack: dict[int, int] = {}
@@ -269,30 +305,34 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str) -> int:
         """``(held, transient)`` of part ``j`` with its graph: its saved activations, the
         prefix copy it read and the concatenated prefix-and-own keys and values its
         attention saves (with their index buffers); then its largest transient plus the
-        prefix copy's gradient."""
-        n, pre = sizes[j], len(plan.prefix[j])
-        saved, transient = cost.part_bytes(n, n + pre)
-        return saved + kv_row * (2 * pre + n) + PREFIX_INDEX_BYTES * (pre + n), transient + kv_row * pre
+        prefix copy's gradient and the exchange's buffers."""
+        n, pre = sizes[j], int(parts.prefix[j])
+        saved, transient = cost.part_bytes(max(n, 1), n + pre)
+        return (saved + kv_row * (2 * pre + n) + PREFIX_INDEX_BYTES * (pre + n),
+                transient + kv_row * pre + kv_row * int(parts.exchange[j]) // d.layers)
 
-    for j in range(plan.num_parts):
+    for j in range(n_parts):
         held_j, transient_j = part(j)
         peak = max(peak, held + held_j + transient_j)
         if read[j]:
-            # Keep: its graph, with the loss head's saved tensors and its own keys and
-            # values; recompute: its keys and values only. Both: their gradients, which its
-            # readers add.
-            kept = held_j + cost.head_saved_bytes(sizes[j]) + kv_row * sizes[j] if keep else kv_row * sizes[j]
-            on_stack[j] = kept + kv_row * sizes[j]
+            # Keep: its graph, with the loss head's saved tensors and its kept keys and
+            # values; recompute: its kept keys and values only. Both: their gradients, which
+            # its readers add.
+            vals = kv_row * kept_rows[j]
+            kept = held_j + cost.head_saved_bytes(sizes[j]) + vals if keep else vals
+            on_stack[j] = kept + vals
             held += on_stack[j]
+        peak = max(peak, held + (held_j if not read[j] or not keep else 0) + kv_row * int(parts.after[j]))
         for q in plan.release[j]:
             if q != j:  # its backward (recompute mode: its forward again first), then it goes
                 stay = on_stack.pop(q)
                 held -= stay
                 # Keep mode: its graph is the one counted on the stack, now with its transient;
-                # recompute mode: its graph built again beside its keys and values.
+                # recompute mode: its graph built again beside its keys and values. Both: the
+                # gradient of its own keys and values (and a copy of the kept rows' summed one).
                 held_q, transient_q = part(q)
                 peak = max(peak, held + held_q + transient_q + kv_row * sizes[q] * (2 if keep else 1)
-                           + (0 if keep else stay))
+                           + (0 if keep else stay) + kv_row * int(parts.summed[q]))
     # The parts' parameter gradients, held aside until ``loss.backward()`` (besides the
     # gradients the static memory counts, which the call sets aside and adds them to).
     held_grads = cost.dims.num_parameters * cost.dtype_bytes

@@ -264,7 +264,7 @@ class StreamRunner:
             for p in plan.release[j]:
                 e = entries[p]
                 if e.outs is None:  # recompute mode: run it again, now with its graph
-                    redo = self._forward_part(data, plan, p, entries, device, True, aux_grad)[0]
+                    redo = self._forward_part(data, plan, p, entries, device, True, aux_grad, keep=False)[0]
                     forward_rows += int(plan.starts[p + 1] - plan.starts[p])
                     e.outs, e.loss, e.leaves = redo.outs, redo.loss, redo.leaves
                 self._backward_part(plan, data, p, e, entries)
@@ -303,7 +303,10 @@ class StreamRunner:
         return grads
 
     def _forward_part(self, data: BatchArrays, plan: StreamPlan, j: int, entries: dict, device, with_graph: bool,
-                      aux_grad: torch.Tensor | None = None):
+                      aux_grad: torch.Tensor | None = None, keep: bool = True):
+        """``(entry, log-probs, their rows, router sums, entropies)`` of part ``j``; ``keep``:
+        the entry's ``vals`` hold what it keeps for later parts (else empty: a part run again
+        for its backward, whose kept values are on the stack already)."""
         inputs, dest, extra = self._part_inputs(data, plan, j)
         inputs = [to_device(x, device) for x in inputs]
         block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
@@ -332,7 +335,7 @@ class StreamRunner:
                     raise
                 # The graph's layers are not the guessed ones: build with what it reported.
                 self._build(device, e)
-                return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad)
+                return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad, keep)
             if not self._remembered:
                 _remember_layout(self.setup.model, self._shapes)
                 self._remembered = True
@@ -342,7 +345,7 @@ class StreamRunner:
                 # share of the auxiliary loss's gradient (see StreamRunner.__call__).
                 loss = loss + (aux_grad.to(stats.dtype) * stats).sum().to(loss.dtype)
         m = dest.shape[0]
-        entry = StackEntry(vals=self._kept(plan, j, kv), outs=list(kv) if with_graph else None, loss=loss,
+        entry = StackEntry(vals=self._kept(plan, j, kv) if keep else [], outs=list(kv) if with_graph else None, loss=loss,
                        leaves=leaves, grads=[None] * len(kv), main=main)
         return entry, lp[:m], to_device(dest, device), stats, None if ent is None else ent[:m]
 

@@ -55,11 +55,12 @@ from treecompile.passes.stream import StreamGraph
 from treecompile.planning.cp import exchange_of, split_for_cp
 from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
-from treecompile.stream.plan import StreamChoice, StreamOptions, StreamPlan, plan_stream
+from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, plan_stream,
+                                     stream_peak_bytes)
 from treecompile.stream.runner import StreamRunner, _RunResult
 from treecompile.stream.stack import StackEntry
 
-__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER", "cp_runner", "split_parts"]
+__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER", "cp_runner", "split_parts", "stream_cp_peak_bytes"]
 
 #: Always-invisible rows before the gathered ones, so that their count is never 0 or 1
 #: (which Dynamo would specialise), as `PAD_PREFIX` is for the stack's.
@@ -119,6 +120,7 @@ class StreamCPRunner(StreamRunner):
         group: the process group.
         cp: the `CPRunner` that runs batches within the budget.
         splits: per part of the latest streamed batch, its `PartSplit`.
+        kept_rows: per part of it, its kept rows (`split_parts`).
     """
 
     def __init__(self, setup: CallSetup, options: StreamOptions, group: dist.ProcessGroup, cp: CPRunner) -> None:
@@ -128,7 +130,7 @@ class StreamCPRunner(StreamRunner):
         self.group = group
         self.cp = cp
         self.splits: list[PartSplit] = []
-        self._kept_rows: list[np.ndarray] = []
+        self.kept_rows: list[np.ndarray] = []
         self._batch: TreeBatch | None = None  # the latest streamed batch (on the host)
 
     rank = property(lambda self: self.cp.rank, doc="This process's rank in the group.")
@@ -157,7 +159,7 @@ class StreamCPRunner(StreamRunner):
         o = self.options
         rows = o.budget_rows * self.world
         plan = plan_stream(batch, rows, o.cuts)
-        self.splits, self._kept_rows = split_parts(batch, plan, self.world)
+        self.splits, self.kept_rows = split_parts(batch, plan, self.world)
         self._batch = batch
         return StreamChoice(rows=rows, mode=o.mode, peak_bytes=None, plan=plan,
                             why=f"{o.mode} mode: parts of at most {rows} rows, {o.budget_rows} per rank of "
@@ -229,13 +231,13 @@ class StreamCPRunner(StreamRunner):
         owners = plan.part_of(rows)
         out = []
         for q in np.unique(owners).tolist():
-            idx = np.searchsorted(self._kept_rows[q], rows[owners == q])
+            idx = np.searchsorted(self.kept_rows[q], rows[owners == q])
             out.append((q, to_device(torch.from_numpy(idx.astype(np.int64)), device), len(idx)))
         return out
 
     def _own_kept(self, j: int) -> tuple[np.ndarray, int, int]:
         """``(this rank's local rows of part j's kept rows, their first and end index in them)``."""
-        kept, split, r = self._kept_rows[j], self.splits[j], self.rank
+        kept, split, r = self.kept_rows[j], self.splits[j], self.rank
         lo, hi = np.searchsorted(kept, split.bounds[r:r + 2])
         return kept[lo:hi] - split.bounds[r], int(lo), int(hi)
 
@@ -243,7 +245,7 @@ class StreamCPRunner(StreamRunner):
         """Every rank's kept rows of part ``j`` (all-gathered): ``[1, Hkv, n_kept, D]`` per slot."""
         local, _, _ = self._own_kept(j)
         split = self.splits[j]
-        counts = np.diff(np.searchsorted(self._kept_rows[j], split.bounds)).tolist()
+        counts = np.diff(np.searchsorted(self.kept_rows[j], split.bounds)).tolist()
         idx = to_device(torch.from_numpy(local.astype(np.int64)), kv[0].device) if kv else None
         mine = [t.detach().index_select(2, idx) for t in kv]
         return _all_gather_rows(mine, counts, self.group)
@@ -253,7 +255,7 @@ class StreamCPRunner(StreamRunner):
         group; then the gradients of what it read from the stack go to the parts holding it."""
         tensors, grads = [e.loss], [torch.ones_like(e.loss)]
         local, lo, hi = self._own_kept(p)
-        if len(self._kept_rows[p]):
+        if len(self.kept_rows[p]):
             summed = _all_reduce([g if g is not None else torch.zeros_like(v) for g, v in zip(e.grads, e.vals)],
                                  self.group)
             if hi > lo:
@@ -354,3 +356,30 @@ def _all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
             out[i] = flat[offset:offset + n].reshape(tensors[i].shape)
             offset += n
     return out
+
+
+def stream_cp_peak_bytes(plan: StreamPlan, splits: list[PartSplit], kept: list[np.ndarray], cost,
+                         mode: str) -> np.ndarray:
+    """``[K]`` predicted peak bytes of each rank's streamed step over a CP group
+    (`stream_peak_bytes` with the rank's `PartRows`): per part, its rows, the prefix it reads
+    (the stack's rows, the gathered ones and their padding), the kept rows every rank holds
+    (with their gradients), the all-gather of those rows after the part's forward (one
+    buffer per rank of the most rows any rank sends, then the joined rows), the exchange's
+    buffers of one layer, and the kept rows' summed gradients during its backward."""
+    ranks = len(splits[0].bounds) - 1 if splits else 1
+    kept_n = np.array([len(k) for k in kept], dtype=np.int64)
+    most = np.array([int(np.diff(np.searchsorted(k, s.bounds)).max(initial=0)) for k, s in zip(kept, splits)],
+                    dtype=np.int64)
+    out = []
+    for r in range(ranks):
+        moved = []
+        for s in splits:
+            send_rows, _, recv = exchange_of(s.bounds, s.inside, r)
+            moved.append(len(send_rows) + int(recv.sum()))
+        parts = PartRows(rows=np.array([s.bounds[r + 1] - s.bounds[r] for s in splits], dtype=np.int64),
+                         prefix=np.array([len(s.stack[r]) + PAD_GATHER + len(s.inside[r]) for s in splits],
+                                         dtype=np.int64),
+                         kept=kept_n, after=(ranks + 1) * most + kept_n, exchange=np.array(moved, dtype=np.int64),
+                         summed=kept_n)
+        out.append(stream_peak_bytes(plan, cost, mode, parts))
+    return np.asarray(out, dtype=np.int64)
