@@ -5,7 +5,7 @@ model whose other layers attend in full (Gemma 2: the window crosses rank bounda
 MoE with its auxiliary loss; on 2 ranks also a plain dense model (Qwen3) with the fused LM
 head through the default lowering, whose AOTAutograd traces the gathers' backward, and gpt-oss
 (attention sinks, sliding layers, MoE); on 4 ranks also a 2 x 2 mesh, FSDP2
-over data parallel x CP (each rank compiles every family: the families are what the suite's
+over data parallel x CP (whole micro-batches and streamed ones) (each rank compiles every family: the families are what the suite's
 time allows). Two trees of different lengths, the second deep enough that the last ranks
 read keys from several earlier ranks. Both trees also stream under CP (a windowed and
 soft-capped model in recompute mode on 2 ranks, the MoE with its auxiliary loss in keep mode
@@ -176,17 +176,25 @@ def _fsdp_step():
 
     from treecompile.compile.distributed import wrap_fsdp
 
+    from treecompile.stream.options import StreamOptions
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    model = _model(FSDP_FAMILY)
-    wrap_fsdp(model, mesh=mesh["dp"], layers=list(model.model.layers))  # the replicas' gradients summed
     dp = mesh["dp"].get_local_rank()
-    compiled = tree_compile(model, cp=mesh["cp"], backend="eager")
-    loss = 0.0
-    for batch in _fsdp_plan().batches(dp):
-        out = compiled(batch)
-        out.loss.backward()
-        loss = loss + out.loss.detach()
-    return dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    runs = []
+    # As one CP call per micro-batch; streamed over the cp pair (4 rows per rank: the
+    # micro-batches over 8 rows stream).
+    for stream in (None, StreamOptions(budget_rows=4)):
+        model = _model(FSDP_FAMILY)
+        wrap_fsdp(model, mesh=mesh["dp"], layers=list(model.model.layers))  # the replicas' gradients summed
+        compiled = tree_compile(model, cp=mesh["cp"], backend="eager", stream=stream)
+        loss, parts = 0.0, []
+        for batch in _fsdp_plan().batches(dp):
+            out = compiled(batch)
+            out.loss.backward()
+            loss = loss + out.loss.detach()
+            parts.append(getattr(compiled._cp, "stats", None) and compiled._cp.stats.parts)
+        runs.append((dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, parts))
+    return runs
 
 
 def _measured_peak(rank):
@@ -291,10 +299,12 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
         plan = _fsdp_plan()
         assert plan.duplicated_tokens > 0 and min(b.num_tokens for r in (0, 1) for b in plan.batches(r)) < 2
         ref, want, _ = _reference(FSDP_FAMILY, _trees(), loss_mode="token-mean")
-        losses = {got["fsdp"][0]: got["fsdp"][1] for got in ranks}
-        torch.testing.assert_close(losses[0] + losses[1], ref.loss.detach(), rtol=rtol, atol=atol)
-        for got in ranks:
-            assert_grads_close(got["fsdp"][2], want, ("float64", "hf"))
+        for i in range(2):  # one CP call per micro-batch; streamed
+            losses = {got["fsdp"][i][0]: got["fsdp"][i][1] for got in ranks}
+            torch.testing.assert_close(losses[0] + losses[1], ref.loss.detach(), rtol=rtol, atol=atol)
+            for got in ranks:
+                assert_grads_close(got["fsdp"][i][2], want, ("float64", "hf"))
+        assert max(p or 0 for got in ranks for p in got["fsdp"][1][3]) > 1, "no micro-batch streamed"
     if world == 2:
         # The objective of the per-path log-probabilities, each target row's from a path through it.
         from treecompile.core.reference import per_path_loss

@@ -5,7 +5,7 @@
   parts that cut nodes, checked as the whole-tree exactness tests are (tests/gpu_exactness.py:
   the tree's difference from the per-path run within the per-path run's own float32 error).
 * CP over a group of one rank (NCCL) on the GPU: the same check, and equal to the whole-tree
-  call to float32 rounding.
+  call to float32 rounding; streamed under CP (one model, recompute mode): the same check.
 * CP over 2 CPU ranks (gloo) on this machine: the CPU test, rehearsed where the GPU runs.
 """
 
@@ -95,6 +95,18 @@ def test_cp_of_one_rank_on_cuda_is_exact_and_equals_the_whole_tree(name, nccl_ra
     cp = run_tree(compiled, batch)
     torch.testing.assert_close(cp.loss, whole.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cp.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_cp_of_one_rank_on_cuda_is_exact(nccl_rank):
+    """Streaming under CP (`treecompile.stream.stream_cp`) on one NCCL rank: the streamed part
+    graph with the CP exchange through Inductor, the kept rows' all-gather and the gradients'
+    all-reduce through NCCL, parts that cut nodes."""
+    from treecompile.stream.options import StreamOptions
+
+    model = copy_as(build_model("qwen3"), torch.float32, "cuda")
+    compiled = tc.tree_compile(model, cp=nccl_rank, stream=StreamOptions(budget_rows=100, mode="recompute"))
+    _check(compiled, "qwen3", exactness_trees())
+    assert compiled._cp.stats.parts > 2, compiled._cp.stats
 
 
 def test_cp_over_two_cpu_ranks_rehearsed_on_this_machine():
