@@ -87,6 +87,8 @@ def _worker(rank, world, init_file, out_dir):
             if family in STREAMED[world]:
                 results[family + STREAMED_KEY] = _streamed_runs(model, family, world, options)
             if family == LOGPROB_FAMILY and world == 2:
+                results["mismatch"] = _mismatched_batches(compiled, rank)
+            if family == LOGPROB_FAMILY and world == 2:
                 results["logprob_loss"] = _logprob_loss_run(model, compiled)
         if world == 2:
             results["memory"] = _measured_peak(rank)
@@ -129,6 +131,18 @@ def _streamed_runs(model, family, world, options):
             bounds=[s.bounds.tolist() for s in compiled._cp.splits],
             reads=[len(s.inside[r]) for s in compiled._cp.splits for r in range(world)]))
     return runs
+
+
+def _mismatched_batches(compiled, rank):
+    """The messages each rank gets when the ranks pass different batches: each its own tree;
+    the same tree with another path weight on rank 1 (rows and shape equal)."""
+    same_shape = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]], weights=[1, 1 + rank])
+    messages = []
+    for tree in (_trees()[rank], same_shape):
+        with pytest.raises(ValueError) as info:
+            compiled(pack(tree, warn_por=False))
+        messages.append(str(info.value))
+    return messages
 
 
 #: The family whose CP wrapper also trains a loss that is a function of the log-probabilities
@@ -306,6 +320,11 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
                 assert_grads_close(got["fsdp"][i][2], want, ("float64", "hf"))
         assert max(p or 0 for got in ranks for p in got["fsdp"][1][3]) > 1, "no micro-batch streamed"
     if world == 2:
+        # Different batches on the ranks: refused on every rank, naming each rank's rows.
+        for got in ranks:
+            trees, weights = got["mismatch"]
+            assert "called with different batches (rank 0: 15 rows" in trees and "rank 1: 33 rows" in trees, trees
+            assert "rank 0: 5 rows" in weights and "rank 1: 5 rows" in weights, weights
         # The objective of the per-path log-probabilities, each target row's from a path through it.
         from treecompile.core.reference import per_path_loss
 

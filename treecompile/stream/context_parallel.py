@@ -45,7 +45,7 @@ from treecompile.stream.parts import PAD_PREFIX, BatchArrays
 from treecompile.stream.runner import _StreamedLoss
 from treecompile.stream.sharded import Unsharded
 
-__all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of", "local_structure"]
+__all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of", "local_structure", "check_same_batch"]
 
 
 def row_work_of(model) -> RowWork | None:
@@ -193,14 +193,17 @@ class CPRunner:
                 path_count, [kv_end, kv_pos, index, send_rows, counts])
         return args, dest
 
-    def __call__(self, batch: TreeBatch) -> TreeOutput:
+    def __call__(self, batch: TreeBatch, checked: bool = False) -> TreeOutput:
         """The whole tree's loss and log-probabilities on every rank; with grad enabled,
         ``loss.backward()`` gives every parameter the whole tree's gradient (FSDP2's sharded
         parameters: their shards of it, reduced over the data-parallel mesh as the units are
-        configured, see `treecompile.stream.sharded`)."""
+        configured, see `treecompile.stream.sharded`). ``checked``: the caller checked that
+        every rank has the same batch (`check_same_batch`)."""
         w = self.setup
         device = device_of(w.model)
         batch = on_host(batch)
+        if not checked:
+            check_same_batch(batch, self.group, device)
         rows = batch.num_tokens
         # Fewer rows than ranks (a data-parallel rank's padding micro-step): one-token trees of
         # weight 0 give every rank a row and change nothing else.
@@ -276,6 +279,31 @@ class CPRunner:
         for work in [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]:
             work.wait()
         return out, [n for n, _ in named], grads
+
+
+def check_same_batch(batch: TreeBatch, group: dist.ProcessGroup, device) -> None:
+    """Refuses a call whose ranks hold different batches (each rank of a CP group must pass
+    the same one; a data-parallel sampler over the CP ranks hands each its own): one
+    all-gather of each rank's row count and a CRC-32 of its tokens, tree, predictors and
+    weights. Every rank raises, so none waits in a collective the others never join.
+
+    Raises:
+        ValueError: the ranks' batches differ.
+    """
+    import zlib
+
+    digest = 0
+    for t in (batch.input_ids, batch.subtree_end, batch.pred_index, batch.target_weight):
+        digest = zlib.crc32(t.detach().contiguous().numpy().tobytes(), digest)
+    mine = torch.tensor([batch.num_tokens, digest], dtype=torch.int64, device=device)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, mine, group=group)
+    seen = torch.stack(got).cpu().tolist()
+    if any(x != seen[0] for x in seen):
+        ranks = ", ".join(f"rank {r}: {n} rows, CRC-32 {h:08x}" for r, (n, h) in enumerate(seen))
+        raise ValueError(f"tree_compile(cp=...): the ranks of the CP group called with different batches ({ranks}); "
+                         "every rank of a CP group must pass the same batch (give one data-parallel replica's "
+                         "batch to all the ranks of its cp group)")
 
 
 def local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:

@@ -53,7 +53,7 @@ from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph
 from treecompile.planning.cp import exchange_of, split_for_cp
-from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
+from treecompile.stream.context_parallel import CPRunner, check_same_batch, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, plan_stream,
                                      stream_peak_bytes)
@@ -148,8 +148,9 @@ class StreamCPRunner(StreamRunner):
 
     def __call__(self, batch: TreeBatch):
         batch = on_host(batch)
+        check_same_batch(batch, self.group, self._device())
         if not self.wants(batch):
-            return self.cp(batch)
+            return self.cp(batch, checked=True)
         try:
             return super().__call__(batch)
         finally:
