@@ -113,6 +113,7 @@ class CPRunner:
         work: the per-row costs the split balances (None: by rows).
         align: cuts on multiples of this many rows.
         split: the `CPSplit` of the latest batch.
+        group_name: the name the graphs know the group by (`treecompile.kernels.cp_gather.register_group`).
     """
 
     def __init__(self, setup: CallSetup, group: dist.ProcessGroup, work: RowWork | None = None,
@@ -124,7 +125,7 @@ class CPRunner:
         self.work = work
         self.align = align
         self.split: CPSplit | None = None
-        self._name = register_group(group)
+        self.group_name = register_group(group)
         self._compiled = None
         self._layout = None
 
@@ -138,7 +139,7 @@ class CPRunner:
 
     def _build(self, device: torch.device) -> None:
         w = self.setup
-        state = CPGraph(group=self._name)
+        state = CPGraph(group=self.group_name)
         pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
         backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
                             passes=context_parallel(pipeline, state))

@@ -171,7 +171,7 @@ class StreamCPRunner(StreamRunner):
     _GRAPH = "stream_cp_forward"
 
     def _pipeline(self, pipeline: Pipeline) -> Pipeline:
-        return streamed_context_parallel(pipeline, StreamGraph(), CPGraph(group=self.cp._name))
+        return streamed_context_parallel(pipeline, StreamGraph(), CPGraph(group=self.cp.group_name))
 
     @staticmethod
     def _args(inputs, block_tensors, structure, stack, extra=()) -> tuple:
