@@ -16,6 +16,11 @@ that compiles, and the largest rank's peak memory, measured (CPU allocator) and 
 The ranks share this machine's cores (each rank gets ``cores // K`` torch threads, at least
 one): a CPU run shows what the split and the collectives cost, not the speed-up of K
 devices. Prints a Markdown table and the environment.
+
+With ``--stream-rows B``: the same tree streamed, B rows per rank
+(``tree_compile(model, cp=group, stream=StreamOptions(budget_rows=B))``; on 1 rank,
+streaming alone, the baseline): the parts, the stack's depth, the step time and each rank's
+peak, measured and predicted (`treecompile.stream.stream_cp.stream_cp_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,14 @@ def _worker(rank: int, world: int, init: str, out: str, args) -> None:
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     batch = pack(_tree(args.prompt, args.turn, args.leaf, tuple(args.fanout), cfg.vocab_size), warn_por=False)
-    compiled = tree_compile(model, cp=dist.group.WORLD)
+    stream = None
+    if args.stream_rows:
+        from treecompile.stream.options import StreamOptions
+
+        stream = StreamOptions(budget_rows=args.stream_rows, mode=args.stream_mode)
+    # Streamed on one rank: plain streaming (the baseline), no CP.
+    compiled = tree_compile(model, stream=stream) if stream and world == 1 else tree_compile(
+        model, cp=dist.group.WORLD, stream=stream)
 
     def step():
         loss = compiled(batch).loss
@@ -75,8 +87,15 @@ def _worker(rank: int, world: int, init: str, out: str, args) -> None:
     gc.collect()
     live = sum(p.untyped_storage().nbytes() for p in model.parameters())
     measured = live + measure_peak_bytes(step)
-    split = compiled._cp.split
     cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="sgd")
+    if stream is not None:
+        row = dict(loss=loss, time=statistics.median(times), measured=measured, tokens=batch.num_tokens,
+                   **_streamed(compiled, batch, cost, stream.mode, rank))
+        torch.save(row, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    split = compiled._cp.split
     row = dict(loss=loss, time=statistics.median(times), measured=measured,
                predicted=int(split.peak_bytes(cost)[rank]))
     gathered = split.kv_bytes(cfg.num_key_value_heads, cfg.head_dim, 4, gather="all")
@@ -90,6 +109,39 @@ def _worker(rank: int, world: int, init: str, out: str, args) -> None:
     dist.destroy_process_group()
 
 
+def _streamed(compiled, batch, cost, mode: str, rank: int) -> dict:
+    """The parts of a streamed step, the stack's depth, the most rows a rank holds of a part
+    and this rank's predicted peak (`stream_cp_peak_bytes`; one process: `stream_peak_bytes`)."""
+    import numpy as np
+
+    from treecompile.stream.plan import stream_peak_bytes
+    from treecompile.stream.stream_cp import stream_cp_peak_bytes
+
+    if compiled._cp is None:  # streaming on one process
+        runner = compiled._stream
+        plan = runner.choose(batch).plan
+        return dict(parts=plan.num_parts, depth=plan.stack_depth, part_rows=int(np.diff(plan.starts).max()),
+                    predicted=int(stream_peak_bytes(plan, cost, mode)))
+    runner = compiled._cp
+    plan = runner.choose(batch).plan
+    return dict(parts=plan.num_parts, depth=plan.stack_depth,
+                part_rows=int(max(np.diff(s.bounds).max() for s in runner.splits)),
+                predicted=int(stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)[rank]))
+
+
+def _print_streamed(results, args) -> None:
+    mib = 2 ** 20
+    print(f"Streamed, {args.stream_rows} rows per rank, {args.stream_mode} mode (1 rank: streaming alone, no CP).\n")
+    print("| ranks | parts | stack depth | most rows of a part per rank | step (s) | peak, largest rank (MiB) | "
+          "predicted (MiB) | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world, rows in results:
+        r0 = rows[0]
+        print(f"| {world} | {r0['parts']} | {r0['depth']} | {max(r['part_rows'] for r in rows)} | "
+              f"{max(r['time'] for r in rows):.2f} | {max(r['measured'] for r in rows) / mib:.1f} | "
+              f"{max(r['predicted'] for r in rows) / mib:.1f} | {r0['loss']:.6f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -98,6 +150,10 @@ def main(argv=None) -> None:
     ap.add_argument("--leaf", type=int, default=128)
     ap.add_argument("--fanout", type=int, nargs=2, default=(4, 4))
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stream-rows", type=int, default=0, metavar="B",
+                    help="stream instead, B rows per rank (tree_compile(cp=..., stream=StreamOptions(budget_rows=B)); "
+                    "1 rank: streaming alone)")
+    ap.add_argument("--stream-mode", choices=("keep", "recompute"), default="keep")
     args = ap.parse_args(argv)
     results = []
     for world in args.ranks:
@@ -109,6 +165,10 @@ def main(argv=None) -> None:
     mib = 2 ** 20
     print(f"Tree: {results[0][1][0]['tokens']} rows (prompt {args.prompt}, {args.fanout[0]} turns of {args.turn}, "
           f"{args.fanout[1]} leaves of {args.leaf} each); model: Qwen3-shaped {CONFIG}, float32, SGD.\n")
+    if args.stream_rows:
+        _print_streamed(results, args)
+        _environment(argv)
+        return
     print("| ranks | rows per rank | largest share of the work | K/V received per layer (MiB) | K/V sent per layer "
           "(MiB) | an all-gather would move (MiB) | step (s) | peak, largest rank (MiB) | predicted (MiB) | loss |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -118,6 +178,10 @@ def main(argv=None) -> None:
               f"{r0['sent'] / mib:.2f} | {r0['gathered'] / mib:.2f} | {max(r['time'] for r in rows):.2f} | "
               f"{max(r['measured'] for r in rows) / mib:.1f} | {max(r['predicted'] for r in rows) / mib:.1f} | "
               f"{r0['loss']:.6f} |")
+    _environment(argv)
+
+
+def _environment(argv) -> None:
     print(f"\nDevice: CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}); torch "
           f"{torch.__version__}, Python {platform.python_version()}; {datetime.date.today()}; "
           f"command: python benchmarks/context_parallel.py {' '.join(argv if argv is not None else sys.argv[1:])}")

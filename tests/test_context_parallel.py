@@ -248,14 +248,21 @@ def _measured_streamed_peak(rank):
     batch = turns_batch(cfg.vocab_size, 96, 64, 32)
     cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=48))
-    out = []
+    out, runner = [], compiled._cp
     for mode in ("keep", "recompute"):
-        runner = compiled._cp
-        runner.options = StreamOptions(budget_rows=48, mode=mode)  # one compiled graph for both
+        runner.options = StreamOptions(budget_rows=48, mode=mode)  # one compiled graph for every run
         measured = measured_step_peak(compiled, batch, model, opt)
         assert runner.stats.parts > 2 and runner.stats.stack_depth > 1, runner.stats
         plan = runner.choose(batch).plan
-        out.append((mode, measured, int(stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)[rank])))
+        peaks = stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)
+        out.append((mode, measured, int(peaks[rank])))
+        budget = int(peaks.max()) if mode == "keep" else budget
+    # A byte budget: the keep run's largest predicted rank peak. The parts chosen for it keep
+    # every rank's predicted and measured peak within it.
+    runner.options = StreamOptions(budget_bytes=budget, mode="auto")
+    measured = measured_step_peak(compiled, batch, model, opt)
+    stats = runner.stats
+    out.append(("budget_bytes", measured, budget, stats.parts, stats.peak_bytes, stats.why))
     return out
 
 
@@ -349,8 +356,11 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
             assert 0 <= predicted / measured - 1 <= 0.3, (r, measured, predicted)
             # Streamed under CP: the streamed prediction's bound (tests/test_budget.py), each
             # rank's share of the parts (measured +4% to +9%).
-            for mode, measured, predicted in got["streamed_memory"]:
+            for mode, measured, predicted in got["streamed_memory"][:2]:
                 assert 0 <= predicted / measured - 1 <= 0.35, (r, mode, measured, predicted)
+            _, measured, budget, parts, predicted, why = got["streamed_memory"][2]
+            assert parts > 1 and predicted <= budget and measured <= budget, (r, measured, budget, predicted, why)
+            assert "per rank of 2" in why, why
 
 
 @pytest.fixture
@@ -395,11 +405,7 @@ def test_one_rank_runs_as_the_whole_tree_and_a_hybrid_is_refused_by_name(one_ran
 def test_what_cp_cannot_run_is_refused(one_rank):
     import pickle
 
-    from treecompile.stream.options import StreamOptions
-
     model = _model("qwen3")
-    with pytest.raises(ValueError, match=r"under context parallelism give budget_rows"):
-        tree_compile(model, cp=one_rank, stream=StreamOptions(budget_bytes=2**30))
     with pytest.raises(ValueError, match="runs the interval mask"):
         tree_compile(model, cp=one_rank, mask="bitmask")
     with pytest.raises(ValueError, match="cannot run the group's collectives"):

@@ -76,15 +76,16 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
     assert RowWork.from_dims(cost.dims).head > 0 and max(t["peak_bytes"]) > cost.static_bytes()
     text = " ".join(_run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2"], capsys).split())
     assert "over 2 CP ranks" in text and "all-gather" in text
-    with pytest.raises(ValueError, match="leave out --budget-bytes"):
+    with pytest.raises(ValueError, match="give it with --stream"):
         _run(["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--budget-bytes", "80e9", "--config",
               str(tmp_path / "qwen3")], capsys)
 
 
-def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys):
+def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys, tmp_path):
     """``--cp K --stream MODE --capacity C``: parts of at most K x C rows, each split over the
     ranks (at most C rows each), each rank's predicted peak; a tree whose CP split fits runs
-    as one call; the options it cannot take are refused."""
+    as one call; with ``--budget-bytes``, parts whose every rank's predicted peak is within
+    it; the options it cannot take are refused."""
     argv = ["sample:tau_bench", "--tokenizer", "sample", "--cp", "2", "--stream", "recompute"]
     out = json.loads(_run([*argv, "--capacity", "2000", "--json"], capsys))
     assert out["cp"] == 2 and out["stream"] == "recompute" and out["capacity"] == 2000
@@ -97,5 +98,19 @@ def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys):
     assert "streamed over 2 CP ranks, 2000 rows per rank, recompute mode" in text
     with pytest.raises(ValueError, match="needs --capacity C"):
         _run(argv, capsys)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    config.save_pretrained(tmp_path / "qwen3")
+    step = ["--config", str(tmp_path / "qwen3"), "--dtype", "float32", "--device", "cpu"]
+    rows = json.loads(_run([*argv, *step, "--capacity", "2000", "--json"], capsys))
+    # A budget just under the largest rank's peak at 2000 rows per rank: every tree streams
+    # within it, in auto mode too.
+    budget = max(max(t["peak_bytes"]) for t in rows["trees"]) - 1
+    for mode in ("recompute", "auto"):
+        got = json.loads(_run([*argv[:-1], mode, *step, "--budget-bytes", str(budget), "--json"], capsys))
+        assert got["budget"]["budget_bytes"] == budget
+        for t in got["trees"]:
+            assert t["parts"] > 1 and max(t["peak_bytes"]) <= budget and t["mode"] in ("keep", "recompute"), t
     with pytest.raises(ValueError, match="auto chooses the mode by memory"):
         _run([*argv[:-1], "auto", "--capacity", "2000"], capsys)

@@ -164,11 +164,11 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
-    if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:
+    if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:  # (with --cp too)
         raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
-    if getattr(args, "cp", None) is not None and getattr(args, "budget_bytes", None):
-        raise ValueError("--cp plans a context-parallel split (with --stream: its parts at --capacity rows per rank): "
-                         "leave out --budget-bytes")
+    if getattr(args, "cp", None) is not None and getattr(args, "budget_bytes", None) and not getattr(args, "stream", None):
+        raise ValueError("--cp plans a context-parallel split of each whole row: --budget-bytes plans streamed parts, "
+                         "give it with --stream")
     _budget_options(args)
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)

@@ -116,38 +116,50 @@ def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, 
     rows, each split over the K ranks (`treecompile.stream.stream_cp`): the parts, the stack's
     depth, the rows a rank gathers per layer and the rows every rank keeps on the stack at
     most, and each rank's predicted peak (`stream_cp_peak_bytes`) against one process
-    streaming parts of C rows. A tree whose split gives no rank more than C rows runs as one
-    CP call (its row: ``parts`` 1)."""
+    streaming parts of as many rows as a rank holds. A tree whose split gives no rank more
+    than C rows runs as one CP call (its row: ``parts`` 1). With ``--budget-bytes B`` instead
+    of C: one CP call where every rank's predicted peak is within B, else the parts (and, for
+    ``auto``, the mode) `choose_stream` picks within B."""
     from treecompile.core.batch import pack
     from treecompile.planning.cp import RowWork, split_for_cp
-    from treecompile.stream.plan import plan_stream, stream_peak_bytes
+    from treecompile.stream.plan import choose_stream, plan_stream, stream_peak_bytes
     from treecompile.stream.stream_cp import split_parts, stream_cp_peak_bytes
 
-    if args.capacity is None:
-        raise ValueError("--cp with --stream needs --capacity C: the rows one rank holds at once")
+    budget = getattr(args, "budget_bytes", None)
+    if budget is None and args.capacity is None:
+        raise ValueError("--cp with --stream needs --capacity C (the rows one rank holds at once) or --budget-bytes B "
+                         "with --config (one rank's step)")
     cost, source = _cost_model(args)
     work = RowWork.from_dims(cost.dims)
-    k, c, mode = args.cp, args.capacity, args.stream
+    k, mode = args.cp, args.stream
+    c = None if budget is not None else args.capacity
     out_trees = []
     for name, tree in zip(names, trees):
         batch = pack(tree, warn_por=False)
-        row = {"name": name, "tokens": batch.num_tokens}
-        split = split_for_cp(batch.padded(k), k, work) if batch.num_tokens > c else None
-        if split is None or int(split.rows.max()) <= c:  # one CP call
-            whole = split if split is not None else split_for_cp(batch.padded(k), k, work)
+        row = {"name": name, "tokens": batch.num_tokens, "mode": mode}
+        whole = split_for_cp(batch.padded(k), k, work)
+        if int(whole.peak_bytes(cost).max()) <= budget if budget is not None else int(whole.rows.max()) <= c:
             row.update(parts=1, stack_depth=1, rows_per_rank=int(whole.rows.max()),
                        gathered_rows=int(whole.ancestor_rows.max()), kept_rows=0,
-                       peak_bytes=whole.peak_bytes(cost).tolist())
+                       peak_bytes=whole.peak_bytes(cost).tolist(),
+                       peak_bytes_one_process=int(split_for_cp(batch, 1).peak_bytes(cost)[0]))
+            out_trees.append(row)
+            continue
+        if budget is not None:
+            def peak(plan, m, batch=batch):
+                return int(stream_cp_peak_bytes(plan, *split_parts(batch, plan, k), cost, m).max())
+
+            choice = choose_stream(batch, cost, budget, mode, ranks=k, peak=peak)
+            plan, row["mode"] = choice.plan, choice.mode
         else:
             plan = plan_stream(batch, k * c)
-            splits, kept = split_parts(batch, plan, k)
-            row.update(parts=plan.num_parts, stack_depth=plan.stack_depth,
-                       rows_per_rank=int(max(np.diff(s.bounds).max() for s in splits)),
-                       gathered_rows=int(max(len(x) for s in splits for x in s.inside)),
-                       kept_rows=int(max((len(x) for x in kept), default=0)),
-                       peak_bytes=stream_cp_peak_bytes(plan, splits, kept, cost, mode).tolist())
-        row["peak_bytes_one_process"] = (int(stream_peak_bytes(plan_stream(batch, c), cost, mode))
-                                         if batch.num_tokens > c else int(split_for_cp(batch, 1).peak_bytes(cost)[0]))
+        splits, kept = split_parts(batch, plan, k)
+        per_rank = int(max(np.diff(s.bounds).max() for s in splits))
+        row.update(parts=plan.num_parts, stack_depth=plan.stack_depth, rows_per_rank=per_rank,
+                   gathered_rows=int(max(len(x) for s in splits for x in s.inside)),
+                   kept_rows=int(max((len(x) for x in kept), default=0)),
+                   peak_bytes=stream_cp_peak_bytes(plan, splits, kept, cost, row["mode"]).tolist(),
+                   peak_bytes_one_process=int(stream_peak_bytes(plan_stream(batch, per_rank), cost, row["mode"])))
         out_trees.append(row)
     out = {**header, "cp": k, "stream": mode, "capacity": c, "work_model": source, "dtype": args.dtype,
            "optimizer": args.optimizer, "device": args.device, "trees": out_trees,
@@ -165,24 +177,26 @@ def _print_streamed(out: dict[str, Any], rows: int) -> None:
     from treecompile.cli.args import output_console
 
     console = output_console()
+    limit = (f"{out['capacity']} rows per rank" if out["capacity"] is not None
+             else f"{out['budget']['budget_bytes']:,} bytes per rank")
     console.print(f"[bold]treecompile plan[/bold] {out['file']}: each tree streamed over {out['cp']} CP ranks, "
-                  f"{out['capacity']} rows per rank, {out['stream']} mode")
+                  f"{limit}, {out['stream']} mode")
     console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}")
     table = Table(pad_edge=False)
     table.add_column("tree", overflow="fold")
-    for col in ("tokens", "parts", "depth", "rows/rank", "gathered", "kept", "peak GB/rank", "1 process"):
+    for col in ("tokens", "parts", "mode", "depth", "rows/rank", "gathered", "kept", "peak GB/rank", "1 process"):
         table.add_column(col, justify="right")
     for t in out["trees"][: max(rows, 0)]:
-        table.add_row(t["name"], str(t["tokens"]), str(t["parts"]), str(t["stack_depth"]), str(t["rows_per_rank"]),
-                      str(t["gathered_rows"]), str(t["kept_rows"]), f"{max(t['peak_bytes']) / 1e9:.2f}",
-                      f"{t['peak_bytes_one_process'] / 1e9:.2f}")
+        table.add_row(t["name"], str(t["tokens"]), str(t["parts"]), t["mode"], str(t["stack_depth"]),
+                      str(t["rows_per_rank"]), str(t["gathered_rows"]), str(t["kept_rows"]),
+                      f"{max(t['peak_bytes']) / 1e9:.2f}", f"{t['peak_bytes_one_process'] / 1e9:.2f}")
     if len(out["trees"]) > rows:
-        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 8)
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 9)
     console.print(table)
     console.print("parts: 1 where the tree's CP split gives no rank more than the capacity (one CP call). "
                   "rows/rank: the most rows a rank holds of a part; gathered: the most rows of a part a rank "
                   "gathers from the part's earlier ranks per layer (K and V); kept: the most rows of one part "
                   "every rank keeps on the stack. Peak: the largest rank's predicted step "
-                  f"({out['optimizer']}, {out['device']}), against one process streaming parts of "
-                  f"{out['capacity']} rows")
+                  f"({out['optimizer']}, {out['device']}), against one process streaming parts of a rank's rows "
+                  "(one call: the whole tree)")
     console.print(f"planned in {out['seconds']:.2f} s")

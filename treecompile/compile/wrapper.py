@@ -161,8 +161,9 @@ def tree_compile(
             and values their queries see from the other ranks, and every rank gets the whole
             tree's loss, log-probabilities and gradients (:mod:`treecompile.stream.context_parallel`).
             Models with recurrent or convolution layers are refused under it. With ``stream``
-            (``budget_rows``: the rows one rank holds), a batch larger than that streams, each
-            part split over the group (:mod:`treecompile.stream.stream_cp`). None: no CP.
+            (``budget_rows``: the rows one rank holds; ``budget_bytes``: one rank's step), a
+            batch over the budget streams, each part split over the group
+            (:mod:`treecompile.stream.stream_cp`). None: no CP.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -202,7 +203,7 @@ def tree_compile(
     if cp is not None:
         from treecompile.stream.context_parallel import cp_group_checked
 
-        cp = cp_group_checked(cp, stream=stream, mask=mask, verify=verify)
+        cp = cp_group_checked(cp, mask=mask, verify=verify)
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout, cp=cp,

@@ -84,18 +84,13 @@ def cp_group_of(cp) -> dist.ProcessGroup:
                     f"got {type(cp).__name__}")
 
 
-def cp_group_checked(cp, *, stream, mask: str, verify) -> dist.ProcessGroup:
+def cp_group_checked(cp, *, mask: str, verify) -> dist.ProcessGroup:
     """`cp_group_of` ``cp``, with the other `tree_compile` options it cannot take refused.
 
     Raises:
-        ValueError: ``stream=`` with ``budget_bytes`` (`treecompile.stream.stream_cp`), a mask
-            other than ``"interval"``, ``verify=True``.
+        ValueError: a mask other than ``"interval"``, ``verify=True``.
     """
     group = cp_group_of(cp)
-    if stream is not None and stream.budget_bytes is not None:
-        raise ValueError("tree_compile(cp=..., stream=StreamOptions(budget_bytes=...)): under context parallelism "
-                         "give budget_rows, the rows one rank holds at once (the byte budget's memory model is "
-                         "one process's)")
     if mask != "interval":
         raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
     if verify is True:

@@ -370,15 +370,16 @@ PART_OVERHEAD_ROWS = 256
 MAX_STREAM_PARTS = 1024
 
 
-def _largest_rows(plan_of, cost, budget: int, mode: str, top: int, least: int):
-    """A large part size ``least <= C <= top`` whose plan (``plan_of(C)``) fits ``budget``,
-    with its plan and peak, or ``(None, smallest peak seen)``. The peak is not monotone in
-    C (small parts stack more prefix copies), so: ``least`` (the size of at most
-    `MAX_STREAM_PARTS` parts) times powers of two up to ``top`` (and ``top``), then a
-    binary search between the largest one that fits and the next; every answer is checked."""
+def _largest_rows(plan_of, peak, budget: int, mode: str, top: int, least: int):
+    """A large part size ``least <= C <= top`` whose plan (``plan_of(C)``) fits ``budget``
+    (``peak(plan, mode)``), with its plan and peak, or ``(None, smallest peak seen)``. The
+    peak is not monotone in C (small parts stack more prefix copies), so: ``least`` (the
+    size of at most `MAX_STREAM_PARTS` parts) times powers of two up to ``top`` (and
+    ``top``), then a binary search between the largest one that fits and the next; every
+    answer is checked."""
     def peak_of(c):
         plan = plan_of(c)
-        return plan, stream_peak_bytes(plan, cost, mode)
+        return plan, peak(plan, mode)
 
     grid = sorted({least, *(c for c in (least << i for i in range(top.bit_length())) if c < top), top})
     seen = {c: peak_of(c) for c in grid}
@@ -397,7 +398,8 @@ def _largest_rows(plan_of, cost, budget: int, mode: str, top: int, least: int):
     return (lo, *seen[lo]), None
 
 
-def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto", cuts: str = "subtree") -> StreamChoice:
+def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto", cuts: str = "subtree", *,
+                  ranks: int = 1, peak=None) -> StreamChoice:
     """The parts (and, for ``mode="auto"``, the mode) that stream ``batch`` within
     ``budget_bytes``, by `stream_peak_bytes`: the largest part size whose whole streamed
     step, stack included, is predicted within the budget.
@@ -406,6 +408,11 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     run forward: keep mode runs every row forward once, recompute mode runs the parts that
     later parts read once more but may fit larger parts (fewer calls) in the budget.
 
+    ``ranks``, ``peak``: a batch streamed over a CP group of ``ranks``
+    (`treecompile.stream.stream_cp`): the size chosen is the rows per rank, parts of ``ranks``
+    times as many rows, and ``peak(plan, mode)`` the largest rank's predicted peak. The
+    choice's ``rows`` are a part's.
+
     Raises:
         BudgetError: not even one row per part fits (the message gives the smallest peak).
     """
@@ -413,17 +420,20 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
 
     if mode not in BYTE_BUDGET_MODES:
         raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(BYTE_BUDGET_MODES)}")
-    top = max(batch.num_tokens - 1, 1)
-    least = min(-(-batch.num_tokens // MAX_STREAM_PARTS), top)
+    top = max((batch.num_tokens - 1) // ranks, 1)
+    least = min(-(-batch.num_tokens // (MAX_STREAM_PARTS * ranks)), top)
     plans: dict[int, StreamPlan] = {}  # one plan per part size, for both modes
 
     def plan_of(c: int) -> StreamPlan:
         if c not in plans:
-            plans[c] = plan_stream(batch, c, cuts)
+            plans[c] = plan_stream(batch, c * ranks, cuts)
         return plans[c]
 
+    def whole_part(plan: StreamPlan, m: str) -> int:
+        return stream_peak_bytes(plan, cost, m)
+
     modes = MODES if mode == "auto" else (mode,)
-    found = {m: _largest_rows(plan_of, cost, budget_bytes, m, top, least) for m in modes}
+    found = {m: _largest_rows(plan_of, peak or whole_part, budget_bytes, m, top, least) for m in modes}
     ok = {m: f for m, (f, _) in found.items() if f is not None}
     if not ok:
         need = min(least for _, least in found.values())
@@ -432,6 +442,8 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
             f"{' or '.join(modes)} mode: the smallest predicted peak of the part sizes tried is {need:,} bytes "
             f"(static memory {cost.static_bytes():,})" + ("" if "recompute" in modes else
                                                           "; recompute mode keeps less on the stack"))
+    if ranks > 1:  # rows per part, and per rank in the reason
+        ok = {m: (rows * ranks, plan, p) for m, (rows, plan, p) in ok.items()}
     if len(ok) == 1:
         (m, (rows, plan, peak)), = ok.items()
         why = f"{m} mode{'' if mode != 'auto' else ' (keep mode does not fit)'}: parts of at most {rows} rows"
@@ -448,8 +460,9 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
             why = (f"recompute mode: {r_plan.num_parts} parts of at most {r_rows} rows, {extra:,} rows forward "
                    f"again; keep mode fits only {k_rows} rows per part ({k_plan.num_parts} parts: its kept graphs "
                    f"fill the budget)")
+    per_rank = f" ({rows // ranks} per rank of {ranks})" if ranks > 1 else ""
     return StreamChoice(rows=rows, mode=m, peak_bytes=peak, plan=plan,
-                        why=f"{why}; predicted peak {peak:,} of {budget_bytes:,} bytes")
+                        why=f"{why}{per_rank}; predicted peak {peak:,} of {budget_bytes:,} bytes")
 
 
 @dataclass

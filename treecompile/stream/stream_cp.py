@@ -34,8 +34,11 @@ part alive (keep mode: of every part on the stack; recompute mode: of one), the 
 rows' keys and values for every layer (the whole group's, on every rank), and per layer the
 keys and values the running part gathers.
 
-Not covered, refused by name: ``budget_bytes`` (its memory model is one process's), hybrid
-models (as under CP), ``verify=True`` (as under CP).
+With ``budget_bytes`` instead, a batch streams when some rank's predicted peak of one CP
+call (`CPSplit.peak_bytes`) is over it, in the largest parts whose largest rank's predicted
+peak (`stream_cp_peak_bytes`) is within it (`choose_stream` with ``ranks=K``), split by rows.
+
+Not covered, refused by name: hybrid models (as under CP), ``verify=True`` (as under CP).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from treecompile.passes.stream import StreamGraph
 from treecompile.planning.cp import exchange_of, split_for_cp
 from treecompile.stream.context_parallel import CPRunner, check_same_batch, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
-from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, plan_stream,
+from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, choose_stream, plan_stream,
                                      stream_peak_bytes)
 from treecompile.stream.runner import StreamRunner, _RunResult
 from treecompile.stream.stack import StackEntry
@@ -124,8 +127,6 @@ class StreamCPRunner(StreamRunner):
     """
 
     def __init__(self, setup: CallSetup, options: StreamOptions, group: dist.ProcessGroup, cp: CPRunner) -> None:
-        if options.budget_bytes is not None:  # refused by `cp_group_checked` before this is built
-            raise ValueError("StreamCPRunner takes budget_rows")
         super().__init__(setup, options)
         self.group = group
         self.cp = cp
@@ -137,8 +138,12 @@ class StreamCPRunner(StreamRunner):
     world = property(lambda self: self.cp.world, doc="The group's size.")
 
     def wants(self, batch: TreeBatch) -> bool:
-        """Whether ``batch`` streams: its CP split gives some rank more than ``budget_rows``."""
+        """Whether ``batch`` streams: its CP split gives some rank more than ``budget_rows``
+        (with ``budget_bytes``: some rank's predicted peak, `CPSplit.peak_bytes`, over it)."""
         budget = self.options.budget_rows
+        if budget is None:
+            split = split_for_cp(batch.padded(self.world), self.world, self.cp.work, align=self.cp.align)
+            return int(split.peak_bytes(self._cost_model()[0]).max()) > self.options.budget_bytes
         if batch.num_tokens <= budget:
             return False
         if batch.num_tokens > budget * self.world:
@@ -157,14 +162,31 @@ class StreamCPRunner(StreamRunner):
             self._batch = None
 
     def choose(self, batch: TreeBatch) -> StreamChoice:
-        o = self.options
-        rows = o.budget_rows * self.world
-        plan = plan_stream(batch, rows, o.cuts)
-        self.splits, self.kept_rows = split_parts(batch, plan, self.world)
+        """The parts and mode of ``batch``: parts of ``budget_rows`` per rank; with
+        ``budget_bytes``, the largest whose largest rank's predicted peak
+        (`stream_cp_peak_bytes`) is within it (`choose_stream`); sets `splits` and `kept_rows`."""
+        o, k = self.options, self.world
         self._batch = batch
+        if o.budget_bytes is not None:
+            from treecompile.planning.budget import BudgetError
+
+            cost = self._cost_model()[0]
+
+            def peak(plan: StreamPlan, mode: str) -> int:
+                return int(stream_cp_peak_bytes(plan, *split_parts(batch, plan, k), cost, mode).max())
+
+            try:
+                choice = choose_stream(batch, cost, o.budget_bytes, o.mode, o.cuts, ranks=k, peak=peak)
+            except BudgetError as e:
+                raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}) over {k} CP ranks: {e}") from None
+            self.splits, self.kept_rows = split_parts(batch, choice.plan, k)
+            return choice
+        rows = o.budget_rows * k
+        plan = plan_stream(batch, rows, o.cuts)
+        self.splits, self.kept_rows = split_parts(batch, plan, k)
         return StreamChoice(rows=rows, mode=o.mode, peak_bytes=None, plan=plan,
-                            why=f"{o.mode} mode: parts of at most {rows} rows, {o.budget_rows} per rank of "
-                                f"{self.world} (budget_rows)")
+                            why=f"{o.mode} mode: parts of at most {rows} rows, {o.budget_rows} per rank of {k} "
+                                "(budget_rows)")
 
     # ------------------------------------------------------------------ compile
 
