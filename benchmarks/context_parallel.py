@@ -129,17 +129,20 @@ def _streamed(compiled, batch, cost, mode: str, rank: int) -> dict:
                 predicted=int(stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)[rank]))
 
 
-def _print_streamed(results, args) -> None:
-    mib = 2 ** 20
-    print(f"Streamed, {args.stream_rows} rows per rank, {args.stream_mode} mode (1 rank: streaming alone, no CP).\n")
-    print("| ranks | parts | stack depth | most rows of a part per rank | step (s) | peak, largest rank (MiB) | "
-          "predicted (MiB) | loss |")
-    print("|---|---|---|---|---|---|---|---|")
+MIB = 2 ** 20
+
+
+def _markdown(columns: list[str], results, cells) -> None:
+    """A Markdown table: per group size, ``[ranks, *cells(rank 0's row, every rank's rows), step, peak,
+    predicted, loss]`` under ``["ranks", *columns, ...]``."""
+    print("| " + " | ".join(["ranks", *columns, "step (s)", "peak, largest rank (MiB)", "predicted (MiB)", "loss"])
+          + " |")
+    print("|" + "---|" * (len(columns) + 5))
     for world, rows in results:
         r0 = rows[0]
-        print(f"| {world} | {r0['parts']} | {r0['depth']} | {max(r['part_rows'] for r in rows)} | "
-              f"{max(r['time'] for r in rows):.2f} | {max(r['measured'] for r in rows) / mib:.1f} | "
-              f"{max(r['predicted'] for r in rows) / mib:.1f} | {r0['loss']:.6f} |")
+        print("| " + " | ".join([str(world), *cells(r0, rows), f"{max(r['time'] for r in rows):.2f}",
+                                 f"{max(r['measured'] for r in rows) / MIB:.1f}",
+                                 f"{max(r['predicted'] for r in rows) / MIB:.1f}", f"{r0['loss']:.6f}"]) + " |")
 
 
 def main(argv=None) -> None:
@@ -162,22 +165,19 @@ def main(argv=None) -> None:
             rows = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
         results.append((world, rows))
         print(f"{world} ranks: loss {rows[0]['loss']:.6f}, step {rows[0]['time']:.2f} s", file=sys.stderr)
-    mib = 2 ** 20
     print(f"Tree: {results[0][1][0]['tokens']} rows (prompt {args.prompt}, {args.fanout[0]} turns of {args.turn}, "
           f"{args.fanout[1]} leaves of {args.leaf} each); model: Qwen3-shaped {CONFIG}, float32, SGD.\n")
     if args.stream_rows:
-        _print_streamed(results, args)
-        _environment(argv)
-        return
-    print("| ranks | rows per rank | largest share of the work | K/V received per layer (MiB) | K/V sent per layer "
-          "(MiB) | an all-gather would move (MiB) | step (s) | peak, largest rank (MiB) | predicted (MiB) | loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for world, rows in results:
-        r0 = rows[0]
-        print(f"| {world} | {', '.join(map(str, r0['rows']))} | {max(r0['shares']):.2f} | {r0['needed'] / mib:.2f} | "
-              f"{r0['sent'] / mib:.2f} | {r0['gathered'] / mib:.2f} | {max(r['time'] for r in rows):.2f} | "
-              f"{max(r['measured'] for r in rows) / mib:.1f} | {max(r['predicted'] for r in rows) / mib:.1f} | "
-              f"{r0['loss']:.6f} |")
+        print(f"Streamed, {args.stream_rows} rows per rank, {args.stream_mode} mode (1 rank: streaming alone, "
+              "no CP).\n")
+        _markdown(["parts", "stack depth", "most rows of a part per rank"], results,
+                  lambda r0, rows: [str(r0["parts"]), str(r0["depth"]), str(max(r["part_rows"] for r in rows))])
+    else:
+        _markdown(["rows per rank", "largest share of the work", "K/V received per layer (MiB)",
+                   "K/V sent per layer (MiB)", "an all-gather would move (MiB)"], results,
+                  lambda r0, rows: [", ".join(map(str, r0["rows"])), f"{max(r0['shares']):.2f}",
+                                    f"{r0['needed'] / MIB:.2f}", f"{r0['sent'] / MIB:.2f}",
+                                    f"{r0['gathered'] / MIB:.2f}"])
     _environment(argv)
 
 

@@ -71,43 +71,25 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
     out = {**header, "cp": args.cp, "align": args.cp_align, "work_model": source, "dtype": args.dtype,
            "optimizer": args.optimizer, "device": args.device,
            "trees": out_trees, "seconds": round(time.perf_counter() - start, 3)}
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    _print(out, args.rows)
-    return 0
+    return _emit(out, args, _print)
 
 
 def _print(out: dict[str, Any], rows: int) -> None:
-    from rich.table import Table
-
-    from treecompile.cli.args import output_console
-
-    console = output_console()
-    console.print(f"[bold]treecompile plan[/bold] {out['file']}: each tree's row over {out['cp']} CP ranks")
-    console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}; cuts on multiples of {out['align']} rows")
-    table = Table(pad_edge=False)
-    table.add_column("tree", overflow="fold")
-    for col in ("tokens", "rank rows", "work share", "max/mean", "by rows", "K/V in per layer", "all-gather",
-                "peak GB/rank", "1 rank"):
-        table.add_column(col, justify="right")
-    for t in out["trees"][: max(rows, 0)]:
-        table.add_row(
-            t["name"], str(t["tokens"]), " ".join(map(str, t["rows"])),
-            " ".join(f"{x:.2f}" for x in t["work_share"]), f"{t['imbalance']:.3f}", f"{t['imbalance_by_rows']:.3f}",
-            f"{max(t['kv_bytes_needed']):,}", f"{max(t['kv_bytes_all_gather']):,}",
-            f"{max(t['peak_bytes']) / 1e9:.2f}", f"{t['peak_bytes_one_rank'] / 1e9:.2f}",
-        )
-    if len(out["trees"]) > rows:
-        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 9)
-    console.print(table)
-    console.print("max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
-                  "counts. K/V in per layer: the most any rank receives, the root path of its first row (what "
-                  "it moves); all-gather: every other rank's rows, padded to the longest (for comparison). "
-                  "Peak: the largest rank's predicted "
-                  f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
-                  "rank, its rows' activations, the K/V it received for every layer), against one rank's")
-    console.print(f"planned in {out['seconds']:.2f} s")
+    _table(out, rows, [f"[bold]treecompile plan[/bold] {out['file']}: each tree's row over {out['cp']} CP ranks",
+                       f"work model: {out['work_model']}; K/V in {out['dtype']}; cuts on multiples of {out['align']} "
+                       "rows"],
+           ["tokens", "rank rows", "work share", "max/mean", "by rows", "K/V in per layer", "all-gather",
+            "peak GB/rank", "1 rank"],
+           lambda t: (str(t["tokens"]), " ".join(map(str, t["rows"])), " ".join(f"{x:.2f}" for x in t["work_share"]),
+                      f"{t['imbalance']:.3f}", f"{t['imbalance_by_rows']:.3f}", f"{max(t['kv_bytes_needed']):,}",
+                      f"{max(t['kv_bytes_all_gather']):,}", f"{max(t['peak_bytes']) / 1e9:.2f}",
+                      f"{t['peak_bytes_one_rank'] / 1e9:.2f}"),
+           "max/mean: the largest rank's work over the mean, split by work; by rows: split into equal row "
+           "counts. K/V in per layer: the most any rank receives, the root path of its first row (what "
+           "it moves); all-gather: every other rank's rows, padded to the longest (for comparison). "
+           "Peak: the largest rank's predicted "
+           f"step ({out['optimizer']}, {out['device']}; parameters, gradients and optimizer state on every "
+           "rank, its rows' activations, the K/V it received for every layer), against one rank's")
 
 
 def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], args: argparse.Namespace,
@@ -164,39 +146,53 @@ def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, 
     out = {**header, "cp": k, "stream": mode, "capacity": c, "work_model": source, "dtype": args.dtype,
            "optimizer": args.optimizer, "device": args.device, "trees": out_trees,
            "seconds": round(time.perf_counter() - start, 3)}
+    return _emit(out, args, _print_streamed)
+
+
+def _emit(out: dict[str, Any], args: argparse.Namespace, printer) -> int:
+    """``out`` as JSON (``--json``) or through ``printer(out, rows)``."""
     if args.json:
         print(json.dumps(out, indent=1))
-        return 0
-    _print_streamed(out, args.rows)
+    else:
+        printer(out, args.rows)
     return 0
 
 
-def _print_streamed(out: dict[str, Any], rows: int) -> None:
+def _table(out: dict[str, Any], rows: int, heading: list[str], columns: list[str], cells, notes: str) -> None:
+    """The report: ``heading`` lines, a table of the first ``rows`` trees (``cells(tree)``
+    under ``columns``, after the tree's name), ``notes`` and the planning time."""
     from rich.table import Table
 
     from treecompile.cli.args import output_console
 
     console = output_console()
-    limit = (f"{out['capacity']} rows per rank" if out["capacity"] is not None
-             else f"{out['budget']['budget_bytes']:,} bytes per rank")
-    console.print(f"[bold]treecompile plan[/bold] {out['file']}: each tree streamed over {out['cp']} CP ranks, "
-                  f"{limit}, {out['stream']} mode")
-    console.print(f"work model: {out['work_model']}; K/V in {out['dtype']}")
+    for line in heading:
+        console.print(line)
     table = Table(pad_edge=False)
     table.add_column("tree", overflow="fold")
-    for col in ("tokens", "parts", "mode", "depth", "rows/rank", "gathered", "kept", "peak GB/rank", "1 process"):
+    for col in columns:
         table.add_column(col, justify="right")
     for t in out["trees"][: max(rows, 0)]:
-        table.add_row(t["name"], str(t["tokens"]), str(t["parts"]), t["mode"], str(t["stack_depth"]),
-                      str(t["rows_per_rank"]), str(t["gathered_rows"]), str(t["kept_rows"]),
-                      f"{max(t['peak_bytes']) / 1e9:.2f}", f"{t['peak_bytes_one_process'] / 1e9:.2f}")
+        table.add_row(t["name"], *cells(t))
     if len(out["trees"]) > rows:
-        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * 9)
+        table.add_row(f"... {len(out['trees']) - rows} more (--rows, --json)", *[""] * len(columns))
     console.print(table)
-    console.print("parts: 1 where the tree's CP split gives no rank more than the capacity (one CP call). "
-                  "rows/rank: the most rows a rank holds of a part; gathered: the most rows of a part a rank "
-                  "gathers from the part's earlier ranks per layer (K and V); kept: the most rows of one part "
-                  "every rank keeps on the stack. Peak: the largest rank's predicted step "
-                  f"({out['optimizer']}, {out['device']}), against one process streaming parts of a rank's rows "
-                  "(one call: the whole tree)")
+    console.print(notes)
     console.print(f"planned in {out['seconds']:.2f} s")
+
+
+def _print_streamed(out: dict[str, Any], rows: int) -> None:
+    limit = (f"{out['capacity']} rows per rank" if out["capacity"] is not None
+             else f"{out['budget']['budget_bytes']:,} bytes per rank")
+    _table(out, rows, [f"[bold]treecompile plan[/bold] {out['file']}: each tree streamed over {out['cp']} CP ranks, "
+                       f"{limit}, {out['stream']} mode", f"work model: {out['work_model']}; K/V in {out['dtype']}"],
+           ["tokens", "parts", "mode", "depth", "rows/rank", "gathered", "kept", "peak GB/rank", "1 process"],
+           lambda t: (str(t["tokens"]), str(t["parts"]), t["mode"], str(t["stack_depth"]), str(t["rows_per_rank"]),
+                      str(t["gathered_rows"]), str(t["kept_rows"]), f"{max(t['peak_bytes']) / 1e9:.2f}",
+                      f"{t['peak_bytes_one_process'] / 1e9:.2f}"),
+           "parts: 1 where the tree's CP split gives no rank more than the capacity (one CP call). "
+           "rows/rank: the most rows a rank holds of a part; gathered: the most rows of a part a rank "
+           "gathers from the part's earlier ranks per layer (K and V); kept: the most rows of one part "
+           "every rank keeps on the stack. Peak: the largest rank's predicted step "
+           f"({out['optimizer']}, {out['device']}), against one process streaming parts of a rank's rows "
+           "(one call: the whole tree)")
