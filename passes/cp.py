@@ -23,6 +23,11 @@ which are the per-path ones by induction over layers.
 Recurrent layers and causal convolutions (Gated DeltaNet, Mamba) would need the state at a
 rank's first row from the rank before it, layer by layer: not done, and refused by name
 (`refuse_cp_state_pass`).
+
+A streamed part split over the group (`treecompile.stream.stream_cp`) runs the streamed
+part's graph with ``extend_prefix_kv_pass`` after its ``route_prefix_kv_pass``: each
+attention's prefix becomes ``[the stack's rows ; the gathered rows]``, the first from the
+stream inputs (earlier parts), the second gathered as above (the part's earlier ranks).
 """
 
 from __future__ import annotations
