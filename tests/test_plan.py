@@ -103,12 +103,13 @@ def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys, tmp_path):
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     config.save_pretrained(tmp_path / "qwen3")
     step = ["--config", str(tmp_path / "qwen3"), "--dtype", "float32", "--device", "cpu"]
-    rows = json.loads(_run([*argv, *step, "--capacity", "2000", "--json"], capsys))
-    # A budget just under the largest rank's peak at 2000 rows per rank: every tree streams
+    first = [*step, "--limit", "1"]  # one tree: each budget tried replays the streamed step
+    rows = json.loads(_run([*argv, *first, "--capacity", "2000", "--json"], capsys))
+    # A budget just under the largest rank's peak at 2000 rows per rank: the tree streams
     # within it, in auto mode too.
     budget = max(max(t["peak_bytes"]) for t in rows["trees"]) - 1
     for mode in ("recompute", "auto"):
-        got = json.loads(_run([*argv[:-1], mode, *step, "--budget-bytes", str(budget), "--json"], capsys))
+        got = json.loads(_run([*argv[:-1], mode, *first, "--budget-bytes", str(budget), "--json"], capsys))
         assert got["budget"]["budget_bytes"] == budget
         for t in got["trees"]:
             assert t["parts"] > 1 and max(t["peak_bytes"]) <= budget and t["mode"] in ("keep", "recompute"), t
