@@ -191,24 +191,33 @@ def _fsdp_step():
 
     from treecompile.compile.distributed import wrap_fsdp
 
+    import treecompile.stream.stream_cp as stream_cp
     from treecompile.stream.options import StreamOptions
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     dp = mesh["dp"].get_local_rank()
     runs = []
+    gathers = []  # the kept rows' all-gathers
+    real = stream_cp._all_gather_rows
+    stream_cp._all_gather_rows = lambda *a, **k: gathers.append(1) or real(*a, **k)
     # As one CP call per micro-batch; streamed over the cp pair in recompute mode (4 rows per
     # rank: the micro-batches over 8 rows stream).
     for stream in (None, StreamOptions(budget_rows=4, mode="recompute")):
         model = _model(FSDP_FAMILY)
         wrap_fsdp(model, mesh=mesh["dp"], layers=list(model.model.layers))  # the replicas' gradients summed
         compiled = tree_compile(model, cp=mesh["cp"], backend="eager", stream=stream)
-        loss, parts = 0.0, []
+        loss, streamed = 0.0, []
         for batch in _fsdp_plan().batches(dp):
+            streams = stream is not None and compiled._cp.wants(batch)
+            before = len(gathers)
             out = compiled(batch)
             out.loss.backward()
             loss = loss + out.loss.detach()
-            parts.append(getattr(compiled._cp, "stats", None) and compiled._cp.stats.parts)
-        runs.append((dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, parts))
+            if streams:  # (parts, all-gathers, rows run forward, rows)
+                stats = compiled._cp.stats
+                streamed.append((stats.parts, len(gathers) - before, stats.forward_rows, batch.num_tokens))
+        runs.append((dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, streamed))
+    stream_cp._all_gather_rows = real
     return runs
 
 
@@ -326,7 +335,12 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
             torch.testing.assert_close(losses[0] + losses[1], ref.loss.detach(), rtol=rtol, atol=atol)
             for got in ranks:
                 assert_grads_close(got["fsdp"][i][2], want, ("float64", "hf"))
-        assert max(p or 0 for got in ranks for p in got["fsdp"][1][3]) > 1, "no micro-batch streamed"
+        streamed = [x for got in ranks for x in got["fsdp"][1][3]]
+        assert streamed and all(parts > 1 for parts, *_ in streamed), streamed
+        # One all-gather of the kept rows per part: a part run again for its backward
+        # (recompute mode: more rows run forward than the batch has) gathers nothing again.
+        assert all(n == parts for parts, n, *_ in streamed), streamed
+        assert any(forward > rows for *_, forward, rows in streamed), streamed
     if world == 2:
         # Different batches on the ranks: refused on every rank, naming each rank's rows.
         for got in ranks:

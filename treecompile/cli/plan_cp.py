@@ -104,8 +104,8 @@ def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, 
     ``auto``, the mode) `choose_stream` picks within B."""
     from treecompile.core.batch import pack
     from treecompile.planning.cp import RowWork, split_for_cp
-    from treecompile.stream.plan import choose_stream, plan_stream, stream_peak_bytes
-    from treecompile.stream.stream_cp import split_parts, stream_cp_peak_bytes
+    from treecompile.stream.plan import plan_stream, stream_peak_bytes
+    from treecompile.stream.stream_cp import choose_stream_cp, split_parts, stream_cp_peak_bytes
 
     budget = getattr(args, "budget_bytes", None)
     if budget is None and args.capacity is None:
@@ -128,14 +128,11 @@ def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, 
             out_trees.append(row)
             continue
         if budget is not None:
-            def peak(plan, m, batch=batch):
-                return int(stream_cp_peak_bytes(plan, *split_parts(batch, plan, k), cost, m).max())
-
-            choice = choose_stream(batch, cost, budget, mode, ranks=k, peak=peak)
+            choice, splits, kept = choose_stream_cp(batch, cost, budget, mode, "subtree", k)
             plan, row["mode"] = choice.plan, choice.mode
         else:
             plan = plan_stream(batch, k * c)
-        splits, kept = split_parts(batch, plan, k)
+            splits, kept = split_parts(batch, plan, k)
         per_rank = int(max(np.diff(s.bounds).max() for s in splits))
         row.update(parts=plan.num_parts, stack_depth=plan.stack_depth, rows_per_rank=per_rank,
                    gathered_rows=int(max(len(x) for s in splits for x in s.inside)),

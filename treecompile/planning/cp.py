@@ -105,7 +105,7 @@ class CPSplit:
 
     def owner(self, rows: np.ndarray) -> np.ndarray:
         """The rank that holds each of ``rows`` (global row numbers)."""
-        return np.searchsorted(self.bounds, rows, side="right") - 1
+        return _owner(self.bounds, rows)
 
     def exchange(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What ``rank`` sends and receives in a layer's exchange of keys (or values):
@@ -174,16 +174,17 @@ def exchange_of(bounds: np.ndarray, paths, rank: int) -> tuple[np.ndarray, np.nd
     whose ranks read ``paths[r]`` (global rows within ``bounds[0]:bounds[r]``, in order)."""
     ranks = len(bounds) - 1
     a = int(bounds[rank])
-
-    def owner(rows):
-        return np.searchsorted(bounds, rows, side="right") - 1
-
     send = [np.zeros(0, np.int64)] * ranks
     for r, path in enumerate(paths):
         if r != rank and len(path):
-            send[r] = path[owner(path) == rank] - a
-    recv = np.bincount(owner(paths[rank]), minlength=ranks).astype(np.int64)
+            send[r] = path[_owner(bounds, path) == rank] - a
+    recv = np.bincount(_owner(bounds, paths[rank]), minlength=ranks).astype(np.int64)
     return (np.concatenate(send).astype(np.int64), np.array([len(x) for x in send], dtype=np.int64), recv)
+
+
+def _owner(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The run ``bounds[r]:bounds[r + 1]`` holding each of ``rows`` (an empty run holds none)."""
+    return np.searchsorted(bounds, rows, side="right") - 1
 
 
 def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -154,10 +154,11 @@ class CPRunner:
     def _call(self, args: tuple) -> tuple:
         return call_under_setup(self.setup, self._compiled, args)
 
-    def inputs(self, batch: TreeBatch) -> tuple[tuple, torch.Tensor]:
+    def inputs(self, batch: TreeBatch, split: CPSplit | None = None) -> tuple[tuple, torch.Tensor]:
         """This rank's compiled-call arguments for ``batch`` and the global rows of its targets;
         sets `split`."""
-        split = split_for_cp(batch, self.world, self.work, align=self.align)
+        if split is None:
+            split = split_for_cp(batch, self.world, self.work, align=self.align)
         self.split = split
         bounds = split.bounds
         data = BatchArrays(batch)
@@ -189,12 +190,13 @@ class CPRunner:
                 path_count, [kv_end, kv_pos, index, send_rows, counts])
         return args, dest
 
-    def __call__(self, batch: TreeBatch, checked: bool = False) -> TreeOutput:
+    def __call__(self, batch: TreeBatch, checked: bool = False, split: CPSplit | None = None) -> TreeOutput:
         """The whole tree's loss and log-probabilities on every rank; with grad enabled,
         ``loss.backward()`` gives every parameter the whole tree's gradient (FSDP2's sharded
         parameters: their shards of it, reduced over the data-parallel mesh as the units are
         configured, see `treecompile.stream.sharded`). ``checked``: the caller checked that
-        every rank has the same batch (`check_same_batch`)."""
+        every rank has the same batch (`check_same_batch`); ``split``: the caller's split of
+        the batch padded to the group's size (`split_for_cp`), else computed here."""
         w = self.setup
         device = device_of(w.model)
         batch = on_host(batch)
@@ -204,7 +206,7 @@ class CPRunner:
         # Fewer rows than ranks (a data-parallel rank's padding micro-step): one-token trees of
         # weight 0 give every rank a row and change nothing else.
         batch = batch.padded(self.world)
-        args, dest = self.inputs(batch)
+        args, dest = self.inputs(batch, split)
         if self._compiled is None:
             self._build(device)
         with Unsharded(w.model) as unsharded:

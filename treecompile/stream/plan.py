@@ -399,7 +399,7 @@ def _largest_rows(plan_of, peak, budget: int, mode: str, top: int, least: int):
 
 
 def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto", cuts: str = "subtree", *,
-                  ranks: int = 1, peak=None) -> StreamChoice:
+                  ranks: int = 1, rank_peak=None) -> StreamChoice:
     """The parts (and, for ``mode="auto"``, the mode) that stream ``batch`` within
     ``budget_bytes``, by `stream_peak_bytes`: the largest part size whose whole streamed
     step, stack included, is predicted within the budget.
@@ -408,10 +408,10 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     run forward: keep mode runs every row forward once, recompute mode runs the parts that
     later parts read once more but may fit larger parts (fewer calls) in the budget.
 
-    ``ranks``, ``peak``: a batch streamed over a CP group of ``ranks``
-    (`treecompile.stream.stream_cp`): the size chosen is the rows per rank, parts of ``ranks``
-    times as many rows, and ``peak(plan, mode)`` the largest rank's predicted peak. The
-    choice's ``rows`` are a part's.
+    ``ranks``, ``rank_peak``: a batch streamed over a CP group of ``ranks``
+    (`treecompile.stream.stream_cp.choose_stream_cp`): the size chosen is the rows per rank,
+    parts of ``ranks`` times as many rows, and ``rank_peak(plan, mode)`` the largest rank's
+    predicted peak. The choice's ``rows`` are a part's.
 
     Raises:
         BudgetError: not even one row per part fits (the message gives the smallest peak).
@@ -433,7 +433,7 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
         return stream_peak_bytes(plan, cost, m)
 
     modes = MODES if mode == "auto" else (mode,)
-    found = {m: _largest_rows(plan_of, peak or whole_part, budget_bytes, m, top, least) for m in modes}
+    found = {m: _largest_rows(plan_of, rank_peak or whole_part, budget_bytes, m, top, least) for m in modes}
     ok = {m: f for m, (f, _) in found.items() if f is not None}
     if not ok:
         need = min(least for _, least in found.values())

@@ -30,8 +30,16 @@ class StackEntry:
     main: torch.Tensor | None = None  # the part's loss without the auxiliary term, detached
 
 
+def _by_part(plan: StreamPlan, rows: np.ndarray, index_of) -> list[tuple[int, np.ndarray]]:
+    """``(part, indices into its entry's values)`` of ``rows`` (sorted), part by part:
+    ``index_of(part, its rows)``, by default each row's place in its part."""
+    owners = plan.part_of(rows)
+    index_of = index_of or (lambda q, held: held - plan.starts[q])
+    return [(q, np.asarray(index_of(q, rows[owners == q]), dtype=np.int64)) for q in np.unique(owners).tolist()]
+
+
 def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int, StackEntry], lay: KVLayout,
-                  device) -> tuple[list, list, list]:
+                  device, rows: np.ndarray | None = None, index_of=None) -> tuple[list, list, list]:
     """What part ``j`` reads from the stack (detached copies), per slot:
 
     * keys and values ``[1, Hkv, PAD_PREFIX + P_j, D]`` and conv inputs ``[1, C,
@@ -39,11 +47,14 @@ def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int
       that computed them;
     * recurrent states ``[PAD_STATES + E_j, H, Dk, Dv]``: zeros, then the states after
       the part's entry rows (`BatchArrays._state_rows`), read out by the parts holding them.
+
+    ``rows``, ``index_of``: where a process reads other rows than the part's prefix from
+    entries that hold other rows than their parts' (a part split over a CP group,
+    `treecompile.stream.stream_cp`): the rows it reads, and ``index_of(part, rows)``, their
+    places in that part's entry.
     """
-    rows = plan.prefix[j]
-    owners = plan.part_of(rows)
-    groups = [(int(p), to_device(torch.as_tensor(rows[owners == p] - plan.starts[p]), device))
-              for p in np.unique(owners)]
+    rows = plan.prefix[j] if rows is None else rows
+    groups = [(p, to_device(torch.from_numpy(idx), device)) for p, idx in _by_part(plan, rows, index_of)]
     kv, conv, states = [], [], []
     for i, (h, d, dtype) in enumerate(lay.shapes):
         pieces = [torch.zeros(1, h, PAD_PREFIX, d, dtype=dtype, device=device)]
@@ -62,25 +73,25 @@ def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int
     return kv, conv, states
 
 def backward_part(plan: StreamPlan, data: BatchArrays, p: int, e: StackEntry, entries: dict[int, StackEntry],
-                  lay: KVLayout) -> None:
-    """Backward of part ``p`` with the gradients its readers added; then its prefix
-    gradients go into the entries of the parts that computed those rows."""
+                  lay: KVLayout, rows: np.ndarray | None = None, index_of=None) -> None:
+    """Backward of part ``p`` with the gradients its readers added (``e.grads``, each shaped
+    as its output); then its prefix gradients go into the entries of the parts that computed
+    those rows. ``rows``, ``index_of``: as for `gather_prefix`."""
     tensors, grads = [e.loss], [torch.ones_like(e.loss)]
     for out, g in zip(e.outs, e.grads):
         if g is not None:
             tensors.append(out)
             grads.append(g)
     torch.autograd.backward(tensors, grads)
-    rows = plan.prefix[p]
-    owners = plan.part_of(rows)
+    rows = plan.prefix[p] if rows is None else rows
     n_seq = len(lay.shapes) + len(lay.conv)
     sources = data.entry_sources(p) if len(e.leaves) > n_seq else []
+    along_rows = _by_part(plan, rows, index_of)
     for i, leaf in enumerate(e.leaves):
         if leaf.grad is None:
             continue
         if i < n_seq:  # keys, values, conv inputs: along the rows (dim 2)
-            dim, g = 2, leaf.grad[:, :, PAD_PREFIX:]
-            pieces = [(q, rows[owners == q] - plan.starts[q]) for q in np.unique(owners).tolist()]
+            dim, g, pieces = 2, leaf.grad[:, :, PAD_PREFIX:], along_rows
         else:  # recurrent states: one per entry row (dim 0)
             dim, g, pieces = 0, leaf.grad[PAD_STATES:], sources
         offset = 0

@@ -36,7 +36,7 @@ keys and values the running part gathers.
 
 With ``budget_bytes`` instead, a batch streams when some rank's predicted peak of one CP
 call (`CPSplit.peak_bytes`) is over it, in the largest parts whose largest rank's predicted
-peak (`stream_cp_peak_bytes`) is within it (`choose_stream` with ``ranks=K``), split by rows.
+peak (`stream_cp_peak_bytes`) is within it (`choose_stream_cp`), split by rows.
 
 Not covered, refused by name: hybrid models (as under CP), ``verify=True`` (as under CP).
 """
@@ -49,21 +49,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treecompile.capture.call import CallSetup
+from treecompile.capture.call import CallSetup, device_of
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.core.preorder import rows_before_on_path
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph
-from treecompile.planning.cp import exchange_of, split_for_cp
+from treecompile.planning.cp import CPSplit, exchange_of, split_for_cp
 from treecompile.stream.context_parallel import CPRunner, check_same_batch, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, choose_stream, plan_stream,
                                      stream_peak_bytes)
 from treecompile.stream.runner import StreamRunner, _RunResult
-from treecompile.stream.stack import StackEntry
+from treecompile.stream.stack import StackEntry, backward_part, gather_prefix
 
-__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER", "cp_runner", "split_parts", "stream_cp_peak_bytes"]
+__all__ = ["StreamCPRunner", "PartSplit", "PAD_GATHER", "cp_runner", "split_parts", "stream_cp_peak_bytes",
+           "choose_stream_cp"]
 
 #: Always-invisible rows before the gathered ones, so that their count is never 0 or 1
 #: (which Dynamo would specialise), as `PAD_PREFIX` is for the stack's.
@@ -108,6 +109,31 @@ def split_parts(batch: TreeBatch, plan: StreamPlan, ranks: int) -> tuple[list[Pa
     return splits, kept
 
 
+def choose_stream_cp(batch: TreeBatch, cost, budget_bytes: int, mode: str, cuts: str,
+                     ranks: int) -> tuple[StreamChoice, list[PartSplit], list[np.ndarray]]:
+    """`choose_stream` for ``batch`` streamed over ``ranks`` CP ranks: the largest rows per
+    rank whose largest rank's predicted peak (`stream_cp_peak_bytes`) is within
+    ``budget_bytes``; the choice, with its parts' splits and kept rows (`split_parts`, once
+    per part size tried).
+
+    Raises:
+        BudgetError: as `choose_stream`.
+    """
+    found: dict[bytes, tuple[list[PartSplit], list[np.ndarray]]] = {}
+
+    def splits_of(plan: StreamPlan) -> tuple[list[PartSplit], list[np.ndarray]]:
+        key = plan.starts.tobytes()
+        if key not in found:
+            found[key] = split_parts(batch, plan, ranks)
+        return found[key]
+
+    def rank_peak(plan: StreamPlan, m: str) -> int:
+        return int(stream_cp_peak_bytes(plan, *splits_of(plan), cost, m).max())
+
+    choice = choose_stream(batch, cost, budget_bytes, mode, cuts, ranks=ranks, rank_peak=rank_peak)
+    return (choice, *splits_of(choice.plan))
+
+
 def cp_runner(setup: CallSetup, group: dist.ProcessGroup, stream: StreamOptions | None = None):
     """The runner of ``tree_compile(cp=group, stream=stream)``: a `CPRunner` (split by the
     model's work, `row_work_of`), inside a `StreamCPRunner` with ``stream``."""
@@ -138,24 +164,27 @@ class StreamCPRunner(StreamRunner):
     world = property(lambda self: self.cp.world, doc="The group's size.")
 
     def wants(self, batch: TreeBatch) -> bool:
-        """Whether ``batch`` streams: its CP split gives some rank more than ``budget_rows``
-        (with ``budget_bytes``: some rank's predicted peak, `CPSplit.peak_bytes`, over it)."""
-        budget = self.options.budget_rows
-        if budget is None:
-            split = split_for_cp(batch.padded(self.world), self.world, self.cp.work, align=self.cp.align)
-            return int(split.peak_bytes(self._cost_model()[0]).max()) > self.options.budget_bytes
-        if batch.num_tokens <= budget:
-            return False
-        if batch.num_tokens > budget * self.world:
-            return True
-        split = split_for_cp(batch.padded(self.world), self.world, self.cp.work, align=self.cp.align)
-        return int(split.rows.max()) > budget
+        """Whether ``batch`` streams (`one_call_split` is None)."""
+        return self.one_call_split(batch) is None
+
+    def one_call_split(self, batch: TreeBatch) -> CPSplit | None:
+        """The CP split (of ``batch`` padded to the group's size) that runs it as one call, or
+        None where it streams: the split gives some rank more than ``budget_rows`` (with
+        ``budget_bytes``: some rank's predicted peak, `CPSplit.peak_bytes`, is over it)."""
+        o, k = self.options, self.world
+        if o.budget_rows is not None and batch.num_tokens > o.budget_rows * k:
+            return None
+        split = split_for_cp(batch.padded(k), k, self.cp.work, align=self.cp.align)
+        fits = (int(split.rows.max()) <= o.budget_rows if o.budget_rows is not None
+                else int(split.peak_bytes(self._cost_model()[0]).max()) <= o.budget_bytes)
+        return split if fits else None
 
     def __call__(self, batch: TreeBatch):
         batch = on_host(batch)
         check_same_batch(batch, self.group, self._device())
-        if not self.wants(batch):
-            return self.cp(batch, checked=True)
+        split = self.one_call_split(batch)
+        if split is not None:
+            return self.cp(batch, checked=True, split=split)
         try:
             return super().__call__(batch)
         finally:
@@ -170,16 +199,11 @@ class StreamCPRunner(StreamRunner):
         if o.budget_bytes is not None:
             from treecompile.planning.budget import BudgetError
 
-            cost = self._cost_model()[0]
-
-            def peak(plan: StreamPlan, mode: str) -> int:
-                return int(stream_cp_peak_bytes(plan, *split_parts(batch, plan, k), cost, mode).max())
-
             try:
-                choice = choose_stream(batch, cost, o.budget_bytes, o.mode, o.cuts, ranks=k, peak=peak)
+                choice, self.splits, self.kept_rows = choose_stream_cp(batch, self._cost_model()[0], o.budget_bytes,
+                                                                       o.mode, o.cuts, k)
             except BudgetError as e:
                 raise BudgetError(f"StreamOptions(budget_bytes={o.budget_bytes}) over {k} CP ranks: {e}") from None
-            self.splits, self.kept_rows = split_parts(batch, choice.plan, k)
             return choice
         rows = o.budget_rows * k
         plan = plan_stream(batch, rows, o.cuts)
@@ -222,8 +246,6 @@ class StreamCPRunner(StreamRunner):
         return inputs, dest, extra
 
     def _device(self) -> torch.device:
-        from treecompile.capture.call import device_of
-
         return device_of(self.setup.model)
 
     def _structure(self, data: BatchArrays, plan: StreamPlan, j: int, dk: int, device) -> tuple:
@@ -240,23 +262,12 @@ class StreamCPRunner(StreamRunner):
     def _stack(self, plan: StreamPlan, data: BatchArrays, j: int, entries: dict, device) -> tuple[list, list, list]:
         """Part ``j``'s keys and values from the stack on this rank: ``[1, Hkv, PAD_PREFIX + P, D]``
         per slot, padding then the rows of `PartSplit.stack`."""
-        rows = self.splits[j].stack[self.rank]
-        groups = self._by_part(plan, rows, device)
-        kv = []
-        for i, (h, d, dtype) in enumerate(self._shapes.shapes):
-            pieces = [torch.zeros(1, h, PAD_PREFIX, d, dtype=dtype, device=device)]
-            pieces += [entries[q].vals[i].index_select(2, idx) for q, idx, _ in groups]
-            kv.append(torch.cat(pieces, dim=2))
-        return kv, [], []
+        return gather_prefix(plan, data, j, entries, self._shapes, device, self.splits[j].stack[self.rank],
+                             self._kept_index)
 
-    def _by_part(self, plan: StreamPlan, rows: np.ndarray, device) -> list[tuple[int, torch.Tensor, int]]:
-        """``(part, indices into its kept rows, count)`` of ``rows`` (sorted), part by part."""
-        owners = plan.part_of(rows)
-        out = []
-        for q in np.unique(owners).tolist():
-            idx = np.searchsorted(self.kept_rows[q], rows[owners == q])
-            out.append((q, to_device(torch.from_numpy(idx.astype(np.int64)), device), len(idx)))
-        return out
+    def _kept_index(self, q: int, rows: np.ndarray) -> np.ndarray:
+        """The places of ``rows`` in part ``q``'s kept rows (its stack entry's values)."""
+        return np.searchsorted(self.kept_rows[q], rows)
 
     def _own_kept(self, j: int) -> tuple[np.ndarray, int, int]:
         """``(this rank's local rows of part j's kept rows, their first and end index in them)``."""
@@ -267,42 +278,22 @@ class StreamCPRunner(StreamRunner):
     def _kept(self, plan: StreamPlan, j: int, kv: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's kept rows of part ``j`` (all-gathered): ``[1, Hkv, n_kept, D]`` per slot."""
         local, _, _ = self._own_kept(j)
-        split = self.splits[j]
-        counts = np.diff(np.searchsorted(self.kept_rows[j], split.bounds)).tolist()
-        idx = to_device(torch.from_numpy(local.astype(np.int64)), kv[0].device) if kv else None
+        counts = np.diff(np.searchsorted(self.kept_rows[j], self.splits[j].bounds)).tolist()
+        idx = to_device(torch.from_numpy(local.astype(np.int64)), self._device())
         mine = [t.detach().index_select(2, idx) for t in kv]
         return _all_gather_rows(mine, counts, self.group)
 
     def _backward_part(self, plan: StreamPlan, data: BatchArrays, p: int, e: StackEntry, entries: dict) -> None:
-        """Part ``p``'s backward on this rank, with its kept rows' gradients summed over the
-        group; then the gradients of what it read from the stack go to the parts holding it."""
-        tensors, grads = [e.loss], [torch.ones_like(e.loss)]
-        local, lo, hi = self._own_kept(p)
+        """Part ``p``'s backward on this rank (`backward_part`), its outputs' gradients this
+        rank's share of its kept rows' gradients summed over the group."""
         if len(self.kept_rows[p]):
             summed = _all_reduce([g if g is not None else torch.zeros_like(v) for g, v in zip(e.grads, e.vals)],
                                  self.group)
-            if hi > lo:
-                idx = to_device(torch.from_numpy(local.astype(np.int64)), e.loss.device)
-                for out, g in zip(e.outs, summed):
-                    full = torch.zeros_like(out)
-                    full.index_copy_(2, idx, g[:, :, lo:hi].to(out.dtype))
-                    tensors.append(out)
-                    grads.append(full)
-        torch.autograd.backward(tensors, grads)
-        rows = self.splits[p].stack[self.rank]
-        groups = self._by_part(plan, rows, e.loss.device)
-        for i, leaf in enumerate(e.leaves):
-            if leaf.grad is None:
-                continue
-            g, offset = leaf.grad[:, :, PAD_PREFIX:], 0
-            for q, idx, n in groups:
-                owner = entries[q]
-                if owner.grads[i] is None:
-                    owner.grads[i] = torch.zeros_like(owner.vals[i])
-                owner.grads[i].index_add_(2, idx, g.narrow(2, offset, n))
-                offset += n
-        e.outs = e.loss = None
-        e.leaves = []
+            local, lo, hi = self._own_kept(p)
+            idx = to_device(torch.from_numpy(local.astype(np.int64)), e.loss.device)
+            e.grads = [None] * len(e.outs) if hi == lo else [
+                torch.zeros_like(out).index_copy_(2, idx, g[:, :, lo:hi].to(out.dtype)) for out, g in zip(e.outs, summed)]
+        backward_part(plan, data, p, e, entries, self._shapes, self.splits[p].stack[self.rank], self._kept_index)
 
     # ------------------------------------------------------------------ the group's sums
 
