@@ -22,7 +22,14 @@ The model is a polynomial in the packed length ``S``, built with sympy::
 * **branches**: transients that never overlap, so only the largest counts: the loss head
   (treecompile gathers the ``R <= S`` predicting rows before the LM head, so logits are
   ``[R, V]``; its saved log-probabilities are freed before the first layer's backward),
-  the attention backward's working memory, and the optimizer step's temporary.
+  the attention backward's working memory at the last and at the first layer, the end of
+  the backward, and the optimizer step's temporary. The compiled backward returns every
+  parameter's gradient at its end, so the gradients it has computed stay alive as it goes
+  down the layers while the activations it is done with are freed: at the last layer's
+  attention backward, every layer's saved tensors but that layer's MLP's and the head's and
+  one layer's gradients; at the first layer's, that layer's attention's saved tensors and
+  every gradient but the input embedding's. The sum is linear in the layer in between, so
+  the two ends bound it; the second bounds short steps and streamed parts.
 
 Attention working memory depends on the device. FlexAttention's GPU kernel keeps only
 ``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
@@ -35,10 +42,10 @@ holding `CPU_FLEX_SCORE_COPIES` of them at once (torch 2.13).
 
 Accuracy (``tests/test_budget.py``, measured with `measure_peak_bytes`, float32 Qwen3
 and Llama configs on CPU, no checkpointing, one gradient-accumulation micro-step plus
-AdamW's step): the prediction is never below the measured peak; +0.1% to +0.6% above it
-where layers or the loss head dominate, about +10% where the CPU attention's score blocks
-dominate (on a branching tree a query block sees fewer live keys than the S assumed: up
-to +29%). See ``docs/partitioning.md`` for the table. Not measured: checkpointing (the
+AdamW's step): the prediction is never below the measured peak; +0.2% to +1.7% above it
+where layers or the loss head dominate, +2% to +4% where the CPU attention's score blocks
+dominate at S >= 512, +17% at S = 64 (a partial block counted as full; on a branching
+tree a query block sees fewer live keys than the S assumed). See ``docs/partitioning.md`` for the table. Not measured: checkpointing (the
 compiled path exposes none), GPUs (Inductor recomputes cheap pointwise ops in backward,
 so the saved terms should be an upper bound there), dtypes other than float32.
 
@@ -175,6 +182,9 @@ class ModelDims:
         return self.vocab * h + self.layers * (attn + mlp + norms) + h + head
 
 
+#: The attention backward's terms, over its key rows (`CostModel.part_bytes`).
+_ATTENTION_TERMS = ("attention backward", "score blocks", "attention scores")
+
 # Symbols: S packed tokens; the rest are the config's dimensions and element sizes.
 S = sp.Symbol("S", positive=True, integer=True)
 _L, _h, _I, _H, _K, _d, _V = sp.symbols("L h I H K d V", positive=True, integer=True)
@@ -304,7 +314,31 @@ class CostModel:
             Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream at the embedding"),
             inputs,
         ]
-        self.branches = [Branch("loss head", head), Branch("attention backward", attn),
+        # The compiled backward returns every parameter's gradient at its end, so those it has
+        # computed stay alive while it goes down the layers, and the activations it has
+        # finished with are freed: between the last layer's attention backward (every layer's
+        # saved tensors, the head's and one layer's gradients) and the first layer's (one
+        # layer's saved tensors, every gradient but the input embedding's and that layer's
+        # attention's) the sum is linear in the layer, so these two ends bound it.
+        head_rows = 1 if self.dims.tied_embeddings else 2
+        layer_params = (_P - head_rows * _V * _h - _h) / _L
+        embedding = 0 if self.dims.tied_embeddings else _V * _h
+        mlp_saved = _total([t for t in layer_terms(self.dims.qk_norm) if t.name == "MLP"]) * S
+        last_layer = [*attn, Term("head and layer gradients", (_V * _h + layer_params) * _b,
+                                  "the LM head's and the last layer's, computed before its attention backward"),
+                      Term("last layer MLP", -mlp_saved if self.checkpointing == "none" else 0 * S,
+                           "its MLP's saved tensors, freed by its MLP's backward")]
+        # Its MLP's backward has run: its attention's saved tensors are what is left of it.
+        first_saved = [Term("first layer attention", _total(
+            [t for t in layer_terms(self.dims.qk_norm) if not t.name.startswith("MLP")]) * S,
+            "its attention's saved tensors (the other layers' and its MLP's are freed)")]
+        if self.checkpointing != "none":
+            first_saved.append(Term("first layer input", layer_input * S, "its checkpoint (the others are freed)"))
+        first_layer = [*attn, *first_saved, inputs,
+                       Term("gradients so far", (_P - embedding) * _b, "every parameter's but the input embedding's"),
+                       Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream")]
+        self.branches = [Branch("loss head", head), Branch("attention backward", last_layer),
+                         Branch("first layer backward", first_layer, with_saved=False),
                          Branch("backward end", end, with_saved=False)]
         if opt.step_temporaries:
             self.branches.append(Branch("optimizer step", [Term(
@@ -418,7 +452,7 @@ class CostModel:
                 continue
             total = 0
             for term, poly in terms:
-                if name != "attention backward":
+                if term not in _ATTENTION_TERMS:
                     total += _horner(poly, rows)
                 elif term == "score blocks":  # [H, block, keys] with block = min(rows, CPU_BLOCK_ROWS)
                     total += -(-_horner(poly, key_rows) * min(rows, CPU_BLOCK_ROWS) // CPU_BLOCK_ROWS)

@@ -279,7 +279,7 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str, parts: PartRows | None 
     `STREAM_ROW_BYTES` per row of the batch come on top, and `STREAM_PEAK_MARGIN_PERCENT`
     on the replayed part. Every buffer it names is counted from its first possible
     allocation to its last use; ``tests/test_budget.py`` measures the whole against the
-    CPU allocator (an upper bound there, by 1% to 30%).
+    CPU allocator (an upper bound there, by 1% to 31%).
 
     ``parts``: what this process holds of each part, where that is not the whole part
     (`PartRows`; None: the whole part, its prefix, its rows kept).
@@ -305,11 +305,13 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str, parts: PartRows | None 
         """``(held, transient)`` of part ``j`` with its graph: its saved activations, the
         prefix copy it read and the concatenated prefix-and-own keys and values its
         attention saves (with their index buffers); then its largest transient plus the
-        prefix copy's gradient and the exchange's buffers."""
+        prefix gradient twice (the attention's key and value gradients over its prefix and
+        own rows, every layer, which the backward's outputs, views of them, keep alive until
+        it ends, and their copies on the prefix leaves) and the exchange's buffers."""
         n, pre = sizes[j], int(parts.prefix[j])
         saved, transient = cost.part_bytes(max(n, 1), n + pre)
         return (saved + kv_row * (2 * pre + n) + PREFIX_INDEX_BYTES * (pre + n),
-                transient + kv_row * pre + kv_row * int(parts.exchange[j]) // d.layers)
+                transient + kv_row * (2 * pre + n) + kv_row * int(parts.exchange[j]) // d.layers)
 
     for j in range(n_parts):
         held_j, transient_j = part(j)
