@@ -20,12 +20,23 @@ same collectives in the same order: the graph's. The group is named by a string
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["register_group", "group_of", "cp_gather_rows"]
+__all__ = ["register_group", "group_of", "cp_gather_rows", "PAD_SEND", "padded_send"]
 
 Tensor = torch.Tensor
+
+#: Entries before a rank's send rows, never read: the send rows' count is never 0 or 1,
+#: which Dynamo would specialise (a graph more for each, on a rank that sends nothing or one
+#: row in some call).
+PAD_SEND = 2
+
+
+def padded_send(send_rows: np.ndarray) -> np.ndarray:
+    """``send_rows`` (`treecompile.planning.cp.CPSplit.exchange`) after `PAD_SEND` unread entries."""
+    return np.concatenate([np.zeros(PAD_SEND, np.int64), send_rows])
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
@@ -64,8 +75,9 @@ def cp_gather_rows(x: Tensor, index: Tensor, send_rows: Tensor, counts: Tensor, 
         x: ``[1, H, S_r, D]``: this rank's rows (keys or values of one layer).
         index: ``[n]`` int64 rows to return, in received coordinates: ``1 + i`` is the
             ``i``-th row received (in rank order), ``0`` a zero row (padding keys).
-        send_rows: ``[m]`` int64: this rank's rows (local numbers) to send, grouped by the
-            receiving rank in rank order.
+        send_rows: ``[PAD_SEND + m]`` int64: `PAD_SEND` entries never read, then this rank's
+            rows (local numbers) to send, grouped by the receiving rank in rank order
+            (`padded_send`).
         counts: ``[2, K]`` int64 on the CPU: rows sent to and received from each rank.
         group: a name from `register_group`.
 
@@ -75,7 +87,7 @@ def cp_gather_rows(x: Tensor, index: Tensor, send_rows: Tensor, counts: Tensor, 
     g = group_of(group)
     send_counts, recv_counts = counts.tolist()
     local = x[0].transpose(0, 1)  # [S_r, H, D]
-    got = _exchange(local.index_select(0, send_rows), send_counts, recv_counts, g)
+    got = _exchange(local.index_select(0, send_rows[PAD_SEND:]), send_counts, recv_counts, g)
     full = torch.cat([local.new_zeros(1, *local.shape[1:]), got])
     return full.index_select(0, index).transpose(0, 1).unsqueeze(0).contiguous()
 
@@ -97,7 +109,7 @@ def cp_scatter_rows(grad: Tensor, index: Tensor, send_rows: Tensor, counts: Tens
     full.index_add_(0, index, grad[0].transpose(0, 1))
     back = _exchange(full[1:], recv_counts, send_counts, g)
     mine = grad.new_zeros(local_rows, grad.shape[1], grad.shape[3])
-    mine.index_add_(0, send_rows, back)
+    mine.index_add_(0, send_rows[PAD_SEND:], back)
     return mine.transpose(0, 1).unsqueeze(0).contiguous()
 
 

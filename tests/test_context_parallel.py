@@ -115,11 +115,14 @@ STREAMED_KEY = "/streamed"
 
 
 def _streamed_runs(model, family, world, options):
+    from torch._dynamo.utils import counters
+
+    from treecompile.planning.cp import exchange_of
     from treecompile.stream.options import StreamOptions
 
     mode, budget = STREAMED[world][family]
     compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=budget, mode=mode), **options)
-    runs = []
+    runs, graphs = [], counters["stats"]["unique_graphs"]
     for tree in _trees():
         model.zero_grad(set_to_none=True)
         out = compiled(pack(tree, warn_por=False))
@@ -130,7 +133,9 @@ def _streamed_runs(model, family, world, options):
             grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             parts=stats.parts, forward_rows=stats.forward_rows,
             bounds=[s.bounds.tolist() for s in compiled._cp.splits],
-            reads=[len(s.inside[r]) for s in compiled._cp.splits for r in range(world)]))
+            reads=[len(s.inside[r]) for s in compiled._cp.splits for r in range(world)],
+            sends=[len(exchange_of(s.bounds, s.inside, dist.get_rank())[0]) for s in compiled._cp.splits],
+            graphs=counters["stats"]["unique_graphs"] - graphs))
     return runs
 
 
@@ -308,6 +313,12 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
                 # Streamed: several parts, and ranks that gather rows from the part's earlier ranks.
                 run = ranks[0][keys[1]][t]
                 assert run["parts"] > 1 and run["forward_rows"] >= batch.num_tokens and sum(run["reads"]) > 0, run
+                # One part graph per rank and grad mode (the auxiliary loss's statistics pass
+                # runs without grad), though a rank sends no rows for one part, one or more
+                # for another (Dynamo would specialise a count of 0 or 1).
+                sends = [{min(2, n) for x in got[keys[1]] for n in x["sends"]} for got in ranks]
+                assert any(len(c) > 1 for c in sends), sends
+                assert all(got[keys[1]][t]["graphs"] == 2 for got in ranks), [got[keys[1]][t]["graphs"] for got in ranks]
             for (r, got), key in itertools.product(enumerate(ranks), keys):
                 run = got[key][t]
                 where = f"{key}, tree {t}, rank {r} of {world}"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from treecompile.capture.call import CallSetup, TreeOutput, call_under_setup, compile_named, device_of, run_head
 from treecompile.core.batch import TreeBatch, on_host, to_device
-from treecompile.kernels.cp_gather import register_group
+from treecompile.kernels.cp_gather import padded_send, register_group
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, context_parallel
@@ -169,6 +169,7 @@ class CPRunner:
         # order, which is the path's order); the padding keys (never visible) read the zero row.
         index = np.concatenate([np.zeros(PAD_PREFIX, np.int64), 1 + np.arange(len(prefix), dtype=np.int64)])
         send_rows, send_counts, recv_counts = split.exchange(self.rank)
+        send_rows = padded_send(send_rows)
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
         block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
         device = device_of(self.setup.model)

@@ -55,6 +55,7 @@ from treecompile.core.preorder import rows_before_on_path
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph
+from treecompile.kernels.cp_gather import padded_send
 from treecompile.planning.cp import CPSplit, exchange_of, split_for_cp
 from treecompile.stream.context_parallel import CPRunner, check_same_batch, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
@@ -240,6 +241,7 @@ class StreamCPRunner(StreamRunner):
         # padding reads the zero row, then the rows received, in rank order (the path's).
         index = np.concatenate([np.zeros(PAD_GATHER, np.int64), 1 + np.arange(len(inside), dtype=np.int64)])
         send_rows, send_counts, recv_counts = exchange_of(split.bounds, split.inside, r)
+        send_rows = padded_send(send_rows)
         device = self._device()
         extra = [to_device(torch.from_numpy(index), device), to_device(torch.from_numpy(send_rows), device),
                  torch.from_numpy(np.stack([send_counts, recv_counts]))]  # counts: read on the host
