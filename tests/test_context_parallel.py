@@ -376,12 +376,12 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
             assert_grads_close(grads, want, ("float64", "hf"))
         # The prediction never under the measured peak; above it by the score blocks' rounding
         # (the whole-tree model's +10%, tests/test_budget.py) and the CPU kernel's keys per
-        # block, which it bounds from above (measured +16% to +23% over 1, 2 and 4 ranks).
+        # block, which it bounds from above (measured +11% to +13% on 2 ranks).
         for r, got in enumerate(ranks):
             measured, predicted = got["memory"]
             assert 0 <= predicted / measured - 1 <= 0.3, (r, measured, predicted)
             # Streamed under CP: the streamed prediction's bound (tests/test_budget.py), each
-            # rank's share of the parts (measured +4% to +9%).
+            # rank's share of the parts (measured +9% to +16%).
             for mode, measured, predicted in got["streamed_memory"][:2]:
                 assert 0 <= predicted / measured - 1 <= 0.35, (r, mode, measured, predicted)
             _, measured, budget, parts, predicted, why = got["streamed_memory"][2]
