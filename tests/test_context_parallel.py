@@ -148,6 +148,13 @@ def _mismatched_batches(compiled, rank):
         with pytest.raises(ValueError) as info:
             compiled(pack(tree, warn_por=False))
         messages.append(str(info.value))
+    # Without waiting for the answer (CUDA after the first call): the device's assertion,
+    # which on the CPU raises at once.
+    from treecompile.stream.context_parallel import check_same_batch
+
+    with pytest.raises(RuntimeError) as info:
+        check_same_batch(pack(same_shape, warn_por=False), dist.group.WORLD, torch.device("cpu"), wait=False)
+    messages.append(str(info.value))
     return messages
 
 
@@ -355,7 +362,8 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
     if world == 2:
         # Different batches on the ranks: refused on every rank, naming each rank's rows.
         for got in ranks:
-            trees, weights = got["mismatch"]
+            trees, weights, unwaited = got["mismatch"]
+            assert unwaited.startswith("tree_compile(cp=...): the ranks of the CP group called with different batches;")
             assert "called with different batches (rank 0: 15 rows" in trees and "rank 1: 33 rows" in trees, trees
             assert "rank 0: 5 rows" in weights and "rank 1: 5 rows" in weights, weights
         # The objective of the per-path log-probabilities, each target row's from a path through it.

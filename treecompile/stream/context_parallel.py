@@ -123,10 +123,18 @@ class CPRunner:
         self.group_name = register_group(group)
         self._compiled = None
         self._layout = None
+        self._checked = False  # a call has checked the ranks' batches and waited for the answer
 
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)
+
+    def check(self, batch: TreeBatch, device: torch.device) -> None:
+        """`check_same_batch` of a call: the first waits for the answer (a ValueError naming
+        each rank's batch); later calls on CUDA leave the comparison on the device, so that
+        a call does not wait for the work queued before it."""
+        check_same_batch(batch, self.group, device, wait=not self._checked or device.type != "cuda")
+        self._checked = True
 
     @property
     def world(self) -> int:
@@ -202,7 +210,7 @@ class CPRunner:
         device = device_of(w.model)
         batch = on_host(batch)
         if not checked:
-            check_same_batch(batch, self.group, device)
+            self.check(batch, device)
         rows = batch.num_tokens
         # Fewer rows than ranks (a data-parallel rank's padding micro-step): one-token trees of
         # weight 0 give every rank a row and change nothing else.
@@ -280,29 +288,43 @@ class CPRunner:
         return out, [n for n, _ in named], grads
 
 
-def check_same_batch(batch: TreeBatch, group: dist.ProcessGroup, device) -> None:
+_DIFFERENT = ("tree_compile(cp=...): the ranks of the CP group called with different batches{}; every rank of a "
+              "CP group must pass the same batch (give one data-parallel replica's batch to all the ranks of its cp "
+              "group)")
+
+
+def check_same_batch(batch: TreeBatch, group: dist.ProcessGroup, device, wait: bool = True) -> None:
     """Refuses a call whose ranks hold different batches (each rank of a CP group must pass
     the same one; a data-parallel sampler over the CP ranks hands each its own): one
     all-gather of each rank's row count and a CRC-32 of its tokens, tree, predictors and
-    weights. Every rank raises, so none waits in a collective the others never join.
+    weights (``batch`` on the host). Every rank raises, so none waits in a collective the
+    others never join.
+
+    ``wait=False``: the comparison stays on ``device`` (`torch._assert_async`), so that on
+    CUDA the host does not wait for the work queued before the all-gather (the previous
+    step); a mismatch then stops the process at a later CUDA call with this message (the
+    CUDA context is lost), instead of a ValueError here. On the CPU it raises at once.
 
     Raises:
-        ValueError: the ranks' batches differ.
+        ValueError: the ranks' batches differ (``wait``).
+        RuntimeError: the same (``wait=False``, on the CPU).
     """
     import zlib
 
     digest = 0
     for t in (batch.input_ids, batch.subtree_end, batch.pred_index, batch.target_weight):
         digest = zlib.crc32(t.detach().contiguous().numpy().tobytes(), digest)
-    mine = torch.tensor([batch.num_tokens, digest], dtype=torch.int64, device=device)
+    mine = to_device(torch.tensor([batch.num_tokens, digest], dtype=torch.int64), device)
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
+    if not wait:
+        seen = torch.stack(got)
+        torch._assert_async((seen == seen[:1]).all(), _DIFFERENT.format(""))
+        return
     seen = torch.stack(got).cpu().tolist()
     if any(x != seen[0] for x in seen):
         ranks = ", ".join(f"rank {r}: {n} rows, CRC-32 {h:08x}" for r, (n, h) in enumerate(seen))
-        raise ValueError(f"tree_compile(cp=...): the ranks of the CP group called with different batches ({ranks}); "
-                         "every rank of a CP group must pass the same batch (give one data-parallel replica's "
-                         "batch to all the ranks of its cp group)")
+        raise ValueError(_DIFFERENT.format(f" ({ranks})"))
 
 
 def local_structure(batch: TreeBatch, a: int, b: int, s_run: int, device) -> list[torch.Tensor]:

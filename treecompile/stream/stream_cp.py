@@ -52,12 +52,12 @@ import torch.distributed as dist
 from treecompile.capture.call import CallSetup, device_of
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.core.preorder import rows_before_on_path
+from treecompile.kernels.cp_gather import padded_send
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph
-from treecompile.kernels.cp_gather import padded_send
 from treecompile.planning.cp import CPSplit, exchange_of, split_for_cp
-from treecompile.stream.context_parallel import CPRunner, check_same_batch, local_structure, row_work_of
+from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, choose_stream, plan_stream,
                                      stream_peak_bytes)
@@ -182,7 +182,7 @@ class StreamCPRunner(StreamRunner):
 
     def __call__(self, batch: TreeBatch):
         batch = on_host(batch)
-        check_same_batch(batch, self.group, self._device())
+        self.cp.check(batch, self._device())
         split = self.one_call_split(batch)
         if split is not None:
             return self.cp(batch, checked=True, split=split)
