@@ -45,9 +45,10 @@ and Llama configs on CPU, no checkpointing, one gradient-accumulation micro-step
 AdamW's step): the prediction is never below the measured peak; +0.2% to +1.7% above it
 where layers or the loss head dominate, +2% to +4% where the CPU attention's score blocks
 dominate at S >= 512, +17% at S = 64 (a partial block counted as full; on a branching
-tree a query block sees fewer live keys than the S assumed). See ``docs/partitioning.md`` for the table. Not measured: checkpointing (the
-compiled path exposes none), GPUs (Inductor recomputes cheap pointwise ops in backward,
-so the saved terms should be an upper bound there), dtypes other than float32.
+tree a query block sees fewer live keys than the S assumed). See ``docs/partitioning.md``
+for the table. Not measured: checkpointing (the compiled path exposes none), GPUs
+(Inductor recomputes cheap pointwise ops in backward, so the saved terms should be an
+upper bound there), dtypes other than float32.
 
 Every dimension is a sympy symbol until `CostModel.peak_bytes` substitutes the config,
 so `CostModel.explain` prints the formula term by term and `CostModel.capacity` solves
