@@ -5,8 +5,8 @@
   parts that cut nodes, checked as the whole-tree exactness tests are (tests/gpu_exactness.py:
   the tree's difference from the per-path run within the per-path run's own float32 error).
 * CP over a group of one rank (NCCL) on the GPU: the same check, and equal to the whole-tree
-  call to float32 rounding; streamed under CP (one model, recompute mode): the same check;
-  the ranks' batch check reads back from the GPU on the first call only.
+  call to float32 rounding, the ranks' batch check reading back from the GPU on the first
+  call only; streamed under CP (one model, recompute mode): the same check.
 * CP over 2 CPU ranks (gloo) on this machine: the CPU test, rehearsed where the GPU runs.
 """
 
@@ -85,44 +85,36 @@ def nccl_rank():
         dist.destroy_process_group()
 
 
+def _batch_check_syncs(syncs: list[str]) -> list[str]:
+    """The host syncs among ``syncs`` (`treecompile.bench.profile_cuda.host_syncs`) made inside
+    `treecompile.stream.context_parallel.check_same_batch`."""
+    import inspect
+
+    from treecompile.stream.context_parallel import check_same_batch
+
+    lines, start = inspect.getsourcelines(check_same_batch)
+    file = inspect.getsourcefile(check_same_batch)
+    return [s for s in syncs if s.startswith(f"{file}:") and start <= int(s.split(":")[1]) < start + len(lines)]
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cp_of_one_rank_on_cuda_is_exact_and_equals_the_whole_tree(name, nccl_rank):
+    """... and the check that every rank has the same batch reads its answer back from the GPU
+    on the first call only."""
+    from treecompile.bench.profile_cuda import host_syncs
+
     base = build_model(name)
     trees = exactness_trees()
     batch = tc.pack(trees, device="cuda")
     whole = run_tree(tc.tree_compile(copy_as(base, torch.float32, "cuda")), batch)
     compiled = tc.tree_compile(copy_as(base, torch.float32, "cuda"), cp=nccl_rank)
-    _check(compiled, name, trees)
-    cp = run_tree(compiled, batch)
+    first = host_syncs(lambda: _check(compiled, name, trees))  # the first call waits for the check
+    runs = []
+    later = host_syncs(lambda: runs.append(run_tree(compiled, batch)))
+    assert _batch_check_syncs(first) and not _batch_check_syncs(later), (first, later)
+    cp = runs[0]
     torch.testing.assert_close(cp.loss, whole.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cp.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
-
-
-def test_cp_batch_check_waits_only_on_the_first_call(nccl_rank):
-    """The check that every CP rank has the batch (`check_same_batch`) reads its all-gather back
-    on the first call only: later calls on a CPU batch leave the comparison on the GPU."""
-    import inspect
-
-    from treecompile.bench.profile_cuda import host_syncs
-    from treecompile.stream.context_parallel import check_same_batch
-
-    lines, start = inspect.getsourcelines(check_same_batch)
-    file = inspect.getsourcefile(check_same_batch)
-
-    def in_check(syncs):
-        return [s for s in syncs if s.startswith(f"{file}:") and start <= int(s.split(":")[1]) < start + len(lines)]
-
-    compiled = tc.tree_compile(copy_as(build_model("qwen3"), torch.float32, "cuda"), cp=nccl_rank)
-    batch = tc.pack(exactness_trees())  # on the CPU
-
-    def step():
-        compiled.zero_grad()
-        compiled(batch).loss.backward()
-
-    first = host_syncs(step)  # compiles; the check waits for its answer
-    assert in_check(first), first
-    later = host_syncs(step)
-    assert not in_check(later), later
 
 
 def test_streamed_cp_of_one_rank_on_cuda_is_exact(nccl_rank):
