@@ -287,9 +287,9 @@ class CostModel:
         embedding = 0 if self.dims.tied_embeddings else _V * _h
         mlp_saved = _total([t for t in layer_terms(self.dims.qk_norm) if t.name == "MLP"]) * S
         last_layer = [*attn, Term("head and layer gradients", (_V * _h + layer_params) * _b,
-                                  "the LM head's and the last layer's, computed before its attention backward"),
-                      Term("last layer MLP", -mlp_saved if self.checkpointing == "none" else 0 * S,
-                           "its MLP's saved tensors, freed by its MLP's backward")]
+                                  "the LM head's and the last layer's, computed before its attention backward")]
+        if self.checkpointing == "none":
+            last_layer.append(Term("last layer MLP", -mlp_saved, "its MLP's saved tensors, freed by its MLP's backward"))
         # Its MLP's backward has run: its attention's saved tensors are what is left of it.
         first_saved = [Term("first layer attention", _total(
             [t for t in layer_terms(self.dims.qk_norm) if not t.name.startswith("MLP")]) * S,
