@@ -383,7 +383,7 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
             torch.testing.assert_close(loss, value.detach(), rtol=rtol, atol=atol, msg=f"rank {r}")
             assert_grads_close(grads, want, ("float64", "hf"))
         # The prediction never under the measured peak; above it by the score blocks' rounding
-        # (the whole-tree model's +10%, tests/test_budget.py) and the CPU kernel's keys per
+        # (the whole-tree model's +2% to +4%, tests/test_budget.py) and the CPU kernel's keys per
         # block, which it bounds from above (measured +11% to +13% on 2 ranks).
         for r, got in enumerate(ranks):
             measured, predicted = got["memory"]
@@ -453,3 +453,19 @@ def test_what_cp_cannot_run_is_refused(one_rank):
 def test_cp_needs_an_initialised_group():
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         tree_compile(_model("qwen3"), cp=object())
+
+
+def test_the_batch_check_waits_on_the_first_call_and_on_the_cpu(monkeypatch):
+    """`CPRunner.check`: on CUDA only a runner's first call waits for the ranks' answer (later
+    calls compare on the device); on the CPU every call does (no sync to save)."""
+    import types
+
+    import treecompile.stream.context_parallel as cp
+
+    waits = []
+    monkeypatch.setattr(cp, "check_same_batch", lambda batch, group, device, wait: waits.append((device.type, wait)))
+    for device in ("cuda", "cpu"):
+        runner = types.SimpleNamespace(group=None, _checked=False)
+        for _ in range(3):
+            cp.CPRunner.check(runner, None, torch.device(device))
+    assert waits == [("cuda", True), ("cuda", False), ("cuda", False), ("cpu", True), ("cpu", True), ("cpu", True)]

@@ -236,12 +236,12 @@ class CostModel:
         if opt.master_weights:
             self.static.append(Term("master weights", 4 * _P, "float32 copy of the parameters"))
 
-        per_layer = _total(layer_terms(self.dims.qk_norm))
+        layer = layer_terms(self.dims.qk_norm)
+        per_layer = _total(layer)
         layer_input = _h * _b
         inputs = Term("inputs", (6 * 8 + 2 * _d * _w) * S, "ids, positions, target indices (int64), RoPE cos/sin")
         if self.checkpointing == "none":
-            self.saved = [Term("layers", _L * per_layer * S, "per layer: " + ", ".join(
-                t.name for t in layer_terms(self.dims.qk_norm))), inputs]
+            self.saved = [Term("layers", _L * per_layer * S, "per layer: " + ", ".join(t.name for t in layer)), inputs]
         else:
             self.saved = [
                 Term("layer inputs", _L * layer_input * S, "one [S, h] checkpoint per layer"),
@@ -271,34 +271,29 @@ class CostModel:
         # accumulation (parts of one tree) they are then added into the existing .grad.
         # Measured on a float32 6-layer Qwen3 at S=64: this is the step's peak, and the
         # activation gradients alive with it are about 4 [S, h] residual-stream tensors.
-        end = [
-            Term("new gradients", _P * _b, "returned by the compiled backward, before accumulation"),
-            Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream at the embedding"),
-            inputs,
-        ]
-        # The compiled backward returns every parameter's gradient at its end, so those it has
-        # computed stay alive while it goes down the layers, and the activations it has
-        # finished with are freed: between the last layer's attention backward (every layer's
-        # saved tensors, the head's and one layer's gradients) and the first layer's (one
-        # layer's saved tensors, every gradient but the input embedding's and that layer's
-        # attention's) the sum is linear in the layer, so these two ends bound it.
+        residual = Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream")
+        end = [Term("new gradients", _P * _b, "returned by the compiled backward, before accumulation"), residual,
+               inputs]
+        # The gradients the compiled backward has computed stay alive until it ends, while the
+        # activations it is done with are freed: the attention backward is bounded at the last
+        # layer (every layer's saved tensors but its MLP's; the head's and one layer's
+        # gradients) and at the first (its attention's saved tensors; every gradient but the
+        # input embedding's). In between the sum is linear in the layer.
         head_rows = 1 if self.dims.tied_embeddings else 2
         layer_params = (_P - head_rows * _V * _h - _h) / _L
         embedding = 0 if self.dims.tied_embeddings else _V * _h
-        mlp_saved = _total([t for t in layer_terms(self.dims.qk_norm) if t.name == "MLP"]) * S
         last_layer = [*attn, Term("head and layer gradients", (_V * _h + layer_params) * _b,
                                   "the LM head's and the last layer's, computed before its attention backward")]
         if self.checkpointing == "none":
-            last_layer.append(Term("last layer MLP", -mlp_saved, "its MLP's saved tensors, freed by its MLP's backward"))
-        # Its MLP's backward has run: its attention's saved tensors are what is left of it.
-        first_saved = [Term("first layer attention", _total(
-            [t for t in layer_terms(self.dims.qk_norm) if not t.name.startswith("MLP")]) * S,
-            "its attention's saved tensors (the other layers' and its MLP's are freed)")]
+            last_layer.append(Term("last layer MLP", -_total([t for t in layer if t.name == "MLP"]) * S,
+                                   "its MLP's saved tensors, freed by its MLP's backward"))
+        attention_saved = _total([t for t in layer if not t.name.startswith("MLP")])
+        first_layer = [*attn, Term("first layer attention", attention_saved * S,
+                                   "its attention's saved tensors (the other layers' and its MLP's are freed)")]
         if self.checkpointing != "none":
-            first_saved.append(Term("first layer input", layer_input * S, "its checkpoint (the others are freed)"))
-        first_layer = [*attn, *first_saved, inputs,
-                       Term("gradients so far", (_P - embedding) * _b, "every parameter's but the input embedding's"),
-                       Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream")]
+            first_layer.append(Term("first layer input", layer_input * S, "its checkpoint (the others are freed)"))
+        first_layer += [inputs, Term("gradients so far", (_P - embedding) * _b,
+                                     "every parameter's but the input embedding's"), residual]
         self.branches = [Branch("loss head", head), Branch("attention backward", last_layer),
                          Branch("first layer backward", first_layer, with_saved=False),
                          Branch("backward end", end, with_saved=False)]

@@ -129,16 +129,16 @@ class CPRunner:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
     def check(self, batch: TreeBatch, device: torch.device) -> None:
         """`check_same_batch` of a call: the first waits for the answer (a ValueError naming
         each rank's batch); later calls on CUDA leave the comparison on the device, so that
         a call does not wait for the work queued before it."""
         check_same_batch(batch, self.group, device, wait=not self._checked or device.type != "cuda")
         self._checked = True
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size(self.group)
 
     def _build(self, device: torch.device) -> None:
         w = self.setup
@@ -317,11 +317,11 @@ def check_same_batch(batch: TreeBatch, group: dist.ProcessGroup, device, wait: b
     mine = to_device(torch.tensor([batch.num_tokens, digest], dtype=torch.int64), device)
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
+    seen = torch.stack(got)
     if not wait:
-        seen = torch.stack(got)
         torch._assert_async((seen == seen[:1]).all(), _DIFFERENT.format(""))
         return
-    seen = torch.stack(got).cpu().tolist()
+    seen = seen.cpu().tolist()
     if any(x != seen[0] for x in seen):
         ranks = ", ".join(f"rank {r}: {n} rows, CRC-32 {h:08x}" for r, (n, h) in enumerate(seen))
         raise ValueError(_DIFFERENT.format(f" ({ranks})"))
