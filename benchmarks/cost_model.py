@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import sys
@@ -23,11 +22,9 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_budget import CONFIGS, _config, _live_bytes  # the test's configs and measurement
+from test_budget import CONFIGS, float32_training, measured_step_peak, one_path  # the test's configs and measurement
 
-import treecompile
 from treecompile.compile.wrapper import tree_compile
-from treecompile.planning.budget import CostModel, measure_peak_bytes
 
 
 def main(argv=None) -> None:
@@ -37,23 +34,10 @@ def main(argv=None) -> None:
     print("| config | S | measured bytes | predicted bytes | error | largest branch |")
     print("|---|---|---|---|---|---|")
     for name in CONFIGS:
-        cfg = _config(name)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+        cfg, model, opt, cost = float32_training(name)
         compiled = tree_compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
         for s in args.lengths:
-            ids = torch.randint(0, cfg.vocab_size, (s,), generator=torch.Generator().manual_seed(s)).tolist()
-            batch = treecompile.pack(treecompile.TrajectoryTree.from_sequences([ids]), warn_por=False)
-
-            def step(compiled=compiled, batch=batch, opt=opt):
-                compiled(batch).loss.backward()
-                opt.step()
-
-            step()  # compiles; creates the gradients and the optimizer state
-            gc.collect()
-            measured = _live_bytes(model, opt) + measure_peak_bytes(step)
+            measured = measured_step_peak(compiled, one_path(cfg.vocab_size, s), model, opt)
             predicted = cost.peak_bytes(s)
             branches = [int(p.eval(s)) for p in cost.polynomials()]
             branch = cost.branches[branches.index(max(branches))].name

@@ -117,6 +117,26 @@ def turns_batch(vocab: int, prompt: int, turn: int, leaf: int):
     return treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
 
 
+def float32_training(name: str):
+    """``(config, model, AdamW, cost model)`` of config ``name`` (`CONFIGS`) in float32 on CPU,
+    with seeded random weights: what the measured peaks are taken of."""
+    cfg = _config(name)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return cfg, model, opt, CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
+
+
+def one_path(vocab: int, length: int):
+    """A packed batch of one path of ``length`` random tokens (every key live: the cost
+    model's worst case)."""
+    import treecompile
+    from treecompile import TrajectoryTree
+
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    return treecompile.pack(TrajectoryTree.from_sequences([ids]), warn_por=False)
+
+
 def measured_step_peak(compiled, batch, model, opt) -> int:
     """Peak bytes of one step (forward, backward into existing gradients, the optimizer's step)
     after a first one, the live parameters, gradients and optimizer state included."""
@@ -141,27 +161,12 @@ def _live_bytes(model, opt):
 def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
     """One accumulation micro-step (forward, backward into existing grads) plus AdamW's step,
     on one path of S tokens (every key live: the model's worst case), float32 on CPU."""
-    import treecompile
-    from treecompile import TrajectoryTree
     from treecompile.compile.wrapper import tree_compile
 
-    cfg = _config(name)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    cfg, model, opt, cost = float32_training(name)
     compiled = tree_compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     for s in lengths:
-        ids = torch.randint(0, cfg.vocab_size, (s,), generator=torch.Generator().manual_seed(s)).tolist()
-        batch = treecompile.pack(TrajectoryTree.from_sequences([ids]))
-
-        def step():
-            compiled(batch).loss.backward()
-            opt.step()
-
-        step()  # compiles; creates the gradients and the optimizer state
-        gc.collect()
-        measured = _live_bytes(model, opt) + measure_peak_bytes(step)
+        measured = measured_step_peak(compiled, one_path(cfg.vocab_size, s), model, opt)
         predicted = cost.peak_bytes(s)
         rel = predicted / measured - 1
         assert 0 <= rel <= OVERESTIMATE[name], (
@@ -194,11 +199,7 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak(name):
     from treecompile.stream.options import StreamOptions, plan_stream
     from treecompile.stream.plan import stream_peak_bytes
 
-    cfg = _config(name)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
+    cfg, model, opt, cost = float32_training(name)
     sizes, cases = STREAMED_CASES[name]
     batch = turns_batch(cfg.vocab_size, *sizes)
     compiled = tree_compile(model, stream=StreamOptions(budget_rows=24))

@@ -237,18 +237,12 @@ def _measured_peak(rank):
     """``(measured, predicted)`` peak bytes of one CP step (forward, backward into existing
     gradients, AdamW's step) of a float32 model on this rank, through the default lowering:
     the CPU allocator's peak against `CPSplit.peak_bytes`."""
-    from test_budget import _config, measured_step_peak, turns_batch
+    from test_budget import float32_training, measured_step_peak, turns_batch
 
-    from treecompile.planning.budget import CostModel
-
-    cfg = _config("qwen3-attention")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg, model, opt, cost = float32_training("qwen3-attention")
     batch = turns_batch(cfg.vocab_size, 256, 128, 64)
     compiled = tree_compile(model, cp=dist.group.WORLD)
     measured = measured_step_peak(compiled, batch, model, opt)
-    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     return measured, int(compiled._cp.split.peak_bytes(cost)[rank])
 
 
@@ -257,18 +251,13 @@ def _measured_streamed_peak(rank):
     (forward, backward into existing gradients, AdamW's step) of a float32 model on this
     rank, 48 rows per rank (7 parts, a stack 3 deep): the CPU allocator's peak against
     `treecompile.stream.stream_cp.stream_cp_peak_bytes`."""
-    from test_budget import _config, measured_step_peak, turns_batch
+    from test_budget import float32_training, measured_step_peak, turns_batch
 
-    from treecompile.planning.budget import CostModel
     from treecompile.stream.options import StreamOptions
     from treecompile.stream.stream_cp import stream_cp_peak_bytes
 
-    cfg = _config("qwen3-attention")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg, model, opt, cost = float32_training("qwen3-attention")
     batch = turns_batch(cfg.vocab_size, 96, 64, 32)
-    cost = CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
     compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=48))
     out, runner = [], compiled._cp
     for mode in ("keep", "recompute"):
@@ -278,7 +267,8 @@ def _measured_streamed_peak(rank):
         plan = runner.choose(batch).plan
         peaks = stream_cp_peak_bytes(plan, runner.splits, runner.kept_rows, cost, mode)
         out.append((mode, measured, int(peaks[rank])))
-        budget = int(peaks.max()) if mode == "keep" else budget
+        if mode == "keep":
+            budget = int(peaks.max())
     # A byte budget: the keep run's largest predicted rank peak. The parts chosen for it keep
     # every rank's predicted and measured peak within it.
     runner.options = StreamOptions(budget_bytes=budget, mode="auto")
