@@ -27,6 +27,11 @@ CONFIGS = {
     "qwen3-deep": ("Qwen3Config", dict(vocab_size=512, hidden_size=128, intermediate_size=384,
                                        num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2,
                                        head_dim=32)),
+    # The LM head shares the embedding matrix: the backward's end holds the head's and the
+    # input embedding's gradients of it and their sum at once.
+    "qwen3-tied": ("Qwen3Config", dict(vocab_size=512, hidden_size=128, intermediate_size=384,
+                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                       head_dim=32, tie_word_embeddings=True)),
 }
 
 # Accepted prediction / measurement - 1, with why. The model must never predict less than
@@ -37,7 +42,7 @@ CONFIGS = {
 # attention backward beside nearly every new gradient, at S=64). Margin for allocator noise.
 # Lengths are multiples of the 128-row block: at S=200 the model counts a full block where
 # the kernel has 72 rows (+23% measured).
-OVERESTIMATE = {"qwen3-attention": 0.08, "llama-head": 0.03, "qwen3-deep": 0.03}
+OVERESTIMATE = {"qwen3-attention": 0.08, "llama-head": 0.03, "qwen3-deep": 0.03, "qwen3-tied": 0.03}
 
 
 def _config(name):
@@ -117,14 +122,19 @@ def turns_batch(vocab: int, prompt: int, turn: int, leaf: int):
     return treecompile.pack(TrajectoryTree.from_sequences(seqs), warn_por=False)
 
 
-def float32_training(name: str):
-    """``(config, model, AdamW, cost model)`` of config ``name`` (`CONFIGS`) in float32 on CPU,
-    with seeded random weights: what the measured peaks are taken of."""
+def cpu_training(name: str, dtype: str = "float32", checkpointing: str = "none"):
+    """``(config, model, AdamW, cost model)`` of config ``name`` (`CONFIGS`) in ``dtype`` on
+    CPU, with seeded random weights and, for ``checkpointing="layer"``, Hugging Face's
+    gradient checkpointing of every decoder layer: what the measured peaks are taken of."""
     cfg = _config(name)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
+    if checkpointing == "layer":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return cfg, model, opt, CostModel.from_config(cfg, dtype="float32", device="cpu", optimizer="adamw")
+    return cfg, model, opt, CostModel.from_config(cfg, dtype=dtype, device="cpu", optimizer="adamw",
+                                                  checkpointing=checkpointing)
 
 
 def one_path(vocab: int, length: int):
@@ -157,21 +167,33 @@ def _live_bytes(model, opt):
 
 
 @pytest.mark.parametrize("name,lengths", [("qwen3-attention", (384, 512)), ("llama-head", (256,)),
-                                          ("qwen3-deep", (64,))], ids=lambda v: str(v))
+                                          ("qwen3-deep", (64,)), ("qwen3-tied", (16, 32))], ids=lambda v: str(v))
 def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
     """One accumulation micro-step (forward, backward into existing grads) plus AdamW's step,
     on one path of S tokens (every key live: the model's worst case), float32 on CPU."""
+    _check_measured_peaks(name, lengths, OVERESTIMATE[name])
+
+
+# Measured +0.8% to +5.0%: at S=32 the backward's end sets the peak, at S=64 the first
+# layer's backward (with checkpointing, its input's checkpoint alive; in bfloat16 the
+# parameters take half the bytes and the float32 attention terms weigh more).
+@pytest.mark.parametrize("dtype,checkpointing", [("float32", "layer"), ("bfloat16", "none")])
+def test_prediction_bounds_the_measured_cpu_peak_with_checkpointing_or_bfloat16(dtype, checkpointing):
+    _check_measured_peaks("qwen3-tied", (32, 64), 0.06, dtype, checkpointing)
+
+
+def _check_measured_peaks(name, lengths, overestimate, dtype="float32", checkpointing="none"):
     from treecompile.compile.wrapper import tree_compile
 
-    cfg, model, opt, cost = float32_training(name)
+    cfg, model, opt, cost = cpu_training(name, dtype, checkpointing)
     compiled = tree_compile(model)
     for s in lengths:
         measured = measured_step_peak(compiled, one_path(cfg.vocab_size, s), model, opt)
         predicted = cost.peak_bytes(s)
         rel = predicted / measured - 1
-        assert 0 <= rel <= OVERESTIMATE[name], (
-            f"{name} S={s}: predicted {predicted:,} bytes, measured {measured:,} ({rel:+.1%}); "
-            f"terms {cost.breakdown(s)}"
+        assert 0 <= rel <= overestimate, (
+            f"{name} {dtype} checkpointing={checkpointing} S={s}: predicted {predicted:,} bytes, measured "
+            f"{measured:,} ({rel:+.1%}); terms {cost.breakdown(s)}"
         )
 
 
@@ -199,7 +221,7 @@ def test_streamed_prediction_bounds_the_measured_cpu_peak(name):
     from treecompile.stream.options import StreamOptions, plan_stream
     from treecompile.stream.plan import stream_peak_bytes
 
-    cfg, model, opt, cost = float32_training(name)
+    cfg, model, opt, cost = cpu_training(name)
     sizes, cases = STREAMED_CASES[name]
     batch = turns_batch(cfg.vocab_size, *sizes)
     compiled = tree_compile(model, stream=StreamOptions(budget_rows=24))

@@ -237,9 +237,9 @@ def _measured_peak(rank):
     """``(measured, predicted)`` peak bytes of one CP step (forward, backward into existing
     gradients, AdamW's step) of a float32 model on this rank, through the default lowering:
     the CPU allocator's peak against `CPSplit.peak_bytes`."""
-    from test_budget import float32_training, measured_step_peak, turns_batch
+    from test_budget import cpu_training, measured_step_peak, turns_batch
 
-    cfg, model, opt, cost = float32_training("qwen3-attention")
+    cfg, model, opt, cost = cpu_training("qwen3-attention")
     batch = turns_batch(cfg.vocab_size, 256, 128, 64)
     compiled = tree_compile(model, cp=dist.group.WORLD)
     measured = measured_step_peak(compiled, batch, model, opt)
@@ -251,12 +251,12 @@ def _measured_streamed_peak(rank):
     (forward, backward into existing gradients, AdamW's step) of a float32 model on this
     rank, 48 rows per rank (7 parts, a stack 3 deep): the CPU allocator's peak against
     `treecompile.stream.stream_cp.stream_cp_peak_bytes`."""
-    from test_budget import float32_training, measured_step_peak, turns_batch
+    from test_budget import cpu_training, measured_step_peak, turns_batch
 
     from treecompile.stream.options import StreamOptions
     from treecompile.stream.stream_cp import stream_cp_peak_bytes
 
-    cfg, model, opt, cost = float32_training("qwen3-attention")
+    cfg, model, opt, cost = cpu_training("qwen3-attention")
     batch = turns_batch(cfg.vocab_size, 96, 64, 32)
     compiled = tree_compile(model, cp=dist.group.WORLD, stream=StreamOptions(budget_rows=48))
     out, runner = [], compiled._cp

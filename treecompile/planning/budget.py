@@ -7,7 +7,7 @@ Example:
     >>> cost = CostModel.from_config(cfg, dtype="bfloat16", checkpointing="layer", optimizer="adamw",
     ...                              device="cuda")
     >>> cost.capacity(140e9)  # tokens per part / micro-batch: treecompile.planning.partition's C
-    28536
+    30224
 
 The model is a polynomial in the packed length ``S``, built with sympy::
 
@@ -29,7 +29,9 @@ The model is a polynomial in the packed length ``S``, built with sympy::
   attention backward, every layer's saved tensors but that layer's MLP's and the head's and
   one layer's gradients; at the first layer's, that layer's attention's saved tensors and
   every gradient but the input embedding's. The sum is linear in the layer in between, so
-  the two ends bound it; the second bounds short steps and streamed parts.
+  the two ends bound it; the second bounds short steps and streamed parts. With tied
+  embeddings the backward's end also holds the shared matrix's two gradients (the head's
+  and the input embedding's) besides their sum.
 
 Attention working memory depends on the device. FlexAttention's GPU kernel keeps only
 ``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
@@ -249,12 +251,17 @@ class CostModel:
                 inputs,
             ]
         head = [
-            Term("final norm", (_h * _w + _w + _h * _b) * S, "input, rstd, output rows"),
+            Term("final norm", (_h * _w + _w + 2 * _h * _b) * S, "input, rstd, normalized and output rows"),
+            Term("gathered rows", _h * _b * S, "the [R, h] predicting rows the LM head reads"),
             Term("log-probabilities", _V * _w * S, "[R, V] log_softmax output, R <= S predicting rows"),
             Term("head backward", (2 * _V * _w + (_V * _b if self.dtype_bytes != self.working_bytes else 0)) * S,
                  "gradients of log-probabilities and logits [R, V]" + (", cast to the parameter dtype"
                                                                       if self.dtype_bytes != self.working_bytes else "")),
         ]
+        if self.checkpointing != "none":
+            # The last layer is recomputed in its own backward, after the head's: the head runs
+            # beside the layer inputs alone.
+            head.append(Term("no recomputed layer", -per_layer * S, "recomputed after the head's backward"))
         grads = (_H * _w + (2 * _H * _d + 2 * _K * _d) * _b) * S
         if self.attention == "flex":
             attn = [Term("attention backward", grads, "flex kernel: delta [H, S], dO, dq, dk, dv")]
@@ -274,6 +281,11 @@ class CostModel:
         residual = Term("residual gradients", 4 * _h * _w * S, "gradients of the residual stream")
         end = [Term("new gradients", _P * _b, "returned by the compiled backward, before accumulation"), residual,
                inputs]
+        if self.dims.tied_embeddings:
+            # Measured (CPU): the head's [V, h] gradient, the embedding backward's and their sum
+            # are alive together at the end; P counts the shared matrix once.
+            end.append(Term("tied embedding gradients", 2 * _V * _h * _b,
+                            "the shared matrix's head and input-embedding gradients, before their sum"))
         # The gradients the compiled backward has computed stay alive until it ends, while the
         # activations it is done with are freed: the attention backward is bounded at the last
         # layer (every layer's saved tensors but its MLP's; the head's and one layer's
