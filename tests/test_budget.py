@@ -60,6 +60,45 @@ def test_parameter_count_matches_the_model():
     assert not CostModel.from_config(_config("llama-head"), dtype="float32").dims.qk_norm
 
 
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("cls,why", [
+    ("Gemma3TextConfig", r"Gemma3ForCausalLM with one decoder layer holds 238,400 weights where the dense decoder the "
+                         r"cost model describes .* holds 238,272: .*pre_feedforward_layernorm.weight"),
+    ("Gemma2Config", r"Gemma2 soft-caps its logits, which keeps \[R, V\] tensors the cost model does not count"),
+    ("BambaConfig", r"Bamba has linear_attention layers, which the cost model does not describe"),
+    ("Starcoder2Config", r"Starcoder2ForCausalLM .* mlp.c_fc.weight"),
+])
+def test_a_model_the_cost_model_does_not_describe_is_refused(cls, why):
+    """Its memory would be under-counted (more norms a layer, [R, V] soft-capped logits, a
+    recurrent layer, a two-matrix MLP): refused naming what differs, from the config object or
+    from a dict with its model_type."""
+    config = getattr(transformers, cls)(**_SMALL)
+    with pytest.raises(BudgetError, match=why + r".*; give the capacity in rows \(budget_rows, --capacity\) or "
+                                                r"describe the model with a treecompile.planning.budget.ModelDims"):
+        CostModel.from_config(config)
+    with pytest.raises(BudgetError, match=why):
+        CostModel.from_config(config.to_dict())
+
+
+def test_projection_biases_and_qk_norms_are_read_from_the_model():
+    """Qwen2's q/k/v biases (no config key says so) and Qwen3's q/k norms come from a
+    meta-device instance: the parameter count is the model's. A dict without model_type is
+    the caller's own description, taken as it is."""
+    for cls, flags in [("Qwen2Config", dict(attention_bias=True, qk_norm=False)),
+                       ("Qwen3Config", dict(attention_bias=False, qk_norm=True))]:
+        config = getattr(transformers, cls)(**_SMALL)
+        dims = CostModel.from_config(config).dims
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        assert dims.num_parameters == sum(p.numel() for p in model.parameters()), cls
+        assert {k: getattr(dims, k) for k in flags} == flags, cls
+    described = {k: v for k, v in transformers.Gemma3TextConfig(**_SMALL).to_dict().items() if k != "model_type"}
+    assert CostModel.from_config(described).dims.layers == 2
+
+
 def test_block_rows_match_the_kernel():
     from treecompile.kernels.flex import BLOCK_SIZE
 

@@ -816,6 +816,8 @@ def test_budget_bytes_too_small_or_not_modelled_is_refused():
         tree_compile(_MODELS["lfm2"](), stream=StreamOptions(budget_bytes=10**9))
     with pytest.raises(BudgetError, match="mixture-of-experts configs are not modelled"):
         tree_compile(_MODELS["qwen3-moe-no-aux"](), stream=StreamOptions(budget_bytes=10**9))
+    with pytest.raises(BudgetError, match=r"StreamOptions\(budget_bytes=\d+\): Gemma2 soft-caps its logits"):
+        tree_compile(_MODELS["gemma2-softcap-sw3"](), stream=StreamOptions(budget_bytes=10**9))
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])

@@ -52,13 +52,14 @@ def row_work_of(model) -> RowWork | None:
     """The per-row costs a CP split balances, from ``model.config`` (a dense decoder's
     dimensions, `RowWork.from_dims`); None (split by rows) for a model without a config the
     cost model reads (no config, mixture-of-experts)."""
-    from treecompile.planning.budget import BudgetError, CostModel
+    from treecompile.planning.budget import BudgetError
+    from treecompile.planning.model_dims import dims_of
 
     config = getattr(model, "config", None)
     if config is None:
         return None
     try:
-        return RowWork.from_dims(CostModel.from_config(config, device="cpu").dims)
+        return RowWork.from_dims(dims_of(config, check=False))
     except (BudgetError, TypeError, ValueError):
         return None
 
