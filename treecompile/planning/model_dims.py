@@ -104,7 +104,7 @@ def dims_of(config: Any, check: bool = True) -> ModelDims:
             config = AutoConfig.for_model(config["model_type"], **kwargs)
         except (ImportError, ValueError, KeyError, TypeError) as exc:
             raise BudgetError(f"model_type {config['model_type']!r}: transformers cannot build its config to check "
-                              f"its layers ({exc}); describe the model with a ModelDims") from None
+                              f"its layers ({exc}); {_NOT_DESCRIBED}") from None
     return _checked(config, dims)
 
 
@@ -144,10 +144,10 @@ def _checked(config: Any, dims: ModelDims) -> ModelDims:
         raise BudgetError(f"cannot build {arch} on the meta device to check its layers "
                           f"({type(exc).__name__}: {exc}); {_NOT_DESCRIBED}") from None
     layer = next((m[0] for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), None)
-    names = [n for n, p in layer.named_parameters()] if layer is not None else []
+    params = list(layer.named_parameters()) if layer is not None else []
+    names = [n for n, _ in params]
     found = dict(
-        qk_norm=any("attn" in n and p.ndim == 1 and not n.endswith("bias") for n, p in layer.named_parameters())
-        if layer is not None else False,
+        qk_norm=any("attn" in n and p.ndim == 1 and not n.endswith("bias") for n, p in params),
         attention_bias=any("attn" in n and n.endswith("bias") for n in names),
         mlp_bias=any("mlp" in n and n.endswith("bias") for n in names),
     )
