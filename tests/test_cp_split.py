@@ -220,3 +220,22 @@ def test_a_streamed_part_split_over_ranks_reads_exactly_the_keys_its_queries_see
                 seen = [k for k in range(len(keys)) if k <= c < kv_end[k]]
                 assert [int(keys[k]) for k in seen] == np.flatnonzero(mask[q, :a]).tolist(), (j, r, q)
     assert [set(k.tolist()) for k in kept] == read
+
+
+def test_a_model_the_memory_model_refuses_is_still_split_by_work():
+    """CP balances work by the config's dimensions alone: Gemma 2, which the cost model
+    refuses for memory (soft-capped logits, four norms a layer), still gets `RowWork`."""
+    import types
+
+    transformers = pytest.importorskip("transformers")
+    from treecompile.planning.budget import BudgetError, CostModel
+    from treecompile.stream.context_parallel import row_work_of
+
+    config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2)
+    with pytest.raises(BudgetError, match="soft-caps its logits"):
+        CostModel.from_config(config)
+    want = RowWork.from_dims(ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                                       vocab=256))
+    assert row_work_of(types.SimpleNamespace(config=config)) == want
