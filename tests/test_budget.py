@@ -65,8 +65,8 @@ _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 @pytest.mark.parametrize("cls,why", [
-    ("Gemma3TextConfig", r"Gemma3ForCausalLM with one decoder layer holds 238,400 weights where the dense decoder the "
-                         r"cost model describes .* holds 238,272: .*pre_feedforward_layernorm.weight"),
+    ("Gemma3TextConfig", (r"Gemma3ForCausalLM with one decoder layer holds 238,400 weights where the dense decoder "
+                          r"the cost model describes .* holds 238,272: .*pre_feedforward_layernorm.weight")),
     ("Gemma2Config", r"Gemma2 soft-caps its logits, which keeps \[R, V\] tensors the cost model does not count"),
     ("BambaConfig", r"Bamba has linear_attention layers, which the cost model does not describe"),
     ("Starcoder2Config", r"Starcoder2ForCausalLM .* mlp.c_fc.weight"),

@@ -146,11 +146,11 @@ def _checked(config: Any, dims: ModelDims) -> ModelDims:
     layer = next((m[0] for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), None)
     params = list(layer.named_parameters()) if layer is not None else []
     names = [n for n, _ in params]
-    found = dict(
-        qk_norm=any("attn" in n and p.ndim == 1 and not n.endswith("bias") for n, p in params),
-        attention_bias=any("attn" in n and n.endswith("bias") for n in names),
-        mlp_bias=any("mlp" in n and n.endswith("bias") for n in names),
-    )
+    found = {
+        "qk_norm": any("attn" in n and p.ndim == 1 and not n.endswith("bias") for n, p in params),
+        "attention_bias": any("attn" in n and n.endswith("bias") for n in names),
+        "mlp_bias": any("mlp" in n and n.endswith("bias") for n in names),
+    }
     dims = dataclasses.replace(dims, **{k: bool(getattr(config, k, None)) or v for k, v in found.items()})
     weights = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("bias"))
     want = dataclasses.replace(dims, layers=1, attention_bias=False, mlp_bias=False).num_parameters
