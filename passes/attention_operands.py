@@ -157,6 +157,25 @@ def chain_end(softmax: fx.Node, matmul: fx.Node) -> fx.Node:
         cur = nxt
 
 
+#: ``x.mT`` and ``x.mH`` as torch >= 2.14 records them (2.13 records ``getattr(x, "mT")``); ``x.T``
+#: and ``x.H`` (``numpy_T``, ``matrix_H``) swap the last two dims of a matrix only.
+_MATRIX_TRANSPOSES = {"mT", "mH", "adjoint"}
+_TRANSPOSES_2D = {"numpy_T", "matrix_H"}
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """Whether ``node`` is an aten ``mT`` / ``mH`` / ``adjoint`` (or ``numpy_T`` /
+    ``matrix_H`` of a matrix): a view with the last two dims swapped."""
+    t = node.target
+    packet = getattr(t, "overloadpacket", t)
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or getattr(packet, "_qualified_op_name", "").split(
+            "::")[0] != "aten":
+        return False
+    name = packet.__name__
+    x = value(node.args[0]) if node.args else None
+    return name in _MATRIX_TRANSPOSES or name in _TRANSPOSES_2D and isinstance(x, torch.Tensor) and x.dim() == 2
+
+
 def _untranspose(kt) -> fx.Node | None:
     """``k`` if ``kt`` is ``k`` with its last two dims swapped."""
     if not isinstance(kt, fx.Node):
@@ -166,7 +185,7 @@ def _untranspose(kt) -> fx.Node | None:
         dims = [d % kv.dim() for d in kt.args[1:3]]
         if sorted(dims) == [kv.dim() - 2, kv.dim() - 1]:
             return kt.args[0]
-    if kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT":
+    if kt.op == "call_function" and (kt.target is getattr and kt.args[1] in ("mT", "mH") or _swaps_last_two(kt)):
         return kt.args[0]
     if isinstance(kv, torch.Tensor) and kv.dim() >= 2:
         # Keys made with their sequence dim last some other way (GPT-1's permute(0, 2, 3, 1)):

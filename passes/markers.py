@@ -28,8 +28,12 @@
   computes with the model's own function from all layers' ``[S, E]`` router logits and
   the ``[S]`` row weights (``path_count``); the MoE pass checks that every reduction over
   the rows inside is weighted, then removes both.
+* ``treecompile::call_output(x)`` marks each tensor a compiled call returns (`returned`): every
+  other output of the captured graph is state the model keeps after the call (an attribute,
+  a dict entry, a Python number), which :mod:`treecompile.passes.state` computes as the
+  unmodified model would. The backend removes it before any pass.
 
-All four are identities (copies, as custom ops may not alias their inputs); none is left
+All of them are identities (copies, as custom ops may not alias their inputs); none is left
 in a graph that is lowered.
 """
 
@@ -49,6 +53,8 @@ __all__ = [
     "experts_end",
     "router_stats_begin",
     "router_aux_end",
+    "call_output",
+    "returned",
     "OPS",
     "is_marker",
 ]
@@ -224,6 +230,28 @@ def _router_aux_end_fake(aux):
     return torch.empty_like(aux)
 
 
+@torch.library.custom_op("treecompile::call_output", mutates_args=())
+def call_output(x: Tensor) -> Tensor:
+    """Identity on a tensor the compiled call returns (see `returned`)."""
+    return x.clone()
+
+
+@call_output.register_fake
+def _call_output_fake(x):
+    return torch.empty_like(x)
+
+
+def returned(value: Any) -> Any:
+    """``value`` (a tensor, None, or lists and tuples of them) with each tensor passed through
+    ``treecompile::call_output``: what a compiled call returns, told apart in the graph from
+    the values Dynamo writes back into the model's state after the call."""
+    if isinstance(value, torch.Tensor):
+        return torch.ops.treecompile.call_output(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(returned(v) for v in value)
+    return value
+
+
 #: The marker ops, by the name the passes and error messages use.
 OPS = {
     "tree_inputs": torch.ops.treecompile.tree_inputs,
@@ -233,6 +261,7 @@ OPS = {
     "experts_end": torch.ops.treecompile.experts_end,
     "router_stats_begin": torch.ops.treecompile.router_stats_begin,
     "router_aux_end": torch.ops.treecompile.router_aux_end,
+    "call_output": torch.ops.treecompile.call_output,
 }
 
 

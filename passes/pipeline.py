@@ -50,6 +50,7 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
+from treecompile.passes.state import StateWrites, run_with_state, separate_state
 from treecompile.passes.stream import StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
@@ -220,6 +221,7 @@ class CompileRecord:
         probe_graph: with ``keep_inputs``, a copy of the rewritten graph the probe runs.
         row_states: where each node's rows are, as the verify pass proved them.
         created: the names of the nodes the passes inserted.
+        state: the state the graph writes (`treecompile.passes.state`), or None.
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
@@ -232,6 +234,7 @@ class CompileRecord:
     probe_graph: fx.GraphModule | None = None
     row_states: dict | None = None
     created: frozenset = frozenset()
+    state: StateWrites | None = None
 
 
 def run_passes(
@@ -287,6 +290,8 @@ def make_backend(
     dropout: str = "refuse",
     keep_inputs: bool = False,
     judge_cap_of: Callable[[], int] = lambda: 0,
+    arguments: Sequence[str] = (),
+    before_commit: Callable[[CompileRecord], None] | None = None,
 ) -> Callable:
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
@@ -305,6 +310,11 @@ def make_backend(
         keep_inputs: record what the first-call probe needs (`CompileRecord.sources`,
             ``last_args``, ``probe_graph``).
         judge_cap_of: see ``PassContext.judge_cap``.
+        arguments: the names of the compiled function's arguments (the batch); every other
+            graph input is the model's state (see :mod:`treecompile.passes.state`).
+        before_commit: with ``keep_inputs``, ``before_commit(record)`` runs at the first call
+            of each graph after the graph and before the state it writes is written back
+            (the first-call probe, which raises to refuse).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
@@ -312,21 +322,25 @@ def make_backend(
 
     def treecompile_backend(gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)
+        sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        # State the model keeps after the call is computed apart, before any pass rewrites it.
+        gm, state = separate_state(gm, example_inputs, sources, arguments)
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
         ctx.probe_rows = probe_rows_of()
         ctx.judge_cap = judge_cap_of()
         ctx.scan_kernel = scan_kernel
         ctx.dropout = dropout
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
-        sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         gm = run_passes(gm, ctx, passes)
+        if state is not None and state.refusal is not None:
+            raise state.refusal
         record = CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows, row_states=ctx.row_states,
-                               created=frozenset(n.name for n in ctx.created))
+                               created=frozenset(n.name for n in ctx.created), state=state)
         records.append(record)
         if not keep_inputs:
-            return lower(gm, example_inputs)
+            return run_with_state(lower(gm, example_inputs), state)
         record.sources, record.probe_graph = sources, _copy(gm)
-        return _recording(lower(gm, example_inputs), record)
+        return _recording(lower(gm, example_inputs), record, state, before_commit)
 
     return treecompile_backend
 
@@ -341,13 +355,22 @@ def _source_name(node: fx.Node) -> str:
     return name() if callable(name) else name  # a method before torch 2.12
 
 
-def _recording(fn: Callable, record: CompileRecord) -> Callable:
-    """``fn``, keeping the inputs of its latest call in ``record.last_args``."""
+def _recording(fn: Callable, record: CompileRecord, state: StateWrites | None,
+               before_commit: Callable[[CompileRecord], None] | None) -> Callable:
+    """``fn`` with the state it writes (`run_with_state`), keeping the inputs of its latest
+    call in ``record.last_args`` until the probe has run, and running ``before_commit(record)``
+    at the first call, before the state is written back."""
+
+    def check() -> None:
+        if before_commit is not None and record.probe_graph is not None:
+            before_commit(record)
+
+    run_state = run_with_state(fn, state, check)
 
     def run(*args):
         if record.probe_graph is not None:  # until the probe has run
             record.last_args = list(args)
-        return fn(*args)
+        return run_state(*args)
 
     return run
 

@@ -10,7 +10,9 @@ so every place where a model derives a position from the row index must read
   dtype). Exact: entry ``j`` of the arange was used as row ``j``'s position plus ``c``.
 * ``table[:S]`` on one dim of a constant table (cached cos/sin, position embedding
   weights): row ``j`` of the slice was used for row ``j``, so it becomes
-  ``table.index_select(dim, positions)``.
+  ``table.index_select(dim, positions)``. Where the slice is only gathered by position
+  (``cos[:S][position_ids]``, transformers 4.x Llama) it is still a table indexed by
+  position: the gather reads the table itself (positions are below ``S``).
 * ``position_ids`` given to a model (Hugging Face) already are the tree positions; they
   are only counted.
 * ``cumsum`` along the rows of an integer or boolean tensor (RoBERTa's and fairseq's
@@ -26,6 +28,7 @@ refuses it.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -48,11 +51,12 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Replaces sequence-index positions with tree positions.
 
     Counters (``ctx.counters["rewrite_positions_pass"]``): ``arange``, ``table_slice``,
-    ``position_ids_input``, ``path_cumsum``.
+    ``table_gather``, ``identity_gather``, ``position_ids_input``, ``path_cumsum``.
     """
     external = [u for u in ctx.positions.users if u not in ctx.created]
     if external:
         ctx.count("position_ids_input", len(external))
+    _drop_identity_gathers(gm, ctx)
     for node in list(gm.graph.nodes):
         if node in ctx.created:
             continue
@@ -82,7 +86,13 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             ctx.count("path_cumsum")
         elif node.op == "call_function" and node.target is operator.getitem:
             dim = _table_slice_dim(node, ctx)
-            if dim is not None:
+            if dim == 0 and _only_gathered_by_position(node, ctx):
+                # ``table[:S][position_ids]``: the slice is still a table indexed by position,
+                # and the positions are below S: the gather reads the table itself.
+                for u in list(node.users):
+                    u.replace_input_with(node, node.args[0])
+                ctx.count("table_gather")
+            elif dim is not None:
                 with gm.graph.inserting_before(node):
                     new = gm.graph.call_function(torch.index_select, (node.args[0], dim, ctx.positions))
                 new.meta["example_value"] = value(node)
@@ -90,6 +100,60 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 node.replace_all_uses_with(new)
                 ctx.count("table_slice")
     return gm
+
+
+_INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "to", "long", "int", "contiguous"}
+
+
+def _index_source(index: Any) -> Any:
+    """``index`` without the views and casts around it."""
+    while isinstance(index, fx.Node) and index.op == "call_method" and index.target in _INDEX_VIEWS:
+        index = index.args[0]
+    return index
+
+
+def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:
+    """Whether every use of ``table`` is, through casts (``.to(dtype)``), a gather
+    ``table[positions]`` on dim 0 by the tree positions (the ``position_ids`` the model is given)."""
+    uses, stack = [], [table]
+    while stack:
+        n = stack.pop()
+        if not n.users:
+            return False
+        for u in n.users:
+            if u.op == "call_method" and u.target in _TABLE_CASTS and u.args[0] is n and \
+                    not any(isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor) for a in u.args[1:]):
+                stack.append(u)
+            else:
+                uses.append((u, n))
+    return all(u.op == "call_function" and u.target is operator.getitem and u.args[0] is n
+               and _index_source(u.args[1]) is ctx.positions for u, n in uses)
+
+
+def _drop_identity_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """``x[arange(S)]`` on a dim 0 of size S is ``x`` (``x[None]`` for an index ``[1, S]``):
+    transformers 4.x Llama gathers its rotary tables by ``position_ids = arange(S)[None]``.
+    Removed first, so that what remains is the table (a slice ``[:S]`` or one built over
+    ``arange(S)``) aligned with the rows, which the rules below rewrite."""
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
+            continue
+        x, index = node.args
+        source = _index_source(index)
+        xv, iv = value(x), value(index)
+        if not (isinstance(source, fx.Node) and is_call(source, ARANGE) and _row_index_offset(source, ctx) == 0
+                and isinstance(xv, torch.Tensor) and isinstance(iv, torch.Tensor) and xv.dim() >= 1
+                and same_size(xv.shape[0], ctx.seq_len) and same_size(iv.shape[-1], ctx.seq_len)
+                and all(d == 1 for d in iv.shape[:-1])):
+            continue
+        with gm.graph.inserting_before(node):
+            new = x
+            for _ in range(iv.dim() - 1):
+                new = gm.graph.call_method("unsqueeze", (new, 0))
+                new.meta["example_value"] = value(node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        ctx.count("identity_gather")
 
 
 def _integer_row_scan(node: fx.Node, ctx: PassContext) -> int | None:

@@ -288,3 +288,39 @@ def test_temperature_divides_the_logits_exactly():
     for bad in (0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="temperature must be a positive finite number"):
             tree_compile(model, temperature=bad)
+
+
+def test_attention_over_k_mT_as_newer_torch_records_it():
+    """torch >= 2.14 records ``k.mT`` (and ``x.T``, ``x.H``, ``x.mH``) as aten ops where 2.13
+    records ``getattr(k, "mT")``: litgpt's soft-capped attention (``q @ k.mT * scale``) with
+    its getattr nodes turned into the aten ops before the passes is matched and exact."""
+    import builtins
+
+    import zoo
+    import zoo_repos
+
+    from treecompile.passes.pipeline import passes_for
+
+    aten = {"T": torch.ops.aten.numpy_T.default, "mT": torch.ops.aten.mT.default, "H": torch.ops.aten.matrix_H.default,
+            "mH": torch.ops.aten.mH.default}
+    seen = []
+
+    def as_newer_torch(name, gm, ctx):
+        if name != "inline_subgraphs_pass":
+            return
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target is builtins.getattr and n.args[1] in aten:
+                with gm.graph.inserting_before(n):
+                    new = gm.graph.call_function(aten[n.args[1]], (n.args[0],))
+                new.meta.update(n.meta)
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+                seen.append(n.args[1])
+
+    model = zoo_repos.BY_ID["litgpt-softcap"].build()
+    compiled = TreeCompiledModel(model, mask="interval", backend="eager", verify="probe",
+                                 passes=passes_for(before=as_newer_torch))
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert "mT" in seen
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"softmax_attention": 1}

@@ -329,3 +329,37 @@ def test_the_rule_table_in_the_passes_readme_is_current():
     readme = (Path(__file__).resolve().parents[1] / "passes" / "README.md").read_text()
     table = readme.split("<!-- row-rules -->\n")[1].split("<!-- /row-rules -->")[0]
     assert table == rule_table(), "passes/README.md's row rules are out of date: run python scripts/row_rules_table.py"
+
+
+#: How torch >= 2.14 records the transposes (``x.T`` as ``aten.numpy_T``, ...), where 2.13 records
+#: ``getattr(x, "T")``: (aten op, the attribute it stands for).
+ATEN_TRANSPOSES = [("numpy_T", "T"), ("mT", "mT"), ("matrix_H", "H"), ("mH", "mH")]
+
+
+@pytest.mark.parametrize("op, attr", ATEN_TRANSPOSES, ids=[a for a, _ in ATEN_TRANSPOSES])
+@pytest.mark.parametrize("spelling", ["aten", "getattr"])
+def test_transposes_in_both_spellings(op, attr, spelling):
+    """``x.T`` / ``x.mT`` / ``x.H`` / ``x.mH`` move the rows as the view they are, whether the
+    graph records an aten op (torch >= 2.14) or ``getattr`` (2.13): on ``x [S, 8]`` (``T``,
+    ``H``: of a matrix) and on ``x [1, S, 8]`` (``mT``, ``mH``)."""
+    import builtins
+
+    inputs = _inputs()
+    matrix = attr in ("T", "H")
+    gm = _capture((lambda x: x[0] * 2) if matrix else (lambda x: x * 2), [inputs["x"]])
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    mul = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    with gm.graph.inserting_before(out):
+        if spelling == "aten":
+            node = gm.graph.call_function(getattr(torch.ops.aten, op).default, (mul,))
+        else:
+            node = gm.graph.call_function(builtins.getattr, (mul, attr))
+    node.meta["example_value"] = getattr(value(mul), attr)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(value(n), torch.Tensor))
+    ctx = PassContext(mask="interval", input_ids=x, positions=None, mask_buffers=[], block_tensors=[], layout=None,
+                      chunks=0, seq_len=value(x).shape[1], example_inputs=[])
+    env, refusals = row_states(gm, ctx, trusted=set())
+    assert not refusals, refusals
+    shape = [S, 8] if matrix else [1, S, 8]
+    expected = list(getattr(torch.empty(shape), attr).shape).index(S)
+    assert isinstance(env.states[node], Rows) and env.states[node].dim == expected, (env.states[node], expected)

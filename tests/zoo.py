@@ -19,6 +19,7 @@ identity norm: zero init hides wrong masks and dropped terms) and states what
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -392,6 +393,27 @@ def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None
     return {"loss": loss_diff, "grad": worst}
 
 
+def assert_unchanged(model: nn.Module, twin: nn.Module, lengths: tuple[int, ...]) -> None:
+    """``model`` run on its own gives the logits of ``twin`` (an untouched copy) at each length
+    of ``lengths``, and holds the same parameters; a length the model cannot run (past its
+    position table) is skipped."""
+    from treecompile.core.reference import logits_of
+
+    for name, p in twin.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), f"parameter {name} changed"
+    for T in lengths:
+        ids = (torch.arange(T)[None] * 7 + 3) % VOCAB
+        try:
+            with torch.no_grad():
+                expected = logits_of(twin(ids))
+        except (IndexError, RuntimeError):  # longer than the model's table
+            continue
+        with torch.no_grad():
+            got = logits_of(model(ids))
+        diff = (got - expected).abs().max().item()
+        assert diff == 0.0, f"the model run on its own at length {T} changed by {diff:.3e} after a tree call"
+
+
 def run(case: Case) -> list[dict]:
     """Builds the case, compiles it once, compares both trees; returns per-tree diffs.
 
@@ -402,8 +424,16 @@ def run(case: Case) -> list[dict]:
     from treecompile.compile.wrapper import tree_compile
 
     model = case.build()
+    twin = copy.deepcopy(model)
     compiled = tree_compile(model, backend="eager")
-    diffs = [compare(model, compiled, batch, trees, case.reference) for _, batch, trees in batches()]
+    diffs = []
+    for _, batch, trees in batches():
+        # The model run on its own after a tree call computes what it computed before (state
+        # it keeps, e.g. a rotary cache, holds the unmodified model's values).
+        with torch.no_grad():
+            compiled(batch)
+        assert_unchanged(model, twin, lengths=(batch.num_tokens, 7))
+        diffs.append(compare(model, compiled, batch, trees, case.reference))
     if case.attention is not None:
         assert dict(compiled.counters["rewrite_attention_pass"]) == case.attention, compiled.counters["rewrite_attention_pass"]
     return diffs

@@ -94,7 +94,7 @@ def _moved(r: Rows | None, perm: list[int]) -> Rows | None:
     return dataclasses.replace(r, dim=perm.index(r.dim), ids=ids)
 
 
-@_register("permute", "permute transpose swapaxes swapdims t movedim moveaxis adjoint")
+@_register("permute", "permute transpose swapaxes swapdims t movedim moveaxis adjoint numpy_T mT matrix_H mH")
 def permute(node: fx.Node, a: Args, env: RowEnv, attr: str | None = None) -> Any:
     """A permutation of dims moves the rows' dim."""
     x = a.first
@@ -110,9 +110,9 @@ def permute(node: fx.Node, a: Args, env: RowEnv, attr: str | None = None) -> Any
     elif name in ("transpose", "swapaxes", "swapdims"):
         d0, d1 = _dim(a.get(1, "dim0"), nd), _dim(a.get(2, "dim1"), nd)
         perm[d0], perm[d1] = perm[d1], perm[d0]
-    elif name in ("t", "T"):
+    elif name in ("t", "T", "numpy_T"):  # x.T (torch >= 2.14 records aten.numpy_T)
         perm = perm[::-1]
-    elif name in ("mT", "mH", "adjoint"):
+    elif name in ("mT", "mH", "adjoint", "H", "matrix_H"):  # x.H, aten.matrix_H: of a matrix, so the last two
         perm[-2], perm[-1] = perm[-1], perm[-2]
     elif name in ("movedim", "moveaxis"):
         src, dst = a.get(1, "source"), a.get(2, "destination")

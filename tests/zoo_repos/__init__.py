@@ -42,6 +42,7 @@ from zoo_repos.gpt import (
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
+from zoo_repos.state import CountingLM, FilledTableLM, Llama436LM, LucidrainsRotaryLM
 from zoo_repos.xtransformers_olmo import OLMo, OlmoTrainerCall, XTransformerDecoder
 
 
@@ -148,6 +149,17 @@ CASES: list[zoo.Case] = [
              _build(FinfoBiasBufferLM)),
     zoo.Case("gpt2-tf-port", "openai/gpt-2 src/model.py ported: mask as arithmetic w * b - 1e10 * (1 - b), "
              "hand-written softmax/norm/gelu, wte[X] + wpe[positions] by indexing", _build(GPT2TFPort)),
+    # ------------------------------------------------------------------ state kept between calls
+    zoo.Case("llama-4.36-rope-cache", "transformers 4.36 LlamaRotaryEmbedding: cos/sin cached for 16 positions, "
+             "registered again longer when a sequence is longer (the tree's rows are), cos[position_ids]",
+             _build(Llama436LM)),
+    zoo.Case("rotary-embedding-torch-cache", "lucidrains/rotary-embedding-torch: freqs written in place into the "
+             "cached_freqs buffer (length in a Python int), read back by the next, shorter call",
+             _build(LucidrainsRotaryLM)),
+    zoo.Case("table-filled-in-place", "a sinusoid table buffer filled in place up to the longest length seen and "
+             "read back in the same call (self.table[:T] = ...; x + self.table[:T])", _build(FilledTableLM)),
+    zoo.Case("step-counters", "self.steps += 1 on a tensor buffer and self.num_calls += 1 on a Python int at "
+             "every call", _build(CountingLM)),
 ]
 
 BY_ID = {c.id: c for c in CASES}

@@ -19,6 +19,7 @@ from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
 __all__ = ["CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named",
+           "argument_names",
            "call_under_setup"]
 
 
@@ -72,10 +73,14 @@ class TreeOutput:
 # Dynamo settings for our calls only:
 # - allow_rnn: capture recurrent layers so the verify pass can name them;
 # - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
-#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead.
+#   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead;
+# - allow_unspec_int_on_nn_module: a Python int the model counts on itself (``self.step += 1``)
+#   becomes a symbol after its first change instead of a constant guarded on, which would
+#   compile again at every call (and fail at the limit); see treecompile.passes.state.
 DYNAMO_CONFIG = {
     k: v
-    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True}.items()
+    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True,
+                 "allow_unspec_int_on_nn_module": True}.items()
     if k in torch._dynamo.config._config
 }
 
@@ -118,6 +123,13 @@ def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positi
 
 
 _GRAPH_NUMBERS = itertools.count()
+
+
+def argument_names(fn: Callable) -> tuple[str, ...]:
+    """The names of ``fn``'s arguments: the graph inputs Dynamo takes from them are the batch,
+    every other one (reached through the model the function closes over) the model's state."""
+    code = fn.__code__
+    return code.co_varnames[:code.co_argcount]
 
 
 def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:

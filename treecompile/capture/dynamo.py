@@ -454,11 +454,24 @@ def _validate_device(query, key, value) -> None:
     has one) and the verify pass refuses any other, so the CPU backward it guards never runs."""
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    """``F.scaled_dot_product_attention`` for a call under capture, taking ``is_causal`` as a
+    comparison of the length (``is_causal=q_len > 1``, as transformers 4.x Llama and the code
+    copied from it write it): with the length symbolic that is a symbolic bool, which the op
+    does not take; a branch on it makes the capture guard on its value and pass a bool."""
+    is_causal = True if is_causal else False  # noqa: SIM210 (a branch, not bool(): see above)
+    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 **kwargs)
+
+
 def _torch_swaps() -> list[tuple[Any, str, Any]]:
     import torch.nn.attention.flex_attention as flex
     import torch.nn.modules.transformer as transformer
 
-    swaps = [(torch, "linspace", _linspace)]
+    swaps = [(torch, "linspace", _linspace), (torch.nn.functional, "scaled_dot_product_attention", _sdpa)]
     if hasattr(transformer, "_detect_is_causal_mask"):
         swaps.append((transformer, "_detect_is_causal_mask", _detect_is_causal_mask))
     if hasattr(flex, "_validate_device"):

@@ -42,7 +42,7 @@ from treecompile.core.tree import TrajectoryTree
 if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
 
-__all__ = ["ProbeReport", "probe_graph", "probe_new_graphs", "PROBE_TOLERANCE"]
+__all__ = ["ProbeReport", "probe_graph", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
 
 #: The "path alone" check's tolerance, relative to ``max(1, |log-prob|)``, by the dtype the
 #: model computes in: rounding of the same values summed in another order (other shapes),
@@ -173,24 +173,31 @@ def _edited_subtree(batch: TreeBatch) -> range:
 
 
 def probe_new_graphs(wrapper: Any, records: list[CompileRecord], batch: TreeBatch) -> None:
-    """Probes each graph compiled by the wrapper's latest call into ``wrapper.probed``. A
-    refusal sticks (the wrapper raises it at every later call); a failure of the probe itself
-    is a warning (the rules alone proved the graph)."""
+    """Probes each graph compiled by the wrapper's latest call that is not probed yet (see
+    `probe_record`)."""
+    for record in records:
+        probe_record(wrapper, record, batch)
+
+
+def probe_record(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> None:
+    """Probes the graph of ``record`` into ``wrapper.probed``, once; the compiled call runs it
+    at the graph's first call, before the state the graph writes is written back into the
+    model. A refusal sticks (the wrapper raises it at every later call); a failure of the
+    probe itself is a warning (the rules alone proved the graph)."""
     from treecompile.core.advice import TreeWarning
 
-    for record in records:
-        if record.probe_graph is None or record.last_args is None:
-            continue
-        try:
-            wrapper.probed.append(probe_graph(wrapper, record, batch))
-        except UnsupportedModelError as e:
-            wrapper._refused = e
-            raise
-        except Exception as e:
-            warnings.warn(f"treecompile: the first-call probe could not run ({type(e).__name__}: {e}); the graph was "
-                          "proven row-local by the rules alone", TreeWarning, stacklevel=3)
-        finally:
-            record.last_args, record.probe_graph = None, None  # probed once: keep neither
+    if record.probe_graph is None or record.last_args is None:
+        return
+    try:
+        wrapper.probed.append(probe_graph(wrapper, record, batch))
+    except UnsupportedModelError as e:
+        wrapper._refused = e
+        raise
+    except Exception as e:
+        warnings.warn(f"treecompile: the first-call probe could not run ({type(e).__name__}: {e}); the graph was "
+                      "proven row-local by the rules alone", TreeWarning, stacklevel=3)
+    finally:
+        record.last_args, record.probe_graph = None, None  # probed once: keep neither
 
 
 def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeReport:
@@ -299,6 +306,11 @@ class _Runner:
 
     def __call__(self, batch: TreeBatch, seed: int = 0, interpreter: fx.Interpreter | None = None) -> torch.Tensor:
         args = self.args(batch)
+        if self.record.state is not None:
+            # The state the graph writes, computed for this batch on copies: the model's own
+            # tensors are never written by the probe.
+            with torch.no_grad():
+                args = self.record.state.prepare(args)[0]
         devices = [a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"][:1]
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

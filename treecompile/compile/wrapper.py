@@ -20,6 +20,7 @@ import copy
 import functools
 import sys
 import threading
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,8 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import DYNAMO_CONFIG, CallSetup, TreeOutput, compile_named, device_of, run_head
+from treecompile.capture.call import (DYNAMO_CONFIG, CallSetup, TreeOutput, argument_names, compile_named, device_of,
+                                      run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
@@ -48,13 +50,13 @@ from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_bloc
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
-from treecompile.passes import markers  # noqa: F401  (registers the treecompile:: ops)
+from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.stream.sharded import fsdp_call_of
-from treecompile.compile.probe import ProbeReport, probe_new_graphs
+from treecompile.compile.probe import ProbeReport, probe_new_graphs, probe_record
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -273,6 +275,7 @@ class TreeCompiledModel(DelegatingModule):
         self._probe_rows = 0
         self._judge_cap = 0
         self._extends = False  # whether short buffers are extended for a call (see forward)
+        self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
         self._outputs = outputs
         self.temperature = temperature
@@ -441,6 +444,7 @@ class TreeCompiledModel(DelegatingModule):
         # fail a capture when sliced by the row count: extended for the call once a capture has
         # failed so (then for every such batch); masks are judged no longer than they were.
         short = short_buffers(self._inner, batch.num_tokens, longest)
+        self._call_batch = batch if self.verify is not False else None
         try:
             out = self._call(args, short if self._extends else [], rows, longest)
         except CaptureFailed as failed:
@@ -451,6 +455,8 @@ class TreeCompiledModel(DelegatingModule):
                 out = self._call(args, short, rows, longest)
             except CaptureFailed as again:
                 raise again.error from None
+        finally:
+            self._call_batch = None
         loss, logprobs, aux, entropy = out
         bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
         self._proven_rows = min(bounds) if bounds else None
@@ -486,12 +492,12 @@ class TreeCompiledModel(DelegatingModule):
                     raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
                         from None
 
-    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, probe_rows_of=None,
-                 keep_inputs: bool = False, judge_cap_of=None):
+    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, arguments, probe_rows_of=None,
+                 keep_inputs: bool = False, judge_cap_of=None, before_commit=None):
         """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
         wrapper's lowering (its default per device), recording into ``compile_records``. The
         whole-tree graph and the streamed part graph (:mod:`treecompile.stream.runner`) differ
-        only in the arguments."""
+        only in the arguments (``arguments``: the compiled function's, the batch)."""
         return make_backend(
             mask=mask,
             layout_of=layout_of,
@@ -504,6 +510,8 @@ class TreeCompiledModel(DelegatingModule):
             dropout=self.dropout,
             keep_inputs=keep_inputs,
             judge_cap_of=judge_cap_of or (lambda: 0),
+            arguments=arguments,
+            before_commit=before_commit,
         )
 
     def _graph_parts(self) -> tuple[nn.Module, Any, Any, bool, float]:
@@ -515,9 +523,6 @@ class TreeCompiledModel(DelegatingModule):
         return self._inner, self._call_kwargs, self._router_aux, "entropy" in self._outputs, self.temperature
 
     def _build(self, device: torch.device):
-        backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
-                                passes=self._passes, probe_rows_of=lambda: self._probe_rows,
-                                keep_inputs=self.verify is not False, judge_cap_of=lambda: self._judge_cap)
         inner, kwargs_of, router, want_entropy, temperature = self._graph_parts()
 
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
@@ -533,8 +538,12 @@ class TreeCompiledModel(DelegatingModule):
                 # weights each row's router statistics (see passes/moe.py).
                 aux = router.tree_aux_loss(out.router_logits, path_count)
                 loss = loss + router.coef * aux.to(loss.dtype)
-            return loss, logprobs, aux, entropy
+            return markers.returned((loss, logprobs, aux, entropy))
 
+        backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
+                                passes=self._passes, arguments=argument_names(tree_forward),
+                                probe_rows_of=lambda: self._probe_rows, keep_inputs=self.verify is not False,
+                                judge_cap_of=lambda: self._judge_cap, before_commit=_probe_hook(self))
         return compile_named(tree_forward, "tree_forward", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
@@ -580,6 +589,21 @@ class TreeCompiledModel(DelegatingModule):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _probe_hook(wrapper: TreeCompiledModel):
+    """``hook(record)``: the first-call probe of a new graph of ``wrapper``, run inside the
+    graph's first call before the state it writes reaches the model
+    (`treecompile.passes.state`). It holds the wrapper weakly: the compiled graph, which holds
+    the hook, lives in Dynamo's caches as long as the process (see `compile_named`)."""
+    ref = weakref.ref(wrapper)
+
+    def hook(record: CompileRecord) -> None:
+        w = ref()
+        if w is not None and w._call_batch is not None:
+            probe_record(w, record, w._call_batch)
+
+    return hook
 
 
 def _stream_runner(options: StreamOptions, setup: CallSetup):

@@ -34,10 +34,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treecompile.capture.call import CallSetup, TreeOutput, call_under_setup, compile_named, device_of, run_head
+from treecompile.capture.call import (CallSetup, TreeOutput, argument_names, call_under_setup, compile_named,
+                                      device_of, run_head)
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.kernels.cp_gather import padded_send, register_group
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.passes import markers
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, context_parallel
 from treecompile.planning.cp import CPSplit, RowWork, split_for_cp
@@ -145,8 +147,6 @@ class CPRunner:
         w = self.setup
         state = CPGraph(group=self.group_name)
         pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
-        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                            passes=context_parallel(pipeline, state))
         inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
 
         def cp_forward(ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest, weight,
@@ -156,8 +156,10 @@ class CPRunner:
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)
             stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
-            return loss, logprobs, stats, entropy
+            return markers.returned((loss, logprobs, stats, entropy))
 
+        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                            passes=context_parallel(pipeline, state), arguments=argument_names(cp_forward))
         self._compiled = compile_named(cp_forward, "cp_forward", backend)
 
     def _call(self, args: tuple) -> tuple:

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from treecompile.core.batch import TreeBatch, on_host, to_device
-from treecompile.capture.call import CallSetup, call_under_setup, compile_named, run_head
+from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
 from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.passes import markers
 from treecompile.passes.pipeline import Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
@@ -136,8 +137,6 @@ class StreamRunner:
     def _build(self, device: torch.device, shapes: KVLayout) -> None:
         w = self.setup
         pipeline = w.passes if isinstance(w.passes, Pipeline) else Pipeline(tuple(w.passes))
-        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                            passes=self._pipeline(pipeline))
         inner, kwargs_of, router, want_entropy, temperature = w.graph_parts()
 
         def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
@@ -151,8 +150,10 @@ class StreamRunner:
             # The part's router sums (added over parts by the runner; see RouterAux.tree_stats).
             stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
-            return loss, logprobs, kv, stats, entropy
+            return markers.returned((loss, logprobs, kv, stats, entropy))
 
+        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
+                            passes=self._pipeline(pipeline), arguments=argument_names(stream_forward))
         self._compiled = compile_named(stream_forward, f"{self._GRAPH}_{len(shapes.shapes)}", backend)
         self._shapes = shapes
         self._remembered = False

@@ -1,0 +1,437 @@
+"""State a model keeps after a call: computed as the unmodified model computes it, written
+only once the call has succeeded.
+
+Models keep things between calls: a rotary table cached on the module or in a dict shared
+by the layers, a buffer extended when a longer sequence comes, a buffer written in place
+and read back, a step counter, a power iteration's vector. Dynamo replays the Python-side
+writes of a traced forward (an attribute or buffer set, a dict entry, a Python number
+counted up) after the compiled graph has run, with values the graph returns beside the
+call's own results; a write into a tensor the model holds (``cached[:T] = freqs``,
+``steps.add_(1)``) is an op of the graph on one of its inputs. The passes rewrite the
+graph for the tree: positions become tree positions, masks the tree mask, and the rows
+follow the DFS order. Whatever of that reached the model's state would be, for instance,
+a table over tree positions that the next call, or the user's own model run normally,
+reads as a table over sequence positions: silently wrong, and the user's model changed.
+
+`separate_state` splits the captured graph, before any pass, in two:
+
+* the **state graph**: the slice of the captured graph, unmodified, that computes every
+  state write. It may read the model's state (parameters, buffers, attributes, globals)
+  and the batch's sizes (a table over ``arange(T)``), never a batch tensor: a value
+  computed from the tokens (a running statistic of the activations, a KV cache filled in
+  training, a loss kept on the module) has no per-path meaning, and the model is refused
+  naming the attribute and the source line. What it computes is what the unmodified model
+  computes for a sequence of the batch's length: a table of ``T`` sequence positions.
+* the **main graph**: the call's own results, which the passes rewrite; its writes into
+  the model's tensors are removed. Where it reads such a tensor after the model wrote it in
+  place (a table written and read back), it is handed the written value; where it reads it
+  before (a counter used, then advanced), the value from before the call. A read on both
+  sides of the write is refused.
+
+At each call (`StateWrites`), the state graph runs first, on copies of the tensors it
+writes; then the main graph; then the call's checks (the first-call probe); only then are
+the copies written back into the model's tensors and the Python-side values handed to
+Dynamo to replay. A call that fails or is refused leaves the model as it was, and the
+probe, which runs the main graph on batches of its own, never touches the model's state.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.passes._graph import describe, location_of, mutated_args, op_name, source_of, storage_of
+from treecompile.passes.markers import is_marker
+
+__all__ = ["StateWrites", "separate_state", "state_name"]
+
+#: Ops whose result is a view of their first argument (a read of it happens at their users).
+_VIEW_OPS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem", "__getitem__",
+             "select", "narrow", "flatten", "unflatten", "movedim", "view_as", "expand_as", "t", "T", "mT",
+             "contiguous", "detach", "alias", "split", "chunk", "unbind"}
+
+
+@dataclass
+class StateWrites:
+    """The state one compiled graph writes, and how a call of it runs (see the module).
+
+    Attributes:
+        graph: the state graph: the captured graph's placeholders, returning the state
+            values (`outputs` order) then the tensors written in place (`written` order).
+        outputs: the positions, in the captured graph's output, of the values Dynamo writes
+            back into the model after the call.
+        size: the length of the captured graph's output.
+        written: the positions of the graph inputs the model writes in place.
+        read_after: of `written`, those the main graph reads after the write.
+        names: for each of `outputs` and `written`, what it is in the model
+            (``model.rope.cos_cached``), as far as it is known.
+        refusal: why the state cannot be kept exactly (the backend raises it once the passes
+            have found nothing more fundamental), or None.
+    """
+
+    graph: fx.GraphModule | None
+    outputs: tuple[int, ...]
+    size: int
+    written: tuple[int, ...]
+    read_after: frozenset[int]
+    names: list[str] = field(default_factory=list)
+    refusal: UnsupportedModelError | None = None
+
+    def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
+        """Runs the state graph on copies of the tensors it writes.
+
+        Returns:
+            ``(main_args, values, written)``: the main graph's arguments (a tensor written in
+            place and read after the write is its copy), the state values for Dynamo, and the
+            written copies (`commit` writes them back).
+        """
+        fresh = list(args)
+        for i in self.written:
+            fresh[i] = args[i].clone()
+        out = self.graph(*fresh)
+        values, new = list(out[:len(self.outputs)]), list(out[len(self.outputs):])
+        main = list(args)
+        for i, t in zip(self.written, new):
+            if i in self.read_after:
+                main[i] = t
+        return main, values, new
+
+    def commit(self, args: Sequence[Any], new: Sequence[torch.Tensor]) -> None:
+        """Writes the written copies back into the model's tensors."""
+        with torch.no_grad():
+            for i, t in zip(self.written, new):
+                args[i].copy_(t)
+
+    def merge(self, results: Sequence[Any], values: Sequence[Any]) -> tuple:
+        """The captured graph's output: the main graph's results and the state values, each
+        at its place."""
+        out: list[Any] = [None] * self.size
+        state = dict(zip(self.outputs, values))
+        it = iter(results)
+        for i in range(self.size):
+            out[i] = state[i] if i in state else next(it)
+        return tuple(out)
+
+
+def run_with_state(fn: Callable, state: StateWrites | None, before_commit: Callable[[], None] | None = None
+                   ) -> Callable:
+    """The captured graph's callable from ``fn``, the lowered main graph: the state graph,
+    then ``fn``, then ``before_commit()`` (the call's checks; it raises to refuse), then the
+    state written back (see the module)."""
+    if state is None:
+        def run_plain(*args):
+            out = fn(*args)
+            if before_commit is not None:
+                before_commit()
+            return out
+
+        return run_plain
+
+    def run(*args):
+        main, values, new = state.prepare(args)
+        results = fn(*main)
+        if before_commit is not None:
+            before_commit()
+        state.commit(args, new)
+        return state.merge(results, values)
+
+    return run
+
+
+def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: Sequence[str],
+                   arguments: Sequence[str]) -> tuple[fx.GraphModule, StateWrites | None]:
+    """Splits the state writes off ``gm`` (a copy of Dynamo's graph, before any pass), in place.
+
+    Args:
+        gm: the captured graph; its ``treecompile::call_output`` markers are removed.
+        example_inputs: the graph inputs, aligned with its placeholders.
+        sources: Dynamo's source of each placeholder (``L['ids']``, ``L['inner']._modules[...]``).
+        arguments: the names of the compiled function's arguments: placeholders from them are
+            the batch, every other one the model's state.
+
+    Returns:
+        ``(main graph, StateWrites)``, or ``(gm, None)`` when the graph writes no state.
+
+    A state write computed from a batch tensor, or a tensor the model reads both before and
+    after writing it in place, gives ``StateWrites.refusal``.
+    """
+    graph = gm.graph
+    returned = _unmark_returns(graph)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    batch = {p for p, s in zip(placeholders, sources) if _root(s) in arguments or not s}
+    batch_tensors = {p for p, x in zip(placeholders, example_inputs) if p in batch and isinstance(x, torch.Tensor)}
+    held = {storage_of(p): p for p in placeholders if p not in batch and storage_of(p) is not None}
+    output = graph.output_node()
+    outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    kept = [i for i, a in enumerate(outs) if not (isinstance(a, fx.Node) and a in returned)]
+    writes = [n for n in nodes if any(storage_of(t) in held for t in mutated_args(n))]
+    if not kept and not writes:
+        return gm, None
+    names = _side_effect_names()
+    written = sorted({held[storage_of(t)] for n in writes for t in mutated_args(n) if storage_of(t) in held},
+                     key=order.__getitem__)
+    sinks = [outs[i] for i in kept if isinstance(outs[i], fx.Node)] + writes
+    state_nodes = _slice(nodes, sinks, exclude=set())
+    refusal = _batch_read_refusal(state_nodes, sinks, batch_tensors, writes, held, names, sources, placeholders)
+
+    # The main graph's reads of each written tensor: all after its writes, or all before.
+    main_nodes = _slice(nodes, [n for n in nodes if n in returned], exclude=set(writes))
+    read_after = set()
+    for p in written:
+        s = storage_of(p)
+        own = [w for w in writes if any(storage_of(t) == s for t in mutated_args(w))]
+        readers = [n for n in main_nodes if n not in own and op_name(n) not in _VIEW_OPS and n.op != "placeholder"
+                   and any(storage_of(i) == s for i in n.all_input_nodes)]
+        first, last = min(order[w] for w in own), max(order[w] for w in own)
+        if readers and all(order[r] > last for r in readers):
+            read_after.add(placeholders.index(p))
+        elif not all(order[r] < first for r in readers) and refusal is None:
+            r = next(r for r in readers if order[r] > first)
+            refusal = UnsupportedModelError(
+                f"treecompile cannot make this model exact on a tree: {describe(r)} at {location_of(r)} reads "
+                f"{_pretty(sources[placeholders.index(p)])} after the model began writing it in place, and another "
+                "op reads it before the write is done: treecompile hands a call either the tensor's old value or "
+                f"its new one.\n  at {source_of(r)}"
+            )
+
+    try:
+        state_gm = _state_graph(gm, nodes, state_nodes, [outs[i] for i in kept], written)
+    except UnsupportedModelError as e:
+        state_gm, refusal = None, refusal or e
+    # The main graph: the call's results only, without the writes into the model's tensors.
+    for w in reversed(writes):
+        w.replace_all_uses_with(mutated_args(w)[0])
+        graph.erase_node(w)
+    graph.erase_node(output)
+    rest = tuple(a for i, a in enumerate(outs) if i not in kept)
+    graph.output(rest)
+    gm.recompile()
+    labels = [names.get(getattr(outs[i], "name", ""), f"a value the model keeps (output {i})") for i in kept]
+    labels += [_pretty(sources[placeholders.index(p)]) for p in written]
+    state = StateWrites(graph=state_gm, outputs=tuple(kept), size=len(outs),
+                        written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
+                        names=labels, refusal=refusal)
+    return gm, state
+
+
+def state_name(source: str) -> str:
+    """A placeholder's source as the user reads it: ``model.blocks.0.rope.cos_cached``."""
+    return _pretty(source)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _unmark_returns(graph: fx.Graph) -> set[fx.Node]:
+    """Removes the ``call_output`` markers; returns the nodes they marked."""
+    returned = set()
+    for n in list(graph.nodes):
+        if is_marker(n, "call_output"):
+            x = n.args[0]
+            n.replace_all_uses_with(x)
+            graph.erase_node(n)
+            returned.add(x)
+    return returned
+
+
+def _root(source: str) -> str:
+    m = re.match(r"L\['([^']+)'\]", source or "")
+    return m.group(1) if m else ""
+
+
+#: Methods and functions that read only the dtype, device or shape of a tensor argument (at
+#: the given position), never its values: ``x.to(other)``, ``other.new_zeros(n)``.
+_METADATA_ARGS = {"to": 1, "type_as": 1, "new_zeros": 0, "new_ones": 0, "new_empty": 0, "new_full": 0,
+                  "new_tensor": 0, "size": 0, "dim": 0, "numel": 0, "get_device": 0}
+
+
+def _metadata_input(n: fx.Node) -> fx.Node | None:
+    """The input of ``n`` whose dtype, device or shape alone ``n`` reads, if any."""
+    i = _METADATA_ARGS.get(op_name(n)) if n.op in ("call_method", "call_function") else None
+    if i is None or len(n.args) <= i or not isinstance(n.args[i], fx.Node):
+        return None
+    a = n.args[i]
+    if i == 1 and not isinstance(a.meta.get("example_value"), torch.Tensor):
+        return None  # x.to(dtype) or x.to(device): no tensor read
+    return a
+
+
+def _value_inputs(n: fx.Node) -> list[fx.Node]:
+    """The inputs of ``n`` whose values it reads (not those it takes only the dtype, device or
+    shape of, see `_METADATA_ARGS`)."""
+    meta = _metadata_input(n)
+    return [i for i in n.all_input_nodes if i is not meta]
+
+
+def _slice(nodes: list[fx.Node], sinks: Sequence[Any], exclude: set[fx.Node]) -> set[fx.Node]:
+    """The nodes that compute ``sinks``: their ancestors through the inputs whose values they
+    read, with every in-place write (not in ``exclude``) into memory one of them reads, to a
+    fixed point; and the global switches (grad mode, autocast) whose arguments are constants."""
+    live: set[fx.Node] = set()
+
+    def add(ns):
+        stack = [n for n in ns if isinstance(n, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n not in live:
+                live.add(n)
+                stack.extend(_value_inputs(n))
+
+    add(sinks)
+    add(n for n in nodes if n.op == "call_function" and n.is_impure() and not n.all_input_nodes
+        and not mutated_args(n))
+    writes = {n: {storage_of(t) for t in mutated_args(n)} - {None} for n in nodes if n not in exclude}
+    writes = {n: s for n, s in writes.items() if s}
+    changed = True
+    while changed:
+        changed = False
+        read = {storage_of(m) for m in live} | {storage_of(i) for m in live for i in _value_inputs(m)}
+        for n, storages in writes.items():
+            if n not in live and storages & read:
+                add([n])
+                changed = True
+    return live
+
+
+def _batch_read_refusal(state_nodes: set[fx.Node], sinks: list, batch_tensors: set[fx.Node], writes: list,
+                        held: dict, names: dict[str, str], sources: Sequence[str], placeholders: list
+                        ) -> UnsupportedModelError | None:
+    """The refusal of a state write computed from a batch tensor, naming what is written and
+    where; None if every state write reads the model's state and the batch's sizes only."""
+    if not state_nodes & batch_tensors:
+        return None
+    for sink in sinks:
+        if _slice(list(state_nodes), [sink], exclude=set()) & batch_tensors:
+            break
+    if sink in writes:
+        target = next(t for t in mutated_args(sink) if storage_of(t) in held)
+        what = _pretty(sources[placeholders.index(held[storage_of(target)])])
+        how = f"writes {what} in place ({describe(sink)}) at {location_of(sink)}"
+        node = sink
+    else:
+        what = names.get(sink.name, "an attribute, dict entry or global")
+        how = f"keeps {what} after the call, set from {describe(sink)} at {location_of(sink)}"
+        node = sink
+    return UnsupportedModelError(
+        f"treecompile cannot make this model exact on a tree: the model {how}, a value computed from the batch's "
+        "tokens: on a tree it would hold values of the packed tree (rows of several paths), not what per-path "
+        f"training stores, and the next call or the model run on its own would read them.\n  at {source_of(node)}\n"
+        "State a model keeps between calls may depend on its parameters, buffers and the sequence length only "
+        "(a rotary table, a step counter); keep statistics of the activations out of the forward in training."
+    )
+
+
+def _state_graph(gm: fx.GraphModule, nodes: list[fx.Node], state_nodes: set[fx.Node], values: list,
+                 written: list[fx.Node]) -> fx.GraphModule:
+    """The state graph: every placeholder, the state nodes in graph order, returning
+    ``(*values, *written)``. An input a node reads only the dtype, device or shape of, and
+    that the state graph does not compute, is replaced by a tensor of that dtype, device and
+    shape (the capture guards on them)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n.op == "placeholder" or (n in state_nodes and n.op != "output"):
+            meta = _metadata_input(n)
+            if meta is not None and meta not in env:
+                env[meta] = _like(graph, meta)
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    graph.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in values) + tuple(env[p] for p in written))
+    return fx.GraphModule(gm, graph, class_name="StateGraph")
+
+
+def _like(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A node of ``graph`` creating an empty tensor like ``node``'s example value (its
+    symbolic sizes become the placeholders that hold them)."""
+    v = node.meta["example_value"]
+    sizes = {str(p.meta["example_value"].node.expr): p for p in graph.nodes if p.op == "placeholder"
+             and isinstance(p.meta.get("example_value"), torch.SymInt)}
+    shape = []
+    for d in v.shape:
+        if isinstance(d, torch.SymInt):
+            d = sizes.get(str(d.node.expr))
+            if d is None:
+                raise UnsupportedModelError(
+                    f"treecompile cannot make this model exact on a tree: {describe(node)} at {location_of(node)} "
+                    "gives the shape of a value the model keeps after the call, from a size the capture does not "
+                    f"hold as an input.\n  at {source_of(node)}")
+        shape.append(d)
+    new = graph.call_function(torch.empty, (tuple(shape),), {"dtype": v.dtype, "device": v.device})
+    new.meta["example_value"] = v
+    return new
+
+
+_SOURCE_STEPS = [
+    (re.compile(r"^L\['inner'\]"), "model"),
+    (re.compile(r"^L\['self'\]"), "model"),
+    (re.compile(r"^G\['([^']+)'\]"), r"\1"),
+    (re.compile(r"\.__dict__\['_(?:buffers|parameters|modules)'\]\['([^']+)'\]"), r".\1"),
+    (re.compile(r"\._(?:buffers|parameters|modules)\['([^']+)'\]"), r".\1"),
+]
+
+
+def _pretty(source: str) -> str:
+    out = source or "a tensor of the model"
+    for pattern, repl in _SOURCE_STEPS:
+        out = pattern.sub(repl, out)
+    return out
+
+
+def _name(source: Any) -> str:
+    name = getattr(source, "name", "")
+    return name() if callable(name) else name  # a method before torch 2.12
+
+
+def _side_effect_names() -> dict[str, str]:
+    """``{node name: "model.rope.cos_cached"}`` for the values Dynamo writes back after the
+    call, read from the trace being compiled; empty where this torch does not show them (the
+    messages then say less)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        effects = tx.output.side_effects
+    except Exception:  # another torch's internals: names are a courtesy
+        return {}
+    found: dict[str, str] = {}
+
+    def note(value: Any, where: str) -> None:
+        try:
+            node = getattr(value.as_proxy(), "node", None)
+        except Exception:  # not a graph value
+            node = None
+        if isinstance(node, fx.Node):
+            found.setdefault(node.name, where)
+            return
+        items = value.__dict__.get("items") if hasattr(value, "__dict__") else None
+        if isinstance(items, (list, tuple)):  # a tuple or list of values
+            for i, v in enumerate(items):
+                note(v, f"{where}[{i}]")
+
+    try:
+        for var, attrs in effects.store_attr_mutations.items():
+            base = _pretty(_name(getattr(var, "source", None)))
+            for attr, value in attrs.items():
+                note(value, f"{base}.{attr}")
+        for var in effects._get_modified_vars():
+            source = getattr(var, "source", None)
+            items = getattr(var, "items", None)
+            if source is None or not isinstance(items, dict):
+                continue
+            base = _pretty(_name(source))
+            for key, value in items.items():
+                k = getattr(getattr(key, "vt", None), "value", key)
+                if base.endswith((".__dict__['_buffers']", "._buffers")):
+                    note(value, f"{base.rsplit('.', 1)[0]}.{k}")
+                else:
+                    note(value, f"{base}[{k!r}]")
+    except Exception:
+        return found
+    return found

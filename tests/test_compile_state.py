@@ -1,0 +1,167 @@
+"""State a model keeps between calls (treecompile.passes.state): computed as the unmodified
+model computes it, written once per call, never written by a call that fails or is refused.
+
+The zoo (tests/zoo_repos/state.py) checks the stateful repository models for exactness and
+that the model run on its own is unchanged after tree calls; these tests check what the
+zoo cannot see: how often state is written, what a refusal leaves behind, and the names in
+the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+import zoo_repos
+from torch import nn
+from zoo_repos.common import DIM, HD, HEADS, VOCAB
+from zoo_repos.state import CountingLM, LucidrainsRotaryLM
+
+import treecompile as tc
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.passes.rows import RULES, Rule
+from treecompile.passes.rows.elementwise import pointwise
+
+def _build(cls, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    return zoo.perturb(cls(**kw).double().eval())
+
+
+def _batches():
+    return [batch for _, batch, _ in zoo.batches()]
+
+
+def _snapshot(model: nn.Module) -> dict:
+    """Everything of the model a call could change: parameters, buffers, and the plain
+    attributes of every module (Python numbers, tensors, dicts of them)."""
+    state = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+    for name, m in model.named_modules():
+        for k, v in vars(m).items():
+            if not k.startswith("_") and (v is None or isinstance(v, (int, float, dict, list, torch.Tensor))):
+                state[f"attr {name}.{k}"] = copy.deepcopy(v)
+    return state
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys(), before.keys() ^ after.keys()
+    for k, v in before.items():
+        w = after[k]
+        same = torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+        assert same, f"{k} changed: {v!r} -> {w!r}"
+
+
+def test_counters_advance_once_per_call_and_compile_once():
+    """``self.steps += 1`` (a tensor buffer) and ``self.num_calls += 1`` (a Python int) advance by
+    one per tree call, as in eager training: the first-call probe, which runs the graph on
+    batches of its own, writes neither. The Python int becomes a symbol after its first change,
+    so twelve calls (over Dynamo's recompile limit of 8) compile at most twice."""
+    model = _build(CountingLM)
+    compiled = tc.tree_compile(model, backend="eager")
+    batches = _batches()
+    for i in range(12):
+        compiled(batches[i % 2]).loss.backward()
+        assert int(model.steps) == i + 1 and model.num_calls == i + 1, (int(model.steps), model.num_calls)
+    assert len(compiled.compile_records) <= 2, [r.seq_len for r in compiled.compile_records]
+    assert len(compiled.probed) == len(compiled.compile_records)
+
+
+def test_a_cache_filled_in_place_is_filled_with_sequence_positions():
+    """rotary-embedding-torch writes the frequencies of ``arange(T)`` into ``cached_freqs`` in
+    place: after a tree call of T rows the buffer holds what the unmodified model writes for a
+    sequence of T tokens (not the tree's positions), and its length in the Python int."""
+    model = _build(LucidrainsRotaryLM)
+    twin = copy.deepcopy(model)
+    batch = _batches()[1]
+    tc.tree_compile(model, backend="eager")(batch)
+    with torch.no_grad():
+        twin(torch.zeros(1, batch.num_tokens, dtype=torch.long))
+    for r, t in zip(model.rotary, twin.rotary):
+        assert r.cached_freqs_seq_len == t.cached_freqs_seq_len == batch.num_tokens
+        assert torch.equal(r.cached_freqs, t.cached_freqs)
+
+
+def test_stateful_models_leave_the_model_as_an_ordinary_call_would():
+    """After tree calls of two lengths (the second shorter, so the cache is read back), each
+    stateful repository model, run on its own, gives the logits an untouched copy gives, at the
+    tree's length and at others."""
+    for case_id in ("llama-4.36-rope-cache", "rotary-embedding-torch-cache", "table-filled-in-place"):
+        model = zoo_repos.BY_ID[case_id].build()
+        twin = copy.deepcopy(model)
+        compiled = tc.tree_compile(model, backend="eager")
+        for batch in reversed(_batches()):
+            with torch.no_grad():
+                compiled(batch)
+            zoo.assert_unchanged(model, twin, lengths=(batch.num_tokens, 35, 11, 5))
+
+
+# ------------------------------------------------------------------ refusals
+
+
+class KeepsActivationsLM(nn.Module):
+    """Keeps the last call's keys on the attention module (a cache some training code fills
+    and reads for logging) and a running mean of the hidden states in a buffer."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        self.emb, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(64, DIM)
+        self.qkv, self.proj, self.head = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB)
+        self.register_buffer("running_mean", torch.zeros(DIM))
+        self.last_keys = None
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx) + self.wpe(torch.arange(t, device=idx.device))
+        q, k, v = (z.view(b, t, HEADS, HD).transpose(1, 2) for z in self.qkv(x).split(DIM, -1))
+        if self.what == "keys":
+            self.last_keys = k.detach()
+        else:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * x[0, -1])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, DIM)))
+
+
+@pytest.mark.parametrize("what, named", [("keys", "model.last_keys"), ("running", "model.running_mean")])
+def test_state_computed_from_the_tokens_is_refused_by_name_and_leaves_the_model_unchanged(what, named):
+    model = _build(KeepsActivationsLM, what=what)
+    before, twin = _snapshot(model), copy.deepcopy(model)
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(model, backend="eager")(_batches()[0])
+    first = str(info.value).splitlines()[0]
+    assert named in first and "computed from the batch's tokens" in first, first
+    assert "test_compile_state.py:" in first, first
+    _assert_same(before, _snapshot(model))
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+class RunningMeanCountingLM(CountingLM):
+    """CountingLM with a running mean over the sequence (``cumsum / count``) after the
+    embeddings: it mixes rows; a hole in the row rules lets it through to the probe."""
+
+    def forward(self, idx):
+        self.steps += 1
+        self.num_calls += 1
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = x.cumsum(1) / torch.arange(1, idx.shape[1] + 1, device=idx.device, dtype=x.dtype)[:, None]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_call_the_probe_refuses_writes_no_state(monkeypatch):
+    """The first-call probe runs inside the graph's first call, before the state it writes is
+    written back: a refused call leaves the counters, the buffers and the model's outputs as
+    they were (the graph itself did run once)."""
+    monkeypatch.setitem(RULES, "cumsum", Rule(pointwise, "pointwise"))  # the rules miss it
+    model = _build(RunningMeanCountingLM)
+    before, twin = _snapshot(model), copy.deepcopy(model)
+    compiled = tc.tree_compile(model, backend="eager")
+    with pytest.raises(UnsupportedModelError, match="first-call probe"):
+        compiled(_batches()[0])
+    _assert_same(before, _snapshot(model))
+    assert int(model.steps) == 0 and model.num_calls == 0
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
