@@ -41,7 +41,9 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 from treecompile.kernels.masks import MASK_KINDS
-from treecompile.passes._graph import PassContext, describe, eliminate_dead_code, mutated_args, source_of, value
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
+                                      value)
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -51,7 +53,7 @@ from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.state import StateWrites, run_with_state, separate_state
-from treecompile.passes.stream import StreamGraph, stream_passes
+from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
@@ -259,12 +261,16 @@ def run_passes(
         in_place = {n for n in gm.graph.nodes if mutated_args(n)}
         try:
             gm = p(gm, ctx)
+        except (UnsupportedModelError, KVLayout):  # a refusal; the stack layout a streamed part learns
+            raise
+        except Exception as e:
+            raise _pass_failure(name, e) from e
         finally:
             ctx.pass_name = ""
         after = set(gm.graph.nodes)
         lost = [n for n in in_place if n not in after]
         if lost:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"treecompile internal error: {name} removed the in-place op {describe(lost[0])}\n"
                 f"  at {source_of(lost[0])}"
             )
@@ -275,6 +281,28 @@ def run_passes(
             pipeline.after(name, gm, ctx)
     gm.recompile()  # once: the passes and the hooks read the graph, not the generated code
     return gm
+
+
+def _pass_failure(name: str, exc: Exception) -> UnsupportedModelError:
+    """The refusal for an error inside pass ``name``: an internal error of treecompile, named
+    with the node the pass was at (the innermost ``fx.Node`` local of its frames) and that
+    node's source line; the model is refused, not trained unchecked."""
+    node = None
+    tb = exc.__traceback__
+    while tb is not None:
+        for local in ("node", "n"):
+            v = tb.tb_frame.f_locals.get(local)
+            if isinstance(v, fx.Node):
+                node = v
+        tb = tb.tb_next
+    first = (str(exc).strip().splitlines() or [""])[0]
+    at = f" at {describe(node)} ({location_of(node)})" if node is not None else ""
+    src = f"\n  at {source_of(node)}" if node is not None else ""
+    return UnsupportedModelError(
+        f"treecompile cannot make this model exact on a tree: {name} failed{at} ({type(exc).__name__}: {first}).{src}\n"
+        "This is an internal error of treecompile, please report it: the model is refused rather than trained with "
+        "a graph the passes did not finish."
+    )
 
 
 def make_backend(
@@ -324,7 +352,12 @@ def make_backend(
         gm = _copy(gm)
         sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         # State the model keeps after the call is computed apart, before any pass rewrites it.
-        gm, state = separate_state(gm, example_inputs, sources, arguments)
+        try:
+            gm, state = separate_state(gm, example_inputs, sources, arguments)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:
+            raise _pass_failure("separate_state", e) from e
         ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
         ctx.probe_rows = probe_rows_of()
         ctx.judge_cap = judge_cap_of()

@@ -4,6 +4,7 @@ model's source line, and why; never Dynamo's raw message or a FakeTensor traceba
 from __future__ import annotations
 
 import pytest
+import torch
 from test_compile_models import NanoGPT, make_batch, tiny
 
 import treecompile as tc
@@ -29,6 +30,16 @@ class FixedLength(NanoGPT):
         return super().forward(idx).view(1, 3, -1, 7)
 
 
+class SplitSizesFromValues(NanoGPT):
+    """Tokens grouped by a value-dependent split (an expert loop written with ``.tolist()``)."""
+
+    def forward(self, idx):
+        y = super().forward(idx)
+        counts = torch.bincount(idx[0] % 2, minlength=2).tolist()
+        parts = y[0].split(counts)
+        return torch.cat([p * (i + 1) for i, p in enumerate(parts)])[None]
+
+
 CASES = {
     "data-dependent-branch": (
         BranchOnValues,
@@ -45,6 +56,12 @@ CASES = {
         r"^treecompile cannot capture this model: `return super\(\)\.forward\(idx\)\.view\(1, 3, -1, 7\)` at "
         r".*test_capture_errors\.py:\d+: it raises RuntimeError\(\"shape '\[1, 3, -1, 7\]' is invalid",
     ),
+    "data-dependent-sizes": (
+        SplitSizesFromValues,
+        r"^treecompile cannot capture this model: `counts = torch\.bincount\(idx\[0\] % 2, minlength=2\)\.tolist\(\)` "
+        r"at .*test_capture_errors\.py:\d+: a tensor's values decide a size or a Python number .* "
+        r"\(GuardOnDataDependentSymNode\)\.$",
+    ),
 }
 
 
@@ -58,3 +75,26 @@ def test_capture_failures_are_refused_with_a_readable_first_line(case):
     assert __import__("re").match(first_line, message.splitlines()[0]), message
     assert "Developer debug context" not in message and "FakeTensor(" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_an_error_inside_a_pass_is_a_refusal_naming_the_pass_and_the_node():
+    """A pass that fails (an internal error) refuses the model naming the pass, the node it was
+    at and the model's source line; the original error is chained for the report."""
+    from treecompile.compile.wrapper import TreeCompiledModel
+    from treecompile.passes.pipeline import PASSES, Pipeline
+
+    def rewrite_softmax_pass(gm, ctx):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "linear" in str(node.target):
+                raise RuntimeError("cannot rewrite this linear")
+        return gm
+
+    passes = Pipeline(PASSES[:1] + (rewrite_softmax_pass,) + PASSES[1:])
+    batch, _ = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError) as info:
+        TreeCompiledModel(tiny(NanoGPT), mask="interval", backend="eager", verify="probe", passes=passes)(batch)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("treecompile cannot make this model exact on a tree: rewrite_softmax_pass failed at node "), first
+    assert "(RuntimeError: cannot rewrite this linear)" in first and "test_compile_models.py:" in first, first
+    assert "internal error of treecompile" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)

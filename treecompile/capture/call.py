@@ -199,6 +199,31 @@ class CallSetup:
     compile_records: list
 
 
+def during_capture(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while Dynamo captured a frame (traced it, or compiled its
+    graph), not while the compiled code ran."""
+    import os
+
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("_dynamo", "convert_frame.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def compile_failure(exc: torch._dynamo.exc.BackendCompilerFailed, passing: tuple = ()) -> BaseException:
+    """What a failure of treecompile's backend reaches the caller as: its own refusal (or a
+    type in ``passing``) as itself; any other error, of the lowering after the passes, as a
+    refusal that says so (`unexpected_error`)."""
+    from treecompile.core.errors import UnsupportedModelError, unexpected_error
+
+    inner = exc.inner_exception
+    if isinstance(inner, (UnsupportedModelError, *passing)):
+        return inner
+    return unexpected_error(inner, "lowering the rewritten graph")
+
+
 def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing: tuple = ()) -> Any:
     """``compiled(*args)`` under ``setup``'s swaps (Hugging Face's interfaces, the sequence
     kernels and mask builders) and Dynamo settings: what a streamed part's or a CP rank's call
@@ -215,6 +240,11 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
             try:
                 return compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:
-                if isinstance(e.inner_exception, (UnsupportedModelError, *passing)):
-                    raise e.inner_exception from None
-                raise
+                failure = compile_failure(e, passing)
+                raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
+            except Exception as e:
+                if isinstance(e, (UnsupportedModelError, *passing)) or not during_capture(e):
+                    raise
+                from treecompile.core.errors import capture_error
+
+                raise capture_error(e) from None

@@ -29,8 +29,8 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import (DYNAMO_CONFIG, CallSetup, TreeOutput, argument_names, compile_named, device_of,
-                                      run_head)
+from treecompile.capture.call import (DYNAMO_CONFIG, CallSetup, TreeOutput, argument_names, compile_failure,
+                                      compile_named, device_of, during_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
@@ -479,15 +479,19 @@ class TreeCompiledModel(DelegatingModule):
                 try:
                     return self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
-                    # Our passes' refusals reach the user as themselves, not wrapped by Dynamo.
-                    if isinstance(e.inner_exception, UnsupportedModelError):
-                        raise e.inner_exception from None
-                    raise
-                except torch._dynamo.exc.TorchDynamoException as e:
+                    # Our passes' refusals reach the user as themselves, not wrapped by Dynamo;
+                    # a failure of the lowering after them as a refusal that says so.
+                    failure = compile_failure(e)
+                    raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
+                except Exception as e:
                     # A graph break (or data-dependent control flow) would run part of the
                     # model outside the rewritten graph; a model that fails under tracing
-                    # (FakeTensor errors, exceptions in its code) is refused the same way, with
-                    # Dynamo's message condensed to what failed, where and why.
+                    # (FakeTensor errors, a guard on a data-dependent size, exceptions in its
+                    # code) is refused the same way, with the message condensed to what
+                    # failed, where and why. An error of the compiled code itself is the model's.
+                    if isinstance(e, UnsupportedModelError) or not (
+                            isinstance(e, torch._dynamo.exc.TorchDynamoException) or during_capture(e)):
+                        raise
                     short = extend or short_buffers(self._inner, rows, longest)
                     raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
                         from None

@@ -6,7 +6,8 @@ import ast
 import re
 from typing import Any
 
-__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed"]
+__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed",
+           "unexpected_error"]
 
 
 class TreeInputError(ValueError):
@@ -30,6 +31,11 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
     lines = text.splitlines()
     kind = lines[0].strip() if lines else type(exc).__name__
     where, code = _user_frame(lines)
+    # A guard on a data-dependent value (torch.fx's GuardOnDataDependentSymNode) names the
+    # model's line as "Caused by: <code>  # <file>:<line> in <function>".
+    caused = re.search(r"^Caused by: (.*?)\s+#\s*(\S+:\d+) in \w+", text, re.MULTILINE)
+    if caused and not where:
+        code, where = caused.group(1).strip(), caused.group(2)
     raised = _after(text, "Developer debug context: raised exception ")
     explanation = _after(text, "Explanation: ")
     fake = re.search(r"got (\w+(?:Error|Exception)\(.*?\))\s*$", text, re.MULTILINE)
@@ -53,6 +59,12 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
     elif kind.lower().startswith("data-dependent branching"):
         why = "it branches on a tensor's value, which cannot be captured as one graph"
         hint = "make the code branchless (torch.where) or move the decision out of the model"
+    elif "data-dependent expression" in text or type(exc).__name__ == "GuardOnDataDependentSymNode":
+        why = ("a tensor's values decide a size or a Python number (split sizes or a loop count from .tolist(), "
+               ".item() or nonzero()), which one captured graph cannot follow")
+        kind = type(exc).__name__
+        hint = ("compute with the tensor itself (a mask, torch.where, index_add_ over all rows) instead of sizes read "
+                "from its values, or route Hugging Face experts through their experts interface")
     elif explanation:
         why = explanation.rstrip(".")
         hint = "the model must run on one packed row of any length; see docs/supported-models.md"
@@ -106,6 +118,19 @@ def _package_dirs() -> list[str]:
         if path:
             dirs.append(os.path.dirname(path) + os.sep)
     return dirs
+
+
+def unexpected_error(exc: BaseException, stage: str) -> UnsupportedModelError:
+    """A refusal for an exception of no kind treecompile knows, raised while it compiled the
+    rewritten graph (``stage``, e.g. "lowering with inductor"): the model is refused, not
+    run unchecked; the original exception is chained to it."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return UnsupportedModelError(
+        f"treecompile cannot compile this model: {stage} failed ({type(exc).__name__}: {first}).\n"
+        "  The graph was rewritten and checked; this step failed after that. If it names a kernel or a backend, "
+        "tree_compile(backend='aot_eager') may run it; otherwise please report it (the exception it chains to has "
+        "the full trace)."
+    )
 
 
 class CaptureFailed(Exception):
