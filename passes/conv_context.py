@@ -25,13 +25,18 @@ convolution over the sequence is left alone, and the verify pass refuses it.
 The ancestor table is built in the graph from ``pred_index`` with ``K - 2`` gathers, once
 per kernel size.
 
+Shifts along the sequence by ``k`` (``pad(x, (.., k, -k))`` as RWKV's time shift writes it,
+``cat([zeros, x[:, :-k]])``, ``diff(x, prepend=zeros)``) are the same thing with one tap: each
+becomes a gather of the row ``k`` steps back on its path (`SHIFT_SPELLINGS`, one entry each).
+
 Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
-calls), of which ``depthwise_conv1d`` were plain convs.
+calls), of which ``depthwise_conv1d`` were plain convs; ``shift``.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +46,13 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
 from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call, is_op, same_size, source_of, value
 
-__all__ = ["rewrite_conv_context_pass"]
+__all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
+
+
+class NeedsStructure(UnsupportedModelError):
+    """The graph has a causal conv or a shift along the sequence, and the call passed no path
+    structure (``pred_index``): a whole-tree call captures again with it; any other call is
+    refused with this message."""
 
 
 def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -50,12 +61,16 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d``.
     """
     _canonical_convs(gm, ctx)
+    tables: dict[int, fx.Node] = {}
+    _rewrite_shifts(gm, ctx, tables)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
     if not convs:
         return gm
     if ctx.pred_index is None:
-        raise RuntimeError("treecompile: a causal conv op is in the graph but the wrapper passed no pred_index")
-    tables: dict[int, fx.Node] = {}
+        raise NeedsStructure(
+            f"treecompile cannot make this model exact on a tree: {describe(convs[0])} is a causal conv, and this "
+            f"call has no path structure to run it along (a streamed or context-parallel call of a model without "
+            f"conv or recurrent modules).\n  at {source_of(convs[0])}")
     for node in convs:
         x, weight, bias = node.args
         xv, wv = value(x), value(weight)
@@ -66,7 +81,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
             )
         kk = int(wv.shape[1])
         if kk not in tables:
-            with gm.graph.inserting_before(convs[0]):
+            with gm.graph.inserting_before(_first_node(gm)):
                 tables[kk] = _ancestor_table(gm, ctx, kk)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.treecompile.tree_causal_conv1d.default, (x, weight, bias, tables[kk]))
@@ -158,6 +173,227 @@ def _left_padded(x, kk: int) -> bool:
     mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
     fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value", None)
     return _ints(pad) == [kk - 1, 0] and mode == "constant" and fill in (None, 0, 0.0)
+
+
+# --------------------------------------------------------------------------- shifts
+#
+# A shift along the sequence by k (row t reads row t - k, zeros for the first k rows) is a
+# causal conv whose kernel picks one tap. Per path, row t reads the token k steps back on its
+# path; in the tree that is pred_index followed k times (`_ancestor_table`), zero where the path
+# has fewer than k earlier tokens, exactly where the per-path shift reads its zero padding.
+# Each spelling below is one entry: ``match(node, ctx) -> (x, dim, k, sign, dead) or None``, where
+# the node's value is ``x + sign * shift(x, dim, k)`` (sign 0: the shift alone; -1: ``diff``)
+# and ``dead`` are nodes only the match used.
+
+
+def _first_node(gm: fx.GraphModule) -> fx.Node:
+    """The first node after the placeholders (where per-graph tables are built)."""
+    return next(n for n in gm.graph.nodes if n.op != "placeholder")
+
+
+def _row_dim(x: Any, ctx: PassContext) -> list[int]:
+    xv = value(x)
+    return [d for d in range(xv.dim()) if same_size(xv.shape[d], ctx.seq_len)] if isinstance(xv, torch.Tensor) else []
+
+
+def _pad_pairs(node: fx.Node) -> list[tuple[int, int]] | None:
+    """``[(left, right)]`` per dim (dim 0 first) of a constant zero ``pad``, or None."""
+    if not is_call(node, PADS):
+        return None
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    pad = [_amount(p, ctx_seq_len(node)) for p in pad] if isinstance(pad, (list, tuple)) else None
+    pad = None if pad is None or None in pad else pad
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    fill = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    xv = value(node.args[0])
+    if pad is None or len(pad) % 2 or mode != "constant" or fill not in (None, 0, 0.0) or not isinstance(
+            xv, torch.Tensor):
+        return None
+    pairs = [(0, 0)] * xv.dim()
+    for i in range(len(pad) // 2):
+        pairs[xv.dim() - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    return pairs
+
+
+def ctx_seq_len(node: fx.Node) -> Any:
+    """S as the node's tensor input sees it (its largest symbolic dim), for `_amount`."""
+    xv = value(node.args[0]) if node.args else None
+    syms = [d for d in getattr(xv, "shape", ()) if isinstance(d, torch.SymInt)]
+    return syms[0] if len(syms) == 1 else None
+
+
+def _amount(p: Any, s: Any) -> int | None:
+    """A pad amount as an int: a constant, or ``min(k, S)`` / ``-min(k, S)`` (x-transformers
+    clamps its shift to the length: a shift by ``min(k, S)`` is a shift by ``k``, every row
+    zero when the sequence is shorter)."""
+    if isinstance(p, int):
+        return p
+    if not isinstance(p, fx.Node) or p.op != "call_function":
+        return None
+    name = getattr(p.target, "__name__", "")
+    if name == "neg" and len(p.args) == 1:
+        inner = _amount(p.args[0], s)
+        return None if inner is None else -inner
+    if name in ("sym_min", "min") and len(p.args) == 2:
+        consts = [a for a in p.args if isinstance(a, int)]
+        others = [a for a in p.args if not isinstance(a, int)]
+        if len(consts) == 1 and len(others) == 1 and s is not None and same_size(value(others[0]), s):
+            return consts[0]
+    return None
+
+
+def _drops_last(node: Any, dim: int, ctx: PassContext) -> tuple[fx.Node, int] | None:
+    """``(x, k)`` if ``node`` is ``x[..., :-k, ...]`` (or ``:S - k``) on ``dim``, the rows of ``x``."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    x, index = node.args
+    xv, nv = value(x), value(node)
+    if not isinstance(xv, torch.Tensor):
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    if index and index[0] is Ellipsis:
+        index = (slice(None),) * (xv.dim() - len(index) + 1) + index[1:]
+    index = index + (slice(None),) * (xv.dim() - len(index))
+    if not isinstance(xv, torch.Tensor) or len(index) != xv.dim() or dim not in _row_dim(x, ctx):
+        return None
+    if any(i != slice(None) for d, i in enumerate(index) if d != dim):
+        return None
+    cut = index[dim]
+    if not (isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1)):
+        return None
+    k = -cut.stop if isinstance(cut.stop, int) and cut.stop < 0 else None
+    if k is None and isinstance(nv, torch.Tensor):
+        k = _const_int(ctx.seq_len - nv.shape[dim])
+    return (x, k) if isinstance(k, int) and k > 0 else None
+
+
+def _const_int(v: Any) -> int | None:
+    try:
+        return int(v) if isinstance(v, int) or (isinstance(v, torch.SymInt) and v.node.expr.is_number) else None
+    except (TypeError, ValueError):
+        return None
+
+
+_ZEROS = {"zeros", "zeros_like", "new_zeros"}
+
+
+def _is_zeros(node: Any) -> bool:
+    """A tensor of zeros made here (``zeros``, ``zeros_like``, ``x.new_zeros``)."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _ZEROS or name in ("full", "new_full") and len(node.args) > 1 and node.args[-1] in (0, 0.0)
+
+
+def _match_pad(node: fx.Node, ctx: PassContext):
+    """``pad(x, (.., k, -k))``: k zeros in front, the last k rows cut (RWKV's ``nn.ZeroPad2d((0, 0,
+    1, -1))`` time shift, x-transformers' ``shift_tokens``); or ``pad(x[:, :-k], (.., k, 0))``."""
+    pairs = _pad_pairs(node)
+    if pairs is None:
+        return None
+    moved = [(d, p) for d, p in enumerate(pairs) if p != (0, 0)]
+    if len(moved) != 1:
+        return None
+    dim, (left, right) = moved[0]
+    x = node.args[0]
+    if left > 0 and right == -left and dim in _row_dim(x, ctx):
+        return x, dim, left, 0, ()
+    cropped = _drops_last(x, dim, ctx) if left > 0 and right == 0 else None
+    if cropped is not None and cropped[1] == left:
+        return cropped[0], dim, left, 0, (x,)
+    return None
+
+
+def _match_cat(node: fx.Node, ctx: PassContext):
+    """``cat([zeros with k rows, x[:, :-k]], dim)``."""
+    if not is_call(node, (torch.cat, torch.concat, torch.concatenate)):
+        return None
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and isinstance(dim, int)):
+        return None
+    zeros, rest = parts
+    nd = value(node).dim()
+    dim %= nd
+    cropped = _drops_last(rest, dim, ctx)
+    if cropped is None or not _is_zeros(zeros) or _const_int(value(zeros).shape[dim]) != cropped[1]:
+        return None
+    return cropped[0], dim, cropped[1], 0, (rest, zeros)
+
+
+def _match_diff(node: fx.Node, ctx: PassContext):
+    """``diff(x, dim=d, prepend=zeros with one row)``: ``x - shift(x, 1)``."""
+    if not is_call(node, (torch.diff,), ("diff",)):
+        return None
+    a = bind(node, ["input", "n", "dim", "prepend", "append"], {"n": 1, "dim": -1, "prepend": None, "append": None})
+    x, dim = a["input"], a["dim"]
+    if a["n"] != 1 or a["append"] is not None or not _is_zeros(a["prepend"]) or not isinstance(dim, int):
+        return None
+    dim %= value(x).dim()
+    if dim not in _row_dim(x, ctx) or _const_int(value(a["prepend"]).shape[dim]) != 1:
+        return None
+    return x, dim, 1, -1, (a["prepend"],)
+
+
+#: The spellings of a shift along the sequence, each a matcher (see above).
+SHIFT_SPELLINGS = (("pad", _match_pad), ("cat", _match_cat), ("diff", _match_diff))
+
+
+def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
+    """Replaces every shift along the sequence (`SHIFT_SPELLINGS`) by a gather of each row's
+    k-th ancestor on its path. Counter: ``shift``."""
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node in ctx.created:
+            continue
+        for _, match in SHIFT_SPELLINGS:
+            found = match(node, ctx)
+            if found is not None:
+                break
+        else:
+            continue
+        if ctx.pred_index is None:
+            raise NeedsStructure(
+                f"treecompile cannot make this model exact on a tree: {describe(node)} shifts the sequence, and this "
+                f"call has no path structure to shift it along (a streamed or context-parallel call).\n"
+                f"  at {source_of(node)}")
+        x, dim, k, sign, dead = found
+        if k + 1 not in tables:
+            with gm.graph.inserting_before(_first_node(gm)):
+                tables[k + 1] = _ancestor_table(gm, ctx, k + 1)
+        with gm.graph.inserting_before(node):
+            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=node)
+            if sign:
+                new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=node)
+                new.meta["example_value"] = value(node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for d in dead:
+            if isinstance(d, fx.Node) and not d.users:
+                gm.graph.erase_node(d)
+        ctx.count("shift")
+
+
+def _ancestor_gather(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, dim: int, table: fx.Node, k: int,
+                     like: fx.Node) -> fx.Node:
+    """``x`` with row ``r`` (on ``dim``) replaced by its ``k``-th ancestor's row, zero where the
+    path has fewer than ``k`` earlier tokens."""
+    g = gm.graph
+    xv = value(x)
+    shape = [1] * xv.dim()
+    shape[dim] = -1
+
+    def node(op, target, *args, example=None):
+        n = ctx.mark(getattr(g, op)(target, args), like=like)
+        if example is not None:
+            n.meta["example_value"] = example
+        return n
+
+    anc = node("call_function", torch.select, table, 1, k - 1)
+    missing = node("call_method", "lt", anc, 0)
+    rows = node("call_method", "clamp", anc, 0)
+    picked = node("call_function", torch.index_select, x, dim, rows, example=xv)
+    out = node("call_method", "masked_fill", picked, node("call_method", "view", missing, shape), 0, example=xv)
+    return out
 
 
 def _ancestor_table(gm: fx.GraphModule, ctx: PassContext, kk: int) -> fx.Node:

@@ -943,8 +943,8 @@ REFUSED = {
     # Recurrences written as Python loops over the tokens: Dynamo makes the length a constant.
     "recurrent_gemma": (_recurrent_gemma, _TOKEN_LOOP),
     "xlstm": (_xlstm, _TOKEN_LOOP),
-    # RWKV's time shift: the previous row, padded back to the same length.
-    "rwkv": (_rwkv, ("pads or shifts along the sequence", "shifted = self.time_shift(hidden)")),
+    # RWKV's WKV recurrence is a Python loop over the tokens (its time shift alone is exact).
+    "rwkv": (_rwkv, _TOKEN_LOOP),
 }
 
 

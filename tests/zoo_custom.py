@@ -205,15 +205,77 @@ class CausalConvSliceAttn(_Attn):
         return x + self.conv(x.transpose(1, 2))[..., :-3].transpose(1, 2)
 
 
+class _SdpaAttn(_Attn):
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FunctionalConvAttn(_SdpaAttn):
+    """A depthwise causal conv written functionally after attention, with no ``nn.Conv1d``
+    module: ``F.conv1d(x, w, b, padding=K - 1, groups=C)[..., :-(K - 1)]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_w = nn.Parameter(torch.randn(DIM, 1, 3) / 3)
+        self.conv_b = nn.Parameter(torch.zeros(DIM))
+
+    def forward(self, x):
+        x = super().forward(x)
+        return x + F.conv1d(x.transpose(1, 2), self.conv_w, self.conv_b, padding=2, groups=DIM)[..., :-2].transpose(1, 2)
+
+
+def xtransformers_shift(t, amount):
+    """lucidrains/x-transformers ``shift`` (``pad_at_dim(t, (amount, -amount), dim=-2)``)."""
+    if amount == 0:
+        return t
+    amount = min(amount, t.shape[1])
+    dims_from_right = 1
+    zeros = (0, 0) * dims_from_right
+    return F.pad(t, (*zeros, amount, -amount), value=0.0)
+
+
+class ShiftTokensAttn(_SdpaAttn):
+    """x-transformers ``ShiftTokens(shifts=(0, 1, 2))`` before attention: the features split in
+    three, the second shifted by one token and the third by two (``F.pad`` along the sequence)."""
+
+    def forward(self, x):
+        feats = x.shape[-1] // 3
+        segments = x.split(feats, dim=-1)
+        shifted = [xtransformers_shift(t, a) for t, a in zip(segments[:3], (0, 1, 2))]
+        return super().forward(torch.cat((*shifted, *segments[3:]), dim=-1))
+
+
+class CatShiftAttn(_SdpaAttn):
+    """A token shift as ``cat([x.new_zeros(b, 1, d), x[:, :-1]], dim=1)`` mixed into the MLP input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.rand(DIM))
+
+    def forward(self, x):
+        b, _, d = x.shape
+        prev = torch.cat([x.new_zeros(b, 1, d), x[:, :-1]], dim=1)
+        return super().forward(x * self.mix + prev * (1 - self.mix))
+
+
+class CropPadShiftAttn(_SdpaAttn):
+    """A shift by two as ``F.pad(x[:, :-2], (0, 0, 2, 0))``, added after attention."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        return x + 0.5 * F.pad(x[:, :-2], (0, 0, 2, 0))
+
+
 def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
 
 (BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM,
- InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM) = (
+ InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM, FunctionalConvLM, ShiftTokensLM, CatShiftLM, CropPadShiftLM) = (
     _spelling(c)
     for c in (BmmAttn, BaddbmmAttn, EinsumAttn, TypeAsAttn, ToDtypeAttn, MaskedFillInfAttn, SdpaTrilMaskAttn,
-              VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn)
+              VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn, FunctionalConvAttn,
+              ShiftTokensAttn, CatShiftAttn, CropPadShiftAttn)
 )
 
 

@@ -133,12 +133,10 @@ CASES: list[zoo.Case] = [
     zoo.Case("torch-examples-transformer", "pytorch/examples word_language_model TransformerModel: nn.Transformer "
              "encoder, float mask (triu(ones) == 1).transpose cached in self.src_mask, sequence-first",
              _build(TorchExamplesTransformerLM)),
-    zoo.Case("diff-shift", "h + torch.diff(h, dim=1, prepend=zeros) after attention (mixes each row with the "
-             "previous row)", _build(DiffShiftLM), expect="refused",
-             reason="changes the sequence length (a shift, pad or cat along the sequence)"),
+    zoo.Case("diff-shift", "h + torch.diff(h, dim=1, prepend=zeros) after attention (each row minus the previous "
+             "row: minus the parent's last row at a node's first token)", _build(DiffShiftLM)),
     zoo.Case("rwkv-token-shift", "BlinkDL/RWKV-LM v4neo RWKV_ChannelMix: token shift nn.ZeroPad2d((0, 0, 1, -1)) "
-             "as the feed-forward, SDPA attention", _build(RWKVShiftLM), expect="refused",
-             reason="pads or shifts along the sequence"),
+             "as the feed-forward (the previous token on the path), SDPA attention", _build(RWKVShiftLM)),
     zoo.Case("llama1-reference", "meta-llama/llama model.py: freqs_cis for max_seq_len * 2 as a plain attribute, "
              "re-assigned in forward, sliced [start_pos : start_pos + seqlen]; triu(full(-inf), 1) additive",
              _build(Llama1Reference)),

@@ -51,6 +51,7 @@ from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
+from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
@@ -446,7 +447,16 @@ class TreeCompiledModel(DelegatingModule):
         short = short_buffers(self._inner, batch.num_tokens, longest)
         self._call_batch = batch if self.verify is not False else None
         try:
-            out = self._call(args, short if self._extends else [], rows, longest)
+            try:
+                out = self._call(args, short if self._extends else [], rows, longest)
+            except NeedsStructure:
+                if self._structure:
+                    raise
+                # A shift or a functional conv along the sequence: capture again with the paths.
+                self._structure = True
+                self._compiled = self._build(device)
+                args = self._inputs(batch)
+                out = self._call(args, short if self._extends else [], rows, longest)
         except CaptureFailed as failed:
             if not short or self._extends:
                 raise failed.error from None
@@ -573,12 +583,11 @@ class TreeCompiledModel(DelegatingModule):
         dest, rows, slot = batch.head_index()
         target = batch.input_ids[dest]
         ids = batch.input_ids[None]
-        # The path structure, for the conv context and SSM state passes (hybrid models only).
-        # The node table lives on the CPU: the scan ops read it on the host, without a device sync.
-        structure = (
-            [batch.pred_index, batch.node_table()]
-            if self._structure else []
-        )
+        # The path structure, for the conv context and SSM state passes: for a model with
+        # sequence kernels or conv modules, and once a capture found a shift or a functional
+        # conv along the sequence (`NeedsStructure`). The node table lives on the CPU: the scan
+        # ops read it on the host, without a device sync.
+        structure = [batch.pred_index, batch.node_table()] if self._structure else []
         # S, the number of targets M and of predicting rows R vary per batch: one graph
         # for all (no recompile per batch size).
         for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
