@@ -60,6 +60,14 @@ _SHAPE_SOURCES = {"type_as": (1,), "to": (1,), "new_zeros": (0,), "new_ones": (0
                   "reshape_as": (1,)}
 
 
+def shape_sources(n: fx.Node) -> list[fx.Node]:
+    """The tensor inputs of ``n`` that lend it only their dtype, device or shape (see
+    `depends_on_inputs`)."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None) if n.op == "call_function" else None
+    return [a for i, a in enumerate(n.args) if i in _SHAPE_SOURCES.get(name, ()) and isinstance(a, fx.Node)
+            and isinstance(value(a), torch.Tensor)]
+
+
 def value_inputs(n: fx.Node) -> list[fx.Node]:
     """The inputs of ``n`` that give it values (see `depends_on_inputs`)."""
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None) if n.op == "call_function" else None

@@ -29,8 +29,11 @@ Shifts along the sequence by ``k`` (``pad(x, (.., k, -k))`` as RWKV's time shift
 ``cat([zeros, x[:, :-k]])``, ``diff(x, prepend=zeros)``) are the same thing with one tap: each
 becomes a gather of the row ``k`` steps back on its path (`SHIFT_SPELLINGS`, one entry each).
 
+Scans along the sequence (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``)
+become scans along each row's root path (`treecompile.passes.scans`).
+
 Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
-calls), of which ``depthwise_conv1d`` were plain convs; ``shift``.
+calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``path_scan``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
 from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call, is_op, same_size, source_of, value
+from treecompile.passes.scans import rewrite_scans
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
 
@@ -63,6 +67,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     _rewrite_shifts(gm, ctx, tables)
+    rewrite_scans(gm, ctx, _needs_structure)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
     if not convs:
         return gm
@@ -184,6 +189,12 @@ def _left_padded(x, kk: int) -> bool:
 # Each spelling below is one entry: ``match(node, ctx) -> (x, dim, k, sign, dead) or None``, where
 # the node's value is ``x + sign * shift(x, dim, k)`` (sign 0: the shift alone; -1: ``diff``)
 # and ``dead`` are nodes only the match used.
+
+
+def _needs_structure(node: fx.Node) -> None:
+    raise NeedsStructure(
+        f"treecompile cannot make this model exact on a tree: {describe(node)} scans the sequence, and this call has "
+        f"no path structure to scan it along (a streamed or context-parallel call).\n  at {source_of(node)}")
 
 
 def _first_node(gm: fx.GraphModule) -> fx.Node:

@@ -47,6 +47,7 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import describe, location_of, mutated_args, op_name, source_of, storage_of
+from treecompile.passes._mask_eval import shape_sources
 from treecompile.passes.markers import is_marker
 
 __all__ = ["StateWrites", "separate_state", "state_name"]
@@ -247,28 +248,11 @@ def _root(source: str) -> str:
     return m.group(1) if m else ""
 
 
-#: Methods and functions that read only the dtype, device or shape of a tensor argument (at
-#: the given position), never its values: ``x.to(other)``, ``other.new_zeros(n)``.
-_METADATA_ARGS = {"to": 1, "type_as": 1, "new_zeros": 0, "new_ones": 0, "new_empty": 0, "new_full": 0,
-                  "new_tensor": 0, "size": 0, "dim": 0, "numel": 0, "get_device": 0}
-
-
-def _metadata_input(n: fx.Node) -> fx.Node | None:
-    """The input of ``n`` whose dtype, device or shape alone ``n`` reads, if any."""
-    i = _METADATA_ARGS.get(op_name(n)) if n.op in ("call_method", "call_function") else None
-    if i is None or len(n.args) <= i or not isinstance(n.args[i], fx.Node):
-        return None
-    a = n.args[i]
-    if i == 1 and not isinstance(a.meta.get("example_value"), torch.Tensor):
-        return None  # x.to(dtype) or x.to(device): no tensor read
-    return a
-
-
 def _value_inputs(n: fx.Node) -> list[fx.Node]:
     """The inputs of ``n`` whose values it reads (not those it takes only the dtype, device or
-    shape of, see `_METADATA_ARGS`)."""
-    meta = _metadata_input(n)
-    return [i for i in n.all_input_nodes if i is not meta]
+    shape of, ``x.to(other)``, ``other.new_zeros(n)``)."""
+    meta = shape_sources(n)
+    return [i for i in n.all_input_nodes if i not in meta]
 
 
 def _slice(nodes: list[fx.Node], sinks: Sequence[Any], exclude: set[fx.Node]) -> set[fx.Node]:
@@ -339,9 +323,9 @@ def _state_graph(gm: fx.GraphModule, nodes: list[fx.Node], state_nodes: set[fx.N
     env: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         if n.op == "placeholder" or (n in state_nodes and n.op != "output"):
-            meta = _metadata_input(n)
-            if meta is not None and meta not in env:
-                env[meta] = _like(graph, meta)
+            for meta in shape_sources(n):
+                if meta not in env:
+                    env[meta] = _like(graph, meta)
             env[n] = graph.node_copy(n, lambda x: env[x])
     graph.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in values) + tuple(env[p] for p in written))
     return fx.GraphModule(gm, graph, class_name="StateGraph")

@@ -6,7 +6,7 @@ Each refusal must name the op and the user source line that produced it.
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compile_models import VOCAB, ConvLM, CumsumLM, GruLM, make_batch, tiny
+from test_compile_models import VOCAB, ConvLM, CumsumLM, GruLM, compare_with_paths, make_batch, tiny
 from torch import nn
 
 from treecompile import UnsupportedModelError
@@ -116,17 +116,28 @@ REFUSED = {
     # model -> (op named in the message, source fragment named in the message)
     "conv1d": (ConvLM, "convolution over the sequence", "self.conv("),
     "gru": (GruLM, "recurrent layer", "self.rnn("),
-    "cumsum": (CumsumLM, "scan (cumsum)", "x.cumsum(1)"),
     "bidirectional-sdpa": (BidirectionalLM, "scaled_dot_product_attention", "scaled_dot_product_attention(x, x, x)"),
     "prefix-lm-mask": (PrefixLMMaskLM, "not causal", "x @ x.transpose"),
     "mean-pool": (MeanPoolLM, "along the sequence", "x.mean(dim=1"),
-    "token-shift": (TokenShiftLM, "changes the sequence length", "x[:, :-1]"),
     "attention-dropout": (DropoutAttentionLM, "dropout", "dropout_p=0.1"),
     "merged-rows-pool": (MergedRowsPoolLM, "along the sequence", "rows.amax(0)"),
     "merged-rows-cumsum": (MergedRowsCumsumLM, "along the sequence", ".cumsum(1)"),
     "token-loop": (TokenLoopLM, "sequence length a constant", "takes one token of the row at a time"),
-    "zero-pad-shift": (ZeroPadShiftLM, "pads or shifts along the sequence", "self.shift(x)"),
 }
+
+#: Sequence mixing that has a tree form: once refused, now exact (a scan along the path, the
+#: previous token on the path).
+EXACT = {"cumsum": CumsumLM, "token-shift": TokenShiftLM, "zero-pad-shift": ZeroPadShiftLM}
+
+
+@pytest.mark.parametrize("model_id", list(EXACT))
+def test_scans_and_token_shifts_follow_the_path(model_id):
+    torch.manual_seed(0)
+    model = tiny(EXACT[model_id])
+    compiled = tree_compile(model)
+    for name in ("branchy", "forest"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="pure")
 
 
 @pytest.mark.parametrize("model_id", list(REFUSED))

@@ -2,9 +2,10 @@
 that slips past the row rules, naming the op.
 
 To build models that slip past the static check, a test replaces one rule of the table with
-a wrong one (``cumsum`` judged element-wise): the static check then accepts a scan along the
-sequence, exactly as it would accept an op whose rule had a hole, and only the probe stands
-between the model and silently wrong training.
+a wrong one (``cumsum`` judged element-wise) and turns off the pass that would rewrite the
+scan to run along the paths: the static check then accepts a scan along the sequence,
+exactly as it would accept an op whose rule had a hole, and only the probe stands between
+the model and silently wrong training.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from treecompile.core.errors import UnsupportedModelError
 @pytest.fixture
 def cumsum_rule_with_a_hole(monkeypatch):
     monkeypatch.setitem(RULES, "cumsum", Rule(pointwise, "pointwise"))
+
+
+#: Leaves a scan along the sequence as it is (the conv context pass would make it exact).
+NO_SCAN_REWRITE = ("rewrite_conv_context_pass",)
 
 
 class RunningMeanLM(NanoGPT):
@@ -63,14 +68,14 @@ def test_the_probe_runs_by_default_and_reports():
 
 def test_verify_false_turns_the_probe_off(cumsum_rule_with_a_hole):
     batch, _ = make_batch("branchy")
-    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1), verify=False)
+    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1), verify=False, disable_passes=NO_SCAN_REWRITE)
     compiled(batch)  # the hole lets it through: what verify=False means
     assert compiled.probed == []
 
 
 def test_the_probe_refuses_a_branch_mixing_op_the_rules_let_through(cumsum_rule_with_a_hole):
     batch, _ = make_batch("branchy")
-    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1))
+    compiled = tc.tree_compile(tiny(RunningMeanLM, layers=1), disable_passes=NO_SCAN_REWRITE)
     with pytest.raises(UnsupportedModelError) as info:
         compiled(batch)
     first, where = str(info.value).splitlines()[:2]
@@ -84,7 +89,7 @@ def test_the_probe_refuses_a_branch_mixing_op_the_rules_let_through(cumsum_rule_
 
 def test_the_probe_refuses_a_row_index_position_the_rules_let_through(cumsum_rule_with_a_hole):
     batch, _ = make_batch("branchy")
-    compiled = tc.tree_compile(tiny(RowIndexPositionLM, layers=1))
+    compiled = tc.tree_compile(tiny(RowIndexPositionLM, layers=1), disable_passes=NO_SCAN_REWRITE)
     with pytest.raises(UnsupportedModelError) as info:
         compiled(batch)
     first = str(info.value).splitlines()[0]

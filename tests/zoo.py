@@ -159,6 +159,12 @@ CASES: list[Case] = [
     Case("cat-shift", "custom: token shift cat([x.new_zeros(b, 1, d), x[:, :-1]], dim=1) mixed into the input",
          _custom(zc.CatShiftLM)),
     Case("crop-pad-shift", "custom: shift by two as F.pad(x[:, :-2], (0, 0, 2, 0))", _custom(zc.CropPadShiftLM)),
+    Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "
+         "sequence", _custom(zc.CumsumLinearLM)),
+    Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "
+         "attention", _custom(zc.MinGRULM)),
+    Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
+    Case("running-max", "custom: cummax over the sequence, values and indices", _custom(zc.RunningMaxLM)),
     Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
          _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
     Case("vmap-mask", "custom: SDPA under a mask built with nested torch.vmap (as transformers 5.10 builds masks)",

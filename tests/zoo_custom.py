@@ -266,6 +266,76 @@ class CropPadShiftAttn(_SdpaAttn):
         return x + 0.5 * F.pad(x[:, :-2], (0, 0, 2, 0))
 
 
+class CumsumLinearAttn(_Attn):
+    """Causal linear attention written with running sums (the naive form of the
+    linear-transformer / Performer papers' causal attention): ``phi(q) . cumsum(phi(k) v^T) /
+    phi(q) . cumsum(phi(k))`` with ``phi = elu + 1``."""
+
+    def attend(self, q, k, v):
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        kv = torch.einsum("bhtd,bhte->bhtde", k, v).cumsum(dim=2)
+        num = torch.einsum("bhtd,bhtde->bhte", q, kv)
+        den = torch.einsum("bhtd,bhtd->bht", q, k.cumsum(dim=2))
+        return num / den.unsqueeze(-1)
+
+
+def heinsen_associative_scan_log(log_coeffs, log_values):
+    """lucidrains/minGRU-pytorch ``heinsen_associative_scan_log``."""
+    a_star = log_coeffs.cumsum(dim=1)
+    log_h0_plus_b_star = (log_values - a_star).logcumsumexp(dim=1)
+    log_h = a_star + log_h0_plus_b_star
+    return log_h.exp()
+
+
+def mingru_g(x):
+    return torch.where(x >= 0, x + 0.5, x.sigmoid())
+
+
+def mingru_log_g(x):
+    return torch.where(x >= 0, (F.relu(x) + 0.5).log(), -F.softplus(-x))
+
+
+class MinGRUBlock(nn.Module):
+    """lucidrains/minGRU-pytorch ``minGRU`` (parallel mode, no previous hidden state): the gated
+    recurrence as a log-space associative scan (``cumsum`` and ``logcumsumexp`` over the
+    sequence), then a feed-forward; no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.to_hidden_and_gate = nn.Linear(DIM, DIM * 2, bias=False)
+        self.to_out = nn.Linear(DIM, DIM, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.ln2 = nn.LayerNorm(DIM)
+
+    def forward(self, x):
+        hidden, gate = self.to_hidden_and_gate(self.ln(x)).chunk(2, dim=-1)
+        log_coeffs = -F.softplus(gate)
+        log_z = -F.softplus(-gate)
+        log_tilde_h = mingru_log_g(hidden)
+        out = heinsen_associative_scan_log(log_coeffs, log_z + log_tilde_h)
+        x = x + self.to_out(out)
+        return x + self.mlp(self.ln2(x))
+
+
+class RunningMeanAttn(_SdpaAttn):
+    """A running mean of the hidden states over the sequence (``cumsum / arange(1, T + 1)``)
+    mixed in before attention."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        mean = x.cumsum(1) / torch.arange(1, t + 1, device=x.device, dtype=x.dtype)[:, None]
+        return super().forward(x + 0.5 * mean)
+
+
+class RunningMaxAttn(_SdpaAttn):
+    """A running max of a gate over the sequence (``cummax``), with its index as a feature."""
+
+    def forward(self, x):
+        best, where = x[..., :4].cummax(dim=1)
+        return super().forward(x + best.sum(-1, keepdim=True) + 0.01 * where[..., :1].to(x.dtype))
+
+
 def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
@@ -277,6 +347,8 @@ def _spelling(attn_cls):
               VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn, FunctionalConvAttn,
               ShiftTokensAttn, CatShiftAttn, CropPadShiftAttn)
 )
+CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
+    _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
 
 # ----------------------------------------------------------------------- positions
