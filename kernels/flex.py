@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
 
 from treecompile.kernels.blockmask import tree_block_mask
+from treecompile.kernels.flex_mods import user_mods
 from treecompile.kernels.flex_options import MASK_BLOCK, flex_kernel_options
 from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
 
@@ -344,6 +345,9 @@ class AttentionSpec:
         sinks: the call passes ``sinks=`` logits ``[1, Hq, S]`` (or broadcastable): one more
             logit per query in the softmax denominator, with no value (gpt-oss attention
             sinks); the output is scaled by ``sigmoid(lse - sink)``.
+        mods: the key of a model's own FlexAttention ``score_mod`` / ``mask_mod``
+            (`treecompile.kernels.flex_mods`), run on the rows' path positions, the mask ANDed
+            with the tree rule; the call passes the tensors they read as ``mod_buffers=``.
     """
 
     kind: str
@@ -354,6 +358,7 @@ class AttentionSpec:
     layout: BlockLayout
     alibi: tuple[float, ...] | None = None
     sinks: bool = False
+    mods: str | None = None
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -368,23 +373,54 @@ def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _with_user_mods(spec: AttentionSpec, mask_mod: Callable, score_mod: Callable, n_rule: int
+                    ) -> tuple[Callable, Callable]:
+    """The tree's ``mask_mod`` ANDed with the model's own, and the model's ``score_mod``, both
+    reading ``positions`` and the model's tensors after the tree's buffers (see `flex_mods`)."""
+    mods = user_mods(spec.mods)
+
+    def mask(b, h, q_idx, kv_idx, *buffers):
+        rule, positions, extra = buffers[:n_rule], buffers[n_rule], buffers[n_rule + 1:]
+        ok = mask_mod(b, h, q_idx, kv_idx, *rule)
+        if mods.mask is None:
+            return ok
+        _, mask_bufs = mods.split(extra)
+        return ok & mods.mask(b, h, positions[q_idx], positions[kv_idx], *mask_bufs)
+
+    def score(s, b, h, q_idx, kv_idx, positions, *extra):
+        s = score_mod(s, b, h, q_idx, kv_idx)
+        if mods.score is None:
+            return s
+        score_bufs, _ = mods.split(extra)
+        return mods.score(s, b, h, positions[q_idx], positions[kv_idx], *score_bufs)
+
+    mask.__name__, score.__name__ = f"{mask_mod.__name__}_and_{mods.name}", mods.name
+    return mask, score
+
+
 def _flex_hop_attention(spec: AttentionSpec, mask_mod: Callable, score_mod: Callable, q, k, v, positions,
-                        buffers: tuple[torch.Tensor, ...], tables: BlockTensors, scale: float):
+                        buffers: tuple[torch.Tensor, ...], tables: BlockTensors, scale: float,
+                        mod_buffers: tuple[torch.Tensor, ...] = ()):
     """``(out, lse)`` of one tree attention call through FlexAttention's higher-order op.
 
     The ``mask_mod`` reads the rule's tensors, then ``positions`` under a sliding window; the
-    ALiBi ``score_mod`` reads the slopes and ``positions``.
+    ALiBi ``score_mod`` reads the slopes and ``positions``; a model's own mods read
+    ``positions`` and ``mod_buffers``.
     """
     mask_buffers = (*buffers, positions) if spec.window is not None else buffers
     score_buffers = ()
     if spec.alibi:
         slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
         score_buffers = (slopes, positions)
+    if spec.mods:
+        mask_mod, score_mod = _with_user_mods(spec, mask_mod, score_mod, len(buffers))
+        mask_buffers = (*buffers, positions, *mod_buffers)
+        score_buffers = (positions, *mod_buffers)
     return call_flex_hop(
         q,
         k,
         v,
-        score_mod=alibi_score_mod(score_mod) if spec.alibi else score_mod,
+        score_mod=alibi_score_mod(score_mod) if spec.alibi and not spec.mods else score_mod,
         mask_mod=mask_mod,
         block_tensors=tables,
         layout=spec.layout,
@@ -406,30 +442,32 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
     mask_mod = tree_mask_mod(spec.kind, chunks=spec.chunks, window=spec.window)
     score_mod = softcap_score_mod(spec.softcap)
 
-    def tree_flex_attention(q, k, v, positions, *tensors, sinks=None):
+    def tree_flex_attention(q, k, v, positions, *tensors, sinks=None, mod_buffers=()):
         q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
         tables = BlockTensors(*tensors[n_buf:])
-        if spec.window is not None:
-            tables = demote_full_blocks(tables)
+        if spec.window is not None or spec.mods and user_mods(spec.mods).mask is not None:
+            tables = demote_full_blocks(tables)  # a full block skips the mask_mod
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if q.device.type == "cpu":
             # FlexAttention has no sparse CPU kernel (its op evaluates all S x S pairs):
             # walk the live blocks instead, exact and without S x S memory.
-            if spec.window is not None or spec.alibi:
-                buffers = (*buffers, positions)
+            if spec.window is not None or spec.alibi or spec.mods:
+                buffers = (*buffers, positions, *mod_buffers)
             out, lse = torch.ops.treecompile.tree_attention_cpu(
                 q, k, v, list(buffers), tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks,
                 tables.full_kv_indices, spec.kind, _block_size(spec.layout), float(scale),
                 float(spec.softcap or 0.0), int(spec.window or 0), int(spec.chunks),
-                list(spec.alibi) if spec.alibi else None,
+                list(spec.alibi) if spec.alibi else None, spec.mods or "",
             )
         else:
-            out, lse = _flex_hop_attention(spec, mask_mod, score_mod, q, k, v, positions, buffers, tables, scale)
+            out, lse = _flex_hop_attention(spec, mask_mod, score_mod, q, k, v, positions, buffers, tables, scale,
+                                           tuple(mod_buffers))
         return out if sinks is None else _with_sinks(out, lse, sinks)
 
     parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
-             "alibi" if spec.alibi else "", "sinks" if spec.sinks else ""]
+             "alibi" if spec.alibi else "", "sinks" if spec.sinks else "",
+             user_mods(spec.mods).name if spec.mods else ""]
     tree_flex_attention.__name__ = "tree_flex_attention_" + "_".join(p for p in parts if p)
     tree_flex_attention.spec = spec  # read by the streaming pass (passes/stream.py)
     return tree_flex_attention

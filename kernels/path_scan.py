@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["path_cumsum", "path_cumsum_reference", "path_scan", "path_scan_reference", "SCANS"]
+__all__ = ["path_cumsum", "path_cumsum_reference", "path_scan", "path_scan_reference", "PATH_SCANS"]
 
 
 def path_cumsum(x: torch.Tensor, dim: int, subtree_end: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def path_cumsum_reference(x: torch.Tensor, dim: int, subtree_end: torch.Tensor) 
 
 #: The scans `path_scan` runs: name -> (combine(earlier, later), for the arg scans the
 #: comparison that keeps the later element, as torch's own keeps the last of equal ones).
-SCANS = {
+PATH_SCANS = {
     "cumsum": (torch.add, None),
     "cumprod": (torch.mul, None),
     "logcumsumexp": (torch.logaddexp, None),
@@ -95,7 +95,7 @@ def _scan_rows(xs: torch.Tensor, pred_index: torch.Tensor, node_table: torch.Ten
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, rows)`` of the scan of ``xs`` ``[S, ...]`` along each row's root path (``rows``:
     for cummax / cummin, the row each value comes from; else None). Differentiable."""
-    combine, keep_later = SCANS[op]
+    combine, keep_later = PATH_SCANS[op]
     s = xs.shape[0]
     levels = max(_max_depth(node_table, s) - 1, 0).bit_length()
     shape = (s,) + (1,) * (xs.dim() - 1)
@@ -119,7 +119,7 @@ def _scan_rows(xs: torch.Tensor, pred_index: torch.Tensor, node_table: torch.Ten
 def _scan_rows_backward(xs: torch.Tensor, g: torch.Tensor, pred_index: torch.Tensor,
                         node_table: torch.Tensor | None, op: str) -> torch.Tensor:
     """The gradient of `_scan_rows`'s values with respect to ``xs`` ``[S, ...]``, given theirs."""
-    combine, keep_later = SCANS[op]
+    combine, keep_later = PATH_SCANS[op]
     if keep_later is not None:
         _, rows = _scan_rows(xs, pred_index, node_table, op)
         return torch.zeros_like(xs).scatter_add_(0, rows, g)
@@ -148,7 +148,7 @@ def _scan_rows_backward(xs: torch.Tensor, g: torch.Tensor, pred_index: torch.Ten
 @torch.library.custom_op("treecompile::path_scan", mutates_args=())
 def path_scan(x: torch.Tensor, dim: int, pred_index: torch.Tensor, node_table: torch.Tensor | None, op: str
               ) -> list[torch.Tensor]:
-    """The scan ``op`` (a key of `SCANS`) of ``x`` along each row's root path.
+    """The scan ``op`` (a key of `PATH_SCANS`) of ``x`` along each row's root path.
 
     Args:
         x: ``[..., S, ...]`` with the rows on ``dim``.
@@ -170,7 +170,7 @@ def path_scan(x: torch.Tensor, dim: int, pred_index: torch.Tensor, node_table: t
 @path_scan.register_fake
 def _path_scan_fake(x, dim, pred_index, node_table, op):
     out = [torch.empty_like(x)]
-    if SCANS[op][1] is not None:
+    if PATH_SCANS[op][1] is not None:
         out.append(torch.empty_like(x, dtype=torch.int64))
     return out
 

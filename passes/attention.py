@@ -41,6 +41,7 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
+from treecompile.kernels.flex_mods import register_mods
 from treecompile.passes._graph import (
     Emitter,
     MATMUL,
@@ -51,10 +52,11 @@ from treecompile.passes._graph import (
     describe,
     is_call,
     row_dims,
+    same_size,
     source_of,
     value,
 )
-from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, structural_causal
+from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, structural_causal, value_inputs
 from treecompile.passes.attention_operands import (
     chain_end,
     drops_last_column,
@@ -104,7 +106,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
 
 
 def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post=None, alibi=None,
-             sinks=None) -> bool:
+             sinks=None, mods=None, mod_buffers=()) -> bool:
     """Inserts the tree attention call and redirects the users of ``output`` (default ``node``).
 
     ``q``, ``k``, ``v`` are ``[B, H, S, D]`` or ``[B * H, S, D]`` (``[B, S, D]`` for attention
@@ -156,10 +158,13 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
         layout=ctx.layout,
         alibi=alibi,
         sinks=sinks is not None,
+        mods=mods,
     )
     fn = tree_attention_fn(spec)
     with gm.graph.inserting_before(output):
         kwargs = {} if sinks is None else {"sinks": sinks}
+        if mods is not None:
+            kwargs["mod_buffers"] = list(mod_buffers)
         new = ctx.mark(gm.graph.call_function(fn, (q, k, v, ctx.positions, *ctx.mask_buffers, *ctx.block_tensors),
                                               kwargs), like=output)
         if three_d:
@@ -221,27 +226,40 @@ def _heads(node: fx.Node) -> int | None:
 
 
 def _rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
-    """A model's own ``flex_attention(q, k, v, block_mask=...)``: rewritten when it has no
-    ``score_mod`` and its ``mask_mod``, evaluated over the example length (its buffers
-    structural), is the causal pattern, optionally within a window. The model's ``BlockMask``
-    is then dead; the tree kernel builds its own."""
+    """A model's own ``flex_attention(q, k, v, score_mod=..., block_mask=...)``.
+
+    Its ``mask_mod``, evaluated over the example length (its buffers structural), must keep
+    only pairs with the key at or before the query; the causal pattern (optionally within a
+    window) becomes the tree kernel's own rule, any other such pattern (chunks, dilation, a
+    per-head mask) and any ``score_mod`` run in the tree kernel on the rows' path positions
+    (`treecompile.kernels.flex_mods`). The tensors they read may be parameters (a learned
+    bias) or structural, never computed from the tokens, nor one entry per token of the row
+    (document ids): those index by something other than the position. The model's
+    ``BlockMask`` is then dead; the tree kernel builds its own."""
     q, k, v, score_mod, block, scale = node.args[:6]
-    mask_buffers = node.args[8] if len(node.args) > 8 else ()
-    why = None
+    score_buffers = list(node.args[7]) if len(node.args) > 7 else []
+    mask_buffers = list(node.args[8]) if len(node.args) > 8 else []
     score_gm = getattr(gm, score_mod.target, None) if isinstance(score_mod, fx.Node) else None
-    if score_gm is None or not _returns_first_input(score_gm):
-        why = "a score_mod (a bias or soft-cap on the scores), which the tree kernel does not take"
     mask_fn = block[-1] if isinstance(block, (tuple, list)) and block else None
     mask_gm = getattr(gm, mask_fn.target, None) if isinstance(mask_fn, fx.Node) else None
-    window = None
+    why = None if score_gm is not None else "a score_mod treecompile cannot see"
+    own_score = score_gm is not None and not _returns_first_input(score_gm)
+    if why is None and own_score:
+        why = _mod_buffers_refusal(ctx, score_buffers, "score_mod", parameters=True)
+    window, own_mask = None, False
     if why is None:
         allowed = _mask_mod_pattern(ctx, mask_gm, mask_buffers)
         if isinstance(allowed, str):
             why = allowed
         else:
-            window, why = causal_pattern(allowed)
             ctx.max_rows = allowed.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, allowed.shape[-1])
-            why = f"the mask_mod is {why}" if why else None
+            window, pattern = causal_pattern(allowed)
+            if pattern is not None:
+                if "not causal" in pattern:
+                    why = f"the mask_mod is {pattern}"
+                else:
+                    own_mask = True  # causal, some other pattern: run the model's own mask_mod
+                    why = _mod_buffers_refusal(ctx, mask_buffers, "mask_mod", parameters=False)
     users = list(node.users)
     if why is None and not all(u.op == "call_function" and u.target is operator.getitem for u in users):
         why = "its result is used as a whole"
@@ -250,11 +268,50 @@ def _rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     if why is not None:
         ctx.notes[node] = why
         return
+    mods, mod_buffers = None, []
+    if own_score or own_mask:
+        mods = register_mods(score_gm if own_score else None, mask_gm if own_mask else None,
+                             len(score_buffers) if own_score else 0, len(mask_buffers) if own_mask else 0)
+        mod_buffers = (score_buffers if own_score else []) + (mask_buffers if own_mask else [])
     outputs = [u for u in users if u.args[1] == 0]
     for extra in outputs[1:]:
         extra.replace_all_uses_with(outputs[0])
-    if outputs and _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=outputs[0]):
+    if outputs and _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, output=outputs[0],
+                            mods=mods, mod_buffers=mod_buffers):
         ctx.count("flex_attention")
+        if mods is not None:
+            ctx.count("flex_mods")
+
+
+def _mod_buffers_refusal(ctx: PassContext, buffers: list, what: str, *, parameters: bool) -> str | None:
+    """Why the tensors a model's own ``score_mod`` / ``mask_mod`` reads cannot be read on the
+    tree's positions, or None: computed from the tokens (or, for a mask, from parameters), or
+    with one entry per token of the row (indexed by something other than the position)."""
+    for b in buffers:
+        if not isinstance(b, fx.Node):
+            continue
+        bv = value(b)
+        if isinstance(bv, torch.Tensor) and any(same_size(d, ctx.seq_len) for d in bv.shape):
+            return (f"a {what} that reads {b.name}, a tensor with one entry per token of the row (e.g. document ids): "
+                    "indexed by something other than the token's position on its path")
+        if _reads_tokens(ctx, b) or not parameters and depends_on_inputs(ctx, b):
+            return (f"a {what} that reads {b.name}, computed from the tokens"
+                    + ("" if parameters else " or parameters") + ", not a structural tensor")
+    return None
+
+
+def _reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
+    """Whether ``node``'s values depend on the token ids (through values, not shapes)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is ctx.input_ids:
+            return True
+        stack.extend(value_inputs(n))
+    return False
 
 
 def _returns_first_input(sub: fx.GraphModule) -> bool:

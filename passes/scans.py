@@ -25,14 +25,14 @@ import torch
 from torch import fx
 
 from treecompile.kernels import path_scan as _path_scan  # noqa: F401  (registers treecompile::path_scan)
-from treecompile.kernels.path_scan import SCANS
+from treecompile.kernels.path_scan import PATH_SCANS
 from treecompile.passes._graph import PassContext, bind, describe, op_name, same_size, source_of, value
 
 __all__ = ["rewrite_scans", "SCAN_SPELLINGS"]
 
 #: The scans, by the names Dynamo records for them (function or method); each result is one
 #: tensor, or for cummax / cummin ``(values, indices)``.
-SCAN_SPELLINGS = {name: name for name in SCANS}
+SCAN_SPELLINGS = {name: name for name in PATH_SCANS}
 
 
 def _scan_of(node: fx.Node, ctx: PassContext) -> tuple[str, fx.Node, int] | None:
@@ -68,12 +68,12 @@ def rewrite_scans(gm: fx.GraphModule, ctx: PassContext, needs_structure) -> None
         with g.inserting_before(node):
             if dtype is not None:
                 x = ctx.mark(g.call_method("to", (x, dtype)), like=node)
-                x.meta["example_value"] = value(node) if SCANS[op][1] is None else value(node)[0]
+                x.meta["example_value"] = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
             scan = ctx.mark(g.call_function(torch.ops.treecompile.path_scan.default,
                                             (x, dim, ctx.pred_index, ctx.node_table, op)), like=node)
             vals = ctx.mark(g.call_function(operator.getitem, (scan, 0)), like=node)
-            vals.meta["example_value"] = value(node) if SCANS[op][1] is None else value(node)[0]
-        if SCANS[op][1] is None:
+            vals.meta["example_value"] = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
+        if PATH_SCANS[op][1] is None:
             node.replace_all_uses_with(vals)
         else:
             _replace_pair(gm, ctx, node, scan, vals)

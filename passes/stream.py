@@ -48,7 +48,7 @@ from treecompile.kernels.scans import SCANS, stream_selective_scan  # noqa: F401
 from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.kernels.prefix_flex import prefix_flex_hop
-from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
+from treecompile.passes._graph import PassContext, describe, is_op, location_of, source_of, value
 
 __all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
            "stream_scan_fn", "stream_selective_scan", "stream_inputs", "stream_outputs", "prefix_attention_calls"]
@@ -337,6 +337,12 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
 
     def route_prefix_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         calls = _attention_calls(gm)
+        own = next((n for n in calls if n.target.spec.mods), None)
+        if own is not None:
+            raise UnsupportedModelError(
+                f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs the model's own "
+                "FlexAttention score_mod or mask_mod, which the streamed parts' prefix attention does not take; "
+                f"run it whole (no stream=) or under a larger budget.\n  at {source_of(own)}")
         kv = [(n.args[1], n.args[2]) for n in calls]
         shapes = _kv_shapes(calls)
         given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]

@@ -126,6 +126,10 @@ def transformers_version() -> tuple[int, ...]:
         return (0,)
 
 
+def _dense_flex(model):
+    return zc.dense_flex_reference(model)
+
+
 # GPT-J and CodeGen computed their own softmax attention until transformers 5.24, which moved
 # both onto the attention interface.
 _OWN_ATTENTION_BEFORE_5_24 = ((5, 24), {"attention": {"softmax_attention": 2}})
@@ -165,6 +169,17 @@ CASES: list[Case] = [
          "attention", _custom(zc.MinGRULM)),
     Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
     Case("running-max", "custom: cummax over the sequence, values and indices", _custom(zc.RunningMaxLM)),
+    Case("flex-softcap", "attention-gym generate_tanh_softcap as the model's own flex_attention score_mod",
+         _custom(zc.FlexSoftcapLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-alibi", "attention-gym generate_alibi_bias: slopes in a captured tensor, (kv_idx - q_idx) * slope",
+         _custom(zc.FlexAlibiLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-chunked", "a chunked causal mask_mod (Llama 4's chunks of 4 tokens) in the model's own "
+         "create_block_mask", _custom(zc.FlexChunkedLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-learned-bias", "a learned [H, 16] relative-position bias read by the score_mod (its gradient through "
+         "the tree kernel)", _custom(zc.FlexLearnedBiasLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-document-mask", "attention-gym's document mask: document_id[q_idx] == document_id[kv_idx], ids "
+         "counted from the row's separator tokens", _custom(zc.FlexDocumentLM), expect="refused",
+         reason="(e.g. document ids)"),
     Case("sdpa-tril-mask", "custom: SDPA with attn_mask = tril buffer [:T, :T]",
          _custom(zc.SdpaTrilMaskLM), attention={"sdpa": 2}),
     Case("vmap-mask", "custom: SDPA under a mask built with nested torch.vmap (as transformers 5.10 builds masks)",

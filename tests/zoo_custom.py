@@ -12,6 +12,7 @@ layers, vocab 32).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -692,3 +693,164 @@ class LengthScaledAlibiAttn(_Attn):
 
 
 LengthScaledAlibiLM = _spelling(LengthScaledAlibiAttn)
+
+
+# ----------------------------------------------------------------------- a model's own FlexAttention
+# score_mods and mask_mods as pytorch-labs/attention-gym writes them (mods/softcapping.py,
+# mods/alibi.py, masks/sliding_window.py, masks/document_mask.py), used in a decoder that builds
+# its BlockMask in the forward. ``flex_attention`` is looked up in this module at each call, so
+# the per-path reference can run it densely (FlexAttention has no backward on CPU).
+
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+
+
+def generate_tanh_softcap(soft_cap):
+    def tanh_softcap(score, b, h, q_idx, kv_idx):
+        return soft_cap * torch.tanh(score / soft_cap)
+
+    return tanh_softcap
+
+
+def generate_alibi_bias(num_heads):
+    def get_slopes(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    alibi_slopes = torch.tensor(get_slopes(num_heads), dtype=torch.float64)
+
+    def alibi_mod(score, b, h, q_idx, kv_idx):
+        scale = alibi_slopes[h]
+        bias = (kv_idx - q_idx) * scale
+        return score + bias
+
+    return alibi_mod
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def generate_chunked_causal(chunk):
+    """Llama 4's chunked attention as a mask_mod: causal within chunks of ``chunk`` tokens."""
+
+    def chunked(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // chunk == kv_idx // chunk)
+
+    return chunked
+
+
+class FlexModsAttn(_Attn):
+    """``flex_attention(q, k, v, score_mod=..., block_mask=create_block_mask(mask_mod, ...))``
+    with the functions the subclass names."""
+
+    def mods(self):
+        return None, causal_mask
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        score_mod, mask_mod = self.mods()
+        block_mask = create_block_mask(mask_mod, None, None, t, t, device=q.device)
+        return sys.modules[__name__].flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+class FlexSoftcapAttn(FlexModsAttn):
+    """attention-gym ``generate_tanh_softcap(20)`` as the score_mod, causal mask."""
+
+    def mods(self):
+        return generate_tanh_softcap(20.0), causal_mask
+
+
+class FlexAlibiAttn(FlexModsAttn):
+    """attention-gym ``generate_alibi_bias(H)``: slopes in a captured tensor indexed by head."""
+
+    def mods(self):
+        return generate_alibi_bias(HEADS), causal_mask
+
+
+class FlexChunkedAttn(FlexModsAttn):
+    """A chunked causal mask_mod (chunks of 4 tokens, Llama 4's attention_chunk_size)."""
+
+    def mods(self):
+        return None, generate_chunked_causal(4)
+
+
+class FlexLearnedBiasAttn(FlexModsAttn):
+    """A learned relative-position bias table ``[H, 16]`` read by the score_mod at
+    ``min(q_idx - kv_idx, 15)``: its gradient comes through the tree kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel_bias = nn.Parameter(torch.zeros(HEADS, 16))
+
+    def mods(self):
+        table = self.rel_bias
+
+        def learned_bias(score, b, h, q_idx, kv_idx):
+            return score + table[h, (q_idx - kv_idx).clamp(0, 15)]
+
+        return learned_bias, causal_mask
+
+
+class FlexDocumentAttn(FlexModsAttn):
+    """attention-gym's document mask: ``document_id[q_idx] == document_id[kv_idx]`` with the
+    documents counted from separator tokens (id 0) of the row."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        document_id = self.document_id
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (document_id[q_idx] == document_id[kv_idx])
+
+        block_mask = create_block_mask(document_causal, None, None, t, t, device=q.device)
+        return sys.modules[__name__].flex_attention(q, k, v, block_mask=block_mask)
+
+
+class FlexDocumentLM(_LM):
+    block_cls = FlexDocumentAttn
+
+    def forward(self, idx):
+        doc = (idx[0] == 0).long().cumsum(0)
+        for blk in self.blocks:
+            blk.document_id = doc
+        return super().forward(idx)
+
+
+FlexSoftcapLM, FlexAlibiLM, FlexChunkedLM, FlexLearnedBiasLM = (
+    _spelling(c) for c in (FlexSoftcapAttn, FlexAlibiAttn, FlexChunkedAttn, FlexLearnedBiasAttn))
+
+
+def dense_flex_reference(model: nn.Module):
+    """The per-path reference of the models above on CPU: ``flex_attention`` computed densely
+    for the duration of the run, ``score_mod`` and ``mask_mod`` evaluated on every (b, h, q,
+    kv) by ``vmap`` (the function FlexAttention computes, with a backward)."""
+    import contextlib
+
+    from torch.func import vmap
+    from torch.nn.attention.flex_attention import create_mask
+
+    def dense(q, k, v, score_mod=None, block_mask=None, scale=None, **kw):
+        b, h, t, d = q.shape
+        s = (q @ k.transpose(-2, -1)) * (d**-0.5 if scale is None else scale)
+        if score_mod is not None:
+            fn = score_mod
+            for dims in [(0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None),
+                         (0, 0, None, None, None)]:
+                fn = vmap(fn, in_dims=dims, out_dims=0)
+            s = fn(s, torch.arange(b), torch.arange(h), torch.arange(t), torch.arange(s.shape[-1]))
+        if block_mask is not None:
+            mask = create_mask(block_mask.mask_mod, b, h, t, s.shape[-1], device=q.device)
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    @contextlib.contextmanager
+    def swapped():
+        module = sys.modules[__name__]
+        saved = module.flex_attention
+        module.flex_attention = dense
+        try:
+            yield
+        finally:
+            module.flex_attention = saved
+
+    return swapped()
