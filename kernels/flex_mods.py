@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["UserMods", "register_mods", "user_mods", "tile_scores", "tile_mask"]
+__all__ = ["UserMods", "register_mods", "chunk_mods", "user_mods", "tile_scores", "tile_mask", "score_vjp"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,22 @@ def register_mods(score: Callable | None, mask: Callable | None, n_score: int, n
     parts = [p for p in ("score" if score is not None else "", "mask" if mask is not None else "") if p]
     _MODS[key] = UserMods(score, mask, n_score, n_mask, f"{'_'.join(parts)}_{key}")
     return key
+
+
+_CHUNKS: dict[int, str] = {}
+
+
+def chunk_mods(chunk: int) -> str:
+    """The key of a mask_mod keeping keys in the query's chunk of ``chunk`` tokens (positions
+    ``q // chunk == kv // chunk``): Llama 4's chunked attention, which ANDed with the tree
+    rule keeps the ancestors in the query's chunk of its path."""
+    if chunk not in _CHUNKS:
+        def same_chunk(b, h, q_idx, kv_idx):
+            return q_idx // chunk == kv_idx // chunk
+
+        same_chunk.__name__ = f"chunk{chunk}"
+        _CHUNKS[chunk] = register_mods(None, same_chunk, 0, 0)
+    return _CHUNKS[chunk]
 
 
 def user_mods(key: str) -> UserMods:

@@ -41,7 +41,7 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
-from treecompile.kernels.flex_mods import register_mods
+from treecompile.kernels.flex_mods import chunk_mods, register_mods
 from treecompile.passes._graph import (
     Emitter,
     MATMUL,
@@ -89,10 +89,13 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         if is_marker(node, "causal_attention"):
             q, k, v, scale, window, softcap, *rest = node.args
             sinks = rest[0] if rest else node.kwargs.get("sinks")
+            chunk = rest[1] if len(rest) > 1 else node.kwargs.get("chunk")
             if sinks is not None:
                 with gm.graph.inserting_before(node):  # [Hq] -> [1, Hq, 1], broadcast over the rows
                     sinks = ctx.mark(gm.graph.call_method("view", (sinks, 1, -1, 1)), like=node)
-            if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks):
+            # Attention within chunks of the path (Llama 4): the model's own mask on path positions.
+            mods = chunk_mods(int(chunk)) if chunk is not None else None
+            if _replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=softcap, sinks=sinks, mods=mods):
                 ctx.count("hf_interface")
         elif is_call(node, SDPA):
             _rewrite_sdpa(gm, ctx, node)

@@ -8,7 +8,7 @@
   with dynamic shapes they share S's symbol. ``structure`` is empty, or, for a model with
   recurrent or conv layers, ``[pred_index [S], node_table [N, 3]]`` (the node table on the
   CPU; the conv context and SSM state passes read them). The pipeline removes it first.
-* ``treecompile::causal_attention(q, k, v, scale, window, softcap, sinks)`` is what
+* ``treecompile::causal_attention(q, k, v, scale, window, softcap, sinks, chunk)`` is what
   `treecompile.capture.hf.hf_causal_attention` emits for Hugging Face attention-interface calls: one
   opaque node carrying the call's semantics (scale, sliding window, soft-capping, attention
   sinks) instead
@@ -82,7 +82,7 @@ def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
 
 
 def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None,
-                      sinks: Tensor | None = None):
+                      sinks: Tensor | None = None, chunk: int | None = None):
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -94,6 +94,8 @@ def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int
     allowed = idx[None, :] <= idx[:, None]
     if window is not None:
         allowed &= idx[:, None] - idx[None, :] < window
+    if chunk is not None:
+        allowed &= idx[:, None] // chunk == idx[None, :] // chunk
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1) @ v
@@ -104,17 +106,18 @@ def _reference_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int
 @torch.library.custom_op("treecompile::causal_attention", mutates_args=())
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, softcap: float | None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, chunk: int | None = None,
 ) -> Tensor:
     """Per-sequence causal attention ``[B, Hq, S, Dv]``; a marker the attention pass rewrites.
 
     ``sinks`` ``[Hq]``: a learned logit per head in every softmax denominator (gpt-oss).
+    ``chunk``: attention within chunks of that many tokens (Llama 4's ``attention_chunk_size``).
     """
-    return _reference_causal(q, k, v, scale, window, softcap, sinks)
+    return _reference_causal(q, k, v, scale, window, softcap, sinks, chunk)
 
 
 @causal_attention.register_fake
-def _causal_attention_fake(q, k, v, scale, window, softcap, sinks=None):
+def _causal_attention_fake(q, k, v, scale, window, softcap, sinks=None, chunk=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -23,18 +23,19 @@ def _perturbed(cfg):
     return perturbed_hf_model(cfg)
 
 
-def test_chunked_attention_is_refused_by_name():
+def test_chunked_attention_follows_the_path():
+    """Llama 4's chunked attention (chunks of 4 tokens, paths of up to 7): each query sees the
+    ancestors in its chunk of its path; loss and gradients equal per-path training, with HF's
+    own chunked mask on each path."""
     cfg = transformers.Llama4TextConfig(**{**SMALL, "intermediate_size_mlp": 64}, attention_chunk_size=4,
-                                        num_local_experts=2, interleave_moe_layer_step=1, output_router_logits=False)
-    batch, _ = make_batch("branchy")
-    with pytest.raises(UnsupportedModelError) as info:
-        tc.tree_compile(_perturbed(cfg))(batch)
-    first = str(info.value).splitlines()[0]
-    assert first.startswith(
-        "treecompile cannot make this model exact on a tree: Llama4TextAttention: chunked attention mask "
-        "(create_chunked_causal_mask, size 4) is not reproduced on a tree"
-    ), first
-    assert "(called at modeling_llama4.py:" in first, first
+                                        num_local_experts=2, interleave_moe_layer_step=1, output_router_logits=False,
+                                        no_rope_layers=[1, 1])
+    model = _perturbed(cfg)
+    compiled = tc.tree_compile(model, backend="eager")
+    for name in ("branchy", "single"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="hf")
+    assert compiled.counters["rewrite_attention_pass"]["hf_interface"] == 2
 
 
 def test_a_window_that_exists_only_in_the_mask_is_kept():

@@ -106,9 +106,11 @@ def hf_causal_attention(
                 f"{name}: attention argument {key_name!r} is not supported by treecompile yet"
             )
     _check_kept_by_the_model(module, softcap, sinks)
+    chunk = attention_mask.size if isinstance(attention_mask, TreeMask) and attention_mask.kind == "chunked" else None
     sliding_window = _window_from_mask(name, attention_mask, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks)
+    out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks,
+                                                 chunk)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -137,8 +139,8 @@ def _window_from_mask(name: str, mask: Any, window: int | None) -> int | None:
     if mask is None:
         return window
     if isinstance(mask, TreeMask):
-        if mask.kind == "causal":
-            return window
+        if mask.kind == "causal" or mask.kind == "chunked" and mask.size is not None and window is None:
+            return window  # (chunks: carried by the marker's chunk argument)
         if mask.kind == "sliding" and mask.size is not None:
             if window is not None and window != mask.size:
                 raise UnsupportedModelError(
@@ -149,7 +151,7 @@ def _window_from_mask(name: str, mask: Any, window: int | None) -> int | None:
         raise UnsupportedModelError(
             f"{name}: {mask.kind} attention mask ({mask.builder}"
             + (f", size {mask.size}" if mask.size else "")
-            + ") is not reproduced on a tree; treecompile supports causal and sliding-window attention"
+            + ") is not reproduced on a tree; treecompile supports causal, sliding-window and chunked attention"
         )
     raise UnsupportedModelError(
         f"{name}: receives an attention mask {type(mask).__name__} built by the model's own code (a custom causal "
