@@ -60,6 +60,20 @@ _SHAPE_SOURCES = {"type_as": (1,), "to": (1,), "new_zeros": (0,), "new_ones": (0
                   "reshape_as": (1,)}
 
 
+def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
+    """Whether ``node``'s values depend on the token ids (through values, not shapes)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is ctx.input_ids:
+            return True
+        stack.extend(value_inputs(n))
+    return False
+
+
 def shape_sources(n: fx.Node) -> list[fx.Node]:
     """The tensor inputs of ``n`` that lend it only their dtype, device or shape (see
     `depends_on_inputs`)."""

@@ -56,7 +56,7 @@ from treecompile.passes._graph import (
     source_of,
     value,
 )
-from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, structural_causal, value_inputs
+from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, reads_tokens, structural_causal
 from treecompile.passes.attention_operands import (
     chain_end,
     drops_last_column,
@@ -69,6 +69,7 @@ from treecompile.passes.attention_operands import (
 )
 from treecompile.passes.score_chain import StopWalk, arithmetic_mask, spell_softmax, walk_scores
 from treecompile.passes.markers import is_marker
+from treecompile.passes.relative_bias import relative_bias_mods
 
 __all__ = ["rewrite_attention_pass"]
 
@@ -297,24 +298,10 @@ def _mod_buffers_refusal(ctx: PassContext, buffers: list, what: str, *, paramete
         if isinstance(bv, torch.Tensor) and any(same_size(d, ctx.seq_len) for d in bv.shape):
             return (f"a {what} that reads {b.name}, a tensor with one entry per token of the row (e.g. document ids): "
                     "indexed by something other than the token's position on its path")
-        if _reads_tokens(ctx, b) or not parameters and depends_on_inputs(ctx, b):
+        if reads_tokens(ctx, b) or not parameters and depends_on_inputs(ctx, b):
             return (f"a {what} that reads {b.name}, computed from the tokens"
                     + ("" if parameters else " or parameters") + ", not a structural tensor")
     return None
-
-
-def _reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
-    """Whether ``node``'s values depend on the token ids (through values, not shapes)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n is ctx.input_ids:
-            return True
-        stack.extend(value_inputs(n))
-    return False
 
 
 def _returns_first_input(sub: fx.GraphModule) -> bool:
@@ -504,6 +491,11 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         return
     heads = _heads(node)
     arithmetic = any(kind in ("multiply", "subtract") for kind, _ in masks)
+    relative = [m for kind, m in masks if kind == "relative"]
+    masks = [(kind, m) for kind, m in masks if kind != "relative"]
+    if relative and (arithmetic or len(relative) > 1):
+        ctx.notes[node] = "the scores get a learned pair bias beside another bias or an arithmetic mask"
+        return
     for kind, m in masks:
         if arithmetic:
             break  # judged together below
@@ -537,10 +529,23 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
     if not causal:
         ctx.notes[out] = "softmax attention without a causal mask (bidirectional)"
         return
+    mods, mod_buffers = None, []
+    if relative:
+        if alibi is not None or walk.softcap is not None:
+            ctx.notes[node] = "the scores get a learned pair bias beside ALiBi or a soft-cap"
+            return
+        found = relative_bias_mods(gm, ctx, relative[0], out, walk.relative_scale, heads)
+        if isinstance(found, str):
+            ctx.notes[node] = f"the scores get {found}"
+            return
+        mods, table = found
+        mod_buffers = [table]
     with gm.graph.inserting_before(out):
         q, k, v = (ctx.mark(x(gm.graph), like=out) if callable(x) else x for x in (q, k, v))
         if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=out)
     if _replace(gm, ctx, node, q, k, v, scale=scale * (walk.softcap or 1.0), window=window, softcap=walk.softcap,
-                output=out, post=post, alibi=alibi, sinks=sink):
+                output=out, post=post, alibi=alibi, sinks=sink, mods=mods, mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
+        if mods is not None:
+            ctx.count("relative_bias")

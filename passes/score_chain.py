@@ -30,9 +30,10 @@ from treecompile.passes._graph import (
     bind,
     is_call,
     mutated_args,
+    same_size,
     value,
 )
-from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate
+from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS"]
 
@@ -46,7 +47,8 @@ class ScoreChain:
         scale: the product of the constant factors on the scores (before the soft-cap).
         softcap: ``c`` of ``c * tanh(x / c)``, or None.
         masks: ``(kind, node)``: ``masked_fill``, ``additive``, ``where``, ``multiply``,
-            ``subtract`` (the last two judged together, see `arithmetic_mask`).
+            ``subtract`` (the last two judged together, see `arithmetic_mask`), ``relative`` (a
+            bias over the pairs computed from parameters, `treecompile.passes.relative_bias`).
         nodes: the nodes the rewrite replaces.
     """
 
@@ -56,6 +58,7 @@ class ScoreChain:
     masks: list[tuple[str, fx.Node]] = field(default_factory=list)
     nodes: list[fx.Node] = field(default_factory=list)
     after_cap: bool = False  # the walk has passed the soft-cap's tanh (no mask may follow)
+    relative_scale: float = 1.0  # the factor on the scores after a ``relative`` bias is added
 
 
 class StopWalk(Exception):
@@ -93,6 +96,12 @@ def _mask(ctx: PassContext, chain: ScoreChain, kind: str, m) -> None:
 
 def _structural(ctx: PassContext, x) -> bool:
     return isinstance(x, fx.Node) and depends_on_inputs(ctx, x) is False
+
+
+def _pair_shaped(ctx: PassContext, x: fx.Node) -> bool:
+    """``[.., S, S]``: one entry per (query, key) pair."""
+    v = value(x)
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and all(same_size(d, ctx.seq_len) for d in v.shape[-2:])
 
 
 # --------------------------------------------------------------------------- the steps
@@ -149,6 +158,14 @@ def _add(ctx, chain, cur):
     for bias, scores in ((b, a), (a, b)):
         if _structural(ctx, bias) and isinstance(scores, fx.Node):
             _mask(ctx, chain, "additive", bias)
+            return scores
+    # A bias over (query, key) pairs computed from parameters, not the tokens (a learned
+    # relative position bias): judged by the attention pass as a function of the distance.
+    for bias, scores in ((b, a), (a, b)):
+        if isinstance(bias, fx.Node) and isinstance(scores, fx.Node) and _pair_shaped(ctx, bias) \
+                and not reads_tokens(ctx, bias) and reads_tokens(ctx, scores):
+            _mask(ctx, chain, "relative", bias)
+            chain.relative_scale = chain.scale
             return scores
     raise StopWalk("the scores get an additive bias computed from parameters or the inputs (e.g. a learned T5-style "
                 "relative position bias), which treecompile cannot express in path positions yet")

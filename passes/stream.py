@@ -340,8 +340,9 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
         own = next((n for n in calls if n.target.spec.mods), None)
         if own is not None:
             raise UnsupportedModelError(
-                f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs the model's own "
-                "FlexAttention score_mod or mask_mod, which the streamed parts' prefix attention does not take; "
+                f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs a score_mod or "
+                "mask_mod of the model's own (its FlexAttention mods, a learned pair bias or chunked attention), "
+                "which the streamed parts' prefix attention does not take; "
                 f"run it whole (no stream=) or under a larger budget.\n  at {source_of(own)}")
         kv = [(n.args[1], n.args[2]) for n in calls]
         shapes = _kv_shapes(calls)

@@ -66,5 +66,5 @@ def test_a_learned_bias_gets_its_gradient_through_the_lowering():
 def test_streaming_a_model_with_its_own_mods_is_refused_by_name():
     model = zoo.perturb(zc.FlexSoftcapLM().double().eval())
     compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
-    with pytest.raises(UnsupportedModelError, match=r"cannot stream this model: .* runs the model's own FlexAttention"):
+    with pytest.raises(UnsupportedModelError, match=r"cannot stream this model: .* runs a score_mod or mask_mod of the model's own"):
         compiled(zoo.batches()[1][1])

@@ -439,6 +439,102 @@ class T5BiasAttn(_Attn):
 T5BiasLM = _spelling(T5BiasAttn)
 
 
+def t5_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """transformers models/t5/modeling_t5.py ``T5Attention._relative_position_bucket``."""
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    # now relative_position is in the range [0, inf)
+
+    # half of the buckets are for exact increments in positions
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+
+    # The other half of the buckets are for logarithmically bigger bins in positions up to max_distance
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+    )
+
+    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+
+
+class T5BucketsAttn(_Attn):
+    """T5's own bias (``compute_bias`` with ``bidirectional=False``, as a decoder computes it):
+    log-spaced relative position buckets into a learned ``Embedding(buckets, H)``, added to the
+    unscaled scores, under the causal tril buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relative_attention_num_buckets, self.relative_attention_max_distance = 8, 16
+        self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, HEADS)
+
+    def compute_bias(self, query_length, key_length, device=None):
+        context_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
+        memory_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        relative_position = memory_position - context_position  # shape (query_length, key_length)
+        relative_position_bucket = t5_relative_position_bucket(
+            relative_position, bidirectional=False, num_buckets=self.relative_attention_num_buckets,
+            max_distance=self.relative_attention_max_distance,
+        )
+        values = self.relative_attention_bias(relative_position_bucket)  # shape (query_length, key_length, num_heads)
+        values = values.permute([2, 0, 1]).unsqueeze(0)  # shape (1, num_heads, query_length, key_length)
+        return values
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        scores = torch.matmul(q, k.transpose(3, 2)) + self.compute_bias(t, t, device=q.device)
+        scores = scores.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
+
+
+class LearnedAlibiAttn(_Attn):
+    """ALiBi with learned slopes (a parameter per head) on the scaled scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slopes = nn.Parameter(2.0 ** (-8.0 * torch.arange(1, HEADS + 1) / HEADS))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)
+        rel = (pos[None, :] - pos[:, None]).to(q.dtype)
+        att = (q @ k.transpose(-2, -1) + self.slopes.to(q.dtype)[:, None, None] * rel) * HD**-0.5
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class AbsolutePairBiasAttn(_Attn):
+    """A learned bias of the query's absolute position plus the distance: not a function of
+    the distance alone (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = nn.Parameter(torch.zeros(MAX_LEN))
+        self.absolute = nn.Parameter(torch.zeros(MAX_LEN))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        bias = self.rel[(i[:, None] - i[None, :]).clamp(min=0)] + self.absolute[i][:, None]
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + bias
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+T5BucketsLM, LearnedAlibiLM, AbsolutePairBiasLM = (
+    _spelling(c) for c in (T5BucketsAttn, LearnedAlibiAttn, AbsolutePairBiasAttn))
+
+
 class SinkAttn(_Attn):
     """gpt-oss attention sinks: a learned per-head logit concatenated to the scores, dropped after softmax."""
 

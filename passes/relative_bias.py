@@ -1,0 +1,136 @@
+"""A learned bias over (query, key) pairs that is a function of their distance, as a score_mod.
+
+T5's relative position buckets (``bidirectional=False``), a hand-written learned ALiBi, any
+``[.., S, S]`` bias ``g(h, i - j)`` computed from the two sequence indices and parameters
+and added to the scores: per path ``i`` and ``j`` are the tokens' offsets on the path, so
+on the tree the bias is ``g(h, positions[q] - positions[kv])``. The attention pass hands the
+tree kernel a table ``T[h, d] = g(h, d)`` for ``d`` in ``[0, S)`` (the distances a causal
+query sees) and a score_mod adding ``T[h, positions[q] - positions[kv]]``
+(`treecompile.kernels.flex_mods`): O(S) memory, the table computed in the graph from the
+model's own parameters, so a learned table gets its gradient.
+
+The table is the model's own subgraph with the key index replaced by 0 (``g(h, i - 0)``): the
+two index grids must meet in one subtraction, nothing else of the bias may read an index,
+and the bias evaluated at the example length must equal the table at every distance;
+otherwise the bias is refused.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from treecompile.kernels.flex_mods import register_mods
+from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, same_size, value
+from treecompile.passes._mask_eval import evaluate
+
+__all__ = ["relative_bias_mods"]
+
+_SUBTRACTIONS = (operator.sub, torch.sub, torch.subtract)
+
+
+def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: fx.Node, scale: float,
+                       heads: int | None) -> tuple[str, fx.Node] | str:
+    """``(mods key, table node)`` for ``bias``, the table built in the graph before ``at`` and
+    multiplied by ``scale`` (the factor on the scores after the bias is added); or why not."""
+    anc = ancestors(bias) | {bias}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    aranges = [n for n in anc if is_call(n, ARANGE)]
+    if not aranges:
+        return "a bias over (query, key) pairs that is not built from the sequence index (a learned [S, S] table)"
+    meet = next((n for n in sorted(anc, key=order.get) if _meets(n, ctx)), None)
+    if meet is None or not is_call(meet, _SUBTRACTIONS, ("sub",)):
+        return "a bias over (query, key) pairs whose indices do not meet in one difference (i - j)"
+    key_side = next(a for a in meet.args[:2] if _is_key_grid(a, ctx))
+    after = _downstream(meet) & anc
+    indexed = _downstream_of(aranges) & anc
+    if not indexed <= (ancestors(meet) | {meet} | after):
+        return "a bias over (query, key) pairs that reads a sequence index other than through their difference"
+    g = gm.graph
+    env: dict[fx.Node, fx.Node] = {}
+    kv = value(key_side)
+    with g.inserting_before(at):
+        zero = ctx.mark(g.call_function(torch.zeros, (tuple([1] * kv.dim()),), {"dtype": kv.dtype,
+                                                                                  "device": kv.device}), like=bias)
+        zero.meta["example_value"] = torch.zeros([1] * kv.dim(), dtype=kv.dtype, device=kv.device)
+        for n in sorted(indexed, key=order.get):
+            if n is key_side:
+                env[n] = zero
+                continue
+            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=bias)
+            env[n].meta = dict(n.meta)
+            env[n].meta.pop("example_value", None)
+        column = env[bias]
+        lead = int(torch.Size(value(bias).shape[:-2]).numel()) if value(bias).dim() > 2 else 1
+        picked = ctx.mark(g.call_method("select", (column, -1, 0)), like=bias)
+        table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=bias)
+        if scale != 1.0:
+            table = ctx.mark(g.call_function(operator.mul, (table, scale)), like=bias)
+    if heads is not None and lead not in (1, heads):
+        return f"a bias over (query, key) pairs with {lead} leading entries for {heads} heads"
+    why = _check(ctx, bias, table, scale)
+    if why is not None:
+        return why
+    per_head = lead > 1
+
+    def relative_bias(score, b, h, q_idx, kv_idx, tab):
+        d = (q_idx - kv_idx).clamp(min=0)
+        return score + tab[h if per_head else 0, d].to(score.dtype)
+
+    return register_mods(relative_bias, None, 1, 0), table
+
+
+def _meets(n: fx.Node, ctx: PassContext) -> bool:
+    """A node combining a query-index grid ``[.., S, 1]`` with a key-index grid ``[.., 1, S]``."""
+    ins = [a for a in n.args[:2] if isinstance(a, fx.Node)]
+    return len(ins) == 2 and any(_is_key_grid(a, ctx) for a in ins) and any(_is_query_grid(a, ctx) for a in ins)
+
+
+def _grid(x, ctx: PassContext) -> tuple | None:
+    v = value(x) if isinstance(x, fx.Node) else None
+    return tuple(v.shape[-2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2 else None
+
+
+def _is_key_grid(x, ctx: PassContext) -> bool:
+    s = _grid(x, ctx)
+    return s is not None and s[0] == 1 and same_size(s[1], ctx.seq_len)
+
+
+def _is_query_grid(x, ctx: PassContext) -> bool:
+    s = _grid(x, ctx)
+    return s is not None and s[1] == 1 and same_size(s[0], ctx.seq_len)
+
+
+def _downstream(node: fx.Node) -> set[fx.Node]:
+    return _downstream_of([node]) - {node}
+
+
+def _downstream_of(nodes) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
+
+
+def _check(ctx: PassContext, bias: fx.Node, table: fx.Node, scale: float) -> str | None:
+    """Why the bias evaluated at the example length is not the table at each distance (on and
+    below the diagonal, the pairs a causal query sees), or None."""
+    try:
+        full, col = evaluate(ctx, bias), evaluate(ctx, table)
+    except Exception as e:  # an operand that cannot be evaluated alone
+        return f"a bias over (query, key) pairs that cannot be evaluated ({type(e).__name__})"
+    tol = 1e-9 if full.dtype == torch.float64 else 1e-5
+    full, col = full.double(), col.double() / scale
+    s = full.shape[-1]
+    full = full.reshape(-1, s, s)
+    i, j = torch.tril_indices(s, s)
+    want = full[:, i, j]
+    got = col[:, i - j].expand_as(want)
+    if not torch.allclose(got, want, rtol=tol, atol=tol):
+        return "a bias over (query, key) pairs that is not a function of their distance"
+    return None
