@@ -77,14 +77,20 @@ def softcap_score_mod(cap: float | None) -> Callable:
     return capped
 
 
-def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with a sink logit per query: ``sum_j e^s_j v_j / (sum_j e^s_j + e^sink)``.
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                values: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with a sink logit per query: ``(sum_j e^s_j v_j + e^sink value) / (sum_j e^s_j
+    + e^sink)`` (``value`` 0 without ``values``).
 
-    That is the attention output times ``sum_j e^s_j / (sum_j e^s_j + e^sink)``, i.e. times
-    ``sigmoid(lse - sink)``; the gradient reaches the scores through ``lse``.
+    That is the attention output times ``w = sum_j e^s_j / (sum_j e^s_j + e^sink)``, i.e.
+    ``sigmoid(lse - sink)``, plus ``(1 - w) value``; the gradient reaches the scores through
+    ``lse``. ``values`` ``[1, Hq, S or 1, Dv]``: a key appended with its own value
+    (``nn.MultiheadAttention``'s ``bias_k`` / ``bias_v``).
     """
-    w = torch.sigmoid(lse - sinks.to(lse.dtype))
-    return out * w.unsqueeze(-1).to(out.dtype)
+    w = torch.sigmoid(lse - sinks.to(lse.dtype)).unsqueeze(-1)
+    if values is None:
+        return out * w.to(out.dtype)
+    return out * w.to(out.dtype) + values.to(out.dtype) * (1 - w).to(out.dtype)
 
 
 def alibi_score_mod(inner: Callable) -> Callable:
@@ -442,7 +448,7 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
     mask_mod = tree_mask_mod(spec.kind, chunks=spec.chunks, window=spec.window)
     score_mod = softcap_score_mod(spec.softcap)
 
-    def tree_flex_attention(q, k, v, positions, *tensors, sinks=None, mod_buffers=()):
+    def tree_flex_attention(q, k, v, positions, *tensors, sinks=None, sink_values=None, mod_buffers=()):
         q, k, v = _common_dtype(q, k, v)
         buffers = tuple(tensors[:n_buf])
         tables = BlockTensors(*tensors[n_buf:])
@@ -463,7 +469,7 @@ def tree_attention_fn(spec: AttentionSpec) -> Callable:
         else:
             out, lse = _flex_hop_attention(spec, mask_mod, score_mod, q, k, v, positions, buffers, tables, scale,
                                            tuple(mod_buffers))
-        return out if sinks is None else _with_sinks(out, lse, sinks)
+        return out if sinks is None else _with_sinks(out, lse, sinks, sink_values)
 
     parts = [spec.kind, f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
              "alibi" if spec.alibi else "", "sinks" if spec.sinks else "",

@@ -110,7 +110,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
 
 
 def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post=None, alibi=None,
-             sinks=None, mods=None, mod_buffers=()) -> bool:
+             sinks=None, sink_values=None, mods=None, mod_buffers=()) -> bool:
     """Inserts the tree attention call and redirects the users of ``output`` (default ``node``).
 
     ``q``, ``k``, ``v`` are ``[B, H, S, D]`` or ``[B * H, S, D]`` (``[B, S, D]`` for attention
@@ -167,6 +167,8 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
     fn = tree_attention_fn(spec)
     with gm.graph.inserting_before(output):
         kwargs = {} if sinks is None else {"sinks": sinks}
+        if sink_values is not None:
+            kwargs["sink_values"] = sink_values
         if mods is not None:
             kwargs["mod_buffers"] = list(mod_buffers)
         new = ctx.mark(gm.graph.call_function(fn, (q, k, v, ctx.positions, *ctx.mask_buffers, *ctx.block_tensors),
@@ -343,10 +345,15 @@ _MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": Tru
 
 
 def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
-    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, fairseq) as self-attention
-    over the rows ``[S, 1, E]`` under a structural causal ``attn_mask``: its projections,
-    split into heads, the tree attention, and the output projection, as the function computes
-    them (the scale ``1 / sqrt(E / H)``)."""
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``,
+    fairseq) over the rows ``[S, 1, E]`` under a structural causal ``attn_mask``: its
+    projections, split into heads, the tree attention, and the output projection, as the
+    function computes them (the scale ``1 / sqrt(E / H)``). Keys and values may be other rows
+    of the same sequence (a decoder layer's causal attention to its input). ``bias_k`` /
+    ``bias_v`` (a key and value appended) and ``add_zero_attn`` (a zero key and value
+    appended) are one more logit per query in the softmax, with its value: the kernel's
+    attention sinks. Attention to a memory without rows (a learned prefix) is row-local as it
+    stands."""
     a = bind(node, _MHA_ARGS, _MHA_DEFAULTS)
     query = a["query"]
     qv = value(query)
@@ -354,12 +361,19 @@ def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> N
             or qv.shape[1] != 1:
         return  # not over the rows (sequence-first, batch of one), e.g. over the heads or a memory
     why = None
+    rows_kv = [isinstance(value(a[x]), torch.Tensor) and 0 in row_dims(a[x], ctx.seq_len, "seq") and
+               value(a[x]).shape[1] == 1 for x in ("key", "value")]
     if a["key"] is not query or a["value"] is not query:
-        why = "attends to keys other than its queries (cross-attention over the packed rows)"
-    elif any(a[k] is not None for k in ("bias_k", "bias_v", "key_padding_mask", "static_k", "static_v")) \
-            or a["add_zero_attn"]:
-        why = "uses bias_k / bias_v, add_zero_attn, a key padding mask or static keys"
-    elif a["attn_mask"] is None:
+        if not any(rows_kv) and a["attn_mask"] is None and a["key_padding_mask"] is None:
+            _memory_attention(gm, ctx, node, a)
+            return
+        if not all(rows_kv):
+            why = "attends to keys other than its queries' rows (cross-attention mixing the packed rows with another)"
+    if why is None and any(a[k] is not None for k in ("key_padding_mask", "static_k", "static_v")):
+        why = "uses a key padding mask or static keys"
+    elif why is None and (a["bias_k"] is None) != (a["bias_v"] is None):
+        why = "uses bias_k without bias_v"
+    elif why is None and a["attn_mask"] is None:
         why = ("nn.MultiheadAttention without a causal mask (bidirectional: every token sees the whole packed row)"
                if not a["is_causal"] else "is_causal without the mask nn.MultiheadAttention needs")
     if a["dropout_p"] and a["training"]:
@@ -386,18 +400,11 @@ def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> N
     e = int(qv.shape[-1])
     hd = e // heads
     emit = Emitter(gm, ctx, node)
-    bias = a["in_proj_bias"]
-    if a["use_separate_proj_weight"]:
-        biases = [None] * 3 if bias is None else [emit.method("__getitem__", bias, slice(i * e, (i + 1) * e))
-                                                  for i in range(3)]
-        q, k, v = (emit.fn(torch.nn.functional.linear, query, a[f"{w}_proj_weight"], b)
-                   for w, b in zip("qkv", biases))
-    else:
-        qkv = emit.fn(torch.nn.functional.linear, query, a["in_proj_weight"], bias)
-        q, k, v = (emit.method("__getitem__", qkv, (Ellipsis, slice(i * e, (i + 1) * e))) for i in range(3))
+    q, k, v = _mha_projections(emit, a, e)
     # [S, 1, E] -> [1, H, S, hd]
     q, k, v = (emit.method("unsqueeze", emit.method("transpose", emit.method("view", x, -1, heads, hd), 0, 1), 0)
                for x in (q, k, v))
+    sinks, sink_values = _mha_extra_keys(emit, a, q, heads, hd)
     out_w, out_b = a["out_proj_weight"], a["out_proj_bias"]
 
     def post(g: fx.Graph, y: fx.Node) -> fx.Node:  # [1, H, S, hd] -> [S, 1, E] -> out projection
@@ -410,8 +417,84 @@ def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> N
     output = outputs[0]
     for extra in outputs[1:]:
         extra.replace_all_uses_with(output)
-    if _replace(gm, ctx, node, q, k, v, scale=None, window=window, softcap=None, output=output, post=post):
+    if _replace(gm, ctx, node, q, k, v, scale=None, window=window, softcap=None, output=output, post=post,
+                sinks=sinks, sink_values=sink_values):
         ctx.count("multihead_attention")
+
+
+def _mha_projections(emit: Emitter, a: dict, e: int) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q, k, v ``[S, 1, E]`` projected as ``F.multi_head_attention_forward`` projects them."""
+    bias = a["in_proj_bias"]
+    biases = [None] * 3 if bias is None else [emit.method("__getitem__", bias, slice(i * e, (i + 1) * e))
+                                              for i in range(3)]
+    if a["use_separate_proj_weight"]:
+        weights = [a[f"{w}_proj_weight"] for w in "qkv"]
+    else:
+        weights = [emit.method("__getitem__", a["in_proj_weight"], slice(i * e, (i + 1) * e)) for i in range(3)]
+    if a["key"] is a["query"] and a["value"] is a["query"] and not a["use_separate_proj_weight"]:
+        qkv = emit.fn(torch.nn.functional.linear, a["query"], a["in_proj_weight"], bias)
+        return tuple(emit.method("__getitem__", qkv, (Ellipsis, slice(i * e, (i + 1) * e))) for i in range(3))
+    return tuple(emit.fn(torch.nn.functional.linear, x, w, b)
+                 for x, w, b in zip((a["query"], a["key"], a["value"]), weights, biases))
+
+
+def _mha_extra_keys(emit: Emitter, a: dict, q: fx.Node, heads: int, hd: int) -> tuple:
+    """``(sinks [1, H, S], sink values [1, H, S, hd])`` for the keys ``F.multi_head_attention_forward``
+    appends after the sequence's (``bias_k`` / ``bias_v``, then a zero key and value with
+    ``add_zero_attn``), each visible to every query; ``(None, None)`` for none. Two appended
+    keys are one: logit ``logaddexp(s_b, 0)``, value ``sigmoid(s_b) bias_v``."""
+    if a["bias_k"] is None and not a["add_zero_attn"]:
+        return None, None
+    if a["bias_k"] is None:  # add_zero_attn alone: a logit of 0 with a zero value
+        zero = emit.method("new_zeros", q, (1, heads, 1))
+        return zero, None
+    bk = emit.method("view", a["bias_k"], 1, heads, 1, hd)  # [1, 1, E] -> [1, H, 1, hd]
+    bv = emit.method("view", a["bias_v"], 1, heads, 1, hd)
+    # The logit of the appended key: q . bias_k, scaled as the function scales q.
+    s_b = emit.fn(operator.mul, emit.method("sum", emit.fn(operator.mul, q, bk), -1), hd ** -0.5)
+    if not a["add_zero_attn"]:
+        return s_b, bv
+    logit = emit.fn(torch.nn.functional.softplus, s_b)  # logaddexp(s_b, 0)
+    val = emit.fn(operator.mul, emit.method("unsqueeze", emit.fn(torch.sigmoid, s_b), -1), bv)
+    return logit, val
+
+
+def _memory_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, a: dict) -> None:
+    """``F.multi_head_attention_forward`` from the rows to keys and values without rows (a
+    learned memory, a decoder layer's fixed prefix), unmasked: each query row reads only the
+    memory, so the op is row-local as it stands; it is rewritten into its own ops (the
+    projections, per-head softmax over the memory, the output projection) so that the rules
+    see each of them."""
+    users = list(node.users)
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in users) or \
+            any(u.args[1] == 1 and u.users for u in users) or a["dropout_p"] and a["training"] or \
+            a["bias_k"] is not None or a["add_zero_attn"]:
+        ctx.notes[node] = "attention to a memory with attention weights used, dropout, bias_k or add_zero_attn"
+        return
+    outputs = [u for u in users if u.args[1] == 0]
+    if not outputs:
+        return
+    heads = a["num_heads"]
+    e = int(value(a["query"]).shape[-1])
+    hd = e // heads
+    emit = Emitter(gm, ctx, outputs[0])
+    q, k, v = _mha_projections(emit, a, e)
+    n_b = int(value(a["query"]).shape[1])
+
+    def heads_first(x: fx.Node, length: int) -> fx.Node:  # [L, N, E] -> [N, H, L, hd]
+        return emit.method("permute", emit.method("view", x, length, n_b, heads, hd), 1, 2, 0, 3)
+
+    q = heads_first(q, -1)
+    k, v = (heads_first(x, int(value(a[name]).shape[0])) for x, name in ((k, "key"), (v, "value")))
+    att = emit.fn(torch.softmax, emit.fn(operator.mul, emit.fn(torch.matmul, q, emit.method("transpose", k, -2, -1)),
+                                           hd ** -0.5), -1)
+    y = emit.fn(torch.matmul, att, v)  # [N, H, S, hd]
+    y = emit.method("reshape", emit.method("permute", y, 2, 0, 1, 3), -1, n_b, e)
+    out = emit.fn(torch.nn.functional.linear, y, a["out_proj_weight"], a["out_proj_bias"])
+    out.meta["example_value"] = value(outputs[0])
+    for o in outputs:
+        o.replace_all_uses_with(out)
+    ctx.count("memory_attention")
 
 
 # --------------------------------------------------------------------------- manual softmax
@@ -419,8 +502,6 @@ def _rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> N
 
 def _is_scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 
 
 _VIEWS = ("view", "reshape", "contiguous")

@@ -131,22 +131,22 @@ class StreamGraph:
 
 @functools.cache
 def stream_attention_fn(spec: AttentionSpec) -> Callable:
-    """``fn(q, k, v, prefix_k, prefix_v, kv_end, kv_pos, q_pos, sinks=None) -> [1, Hq, S, Dv]``."""
+    """``fn(q, k, v, prefix_k, prefix_v, kv_end, kv_pos, q_pos, sinks=None, sink_values=None) -> [1, Hq, S, Dv]``."""
     if spec.kind != "interval":
         raise ValueError("streamed parts use the interval rule")
 
-    def stream_tree_attention(q, k, v, pk, pv, kv_end, kv_pos, q_pos, sinks=None):
+    def stream_tree_attention(q, k, v, pk, pv, kv_end, kv_pos, q_pos, sinks=None, sink_values=None):
         q, k, v = _common_dtype(q, torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
         scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if PREFIX_KERNEL.get(q.device.type, "blocks") == "flex" and not spec.alibi:
             out, lse = prefix_flex_hop(q, k, v, kv_end, kv_pos, q_pos, scale=float(scale),
                                        softcap=float(spec.softcap or 0.0), window=int(spec.window or 0))
-            return out if sinks is None else _with_sinks(out, lse, sinks)
+            return out if sinks is None else _with_sinks(out, lse, sinks, sink_values)
         out, lse = torch.ops.treecompile.prefix_tree_attention(
             q, k, v, kv_end, kv_pos, q_pos, PREFIX_BLOCK, float(scale), float(spec.softcap or 0.0),
             int(spec.window or 0), list(spec.alibi) if spec.alibi else None,
         )
-        return out if sinks is None else _with_sinks(out, lse, sinks)
+        return out if sinks is None else _with_sinks(out, lse, sinks, sink_values)
 
     parts = [f"w{spec.window}" if spec.window else "", "softcap" if spec.softcap else "",
              "alibi" if spec.alibi else "", "sinks" if spec.sinks else ""]

@@ -199,6 +199,16 @@ CASES: list[Case] = [
          _custom(zc.T5BucketsLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("learned-alibi", "custom: ALiBi with learned slopes (a parameter), inside the scale",
          _custom(zc.LearnedAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("torch-decoder-layer-memory", "nn.TransformerDecoderLayer(tgt_is_causal=True) with a learned memory "
+         "(cross-attention to keys without rows)", _custom(zc.TorchDecoderLayerLM),
+         attention={"multihead_attention": 1, "memory_attention": 1}),
+    Case("torch-decoder-layer-self", "nn.TransformerDecoderLayer over its own input: causal tgt_mask and "
+         "memory_mask (keys from other rows of the sequence)", _custom(zc.TorchDecoderLayerLM, memory="input"),
+         attention={"multihead_attention": 2}),
+    Case("mha-bias-kv-zero-attn", "nn.MultiheadAttention(add_bias_kv=True, add_zero_attn=True) under a causal mask",
+         _custom(zc.MHAExtraKeysLM), attention={"multihead_attention": 1}),
+    Case("mha-zero-attn", "nn.MultiheadAttention(add_zero_attn=True) under a causal mask",
+         _custom(zc.MHAExtraKeysLM, bias_kv=False), attention={"multihead_attention": 1}),
     Case("absolute-pair-bias", "custom: a learned bias of the distance plus the query's absolute position",
          _custom(zc.AbsolutePairBiasLM), expect="refused",
          reason="reads a sequence index other than through their difference"),

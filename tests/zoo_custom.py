@@ -950,3 +950,50 @@ def dense_flex_reference(model: nn.Module):
             module.flex_attention = saved
 
     return swapped()
+
+
+# ----------------------------------------------------------------------- torch.nn transformer layers
+
+
+class TorchDecoderLayerLM(nn.Module):
+    """``nn.TransformerDecoderLayer`` (batch_first, dropout 0) with ``tgt_mask`` from
+    ``generate_square_subsequent_mask`` and ``tgt_is_causal=True``; its cross-attention reads a
+    learned memory of 3 vectors (``memory="learned"``), or the layer's own input under the same
+    causal ``memory_mask`` (``memory="input"``, a decoder-only use of the layer)."""
+
+    def __init__(self, memory: str = "learned") -> None:
+        super().__init__()
+        self.memory_kind = memory
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layer = nn.TransformerDecoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, batch_first=True)
+        self.memory = nn.Parameter(torch.randn(1, 3, DIM))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        t = idx.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device, dtype=x.dtype)
+        if self.memory_kind == "learned":
+            x = self.layer(x, self.memory.expand(x.shape[0], -1, -1), tgt_mask=mask, tgt_is_causal=True)
+        else:
+            x = self.layer(x, x, tgt_mask=mask, memory_mask=mask, tgt_is_causal=True, memory_is_causal=True)
+        return self.head(x)
+
+
+class MHAExtraKeysLM(nn.Module):
+    """``nn.MultiheadAttention(add_bias_kv=..., add_zero_attn=...)`` under a causal
+    ``attn_mask``: a learned key and value, and a zero key and value, appended after the
+    sequence's keys and visible to every query."""
+
+    def __init__(self, bias_kv: bool = True, zero_attn: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mha = nn.MultiheadAttention(DIM, HEADS, dropout=0.0, batch_first=True, add_bias_kv=bias_kv,
+                                         add_zero_attn=zero_attn)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device, dtype=x.dtype)
+        y, _ = self.mha(x, x, x, attn_mask=mask, need_weights=False)
+        return self.head(x + y)
