@@ -47,7 +47,8 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
-from treecompile.passes._graph import PADS, PassContext, bind, describe, is_call, is_op, same_size, source_of, value
+from treecompile.passes._graph import (PADS, Emitter, PassContext, bind, describe, is_call, is_op, same_size,
+                                      source_of, value)
 from treecompile.passes.scans import rewrite_scans
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
@@ -67,6 +68,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     _rewrite_shifts(gm, ctx, tables)
+    _rewrite_tap_convs(gm, ctx, tables)
     rewrite_scans(gm, ctx, _needs_structure)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
     if not convs:
@@ -382,6 +384,106 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
             if isinstance(d, fx.Node) and not d.users:
                 gm.graph.erase_node(d)
         ctx.count("shift")
+
+
+# --------------------------------------------------------------------------- any causal conv, tap by tap
+#
+# A causal conv1d that is not depthwise (channels mixed, ``groups`` < C), dilated, or causal
+# only through a mask on its weight (MADE / PixelCNN-style: a centred kernel whose taps after
+# the centre are zero) reads, for output row t, the inputs d = 0, dil, 2 dil, ... steps back,
+# each through one slice of the weight: ``sum_d conv1d(x[t - d], w[..., tap(d)])``. On the tree
+# ``x[t - d]`` is the row d steps back on t's path (an ancestor gather, zero above the root),
+# and each 1-tap conv mixes channels within a row.
+
+
+def _conv_taps(node: fx.Node, ctx: PassContext):
+    """``(x, w, bias, groups, [(tap, d)], replaced, dead)`` for a causal conv1d over the rows, or None."""
+    if not is_call(node, _CONV1D):
+        return None
+    a = bind(node, _CONV1D_ARGS, _CONV1D_DEFAULTS)
+    x, w = a["input"], a["weight"]
+    wv = value(w)
+    if not (isinstance(wv, torch.Tensor) and wv.dim() == 3) or _ints(a["stride"]) != [1]:
+        return None
+    kk, dil = int(wv.shape[2]), (_ints(a["dilation"]) or [None])[0]
+    padding = _ints(a["padding"])
+    if dil is None or padding is None or len(padding) != 1:
+        return None
+    reach = (kk - 1) * dil
+    if padding == [reach] and reach > 0:  # conv1d(x, padding=(K-1) dil)[..., :S]
+        users = list(node.users)
+        if len(users) != 1 or not _keeps_first(users[0], ctx.seq_len, reach + 1):
+            return None
+        taps = [(j, reach - j * dil) for j in range(kk)]
+        replaced, dead = users[0], (node,)
+    elif padding == [0] and reach > 0 and _left_padded(x, reach + 1):  # conv1d(pad(x, ((K-1) dil, 0)))
+        taps = [(j, reach - j * dil) for j in range(kk)]
+        replaced, dead, x = node, (x,), x.args[0]
+    elif dil == 1 and kk % 2 == 1 and padding == [kk // 2] and _future_taps_zero(ctx, w, kk // 2):
+        taps = [(j, kk // 2 - j) for j in range(kk // 2 + 1)]  # MADE: the centred kernel's past half
+        replaced, dead = node, ()
+    else:
+        return None
+    xv = value(x)
+    if not (isinstance(xv, torch.Tensor) and xv.dim() == 3 and same_size(xv.shape[2], ctx.seq_len)):
+        return None
+    return x, w, a["bias"], a["groups"], taps, replaced, dead
+
+
+def _future_taps_zero(ctx: PassContext, w: Any, centre: int) -> bool:
+    """``w = weight * mask`` (either order) with a structural ``mask`` zero at every tap after
+    ``centre``, for every channel: a MADE-style causal mask."""
+    from treecompile.passes._mask_eval import depends_on_inputs, evaluate
+
+    if not (isinstance(w, fx.Node) and is_call(w, (operator.mul, torch.mul), ("mul",))):
+        return False
+    for m in w.args[:2]:
+        if isinstance(m, fx.Node) and depends_on_inputs(ctx, m) is False:
+            try:
+                mv = evaluate(ctx, m)
+            except Exception:  # a mask that cannot be evaluated alone
+                return False
+            if mv.dim() >= 1 and mv.shape[-1] == 2 * centre + 1 and not torch.any(mv[..., centre + 1:] != 0):
+                return True
+    return False
+
+
+def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
+    """Rewrites each causal conv1d `_conv_taps` finds into a sum of 1-tap convs over ancestor
+    gathers. Counter: ``tap_conv``."""
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node in ctx.created:
+            continue
+        found = _conv_taps(node, ctx)
+        if found is None:
+            continue
+        if ctx.pred_index is None:
+            raise NeedsStructure(
+                f"treecompile cannot make this model exact on a tree: {describe(node)} is a causal conv, and this call "
+                f"has no path structure to run it along (a streamed or context-parallel call).\n  at {source_of(node)}")
+        x, w, bias, groups, taps, replaced, dead = found
+        reach = max(d for _, d in taps)
+        if reach + 1 not in tables:
+            with gm.graph.inserting_before(_first_node(gm)):
+                tables[reach + 1] = _ancestor_table(gm, ctx, reach + 1)
+        emit = Emitter(gm, ctx, replaced)
+        total = None
+        for j, d in taps:
+            if d == 0:
+                src = x
+            else:
+                with gm.graph.inserting_before(replaced):
+                    src = _ancestor_gather(gm, ctx, x, 2, tables[reach + 1], d, like=node)
+            term = emit.fn(F.conv1d, src, emit.method("narrow", w, 2, j, 1), None, 1, 0, 1, groups)
+            total = term if total is None else emit.fn(operator.add, total, term)
+        if bias is not None:
+            total = emit.fn(operator.add, total, emit.method("view", bias, 1, -1, 1))
+        replaced.replace_all_uses_with(total)
+        gm.graph.erase_node(replaced)
+        for n in dead:
+            if isinstance(n, fx.Node) and n.graph is gm.graph and not n.users:
+                gm.graph.erase_node(n)
+        ctx.count("tap_conv")
 
 
 def _ancestor_gather(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, dim: int, table: fx.Node, k: int,

@@ -232,6 +232,8 @@ def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
     if not isinstance(tv, torch.Tensor):
         return None
     index = index if isinstance(index, tuple) else (index,)
+    if index and index[-1] is Ellipsis:  # cache[:, :, :T, ...]: the dims after it are whole
+        index = index[:-1]
     if any(i is Ellipsis for i in index) or len(index) > tv.dim():
         return None
     sliced = []

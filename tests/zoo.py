@@ -199,6 +199,10 @@ CASES: list[Case] = [
          _custom(zc.T5BucketsLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("learned-alibi", "custom: ALiBi with learned slopes (a parameter), inside the scale",
          _custom(zc.LearnedAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("causal-convs-mixing-channels", "custom: a dilated causal Conv1d mixing channels (WaveNet) and a MADE-style "
+         "masked centred conv1d", _custom(zc.FullCausalConvLM)),
+    Case("rope-cache-4d-slice", "custom: rotary caches [1, 1, max_len, hd] sliced cache[:, :, :T, ...]",
+         _custom(zc.FourDimRopeCacheLM)),
     Case("torch-decoder-layer-memory", "nn.TransformerDecoderLayer(tgt_is_causal=True) with a learned memory "
          "(cross-attention to keys without rows)", _custom(zc.TorchDecoderLayerLM),
          attention={"multihead_attention": 1, "memory_attention": 1}),

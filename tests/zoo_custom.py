@@ -997,3 +997,51 @@ class MHAExtraKeysLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device, dtype=x.dtype)
         y, _ = self.mha(x, x, x, attn_mask=mask, need_weights=False)
         return self.head(x + y)
+
+
+class FourDimRopeCacheAttn(_SdpaAttn):
+    """Rotary tables cached as ``[1, 1, max_len, hd]`` buffers and sliced ``cache[:, :, :T, ...]``
+    (the 4-D spelling of GPT-NeoX-style caches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inv = 1.0 / 10000 ** (torch.arange(0, HD, 2).double() / HD)
+        ang = torch.arange(MAX_LEN).double()[:, None] * inv
+        emb = torch.cat([ang, ang], -1)
+        self.register_buffer("cos_cached", emb.cos()[None, None], persistent=False)
+        self.register_buffer("sin_cached", emb.sin()[None, None], persistent=False)
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        cos, sin = self.cos_cached[:, :, :t, ...], self.sin_cached[:, :, :t, ...]
+
+        def rot(x):
+            x1, x2 = x[..., : HD // 2], x[..., HD // 2:]
+            return x * cos + torch.cat((-x2, x1), -1) * sin
+
+        return super().attend(rot(q), rot(k), v)
+
+
+FourDimRopeCacheLM = _spelling(FourDimRopeCacheAttn)
+
+
+class FullCausalConvAttn(_SdpaAttn):
+    """Causal convs that mix channels after attention: WaveNet-style dilated
+    ``nn.Conv1d(C, C, 2, dilation=2, padding=2)[..., :-2]`` and a MADE / PixelCNN-style centred
+    kernel whose taps after the centre are masked to zero (``conv1d(x, w * mask, padding=1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dilated = nn.Conv1d(DIM, DIM, 2, dilation=2, padding=2)
+        self.made_w = nn.Parameter(torch.randn(DIM, DIM, 3) / DIM)
+        self.made_b = nn.Parameter(torch.zeros(DIM))
+        self.register_buffer("made_mask", torch.tensor([1.0, 1.0, 0.0]).expand(DIM, DIM, 3).clone(), persistent=False)
+
+    def forward(self, x):
+        x = super().forward(x)
+        h = x.transpose(1, 2)
+        h = self.dilated(h)[..., :-2] + F.conv1d(h, self.made_w * self.made_mask, self.made_b, padding=1)
+        return x + 0.5 * h.transpose(1, 2)
+
+
+FullCausalConvLM = _spelling(FullCausalConvAttn)
