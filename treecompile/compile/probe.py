@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,7 @@ from treecompile.core.tree import TrajectoryTree
 if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
 
-__all__ = ["ProbeReport", "probe_graph", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
+__all__ = ["ProbeReport", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
 
 #: The "path alone" check's tolerance, relative to ``max(1, |log-prob|)``, by the dtype the
 #: model computes in: rounding of the same values summed in another order (other shapes),
@@ -177,6 +179,22 @@ def probe_new_graphs(wrapper: Any, records: list[CompileRecord], batch: TreeBatc
     `probe_record`)."""
     for record in records:
         probe_record(wrapper, record, batch)
+
+
+def probe_hook(wrapper: Any) -> Callable[[CompileRecord], None]:
+    """``hook(record)``: the first-call probe of a new graph of ``wrapper``, run inside the
+    graph's first call before the state it writes reaches the model
+    (`treecompile.passes.state`), on the batch of the call running (``wrapper._call_batch``).
+    It holds the wrapper weakly: the compiled graph, which holds the hook, lives in Dynamo's
+    caches as long as the process (see `treecompile.capture.call.compile_named`)."""
+    ref = weakref.ref(wrapper)
+
+    def hook(record: CompileRecord) -> None:
+        w = ref()
+        if w is not None and w._call_batch is not None:
+            probe_record(w, record, w._call_batch)
+
+    return hook
 
 
 def probe_record(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> None:

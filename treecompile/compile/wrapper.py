@@ -20,7 +20,6 @@ import copy
 import functools
 import sys
 import threading
-import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +45,6 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.core.rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
-from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
@@ -55,9 +53,10 @@ from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
+from treecompile.compile.graph_inputs import tree_call_inputs
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.stream.sharded import fsdp_call_of
-from treecompile.compile.probe import ProbeReport, probe_new_graphs, probe_record
+from treecompile.compile.probe import ProbeReport, probe_hook, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -557,66 +556,18 @@ class TreeCompiledModel(DelegatingModule):
         backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
                                 passes=self._passes, arguments=argument_names(tree_forward),
                                 probe_rows_of=lambda: self._probe_rows, keep_inputs=self.verify is not False,
-                                judge_cap_of=lambda: self._judge_cap, before_commit=_probe_hook(self))
+                                judge_cap_of=lambda: self._judge_cap, before_commit=probe_hook(self))
         return compile_named(tree_forward, "tree_forward", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
-        """The compiled function's arguments for one batch (block mask built here, once)."""
-        if self.mask == "interval":
-            buffers = [batch.subtree_end]
-            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
-            self._chunks = 0
-        else:
-            if batch.path_bits is None:
-                raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
-            buffers = [batch.tree_ids, batch.path_bits]
-            # The bitmask rule is the same relation as the interval rule, so the block classes
-            # from subtree_end are its exact classes (what create_block_mask would find); the
-            # bitmask mask_mod decides the pairs inside partial blocks.
-            block_mask = interval_block_mask(batch.subtree_end, BLOCK_SIZE)
-            self._chunks = int(batch.path_bits.shape[1])
-            # The chunk loop is unrolled in the mask_mod: a new chunk count must recompile.
-            torch._dynamo.mark_static(batch.path_bits, 1)
-        block_tensors, self._layout = split_block_mask(block_mask)
-        # The target rows and their predicting rows, from the batch's check (built on the host
-        # at pack time: no device sync here).
-        dest, rows, slot = batch.head_index()
-        target = batch.input_ids[dest]
-        ids = batch.input_ids[None]
-        # The path structure, for the conv context and SSM state passes: for a model with
-        # sequence kernels or conv modules, and once a capture found a shift or a functional
-        # conv along the sequence (`NeedsStructure`). The node table lives on the CPU: the scan
-        # ops read it on the host, without a device sync.
-        structure = [batch.pred_index, batch.node_table()] if self._structure else []
-        # S, the number of targets M and of predicting rows R vary per batch: one graph
-        # for all (no recompile per batch size).
-        for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
-                     (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers],
-                     *[(b, 0) for b in structure],
-                     # The block tables' sizes follow S too ([1, 1, nb] and [1, 1, nb, nb]): dynamic
-                     # from the first call, so a second batch size does not recompile.
-                     *[(b, d) for b in block_tensors for d in range(2, b.dim())]]:
-            torch._dynamo.maybe_mark_dynamic(t, d)
-        return (ids, batch.position_ids, buffers, block_tensors, structure, rows, slot, target, dest,
-                batch.target_weight, batch.path_count)
+        """The compiled function's arguments for one batch (`tree_call_inputs`); the path
+        structure for a model with sequence kernels or conv modules, and once a capture found a
+        shift or a functional conv along the sequence (`NeedsStructure`)."""
+        args, self._layout, self._chunks = tree_call_inputs(batch, self.mask, self._structure)
+        return args
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _probe_hook(wrapper: TreeCompiledModel):
-    """``hook(record)``: the first-call probe of a new graph of ``wrapper``, run inside the
-    graph's first call before the state it writes reaches the model
-    (`treecompile.passes.state`). It holds the wrapper weakly: the compiled graph, which holds
-    the hook, lives in Dynamo's caches as long as the process (see `compile_named`)."""
-    ref = weakref.ref(wrapper)
-
-    def hook(record: CompileRecord) -> None:
-        w = ref()
-        if w is not None and w._call_batch is not None:
-            probe_record(w, record, w._call_batch)
-
-    return hook
 
 
 def _stream_runner(options: StreamOptions, setup: CallSetup):
