@@ -153,7 +153,7 @@ CASES: list[Case] = [
          _custom(zc.InPlaceScoresLM), attention={"softmax_attention": 2}),
     Case("in-place-bias", "custom: a learned bias added to the scores in place (att.add_(bias[:T, :T]))",
          _custom(zc.InPlaceBiasLM), expect="refused",
-         reason="the scores get an additive bias computed from parameters or the inputs"),
+         reason="a bias over (query, key) pairs that is not built from the sequence index (a learned [S, S] table)"),
     Case("conv-slice-negative", "custom: depthwise conv1d(padding=K-1)[..., :-(K-1)] after attention",
          _custom(zc.CausalConvSliceLM)),
     Case("functional-conv", "custom: F.conv1d(x, w, b, padding=K-1, groups=C)[..., :-(K-1)], no nn.Conv1d module",
