@@ -446,7 +446,7 @@ def assert_unchanged(model: nn.Module, twin: nn.Module, lengths: tuple[int, ...]
     """``model`` run on its own gives the logits of ``twin`` (an untouched copy) at each length
     of ``lengths``, and holds the same parameters; a length the model cannot run (past its
     position table) is skipped."""
-    from treecompile.core.reference import logits_of
+    from treecompile.core.reference import model_logits
 
     for name, p in twin.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), f"parameter {name} changed"
@@ -454,11 +454,11 @@ def assert_unchanged(model: nn.Module, twin: nn.Module, lengths: tuple[int, ...]
         ids = (torch.arange(T)[None] * 7 + 3) % VOCAB
         try:
             with torch.no_grad():
-                expected = logits_of(twin(ids))
+                expected = model_logits(twin, ids)
         except (IndexError, RuntimeError):  # longer than the model's table
             continue
         with torch.no_grad():
-            got = logits_of(model(ids))
+            got = model_logits(model, ids)
         diff = (got - expected).abs().max().item()
         assert diff == 0.0, f"the model run on its own at length {T} changed by {diff:.3e} after a tree call"
 
