@@ -70,6 +70,13 @@ def test_unknown_method():
         bench.run_bench(bench.with_overrides(bench.TINY, methods=("nope",)))
 
 
+def test_the_help_lists_the_methods_the_bench_takes():
+    """``bench --help`` names the methods ``run_bench`` accepts (the help is built without torch)."""
+    from treecompile.cli.bench import BENCH_METHODS
+
+    assert BENCH_METHODS == tuple(bench.METHODS)
+
+
 def test_cli_parses_bench():
     from treecompile.cli.main import build_parser
 

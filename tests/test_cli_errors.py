@@ -133,8 +133,11 @@ def test_bench_options_that_do_not_fit_together(argv, expected, capsys):
         (["plan", "sample:gsm8k", "--config", "x", "--optimizer", "sgd"],
          "treecompile plan: error: --config, --optimizer describe the step that --budget-bytes is measured on, and "
          "no --budget-bytes was given: add it, or leave it out"),
+        (["plan", "sample:gsm8k", "--cp-align", "64"],
+         "treecompile plan: error: --cp-align sets where a context-parallel split cuts the row: give it with --cp"),
     ],
-    ids=["quick-and-tiny", "markdown-and-json", "dtype-without-budget", "config-without-budget"],
+    ids=["quick-and-tiny", "markdown-and-json", "dtype-without-budget", "config-without-budget",
+         "cp-align-without-cp"],
 )
 def test_options_that_would_be_ignored_or_conflict_are_refused(argv, expected, capsys):
     assert_one_line(*run(argv, capsys), expected)

@@ -343,3 +343,16 @@ def test_a_token_shift_is_captured_again_with_the_paths_and_refused_when_streame
                             stream=StreamOptions(budget_rows=8))
     with pytest.raises(UnsupportedModelError, match=r"shifts the sequence, and this call has no path structure"):
         streamed(zoo.batches()[1][1])
+
+
+def test_torch_compile_of_a_tree_compiled_model_changes_nothing_and_says_so():
+    """``torch.compile(compiled)`` raised an AssertionError from Dynamo. The wrapper's call is
+    never traced by an outer compile: the same loss, and a warning that says why."""
+    from treecompile.core.advice import TreeWarning
+
+    compiled = tree_compile(tiny(NanoGPT), backend="eager")
+    batch = make_batch("branchy")[0]
+    expected = compiled(batch).loss.item()
+    with pytest.warns(TreeWarning, match=r"torch.compile\(...\) of a tree-compiled model does nothing"):
+        out = torch.compile(compiled)(batch)
+    assert out.loss.item() == expected

@@ -333,3 +333,17 @@ def test_lora_model_saves_its_adapter(tmp_path):
     got = dict(reloaded.named_parameters())
     for n, p in want.items():
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_vocabulary_resized_after_wrapping_is_the_one_checked():
+    """``resize_token_embeddings`` after ``tree_compile``: ids of the new entries are taken, and
+    ids past the new size refused (the wrapper reads the model's size at each call)."""
+    model = _qwen3()
+    compiled = tc.tree_compile(model, backend="eager")
+    old = model.get_input_embeddings().num_embeddings
+    model.resize_token_embeddings(old + 8)
+    tree = tc.TrajectoryTree.from_sequences([[1, old + 3, 2, old + 7], [1, old + 3, 5]])
+    out = compiled(tc.pack(tree))
+    assert torch.isfinite(out.loss)
+    with pytest.raises(TreeInputError, match=str(old + 8)):
+        compiled(tc.pack(tc.TrajectoryTree.from_sequences([[1, old + 8, 2]])))

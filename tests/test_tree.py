@@ -1,8 +1,11 @@
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given
 from strategies import path_sets
 
+import treecompile as tc
 from treecompile import TrajectoryTree, TreeInputError
 
 
@@ -117,3 +120,16 @@ def test_a_token_id_over_int64_is_named_without_a_numpy_warning(token):
         warnings.simplefilter("error")  # no numpy cast warning on the way
         with pytest.raises(TreeInputError, match=r"sequence 0: token id \S+ at position 1 is over 2\*\*63 - 1"):
             TrajectoryTree.from_sequences([[1, token]])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tc.TrajectoryTree.from_dict([1, 2, 3]), "from_dict takes the dict TrajectoryTree.to_dict gives, got a list"),
+    (lambda: tc.TrajectoryTree.from_dict({"format": "treecompile.core.tree/1"}), "needs the lists 'nodes', 'paths'"),
+    (lambda: tc.TrajectoryTree.from_dict({"format": "treecompile.core.tree/1", "nodes": [{"tokens": [1, 2], "parent": -1}],
+                                          "paths": [{"node": 0, "mask_exceptions": {"root": [1, 1]}}]}),
+     "path 0: mask_exceptions key 'root' is not a node index"),
+    (lambda: tc.pack(None), "pack takes a TrajectoryTree or a list of them, got NoneType"),
+], ids=["list", "no-nodes", "root-key", "pack-none"])
+def test_malformed_inputs_are_one_clear_error(call, message):
+    with pytest.raises(tc.TreeInputError, match=re.escape(message)):
+        call()

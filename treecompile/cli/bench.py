@@ -12,6 +12,11 @@ from treecompile.cli.args import _installed, check_cuda, device_name, int_at_lea
 __all__ = ["add_command", "measurements", "run"]
 
 
+
+#: The methods ``--methods`` takes (`treecompile.bench.trees.METHODS`, named here so that the
+#: help needs no torch).
+BENCH_METHODS = ("packed", "bitmask", "interval", "fused")
+
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -31,7 +36,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--paths", type=int_at_least(2), default=None, metavar="P", help="paths per synthetic tree")
     p.add_argument("--por", type=por_value, nargs="+", default=None, metavar="X", help="synthetic POR values")
     p.add_argument("--repeats", type=int_at_least(1), default=None, metavar="N", help="timed steps (median reported)")
-    p.add_argument("--methods", nargs="+", default=None, metavar="M", help="subset of: packed bitmask interval")
+    p.add_argument("--methods", nargs="+", default=None, metavar="M", help=f"subset of: {' '.join(BENCH_METHODS)}")
     p.add_argument("--device", type=device_name, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),

@@ -66,7 +66,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         "and LM-head rows weighed by --config's FLOPs; default Qwen3-8B's) and print each rank's share and the "
         "K/V bytes it receives per layer (treecompile.planning.cp)",
     )
-    p.add_argument("--cp-align", type=int_at_least(1), default=1, metavar="N",
+    p.add_argument("--cp-align", type=int_at_least(1), default=None, metavar="N",
                    help="with --cp: cut the row on multiples of N rows (an attention block; default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
     p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     from treecompile.planning.shard import shard_paths
 
     start = time.perf_counter()
+    if getattr(args, "cp_align", None) is not None and getattr(args, "cp", None) is None:
+        raise ValueError("--cp-align sets where a context-parallel split cuts the row: give it with --cp")
     if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
         raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
     if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:  # (with --cp too)

@@ -50,8 +50,8 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
         batch = pack(tree, warn_por=False)
         if batch.num_tokens < args.cp:
             raise ValueError(f"tree {name} has {batch.num_tokens} tokens, fewer than --cp {args.cp} ranks")
-        split = split_for_cp(batch, args.cp, work, align=args.cp_align)
-        rows = equal_rows_split(batch, args.cp, work, align=args.cp_align)
+        split = split_for_cp(batch, args.cp, work, align=args.cp_align or 1)
+        rows = equal_rows_split(batch, args.cp, work, align=args.cp_align or 1)
         out_trees.append({
             "name": name,
             "tokens": batch.num_tokens,
@@ -68,7 +68,7 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
             "peak_bytes_all_gather": split.peak_bytes(cost, gather="all").tolist(),
             "peak_bytes_one_rank": int(split_for_cp(batch, 1, work).peak_bytes(cost)[0]),
         })
-    out = {**header, "cp": args.cp, "align": args.cp_align, "work_model": source, "dtype": args.dtype,
+    out = {**header, "cp": args.cp, "align": args.cp_align or 1, "work_model": source, "dtype": args.dtype,
            "optimizer": args.optimizer, "device": args.device,
            "trees": out_trees, "seconds": round(time.perf_counter() - start, 3)}
     return _emit(out, args, _print)

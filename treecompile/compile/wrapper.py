@@ -256,7 +256,6 @@ class TreeCompiledModel(DelegatingModule):
         self._layout = None
         self._chunks = 0
         self._is_hf = is_hf_model(model)
-        self._vocab_size = model_vocab_size(model, self._is_hf)
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
         self._routes_attention = self._is_hf and uses_attention_interface(model)
@@ -329,10 +328,14 @@ class TreeCompiledModel(DelegatingModule):
 
     # ------------------------------------------------------------------ forward
 
+    @torch._dynamo.disable(recursive=True)
     def __call__(self, *args: Any, **kwargs: Any) -> TreeOutput:
         # A call swaps module-level functions (Hugging Face's attention interfaces, sequence
         # kernels) for its duration and may compile or judge the model again: calls from
         # several threads run one at a time, in this process, whichever wrapper they are on.
+        # It is never traced by an outer torch.compile (`_warn_outer_compile`): the call
+        # compiles the model itself.
+        _warn_outer_compile()
         with _CALLS:
             return super().__call__(*args, **kwargs)
 
@@ -505,6 +508,12 @@ class TreeCompiledModel(DelegatingModule):
                     raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
                         from None
 
+    @property
+    def _vocab_size(self) -> int | None:
+        """The token ids the model takes now (read at each call: ``resize_token_embeddings``
+        after wrapping changes it)."""
+        return model_vocab_size(self._inner, self._is_hf)
+
     def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, arguments, probe_rows_of=None,
                  keep_inputs: bool = False, judge_cap_of=None, before_commit=None):
         """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
@@ -568,6 +577,27 @@ class TreeCompiledModel(DelegatingModule):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _warn_outer_compile() -> None:
+    """Says (once per call site, as warnings do), when a call comes through
+    ``torch.compile(compiled)``, that the outer compile does nothing (the call is not traced by
+    it; ``tree_compile`` compiles the model itself)."""
+    # The frames of torch's eval_frame.py above this call: one is ``__call__``'s own disable
+    # wrapper; a second is an outer torch.compile's.
+    frame, seen = sys._getframe(1), 0
+    for _ in range(16):
+        if frame is None:
+            break
+        seen += frame.f_code.co_filename.replace("\\", "/").endswith("_dynamo/eval_frame.py")
+        frame = frame.f_back
+    if seen >= 2:
+        import warnings
+
+        from treecompile.core.advice import TreeWarning
+
+        warnings.warn("torch.compile(...) of a tree-compiled model does nothing: tree_compile compiles the model "
+                      "itself, at its first call; call the tree-compiled model directly", TreeWarning, stacklevel=4)
 
 
 def _stream_runner(options: StreamOptions, setup: CallSetup):

@@ -456,6 +456,8 @@ def pack(
     Returns:
         The `TreeBatch`.
     """
+    if not isinstance(trees, TrajectoryTree) and (isinstance(trees, (str, bytes, dict)) or not hasattr(trees, "__iter__")):
+        raise TreeInputError(f"pack takes a TrajectoryTree or a list of them, got {type(trees).__name__}")
     if isinstance(trees, TrajectoryTree):
         trees = [trees]
     trees = list(trees)

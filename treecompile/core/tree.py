@@ -386,8 +386,13 @@ class TrajectoryTree:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrajectoryTree:
         """The inverse of `to_dict`; checks the structure like the constructor does."""
+        if not isinstance(d, dict):
+            raise TreeInputError(f"from_dict takes the dict TrajectoryTree.to_dict gives, got a {type(d).__name__}")
         if d.get("format") != "treecompile.core.tree/1":
             raise TreeInputError(f"unknown tree format {d.get('format')!r}; expected 'treecompile.core.tree/1'")
+        missing = [k for k in ("nodes", "paths") if not isinstance(d.get(k), list)]
+        if missing:
+            raise TreeInputError(f"a tree dict needs the lists {', '.join(map(repr, missing))}")
         nodes = d["nodes"]
         toks = [as_token_array(n["tokens"], i, None) for i, n in enumerate(nodes)]
         masks = [np.array(n.get("loss_mask", [1] * len(t)), dtype=bool) for n, t in zip(nodes, toks)]
@@ -396,7 +401,11 @@ class TrajectoryTree:
         exceptions = {}
         for p, entry in enumerate(d["paths"]):
             for v, m in entry.get("mask_exceptions", {}).items():
-                exceptions[(p, int(v))] = np.array(m, dtype=bool)
+                try:
+                    node = int(v)
+                except (TypeError, ValueError):
+                    raise TreeInputError(f"path {p}: mask_exceptions key {v!r} is not a node index") from None
+                exceptions[(p, node)] = np.array(m, dtype=bool)
         return cls(
             tokens=np.concatenate(toks),
             node_offsets=offsets,
