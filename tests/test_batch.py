@@ -255,3 +255,24 @@ def test_a_batch_bound_for_cuda_is_pinned_and_copied_without_blocking_the_host(m
     assert isinstance(out, type(batch)) and len(pinned) == len(tensors) + len(head)
     batch.to("cpu")  # anything but CPU -> CUDA copies as before: blocking, nothing pinned
     assert moves and not any(non_blocking for _, _, non_blocking in moves) and len(pinned) == len(tensors) + len(head)
+
+
+def test_a_tree_that_trains_no_token_is_named_once_per_batch():
+    """A conversation without an assistant turn (masks all 0) trains nothing: pack says so,
+    naming the tree by its metadata, once per batch, and the whole batch when none trains."""
+    import warnings
+
+    from treecompile.core.advice import TreeWarning
+
+    idle = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]], loss_masks=[[0, 0, 0], [0, 0, 0]],
+                                            metadata={"group": "task-7"})
+    busy = TrajectoryTree.from_sequences([[5, 6, 7]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pack([busy, idle], warn_por=False)
+        pack([idle], warn_por=False)
+        pack([busy], warn_por=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, TreeWarning)]
+    assert len(said) == 2, said
+    assert "1 tree(s) of the batch train no token: #1 (group='task-7')" in said[0] and "whole batch" not in said[0]
+    assert "(the whole batch: its loss is 0 and no gradient flows)" in said[1]
