@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import json
+
 import pytest
 
 from treecompile.cli.main import main
@@ -270,3 +272,28 @@ def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path, capsys):
     code, err = run(["stats", str(path), "--json"], capsys)
     assert code == 0 and err == "", err
 
+
+
+def test_standard_input_and_a_fifo_are_read(tmp_path):
+    """``stats -`` reads standard input and ``stats FIFO`` a named pipe (any readable file, not
+    only regular ones), gzip included: the same table as from the file."""
+    import gzip
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from treecompile.data.samples import sample_path
+
+    data = sample_path("gsm8k").read_bytes()
+    cmd = [sys.executable, "-m", "treecompile", "stats", "--json"]
+    want = subprocess.run([*cmd, str(sample_path("gsm8k"))], capture_output=True, check=True).stdout
+    got = subprocess.run([*cmd, "-"], input=gzip.compress(data), capture_output=True, check=True).stdout
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))
+    writer.start()
+    piped = subprocess.run([*cmd, str(fifo)], capture_output=True, check=True).stdout
+    writer.join()
+    strip = lambda out: {k: v for k, v in json.loads(out).items() if k not in ("file", "seconds", "built_seconds")}  # noqa: E731
+    assert strip(got) == strip(want) == strip(piped)

@@ -10,6 +10,7 @@ all of it from the parsed arguments.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,11 +48,37 @@ def resolve_file(spec: str) -> Path:
         from treecompile.data.samples import sample_path
 
         return sample_path(spec[len("sample:") :])
+    if spec == "-":
+        return _spooled(sys.stdin.buffer, "stdin")
     path = Path(spec).expanduser()
     if path.is_dir():
         raise TreeInputError(f"{spec} is a directory; expected a data file (JSON or JSONL)")
-    if not path.is_file():
+    if not path.exists():
         raise TreeInputError(f"no such file: {spec}")
+    if not path.is_file():  # a FIFO, /dev/stdin, a process substitution: read once, here
+        try:
+            with open(path, "rb") as f:
+                return _spooled(f, path.name)
+        except OSError as e:
+            raise TreeInputError(f"{spec}: cannot be read ({e.strerror})") from None
+    return path
+
+
+def _spooled(stream: Any, name: str) -> Path:
+    """The bytes of ``stream`` (standard input, a FIFO) in a file of their own, named ``name``
+    (``.gz`` added for gzip data): the readers look at a file more than once. The file is
+    removed when the process exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="treecompile-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    data = stream.read()
+    if not data:
+        raise TreeInputError(f"{name}: no data (an empty input)")
+    path = folder / (name + (".gz" if data[:2] == b"\x1f\x8b" and not name.endswith(".gz") else ""))
+    path.write_bytes(data)
     return path
 
 
