@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
-
-import json
 
 import pytest
 
