@@ -296,3 +296,24 @@ def test_standard_input_and_a_fifo_are_read(tmp_path):
     writer.join()
     strip = lambda out: {k: v for k, v in json.loads(out).items() if k not in ("file", "seconds", "built_seconds")}  # noqa: E731
     assert strip(got) == strip(want) == strip(piped)
+
+
+def test_a_truncated_gzip_file_is_one_line(tmp_path, capsys):
+    import gzip
+
+    from treecompile.data.samples import sample_path
+
+    data = gzip.compress(sample_path("gsm8k").read_bytes())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    assert_one_line(*run(["stats", str(cut)], capsys), f"treecompile stats: error: {cut}: the compressed file is "
+                    "truncated (it ends before its end-of-stream marker); copy or download it again")
+
+
+def test_a_tau2_simulation_without_messages_is_one_line(tmp_path, capsys):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad = tmp_path / "tau2.json"
+    bad.write_text(json.dumps({"simulations": [{"task_id": "1", "trial": 0, "messages": msgs},
+                                               {"task_id": "1", "trial": 1}]}))
+    assert_one_line(*run(["stats", str(bad)], capsys),
+                    f"treecompile stats: error: {bad}: simulation 1 (task '1') has no 'messages' list")

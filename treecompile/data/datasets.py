@@ -51,43 +51,59 @@ def load_tau2(path: str | Path) -> dict[str, list[list[dict[str, Any]]]]:
         raise TreeInputError(f"{path}: not a tau2 simulation file (expected a JSON object with 'simulations')")
     policy = ((data.get("info") or {}).get("environment_info") or {}).get("policy")
     grouped: dict[str, list[tuple[int, list[dict[str, Any]]]]] = {}
-    for sim in data["simulations"]:
-        conv: list[dict[str, Any]] = [{"role": "system", "content": policy}] if policy else []
-        names: dict[str, str] = {}
-        for m in sim["messages"]:
-            role = m.get("role")
-            if role == "assistant":
-                out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
-                calls = []
-                for call in m.get("tool_calls") or []:
-                    names[call["id"]] = call["name"]
-                    args = call.get("arguments", {})
-                    calls.append(
-                        {
-                            "id": call["id"],
-                            "type": "function",
-                            "function": {
-                                "name": call["name"],
-                                "arguments": args if isinstance(args, str) else json.dumps(args),
-                            },
-                        }
-                    )
-                if calls:
-                    out["tool_calls"] = calls
-                reasoning = ((m.get("raw_data") or {}).get("message") or {}).get("reasoning_content")
-                if reasoning:
-                    out["reasoning_content"] = reasoning
-                conv.append(out)
-            elif role == "tool":
-                conv.append(
-                    {"role": "tool", "tool_call_id": m.get("id"), "name": names.get(m.get("id")), "content": m.get("content")}
-                )
-            elif role in ("user", "system"):
-                conv.append({"role": role, "content": m.get("content")})
-            else:
-                raise TreeInputError(f"{path}: unknown tau2 message role {role!r}")
-        grouped.setdefault(str(sim.get("task_id")), []).append((sim.get("trial", 0), conv))
+    sims = data["simulations"]
+    if not isinstance(sims, list):
+        raise TreeInputError(f"{path}: 'simulations' is a {type(sims).__name__}, not a list of simulations")
+    for i, sim in enumerate(sims):
+        if not isinstance(sim, dict) or not isinstance(sim.get("messages"), list):
+            task = sim.get("task_id") if isinstance(sim, dict) else None
+            raise TreeInputError(f"{path}: simulation {i} (task {task!r}) has no 'messages' list")
+        try:
+            grouped.setdefault(str(sim.get("task_id")), []).append((sim.get("trial", 0), _tau2_conversation(sim, policy,
+                                                                                                            path)))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TreeInputError(f"{path}: simulation {i} (task {sim.get('task_id')!r}): a message or tool call "
+                                 f"without {e} ({type(e).__name__})") from None
     return {task: [c for _, c in sorted(trials, key=lambda x: x[0])] for task, trials in grouped.items()}
+
+
+def _tau2_conversation(sim: dict[str, Any], policy: str | None, path: str | Path) -> list[dict[str, Any]]:
+    """One tau2 simulation's messages in the OpenAI format (see `load_tau2`)."""
+    conv: list[dict[str, Any]] = [{"role": "system", "content": policy}] if policy else []
+    names: dict[str, str] = {}
+    for m in sim["messages"]:
+        role = m.get("role")
+        if role == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
+            calls = []
+            for call in m.get("tool_calls") or []:
+                names[call["id"]] = call["name"]
+                args = call.get("arguments", {})
+                calls.append(
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {
+                            "name": call["name"],
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
+                    }
+                )
+            if calls:
+                out["tool_calls"] = calls
+            reasoning = ((m.get("raw_data") or {}).get("message") or {}).get("reasoning_content")
+            if reasoning:
+                out["reasoning_content"] = reasoning
+            conv.append(out)
+        elif role == "tool":
+            conv.append(
+                {"role": "tool", "tool_call_id": m.get("id"), "name": names.get(m.get("id")), "content": m.get("content")}
+            )
+        elif role in ("user", "system"):
+            conv.append({"role": role, "content": m.get("content")})
+        else:
+            raise TreeInputError(f"{path}: unknown tau2 message role {role!r}")
+    return conv
 
 
 #: The four model solutions per question in openai/grade-school-math's example_model_solutions.

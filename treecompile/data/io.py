@@ -126,6 +126,9 @@ def _lines(f: IO[str], path: str | Path) -> Iterator[str]:
             raise TreeInputError(_not_text(path)) from None
         except OSError as exc:  # e.g. a .gz name on a file that is not gzip
             raise TreeInputError(f"{path}: cannot be read: {exc}") from None
+        except EOFError:  # gzip data cut short (an interrupted download or copy)
+            raise TreeInputError(f"{path}: the compressed file is truncated (it ends before its end-of-stream "
+                                 "marker); copy or download it again") from None
         if not line:
             return
         yield line
