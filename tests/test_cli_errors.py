@@ -195,13 +195,14 @@ def test_a_gz_name_on_a_file_that_is_not_gzip(tmp_path, capsys):
         ('{"input_ids": [], "group": "b"}', "'input_ids' is empty: every path needs at least one token"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2], "group": "b"}',
          "'loss_mask': values must be 0 or 1; position 1 holds 2"),
-        ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a finite number, got 'heavy'"),
-        ('{"input_ids": [1, 2], "weight": NaN, "group": "b"}', "'weight' must be a finite number, got nan"),
+        ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a finite number >= 0, got 'heavy'"),
+        ('{"input_ids": [1, 2], "weight": NaN, "group": "b"}', "'weight' must be a finite number >= 0, got nan"),
+        ('{"input_ids": [1, 2], "weight": -1, "group": "b"}', "'weight' must be a finite number >= 0, got -1"),
         ('{"input_ids": [1, 2], "group": "b"', "not valid JSON (Expecting ',' delimiter at column 35)"),
         ('{"input_ids": [1, 2], "group": "b\tc"}', "not valid JSON (Invalid control character at column 34)"),
     ],
-    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "nan-weight", "broken-json",
-         "control-character"],
+    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "nan-weight", "negative-weight",
+         "broken-json", "control-character"],
 )
 def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_path, capsys):
     path = tmp_path / "grouped.jsonl"

@@ -201,8 +201,8 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
         if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
             raise TreeInputError(f"{path}:{n}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
         weight = obj.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
-            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number, got {weight!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
+            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number >= 0, got {weight!r}")
         _check_sequence_line(path, n, ids, mask)
         group = obj.get("group")
         out.append(SequenceRecord(ids, float(weight), mask, None if group is None else str(group)))
@@ -265,8 +265,8 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
             raise TreeInputError(f"{path}:{n}: expected a non-empty 'messages' list")
         group = obj.get("group")
         weight = obj.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
-            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number, got {weight!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
+            raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number >= 0, got {weight!r}")
         _check_conversation_line(path, n, messages)
         extra = {k: v for k, v in obj.items() if k not in ("messages", "group", "weight")}
         out.append(ConversationRecord(messages, None if group is None else str(group), float(weight), extra))
