@@ -98,3 +98,21 @@ def test_an_error_inside_a_pass_is_a_refusal_naming_the_pass_and_the_node():
     assert "(RuntimeError: cannot rewrite this linear)" in first and "test_compile_models.py:" in first, first
     assert "internal error of treecompile" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class NeedsThreeInputs(NanoGPT):
+    def forward(self, idx, y, z):
+        return super().forward(idx)
+
+
+def test_a_model_that_takes_other_arguments_is_told_so_without_unrelated_advice():
+    """A forward(x, y, z) model: one line saying how tree_compile calls it, and no advice about
+    the packed row's length (which has nothing to do with it)."""
+    batch, _ = make_batch("branchy")
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(tiny(NeedsThreeInputs))(batch)
+    message = str(info.value)
+    assert message.splitlines()[0] == ("treecompile cannot capture this model: its forward cannot be called as "
+                                       "model(input_ids) (a plain PyTorch model must take the token ids [1, S] as its "
+                                       "one required argument).")
+    assert "pack fewer rows" not in message

@@ -56,6 +56,12 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
         why = f"it raises {raised} when traced"
         hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
                "tensor need it built, which tree batches do not do"
+    elif "failed to bind arguments" in text or "argument mismatch" in text.lower():
+        return UnsupportedModelError(
+            "treecompile cannot capture this model: its forward cannot be called as model(input_ids) (a plain PyTorch "
+            "model must take the token ids [1, S] as its one required argument).\n  What to do: wrap it in a module "
+            "whose forward(input_ids) calls it with what else it needs."
+        )
     elif kind.lower().startswith("data-dependent branching"):
         why = "it branches on a tensor's value, which cannot be captured as one graph"
         hint = "make the code branchless (torch.where) or move the decision out of the model"
@@ -158,7 +164,10 @@ def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModel
             f"  What to do: pack at most {size} rows per batch (treecompile.planning.partition with that capacity), or "
             f"enlarge the buffer.\n  The capture failed with: {first}"
         )
-    if rows > longest:
+    text = str(error).lower()
+    about_length = re.search(rf"\b{rows}\b", text) is not None or any(
+        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index"))
+    if rows > longest and about_length:
         return UnsupportedModelError(
             f"{first}\n  The batch packs {rows} rows and its longest path has {longest} tokens: a check or slice by "
             "the sequence length in the model sees the packed row's length. If the model runs each path alone, pack "
