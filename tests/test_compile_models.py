@@ -165,11 +165,8 @@ class CachedRopeLM(nn.Module):
 
 
 class ConvLM(nn.Module):
-    """A causal convolution over the sequence that mixes channels (``groups=1``).
-
-    (A causal *depthwise* conv, the short conv of Mamba and Gated DeltaNet layers, is
-    supported: see the hybrid tests.)
-    """
+    """A causal convolution over the sequence that mixes channels (``groups=1``): its taps
+    read the rows before each token on its path (the conv context pass's tap convs)."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = 16, kernel: int = 3):
         super().__init__()

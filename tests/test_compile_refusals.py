@@ -114,7 +114,6 @@ class ZeroPadShiftLM(_EmbedHeadLM):
 
 REFUSED = {
     # model -> (op named in the message, source fragment named in the message)
-    "conv1d": (ConvLM, "convolution over the sequence", "self.conv("),
     "gru": (GruLM, "recurrent layer", "self.rnn("),
     "bidirectional-sdpa": (BidirectionalLM, "scaled_dot_product_attention", "scaled_dot_product_attention(x, x, x)"),
     "prefix-lm-mask": (PrefixLMMaskLM, "not causal", "x @ x.transpose"),
@@ -126,8 +125,8 @@ REFUSED = {
 }
 
 #: Sequence mixing that has a tree form: once refused, now exact (a scan along the path, the
-#: previous token on the path).
-EXACT = {"cumsum": CumsumLM, "token-shift": TokenShiftLM, "zero-pad-shift": ZeroPadShiftLM}
+#: previous token on the path, a causal conv's taps along the path).
+EXACT = {"cumsum": CumsumLM, "token-shift": TokenShiftLM, "zero-pad-shift": ZeroPadShiftLM, "conv1d": ConvLM}
 
 
 @pytest.mark.parametrize("model_id", list(EXACT))
