@@ -37,6 +37,12 @@ def depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
 
     A tensor that only lends its dtype, device or shape (``mask.type_as(h)``, ``mask.to(h)``,
     ``h.new_zeros(..)``, ``zeros_like(h)``, ``h.size(1)``) gives none of its values."""
+    return _reaches(ctx, node, parameters=True)
+
+
+def _reaches(ctx: PassContext, node: fx.Node, parameters: bool) -> bool:
+    """Whether ``node``'s values come from the token ids (or, with ``parameters``, a tensor
+    that requires grad), through the inputs that give values (`value_inputs`)."""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
@@ -45,7 +51,7 @@ def depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
         seen.add(n)
         if n is ctx.input_ids:
             return True
-        if n.op == "placeholder":
+        if parameters and n.op == "placeholder":
             v = value(n)
             if isinstance(v, torch.Tensor) and v.requires_grad:
                 return True
@@ -62,16 +68,7 @@ _SHAPE_SOURCES = {"type_as": (1,), "to": (1,), "new_zeros": (0,), "new_ones": (0
 
 def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
     """Whether ``node``'s values depend on the token ids (through values, not shapes)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n is ctx.input_ids:
-            return True
-        stack.extend(value_inputs(n))
-    return False
+    return _reaches(ctx, node, parameters=False)
 
 
 def shape_sources(n: fx.Node) -> list[fx.Node]:
