@@ -72,6 +72,8 @@ def test_capture_failures_are_refused_with_a_readable_first_line(case):
     with pytest.raises(UnsupportedModelError) as info:
         tc.tree_compile(tiny(cls))(batch)
     message = str(info.value)
+    if case == "data-dependent-sizes":  # nothing to do with the packed row's length
+        assert "pack fewer rows" not in message, message
     assert __import__("re").match(first_line, message.splitlines()[0]), message
     assert "Developer debug context" not in message and "FakeTensor(" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__

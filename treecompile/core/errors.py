@@ -165,8 +165,8 @@ def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModel
             f"enlarge the buffer.\n  The capture failed with: {first}"
         )
     text = str(error).lower()
-    about_length = re.search(rf"\b{rows}\b", text) is not None or any(
-        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index"))
+    about_length = "values decide a size" not in text and (re.search(rf"\b{rows}\b", text) is not None or any(
+        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index")))
     if rows > longest and about_length:
         return UnsupportedModelError(
             f"{first}\n  The batch packs {rows} rows and its longest path has {longest} tokens: a check or slice by "
