@@ -255,3 +255,13 @@ def test_padded_rows_may_be_passed_positionally_as_input_ids():
     compiled = tc.tree_compile(tiny(NanoGPT, layers=1))
     ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]])
     assert torch.equal(compiled(ids).loss, compiled(input_ids=ids).loss)
+
+
+def test_labels_beside_a_packed_batch_are_refused_unless_they_are_its_own(compiled):
+    """``compiled(batch, labels=...)`` ignored the labels (the batch holds its targets): refused
+    by name now; the labels TreeCollator returns with its batch are its own targets and taken."""
+    batch, _ = make_batch("branchy", path_bits=False)
+    labels = torch.full((batch.num_paths, 8), -100)
+    with pytest.raises(TreeInputError, match=r"labels= beside a TreeBatch would not be read"):
+        compiled(batch, labels=labels)
+    assert torch.isfinite(compiled(batch.mark_labels_beside().to("cpu"), labels=labels).loss)

@@ -364,8 +364,9 @@ class TreeCompiledModel(DelegatingModule):
                 into one ``token-mean`` tree (``integrations.hf.batch_from_rows``), so the loss is
                 the stock causal-LM loss.
             labels: ``[B, T]`` with ``input_ids``: -100 where a token is not trained. Beside a
-                ``batch`` it is not read (the ``batch`` holds the targets; the ``Trainer``
-                counts the trained tokens from it).
+                ``batch`` only the labels `treecompile.integrations.hf.TreeCollator` returns
+                with it are taken (they are its own targets, which the ``Trainer`` counts);
+                any other labels beside a ``batch`` are refused (they would not be read).
             attention_mask: ``[B, T]`` with ``input_ids``: 0 on padding.
             num_items_in_batch: the trained tokens of every micro-batch of the accumulation
                 window: a ``token-mean`` batch's summed loss is divided by it instead of by
@@ -390,6 +391,13 @@ class TreeCompiledModel(DelegatingModule):
         elif batch is not None and (input_ids is not None or attention_mask is not None):
             raise TreeInputError("pass either a TreeBatch (batch=) or padded rows (input_ids=, attention_mask=), "
                                  "not both")
+        elif isinstance(batch, TreeBatch) and labels is not None and not batch.__dict__.get("_labels_beside"):
+            # A TreeBatch carries what it trains (its trees' loss masks); labels beside it would be
+            # ignored, so they are refused (TreeCollator's own labels are marked as its targets).
+            raise TreeInputError(
+                "labels= beside a TreeBatch would not be read: the batch trains what its trees' loss masks say. Build "
+                "the trees with these masks (TrajectoryTree.from_sequences(..., loss_masks=...), 0 where a label is "
+                "-100), or pass the padded rows instead: model(input_ids=..., labels=...)")
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"expected a TreeBatch (treecompile.pack) or input_ids, got {type(batch).__name__}")
         if num_items_in_batch is not None:

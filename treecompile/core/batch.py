@@ -150,7 +150,17 @@ class TreeBatch:
         if checked is not None:
             moved._checked = dataclasses.replace(checked, fingerprint=_fingerprint(moved),
                                                  head=tuple(fn(t) for t in checked.head))
+        if self.__dict__.get("_labels_beside"):
+            moved._labels_beside = True
         return moved
+
+    def mark_labels_beside(self) -> TreeBatch:
+        """Says that the ``labels`` handed beside this batch are its own targets as padded
+        rows (what `treecompile.integrations.hf.TreeCollator` returns, for the ``Trainer``'s
+        count of trained tokens), so that a tree-compiled model takes them without reading
+        them; kept by `to` and `pin_memory`. Returns the batch."""
+        self._labels_beside = True
+        return self
 
     def _fresh_check(self) -> _Checked | None:
         """What `validate` found, if no field has changed since (see `_Checked`)."""

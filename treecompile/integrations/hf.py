@@ -120,7 +120,8 @@ class TreeCollator:
         if self.loss_mode != "token-mean":
             return {"batch": batch}
         width = max(map(len, labels))
-        return {"batch": batch, "labels": torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels])}
+        return {"batch": batch.mark_labels_beside(),
+                "labels": torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels])}
 
 
 def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[int]]:
