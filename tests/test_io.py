@@ -151,3 +151,36 @@ def test_detect_kind_errors(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(TreeInputError, match=message):
         detect_kind(path)
+
+
+def test_hugging_face_labels_and_attention_mask_in_a_sequences_line(tmp_path):
+    """``labels`` -100 marks a token not trained (the loss mask); ``attention_mask`` 0 at the
+    ends is padding, dropped; labels that are neither -100 nor the token, 0s between tokens, and
+    labels that disagree with a loss_mask are refused naming the line."""
+    from treecompile.core.errors import TreeInputError
+    from treecompile.data.io import load_sequences
+
+    good = tmp_path / "hf.jsonl"
+    good.write_text('{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}\n'
+                    '{"input_ids": [0, 1, 2, 5, 0], "labels": [-100, -100, 2, 5, -100], "attention_mask": [0, 1, 1, 1, 0]}\n')
+    recs = load_sequences(good)
+    assert [r.input_ids for r in recs] == [[1, 2, 3, 4], [1, 2, 5]]
+    assert [r.loss_mask for r in recs] == [[0, 0, 1, 1], [0, 1, 1]]
+    for line, message in [
+        ('{"input_ids": [1, 2, 3], "labels": [-100, 3, 4]}', r"'labels'\[1\] = 3 is neither -100 nor the token 2"),
+        ('{"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}', "'attention_mask' has 0s between tokens"),
+        ('{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "loss_mask": [0, 0, 1]}', "'labels' and 'loss_mask' disagree"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(line + "\n")
+        with pytest.raises(TreeInputError, match=f"{bad}:1: " + message):
+            load_sequences(bad)
+
+
+def test_a_conversation_line_with_token_level_keys_is_refused(tmp_path):
+    from treecompile.data.io import load_conversations
+
+    bad = tmp_path / "c.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "labels": [1, -100]}) + "\n")
+    with pytest.raises(TreeInputError, match=f"{bad}:1: a conversation line with 'labels': it would not be read"):
+        load_conversations(bad)

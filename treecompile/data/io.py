@@ -200,6 +200,7 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
         mask = obj.get("loss_mask")
         if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
             raise TreeInputError(f"{path}:{n}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
+        ids, mask = _hf_keys(path, n, obj, ids, mask)
         weight = obj.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
             raise TreeInputError(f"{path}:{n}: 'weight' must be a finite number >= 0, got {weight!r}")
@@ -207,6 +208,43 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
         group = obj.get("group")
         out.append(SequenceRecord(ids, float(weight), mask, None if group is None else str(group)))
     return out
+
+
+#: Hugging Face's label of a token that is not trained.
+IGNORE_INDEX = -100
+
+
+def _hf_keys(path: str | Path, n: int, obj: dict[str, Any], ids: list[Any], mask: list[Any] | None
+             ) -> tuple[list[Any], list[Any] | None]:
+    """A line's Hugging Face-style ``labels`` and ``attention_mask``, honoured where their
+    meaning is clear: ``labels`` -100 is a token not trained (the loss mask), any other label
+    must be the token itself; ``attention_mask`` 0 is padding, dropped at the start or end of
+    the line. Anything else is refused naming the line."""
+    labels, attn = obj.get("labels"), obj.get("attention_mask")
+    if attn is not None:
+        if not isinstance(attn, list) or len(attn) != len(ids) or any(a not in (0, 1) for a in attn):
+            raise TreeInputError(f"{path}:{n}: 'attention_mask' must be a list of 0 and 1 as long as 'input_ids'")
+        keep = [i for i, a in enumerate(attn) if a == 1]
+        if keep and keep != list(range(keep[0], keep[-1] + 1)):
+            raise TreeInputError(f"{path}:{n}: 'attention_mask' has 0s between tokens: only padding at the start or "
+                                 "end of a line is dropped")
+        lo, hi = (keep[0], keep[-1] + 1) if keep else (0, 0)
+        ids = ids[lo:hi]
+        mask = mask[lo:hi] if mask is not None else None
+        labels = labels[lo:hi] if isinstance(labels, list) and len(labels) == len(attn) else labels
+    if labels is None:
+        return ids, mask
+    if not isinstance(labels, list) or len(labels) != len(ids):
+        raise TreeInputError(f"{path}:{n}: 'labels' must be a list as long as 'input_ids' ({len(ids)})")
+    bad = next((i for i, (t, lab) in enumerate(zip(ids, labels)) if lab != IGNORE_INDEX and lab != t), None)
+    if bad is not None:
+        raise TreeInputError(
+            f"{path}:{n}: 'labels'[{bad}] = {labels[bad]!r} is neither {IGNORE_INDEX} nor the token {ids[bad]!r}: labels "
+            "are read as Hugging Face's unshifted ones (the token where it is trained); give 'loss_mask' instead")
+    from_labels = [0 if lab == IGNORE_INDEX else 1 for lab in labels]
+    if mask is not None and [int(bool(m)) for m in mask][1:] != from_labels[1:]:
+        raise TreeInputError(f"{path}:{n}: 'labels' and 'loss_mask' disagree on which tokens are trained")
+    return ids, from_labels
 
 
 def _check_sequence_line(path: str | Path, n: int, ids: list[Any], mask: list[Any] | None) -> None:
@@ -263,6 +301,12 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TreeInputError(f"{path}:{n}: expected a non-empty 'messages' list")
+        stray = [k for k in ("labels", "attention_mask", "loss_mask", "input_ids") if k in obj]
+        if stray:
+            raise TreeInputError(
+                f"{path}:{n}: a conversation line with {', '.join(map(repr, stray))}: it would not be read (what a "
+                "conversation trains comes from its roles: the assistant's turns); give tokenized lines "
+                "('input_ids' with 'labels' or 'loss_mask') instead")
         group = obj.get("group")
         weight = obj.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
