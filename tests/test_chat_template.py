@@ -159,3 +159,28 @@ def test_records_from_trl_does_not_train_tool_turns_without_generation_blocks():
     context = tok.decode([t for t, m in zip(rec.completion_ids, rec.completion_mask) if not m])
     assert "<tool_response>\n4\n</tool_response>" in context and "tool_response" not in trained
     assert trained.startswith("<tool_call>") and trained.endswith("It is 4.<|im_end|>")
+
+
+def test_a_tokenizer_folder_with_a_template_renders_chats_by_it_on_the_command_line(tmp_path):
+    """``treecompile stats --tokenizer DIR`` on chats: a saved Hugging Face tokenizer with a chat
+    template renders them by that template, as training does (the same trees as
+    ``tree_from_messages`` with the tokenizer), not by ChatML."""
+    import json
+    import subprocess
+    import sys
+
+    from treecompile.data.io import load_conversations
+    from treecompile.data.samples import sample_path
+
+    tok = _tokenizer("qwen2_5")
+    folder = tmp_path / "tok"
+    tok.save_pretrained(folder)
+    cmd = [sys.executable, "-m", "treecompile", "stats", "sample:think", "--json", "--group-by", "all"]
+    with_template = json.loads(subprocess.run([*cmd, "--tokenizer", str(folder)], capture_output=True,
+                                              check=True).stdout)["total"]
+    chatml = json.loads(subprocess.run([*cmd, "--tokenizer", str(folder / "tokenizer.json")], capture_output=True,
+                                       check=True).stdout)["total"]
+    convs = [r.messages for r in load_conversations(sample_path("think"))]
+    direct = tree_from_messages(convs, tok, samples="conversation", think="last").stats()
+    assert with_template["tree_tokens"] == direct.tree_tokens and with_template["path_tokens"] == direct.path_tokens
+    assert chatml["path_tokens"] != with_template["path_tokens"]

@@ -178,11 +178,12 @@ class InputTrees:
 
 def load_input_trees(args: argparse.Namespace) -> InputTrees:
     """Reads ``args.file`` and builds its trees, grouped by ``args.group_by``, at most ``args.limit``."""
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.core.tokenizer import chat_tokenizer
 
     path = resolve_file(args.file)
     kind = detect_kind(path)
-    tokenizer = load_tokenizer(args.tokenizer or DEFAULT_CHAT_TOKENIZER) if kind in CHAT_KINDS else None
+    # A tokenizer folder with a chat template renders chats by it, as training does.
+    tokenizer = chat_tokenizer(args.tokenizer or DEFAULT_CHAT_TOKENIZER) if kind in CHAT_KINDS else None
     start = time.perf_counter()
     groups = read_groups(path, kind)
     records = sum(g.size for g in groups)

@@ -70,7 +70,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="with --cp: cut the row on multiples of N rows (an attention block; default 1)")
     p.add_argument("--method", choices=list(METHODS), default="greedy", help="partitioning method")
     p.add_argument("--shard", choices=list(SHARD_METHODS), default="dfs", help="sharding method")
-    p.add_argument("--tokenizer", default=None, help="for chat input (default cl100k)")
+    p.add_argument("--tokenizer", default=None, help="for chat input, as stats takes it: a tokenizer folder with a "
+                   "chat template renders chats by it (default cl100k)")
     p.add_argument("--samples", choices=SAMPLES, default="conversation", help="paths per conversation (chat input)")
     p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")
     p.add_argument("--keep-tool-call-ids", action="store_true", help="keep tool-call ids as they are (chat input)")

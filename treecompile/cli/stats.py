@@ -46,7 +46,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help=f"for chat input: cl100k, sample, bytes or a tokenizer.json path (default {DEFAULT_CHAT_TOKENIZER})",
+        help=f"for chat input: cl100k, sample, bytes, a tokenizer.json path, or a Hugging Face tokenizer folder (its "
+             f"chat template renders the chats, as in training) (default {DEFAULT_CHAT_TOKENIZER})",
     )
     p.add_argument("--samples", choices=SAMPLES, default="conversation", help="paths per conversation (chat input)")
     p.add_argument("--think", choices=THINK, default="last", help="which turns keep their reasoning (chat input)")

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
+__all__ = ["chat_tokenizer", "TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
 
 #: Names :func:`load_tokenizer` accepts besides objects and paths.
 TOKENIZER_NAMES = ("cl100k", "bytes", "sample")
@@ -160,6 +160,39 @@ def load_tokenizer(spec: Any) -> Tokenizer:
         f"tokenizers.Tokenizer, a tiktoken Encoding, a callable str -> list[int], a path to a "
         f"tokenizer.json, or one of the names {', '.join(TOKENIZER_NAMES)}"
     )
+
+
+def chat_tokenizer(spec: Any) -> Any:
+    """What chats are rendered with for ``spec``: a folder whose tokenizer has a chat template
+    (``tokenizer_config.json`` with ``chat_template``, or a ``chat_template.jinja``) gives the
+    Hugging Face tokenizer itself, so that conversations are rendered by that template, as
+    training renders them (`treecompile.data.chat`); anything else `load_tokenizer` takes.
+
+    Raises:
+        ImportError: such a folder without transformers installed (the message says what to
+            install).
+    """
+    if isinstance(spec, (str, Path)) and Path(spec).expanduser().is_dir():
+        folder = Path(spec).expanduser()
+        config = folder / "tokenizer_config.json"
+        templated = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+        if not templated and config.is_file():
+            import json
+
+            try:
+                templated = bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+            except (ValueError, OSError):
+                templated = False
+        if templated:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ImportError(f"{spec} has a chat template: rendering chats with it needs transformers "
+                                  "(pip install 'treecompile[hf]')") from None
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            tok.name = folder.name  # how reports name it
+            return tok
+    return load_tokenizer(spec)
 
 
 def _load_named(spec: str) -> Tokenizer:
