@@ -184,3 +184,25 @@ def test_a_tokenizer_folder_with_a_template_renders_chats_by_it_on_the_command_l
     direct = tree_from_messages(convs, tok, samples="conversation", think="last").stats()
     assert with_template["tree_tokens"] == direct.tree_tokens and with_template["path_tokens"] == direct.path_tokens
     assert chatml["path_tokens"] != with_template["path_tokens"]
+
+
+def test_tool_call_arguments_are_the_strings_the_model_wrote():
+    """Real tau-bench tool-calling logs through a chat template: each path's tokens equal
+    ``apply_chat_template`` of the raw messages (the tool calls' ``arguments`` strings written back
+    as given; 2 of 16 matched when they went through ``json.loads`` and ``tojson``).
+    ``reserialize_tool_arguments=True`` keeps the old, re-spaced rendering as an option."""
+    from treecompile.data import datasets
+    from treecompile.data.samples import sample_path
+
+    tok = _tokenizer("qwen2_5")
+    convs = [c for group in datasets.load_tau_bench(sample_path("tau_bench")).values() for c in group]
+    assert len(convs) == 16 and sum(any(m.get("tool_calls") for m in c) for c in convs) > 8
+    differ = 0
+    for c in convs:
+        raw = _render(tok, c)
+        assert [int(t) for t in tree_from_messages([c], tok, normalize_tool_call_ids=False,
+                                                   on_drift="ignore").paths()[0].tokens] == raw
+        again = tree_from_messages([c], tok, normalize_tool_call_ids=False, on_drift="ignore",
+                                   reserialize_tool_arguments=True)
+        differ += [int(t) for t in again.paths()[0].tokens] != raw
+    assert differ > 0

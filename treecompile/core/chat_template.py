@@ -50,10 +50,16 @@ def generation_marked(tokenizer: Any) -> bool:
     return isinstance(template, str) and bool(_GENERATION.search(template))
 
 
-def message_dicts(msgs: Sequence[Message], keep_reasoning: Sequence[bool]) -> list[dict[str, Any]]:
+def message_dicts(msgs: Sequence[Message], keep_reasoning: Sequence[bool], *,
+                  reserialize_tool_arguments: bool = False) -> list[dict[str, Any]]:
     """Checked messages back in the OpenAI format chat templates read (tool calls as
     ``{"type": "function", "id", "function": {"name", "arguments"}}``, reasoning as
-    ``reasoning_content`` where kept)."""
+    ``reasoning_content`` where kept).
+
+    A tool call's ``arguments`` are handed over as the conversation gives them: the string the
+    model wrote is what the template writes back (templates write a string as it is and an
+    object through ``tojson``, which re-spaces it), so the path holds the tokens the policy
+    sampled. ``reserialize_tool_arguments``: hand the parsed object instead."""
     out = []
     for m, keep in zip(msgs, keep_reasoning):
         d: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -61,8 +67,12 @@ def message_dicts(msgs: Sequence[Message], keep_reasoning: Sequence[bool]) -> li
             if keep and m.reasoning:
                 d["reasoning_content"] = m.reasoning
             if m.tool_calls:
-                d["tool_calls"] = [{"type": "function", **({"id": cid} if cid is not None else {}),
-                                    "function": {"name": name, "arguments": args}} for cid, name, args in m.tool_calls]
+                given = m.raw_arguments if len(m.raw_arguments) == len(m.tool_calls) else [None] * len(m.tool_calls)
+                d["tool_calls"] = [
+                    {"type": "function", **({"id": cid} if cid is not None else {}),
+                     "function": {"name": name,
+                                  "arguments": args if reserialize_tool_arguments or raw is None else raw}}
+                    for (cid, name, args), raw in zip(m.tool_calls, given)]
         if m.role == "tool":
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id

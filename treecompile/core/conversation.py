@@ -259,6 +259,7 @@ class RenderOptions:
     loss_on: str = "assistant"
     template: str = "auto"
     on_drift: str = "warn"
+    reserialize_tool_arguments: bool = False
 
     def __post_init__(self) -> None:
         for name, valid in (("samples", SAMPLES), ("think", THINK), ("loss_on", LOSS_ON),
@@ -391,7 +392,8 @@ def _render_with_template(
         previous: list[int] | None = None
         for end in _sample_ends(msgs, opts.samples, c):
             last = _last_assistant(msgs, end + 1)
-            dicts = message_dicts(msgs[: end + 1], [_keep_reasoning(think, j, last) for j in range(end + 1)])
+            dicts = message_dicts(msgs[: end + 1], [_keep_reasoning(think, j, last) for j in range(end + 1)],
+                                  reserialize_tool_arguments=opts.reserialize_tool_arguments)
             ids, marked = renderer.ids(dicts, tools, mask=True)
             mask = renderer.loss_mask(dicts, tools, ids, marked, opts.loss_on, f"conversation {c}")
             if previous is not None and ids[: len(previous)] != previous:

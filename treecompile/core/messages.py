@@ -28,9 +28,11 @@ class Message:
     role: str
     content: str
     reasoning: str | None = None
-    tool_calls: tuple[tuple[str | None, str, Any], ...] = ()  # (id, name, arguments)
+    tool_calls: tuple[tuple[str | None, str, Any], ...] = ()  # (id, name, arguments parsed from their JSON)
     tool_call_id: str | None = None
     name: str | None = None
+    #: each tool call's arguments as given (the string the model wrote, or an object)
+    raw_arguments: tuple[Any, ...] = ()
 
     def body(self, keep_reasoning: bool) -> str:
         if self.role == "tool":
@@ -81,7 +83,7 @@ def _split_think(content: str) -> tuple[str, str | None]:
     return content, None
 
 
-def _tool_calls(raw: Any, where: str) -> list[tuple[str | None, str, Any]]:
+def _tool_calls(raw: Any, where: str) -> list[tuple[str | None, str, Any, Any]]:
     if not raw:
         return []
     if not isinstance(raw, list):
@@ -94,13 +96,13 @@ def _tool_calls(raw: Any, where: str) -> list[tuple[str | None, str, Any]]:
         name = fn.get("name")
         if not isinstance(name, str):
             raise TreeInputError(f"{where}: tool_calls[{i}] has no function name")
-        args = fn.get("arguments", {})
+        given = args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass  # keep the model's unparsable string as it is
-        calls.append((call.get("id"), name, args))
+        calls.append((call.get("id"), name, args, given))
     return calls
 
 
@@ -142,14 +144,17 @@ def normalize_conversation(
         content = _content_text(m.get("content"), where)
         reasoning = None
         calls: list[tuple[str | None, str, Any]] = []
+        given: list[Any] = []
         if role == "assistant":
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if reasoning is None:
                 content, reasoning = _split_think(content)
             elif not isinstance(reasoning, str):
                 raise TreeInputError(f"{where}: reasoning must be a string, got {type(reasoning).__name__}")
-            calls = [(new_id(cid), name, args) for cid, name, args in _tool_calls(m.get("tool_calls"), where)]
+            parsed = _tool_calls(m.get("tool_calls"), where)
+            calls = [(new_id(cid), name, args) for cid, name, args, _ in parsed]
+            given = [raw for *_, raw in parsed]
         tool_call_id = new_id(m.get("tool_call_id")) if role == "tool" else None
         name = m.get("name") if role == "tool" else None
-        out.append(Message(role, content, reasoning or None, tuple(calls), tool_call_id, name))
+        out.append(Message(role, content, reasoning or None, tuple(calls), tool_call_id, name, tuple(given)))
     return out

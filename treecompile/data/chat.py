@@ -75,6 +75,7 @@ def tree_from_messages(
     on_drift: str = "warn",
     vocab_size: int | None = None,
     weights: Sequence[float] | None = None,
+    reserialize_tool_arguments: bool = False,
 ) -> TrajectoryTree:
     """Renders chat conversations and merges their token sequences into one tree.
 
@@ -107,6 +108,11 @@ def tree_from_messages(
             ``tree.metadata["drift"]`` in every case.
         vocab_size: if given, token ids at or above it are refused.
         weights: ``[C]`` one weight per conversation, given to each of its paths.
+        reserialize_tool_arguments: with the tokenizer's template, a tool call's
+            ``arguments`` string goes to the template as it is (the template writes it back
+            verbatim: the tokens the policy sampled); True hands it the parsed object instead,
+            which templates write back with ``tojson``'s spacing. (ChatML always writes the
+            parsed arguments, see above.)
 
     Returns:
         The tree. ``tree.metadata`` holds the options, ``"drift"`` (the report), and per
@@ -118,6 +124,7 @@ def tree_from_messages(
         ValueError: on an unknown option value.
     """
     options = RenderOptions(samples=samples, think=think, normalize_tool_call_ids=normalize_tool_call_ids,
-                            loss_on=loss_on, template=template, on_drift=on_drift)
+                            loss_on=loss_on, template=template, on_drift=on_drift,
+                            reserialize_tool_arguments=reserialize_tool_arguments)
     paths = render_conversations(conversations, tokenizer, options, weights=weights)
     return TrajectoryTree.from_rendered(paths, vocab_size=vocab_size)
