@@ -303,6 +303,10 @@ def test_lora_adapters_applied_after_compile_are_exact(called_first):
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(model, lambda b: peft_model(b), batch, trees, tol="hf")
+    # The per-path reference finds the model inside the PEFT model (its call returns log-probs).
+    from treecompile.core.reference import per_path_loss
+
+    torch.testing.assert_close(per_path_loss(peft_model, trees).loss, per_path_loss(model, trees).loss, rtol=0, atol=0)
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     if called_first:
         assert len(compiled.compile_records) >= 2

@@ -22,6 +22,9 @@ class DelegatingModule(nn.Module):
     """A module that answers for the model in ``self._inner`` (set by the subclass with
     ``object.__setattr__``) and holds ``_is_hf``."""
 
+    #: Read by `treecompile.core.reference.reference_model`: per-path runs call ``.model``.
+    wraps_a_model_for_trees = True
+
     @property
     def model(self) -> nn.Module:
         """The wrapped model (its parameters are the ones trained)."""

@@ -27,7 +27,7 @@ from treecompile.kernels.dtypes import compute_dtype
 from treecompile.core.loss import LOSS_MODES
 from treecompile.core.tree import TrajectoryTree
 
-__all__ = ["ReferenceOutput", "logits_of", "model_logits", "path_logprobs", "per_path_loss", "dense_mask_logits",
+__all__ = ["ReferenceOutput", "logits_of", "model_logits", "reference_model", "path_logprobs", "per_path_loss", "dense_mask_logits",
            "dense_mask_inputs"]
 
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -60,9 +60,28 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     Hugging Face models run with ``use_cache=False`` (a cache changes nothing in the
     result but costs memory); other modules are called as ``model(input_ids)`` and may
     return a tensor, a tuple whose first item is the logits, or an object with ``.logits``.
+    A tree-compiled model, or a model wrapping one (PEFT's ``get_peft_model`` of it), is run
+    as the model it wraps (`reference_model`): its own call returns log-probabilities, not logits.
     """
+    model = reference_model(model)
     out = model(input_ids=input_ids, use_cache=False) if _is_hf(model) else model(input_ids)
     return logits_of(out)
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a per-path run calls: ``model`` itself, or where a tree-compiled model is
+    ``model`` or inside it (PEFT wrapping one, whose adapters live in the wrapped model's
+    layers), the model that one wraps."""
+    stack, seen = [model], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if getattr(type(m), "wraps_a_model_for_trees", False):
+            return m.model
+        stack.extend(vars(m).get("_modules", {}).values())
+    return model
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -149,6 +168,7 @@ def per_path_loss(
     """
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+    model = reference_model(model)
     toks, w, masks = _paths_of(paths, weights, loss_masks)
     router_logits: list[tuple[torch.Tensor, ...]] = []
     if router_aux_loss_coef is not None:
