@@ -318,3 +318,69 @@ def test_a_tau2_simulation_without_messages_is_one_line(tmp_path, capsys):
                                                {"task_id": "1", "trial": 1}]}))
     assert_one_line(*run(["stats", str(bad)], capsys),
                     f"treecompile stats: error: {bad}: simulation 1 (task '1') has no 'messages' list")
+
+
+def test_ctrl_c_is_one_line_and_status_130():
+    """SIGINT to a running command: the shell's status for it, one line, no traceback."""
+    import signal
+    import time
+
+    code = ("import sys; from treecompile.cli.main import main; print('ready', flush=True); "
+            "sys.exit(main(['stats', '-']))")  # blocks reading standard input until interrupted
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip() == "treecompile stats: interrupted"
+
+
+def test_ctrl_c_during_bench_leaves_the_terminal_and_says_so(monkeypatch, capsys):
+    from treecompile.bench import trees
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trees, "run_bench", interrupted)
+    code, err = run(["bench", "--tiny"], capsys)
+    assert code == 130
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "treecompile bench: interrupted", err
+
+
+def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    import os
+
+    from treecompile.data import io
+
+    out = tmp_path / "result.json"
+    io.write_json(out, {"rows": [1]})
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        io.write_json(out, {"rows": [1, 2]})
+    assert json.loads(out.read_text()) == {"rows": [1]}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no half-written file beside it
+
+
+def test_an_interrupted_cuda_bench_keeps_the_rows_measured(tmp_path, monkeypatch, capsys):
+    from treecompile.bench import cuda
+
+    def a_row_then_ctrl_c(cfg, *, on_row, **kwargs):
+        on_row({"rows": [{"method": "tree"}]})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cuda, "run_cuda_bench", a_row_then_ctrl_c)
+    out = tmp_path / "bench.json"
+    assert cuda.main(["--device", "cpu", "--out", str(out)]) == 130
+    assert json.loads(out.read_text()) == {"rows": [{"method": "tree"}]}
+    assert capsys.readouterr().err.strip() == f"bench_cuda: interrupted; the rows measured so far are in {out}"

@@ -51,6 +51,7 @@ import torch
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
 from treecompile.bench.hf import MODEL_SHAPES, Packed, Padded, model_of
 from treecompile.core.errors import UnsupportedModelError
+from treecompile.data.io import write_json, write_text_atomic
 
 __all__ = ["MODEL_SHAPES", "METHODS", "CudaBenchConfig", "DEFAULT", "CudaRow", "run_cuda_bench", "markdown_table",
            "cmd_bench_cuda", "main"]
@@ -350,8 +351,7 @@ def _profile_baseline(step, model, cfg: CudaBenchConfig, dev, rows: int, path_to
 
 def _save_profiles(result: dict, cfg: CudaBenchConfig) -> None:
     """``cfg.profile_out``: the tree step's profile, with the baselines' under ``"baselines"``."""
-    with open(cfg.profile_out, "w") as f:
-        json.dump({**(result.get("profile") or {}), "baselines": result.get("baseline_profiles", {})}, f, indent=2)
+    write_json(cfg.profile_out, {**(result.get("profile") or {}), "baselines": result.get("baseline_profiles", {})})
 
 
 def _compiled_for(method: str, model, cfg: CudaBenchConfig, tree_compile):
@@ -538,9 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def write(result):
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+        if args.out:  # whole or not at all: Ctrl-C mid-write keeps the previous rows
+            write_json(args.out, result)
 
     logs = "TORCH_LOGS" not in os.environ
     if logs:  # each row keeps the guards that made it compile again
@@ -549,14 +548,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_cuda_bench(cfg, device=args.device, progress=lambda s: print(s, file=sys.stderr, flush=True),
                                 on_row=write, command=command)
+    except KeyboardInterrupt:
+        kept = f"; the rows measured so far are in {args.out}" if args.out else ""
+        print(f"\nbench_cuda: interrupted{kept}", file=sys.stderr)
+        return 130
     finally:
         if logs:
             torch._logging.set_logs()
     write(result)
     table = markdown_table(result)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+        write_text_atomic(args.markdown, table + "\n")
     print(table)
     return 1 if mismatches(result) else 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from treecompile.data.io import write_json, write_text_atomic
 
 __all__ = ["CATEGORIES", "GAP_CLASSES", "ProfileConfig", "profile_step", "profile_compiled", "profile_training_step",
            "markdown_report", "gap_classes", "host_syncs", "main"]
@@ -332,12 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = profile_step(cfg, device=args.device)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
     table = markdown_report(result)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+        write_text_atomic(args.markdown, table + "\n")
     print(table)
     return 0
 

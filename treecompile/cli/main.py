@@ -8,7 +8,8 @@ Example::
 Each subcommand is a module of this package with two functions, ``add_command(subparsers)``
 (its arguments) and ``run(args) -> int`` (the work), named in :data:`COMMANDS`. Errors in the
 input (:class:`TreeInputError`, a bad option, a missing optional package) print one line
-and exit with status 2, not a traceback.
+and exit with status 2, not a traceback; Ctrl-C prints ``treecompile CMD: interrupted`` and exits
+with status 130. Result files are written whole or not at all (`treecompile.data.io.write_json`).
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0 ok, 2 bad input)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Runs the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    command = "treecompile"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"treecompile {args.command}"
         return args.func(args)
     except (TreeInputError, ValueError, ImportError, OSError) as exc:
-        print(f"treecompile {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT, no traceback
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

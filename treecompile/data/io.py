@@ -27,6 +27,8 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +183,27 @@ def write_jsonl(path: str | Path, objects: Iterable[dict[str, Any]]) -> int:
             f.write("\n")
             n += 1
     return n
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes ``text`` to ``path`` whole or not at all: a file beside it, then renamed over it.
+
+    A run stopped mid-write (Ctrl-C, a killed job) leaves the previous version, never half a file.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """``obj`` as indented JSON, written by :func:`write_text_atomic`."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------- sequences
