@@ -51,6 +51,7 @@ import torch
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
 from treecompile.bench.hf import MODEL_SHAPES, Packed, Padded, model_of
 from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
 from treecompile.data.io import write_json, write_text_atomic
 
 __all__ = ["MODEL_SHAPES", "METHODS", "CudaBenchConfig", "DEFAULT", "CudaRow", "run_cuda_bench", "markdown_table",
@@ -474,6 +475,12 @@ def mismatches(result: dict) -> list[str]:
             if r["loss_rel_diff"] is not None and r["loss_rel_diff"] > tol]
 
 
+def _progress_line(text: str) -> None:
+    """A measurement starts: one line on stderr, after any Ctrl-C that the last one swallowed."""
+    raise_if_interrupted()
+    print(text, file=sys.stderr, flush=True)
+
+
 def cmd_bench_cuda(args: argparse.Namespace) -> int:
     """``treecompile bench --device cuda``: the common bench options that apply here override
     :data:`DEFAULT` (``--path-tokens``, ``--paths``, ``--por``, ``--repeats``, ``--methods``)."""
@@ -491,7 +498,10 @@ def cmd_bench_cuda(args: argparse.Namespace) -> int:
             "pors": tuple(args.por) if getattr(args, "por", None) else None,
             "methods": tuple(args.methods) if getattr(args, "methods", None) else None}
     cfg = dataclasses.replace(DEFAULT, **{k: v for k, v in over.items() if v is not None})
-    result = run_cuda_bench(cfg, progress=lambda s: print(s, file=sys.stderr))
+    out = getattr(args, "out", None)
+    result = run_cuda_bench(cfg, progress=_progress_line, on_row=(lambda r: write_json(out, r)) if out else None)
+    if out:
+        write_json(out, result)
     print(json.dumps(result, indent=2) if getattr(args, "json", False) else markdown_table(result))
     bad = mismatches(result)
     if bad:
@@ -546,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         torch._logging.set_logs(recompiles=True)
     command = " ".join(["python -m treecompile.bench.cuda", *(sys.argv[1:] if argv is None else argv)])
     try:
-        result = run_cuda_bench(cfg, device=args.device, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                                on_row=write, command=command)
+        with interrupts_kept():
+            result = run_cuda_bench(cfg, device=args.device, progress=_progress_line, on_row=write, command=command)
     except KeyboardInterrupt:
         kept = f"; the rows measured so far are in {args.out}" if args.out else ""
         print(f"\nbench_cuda: interrupted{kept}", file=sys.stderr)

@@ -327,7 +327,7 @@ def _time(compiled, batch, cfg: BenchConfig, device: torch.device) -> tuple[floa
 
 
 def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: str | None = None,
-              progress: Any = None) -> BenchResult:
+              progress: Any = None, on_row: Any = None) -> BenchResult:
     """Runs every method on every workload; see the module docstring.
 
     Args:
@@ -335,6 +335,7 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
         device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
         command: the command line to record (defaults to this process's).
         progress: called with a line of text before each measurement, or None.
+        on_row: called with the rows so far (a `BenchResult`) after each measurement, or None.
     """
     from treecompile.core.batch import pack
     from treecompile.compile.wrapper import tree_compile
@@ -347,6 +348,7 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
     dtype = next(model.parameters()).dtype
     compiled = {m: tree_compile(model, mask=METHODS[m][1], lm_head=METHODS[m][2]) for m in cfg.methods}
     rows: list[BenchRow] = []
+    env = environment(command)
     for name, trees in _workloads(cfg):
         stats = [t.stats() for t in trees]
         path_tokens = sum(s.path_tokens for s in stats)
@@ -374,13 +376,15 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
                 exact=diff <= LOSS_RTOL.get(dtype, 1e-4), first_step_s=first, peak_mem_mib=peak,
                 bound=1.0 / (1.0 - por), step_ms_min=min(times) * 1e3, step_ms_max=max(times) * 1e3,
             ))
-        base = {r.method: r for r in rows if r.workload == name}.get("packed")
-        for r in rows:
-            if r.workload == name and base is not None:
+            base = {r.method: r for r in rows if r.workload == name}.get("packed")  # measured first
+            if base is not None:
+                r = rows[-1]
                 r.speedup = base.step_ms / r.step_ms
                 r.speedup_low = base.step_ms_min / r.step_ms_max
                 r.speedup_high = base.step_ms_max / r.step_ms_min
-    return BenchResult(rows, cfg, environment(command))
+            if on_row is not None:
+                on_row(BenchResult(list(rows), cfg, env))
+    return BenchResult(rows, cfg, env)
 
 
 # ---------------------------------------------------------------------------- output

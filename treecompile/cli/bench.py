@@ -7,7 +7,9 @@ import json
 import sys
 from typing import Any
 
-from treecompile.cli.args import _installed, check_cuda, device_name, int_at_least, por_value, progress_bar
+from treecompile.cli.args import _installed, check_cuda, check_output_file, device_name, int_at_least, por_value, progress_bar
+from treecompile.core.interrupt import raise_if_interrupted
+from treecompile.data.io import write_json
 
 __all__ = ["add_command", "measurements", "run"]
 
@@ -41,6 +43,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--arch", default=None, choices=("qwen3", "qwen3_next"),
                    help="model family: qwen3 (default) or qwen3_next (Gated DeltaNet + attention)")
+    p.add_argument("--out", default=None, metavar="FILE.json",
+                   help="also write the results as JSON to FILE.json, rewritten after every measurement: "
+                        "a run stopped with Ctrl-C keeps the rows it measured")
     output = p.add_mutually_exclusive_group()
     output.add_argument("--markdown", action="store_true", help="print a Markdown table instead of a rich one")
     output.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -50,6 +55,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark; exit status 1 if some method's loss differs from the per-path loss."""
     check_cuda(args.device)  # before the model and the workloads are built
+    if args.out is not None:
+        args.out = str(check_output_file("--out", args.out, ".json"))
     if not _installed("transformers"):
         raise ImportError("treecompile bench trains a Hugging Face Qwen3 model: pip install 'treecompile[hf]'")
     if args.device == "cuda":  # real model shapes and HF baselines: treecompile/bench/cuda.py
@@ -72,14 +79,21 @@ def run(args: argparse.Namespace) -> int:
     bar = progress_bar("bench", measurements(cfg), min_total=1)
     with bar:
         def step(text: str) -> None:
-            # One call per (workload, method) measurement: a line in logs, a bar on a terminal.
+            # One call per (workload, method) measurement: a line in logs, a bar on a terminal;
+            # a Ctrl-C that a callback inside the last one swallowed stops the run here.
+            raise_if_interrupted()
+            if quiet:
+                return
             if bar.disable:
                 err.print(f"[dim]{text}")
             else:
                 bar.update(bar.task_ids[0], description=text)
                 bar.advance(bar.task_ids[0])
 
-        result = bench.run_bench(cfg, device=args.device, progress=None if quiet else step)
+        def save(result: Any) -> None:  # whole or not at all, after each measurement
+            write_json(args.out, result.as_dict())
+
+        result = bench.run_bench(cfg, device=args.device, progress=step, on_row=save if args.out else None)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     elif args.markdown:

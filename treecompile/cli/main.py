@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from treecompile.core.errors import TreeInputError
+from treecompile.core.interrupt import interrupts_kept
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -57,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"treecompile {args.command}"
-        return args.func(args)
+        with interrupts_kept():
+            return args.func(args)
     except (TreeInputError, ValueError, ImportError, OSError) as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
