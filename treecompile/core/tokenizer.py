@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["chat_tokenizer", "TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
+__all__ = ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
 
 #: Names :func:`load_tokenizer` accepts besides objects and paths.
 TOKENIZER_NAMES = ("cl100k", "bytes", "sample")
