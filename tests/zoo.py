@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -403,8 +404,10 @@ def batches():
     return out
 
 
-def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None = None) -> dict:
-    """Loss, per-path log-probs and every gradient of the tree vs per-path training.
+def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None = None,
+            after_tree: Callable[[], None] | None = None) -> dict:
+    """Loss, per-path log-probs and every gradient of the tree vs per-path training;
+    ``after_tree`` runs after the tree call and its backward, before the per-path reference.
 
     Returns ``{"loss": rel diff, "grad": worst scaled diff, "param": its name}``; raises
     AssertionError naming what differs beyond ``ZOO_TOLERANCE``.
@@ -414,6 +417,8 @@ def compare(model: nn.Module, compiled, batch, trees, reference: Callable | None
     from treecompile.core.reference import per_path_loss
 
     out, tree_grads = backward_grads(model, lambda: compiled(batch))
+    if after_tree is not None:
+        after_tree()
     router = getattr(compiled, "_router_aux", None)
     coef = None if router is None else router.coef
     with reference(model) if reference is not None else contextlib.nullcontext():
@@ -478,11 +483,10 @@ def run(case: Case) -> list[dict]:
     diffs = []
     for _, batch, trees in batches():
         # The model run on its own after a tree call computes what it computed before (state
-        # it keeps, e.g. a rotary cache, holds the unmodified model's values).
-        with torch.no_grad():
-            compiled(batch)
-        assert_unchanged(model, twin, lengths=(batch.num_tokens, 7))
-        diffs.append(compare(model, compiled, batch, trees, case.reference))
+        # it keeps, e.g. a rotary cache, holds the unmodified model's values): checked after
+        # the tree call, before the per-path reference runs the model.
+        unchanged = functools.partial(assert_unchanged, model, twin, lengths=(batch.num_tokens, 7))
+        diffs.append(compare(model, compiled, batch, trees, case.reference, after_tree=unchanged))
     if case.attention is not None:
         assert dict(compiled.counters["rewrite_attention_pass"]) == case.attention, compiled.counters["rewrite_attention_pass"]
     return diffs
