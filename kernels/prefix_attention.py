@@ -17,13 +17,16 @@ Per query block the op gathers the keys that can still be visible (``kv_end > c_
 ``j < c_{q1}``), so a finished sibling subtree costs nothing; memory is
 ``O(H x block x live keys)``, never ``S x L``. Forward and backward are custom ops (one
 opaque node per call in a captured graph); the backward is the standard one from the saved
-log-sum-exp, as in `treecompile.kernels.cpu_attention`. The plain reference is
+log-sum-exp, as in `treecompile.kernels.cpu_attention` (on SDPA's fused CPU kernel where
+that kernel can take the call). The plain reference is
 `prefix_attention_reference` (dense, O(S x L), for tests).
 """
 
 from __future__ import annotations
 
 import torch
+
+from treecompile.kernels.cpu_attention import attention_scores, fused_block, fused_block_backward, fused_ok
 
 __all__ = ["prefix_tree_attention", "prefix_attention_reference"]
 
@@ -50,17 +53,6 @@ def _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, like):
         return None
     slopes = torch.tensor(alibi, dtype=like.dtype, device=like.device).view(hkv, -1, 1, 1)
     return slopes * (kv_pos[keys][None, :] - q_pos[q_rows][:, None]).to(like.dtype)
-
-
-def _scores(qb, kb, scale, softcap, bias):
-    raw = torch.einsum("hgqd,hld->hgql", qb, kb) * scale
-    t = None
-    if softcap > 0:
-        t = torch.tanh(raw / softcap)
-        raw = t * softcap
-    if bias is not None:
-        raw = raw + bias
-    return raw, t
 
 
 @torch.library.custom_op("treecompile::prefix_tree_attention", mutates_args=())
@@ -97,13 +89,18 @@ def prefix_tree_attention(
     out = q.new_zeros(1, hq, s, dv)
     lse = q.new_full((1, hq, s), float("-inf"))
     q4 = q[0].view(hkv, g, s, d)
+    fused = fused_ok(q, v, softcap)
     for q0 in range(0, s, block_size):
         q1 = min(q0 + block_size, s)
         keys = _live_keys(kv_end, p + q0, p + q1)
         q_rows = torch.arange(q0, q1, device=q.device)
-        sc, _ = _scores(q4[:, :, q0:q1], k[0][:, keys], scale, softcap,
-                        _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, q))
+        bias = _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, q)
         ok = _visible(p + q_rows, keys, q_rows, kv_end, kv_pos, q_pos, window)
+        if fused:
+            out[0, :, q0:q1], lse[0, :, q0:q1] = fused_block(q[:, :, q0:q1], k[0][:, keys], v[0][:, keys], ok, bias,
+                                                             scale)
+            continue
+        sc, _ = attention_scores(q4[:, :, q0:q1], k[0][:, keys], scale, softcap, bias)
         sc = sc.masked_fill(~ok, float("-inf"))
         m = torch.logsumexp(sc, dim=-1, keepdim=True)  # every query sees itself: finite
         o = torch.einsum("hgql,hld->hgqd", torch.exp(sc - m), v[0][:, keys])
@@ -147,14 +144,23 @@ def prefix_tree_attention_backward(
     delta4 = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
     if dlse is not None:
         delta4 = delta4 - dlse[0].view(hkv, g, s)
+    fused = fused_ok(q, v, softcap, dlse=dlse)
     for q0 in range(0, s, block_size):
         q1 = min(q0 + block_size, s)
         keys = _live_keys(kv_end, p + q0, p + q1)
         q_rows = torch.arange(q0, q1, device=q.device)
         kb, vb = k[0][:, keys], v[0][:, keys]
         qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
-        sc, t = _scores(qb, kb, scale, softcap, _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, q))
+        bias = _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, q)
         ok = _visible(p + q_rows, keys, q_rows, kv_end, kv_pos, q_pos, window)
+        if fused:
+            dqb, dkb, dvb = fused_block_backward(dout[:, :, q0:q1], q[:, :, q0:q1], kb, vb, out[:, :, q0:q1],
+                                                 lse[:, :, q0:q1], ok, bias, scale)
+            dq[0, :, q0:q1] = dqb
+            dk.index_add_(2, keys, dkb[None])
+            dv.index_add_(2, keys, dvb[None])
+            continue
+        sc, t = attention_scores(qb, kb, scale, softcap, bias)
         pr = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
         dv.index_add_(2, keys, torch.einsum("hgql,hgqd->hld", pr, dob)[None])
         ds = pr * (torch.einsum("hgqd,hld->hgql", dob, vb) - delta4[:, :, q0:q1, None])
@@ -175,11 +181,14 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_end, kv_pos, q_pos)
     ctx.static = static
+    ctx.set_materialize_grads(False)  # an unused log-sum-exp gets None, not zeros to add
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, kv_end, kv_pos, q_pos = ctx.saved_tensors
     static = list(ctx.static) + [None] * (5 - len(ctx.static))
+    if dout is None:
+        dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.treecompile.prefix_tree_attention_backward(
         dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out, lse, kv_end, kv_pos, q_pos,
         *static,

@@ -68,7 +68,7 @@ def _path_mask(batch) -> np.ndarray:
                                   [list(range(1, 151)) + [200 + k] * (60 + 7 * k) for k in range(4)]],
                          ids=["small", "blocks"])
 def test_counts_match_the_dense_tree_mask(seqs):
-    from treecompile.planning.budget import CPU_BLOCK_ROWS
+    from treecompile.planning.budget import CPU_BLOCK_ROWS, CPU_CALL_ROWS
 
     batch = _batch(seqs)
     mask = _path_mask(batch)
@@ -79,8 +79,8 @@ def test_counts_match_the_dense_tree_mask(seqs):
             assert split.attention_pairs[r] == mask[a:b].sum()
             # The keys of earlier ranks its queries see: the root path of its first row.
             assert split.ancestor_rows[r] == (mask[a:b, :a].any(0).sum() if b > a else 0)
-            # The most keys a query block sees.
-            blocks = [mask[q:min(q + CPU_BLOCK_ROWS, b), :min(q + CPU_BLOCK_ROWS, b)].any(0).sum()
+            # The most keys one CPU attention call sees: up to CPU_CALL_ROWS queries from a block's start.
+            blocks = [mask[q:min(q + CPU_CALL_ROWS, b), :min(q + CPU_CALL_ROWS, b)].any(0).sum()
                       for q in range(a, b, CPU_BLOCK_ROWS)]
             assert split.live_keys[r] == max(blocks, default=0)
 

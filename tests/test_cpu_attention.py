@@ -1,5 +1,7 @@
 """The block-sparse CPU tree attention against SDPA over the dense tree mask (float64)."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,24 +11,48 @@ from testing import dense_tree_attention, tree_visibility
 
 from treecompile import TrajectoryTree, pack
 from treecompile.kernels.blockmask import tree_block_mask
+from treecompile.kernels import cpu_attention
 from treecompile.kernels.cpu_attention import tree_attention_cpu
 
 
-def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="interval", seed=0):
+@contextlib.contextmanager
+def fused_calls():
+    """Counts the calls of SDPA's fused CPU kernel (forward, backward) inside the block."""
+    calls = {"forward": 0, "backward": 0}
+    saved = cpu_attention._FLASH, cpu_attention._FLASH_BACKWARD
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    cpu_attention._FLASH, cpu_attention._FLASH_BACKWARD = counted(saved[0], "forward"), counted(saved[1], "backward")
+    try:
+        yield calls
+    finally:
+        cpu_attention._FLASH, cpu_attention._FLASH_BACKWARD = saved
+
+
+def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="interval", seed=0, fused=False):
+    """``fused``: values as wide as keys, which the fused kernel takes (else one wider: the
+    block-by-block softmax); the test checks which one ran."""
     s = batch.num_tokens
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, hq, s, d, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    v = torch.randn(1, hkv, s, d + 1, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(1, hkv, s, d if fused else d + 1, dtype=torch.float64, generator=g, requires_grad=True)
     bm = tree_block_mask(batch.subtree_end, block_size=block)
     buffers = [batch.subtree_end] if kind == "interval" else [batch.tree_ids, batch.path_bits]
     chunks = 0 if kind == "interval" else batch.path_bits.shape[1]
     if window:
         buffers.append(batch.position_ids)
-    out, _ = tree_attention_cpu(q, k, v, buffers, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                bm.full_kv_indices, kind, block, 0.3, softcap, window, chunks)
-    ref = dense_tree_attention(q, k, v, tree_visibility(batch, window), 0.3, softcap)
-    _assert_matches(out, ref, (q, k, v), g)
+    with fused_calls() as calls:
+        out, _ = tree_attention_cpu(q, k, v, buffers, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                    bm.full_kv_indices, kind, block, 0.3, softcap, window, chunks)
+        ref = dense_tree_attention(q, k, v, tree_visibility(batch, window), 0.3, softcap)
+        _assert_matches(out, ref, (q, k, v), g)
+    assert (calls["forward"] > 0, calls["backward"] > 0) == (fused and not softcap,) * 2, calls
 
 
 CASES = {
@@ -38,6 +64,12 @@ CASES = {
     "bitmask-window-softcap": dict(kind="bitmask", window=2, softcap=1.5),
     "block1": dict(block=1),
     "block128": dict(block=128),
+    "fused": dict(fused=True),
+    "fused-mqa": dict(hq=4, hkv=1, fused=True),
+    "fused-window3": dict(window=3, fused=True),
+    "fused-bitmask-window": dict(kind="bitmask", window=2, fused=True),
+    "fused-block1": dict(block=1, fused=True),
+    "fused-softcap": dict(softcap=2.0, fused=True),  # soft-capping: the block-by-block softmax
 }
 
 
@@ -49,10 +81,45 @@ def test_matches_dense_reference(name):
 
 
 @settings(max_examples=30)
-@given(path_sets(max_paths=6), st.sampled_from([1, 2, 3, 16]), st.sampled_from([0, 2]))
-def test_matches_dense_reference_on_generated_trees(case, block, window):
+@given(path_sets(max_paths=6), st.sampled_from([1, 2, 3, 16]), st.sampled_from([0, 2]), st.booleans())
+def test_matches_dense_reference_on_generated_trees(case, block, window, fused):
     seqs, _, _ = case
-    run_case(pack(TrajectoryTree.from_sequences(seqs), path_bits=True), block=block, window=window)
+    run_case(pack(TrajectoryTree.from_sequences(seqs), path_bits=True), block=block, window=window, fused=fused)
+
+
+@pytest.mark.parametrize("block", [1, 4, 7])
+def test_query_groups_cover_every_block_once_with_its_keys(block):
+    """Blocks share a fused call when their keys nearly agree (a long path's), never costing more
+    than the slack in masked pairs, and each call holds every key its blocks see."""
+    seqs = [list(range(1, 200)), list(range(1, 60)) + [900 + t for t in range(30)], [1, 2, 3, 500, 501]]
+    batch = pack(TrajectoryTree.from_sequences(seqs))
+    s = batch.num_tokens
+    bm = tree_block_mask(batch.subtree_end, block_size=block)
+    nums, idxs = cpu_attention._plan(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    visible = tree_visibility(batch)
+    groups = list(cpu_attention._groups(s, block, nums, idxs, 64, "cpu"))
+    assert [g[0] for g in groups] == [0, *[g[1] for g in groups[:-1]]] and groups[-1][1] == s
+    assert any(q1 - q0 > block for q0, q1, *_ in groups)  # the long path's blocks were merged
+    assert any(full is not None for *_, full, _ in groups)
+    for q0, q1, keys, full, partial in groups:
+        rows = keys.rows
+        assert q1 - q0 <= max(64, block) and q0 % block == 0
+        seen = visible[q0:q1].any(0).nonzero().flatten()
+        assert set(seen.tolist()) <= set(rows.tolist())
+        # full: seen by every query of the call (no mask); with partial, exactly the keys
+        full_rows = set() if full is None else set(full.rows.tolist())
+        partial_rows = set() if partial is None else set(partial.rows.tolist())
+        assert not full_rows & partial_rows and full_rows | partial_rows == set(rows.tolist())
+        if full is not None:
+            assert visible[q0:q1][:, full.rows].all()
+        for part in (keys, full, partial):
+            if part is not None and part.span is not None:
+                assert part.rows.tolist() == list(range(part.span.start, part.span.stop))
+        own = 0  # pairs the blocks hold on their own: their queries times their live blocks' keys
+        for i in range(q0 // block, -(-q1 // block)):
+            live = {b for num, idx in zip(nums, idxs) for b in idx[i, : num[i]].tolist()}
+            own += sum(min(block, s - b * block) for b in live) * (min(q1, (i + 1) * block) - i * block)
+        assert rows.numel() * (q1 - q0) <= cpu_attention._GROUP_SLACK * own + 1e-9
 
 
 def test_opcheck():
@@ -125,3 +192,28 @@ def _assert_matches(out, ref, inputs, g) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_the_long_path_benchmark_trees_are_as_documented():
+    """benchmarks/long_paths.py: one path, two sharing half, a path with 16 side branches, and
+    the branchy tree's blocks of queries split into full keys and masked ones."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "long_paths.py"
+    spec = importlib.util.spec_from_file_location("long_paths", script)
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    n = 1200
+    trees = lp.trees(n, 2048)
+    stats = {name: t.stats() for name, t in trees.items()}
+    assert (stats["one path"].n_paths, stats["one path"].tree_tokens) == (1, n)
+    assert (stats["two paths"].n_paths, stats["two paths"].tree_tokens) == (2, n + n - n // 2)
+    assert stats["branchy"].n_paths == lp.BRANCHES + 1
+    assert stats["branchy"].tree_tokens == n + lp.BRANCHES * lp.BRANCH_LEN
+    assert all(t.stats().depth_tokens == n for t in trees.values())
+    batch = pack([trees["branchy"]])
+    bm = tree_block_mask(batch.subtree_end, block_size=128)
+    nums, idxs = cpu_attention._plan(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    groups = list(cpu_attention._groups(batch.num_tokens, 128, nums, idxs, cpu_attention._GROUP_ROWS, "cpu"))
+    assert any(full is not None and partial is not None for *_, full, partial in groups)

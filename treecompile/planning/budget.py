@@ -35,22 +35,26 @@ The model is a polynomial in the packed length ``S``, built with sympy::
 
 Attention working memory depends on the device. FlexAttention's GPU kernel keeps only
 ``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
-(`treecompile.kernels.cpu_attention`, ``attention="cpu-blocks"``, the CPU default): the
-scores of one block of `CPU_BLOCK_ROWS` queries against that block's live keys, at most
-`CPU_BLOCK_SCORE_COPIES` such ``[H, block, live keys]`` tensors at once in the backward, so
-no ``S^2`` term. ``attention="flex-dense"`` models the eager (math) flex op treecompile ran
-on CPU before: ``[H, S, S]`` scores in float32 (float64 for float64 inputs), its backward
-holding `CPU_FLEX_SCORE_COPIES` of them at once (torch 2.13).
+(`treecompile.kernels.cpu_attention`, ``attention="cpu-blocks"``, the CPU default), which
+calls SDPA's fused CPU kernel on up to `CPU_CALL_ROWS` queries at a time: no ``[H, S, S]`` and
+no per-head score tensor; what grows with S is the call's additive tree mask, at most
+``[CPU_CALL_ROWS, live keys <= S]`` with its boolean temporaries, and the call's gathered keys
+and values and their gradients, ``[Hkv, live keys, d]`` each. Not counted: the fused kernel's
+per-thread buffers (a constant: a few ``[256, 512]`` float32 tiles per thread), and an ALiBi
+bias (``[H, rows, keys]``; the models this cost model describes have none).
+``attention="flex-dense"`` models the eager (math) flex op treecompile ran on CPU before:
+``[H, S, S]`` scores in float32 (float64 for float64 inputs), its backward holding
+`CPU_FLEX_SCORE_COPIES` of them at once (torch 2.13).
 
 Accuracy (``tests/test_budget.py``, measured with `measure_peak_bytes`, float32 Qwen3
 and Llama configs on CPU, no checkpointing, one gradient-accumulation micro-step plus
-AdamW's step): the prediction is never below the measured peak; +0.2% to +1.7% above it
-where layers or the loss head dominate, +2% to +4% where the CPU attention's score blocks
-dominate at S >= 512, +17% at S = 64 (a partial block counted as full; on a branching
-tree a query block sees fewer live keys than the S assumed). See ``docs/partitioning.md``
-for the table. Not measured: checkpointing (the compiled path exposes none), GPUs
-(Inductor recomputes cheap pointwise ops in backward, so the saved terms should be an
-upper bound there), dtypes other than float32.
+AdamW's step): the prediction is never below the measured peak; +0.2% to +4% above it
+where layers or the loss head dominate, +17% at S = 64 (the first layer's attention backward
+beside nearly every new gradient). The CPU attention's working memory alone (one call,
+forward and backward, on a path or a branchy tree of 512 to 4,096 tokens) measured at most
+half the two attention-call terms. See ``docs/partitioning.md`` for the table. Not measured:
+GPUs (Inductor recomputes cheap pointwise ops in backward, so the saved terms should be an
+upper bound there).
 
 Every dimension is a sympy symbol until `CostModel.peak_bytes` substitutes the config,
 so `CostModel.explain` prints the formula term by term and `CostModel.capacity` solves
@@ -73,7 +77,7 @@ __all__ = [
     "CHECKPOINTING",
     "ATTENTION",
     "CPU_BLOCK_ROWS",
-    "CPU_BLOCK_SCORE_COPIES",
+    "CPU_CALL_ROWS",
     "CPU_FLEX_SCORE_COPIES",
     "DEFAULT_ATTENTION",
     "DEVICES",
@@ -94,19 +98,20 @@ CHECKPOINTING = ("none", "layer")
 DEVICES = ("cpu", "cuda")
 #: ``attention=``: the attention kernel, which decides the working memory of its backward.
 #: ``"flex"``: FlexAttention's fused GPU kernel, ``O(S * H)`` statistics; ``"cpu-blocks"``:
-#: treecompile's block-sparse CPU op (``treecompile.kernels.cpu_attention``), scores of one
-#: query block against its live keys at a time; ``"flex-dense"``: the eager flex op,
+#: treecompile's block-sparse CPU op (``treecompile.kernels.cpu_attention``), SDPA's fused kernel
+#: on a few query blocks and their live keys at a time; ``"flex-dense"``: the eager flex op,
 #: ``[H, S, S]`` scores (treecompile's CPU path before ``cpu-blocks``).
 ATTENTION = ("flex", "cpu-blocks", "flex-dense")
 #: The kernel treecompile runs on each device.
 DEFAULT_ATTENTION = {"cuda": "flex", "cpu": "cpu-blocks"}
 #: Query rows per block of the CPU op (``treecompile.kernels.flex.BLOCK_SIZE``; a test checks).
 CPU_BLOCK_ROWS = 128
-#: ``[H, block, live keys]`` tensors alive at once in the ``cpu-blocks`` backward. Measured:
-#: the attention branch of a float32 Qwen3 step on one 256..1024-token path (live keys = S,
-#: the worst case) is 5.07 such tensors beyond dq, dk, dv; rounded up to 6 because the
-#: previous block's ``p``, ``dp``, ``ds`` are still referenced while the next is computed.
-CPU_BLOCK_SCORE_COPIES = 6
+#: Query rows per call of the CPU op to SDPA's fused kernel (consecutive blocks whose keys
+#: nearly agree share one: ``treecompile.kernels.cpu_attention._GROUP_ROWS``; a test checks).
+CPU_CALL_ROWS = 512
+#: Bytes per (query, key) pair of a CPU call's tree mask beyond the mask's own dtype: the rule's
+#: boolean result and its negation.
+_CPU_MASK_BOOL_BYTES = 2
 #: ``[H, S, S]`` score-sized tensors alive at once in the eager flex backward (torch 2.13,
 #: ``sdpa_dense_backward``: scores, masked scores, probabilities, their gradient and the
 #: temporaries between them). Measured: the S^2 coefficient of the peak of a float32 step
@@ -147,7 +152,7 @@ OPTIMIZERS = {
 
 
 #: The attention backward's terms, over its key rows (`CostModel.part_bytes`).
-_ATTENTION_TERMS = ("attention backward", "score blocks", "attention scores")
+_ATTENTION_TERMS = ("attention backward", "call mask", "call keys", "attention scores")
 
 # Symbols: S packed tokens; the rest are the config's dimensions and element sizes.
 S = sp.Symbol("S", positive=True, integer=True)
@@ -268,8 +273,10 @@ class CostModel:
         elif self.attention == "cpu-blocks":
             attn = [
                 Term("attention backward", grads, "delta [H, S], dO, dq, dk, dv"),
-                Term("score blocks", CPU_BLOCK_SCORE_COPIES * CPU_BLOCK_ROWS * _H * _b * S,
-                     f"{CPU_BLOCK_SCORE_COPIES} x [H, {CPU_BLOCK_ROWS}, live keys <= S] per query block"),
+                Term("call mask", CPU_CALL_ROWS * (_b + _CPU_MASK_BOOL_BYTES) * S,
+                     f"the tree mask of one fused-kernel call, [{CPU_CALL_ROWS}, live keys <= S], and its booleans"),
+                Term("call keys", 4 * _K * _d * _b * S,
+                     "one call's gathered keys and values and their gradients, [Hkv, live keys <= S, d] each"),
             ]
         else:
             attn = [Term("attention scores", CPU_FLEX_SCORE_COPIES * _H * _w * S**2,
@@ -406,7 +413,7 @@ class CostModel:
         """One streamed part's step above the static memory (`treecompile.stream.plan`):
         ``(saved, transient)``, the bytes its graph keeps for backward over ``rows`` rows and
         the largest branch, with the attention branch over ``key_rows`` keys (its own rows
-        plus the prefix it reads; default ``rows``; the CPU score blocks have at most
+        plus the prefix it reads; default ``rows``; a CPU attention call has at most
         ``rows`` query rows). A branch that runs without the saved activations (the end of
         backward) counts its own bytes minus the part's saved ones, so ``static + saved +
         transient`` is the part's peak. The optimizer step is not a part's (see
@@ -414,7 +421,6 @@ class CostModel:
         key_rows = rows if key_rows is None else key_rows
         saved_poly, branches = self._numeric()
         saved = _horner(saved_poly, rows)
-        d = self.dims
         best = 0
         for name, with_saved, terms in branches:
             if name == "optimizer step":
@@ -423,11 +429,8 @@ class CostModel:
             for term, poly in terms:
                 if term not in _ATTENTION_TERMS:
                     total += _horner(poly, rows)
-                elif term == "score blocks":  # [H, block, keys] with block = min(rows, CPU_BLOCK_ROWS)
-                    total += -(-_horner(poly, key_rows) * min(rows, CPU_BLOCK_ROWS) // CPU_BLOCK_ROWS)
-                    # Whatever the block's rows: its gathered keys and values and their
-                    # gradient contributions, [Hkv, keys, d] each.
-                    total += 4 * d.kv_heads * d.head_dim * self.dtype_bytes * key_rows
+                elif term == "call mask":  # [call rows, keys] with call rows = min(rows, CPU_CALL_ROWS)
+                    total += -(-_horner(poly, key_rows) * min(rows, CPU_CALL_ROWS) // CPU_CALL_ROWS)
                 else:
                     total += _horner(poly, key_rows)
             best = max(best, total - (0 if with_saved else saved))

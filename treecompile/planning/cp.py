@@ -79,9 +79,9 @@ class CPSplit:
         work: ``[K]`` per rank, in `RowWork`'s units.
         ancestor_rows: ``[K]`` rows of earlier ranks its queries see (the root path of its
             first row).
-        live_keys: ``[K]`` the most keys one block of its queries reads (``block`` rows from
-            the block's first row ``q``: the root path of ``q``, ``position_ids[q]`` rows, and
-            the block's own rows), which bounds the attention's score blocks.
+        live_keys: ``[K]`` the most keys one CPU attention call over its queries reads (up to
+            512 rows from a block's first row ``q``: the root path of ``q``,
+            ``position_ids[q]`` rows, and the call's own rows).
         paths: per rank, ``[ancestor_rows[r]]`` int64: the global rows of earlier ranks its
             queries see (the root path of its first row, root first; empty for rank 0 and a
             rank without rows).
@@ -147,7 +147,7 @@ class CPSplit:
         all), the activations autograd keeps over the rank's own rows, the K and V it
         received for every layer (autograd keeps each layer's gathered keys and values for
         that layer's backward) and the largest transient: the attention's over its own rows
-        and the keys one block of them reads (`live_keys`), or the exchange's buffers of one
+        and the keys one CPU attention call over them reads (`live_keys`), or the exchange's buffers of one
         layer's keys, whichever is larger. The exchange's buffers: ``"needed"``, the rows it
         sends (`sent_rows`) and receives; ``"all"``, an all-gather's (every rank's rows,
         padded to the longest rank's)."""
@@ -198,13 +198,14 @@ def _row_costs(batch: TreeBatch, work: RowWork) -> tuple[np.ndarray, np.ndarray,
 
 
 def _live_keys(pairs: np.ndarray, a: int, b: int) -> int:
-    """The most keys a block of queries in rows ``[a, b)`` reads (`CPSplit.live_keys`)."""
-    from treecompile.planning.budget import CPU_BLOCK_ROWS
+    """The most keys one CPU attention call over queries in rows ``[a, b)`` reads
+    (`CPSplit.live_keys`): a call starts at a block and takes up to `CPU_CALL_ROWS` rows."""
+    from treecompile.planning.budget import CPU_BLOCK_ROWS, CPU_CALL_ROWS
 
     if b <= a:
         return 0
     starts = np.arange(a, b, CPU_BLOCK_ROWS)
-    return int((pairs[starts] - 1 + np.minimum(CPU_BLOCK_ROWS, b - starts)).max())
+    return int((pairs[starts] - 1 + np.minimum(CPU_CALL_ROWS, b - starts)).max())
 
 
 def _with_paths(batch: TreeBatch, split: CPSplit) -> CPSplit:
