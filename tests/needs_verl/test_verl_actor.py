@@ -23,7 +23,6 @@ and runs this folder.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
@@ -37,79 +36,9 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed; scripts/test_verl.sh runs these tests in a venv with "
                                    "verl 0.9.1")
 
-from verl.plugin.platform import PlatformBase, set_platform  # noqa: E402
+from treecompile.integrations.verl_platform import use_cpu_platform  # noqa: E402
 
-
-class CpuPlatform(PlatformBase):
-    """verl's platform interface on the CPU: device "cpu", the gloo backend."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-
-    @property
-    def device_module(self):
-        return torch.cpu
-
-    def is_available(self):
-        return True
-
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self):
-        return 1
-
-    def set_device(self, device_index):
-        pass
-
-    def synchronize(self, device_index=None):
-        pass
-
-    def manual_seed(self, seed):
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed):
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings):
-        pass
-
-    def empty_cache(self):
-        pass
-
-    def get_device_capability(self, device_index=0):
-        return None, None
-
-    def communication_backend_name(self):
-        return "gloo"
-
-    def visible_devices_envvar(self):
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg):
-        yield
-
-    def profiler_start(self):
-        pass
-
-    def profiler_stop(self):
-        pass
-
-    def ray_resource_name(self):
-        return "CPU"
-
-    def ray_noset_envvars(self):
-        return []
-
-    def is_ipc_supported(self):
-        return False
-
-    def cudart(self):
-        return None
-
-
-set_platform(CpuPlatform())
+use_cpu_platform()  # verl's device lookup finds the CPU (the docs page's example does the same)
 
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
