@@ -15,8 +15,9 @@ Where the call is a plain softmax (no soft-capping, no model mods, no log-sum-ex
 keys and values of one width), each block of queries runs on SDPA's fused CPU kernel instead
 (flash attention, ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward):
 without a mask over the keys of full blocks, which every query of the block sees, and with the
-tree rule as an additive mask over the rest, the two softmaxes merged by their log-sum-exps.
-Consecutive blocks whose keys nearly agree (a long path's) share one call. On a path of
+tree rule as an additive mask over the rest, in pieces of at most 512 keys, the softmaxes merged
+by their log-sum-exps: a mask is never over ``[512, 512]`` whatever the tree. Consecutive blocks
+whose keys nearly agree (a long path's) share one call. On a path of
 10,000 tokens this takes a step from 0.34x to 0.79x of the unmodified model's speed on the path
 alone (docs/benchmarks.md, "Long paths").
 
@@ -68,17 +69,29 @@ def _alibi_bias(alibi: list[float], kind: str, buffers: list[Tensor], q_rows: Te
 #: the same: a long path's blocks), when that adds at most ``_GROUP_SLACK`` masked-out work.
 _GROUP_ROWS = 512
 _GROUP_SLACK = 1.15
+#: A masked call takes at most this many keys (the rest go to further calls, merged by their
+#: log-sum-exps): its mask is at most ``[_GROUP_ROWS, _MASKED_KEYS]`` whatever the tree.
+_MASKED_KEYS = 512
 
 
 class _Keys:
     """Key rows (sorted) and, when they are one run, the same rows as a slice (no gather)."""
 
     def __init__(self, blocks: list[int], bs: int, s: int, device) -> None:
+        self.blocks, self._shape = blocks, (bs, s, device)
         b = torch.tensor(blocks, dtype=torch.long, device=device)
         rows = (b[:, None] * bs + torch.arange(bs, device=device)[None, :]).flatten()
         self.rows = rows[rows < s]
         n, first = self.rows.numel(), blocks[0] * bs
         self.span = slice(first, first + n) if int(self.rows[-1]) - first + 1 == n else None
+
+    def pieces(self, max_rows: int) -> list[_Keys]:
+        """These keys in runs of at most ``max_rows`` rows (whole blocks), in order."""
+        bs, s, device = self._shape
+        per = max(1, max_rows // bs)
+        if len(self.blocks) <= per:
+            return [self]
+        return [_Keys(self.blocks[i:i + per], bs, s, device) for i in range(0, len(self.blocks), per)]
 
 
 def _groups(s: int, bs: int, nums: list[list[int]], idxs: list[Tensor], max_rows: int, device):
@@ -193,29 +206,38 @@ def _merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, 
     return out, lse
 
 
-def _fused_forward(q, k, v, q0, q1, keys, full, partial, visible, bias_of, scale, split):
+def _masked_parts(keys, full, partial, biased, split):
+    """``(unmasked, masked)``: the keys a call takes without a mask (None for none) and those
+    it takes masked, in pieces of at most `_MASKED_KEYS`. Without a mask only over the ``full``
+    keys, and only with ``split`` and no bias (a sliding window hides keys of blocks the tree
+    rule calls full; an ALiBi bias applies to every key)."""
+    if biased or full is None or not split:
+        return None, keys.pieces(_MASKED_KEYS)
+    return full, partial.pieces(_MASKED_KEYS) if partial is not None else []
+
+
+def _fused_forward(q, k, v, q0, q1, keys, full, partial, visible, bias_of, biased, scale, split):
     """``(out, lse)`` of queries ``q0:q1``: without a mask over the ``full`` keys (what the
-    kernel does fastest) and masked over the ``partial`` ones, merged; all keys at once, masked,
-    under a bias (ALiBi: ``bias_of(keys)`` is not None) or without ``split`` (a sliding window
-    hides keys of blocks the tree rule calls full)."""
+    kernel does fastest) and masked over the rest, piece by piece, merged (`_masked_parts`);
+    ``visible(piece)`` is the tree rule over a piece's keys, ``bias_of(piece)`` its ALiBi bias
+    (None for none; ``biased`` says whether there is one)."""
     qb = q[:, :, q0:q1]
-    bias = bias_of(keys)
-    if bias is not None or full is None or not split:
-        return fused_block(qb, _take(k, keys), _take(v, keys), visible(keys), bias, scale)
-    res = fused_block(qb, _take(k, full), _take(v, full), None, None, scale)
-    if partial is not None:
-        res = _merge(res, fused_block(qb, _take(k, partial), _take(v, partial), visible(partial), None, scale))
+    unmasked, masked = _masked_parts(keys, full, partial, biased, split)
+    res = None if unmasked is None else fused_block(qb, _take(k, unmasked), _take(v, unmasked), None, None, scale)
+    for piece in masked:
+        part = fused_block(qb, _take(k, piece), _take(v, piece), visible(piece), bias_of(piece), scale)
+        res = part if res is None else _merge(res, part)
     return res
 
 
-def _fused_backward(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, keys, full, partial, visible, bias_of, scale,
-                    split):
+def _fused_backward(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, keys, full, partial, visible, bias_of, biased,
+                    scale, split):
     """`_fused_forward`'s gradients, written into ``dq`` and added into ``dk`` / ``dv``."""
     blocks = [a[:, :, q0:q1] for a in (dout, q, out, lse)]
-    bias = bias_of(keys)
-    parts = [(keys, visible(keys), bias)] if bias is not None or full is None or not split else \
-        [(full, None, None)] + ([(partial, visible(partial), None)] if partial is not None else [])
-    for n, (part, ok, b) in enumerate(parts):
+    unmasked, masked = _masked_parts(keys, full, partial, biased, split)
+    parts = ([(unmasked, False)] if unmasked is not None else []) + [(piece, True) for piece in masked]
+    for n, (part, with_mask) in enumerate(parts):
+        ok, b = (visible(part), bias_of(part)) if with_mask else (None, None)
         dqb, dkb, dvb = fused_block_backward(blocks[0], blocks[1], _take(k, part), _take(v, part), blocks[2],
                                              blocks[3], ok, b, scale)
         if n:
@@ -331,7 +353,8 @@ def tree_attention_cpu(
             out[0, :, q0:q1], lse[0, :, q0:q1] = _fused_forward(
                 q, k, v, q0, q1, keys, full, partial,
                 lambda part: _visible(kind, q_rows, part.rows, buffers, window, chunks),
-                lambda part: _alibi_bias(alibi, kind, buffers, q_rows, part.rows, hkv, q), scale, window == 0)
+                lambda part: _alibi_bias(alibi, kind, buffers, q_rows, part.rows, hkv, q), bool(alibi), scale,
+                window == 0)
             continue
         rows = keys.rows
         bias = _alibi_bias(alibi, kind, buffers, q_rows, rows, hkv, q)
@@ -409,7 +432,8 @@ def tree_attention_cpu_backward(
         if fused:
             _fused_backward(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, keys, full, partial,
                             lambda part: _visible(kind, q_rows, part.rows, buffers, window, chunks),
-                            lambda part: _alibi_bias(alibi, kind, buffers, q_rows, part.rows, hkv, q), scale, window == 0)
+                            lambda part: _alibi_bias(alibi, kind, buffers, q_rows, part.rows, hkv, q), bool(alibi),
+                            scale, window == 0)
             continue
         rows = keys.rows
         kb, vb = _take(k, keys), _take(v, keys)

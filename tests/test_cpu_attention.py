@@ -80,6 +80,18 @@ def test_matches_dense_reference(name):
     run_case(pack(trees, path_bits=True), **CASES[name])
 
 
+@pytest.mark.parametrize("name", ["fused", "fused-mqa", "fused-window3", "fused-bitmask-window"])
+def test_masked_keys_in_pieces_match_dense_reference(name, monkeypatch):
+    """Masked keys one block per call (`_MASKED_KEYS` at the block size): many pieces, some that
+    a query sees none of, merged by their log-sum-exps, forward and backward."""
+    from treecompile.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "_MASKED_KEYS", 4)
+    trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8, 9], [1, 2, 10], [1, 2, 10], [1, 11]]),
+             TrajectoryTree.from_sequences([[5, 6, 7], [5, 8]])]
+    run_case(pack(trees, path_bits=True), **CASES[name])
+
+
 @settings(max_examples=30)
 @given(path_sets(max_paths=6), st.sampled_from([1, 2, 3, 16]), st.sampled_from([0, 2]), st.booleans())
 def test_matches_dense_reference_on_generated_trees(case, block, window, fused):

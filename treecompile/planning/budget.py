@@ -37,9 +37,11 @@ Attention working memory depends on the device. FlexAttention's GPU kernel keeps
 ``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
 (`treecompile.kernels.cpu_attention`, ``attention="cpu-blocks"``, the CPU default), which
 calls SDPA's fused CPU kernel on up to `CPU_CALL_ROWS` queries at a time: no ``[H, S, S]`` and
-no per-head score tensor; what grows with S is the call's additive tree mask, at most
-``[CPU_CALL_ROWS, live keys <= S]`` with its boolean temporaries, and the call's gathered keys
-and values and their gradients, ``[Hkv, live keys, d]`` each. Not counted: the fused kernel's
+no per-head score tensor. A masked call takes at most `CPU_CALL_ROWS` keys, so its additive
+tree mask, with its boolean temporaries, is at most ``[CPU_CALL_ROWS, min(S, CPU_CALL_ROWS)]``
+(a polynomial in S counts it as ``[CPU_CALL_ROWS, S]``: loose above 512 tokens, by a few MB; a
+streamed part's is counted exactly); the rest that grows with S is a call's gathered keys and
+values and their gradients, ``[Hkv, live keys <= S, d]`` each. Not counted: the fused kernel's
 per-thread buffers (a constant: a few ``[256, 512]`` float32 tiles per thread), and an ALiBi
 bias (``[H, rows, keys]``; the models this cost model describes have none).
 ``attention="flex-dense"`` models the eager (math) flex op treecompile ran on CPU before:
@@ -49,10 +51,11 @@ bias (``[H, rows, keys]``; the models this cost model describes have none).
 Accuracy (``tests/test_budget.py``, measured with `measure_peak_bytes`, float32 Qwen3
 and Llama configs on CPU, no checkpointing, one gradient-accumulation micro-step plus
 AdamW's step): the prediction is never below the measured peak; +0.2% to +4% above it
-where layers or the loss head dominate, +17% at S = 64 (the first layer's attention backward
-beside nearly every new gradient). The CPU attention's working memory alone (one call,
-forward and backward, on a path or a branchy tree of 512 to 4,096 tokens) measured at most
-half the two attention-call terms. See ``docs/partitioning.md`` for the table. Not measured:
+where layers or the loss head dominate, +7% to +10% where the CPU attention does (its masked
+call counted as ``[512, S]``; +48% at S = 1024 with checkpointing, on a model of a few MB).
+The CPU attention's working memory alone (one call, forward and backward, on a path or a
+branchy tree of 2,048 tokens) measured a third of the two attention-call terms or less. See
+``docs/partitioning.md`` for the tables (checkpointing and bfloat16 too). Not measured:
 GPUs (Inductor recomputes cheap pointwise ops in backward, so the saved terms should be an
 upper bound there).
 
@@ -107,7 +110,8 @@ DEFAULT_ATTENTION = {"cuda": "flex", "cpu": "cpu-blocks"}
 #: Query rows per block of the CPU op (``treecompile.kernels.flex.BLOCK_SIZE``; a test checks).
 CPU_BLOCK_ROWS = 128
 #: Query rows per call of the CPU op to SDPA's fused kernel (consecutive blocks whose keys
-#: nearly agree share one: ``treecompile.kernels.cpu_attention._GROUP_ROWS``; a test checks).
+#: nearly agree share one: ``treecompile.kernels.cpu_attention._GROUP_ROWS``), and the most keys
+#: of one masked call (``_MASKED_KEYS``); a test checks both.
 CPU_CALL_ROWS = 512
 #: Bytes per (query, key) pair of a CPU call's tree mask beyond the mask's own dtype: the rule's
 #: boolean result and its negation.
@@ -274,7 +278,8 @@ class CostModel:
             attn = [
                 Term("attention backward", grads, "delta [H, S], dO, dq, dk, dv"),
                 Term("call mask", CPU_CALL_ROWS * (_b + _CPU_MASK_BOOL_BYTES) * S,
-                     f"the tree mask of one fused-kernel call, [{CPU_CALL_ROWS}, live keys <= S], and its booleans"),
+                     f"the tree mask of one masked fused-kernel call and its booleans: [{CPU_CALL_ROWS}, "
+                     f"min(S, {CPU_CALL_ROWS})] at most, counted as [{CPU_CALL_ROWS}, S]"),
                 Term("call keys", 4 * _K * _d * _b * S,
                      "one call's gathered keys and values and their gradients, [Hkv, live keys <= S, d] each"),
             ]
@@ -429,8 +434,9 @@ class CostModel:
             for term, poly in terms:
                 if term not in _ATTENTION_TERMS:
                     total += _horner(poly, rows)
-                elif term == "call mask":  # [call rows, keys] with call rows = min(rows, CPU_CALL_ROWS)
-                    total += -(-_horner(poly, key_rows) * min(rows, CPU_CALL_ROWS) // CPU_CALL_ROWS)
+                elif term == "call mask":  # [call rows, keys], each at most CPU_CALL_ROWS
+                    total += ((self.dtype_bytes + _CPU_MASK_BOOL_BYTES) * min(rows, CPU_CALL_ROWS)
+                              * min(key_rows, CPU_CALL_ROWS))
                 else:
                     total += _horner(poly, key_rows)
             best = max(best, total - (0 if with_saved else saved))
