@@ -45,14 +45,14 @@ def test_two_threads_making_the_first_call_at_once_both_get_the_exact_result():
 def test_forward_called_directly_waits_for_a_running_call():
     """PEFT's LoraModel calls its base model's ``forward`` directly: that path takes the same
     lock as ``__call__``, so it cannot run beside another thread's call."""
-    from treecompile.compile import wrapper
+    from treecompile.compile import entry
 
     model = perturbed_hf_model(transformers.Qwen3Config(**CFG))
     compiled = tc.tree_compile(model, backend="eager")
     batch = tc.pack([tc.TrajectoryTree.from_sequences([[1, 2, 3], [1, 4]])], warn_por=False)
     compiled(batch)  # compiled: an unlocked forward would now finish at once
     finished = threading.Event()
-    with wrapper._CALLS:  # another call is running
+    with entry.CALLS:  # another call is running
         worker = threading.Thread(target=lambda: (compiled.forward(batch), finished.set()))
         worker.start()
         assert not finished.wait(2.0), "forward ran while another call held the lock"

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
-import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +51,7 @@ from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
+from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.stream.sharded import fsdp_call_of
@@ -67,18 +66,6 @@ __all__ = [
     "OUTPUTS",
 ]
 
-_CALLS = threading.RLock()  # see TreeCompiledModel.__call__
-
-
-def _one_at_a_time(method):
-    """``method`` under `_CALLS` (re-entrant: a call through ``__call__`` holds it already)."""
-
-    @functools.wraps(method)
-    def locked(*args, **kwargs):
-        with _CALLS:
-            return method(*args, **kwargs)
-
-    return locked
 #: Mask encodings ``tree_compile(mask=...)`` accepts.
 MASKS = tuple(MASK_KINDS)
 #: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
@@ -333,16 +320,16 @@ class TreeCompiledModel(DelegatingModule):
         # A call swaps module-level functions (Hugging Face's attention interfaces, sequence
         # kernels) for its duration and may compile or judge the model again: calls from
         # several threads run one at a time, in this process, whichever wrapper they are on.
-        # It is never traced by an outer torch.compile (`_warn_outer_compile`): the call
+        # It is never traced by an outer torch.compile (`warn_outer_compile`): the call
         # compiles the model itself.
-        _warn_outer_compile()
-        with _CALLS:
+        warn_outer_compile()
+        with CALLS:
             return super().__call__(*args, **kwargs)
 
     #: Hugging Face's ``Trainer`` passes ``num_items_in_batch`` to a model that says it takes it.
     accepts_loss_kwargs = True
 
-    @_one_at_a_time  # also when called as .forward, as PEFT's LoraModel calls its base model
+    @one_at_a_time  # also when called as .forward, as PEFT's LoraModel calls its base model
     def forward(
         self,
         batch: TreeBatch | None = None,
@@ -585,27 +572,6 @@ class TreeCompiledModel(DelegatingModule):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _warn_outer_compile() -> None:
-    """Says (once per call site, as warnings do), when a call comes through
-    ``torch.compile(compiled)``, that the outer compile does nothing (the call is not traced by
-    it; ``tree_compile`` compiles the model itself)."""
-    # The frames of torch's eval_frame.py above this call: one is ``__call__``'s own disable
-    # wrapper; a second is an outer torch.compile's.
-    frame, seen = sys._getframe(1), 0
-    for _ in range(16):
-        if frame is None:
-            break
-        seen += frame.f_code.co_filename.replace("\\", "/").endswith("_dynamo/eval_frame.py")
-        frame = frame.f_back
-    if seen >= 2:
-        import warnings
-
-        from treecompile.core.advice import TreeWarning
-
-        warnings.warn("torch.compile(...) of a tree-compiled model does nothing: tree_compile compiles the model "
-                      "itself, at its first call; call the tree-compiled model directly", TreeWarning, stacklevel=4)
 
 
 def _stream_runner(options: StreamOptions, setup: CallSetup):
