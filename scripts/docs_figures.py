@@ -251,7 +251,7 @@ def measured_speedups(text: str) -> list[dict]:
             continue
         if {"workload", "POR", "method", "speedup"} <= set(header):
             row = dict(zip(header, cells))
-            m = re.fullmatch(r"~?([\d.]+)x", row["speedup"])
+            m = re.fullmatch(r"~?\s*([\d.]+)x(?:\s*~)?", row["speedup"])  # "~" marks one within the spread
             if m:
                 rows.append({"section": section, "workload": row["workload"], "por": float(row["POR"]),
                              "method": row["method"], "speedup": float(m.group(1))})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import re
 import warnings
 
 import pytest
@@ -44,19 +45,19 @@ def test_the_table_is_the_one_in_the_docs():
         row = f"| {por:.3f} | 2048 |"
         interval = [ln for ln in page.splitlines() if row in ln and "| interval |" in ln]
         assert interval, f"no interval row at POR {por:.3f} in docs/benchmarks.md"
-        assert f"| {speedup:.2f}x |" in interval[0], (interval[0], speedup)
+        assert re.search(rf"\| {speedup:.2f}x( ~)? \|", interval[0]), (interval[0], speedup)
 
 
-@pytest.mark.parametrize("por, warns", [(0.0, True), (0.1, True), (0.2, True), (0.24, True), (0.252, True), (0.3, False),
-                                        (0.5, False), (0.92, False)])
+@pytest.mark.parametrize("por, warns", [(0.0, True), (0.1, True), (0.15, True), (0.153, True), (0.154, False),
+                                        (0.2, False), (0.5, False), (0.92, False)])
 def test_low_por_advice(por, warns):
     message = low_por_advice(por)
     assert (message is not None) == warns
     if warns:
         assert message.startswith(f"POR {por:.3f} is low: tree training measured about {measured_speedup(por):.2f}x")
-        assert "0.93x at POR 0.20 in docs/benchmarks.md" in message
-        # The break-even (0.25425 from the measured table) rounded up: never the POR just called low.
-        assert message.endswith("the tree pays off above about POR 0.255")
+        assert "(1.03x at POR 0.00 in docs/benchmarks.md" in message
+        # The break-even (0.154 from the measured table) rounded up: never the POR just called low.
+        assert message.endswith("the tree pays off above about POR 0.154")
 
 
 def test_warn_low_por_on_trees():
