@@ -18,7 +18,7 @@ without a mask over the keys of full blocks, which every query of the block sees
 tree rule as an additive mask over the rest, in pieces of at most 512 keys, the softmaxes merged
 by their log-sum-exps: a mask is never over ``[512, 512]`` whatever the tree. Consecutive blocks
 whose keys nearly agree (a long path's) share one call. On a path of
-10,000 tokens this takes a step from 0.34x to 0.79x of the unmodified model's speed on the path
+10,000 tokens this takes a step from 0.34x to 0.88x of the unmodified model's speed on the path
 alone (docs/benchmarks.md, "Long paths").
 
 Both directions are ``torch.library`` custom ops, so a captured graph holds one opaque node
