@@ -33,7 +33,7 @@ import torch
 from treecompile.kernels.flex_mods import score_vjp, tile_mask, tile_scores, user_mods
 from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
 
-__all__ = ["tree_attention_cpu", "fused_ok", "fused_block", "fused_block_backward", "attention_scores"]
+__all__ = ["tree_attention_cpu", "lse_dtype", "fused_ok", "fused_block", "fused_block_backward", "attention_scores", "row_terms"]
 
 Tensor = torch.Tensor
 
@@ -154,6 +154,13 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def lse_dtype(q: Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: float32 (float64 for float64 queries), as FlexAttention returns
+    it and the fused kernel computes it; the fused backward reads it back, so it is not rounded
+    to a bfloat16 model's dtype."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def fused_ok(q: Tensor, v: Tensor, softcap: float, plain_scores: bool = True, dlse: Tensor | None = None) -> bool:
     """Whether a call can run on the fused kernel: a plain softmax over the visible keys (no
     soft-cap, scores a model's mods leave alone, no log-sum-exp gradient) and equal key and
@@ -178,8 +185,10 @@ def fused_block(qb: Tensor, kb: Tensor, vb: Tensor, ok: Tensor | None, bias: Ten
     ``[Hkv, g, Bq, L]``. A query that sees none of the keys gets 0 and -inf."""
     hq = qb.shape[1]
     o, m = _FLASH(qb, kb[None], vb[None], attn_mask=_additive(ok, bias, hq, qb.dtype), scale=scale)
-    if ok is not None:  # the kernel gives such a query a log-sum-exp of 0
-        m = m.masked_fill(~ok.any(-1), float("-inf"))
+    if ok is not None:  # the kernel gives such a query a log-sum-exp of 0 (its output is not relied on)
+        none = ~ok.any(-1)
+        m = m.masked_fill(none, float("-inf"))
+        o = o.masked_fill(none[:, None], 0.0)
     return o[0], m[0]
 
 
@@ -246,6 +255,19 @@ def _fused_backward(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, keys, full, par
             dq[0, :, q0:q1] = dqb
         _add_rows(dk, part, dkb)
         _add_rows(dv, part, dvb)
+
+
+def row_terms(q: Tensor, dout: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, hkv: int):
+    """``(q, dout, lse, delta)`` per key head ``[Hkv, g, S, .]`` for the block-by-block softmax
+    backward, in the model's dtype: ``delta = sum_d dO * O`` (minus ``dlse``, the gradient of the
+    returned log-sum-exp), the row term of ``dS = P * (dO V^T - delta)``."""
+    _, hq, s, d = q.shape
+    g = hq // hkv
+    delta = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
+    if dlse is not None:
+        delta = delta - dlse[0].to(q.dtype).view(hkv, g, s)
+    return (q[0].view(hkv, g, s, d), dout[0].view(hkv, g, s, dout.shape[-1]), lse[0].to(q.dtype).view(hkv, g, s),
+            delta)
 
 
 def attention_scores(qb: Tensor, kb: Tensor, scale: float, softcap: float, bias: Tensor | None = None):
@@ -340,7 +362,7 @@ def tree_attention_cpu(
     hkv, dv = k.shape[1], v.shape[-1]
     g = hq // hkv
     out = q.new_zeros(1, hq, s, dv)
-    lse = q.new_full((1, hq, s), float("-inf"))
+    lse = q.new_full((1, hq, s), float("-inf"), dtype=lse_dtype(q))
     nums, idxs = _plan(kv_num, kv_idx, full_num, full_idx)
     q4 = q[0].view(hkv, g, s, -1)
     own = _Mods(mods, kind, buffers, hq, q.device)
@@ -374,7 +396,7 @@ def tree_attention_cpu(
 @tree_attention_cpu.register_fake
 def _(q, k, v, buffers, kv_num, kv_idx, full_num, full_idx, kind, block_size, scale, softcap, window, chunks,
       alibi=None, mods=""):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("treecompile::tree_attention_cpu_backward", mutates_args=())
@@ -410,22 +432,16 @@ def tree_attention_cpu_backward(
     (zeros for those that get none): its score_mod is differentiated per block
     (``torch.func.vjp``), so a learned bias it reads gets its gradient."""
     _, hq, s, d = q.shape
-    hkv, dv_ = k.shape[1], v.shape[-1]
-    g = hq // hkv
+    hkv = k.shape[1]
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     nums, idxs = _plan(kv_num, kv_idx, full_num, full_idx)
-    q4 = q[0].view(hkv, g, s, d)
-    do4 = dout[0].view(hkv, g, s, dv_)
-    lse4 = lse[0].view(hkv, g, s)
-    # delta_q = sum_d dO * O: the softmax backward's row term.
-    delta4 = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
-    if dlse is not None:
-        delta4 = delta4 - dlse[0].view(hkv, g, s)
     own = _Mods(mods, kind, buffers, hq, q.device)
     d_bufs = [torch.zeros_like(t) for t in own.buffers]
     fused = fused_ok(q, v, softcap, own.mods is None, dlse)
+    if not fused:  # the fused kernel's backward computes its own row terms
+        q4, do4, lse4, delta4 = row_terms(q, dout, out, lse, dlse, hkv)
     for q0, q1, keys, full, partial in _groups(s, block_size, nums, idxs, _GROUP_ROWS if fused else block_size,
                                                q.device):
         q_rows = torch.arange(q0, q1, device=q.device)

@@ -387,7 +387,8 @@ def _with_user_mods(spec: AttentionSpec, mask_mod: Callable, score_mod: Callable
 
     def mask(b, h, q_idx, kv_idx, *buffers):
         rule, positions, extra = buffers[:n_rule], buffers[n_rule], buffers[n_rule + 1:]
-        ok = mask_mod(b, h, q_idx, kv_idx, *rule)
+        # A sliding window's tree rule reads the positions after its own tensors.
+        ok = mask_mod(b, h, q_idx, kv_idx, *rule, *((positions,) if spec.window is not None else ()))
         if mods.mask is None:
             return ok
         _, mask_bufs = mods.split(extra)
@@ -419,6 +420,8 @@ def _flex_hop_attention(spec: AttentionSpec, mask_mod: Callable, score_mod: Call
         slopes = torch.tensor(spec.alibi, dtype=torch.float32, device=q.device)
         score_buffers = (slopes, positions)
     if spec.mods:
+        if spec.alibi:  # the attention pass never pairs them: say so rather than drop the bias
+            raise NotImplementedError("ALiBi together with a model's own score_mod / mask_mod")
         mask_mod, score_mod = _with_user_mods(spec, mask_mod, score_mod, len(buffers))
         mask_buffers = (*buffers, positions, *mod_buffers)
         score_buffers = (positions, *mod_buffers)

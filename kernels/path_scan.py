@@ -139,8 +139,10 @@ def _scan_rows_backward(xs: torch.Tensor, g: torch.Tensor, pred_index: torch.Ten
             d_earlier, d_v = g, g
         elif op == "cumprod":  # out = earlier * v
             d_earlier, d_v = g * v, g * earlier
-        else:  # logcumsumexp: out = logaddexp(earlier, v)
-            d_earlier, d_v = g * torch.exp(earlier - out), g * torch.exp(v - out)
+        else:  # logcumsumexp: out = logaddexp(earlier, v); nothing flows where both are -inf
+            dead = out == float("-inf")
+            d_earlier = torch.where(dead, 0.0, g * torch.exp(earlier - out))
+            d_v = torch.where(dead, 0.0, g * torch.exp(v - out))
         g = torch.where(has, d_v, g).index_add(0, at, torch.where(has, d_earlier, torch.zeros_like(d_earlier)))
     return g
 

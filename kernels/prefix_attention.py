@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.kernels.cpu_attention import attention_scores, fused_block, fused_block_backward, fused_ok
+from treecompile.kernels.cpu_attention import (attention_scores, fused_block, fused_block_backward, fused_ok,
+                                                lse_dtype, row_terms)
 
 __all__ = ["prefix_tree_attention", "prefix_attention_reference"]
 
@@ -87,7 +88,7 @@ def prefix_tree_attention(
     hkv, total, dv = k.shape[1], k.shape[2], v.shape[-1]
     p, g = total - s, hq // hkv
     out = q.new_zeros(1, hq, s, dv)
-    lse = q.new_full((1, hq, s), float("-inf"))
+    lse = q.new_full((1, hq, s), float("-inf"), dtype=lse_dtype(q))
     q4 = q[0].view(hkv, g, s, d)
     fused = fused_ok(q, v, softcap)
     for q0 in range(0, s, block_size):
@@ -111,7 +112,7 @@ def prefix_tree_attention(
 
 @prefix_tree_attention.register_fake
 def _(q, k, v, kv_end, kv_pos, q_pos, block_size, scale, softcap, window, alibi=None):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("treecompile::prefix_tree_attention_backward", mutates_args=())
@@ -135,22 +136,17 @@ def prefix_tree_attention_backward(
     """``(dq, dk, dv)`` of `prefix_tree_attention` from the saved ``out`` and ``lse``; ``dk``
     and ``dv`` cover all ``L`` keys, the prefix rows included (the stack's gradients)."""
     _, hq, s, d = q.shape
-    hkv, total, dv_ = k.shape[1], k.shape[2], v.shape[-1]
-    p, g = total - s, hq // hkv
+    hkv, total = k.shape[1], k.shape[2]
+    p = total - s
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    q4 = q[0].view(hkv, g, s, d)
-    do4 = dout[0].view(hkv, g, s, dv_)
-    lse4 = lse[0].view(hkv, g, s)
-    delta4 = (dout[0] * out[0]).sum(-1).view(hkv, g, s)
-    if dlse is not None:
-        delta4 = delta4 - dlse[0].view(hkv, g, s)
     fused = fused_ok(q, v, softcap, dlse=dlse)
+    if not fused:  # the fused kernel's backward computes its own row terms
+        q4, do4, lse4, delta4 = row_terms(q, dout, out, lse, dlse, hkv)
     for q0 in range(0, s, block_size):
         q1 = min(q0 + block_size, s)
         keys = _live_keys(kv_end, p + q0, p + q1)
         q_rows = torch.arange(q0, q1, device=q.device)
         kb, vb = k[0][:, keys], v[0][:, keys]
-        qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
         bias = _bias(alibi, kv_pos, q_pos, q_rows, keys, hkv, q)
         ok = _visible(p + q_rows, keys, q_rows, kv_end, kv_pos, q_pos, window)
         if fused:
@@ -160,6 +156,7 @@ def prefix_tree_attention_backward(
             dk.index_add_(2, keys, dkb[None])
             dv.index_add_(2, keys, dvb[None])
             continue
+        qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
         sc, t = attention_scores(qb, kb, scale, softcap, bias)
         pr = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
         dv.index_add_(2, keys, torch.einsum("hgql,hgqd->hld", pr, dob)[None])

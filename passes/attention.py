@@ -254,12 +254,19 @@ def _rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         why = _mod_buffers_refusal(ctx, score_buffers, "score_mod", parameters=True)
     window, own_mask = None, False
     if why is None:
-        allowed = _mask_mod_pattern(ctx, mask_gm, mask_buffers)
+        qv = value(q)
+        heads = int(qv.shape[1]) if isinstance(qv, torch.Tensor) and qv.dim() == 4 else 1
+        allowed = _mask_mod_pattern(ctx, mask_gm, mask_buffers, heads)
         if isinstance(allowed, str):
             why = allowed
         else:
             ctx.max_rows = allowed.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, allowed.shape[-1])
-            window, pattern = causal_pattern(allowed)
+            same = bool((allowed == allowed[:1]).all())
+            # Heads that differ: every head must keep keys at or before the query (their union
+            # is checked), and the model's own mask_mod then runs per head in the tree kernel.
+            window, pattern = causal_pattern(allowed[0] if same else allowed.any(0))
+            if not same and pattern is None:
+                window, pattern = None, "a mask that differs between heads"
             if pattern is not None:
                 if "not causal" in pattern:
                     why = f"the mask_mod is {pattern}"
@@ -314,8 +321,9 @@ def _returns_first_input(sub: fx.GraphModule) -> bool:
     return first is not None and result is first
 
 
-def _mask_mod_pattern(ctx: PassContext, mask_gm, buffers) -> torch.Tensor | str:
-    """The ``[S, S]`` pattern a ``mask_mod`` allows at the example length (query, key), or why not."""
+def _mask_mod_pattern(ctx: PassContext, mask_gm, buffers, heads: int = 1) -> torch.Tensor | str:
+    """The ``[heads, S, S]`` pattern a ``mask_mod`` allows at the example length (head, query,
+    key), or why not."""
     if mask_gm is None:
         return "a block mask whose mask_mod treecompile cannot see"
     if any(isinstance(b, fx.Node) and depends_on_inputs(ctx, b) is not False for b in buffers):
@@ -326,8 +334,8 @@ def _mask_mod_pattern(ctx: PassContext, mask_gm, buffers) -> torch.Tensor | str:
         idx = torch.arange(s)
         zero = torch.zeros((), dtype=torch.int64)
         with torch.no_grad():
-            allowed = mask_gm(zero, zero, idx[:, None], idx[None, :], *values)
-        return torch.broadcast_to(allowed, (s, s)).bool()
+            return torch.stack([torch.broadcast_to(mask_gm(zero, torch.tensor(h), idx[:, None], idx[None, :], *values),
+                                                   (s, s)).bool() for h in range(heads)])
     except Exception as e:
         return f"a mask_mod that cannot be evaluated over the sequence ({type(e).__name__})"
 

@@ -160,8 +160,9 @@ def _memory_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, a: di
     users = list(node.users)
     if not all(u.op == "call_function" and u.target is operator.getitem for u in users) or \
             any(u.args[1] == 1 and u.users for u in users) or a["dropout_p"] and a["training"] or \
-            a["bias_k"] is not None or a["add_zero_attn"]:
-        ctx.notes[node] = "attention to a memory with attention weights used, dropout, bias_k or add_zero_attn"
+            a["bias_k"] is not None or a["add_zero_attn"] or a["static_k"] is not None or a["static_v"] is not None:
+        ctx.notes[node] = ("attention to a memory with attention weights used, dropout, bias_k, add_zero_attn or "
+                           "static keys")
         return
     outputs = [u for u in users if u.args[1] == 0]
     if not outputs:

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.flex_mods import register_mods
-from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, same_size, value
+from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import evaluate
 
 __all__ = ["relative_bias_mods"]
@@ -48,6 +48,8 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
     indexed = _downstream_of(aranges) & anc
     if not indexed <= (ancestors(meet) | {meet} | after):
         return "a bias over (query, key) pairs that reads a sequence index other than through their difference"
+    if any(m not in indexed for n in indexed for m in mutated_args(n)):  # its copy would write that again
+        return "a bias over (query, key) pairs built by writing in place into a tensor it does not create"
     g = gm.graph
     env: dict[fx.Node, fx.Node] = {}
     kv = value(key_side)

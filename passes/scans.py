@@ -63,12 +63,12 @@ def rewrite_scans(gm: fx.GraphModule, ctx: PassContext, needs_structure) -> None
         if ctx.pred_index is None:
             needs_structure(node)
         op, x, dim = found
-        dtype = node.kwargs.get("dtype")
+        result = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
         g = gm.graph
         with g.inserting_before(node):
-            if dtype is not None:
-                x = ctx.mark(g.call_method("to", (x, dtype)), like=node)
-                x.meta["example_value"] = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
+            if value(x).dtype != result.dtype:  # a dtype= argument, or torch's promotion (bool, int32 -> int64)
+                x = ctx.mark(g.call_method("to", (x, result.dtype)), like=node)
+                x.meta["example_value"] = result
             scan = ctx.mark(g.call_function(torch.ops.treecompile.path_scan.default,
                                             (x, dim, ctx.pred_index, ctx.node_table, op)), like=node)
             vals = ctx.mark(g.call_function(operator.getitem, (scan, 0)), like=node)

@@ -276,3 +276,10 @@ def test_a_tree_that_trains_no_token_is_named_once_per_batch():
     assert len(said) == 2, said
     assert "1 tree(s) of the batch train no token: #1 (group='task-7')" in said[0] and "whole batch" not in said[0]
     assert "(the whole batch: its loss is 0 and no gradient flows)" in said[1]
+    # A data loader's padding micro-step trains nothing on purpose: no warning.
+    from treecompile.planning.dataloader import padding_tree
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack([padding_tree()], warn_por=False)
+        pack([busy, padding_tree()], warn_por=False)

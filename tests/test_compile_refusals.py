@@ -124,9 +124,27 @@ REFUSED = {
     "token-loop": (TokenLoopLM, "sequence length a constant", "takes one token of the row at a time"),
 }
 
+class CountedScanLM(nn.Module):
+    """Scans whose result dtype is not their input's: a bool cumsum (a count, int64 in torch)
+    and an int32 one, along the sequence."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.count = nn.Embedding(64, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        evens = (idx % 2 == 0).cumsum(1)  # how many even tokens so far on the path
+        threes = (idx % 3 == 0).to(torch.int32).cumsum(1)
+        return self.head(x + self.count(evens.clamp(max=63)) + self.count(threes.clamp(max=63)))
+
+
 #: Sequence mixing that has a tree form: once refused, now exact (a scan along the path, the
 #: previous token on the path, a causal conv's taps along the path).
-EXACT = {"cumsum": CumsumLM, "token-shift": TokenShiftLM, "zero-pad-shift": ZeroPadShiftLM, "conv1d": ConvLM}
+EXACT = {"cumsum": CumsumLM, "counted-scan": CountedScanLM, "token-shift": TokenShiftLM,
+         "zero-pad-shift": ZeroPadShiftLM, "conv1d": ConvLM}
 
 
 @pytest.mark.parametrize("model_id", list(EXACT))

@@ -313,6 +313,20 @@ def test_lora_adapters_applied_after_compile_are_exact(called_first):
         assert not torch.equal(peft_model(make_batch("branchy")[0]).loss.detach(), plain)
 
 
+def test_the_reference_unwraps_only_a_chain_of_wrappers():
+    """A module holding a tree-compiled model beside other layers is the caller's own model: the
+    per-path reference calls it as it is, never the compiled model inside it alone."""
+    from treecompile.core.reference import reference_model
+
+    model = _qwen3()
+    compiled = tc.tree_compile(model, backend="eager")
+    assert reference_model(compiled) is model
+    chain = torch.nn.Sequential(torch.nn.ModuleDict({"inner": compiled}))
+    assert reference_model(chain) is model  # one child each, down to the wrapper
+    beside = torch.nn.ModuleDict({"lm": compiled, "head": torch.nn.Linear(2, 2)})
+    assert reference_model(beside) is beside
+
+
 def test_hf_forward_arguments_pass_unset_and_are_refused_when_set():
     compiled = tc.tree_compile(_qwen3(), backend="eager")
     batch, _ = make_batch("branchy")

@@ -27,8 +27,9 @@ def _bias(score, b, h, q_idx, kv_idx, table):
     return score + table[h, (q_idx - kv_idx).clamp(0, 7)]
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["", "window3"])
 @pytest.mark.parametrize("which", ["score", "mask", "both"])
-def test_cpu_kernel_matches_flexattention_over_the_same_functions(which):
+def test_cpu_kernel_matches_flexattention_over_the_same_functions(which, window):
     """The CPU kernel (blocks, the functions by vmap on tiles) and FlexAttention's own op on CPU
     (every pair, the functions composed as on a GPU: `_with_user_mods`) agree in float64, the
     functions reading path positions and their tensors (a head-indexed table, a chunk size)."""
@@ -42,12 +43,13 @@ def test_cpu_kernel_matches_flexattention_over_the_same_functions(which):
     mask = _chunked if which in ("mask", "both") else None
     key = register_mods(score, mask, 1 if score else 0, 1 if mask else 0)
     tables, layout = split_block_mask(tree_block_mask(batch.subtree_end, block_size=BLOCK_SIZE))
-    spec = AttentionSpec(kind="interval", scale=None, window=None, softcap=None, chunks=0, layout=layout, mods=key)
+    spec = AttentionSpec(kind="interval", scale=None, window=window, softcap=None, chunks=0, layout=layout, mods=key)
     bufs = ([table] if score else []) + ([chunk] if mask else [])
     cpu = tree_attention_fn(spec)(q, k, v, batch.position_ids, batch.subtree_end, *tables, mod_buffers=bufs)
     from treecompile.kernels.flex import BlockTensors, demote_full_blocks
 
-    hop, _ = _flex_hop_attention(spec, tree_mask_mod("interval"), softcap_score_mod(None), q, k, v, batch.position_ids,
+    hop, _ = _flex_hop_attention(spec, tree_mask_mod("interval", window=window), softcap_score_mod(None), q, k, v,
+                                 batch.position_ids,
                                  (batch.subtree_end,), demote_full_blocks(BlockTensors(*tables)), 8 ** -0.5,
                                  tuple(bufs))
     torch.testing.assert_close(cpu, hop, rtol=1e-12, atol=1e-12)

@@ -167,8 +167,12 @@ def test_hugging_face_labels_and_attention_mask_in_a_sequences_line(tmp_path):
     assert [r.input_ids for r in recs] == [[1, 2, 3, 4], [1, 2, 5]]
     assert [r.loss_mask for r in recs] == [[0, 0, 1, 1], [0, 1, 1]]
     for line, message in [
-        ('{"input_ids": [1, 2, 3], "labels": [-100, 3, 4]}', r"'labels'\[1\] = 3 is neither -100 nor the token 2"),
-        ('{"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}', "'attention_mask' has 0s between tokens"),
+        ('{"input_ids": [1, 2, 3], "labels": [-100, 3, 4]}', r"labels\[1\] = 3 is neither input_ids\[1\] = 2 nor -100"),
+        ('{"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}', "the attention mask has a hole"),
+        ('{"input_ids": [1, 2, 3], "labels": [-100, 2]}', "2 labels for 3 input_ids"),
+        ('{"input_ids": [0, 1, 2], "labels": [0, -100, 2], "attention_mask": [0, 1, 1]}',
+         r"labels\[0\] = 0 trains a padding token"),
+        ('{"input_ids": [1, 2, 3], "attention_mask": [1, 2, 1]}', "attention_mask holds 2"),
         ('{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "loss_mask": [0, 0, 1]}', "'labels' and 'loss_mask' disagree"),
     ]:
         bad = tmp_path / "bad.jsonl"

@@ -72,3 +72,17 @@ def test_path_scan_without_a_node_table_runs_enough_levels():
     x = torch.randn(batch.num_tokens, 2, dtype=torch.float64)
     torch.testing.assert_close(path_scan(x, 0, batch.pred_index, None, "cumsum")[0],
                                path_scan(x, 0, batch.pred_index, batch.node_table(), "cumsum")[0], rtol=1e-12, atol=1e-12)
+
+
+def test_logcumsumexp_over_minus_infinity_has_the_gradient_torch_gives():
+    """Masked scores (-inf) before a finite one: the gradient there is 0, as torch's own
+    logcumsumexp gives on each root path (`path_scan_reference`), not NaN (-inf - -inf)."""
+    from treecompile.kernels.path_scan import path_scan, path_scan_reference
+
+    batch = tc.pack([tc.TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]])])
+    assert batch.num_tokens == 6
+    x = torch.tensor([0.5, float("-inf"), float("-inf"), 1.0, -0.3, 2.0], dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(path_scan(x, 0, batch.pred_index, batch.node_table(), "logcumsumexp")[0].sum(), x)
+    (want,) = torch.autograd.grad(path_scan_reference(x, 0, batch.pred_index, "logcumsumexp")[0].sum(), x)
+    assert not want.isnan().any() and want[1:3].eq(0).all()
+    torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)

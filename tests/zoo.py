@@ -178,6 +178,10 @@ CASES: list[Case] = [
          "create_block_mask", _custom(zc.FlexChunkedLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
     Case("flex-learned-bias", "a learned [H, 16] relative-position bias read by the score_mod (its gradient through "
          "the tree kernel)", _custom(zc.FlexLearnedBiasLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-per-head-window", "a mask_mod that reads the head (head h: a window of h + 2 keys)",
+         _custom(zc.FlexPerHeadLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-head-bidirectional", "a mask_mod causal on head 0 only (the other heads see every token)",
+         _custom(zc.FlexHeadBidirectionalLM), expect="refused", reason="not causal"),
     Case("flex-document-mask", "attention-gym's document mask: document_id[q_idx] == document_id[kv_idx], ids "
          "counted from the row's separator tokens", _custom(zc.FlexDocumentLM), expect="refused",
          reason="(e.g. document ids)"),
@@ -207,6 +211,8 @@ CASES: list[Case] = [
     Case("torch-decoder-layer-memory", "nn.TransformerDecoderLayer(tgt_is_causal=True) with a learned memory "
          "(cross-attention to keys without rows)", _custom(zc.TorchDecoderLayerLM),
          attention={"multihead_attention": 1, "memory_attention": 1}),
+    Case("mha-memory-static-keys", "F.multi_head_attention_forward to a learned memory with static_k / static_v",
+         _custom(zc.StaticKeysMemoryLM), expect="refused", reason="static keys"),
     Case("torch-decoder-layer-self", "nn.TransformerDecoderLayer over its own input: causal tgt_mask and "
          "memory_mask (keys from other rows of the sequence)", _custom(zc.TorchDecoderLayerLM, memory="input"),
          attention={"multihead_attention": 2}),

@@ -912,8 +912,35 @@ class FlexDocumentLM(_LM):
         return super().forward(idx)
 
 
-FlexSoftcapLM, FlexAlibiLM, FlexChunkedLM, FlexLearnedBiasLM = (
-    _spelling(c) for c in (FlexSoftcapAttn, FlexAlibiAttn, FlexChunkedAttn, FlexLearnedBiasAttn))
+class FlexPerHeadAttn(FlexModsAttn):
+    """A mask_mod that reads the head: head h keeps a sliding window of h + 2 keys
+    (``create_block_mask`` over every head)."""
+
+    def head_mask(self):
+        def per_head_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < h + 2)
+
+        return per_head_window
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        block_mask = create_block_mask(self.head_mask(), None, q.shape[1], t, t, device=q.device)
+        return sys.modules[__name__].flex_attention(q, k, v, block_mask=block_mask)
+
+
+class FlexHeadBidirectionalAttn(FlexPerHeadAttn):
+    """Head 0 causal, the other heads see every token: not causal, whatever head 0 shows."""
+
+    def head_mask(self):
+        def head0_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) | (h > 0)
+
+        return head0_causal
+
+
+FlexSoftcapLM, FlexAlibiLM, FlexChunkedLM, FlexLearnedBiasLM, FlexPerHeadLM, FlexHeadBidirectionalLM = (
+    _spelling(c) for c in (FlexSoftcapAttn, FlexAlibiAttn, FlexChunkedAttn, FlexLearnedBiasAttn, FlexPerHeadAttn,
+                           FlexHeadBidirectionalAttn))
 
 
 def dense_flex_reference(model: nn.Module):
@@ -978,6 +1005,29 @@ class TorchDecoderLayerLM(nn.Module):
         else:
             x = self.layer(x, x, tgt_mask=mask, memory_mask=mask, tgt_is_causal=True, memory_is_causal=True)
         return self.head(x)
+
+
+class StaticKeysMemoryLM(nn.Module):
+    """``F.multi_head_attention_forward`` from the rows to a learned memory, with ``static_k`` /
+    ``static_v`` given: the function then attends to those, not to the projected memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mha = nn.MultiheadAttention(DIM, HEADS)
+        self.memory = nn.Parameter(torch.randn(3, 1, DIM))
+        self.static_k = nn.Parameter(torch.randn(HEADS, 5, DIM // HEADS))
+        self.static_v = nn.Parameter(torch.randn(HEADS, 5, DIM // HEADS))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx).transpose(0, 1)  # [T, 1, DIM]
+        m = self.mha
+        out, _ = F.multi_head_attention_forward(
+            x, self.memory, self.memory, DIM, HEADS, m.in_proj_weight, m.in_proj_bias, None, None, False, 0.0,
+            m.out_proj.weight, m.out_proj.bias, training=False, need_weights=False, static_k=self.static_k,
+            static_v=self.static_v)
+        return self.head((x + out).transpose(0, 1))
 
 
 class MHAExtraKeysLM(nn.Module):

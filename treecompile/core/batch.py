@@ -439,8 +439,10 @@ def _tree_path_bits(tree: TrajectoryTree, chunks: int) -> np.ndarray:
 def _warn_untrained(trees: list, per_tree: list[np.ndarray]) -> None:
     """Warns once per batch (`treecompile.core.advice.TreeWarning`) when trees train no token
     (a conversation without an assistant turn, masks that are all 0), naming them: they add
-    nothing to the loss, which is what per-path training gives too, but rarely what was meant."""
-    idle = [i for i, c in enumerate(per_tree) if not c.size or int(c.sum()) == 0]
+    nothing to the loss, which is what per-path training gives too, but rarely what was meant.
+    A tree marked ``metadata["padding"]`` (a data loader's empty micro-step) is meant so."""
+    idle = [i for i, c in enumerate(per_tree) if (not c.size or int(c.sum()) == 0)
+            and not (isinstance(trees[i].metadata, dict) and trees[i].metadata.get("padding"))]
     if not idle:
         return
     import warnings

@@ -69,18 +69,19 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model a per-path run calls: ``model`` itself, or where a tree-compiled model is
-    ``model`` or inside it (PEFT wrapping one, whose adapters live in the wrapped model's
-    layers), the model that one wraps."""
-    stack, seen = [model], set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
+    """The model a per-path run calls: ``model`` itself, or where ``model`` is a tree-compiled
+    model or wraps one alone (a chain of modules with one child each: PEFT's wrappers, whose
+    adapters live in the wrapped model's layers), the model that one wraps. A model that holds
+    a tree-compiled module beside other layers is called as it is."""
+    m, seen = model, set()
+    while id(m) not in seen:
         seen.add(id(m))
         if getattr(type(m), "wraps_a_model_for_trees", False):
             return m.model
-        stack.extend(vars(m).get("_modules", {}).values())
+        children = list(vars(m).get("_modules", {}).values())
+        if len(children) != 1 or children[0] is None:
+            break
+        m = children[0]
     return model
 
 

@@ -15,7 +15,7 @@ from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError
 from treecompile.core.tree import TrajectoryTree
 
-__all__ = ["IGNORE_INDEX", "as_int_list", "batch_from_rows", "normalised", "rows_to_tree"]
+__all__ = ["IGNORE_INDEX", "as_int_list", "batch_from_rows", "normalised", "record_span", "rows_to_tree"]
 
 #: The label of a position that is not trained (Hugging Face's and PyTorch's ignore index).
 IGNORE_INDEX = -100
@@ -23,6 +23,42 @@ IGNORE_INDEX = -100
 
 def as_int_list(values: Any) -> list[int]:
     return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+def record_span(ids: list[int], labels: list[int] | None, attention_mask: list[int] | None, where: str) -> slice:
+    """The columns of one Hugging Face-style record that hold its sequence: its padding
+    (``attention_mask`` 0, at the start or end) dropped. What the record's ``labels`` and
+    ``attention_mask`` mean is checked here, for every reader of such records (the collator,
+    sequences files): refused naming ``where`` are lengths that differ from ``input_ids``,
+    mask values other than 0 and 1, 0s between tokens, a label on a padding token and a label
+    that is neither -100 nor the token itself (a tree trains each sequence on its own tokens)."""
+    if labels is not None and len(labels) != len(ids):
+        raise TreeInputError(f"{where}: {len(labels)} labels for {len(ids)} input_ids")
+    span = slice(0, len(ids))
+    if attention_mask is not None:
+        if len(attention_mask) != len(ids):
+            raise TreeInputError(f"{where}: {len(attention_mask)} attention_mask entries for {len(ids)} input_ids")
+        odd = next((m for m in attention_mask if m not in (0, 1)), None)
+        if odd is not None:
+            raise TreeInputError(f"{where}: attention_mask holds {odd!r}; it marks tokens with 1 and padding with 0")
+        cols = [c for c, m in enumerate(attention_mask) if m]
+        if cols and cols[-1] - cols[0] + 1 != len(cols):
+            raise TreeInputError(f"{where}: the attention mask has a hole (columns {cols[0]} to {cols[-1]} are not "
+                                 "all 1); a record must be one sequence plus padding")
+        span = slice(cols[0], cols[-1] + 1) if cols else slice(0, 0)
+        pad = next((c for c, m in enumerate(attention_mask) if not m and labels is not None
+                    and labels[c] != IGNORE_INDEX), None)
+        if pad is not None:
+            raise TreeInputError(f"{where}: labels[{pad}] = {labels[pad]} trains a padding token (attention_mask 0); "
+                                 f"mask it with {IGNORE_INDEX}")
+    if labels is not None:
+        wrong = next((c for c in range(span.start, span.stop) if labels[c] not in (ids[c], IGNORE_INDEX)), None)
+        if wrong is not None:
+            raise TreeInputError(
+                f"{where}: labels[{wrong}] = {labels[wrong]} is neither input_ids[{wrong}] = {ids[wrong]} nor "
+                f"{IGNORE_INDEX}; a tree trains each sequence on its own tokens, so labels are read unshifted (the "
+                f"token itself where it is trained): mask a token with {IGNORE_INDEX}")
+    return span
 
 
 # --------------------------------------------------------------------------- padded rows

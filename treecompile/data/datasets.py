@@ -61,9 +61,12 @@ def load_tau2(path: str | Path) -> dict[str, list[list[dict[str, Any]]]]:
         try:
             grouped.setdefault(str(sim.get("task_id")), []).append((sim.get("trial", 0), _tau2_conversation(sim, policy,
                                                                                                             path)))
-        except (KeyError, TypeError, AttributeError) as e:
+        except KeyError as e:
             raise TreeInputError(f"{path}: simulation {i} (task {sim.get('task_id')!r}): a message or tool call "
-                                 f"without {e} ({type(e).__name__})") from None
+                                 f"without {e}") from None
+        except (TypeError, AttributeError) as e:
+            raise TreeInputError(f"{path}: simulation {i} (task {sim.get('task_id')!r}): a message or tool call of "
+                                 f"the wrong shape ({type(e).__name__}: {e})") from None
     return {task: [c for _, c in sorted(trials, key=lambda x: x[0])] for task, trials in grouped.items()}
 
 

@@ -193,8 +193,11 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would give (mkstemp's file is the owner's alone)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -233,38 +236,26 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
     return out
 
 
-#: Hugging Face's label of a token that is not trained.
-IGNORE_INDEX = -100
-
-
 def _hf_keys(path: str | Path, n: int, obj: dict[str, Any], ids: list[Any], mask: list[Any] | None
              ) -> tuple[list[Any], list[Any] | None]:
     """A line's Hugging Face-style ``labels`` and ``attention_mask``, honoured where their
-    meaning is clear: ``labels`` -100 is a token not trained (the loss mask), any other label
-    must be the token itself; ``attention_mask`` 0 is padding, dropped at the start or end of
-    the line. Anything else is refused naming the line."""
+    meaning is clear (`treecompile.core.rows.record_span`: ``attention_mask`` 0 at the ends is
+    padding, dropped; ``labels`` -100 is a token not trained, the loss mask); anything else is
+    refused naming the line, as are labels that disagree with a ``loss_mask``."""
+    from treecompile.core.rows import IGNORE_INDEX, record_span
+
     labels, attn = obj.get("labels"), obj.get("attention_mask")
-    if attn is not None:
-        if not isinstance(attn, list) or len(attn) != len(ids) or any(a not in (0, 1) for a in attn):
-            raise TreeInputError(f"{path}:{n}: 'attention_mask' must be a list of 0 and 1 as long as 'input_ids'")
-        keep = [i for i, a in enumerate(attn) if a == 1]
-        if keep and keep != list(range(keep[0], keep[-1] + 1)):
-            raise TreeInputError(f"{path}:{n}: 'attention_mask' has 0s between tokens: only padding at the start or "
-                                 "end of a line is dropped")
-        lo, hi = (keep[0], keep[-1] + 1) if keep else (0, 0)
-        ids = ids[lo:hi]
-        mask = mask[lo:hi] if mask is not None else None
-        labels = labels[lo:hi] if isinstance(labels, list) and len(labels) == len(attn) else labels
+    if labels is None and attn is None:
+        return ids, mask
+    for key, value in (("labels", labels), ("attention_mask", attn)):
+        if value is not None and (not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            raise TreeInputError(f"{path}:{n}: '{key}' must be a list of integers")
+    span = record_span(ids, labels, attn, f"{path}:{n}")
+    ids, mask = ids[span], None if mask is None else mask[span]
     if labels is None:
         return ids, mask
-    if not isinstance(labels, list) or len(labels) != len(ids):
-        raise TreeInputError(f"{path}:{n}: 'labels' must be a list as long as 'input_ids' ({len(ids)})")
-    bad = next((i for i, (t, lab) in enumerate(zip(ids, labels)) if lab != IGNORE_INDEX and lab != t), None)
-    if bad is not None:
-        raise TreeInputError(
-            f"{path}:{n}: 'labels'[{bad}] = {labels[bad]!r} is neither {IGNORE_INDEX} nor the token {ids[bad]!r}: labels "
-            "are read as Hugging Face's unshifted ones (the token where it is trained); give 'loss_mask' instead")
-    from_labels = [0 if lab == IGNORE_INDEX else 1 for lab in labels]
+    from_labels = [0 if lab == IGNORE_INDEX else 1 for lab in labels[span]]
     if mask is not None and [int(bool(m)) for m in mask][1:] != from_labels[1:]:
         raise TreeInputError(f"{path}:{n}: 'labels' and 'loss_mask' disagree on which tokens are trained")
     return ids, from_labels

@@ -48,7 +48,7 @@ from treecompile.core.batch import pack
 from treecompile.core.errors import TreeInputError
 from treecompile.core.loss import LOSS_MODES
 from treecompile.capture.hf import refuse_label_smoothing
-from treecompile.core.rows import IGNORE_INDEX, as_int_list, batch_from_rows, rows_to_tree
+from treecompile.core.rows import IGNORE_INDEX, as_int_list, batch_from_rows, record_span, rows_to_tree
 from treecompile.core.tree import TrajectoryTree
 from treecompile.planning.prefix_sampler import PrefixGroupedSampler
 
@@ -139,34 +139,13 @@ def _sequence(i: int, record: Any) -> tuple[list[int], list[int] | None, list[in
         )
     ids = as_int_list(record["input_ids"])
     labels = None if record.get("labels") is None else as_int_list(record["labels"])
-    if labels is not None and len(labels) != len(ids):
-        raise TreeInputError(f"record {i}: {len(labels)} labels for {len(ids)} input_ids")
-    if record.get("attention_mask") is not None:
-        keep = as_int_list(record["attention_mask"])
-        if len(keep) != len(ids):
-            raise TreeInputError(f"record {i}: {len(keep)} attention_mask entries for {len(ids)} input_ids")
-        cols = [t for t, m in enumerate(keep) if m]
-        if cols and cols[-1] - cols[0] + 1 != len(cols):
-            raise TreeInputError(f"record {i}: the attention mask has a hole (columns {cols[0]} to {cols[-1]} are "
-                                 "not all 1); a record must be one sequence plus padding")
-        trained_pad = [t for t, m in enumerate(keep) if not m and labels is not None and labels[t] != IGNORE_INDEX]
-        if trained_pad:
-            t = trained_pad[0]
-            raise TreeInputError(f"record {i}: labels[{t}] = {labels[t]} trains a padding token (attention_mask 0); "
-                                 f"mask it with {IGNORE_INDEX}")
-        ids = [ids[t] for t in cols]
-        labels = None if labels is None else [labels[t] for t in cols]
+    keep = None if record.get("attention_mask") is None else as_int_list(record["attention_mask"])
+    span = record_span(ids, labels, keep, f"record {i}")
+    ids, labels = ids[span], None if labels is None else labels[span]
     if not ids:
         raise TreeInputError(f"record {i} has no tokens")
     if labels is None:
         return ids, None, list(ids)
-    wrong = [t for t, (x, y) in enumerate(zip(ids, labels)) if y not in (x, IGNORE_INDEX)]
-    if wrong:
-        t = wrong[0]
-        raise TreeInputError(
-            f"record {i}: labels[{t}] = {labels[t]} is neither input_ids[{t}] = {ids[t]} nor {IGNORE_INDEX}; a tree "
-            "trains each sequence on its own tokens (mask a token with -100 instead)"
-        )
     return ids, [int(y != IGNORE_INDEX) for y in labels], labels
 
 
