@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from treecompile.cli.main import main
+from treecompile.core.advice import TreeWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,6 @@ def test_a_gz_name_on_a_file_that_is_not_gzip(tmp_path, capsys):
     [
         ('{"input_ids": [1, "x", 4], "group": "b"}', "'input_ids': token ids must be integers, got dtype <U21"),
         ('{"input_ids": [1, -5, 4], "group": "b"}', "'input_ids': negative token id -5 at position 1"),
-        ('{"input_ids": [], "group": "b"}', "'input_ids' is empty: every path needs at least one token"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2], "group": "b"}',
          "'loss_mask': values must be 0 or 1; position 1 holds 2"),
         ('{"input_ids": [1, 2], "weight": "heavy", "group": "b"}', "'weight' must be a finite number >= 0, got 'heavy'"),
@@ -201,7 +201,7 @@ def test_a_gz_name_on_a_file_that_is_not_gzip(tmp_path, capsys):
         ('{"input_ids": [1, 2], "group": "b"', "not valid JSON (Expecting ',' delimiter at column 35)"),
         ('{"input_ids": [1, 2], "group": "b\tc"}', "not valid JSON (Invalid control character at column 34)"),
     ],
-    ids=["string-token", "negative-token", "empty", "mask-value", "weight", "nan-weight", "negative-weight",
+    ids=["string-token", "negative-token", "mask-value", "weight", "nan-weight", "negative-weight",
          "broken-json", "control-character"],
 )
 def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_path, capsys):
@@ -431,3 +431,15 @@ def test_an_interrupted_cuda_bench_keeps_the_rows_measured(tmp_path, monkeypatch
     assert cuda.main(["--device", "cpu", "--out", str(out)]) == 130
     assert json.loads(out.read_text()) == {"rows": [{"method": "tree"}]}
     assert capsys.readouterr().err.strip() == f"bench_cuda: interrupted; the rows measured so far are in {out}"
+
+
+def test_an_empty_sequence_line_is_an_empty_path_and_a_group_of_them_is_refused(tmp_path, capsys):
+    path = tmp_path / "grouped.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3], "group": "a"}\n{"input_ids": [], "group": "a"}\n')
+    with pytest.warns(TreeWarning, match=r"1 empty sequence\(s\) \(sequence 1\)"):
+        code, err = run(["stats", str(path)], capsys)
+    assert code == 0, err
+    path.write_text('{"input_ids": [1, 2, 3], "group": "a"}\n{"input_ids": [], "group": "b"}\n')
+    assert_one_line(*run(["stats", str(path)], capsys),
+                    "treecompile stats: error: group 'b': every sequence is empty (1 of them): a tree needs at "
+                    "least one token")

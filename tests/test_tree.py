@@ -76,7 +76,7 @@ def test_masks_may_differ_on_shared_tokens():
 
 BAD_INPUTS = {
     "empty-list": (dict(seqs=[]), "seqs is empty"),
-    "empty-sequence": (dict(seqs=[[1, 2], []]), "sequence 1 is empty"),
+    "only-empty-sequences": (dict(seqs=[[], []]), "every sequence is empty \\(2 of them\\)"),
     "negative-id": (dict(seqs=[[1, -3]]), "negative token id -3 at position 1"),
     "float-id": (dict(seqs=[[1, 2.5]]), "must be integers"),
     "string": (dict(seqs=["hello"]), "expected a list of token ids"),

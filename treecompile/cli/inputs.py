@@ -122,6 +122,9 @@ def build_tree(group: Group, args: argparse.Namespace, tokenizer: Any) -> Any:
         )
     if group.sequences:
         rs = group.sequences
+        if not any(len(r.input_ids) for r in rs):
+            raise TreeInputError(f"group {group.name!r}: every sequence is empty ({len(rs)} of them): a tree needs "
+                                 "at least one token")
         return TrajectoryTree.from_sequences(
             [r.input_ids for r in rs], weights=[r.weight for r in rs], loss_masks=[r.loss_mask for r in rs]
         )

@@ -68,7 +68,7 @@ class TreeBatch:
         node_start: ``[N]`` int64 first row of each node.
         node_end: ``[N]`` int64 exclusive last row of each node's own tokens.
         node_parent: ``[N]`` int64 parent node (global id), -1 for roots.
-        path_node: ``[P]`` int64 node each path ends at.
+        path_node: ``[P]`` int64 node each path ends at; -1 for a path with no tokens.
         path_tree: ``[P]`` int64 tree of each path.
         path_weight: ``[P]`` float64 path weights.
         path_coef: ``[P]`` float64 per-path loss coefficients of ``loss_mode``.
@@ -269,7 +269,7 @@ class TreeBatch:
         starts, ends = self.node_start.tolist(), self.node_end.tolist()
         chain = list(climb(self.node_parent.tolist(), self.path_node[p]))
         rows = [torch.arange(starts[n], ends[n]) for n in reversed(chain)]
-        return torch.cat(rows).to(self.device)
+        return torch.cat(rows).to(self.device) if rows else torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def reference_attention_mask(self) -> torch.Tensor:
         """``[S, S]`` bool, entry ``[q, k]`` true iff query ``q`` sees key ``k``.
@@ -407,7 +407,10 @@ def _validate(b: TreeBatch) -> _Checked:
     # A node, or a link from a node to its parent, never crosses a tree boundary.
     if np.any(tid[start] != tid[end - 1]) or np.any((parent >= 0) & (tid[start] != tid[start[np.maximum(parent, 0)]])):
         _fail("a node or a parent link crosses a tree boundary")
-    through = subtree_sum(parent, np.bincount(b.path_node.cpu().numpy(), minlength=n))
+    ends = b.path_node.cpu().numpy()
+    if ends.size and (ends.min() < -1 or ends.max() >= n):
+        _fail("path_node holds a node id out of range (-1: a path with no tokens)")
+    through = subtree_sum(parent, np.bincount(ends[ends >= 0], minlength=n))
     bad = np.flatnonzero(b.path_count.cpu().numpy() != through[node_of_row])
     if bad.size:
         j = int(bad[0])
@@ -522,7 +525,8 @@ def pack(
     _warn_untrained(trees, per_tree)
     counts = np.concatenate(per_tree)
     weights = np.concatenate([t.path_weight for t in trees])
-    coef = path_loss_coefficients(counts, weights, loss_mode, denominator)
+    coef = path_loss_coefficients(counts, weights, loss_mode, denominator,
+                                  empty=np.concatenate([t.path_node < 0 for t in trees]))
 
     ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
     nstart, nend, npar, pnode, ptree = [], [], [], [], []
@@ -544,7 +548,7 @@ def pack(
         nstart.append(offs[:-1] + row_base)
         nend.append(offs[1:] + row_base)
         npar.append(np.where(t.parent >= 0, t.parent + node_base, -1))
-        pnode.append(t.path_node + node_base)
+        pnode.append(np.where(t.path_node >= 0, t.path_node + node_base, -1))
         ptree.append(np.full(t.num_paths, ti, dtype=np.int64))
         if path_bits:
             bits.append(_tree_path_bits(t, chunks)[node_of_row])

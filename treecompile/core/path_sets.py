@@ -25,8 +25,11 @@ class CapacityError(TreeInputError):
 
 
 def path_lengths(tree: TrajectoryTree) -> np.ndarray:
-    """``[P]`` tokens on each path (its end node's depth plus the node's length)."""
-    return tree.depth_start[tree.path_node] + tree.node_lengths[tree.path_node]
+    """``[P]`` tokens on each path (its end node's depth plus the node's length; 0 for a path
+    with no tokens)."""
+    ends = tree.path_node
+    at = np.maximum(ends, 0)
+    return np.where(ends >= 0, tree.depth_start[at] + tree.node_lengths[at], 0)
 
 
 def union_tokens(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> int:
@@ -77,7 +80,7 @@ def subtree(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> Traje
 
     Args:
         tree: the whole tree.
-        path_ids: ``[P']`` distinct path indices of ``tree``, at least one.
+        path_ids: ``[P']`` distinct path indices of ``tree``, at least one with tokens.
     """
     ids = np.asarray(path_ids, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
@@ -90,12 +93,14 @@ def subtree(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> Traje
     parent = tree.parent
     keep = np.zeros(n, dtype=bool)
     ends = tree.path_node[ids]
+    if not (ends >= 0).any():
+        raise TreeInputError("subtree needs at least one path with tokens")
     for end in ends.tolist():
         for v in climb(parent, end, stop=keep):
             keep[v] = True
     kept = np.flatnonzero(keep)
     ends_here = np.zeros(n, dtype=bool)
-    ends_here[ends] = True
+    ends_here[ends[ends >= 0]] = True
     kept_children = np.bincount(parent[kept][parent[kept] >= 0], minlength=n)
     # A kept node whose parent has it as its only kept child and where no kept path ends
     # continues its parent's node (preorder puts it right after the parent).
@@ -140,7 +145,7 @@ def subtree(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> Traje
         tokens=np.concatenate(tok_parts),
         node_offsets=new_offsets,
         parent=new_parent,
-        path_node=new_id[head[ends]],
+        path_node=np.where(ends >= 0, new_id[head[np.maximum(ends, 0)]], -1),
         path_weight=tree.path_weight[ids],
         node_mask=np.concatenate(mask_parts),
         mask_exceptions=exceptions,

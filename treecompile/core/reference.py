@@ -178,14 +178,22 @@ def per_path_loss(
         forward = _recording_router_logits(router_logits)
     sums, counts, lps = [], [], []
     for tokens, mask in zip(toks, masks):
+        if not len(tokens):  # a path with no tokens: nothing to predict, in no mean
+            lps.append(torch.zeros(0, dtype=compute_dtype(next(model.parameters()).dtype),
+                                   device=next(model.parameters()).device))
+            counts.append(0)
+            continue
         lp = path_logprobs(model, tokens, forward=forward)
         m = torch.as_tensor(mask, device=lp.device).clone()
         m[0] = False  # the first token has nothing to be predicted from
         sums.append((lp * m.to(lp.dtype)).sum())
         counts.append(int(m.sum()))
         lps.append(lp)
-    wt = [float(x) for x in w]
-    n_paths = len(toks)
+    if not sums:
+        raise ValueError("every path is empty: there is nothing to train")
+    wt = [float(x) for x, t in zip(w, toks) if len(t)]
+    live = [c for c, t in zip(counts, toks) if len(t)]
+    n_paths = len(sums)
     if loss_mode == "token-mean":
         d = float(sum(counts)) if denominator is None else float(denominator)
         loss = -sum(wi * s for wi, s in zip(wt, sums)) / d if d > 0 else sums[0] * 0.0
@@ -196,7 +204,7 @@ def per_path_loss(
         loss = -sum(wi * s for wi, s in zip(wt, sums)) / d
     else:  # seq-mean-token-mean
         d = float(n_paths) if denominator is None else float(denominator)
-        loss = -sum(wi * s / c for wi, s, c in zip(wt, sums, counts) if c > 0) / d
+        loss = -sum(wi * s / c for wi, s, c in zip(wt, sums, live) if c > 0) / d
         if not torch.is_tensor(loss):
             loss = sums[0] * 0.0
     aux = None

@@ -115,7 +115,8 @@ def rows_to_tree(
 
     Raises:
         TreeInputError: a label that is neither -100 nor the token itself (labels must not be
-            shifted), a row with a hole in its attention mask, or an empty sequence.
+            shifted) or a row with a hole in its attention mask. A row of padding only is a path
+            with no tokens (a warning names it).
     """
     spans = _row_spans(input_ids, attention_mask, position_ids)
     if labels is not None and labels.shape != input_ids.shape:
@@ -125,8 +126,7 @@ def rows_to_tree(
     seqs, masks = [], []
     for k, (i, cols) in enumerate(spans):
         cols = cols.cpu()
-        if cols.numel() == 0:
-            raise TreeInputError(f"sequence {k} (row {i}) is empty")
+        # An empty row (all padding) is a path with no tokens: from_sequences warns, it trains nothing.
         toks = ids_cpu[i, cols]
         seqs.append(toks.numpy())
         if lab_cpu is None:

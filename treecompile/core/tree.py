@@ -27,7 +27,14 @@ import numpy as np
 
 from treecompile.core.errors import TreeInputError
 from treecompile.core.preorder import climb, preorder_violation, root_path_sum, subtree_max, subtree_sum
-from treecompile.core.tree_build import as_mask_array, as_token_array, as_weights, merge_sequences, node_masks
+from treecompile.core.tree_build import (
+    as_mask_array,
+    as_token_array,
+    as_weights,
+    merge_sequences,
+    node_masks,
+    warn_empty_paths,
+)
 
 __all__ = ["TrajectoryTree", "TreeStats", "Path"]
 
@@ -106,7 +113,8 @@ class TrajectoryTree:
         subtree_end_node: ``[N]`` int64, node ``n``'s subtree is nodes ``[n, subtree_end_node[n])``.
         depth_start: ``[N]`` int64, number of tokens on the path before node ``n``
             (the position of its first token).
-        path_node: ``[P]`` int64, node each path ends at (its last token is that node's last token).
+        path_node: ``[P]`` int64, node each path ends at (its last token is that node's last token);
+            -1 for a path with no tokens (an empty sequence).
         path_weight: ``[P]`` float64.
         node_mask: ``[tree_tokens]`` bool, the loss mask of each tree token for the
             paths that do not have an exception there.
@@ -177,8 +185,12 @@ class TrajectoryTree:
         Returns:
             The tree. Sequences that share no first token become separate roots.
 
+        An empty sequence (a rollout that produced nothing) is a path with no tokens
+        (``path_node`` -1): it trains nothing and enters no mean (a seq-mean loss divides by
+        the paths that have tokens); a warning names it.
+
         Raises:
-            TreeInputError: on empty sequences, non-integer, negative or out-of-range
+            TreeInputError: on no sequences or only empty ones, non-integer, negative or out-of-range
                 ids, masks of the wrong length or with values other than 0/1,
                 negative or non-finite weights, or a tree over ``max_tokens``.
         """
@@ -201,6 +213,11 @@ class TrajectoryTree:
         else:
             masks = [None] * len(arrays)
 
+        empty = [i for i, a in enumerate(arrays) if not a.size]
+        if len(empty) == len(arrays):
+            raise TreeInputError(f"every sequence is empty ({len(arrays)} of them): a tree needs at least one token")
+        if empty:
+            warn_empty_paths(empty)
         node_tokens, parent, path_node = merge_sequences(arrays, largest_first=child_order == "largest_first")
         lengths = np.array([len(t) for t in node_tokens], dtype=np.int64)
         offsets = np.zeros(len(node_tokens) + 1, dtype=np.int64)
@@ -272,7 +289,17 @@ class TrajectoryTree:
     def path_length(self, p: int) -> int:
         """Number of tokens on path ``p``."""
         n = int(self.path_node[p])
-        return int(self.depth_start[n] + self.node_lengths[n])
+        return int(self.depth_start[n] + self.node_lengths[n]) if n >= 0 else 0
+
+    @property
+    def empty_paths(self) -> np.ndarray:
+        """Indices of the paths with no tokens (empty sequences), ascending."""
+        return np.flatnonzero(self.path_node < 0)
+
+    @property
+    def num_paths_with_tokens(self) -> int:
+        """Paths that have at least one token: what a seq-mean loss divides by."""
+        return int((self.path_node >= 0).sum())
 
     def path_mask_segment(self, p: int, n: int) -> np.ndarray:
         """Path ``p``'s loss mask on node ``n``'s tokens."""
@@ -284,6 +311,9 @@ class TrajectoryTree:
     def path(self, p: int) -> Path:
         """Path ``p`` exactly as it was given (tokens, weight and loss mask)."""
         nodes = self.path_nodes(p)
+        if not nodes:
+            return Path(tokens=np.zeros(0, dtype=np.int64), weight=float(self.path_weight[p]),
+                        loss_mask=np.zeros(0, dtype=bool), end_node=-1)
         tokens = np.concatenate([self.node_tokens(n) for n in nodes])
         mask = np.concatenate([self.path_mask_segment(p, n) for n in nodes]).copy()
         return Path(tokens=tokens, weight=float(self.path_weight[p]), loss_mask=mask, end_node=nodes[-1])
@@ -298,7 +328,8 @@ class TrajectoryTree:
 
     def path_counts(self) -> np.ndarray:
         """``[N]`` number of paths through each node (a node a path ends at counts it)."""
-        return subtree_sum(self.parent, np.bincount(self.path_node, minlength=self.num_nodes).astype(np.int64))
+        ends = self.path_node[self.path_node >= 0]
+        return subtree_sum(self.parent, np.bincount(ends, minlength=self.num_nodes).astype(np.int64))
 
     def stats(self) -> TreeStats:
         """Sizes and shape; ``por = 1 - tree_tokens / path_tokens``."""
@@ -333,6 +364,8 @@ class TrajectoryTree:
 
     def _check_structure(self) -> None:
         n = self.parent.shape[0]
+        if n == 0:
+            raise TreeInputError("a tree needs at least one node (one token)")
         if self.node_offsets.shape != (n + 1,) or self.node_offsets[0] != 0:
             raise TreeInputError("node_offsets must have N+1 entries starting at 0")
         if np.any(np.diff(self.node_offsets) <= 0):
@@ -342,8 +375,8 @@ class TrajectoryTree:
         why = preorder_violation(self.parent)
         if why is not None:
             raise TreeInputError(f"nodes must be in depth-first preorder: {why}")
-        if self.path_node.size and (self.path_node.min() < 0 or self.path_node.max() >= n):
-            raise TreeInputError("path_node holds a node id out of range")
+        if self.path_node.size and (self.path_node.min() < -1 or self.path_node.max() >= n):
+            raise TreeInputError("path_node holds a node id out of range (-1: a path with no tokens)")
         if self.path_weight.shape != self.path_node.shape:
             raise TreeInputError("path_weight must hold one weight per path")
         if np.any(~np.isfinite(self.path_weight)) or np.any(self.path_weight < 0):
@@ -351,12 +384,14 @@ class TrajectoryTree:
         if self.tokens.size and self.tokens.min() < 0:
             raise TreeInputError("token ids must be >= 0")
         covered = np.zeros(n, dtype=bool)
-        covered[self.path_node] = True
+        covered[self.path_node[self.path_node >= 0]] = True
         n_children = np.bincount(self.parent[self.parent >= 0], minlength=n)
         bad = np.flatnonzero((n_children == 0) & ~covered)
         if bad.size:
             raise TreeInputError(f"leaf node {int(bad[0])} is not the end of any path")
         for (p, v), m in self.mask_exceptions.items():
+            if not (0 <= p < self.path_node.size and 0 <= v < n):
+                raise TreeInputError(f"mask exception for path {p} on node {v}: no such path or node")
             if m.shape != (int(self.node_offsets[v + 1] - self.node_offsets[v]),):
                 raise TreeInputError(f"mask exception for path {p} on node {v} has the wrong length")
 
@@ -394,6 +429,8 @@ class TrajectoryTree:
         if missing:
             raise TreeInputError(f"a tree dict needs the lists {', '.join(map(repr, missing))}")
         nodes = d["nodes"]
+        if not nodes:
+            raise TreeInputError("a tree dict needs at least one node (one token)")
         toks = [as_token_array(n["tokens"], i, None) for i, n in enumerate(nodes)]
         masks = [np.array(n.get("loss_mask", [1] * len(t)), dtype=bool) for n, t in zip(nodes, toks)]
         offsets = np.zeros(len(nodes) + 1, dtype=np.int64)

@@ -10,15 +10,17 @@ preorder arrays; :func:`node_masks` picks each node's loss mask and keeps disagr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from treecompile.core.advice import TreeWarning
 from treecompile.core.errors import TreeInputError
 from treecompile.core.preorder import climb, root_path_sum
 
-__all__ = ["as_mask_array", "as_token_array", "as_weights", "merge_sequences", "node_masks"]
+__all__ = ["as_mask_array", "as_token_array", "as_weights", "merge_sequences", "node_masks", "warn_empty_paths"]
 
 
 class _Node:
@@ -56,7 +58,7 @@ def as_token_array(seq: Any, index: int, vocab_size: int | None) -> np.ndarray:
     if arr.ndim != 1:
         raise TreeInputError(f"sequence {index}: expected a 1-D list of token ids, got shape {arr.shape}")
     if arr.size == 0:
-        raise TreeInputError(f"sequence {index} is empty: every path needs at least one token")
+        return np.zeros(0, dtype=np.int64)  # an empty path (see merge_sequences)
     if arr.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in arr):
         big = max(range(arr.size), key=lambda i: arr[i])
         raise TreeInputError(f"sequence {index}: token id {arr[big]!r} at position {big} is over 2**63 - 1, "
@@ -86,6 +88,15 @@ def as_token_array(seq: Any, index: int, vocab_size: int | None) -> np.ndarray:
                 f"is out of range for vocab_size={vocab_size}"
             )
     return arr
+
+
+def warn_empty_paths(empty: list[int]) -> None:
+    """Warns once per tree (`TreeWarning`) that sequences are empty, naming them: each stays a
+    path with no tokens, which trains nothing and enters no mean."""
+    shown = ", ".join(map(str, empty[:8])) + (f" and {len(empty) - 8} more" if len(empty) > 8 else "")
+    warnings.warn(f"treecompile: {len(empty)} empty sequence(s) (sequence {shown}): each is a path with no tokens; "
+                  "it trains nothing and enters no mean (a seq-mean loss divides by the paths that have tokens)",
+                  TreeWarning, stacklevel=3)
 
 
 def as_mask_array(mask: Any, index: int, length: int) -> np.ndarray:
@@ -132,11 +143,13 @@ def merge_sequences(arrays: list[np.ndarray], *, largest_first: bool) -> tuple[l
 
     Returns:
         ``(node_tokens, parent, path_node)``: ``[N]`` token runs and parent ids (-1 for a
-        root) in preorder, and ``[P]`` the node each path ends at.
+        root) in preorder, and ``[P]`` the node each path ends at (-1 for an empty sequence:
+        a path with no tokens).
     """
     roots: dict[int, _Node] = {}
     for p, seq in enumerate(arrays):
-        _insert(roots, seq, p)
+        if seq.size:
+            _insert(roots, seq, p)
     if largest_first:
         _subtree_sizes(roots.values())
 

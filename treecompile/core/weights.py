@@ -59,7 +59,8 @@ def _check_mode(mode: str) -> None:
 
 
 def path_loss_coefficients(
-    n_targets: np.ndarray, weights: np.ndarray, mode: str, denominator: float | None = None
+    n_targets: np.ndarray, weights: np.ndarray, mode: str, denominator: float | None = None,
+    *, empty: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-path coefficients ``c_p`` of a loss mode (see `LOSS_MODES`).
 
@@ -69,6 +70,8 @@ def path_loss_coefficients(
         mode: a key of `LOSS_MODES`.
         denominator: overrides ``N`` (token-mean) or ``P`` (seq-mean modes), or divides
             the ``sum`` mode; use it to normalise globally across micro-batches or ranks.
+        empty: ``[P]`` bool, the paths with no tokens (empty sequences): coefficient 0, and
+            not counted in ``P``.
 
     Returns:
         ``[P]`` float64 coefficients. A batch with no target tokens gets zeros.
@@ -78,16 +81,21 @@ def path_loss_coefficients(
     w = np.asarray(weights, dtype=np.float64)
     if denominator is not None and not (np.isfinite(denominator) and denominator > 0):
         raise TreeInputError(f"denominator must be a positive finite number, got {denominator!r}")
+    if empty is not None:
+        empty = np.asarray(empty, dtype=bool)
+        w = np.where(empty, 0.0, w)
     if mode == "token-mean":
         d = float(n.sum()) if denominator is None else float(denominator)
         return w / d if d > 0 else np.zeros_like(w)
     if mode == "sum":
         return w / (1.0 if denominator is None else float(denominator))
-    d = float(len(w)) if denominator is None else float(denominator)
+    paths = len(w) - (0 if empty is None else int(empty.sum()))
+    d = float(paths) if denominator is None else float(denominator)
     if mode == "seq-mean-token-sum":
-        return w / d
-    # seq-mean-token-mean: a path without targets contributes nothing (and counts in P).
-    return np.where(n > 0, w / (d * np.maximum(n, 1.0)), 0.0)
+        return w / d if d > 0 else np.zeros_like(w)
+    # seq-mean-token-mean: a path without targets contributes nothing (and counts in P,
+    # unless it has no tokens at all).
+    return np.where(n > 0, w / (max(d, 1.0) * np.maximum(n, 1.0)), 0.0)
 
 
 def _effective_masks(tree: TrajectoryTree) -> tuple[np.ndarray, dict[tuple[int, int], np.ndarray]]:
@@ -109,7 +117,8 @@ def path_target_counts(tree: TrajectoryTree) -> np.ndarray:
     node_mask, exceptions = _effective_masks(tree)
     per_node = (np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes
                 else np.zeros(0, dtype=np.int64))
-    counts = root_path_sum(tree.parent, per_node)[tree.path_node]
+    ends = tree.path_node
+    counts = np.where(ends >= 0, root_path_sum(tree.parent, per_node)[np.maximum(ends, 0)], 0)
     for (p, v), m in exceptions.items():
         a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
         counts[p] += int(m.sum()) - int(node_mask[a:b].sum())
@@ -125,7 +134,8 @@ def tree_target_weights(tree: TrajectoryTree, coef: np.ndarray) -> np.ndarray:
     """
     node_mask, exceptions = _effective_masks(tree)
     through = np.zeros(tree.num_nodes, dtype=np.float64)
-    np.add.at(through, tree.path_node, coef)
+    ends = tree.path_node >= 0  # a path with no tokens weighs no row
+    np.add.at(through, tree.path_node[ends], np.asarray(coef)[ends])
     through = subtree_sum(tree.parent, through)
     lengths = tree.node_lengths
     weight = node_mask * np.repeat(through, lengths)

@@ -271,8 +271,7 @@ def _check_sequence_line(path: str | Path, n: int, ids: list[Any], mask: list[An
             as_mask_array(mask, 0, len(arr))
     except TreeInputError as exc:
         # The tree's messages say "sequence 0" / "loss_masks[0]"; here the line says which.
-        text = str(exc).replace("sequence 0 is empty", "'input_ids' is empty", 1)
-        text = text.replace("sequence 0: ", "'input_ids': ", 1).replace("loss_masks[0]: ", "'loss_mask': ", 1)
+        text = str(exc).replace("sequence 0: ", "'input_ids': ", 1).replace("loss_masks[0]: ", "'loss_mask': ", 1)
         raise TreeInputError(f"{path}:{n}: {text}") from None
 
 

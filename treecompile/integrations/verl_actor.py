@@ -162,7 +162,7 @@ def micro_batch_tree(input_ids: torch.Tensor, position_ids: torch.Tensor) -> Ver
         while n >= 0:
             chain.append(n)
             n = int(node_parent[n])
-        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)])
+        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
         first, last = offsets_np[b], offsets_np[b + 1]
         index[first:last - 1] = rows[1:]
         valid[first:last - 1] = True

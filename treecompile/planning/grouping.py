@@ -73,7 +73,8 @@ def _attach_endpoints(tree: TrajectoryTree, leaf_group: dict[int, int]) -> np.nd
         p = int(tree.parent[v])
         if p >= 0 and node_group[v] >= 0:
             node_group[p] = node_group[v]  # ends as the group of the first child in preorder
-    return node_group[tree.path_node]
+    ends = tree.path_node  # a path with no tokens (-1) gets a part from partition_tree
+    return np.where(ends >= 0, node_group[np.maximum(ends, 0)], 0)
 
 
 def greedy_groups(tree: TrajectoryTree, capacity: int) -> np.ndarray:

@@ -109,7 +109,7 @@ def loss_denominator(trees: TrajectoryTree | Sequence[TrajectoryTree], loss_mode
     if loss_mode == "token-mean":
         n = int(sum(int(path_target_counts(t).sum()) for t in trees))
         return float(n) if n > 0 else None
-    n = sum(t.num_paths for t in trees)
+    n = sum(t.num_paths_with_tokens for t in trees)  # a path with no tokens enters no mean
     return float(n) if n > 0 else None
 
 
@@ -216,6 +216,9 @@ def partition_tree(tree: TrajectoryTree, capacity: int, *, method: str = "greedy
         groups = np.zeros(tree.num_paths, dtype=np.int64)
     else:
         groups = METHODS[method](tree, capacity)
+        # A path with no tokens rides with the tree's first path that has tokens: it costs nothing.
+        empty = tree.path_node < 0
+        groups = np.where(empty, groups[np.argmax(~empty)], groups)
     order = np.argsort(groups, kind="stable")
     bounds = np.flatnonzero(np.diff(groups[order])) + 1
     path_ids = [a for a in np.split(order, bounds)]

@@ -71,6 +71,8 @@ def _keys(sequences: Sequence[Any], what: str) -> tuple[list[bytes], np.ndarray]
         if isinstance(seq, torch.Tensor):
             seq = seq.detach().cpu().numpy()
         arr = as_token_array(seq, i, None)  # a fresh copy: the caller's data is only read
+        if not arr.size:
+            raise TreeInputError(f"sequence {i} is empty: a sample needs at least one token")
         if int(arr.max()) > _MAX_TOKEN_ID:
             pos = int(arr.argmax())
             raise TreeInputError(f"sequence {i}: token id {int(arr[pos])} at position {pos} is over 2**32 - 1")

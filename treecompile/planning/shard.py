@@ -144,7 +144,7 @@ class Sharding:
 
 
 def dfs_path_order(trees: Sequence[TrajectoryTree]) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
-    """All paths of ``trees`` in DFS order, with lengths and shared prefixes.
+    """All paths of ``trees`` that have tokens, in DFS order, with lengths and shared prefixes.
 
     Returns:
         ``(order, lengths, lcp)``: ``order[i] = (tree, path)``; ``lengths[i]`` its tokens;
@@ -165,6 +165,8 @@ def dfs_path_order(trees: Sequence[TrajectoryTree]) -> tuple[list[tuple[int, int
         prev = -1
         for p in perm.tolist():
             v = int(ends[p])
+            if v < 0:  # a path with no tokens has no place in the order (see _with_empty_paths)
+                continue
             if prev < 0:
                 lcp = 0
             else:
@@ -248,8 +250,21 @@ def _group_cost(group: list[tuple[int, int]], trees: Sequence[TrajectoryTree], c
     return total
 
 
+def _with_empty_paths(trees: Sequence[TrajectoryTree], groups: list[list[tuple[int, int]]]) -> None:
+    """Adds each path with no tokens (the methods place only paths with tokens) to the group of
+    the first path of its tree that has tokens: it costs nothing and keeps every path on a rank."""
+    home: dict[int, int] = {}
+    for gi, g in enumerate(groups):
+        for ti, _ in g:
+            home.setdefault(ti, gi)
+    for ti, t in enumerate(trees):
+        for p in t.empty_paths.tolist():
+            groups[home[ti]].append((ti, p))
+
+
 def _greedy_tokens_groups(trees: Sequence[TrajectoryTree], ranks: int) -> list[list[tuple[int, int]]]:
-    items = [(int(L), ti, p) for ti, t in enumerate(trees) for p, L in enumerate(path_lengths(t).tolist())]
+    items = [(int(L), ti, p) for ti, t in enumerate(trees) for p, L in enumerate(path_lengths(t).tolist())
+             if t.path_node[p] >= 0]
     items.sort(key=lambda x: -x[0])  # stable: ties keep data order
     heap = [(0, r) for r in range(ranks)]
     groups: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
@@ -266,7 +281,7 @@ def _greedy_tree_groups(trees: Sequence[TrajectoryTree], ranks: int) -> list[lis
     groups: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
     for ti, t in enumerate(trees):
         lengths = t.node_lengths
-        for p in range(t.num_paths):
+        for p in np.flatnonzero(t.path_node >= 0).tolist():
             best = None
             for r in range(ranks):
                 add = sum(int(lengths[v]) for v in climb(t.parent, t.path_node[p], stop=covered[r][ti]))
@@ -316,6 +331,7 @@ def shard_paths(
         groups = _greedy_tree_groups(trees, ranks)
     else:
         raise ValueError(f"unknown sharding method {method!r}; valid methods: {', '.join(SHARD_METHODS)}")
+    _with_empty_paths(trees, groups)
     shards, rank_tokens, rank_path_tokens = [], [], []
     plens = [path_lengths(t) for t in trees]
     for g in groups:

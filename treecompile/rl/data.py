@@ -374,7 +374,7 @@ class RLCollator:
 
             n = float(sum(path_target_counts(s.tree).sum() for s in samples))
             return n if n > 0 else 1.0
-        return float(sum(s.tree.num_paths for s in samples))
+        return float(sum(s.tree.num_paths_with_tokens for s in samples))  # empty paths enter no mean
 
     def __call__(self, records: Sequence[RLRecord | dict]) -> list[RLBatch]:
         """Records (`RLRecord` or TRL-style dicts) to batches."""

@@ -125,6 +125,7 @@ def rl_path_coefficients(
     *,
     max_len: float | None = None,
     denominator: float | None = None,
+    empty: np.ndarray | None = None,
 ) -> np.ndarray:
     """``[P]`` per-path coefficients ``c_p`` of an aggregation mode (see `LOSS_AGG_MODES`).
 
@@ -134,14 +135,15 @@ def rl_path_coefficients(
         mode: a key of `LOSS_AGG_MODES`.
         max_len: the constant ``L`` of ``seq-mean-token-sum-norm`` (required there).
         denominator: replaces ``N`` or ``P``.
+        empty: ``[P]`` bool, the paths with no tokens (in no mean).
     """
     _check_choice("loss aggregation mode", mode, LOSS_AGG_MODES)
     if mode != "seq-mean-token-sum-norm":
-        return path_loss_coefficients(n_targets, weights, mode, denominator)
+        return path_loss_coefficients(n_targets, weights, mode, denominator, empty=empty)
     # Dr. GRPO: each path's token sum over a constant length L, then the mean over paths.
     if max_len is None or not max_len > 0:
         raise ValueError("seq-mean-token-sum-norm needs max_len, the constant length L to divide by (> 0)")
-    per_path_sum = path_loss_coefficients(n_targets, weights, "seq-mean-token-sum", denominator)
+    per_path_sum = path_loss_coefficients(n_targets, weights, "seq-mean-token-sum", denominator, empty=empty)
     return per_path_sum / float(max_len)
 
 
@@ -267,11 +269,13 @@ def build_rl_batch(
     targets = []
     for p, path in enumerate(paths):
         m = path.loss_mask.copy()
-        m[0] = False
+        m[:1] = False
         targets.append(np.flatnonzero(m))
     counts = np.array([len(t) for t in targets], dtype=np.float64)
     weights = np.array([path.weight for path in paths], dtype=np.float64)
-    coef = rl_path_coefficients(counts, weights, loss_agg_mode, max_len=max_len, denominator=denominator)
+    empty = np.array([len(path.tokens) == 0 for path in paths], dtype=bool)
+    coef = rl_path_coefficients(counts, weights, loss_agg_mode, max_len=max_len, denominator=denominator,
+                                empty=empty)
 
     # One entry per (path, target token): the row, its (old, ref) key and c_p * A±.
     rows_l, old_l, ref_l, apos_l, aneg_l, c_l = [], [], [], [], [], []
@@ -280,7 +284,7 @@ def build_rl_batch(
     for p, path in enumerate(paths):
         length = len(path.tokens)
         chain = list(climb(node_parent, batch.path_node[p]))
-        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)])
+        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
         t = targets[p]
         a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
         rows_l.append(rows[t])
@@ -475,11 +479,13 @@ def per_path_policy_loss(
     `treecompile.core.reference.path_logprobs`); position 0 is never a target.
     """
     _check_choice("loss aggregation mode", loss_agg_mode, LOSS_AGG_MODES)
-    n_paths = len(logprobs)
-    w = [1.0] * n_paths if weights is None else [float(x) for x in weights]
+    w = [1.0] * len(logprobs) if weights is None else [float(x) for x in weights]
+    n_paths = sum(1 for lp in logprobs if lp.shape[0])  # a path with no tokens enters no mean
     sums, counts = [], []
     for p, lp in enumerate(logprobs):
         t_p = lp.shape[0]
+        if not t_p:
+            continue
         m = torch.as_tensor(np.asarray(loss_masks[p], dtype=bool) if loss_masks[p] is not None
                             else np.ones(t_p, dtype=bool)).clone()
         m[0] = False
