@@ -13,7 +13,9 @@ settings.register_profile(
     "default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("thorough", max_examples=500, deadline=None)
-settings.load_profile(os.environ.get("TREECOMPILE_HYPOTHESIS_PROFILE", "default"))
+settings.register_profile("quick", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+QUICK = os.environ.get("TREECOMPILE_QUICK") == "1"  # scripts/test.sh --quick
+settings.load_profile(os.environ.get("TREECOMPILE_HYPOTHESIS_PROFILE", "quick" if QUICK else "default"))
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -55,6 +57,22 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+def quick_selection(items: list) -> tuple[list, list]:
+    """``(kept, left out)``: the quick tier (``scripts/test.sh --quick``). Every test function
+    runs once, on its first case (the first model of a family, the first parameter set), and
+    a test marked ``full`` (a multi-process run, a docs build, a measured memory peak) runs
+    only in the full suite; generated examples are capped by the ``quick`` Hypothesis profile."""
+    kept, dropped, seen = [], [], set()
+    for item in items:
+        key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if item.get_closest_marker("full") is not None or key in seen:
+            dropped.append(item)
+        else:
+            seen.add(key)
+            kept.append(item)
+    return kept, dropped
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into groups
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): tests that share a
@@ -76,3 +94,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(f"{module.__name__}:{shared[0]}"))
         elif by is not None and by in params:
             item.add_marker(pytest.mark.xdist_group(f"{module.__name__}:{by}={params[by]}"))
+
+    if QUICK:
+        items[:], dropped = quick_selection(items)
+        config.hook.pytest_deselected(items=dropped)

@@ -50,6 +50,7 @@ def test_import_does_not_load_torch():
     assert r.stdout.strip() == "False"
 
 
+@pytest.mark.full
 def test_works_without_transformers():
     # A meta path finder that refuses transformers, as if it were not installed.
     code = (

@@ -19,6 +19,7 @@ def tiny_result():
         return bench.run_bench(bench.TINY, device="cpu", command="pytest")
 
 
+@pytest.mark.full
 def test_every_method_and_workload(tiny_result):
     cfg = bench.TINY
     workloads = [f"synthetic POR {p:g}" for p in cfg.pors] + ["gsm8k 1 groups"]
@@ -26,11 +27,13 @@ def test_every_method_and_workload(tiny_result):
     assert got == {(w, m) for w in workloads for m in cfg.methods}
 
 
+@pytest.mark.full
 def test_tree_losses_equal_per_path_loss(tiny_result):
     for r in tiny_result.rows:
         assert r.exact, f"{r.workload} / {r.method}: loss differs from per-path by {r.loss_rel_diff:.3g} (relative)"
 
 
+@pytest.mark.full
 def test_synthetic_por_and_rows(tiny_result):
     for r in tiny_result.rows:
         if r.workload.startswith("synthetic"):
@@ -42,6 +45,7 @@ def test_synthetic_por_and_rows(tiny_result):
         assert r.step_ms > 0 and r.tokens_per_s > 0
 
 
+@pytest.mark.full
 def test_table_and_markdown(tiny_result):
     from rich.console import Console
 
@@ -85,6 +89,7 @@ def test_cli_parses_bench():
     assert main  # the entry point exists; the full run is covered by run_bench above
 
 
+@pytest.mark.full
 def test_hybrid_arch_runs_exactly():
     cfg = bench.with_overrides(bench.TINY, arch="qwen3_next", methods=("packed", "interval"), gsm8k_groups=0, path_tokens=64,
                                pors=(0.5,))
@@ -134,12 +139,14 @@ def test_a_speedup_inside_the_spread_of_the_repeats_is_flagged():
     ]
 
 
+@pytest.mark.full
 def test_measured_rows_carry_their_spread(tiny_result):
     for r in tiny_result.rows:
         assert 0 < r.step_ms_min <= r.step_ms <= r.step_ms_max
         assert r.speedup_low <= r.speedup <= r.speedup_high
 
 
+@pytest.mark.full
 def test_the_progress_bar_counts_every_measurement(tiny_result):
     from treecompile.cli.bench import measurements
 
@@ -149,6 +156,7 @@ def test_the_progress_bar_counts_every_measurement(tiny_result):
     assert measurements(bench.with_overrides(bench.TINY, tau_tasks=100, methods=("packed",))) == 7
 
 
+@pytest.mark.full
 def test_tests_sharing_the_run_are_one_xdist_group(request, tiny_result):
     # tests/conftest.py groups them, so under `--dist loadgroup` (scripts/test.sh) one worker
     # runs the bench once; the group must be set before pytest-xdist reads it into the node id.

@@ -17,6 +17,7 @@ from treecompile.cli.main import main as cli_main
 pytest.importorskip("transformers")
 
 
+@pytest.mark.full
 def test_all_methods_run_and_agree_on_the_loss(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     # The rows' making is tested here, not the lowering (test_compile_hf lowers tiny Qwen3).
@@ -176,6 +177,7 @@ def test_cpu_bench_flags_are_refused_with_device_cuda(capsys, monkeypatch):
     assert "--arch do not apply with --device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.full
 def test_a_probe_refusal_is_reported_and_the_step_measured_without_the_probe(monkeypatch):
     """The benchmark keeps measuring a model the first-call probe refuses (the rules proved it),
     says so in the row, and reuses the unverified wrapper for the later workloads."""

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
+from testing import examples
 
 from treecompile import TrajectoryTree, pack
 from treecompile.kernels.blockmask import tree_block_mask
@@ -48,7 +49,7 @@ def test_equals_create_block_mask(size, block):
     assert_same_block_mask(tree_block_mask(batch.subtree_end, block_size=block), ref)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(path_sets(), st.sampled_from([1, 2, 3, 8]))
 def test_equals_create_block_mask_on_hypothesis_trees(case, block):
     seqs, _, _ = case

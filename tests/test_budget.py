@@ -253,6 +253,7 @@ def _live_bytes(model, opt):
 
 @pytest.mark.parametrize("name,lengths", [("qwen3-attention", (512, 1024)), ("llama-head", (256,)),
                                           ("qwen3-deep", (64,)), ("qwen3-tied", (16, 32))], ids=lambda v: str(v))
+@pytest.mark.full
 def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
     """One accumulation micro-step (forward, backward into existing grads) plus AdamW's step,
     on one path of S tokens (every key live: the model's worst case), float32 on CPU."""
@@ -262,6 +263,7 @@ def test_prediction_bounds_the_measured_cpu_peak(name, lengths):
 # Measured +0.8% to +5.0%: at S=32 the backward's end sets the peak, at S=64 the first
 # layer's backward (with checkpointing, its input's checkpoint alive; in bfloat16 the
 # parameters take half the bytes and the float32 attention terms weigh more).
+@pytest.mark.full
 @pytest.mark.parametrize("dtype,checkpointing", [("float32", "layer"), ("bfloat16", "none")])
 def test_prediction_bounds_the_measured_cpu_peak_with_checkpointing_or_bfloat16(dtype, checkpointing):
     _check_measured_peaks("qwen3-tied", (32, 64), 0.06, dtype, checkpointing)
@@ -298,6 +300,7 @@ STREAMED_CASES = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", list(STREAMED_CASES))
 def test_streamed_prediction_bounds_the_measured_cpu_peak(name):
     """`stream_peak_bytes` against the CPU allocator's peak of one streamed step (forward,

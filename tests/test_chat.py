@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testing import examples
 
 from treecompile import TrajectoryTree, TreeInputError
 from treecompile.data.chat import RetokenizationDriftWarning, render_text, tree_from_messages
@@ -89,7 +90,7 @@ def test_markers_are_text_when_the_tokenizer_has_no_specials():
     assert bytes(tree.sequences()[0]).decode() == render_text(trial("c", "Done."))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["user", "assistant", "system"]), st.text("ab \n<>|é", max_size=12)),

@@ -161,6 +161,7 @@ def test_records_from_trl_does_not_train_tool_turns_without_generation_blocks():
     assert trained.startswith("<tool_call>") and trained.endswith("It is 4.<|im_end|>")
 
 
+@pytest.mark.full
 def test_a_tokenizer_folder_with_a_template_renders_chats_by_it_on_the_command_line(tmp_path):
     """``treecompile stats --tokenizer DIR`` on chats: a saved Hugging Face tokenizer with a chat
     template renders them by that template, as training does (the same trees as

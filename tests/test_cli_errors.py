@@ -346,6 +346,7 @@ def test_ctrl_c_is_one_line_and_status_130():
     assert err.strip() == "treecompile stats: interrupted"
 
 
+@pytest.mark.full
 def test_ctrl_c_during_a_running_bench_keeps_the_measured_rows(tmp_path):
     """SIGINT once ``bench --out`` has written its first row: status 130, one line, the file whole."""
     import signal

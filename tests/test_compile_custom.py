@@ -57,6 +57,7 @@ def test_custom_model_matches_per_path_training(model_id, mask):
     assert len(compiled.compile_records) == 1, [r.seq_len for r in compiled.compile_records]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_dropped_wrapper_frees_its_model(stream, monkeypatch):
     """``del`` of a tree-compiled model frees the model, its parameters and its graphs, as

@@ -136,6 +136,7 @@ def test_each_compiled_graph_gets_a_code_name_of_its_own():
     assert len(names) == 3 and all(n.startswith("tree_forward_") for n in names)
 
 
+@pytest.mark.full
 def test_an_attention_scale_traced_as_a_variable_is_refused_by_name(monkeypatch):
     """Dynamo traces a float as a variable once it has seen it change between calls of one
     function. Forced here by giving every graph one code name (as the wrapper's id once did):

@@ -948,6 +948,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_hybrid_is_refused(name):
     """Sequence mixing without a tree form is refused, naming the op, never trained wrong."""

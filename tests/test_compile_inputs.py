@@ -166,6 +166,7 @@ def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):
     assert reads == []
 
 
+@pytest.mark.full
 def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path):
     """FSDP2's hooks gather and free parameters outside any graph: a call gathers every unit
     first and the backward puts each gradient in its shard (a one-process gloo group is

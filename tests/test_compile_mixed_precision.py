@@ -60,6 +60,7 @@ def _grad_error(grads, ref_grads) -> float:
     return (num / den).sqrt().item()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("arch, precision", [("qwen3", "autocast"), ("nanogpt", "bf16-weights")])
 def test_bf16_tree_error_is_within_the_per_path_error(arch, precision):
     base = _qwen3() if arch == "qwen3" else tiny(NanoGPT).float()

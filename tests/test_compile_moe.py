@@ -145,6 +145,7 @@ def test_moe_without_aux_loss_matches_per_path_training(overrides):
     assert compiled.counters["check_moe_regions_pass"] == {"experts": N_LAYERS}
 
 
+@pytest.mark.full
 def test_verify_checks_the_aux_loss():
     """verify=True (float64 copy, HF's default grouped_mm experts on the user's model) passes."""
     torch.manual_seed(0)

@@ -125,6 +125,7 @@ WRITES = {"add_": 1, "iadd": 1, "copy_": 1, "index_add_": 2, "scatter_": 1, "mas
           "setitem": 2, "view_mul_": 1, "out=": 1, "relu_": 1}
 
 
+@pytest.mark.full
 def test_every_in_place_form_matches_per_path_training():
     """One model with every form (one compile): per-path equality on two batches of different
     lengths, and every in-place op of the capture still in the rewritten graph."""

@@ -24,6 +24,7 @@ class CheckpointedGPT(NanoGPT):
         return self.head(self.norm(x))
 
 
+@pytest.mark.full
 def test_attention_inside_checkpointed_blocks_is_rewritten_and_exact():
     model = tiny(CheckpointedGPT)
     compiled = tc.tree_compile(model)
@@ -37,6 +38,7 @@ def test_attention_inside_checkpointed_blocks_is_rewritten_and_exact():
     assert {n.meta["ac_graph_id"] for n in tagged} == {0, 1}
 
 
+@pytest.mark.full
 def test_hugging_face_gradient_checkpointing_is_exact():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

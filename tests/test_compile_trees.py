@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from strategies import path_sets
 from test_compile_models import NanoGPT, compare_with_paths, tiny
-from testing import TOLERANCES, assert_grads_close, backward_grads, perturbed_hf_model
+from testing import TOLERANCES, assert_grads_close, backward_grads, examples, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
 
@@ -45,18 +45,19 @@ def _check(model, compiled, case, kind):
         assert diffs[what] <= 10 * atol, (what, diffs)
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(path_sets(max_paths=5))
 def test_custom_model_on_generated_trees(case):
     _check(NANO, NANO_COMPILED, case, "pure")
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(path_sets(max_paths=5))
 def test_qwen3_on_generated_trees(case):
     _check(QWEN, QWEN_COMPILED, case, "hf")
 
 
+@pytest.mark.full
 def test_generated_trees_reuse_one_graph():
     # After the hypothesis runs above (any order), at most one recompile: the 1 -> many
     # block transition specialises once.
@@ -100,6 +101,7 @@ def test_qwen3_on_real_gsm8k_and_tau_bench_trees(real_trees, mode):
     assert_grads_close(tree_grads, ref_grads, ("float64", "hf"))
 
 
+@pytest.mark.full
 def test_verify_on_a_float32_hf_model_checks_in_float64():
     model = _qwen3(64, torch.float32)
     compiled = tree_compile(model, verify=True, backend="eager")
@@ -110,6 +112,7 @@ def test_verify_on_a_float32_hf_model_checks_in_float64():
     assert next(model.parameters()).dtype == torch.float32
 
 
+@pytest.mark.full
 def test_batches_over_one_block_reuse_one_graph():
     # The block tables' sizes follow S: they are dynamic from the first call, so batches of
     # different sizes above one 128-row block share one graph.

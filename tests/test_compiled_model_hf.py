@@ -89,6 +89,7 @@ def test_load_state_dict_loads_the_model():
         assert torch.equal(p, q), n
 
 
+@pytest.mark.full
 def test_deepcopy_copies_the_model_and_keeps_the_options():
     model = _qwen3()
     compiled = tc.tree_compile(model, mask="bitmask", outputs=("entropy",), backend="eager")
@@ -128,6 +129,7 @@ def test_generate_runs_the_original_model():
     assert got.shape == (1, 9)
 
 
+@pytest.mark.full
 def test_gradient_checkpointing_enabled_after_compile_is_exact():
     model = _qwen3()
     model.train()  # HF checkpoints only in training mode (attention dropout is 0)

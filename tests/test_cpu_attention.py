@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
-from testing import dense_tree_attention, tree_visibility
+from testing import dense_tree_attention, examples, tree_visibility
 
 from treecompile import TrajectoryTree, pack
 from treecompile.kernels.blockmask import tree_block_mask
@@ -92,7 +92,7 @@ def test_masked_keys_in_pieces_match_dense_reference(name, monkeypatch):
     run_case(pack(trees, path_bits=True), **CASES[name])
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(path_sets(max_paths=6), st.sampled_from([1, 2, 3, 16]), st.sampled_from([0, 2]), st.booleans())
 def test_matches_dense_reference_on_generated_trees(case, block, window, fused):
     seqs, _, _ = case

@@ -92,6 +92,7 @@ def _worker(rank, init_file, out_dir):
     os._exit(0)
 
 
+@pytest.mark.full
 def test_ddp_and_fsdp_step_equals_per_path_training():
     from treecompile.core.reference import per_path_loss
 

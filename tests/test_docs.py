@@ -105,6 +105,7 @@ def eager_lowering():
         yield
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_page_examples_run(page: Path, tmp_path, monkeypatch, capsys, eager_lowering):
     monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
@@ -170,6 +171,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.full
 def test_mkdocs_build_strict(site: Path):
     """The site builds with no warning: broken links, bad cross-references, failed imports."""
     assert (site / "index.html").is_file()
@@ -242,6 +244,7 @@ RAW_MATH = re.compile(r"\$\$|(?<![\w$])\$[^\s$][^$\n]*?\$(?![\w$])")
 ROLE = re.compile(r"(?<![\w:]):(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):(?!:)")
 
 
+@pytest.mark.full
 def test_site_has_no_raw_math_roles_or_doctest_quotes(site_pages):
     """What rendered wrong before: LaTeX left as ``$...$``, Sphinx roles shown as text, and
     ``>>>`` examples turned into block quotes or prose."""
@@ -262,6 +265,7 @@ def test_site_has_no_raw_math_roles_or_doctest_quotes(site_pages):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.full
 def test_rl_page_math_is_rendered(site_pages):
     """The RL page's formulas reach KaTeX: arithmatex spans, no dollar signs left."""
     page = site_pages["rl/index.html"]
@@ -270,6 +274,7 @@ def test_rl_page_math_is_rendered(site_pages):
     assert "$" not in "".join(page.prose)
 
 
+@pytest.mark.full
 def test_site_loads_nothing_from_outside(site_pages, site: Path):
     """Works offline: scripts, stylesheets (KaTeX, fonts) and images are files of the site."""
     problems = []
@@ -288,6 +293,7 @@ def test_site_loads_nothing_from_outside(site_pages, site: Path):
         assert (site / "figures" / figure).stat().st_size > 1000, f"figures/{figure} was not drawn"
 
 
+@pytest.mark.full
 def test_every_public_name_is_on_an_api_page(site_pages):
     import treecompile
 
@@ -300,6 +306,7 @@ def test_every_public_name_is_on_an_api_page(site_pages):
     assert not unlinked, f"the API index page does not link {unlinked}"
 
 
+@pytest.mark.full
 def test_every_cli_subcommand_and_option_is_on_the_cli_page(site_pages):
     from treecompile.cli.main import build_parser
 

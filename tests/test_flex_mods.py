@@ -65,6 +65,7 @@ def test_a_learned_bias_gets_its_gradient_through_the_lowering():
     assert compiled.counters["rewrite_attention_pass"]["flex_mods"] == 2
 
 
+@pytest.mark.full
 def test_streaming_a_model_with_its_own_mods_is_refused_by_name():
     model = zoo.perturb(zc.FlexSoftcapLM().double().eval())
     compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))

@@ -44,6 +44,7 @@ def interpreted() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", EXPECTED)
 def test_triton_kernel_matches_torch_op_under_interpreter(interpreted, case):
     assert case in interpreted, f"case {case} did not run; ran: {sorted(interpreted)}"
@@ -56,6 +57,7 @@ def test_triton_kernel_matches_torch_op_under_interpreter(interpreted, case):
         assert "grad bias" in res["errors"]
 
 
+@pytest.mark.full
 def test_triton_op_registration_passes_opcheck(interpreted):
     assert interpreted["opcheck"] == {"ok": True}
 

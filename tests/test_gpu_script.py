@@ -26,6 +26,7 @@ def _gpu_sh(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, env={**os.environ, "PYTHON": sys.executable})
 
 
+@pytest.mark.full
 @no_cuda
 def test_check_dry_run_reports_every_gpu_test_skipped(tmp_path):
     proc = _gpu_sh("check", "--dry-run", "--out", str(tmp_path))
@@ -76,6 +77,7 @@ def test_unknown_command_exits_2(tmp_path):
     assert _gpu_sh("prove", "--out", str(tmp_path)).returncode == 2
 
 
+@pytest.mark.full
 @no_cuda
 def test_sections_option_selects_and_checks_names(tmp_path):
     proc = _gpu_sh("check", "--dry-run", "--sections", "blockmask", "--out", str(tmp_path))
@@ -87,6 +89,7 @@ def test_sections_option_selects_and_checks_names(tmp_path):
     assert bad.returncode == 2 and "unknown sections" in bad.stderr
 
 
+@pytest.mark.full
 def test_limit_option_caps_every_section_time(tmp_path):
     proc = _gpu_sh("check", "--dry-run", "--sections", "blockmask,stream-cp", "--limit", "90", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -124,6 +127,7 @@ def test_section_results_tracebacks_and_properties(tmp_path):
     assert "### " in text and "arithmetic" in text and "build_ms=1.25" in text
 
 
+@pytest.mark.full
 def test_a_hanging_section_is_stopped_and_keeps_its_results_with_tracebacks(tmp_path):
     """pytest prints tracebacks only at the end: the plugin writes each result as it ends."""
     path = _write_tests(tmp_path, """
@@ -146,6 +150,7 @@ def test_a_hanging_section_is_stopped_and_keeps_its_results_with_tracebacks(tmp_
     assert bad["properties"] == {"worst": "3e-4"}
 
 
+@pytest.mark.full
 def test_check_sections_run_at_the_same_time(tmp_path):
     """Each section's test waits until every section has started: run one after another, the
     first would wait for the others until its own limit and fail."""

@@ -400,6 +400,7 @@ def _save_qwen3_next(path):
     ).save_pretrained(path)
 
 
+@pytest.mark.full
 def test_qwen3_next_config_shows_the_routed_conv_and_ssm_nodes(tmp_path, capsys):
     _save_qwen3_next(tmp_path / "qwen3-next")
     code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json")
@@ -450,6 +451,7 @@ def test_stream_rows_shows_the_part_graph_with_the_stack_inputs_and_outputs(caps
     assert [n for n in names if n in stream_passes] == stream_passes  # once: the last compile's passes
 
 
+@pytest.mark.full
 def test_stream_rows_shows_a_hybrids_conv_and_state_routing(tmp_path, capsys):
     _save_qwen3_next(tmp_path / "qwen3-next")
     code, out, _ = run(capsys, str(tmp_path / "qwen3-next"), "--json", "--stream-rows", "6")

@@ -63,7 +63,7 @@ class EagerGRPO(TreeGRPOTrainer):
 
     tree_compile_options = {"backend": "eager"}
 
-pytestmark = pytest.mark.xdist_group("trl")
+pytestmark = [pytest.mark.xdist_group("trl"), pytest.mark.full]
 
 EOS, PAD = 2, 0
 CHATML = (

@@ -145,6 +145,7 @@ def _trained_tokens(features: list[dict]) -> int:
 @pytest.mark.parametrize("dtype, checkpointing, data, accumulation", [
     (torch.float64, False, "dataset", 2), (torch.float32, True, "list", 1),
 ], ids=["float64-dataset-accumulation", "float32-list-checkpointing"])
+@pytest.mark.full
 def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, data, accumulation, tmp_path):
     """The Trainer's defaults otherwise (``remove_unused_columns=True`` keeps the columns the
     collator reads); float64: a ``datasets.Dataset``, 2 accumulated micro-batches of different
@@ -181,6 +182,7 @@ def test_trainer_on_trees_matches_the_stock_trainer(dtype, checkpointing, data, 
         _assert_saved_model_loads_without_treecompile(trainer, model, tmp_path / "final")
 
 
+@pytest.mark.full
 def test_trainer_on_trees_trains_lora_adapters_as_the_stock_trainer(tmp_path):
     base = _qwen3().double()
     stock_losses, stock_updates, *_ = _train(base, tree=False, tmp_path=tmp_path, lora=True)

@@ -81,6 +81,7 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
               str(tmp_path / "qwen3")], capsys)
 
 
+@pytest.mark.full
 def test_plan_cp_with_stream_streams_each_tree_over_the_ranks(capsys, tmp_path):
     """``--cp K --stream MODE --capacity C``: parts of at most K x C rows, each split over the
     ranks (at most C rows each), each rank's predicted peak; a tree whose CP split fits runs

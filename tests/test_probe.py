@@ -97,6 +97,7 @@ def test_the_probe_refuses_a_row_index_position_the_rules_let_through(cumsum_rul
     assert "differs from the same token's row when its path runs alone" in first, first
 
 
+@pytest.mark.full
 def test_the_probe_runs_again_after_a_recompile():
     compiled = tc.tree_compile(tiny(NanoGPT, layers=1), mask="bitmask")
     batch, _ = make_batch("branchy")
@@ -140,6 +141,7 @@ def test_dropout_in_training_mode_is_refused_unless_shared_is_asked_for():
         tc.tree_compile(tiny(DropoutLM), dropout="yes")
 
 
+@pytest.mark.full
 def test_gpt2_with_residual_dropout_in_training_mode_is_refused_by_name():
     import transformers
 

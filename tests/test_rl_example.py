@@ -15,6 +15,7 @@ PARAM_TOL = 1e-10
 LOSS_TOL = 1e-12
 
 
+@pytest.mark.full
 def test_grpo_example_trajectories_are_equal():
     spec = importlib.util.spec_from_file_location(
         "grpo_tree", Path(__file__).resolve().parents[1] / "examples" / "grpo_tree.py")

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import forests
-from testing import TOLERANCES, hash_forward, tree_hash_logits
+from testing import TOLERANCES, examples, hash_forward, tree_hash_logits
 
 from treecompile import TrajectoryTree, gather_logprobs, pack
 from treecompile.rl.losses import (
@@ -130,7 +130,7 @@ adv_specs = st.lists(
 
 @pytest.mark.parametrize("mode", list(LOSS_AGG_MODES))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(forest=forests, adv_spec=adv_specs, variants=st.booleans())
 def test_tree_objective_equals_per_path(mode, cfg, forest, adv_spec, variants):
     trees = [TrajectoryTree.from_sequences(s, weights=w, loss_masks=m) for s, w, m in forest]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from strategies import path_sets
 from test_compile_hybrid import GatedDeltaNetLayer, GdnLM, _float64_casts
 from test_compile_models import NanoGPT, tiny
-from testing import COMPILE_TOL, assert_grads_close, perturbed_hf_model
+from testing import COMPILE_TOL, assert_grads_close, examples, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.capture.dynamo import sequence_kernels, swapped_kernels
@@ -311,7 +311,7 @@ def test_a_streamed_call_cuts_its_parts_from_the_batch_on_the_host(monkeypatch):
 
 
 @_ON_NANOGPT_WORKER
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
 def test_custom_model_streams_generated_trees_at_any_budget(case, data):
     _check_generated("nanogpt", case, data)
@@ -355,6 +355,7 @@ def _per_path_run(model):
     return pack(tree), names, ref, dict(zip(names, torch.autograd.grad(ref.loss, params)))
 
 
+@pytest.mark.full
 def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(monkeypatch):
     """A Hugging Face model whose sequence mixing is all attention through HF's interface: the
     stack layout comes from its attention modules, so the first streamed call captures the
@@ -383,6 +384,7 @@ def test_a_hugging_face_models_stack_layout_is_known_before_the_first_capture(mo
         assert_grads_close(got, want, ("float64", "hf"))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("family", ["qwen3-next", "bamba"])
 def test_a_hybrid_models_stack_layout_is_read_from_its_modules(family, monkeypatch):
     """A Gated DeltaNet (Qwen3-Next) or Mamba2 (Bamba) hybrid: the conv channels and the
@@ -401,6 +403,7 @@ def test_a_hybrid_models_stack_layout_is_read_from_its_modules(family, monkeypat
     assert builds == [2], builds  # one attention layer: a key and a value tensor
 
 
+@pytest.mark.full
 def test_a_known_architectures_stack_layout_saves_the_capture_that_learns_it(monkeypatch):
     """A custom model's stack layout is learnt by a first capture that only reports it. Once a
     streamed call has checked it, a model of that architecture (wrapped again, or copied to
@@ -485,6 +488,7 @@ def test_under_budget_runs_as_one_call():
     assert out.logprobs.requires_grad and compiled._stream.stats is None
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_moe_router_aux_loss_and_entropy_stream_exactly(mode):
     """The auxiliary loss (coefficient 1) over the whole tree from the parts' router sums, and
@@ -516,6 +520,7 @@ def test_streamed_aux_loss_refuses_a_function_of_another_form(monkeypatch):
         tree_compile(model, stream=StreamOptions(budget_rows=4))
 
 
+@pytest.mark.full
 @_ON_QWEN3_NEXT_WORKER
 @pytest.mark.parametrize("mode", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_gated_deltanet_hybrid_streams_exactly(mode):
@@ -536,7 +541,7 @@ def test_gated_deltanet_hybrid_streams_exactly(mode):
 
 @_ON_QWEN3_NEXT_WORKER
 @pytest.mark.slow
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(case=path_sets(max_paths=4, max_len=8), data=st.data())
 def test_gated_deltanet_hybrid_streams_generated_trees_at_any_budget(case, data):
     """Entry and read-out states on generated trees (duplicate paths, paths ending inside
@@ -878,6 +883,7 @@ def test_plan_stream_command_counts_the_aux_loss_pass(mode, capsys):
         capsys.readouterr().err)
 
 
+@pytest.mark.full
 def test_plan_stream_command_takes_a_budget_in_bytes(tmp_path, capsys):
     """``--budget-bytes B --config PATH``: per tree, the parts ``choose_stream`` picks for the
     whole streamed step within B, the mode (``auto`` weighs them) and the predicted peak."""
@@ -963,6 +969,7 @@ def test_a_loss_nonlinear_in_the_logprobs_streams_exactly():
     assert_grads_close(got, want, ("float64", "pure"))
 
 
+@pytest.mark.full
 @_ON_NANOGPT_WORKER
 @pytest.mark.parametrize("objective", ["ppo-dualclip-k3", "pg-k1"])
 def test_rl_objectives_stream_exactly(objective):
@@ -1004,6 +1011,7 @@ def test_rl_objectives_stream_exactly(objective):
     assert_grads_close(got, want, ("float64", "pure"))
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_streamed_peak_memory_is_below_the_whole_tree():
     """The CPU allocator's peak over one step (treecompile.planning.budget.measure_peak_bytes): a tree

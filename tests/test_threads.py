@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import transformers
 
@@ -14,6 +15,7 @@ CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layer
            num_key_value_heads=2, head_dim=8)
 
 
+@pytest.mark.full
 def test_two_threads_making_the_first_call_at_once_both_get_the_exact_result():
     """Two threads' first calls on one compiled model used to interleave the capture's swaps of
     module-level functions (one thread's call restoring them under the other's trace) and refused
@@ -42,6 +44,7 @@ def test_two_threads_making_the_first_call_at_once_both_get_the_exact_result():
     assert len(results) == 2 and all(torch.equal(r, alone) for r in results.values()), (results, alone)
 
 
+@pytest.mark.full
 def test_forward_called_directly_waits_for_a_running_call():
     """PEFT's LoraModel calls its base model's ``forward`` directly: that path takes the same
     lock as ``__call__``, so it cannot run beside another thread's call."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 
+import os
+
 import numpy as np
 import torch
 
@@ -41,6 +43,12 @@ SCALED_GRAD_TOLERANCE = {
 
 #: Relative tolerance of the zoo's loss and log-prob comparisons (the same bar).
 ZOO_TOLERANCE = SCALED_GRAD_TOLERANCE[("float64", "zoo")]
+
+
+def examples(n: int) -> int:
+    """``n`` generated examples for ``hypothesis.settings(max_examples=...)``; at most 5 in the
+    quick tier (``scripts/test.sh --quick``)."""
+    return min(n, 5) if os.environ.get("TREECOMPILE_QUICK") == "1" else n
 
 
 def assert_grads_close(got: dict, ref: dict, kind: tuple[str, str]) -> float:
