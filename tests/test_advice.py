@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from treecompile import TrajectoryTree, advice, pack
+from treecompile import TrajectoryTree, pack
+from treecompile.core import advice
 from treecompile.core.advice import (
     MEASURED_SPEEDUP,
     TreeWarning,

@@ -91,21 +91,34 @@ def test_the_version_is_pyprojects():
     assert treecompile.__version__ == project["version"]
 
 
-def test_the_flat_layouts_module_paths_import_the_moved_modules():
-    """``treecompile.batch`` and the other paths of the flat layout are the moved modules
-    themselves (one class per name), and ``python -m treecompile.bench_cuda`` still runs."""
+def test_every_module_path_the_docs_name_imports_and_the_flat_layouts_paths_are_gone():
+    """Each ``treecompile.a.b`` a page, the README or a docstring names (the API pages link by
+    them) is a module or a name in one, reached statically; the flat layout's paths
+    (CHANGELOG.md, "Moved") are not modules any more."""
     import importlib
-    import subprocess
-    import sys
+    import re
+    from pathlib import Path
 
-    from treecompile._moved import MOVED
-
-    for old, new in MOVED.items():
-        assert importlib.import_module(f"treecompile.{old}") is importlib.import_module(f"treecompile.{new}"), old
-    from treecompile.batch import TreeBatch
-    from treecompile.core.batch import TreeBatch as Moved
-
-    assert TreeBatch is Moved
-    out = subprocess.run([sys.executable, "-m", "treecompile.bench_cuda", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and out.stdout.startswith("usage: python -m treecompile.bench.cuda"), out.stderr
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]]
+    texts += [p.read_text(encoding="utf-8") for p in sorted((root / "treecompile").rglob("*.py"))]
+    named = {m for t in texts for m in re.findall(r"(?<![\w.:/])treecompile(?:\.[a-z_][a-z0-9_]*)+", t)}
+    assert len(named) > 50, sorted(named)
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        for k in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+            except ModuleNotFoundError:
+                continue
+            for name in parts[k:]:
+                assert hasattr(obj, name), f"{dotted}: {'.'.join(parts[:k])} has no {name!r}"
+                obj = getattr(obj, name)
+            break
+    changelog = (root / "CHANGELOG.md").read_text(encoding="utf-8")
+    moved = re.findall(r"^\| `treecompile\.([a-z_]+)` \| `treecompile\.([a-z_.]+)` \|$", changelog, re.M)
+    assert len(moved) >= 40, moved
+    for old, new in moved:
+        importlib.import_module(f"treecompile.{new}")
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"treecompile.{old}")

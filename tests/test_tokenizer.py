@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from treecompile import tokenizer as tokmod
+from treecompile.core import tokenizer as tokmod
 from treecompile.data.samples import sample_path
 from treecompile.core.tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
 

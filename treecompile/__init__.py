@@ -12,10 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from treecompile._moved import install as _install_moved
 from treecompile.core.version import __version__
-
-_install_moved()  # the flat layout's module paths (treecompile.batch, ...) keep working
 
 _EXPORTS = {
     "LOSS_MODES": "treecompile.core.loss",

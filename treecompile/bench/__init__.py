@@ -7,8 +7,3 @@ Face model), `hf` (those models and baselines written out as a user runs them),
 
 Layer 11: imports the layers below it.
 """
-
-from treecompile.core.reexport import names_of
-
-# What ``treecompile.bench`` was before it became a sub-package: `treecompile.bench.trees`'s names.
-__getattr__ = names_of("treecompile.bench", "trees")

@@ -7,8 +7,3 @@ a batch), `inspection` and `maskview` (what `treecompile inspect` shows), `distr
 
 Layer 7: imports every layer below it (kernels, core, passes, capture, planning, stream).
 """
-
-from treecompile.core.reexport import names_of
-
-# What ``treecompile.compile`` was before it became a sub-package: `treecompile.compile.wrapper`'s names.
-__getattr__ = names_of("treecompile.compile", "wrapper")

@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from treecompile.core.errors import TreeWarning  # beside the errors: building a tree warns too
+
 __all__ = [
     "MEASURED_SPEEDUP",
     "TreeWarning",
@@ -33,10 +35,6 @@ __all__ = [
     "warn_low_por_value",
     "warn_position_overflow",
 ]
-
-
-class TreeWarning(UserWarning):
-    """A batch that trains exactly but probably not as the caller intends."""
 
 
 #: ``(POR, speedup of the tree over per-path packing)``, interval mask, from the CPU table of

@@ -6,8 +6,12 @@ import ast
 import re
 from typing import Any
 
-__all__ = ["TreeInputError", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed",
+__all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed",
            "unexpected_error"]
+
+
+class TreeWarning(UserWarning):
+    """A batch that trains exactly but probably not as the caller intends."""
 
 
 class TreeInputError(ValueError):

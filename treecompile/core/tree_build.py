@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.advice import TreeWarning
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, TreeWarning
 from treecompile.core.preorder import climb, root_path_sum
 
 __all__ = ["as_mask_array", "as_token_array", "as_weights", "merge_sequences", "node_masks", "warn_empty_paths"]

@@ -163,7 +163,7 @@ def plan_step(
 
     Args:
         trees: the step's trees (one per task or prompt group).
-        capacity: the token budget of one micro-batch (`treecompile.planning.budget.token_capacity`).
+        capacity: the token budget of one micro-batch (`treecompile.planning.budget.CostModel.capacity`).
         ranks: data-parallel ranks.
         loss_mode: a key of `treecompile.LOSS_MODES`.
         method: partitioning method (`treecompile.planning.partition.METHODS`).

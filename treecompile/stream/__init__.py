@@ -6,8 +6,3 @@ gathers the prefix K/V; `runner` runs the parts through the rewritten graphs.
 
 Layer 6: imports kernels, core, passes, capture and planning.
 """
-
-from treecompile.core.reexport import names_of
-
-# What ``treecompile.stream`` was before it became a sub-package: `treecompile.stream.options`'s names.
-__getattr__ = names_of("treecompile.stream", "options")
