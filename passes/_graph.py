@@ -547,19 +547,6 @@ def row_indices(node: fx.Node, s: Any) -> list[tuple[fx.Node, int]]:
     return found
 
 
-def is_identity_row_index(index: fx.Node, s: Any) -> bool:
-    """Whether ``index`` is ``arange(S)`` itself (start 0, step 1): as an index along the rows
-    it moves nothing."""
-    if not is_call(index, ARANGE):
-        return False
-    args = list(index.args)
-    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + [1])[:3] if len(args) >= 2 else (0, None, 1)
-    start = index.kwargs.get("start", start)
-    end = index.kwargs.get("end", end)
-    step = index.kwargs.get("step", step)
-    return start == 0 and step == 1 and end is not None and same_size(end, s)
-
-
 class Emitter:
     """Inserts marked nodes before ``at``, with example values computed on fake tensors."""
 

@@ -41,7 +41,7 @@ from torch import fx
 
 from treecompile.kernels.flex import BlockLayout
 from treecompile.kernels.masks import MASK_KINDS
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.errors import UnsupportedModelError, unknown_choice
 from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
                                       value)
 from treecompile.passes.attention import rewrite_attention_pass
@@ -123,7 +123,7 @@ def passes_for(
             this pipeline, or that names ``verify_graph_pass``. The message lists the valid ones.
     """
     if lm_head not in LM_HEAD_PASSES:
-        raise ValueError(f"unknown lm_head {lm_head!r}; valid choices: {', '.join(LM_HEAD_PASSES)}")
+        raise ValueError(unknown_choice("lm_head", lm_head, LM_HEAD_PASSES, "choices"))
     if isinstance(disable_passes, str):
         raise ValueError(f"disable_passes takes a tuple of pass names, not the string {disable_passes!r}")
     passes = tuple(LM_HEAD_PASSES[lm_head] if p is gather_logits_pass else p for p in PASSES)
@@ -345,7 +345,7 @@ def make_backend(
             (the first-call probe, which raises to refuse).
     """
     if lowering not in LOWERINGS:
-        raise ValueError(f"unknown backend {lowering!r}; valid backends: {', '.join(LOWERINGS)}")
+        raise ValueError(unknown_choice("backend", lowering, LOWERINGS, "backends"))
     lower = LOWERINGS[lowering]
 
     def treecompile_backend(gm: fx.GraphModule, example_inputs):

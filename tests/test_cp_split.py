@@ -134,7 +134,7 @@ def test_bad_requests_are_refused():
         split_for_cp(batch, 0)
     with pytest.raises(TreeInputError, match="align must be at least 1"):
         split_for_cp(batch, 1, align=0)
-    with pytest.raises(ValueError, match="unknown gather='some'"):
+    with pytest.raises(ValueError, match="unknown gather 'some'; valid: needed, all"):
         split_for_cp(batch, 1).kv_bytes(1, 1, 1, gather="some")
 
 

@@ -340,9 +340,11 @@ def run_bench(cfg: BenchConfig = QUICK, *, device: str | None = None, command: s
     from treecompile.core.batch import pack
     from treecompile.compile.wrapper import tree_compile
 
+    from treecompile.core.errors import unknown_choice
+
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; valid methods: {', '.join(METHODS)}")
+        raise ValueError(unknown_choice("methods", unknown, METHODS, "methods"))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _model(cfg).to(dev)
     dtype = next(model.parameters()).dtype

@@ -275,9 +275,9 @@ def inspect_model(
     from treecompile.passes.pipeline import passes_for
 
     if mask not in MASKS:
-        raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
+        raise ValueError(unknown_choice("mask", mask, MASKS, "masks"))
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise ValueError(unknown_choice("backend", backend, BACKENDS, "backends"))
     trees = trees if trees is not None else example_trees(model_vocab_size(model, is_hf_model(model)))
     batch = pack(trees, path_bits=True, warn_por=False)
     if stream_rows is not None:

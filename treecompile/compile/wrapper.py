@@ -42,7 +42,7 @@ from treecompile.capture.dynamo import (
     swapped_kernels,
 )
 from treecompile.core.rows import batch_from_rows, normalised
-from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
+from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error, unknown_choice
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
@@ -168,20 +168,20 @@ def tree_compile(
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
     check_model(model)
     if mask not in MASKS:
-        raise ValueError(f"unknown mask {mask!r}; valid masks: {', '.join(MASKS)}")
+        raise ValueError(unknown_choice("mask", mask, MASKS, "masks"))
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise ValueError(unknown_choice("backend", backend, BACKENDS, "backends"))
     unknown = [o for o in outputs if o not in OUTPUTS]
     if unknown or isinstance(outputs, str):
-        raise ValueError(f"unknown outputs {outputs!r}; valid outputs: {', '.join(OUTPUTS)} (a tuple)")
+        raise ValueError(unknown_choice("outputs", outputs, OUTPUTS, "outputs") + " (a tuple)")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if scan_kernel not in SCAN_KERNELS:
-        raise ValueError(f"unknown scan_kernel {scan_kernel!r}; valid scan kernels: {', '.join(SCAN_KERNELS)}")
+        raise ValueError(unknown_choice("scan_kernel", scan_kernel, SCAN_KERNELS, "scan kernels"))
     if dropout not in DROPOUT:
-        raise ValueError(f"unknown dropout {dropout!r}; valid: {', '.join(map(repr, DROPOUT))}")
+        raise ValueError(unknown_choice("dropout", dropout, map(repr, DROPOUT)))
     if verify not in VERIFY:
-        raise ValueError(f"unknown verify {verify!r}; valid: {', '.join(map(repr, VERIFY))}")
+        raise ValueError(unknown_choice("verify", verify, map(repr, VERIFY)))
     passes = passes_for(lm_head, disable_passes=disable_passes)
     if stream is not None:
         from treecompile.stream.options import StreamOptions

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.core.chat_template import TemplateRenderer, has_chat_template, message_dicts
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.core.messages import Message, normalize_conversation
 from treecompile.core.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
 
@@ -158,7 +158,7 @@ def _sample_ends(msgs: Sequence[Message], samples: str, c: int) -> list[int]:
 
 def _check_option(name: str, value: Any, valid: Sequence[str]) -> None:
     if value not in valid:
-        raise ValueError(f"unknown {name}={value!r}; expected one of {', '.join(map(repr, valid))}")
+        raise ValueError(unknown_choice(name, value, map(repr, valid)))
 
 
 # ---------------------------------------------------------------------------- drift

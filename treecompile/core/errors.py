@@ -7,7 +7,14 @@ import re
 from typing import Any
 
 __all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed",
-           "unexpected_error"]
+           "unexpected_error", "unknown_choice"]
+
+
+def unknown_choice(what: str, value: Any, valid: Any, plural: str = "") -> str:
+    """The one message for a value outside its choices: ``unknown {what} {value!r}; valid
+    {plural}: a, b, c`` (``valid: ...`` without ``plural``), the choices as ``valid`` lists them."""
+    listed = ", ".join(str(v) for v in valid)
+    return f"unknown {what} {value!r}; valid{' ' + plural if plural else ''}: {listed}"
 
 
 class TreeWarning(UserWarning):

@@ -26,6 +26,7 @@ import torch
 from treecompile.kernels.dtypes import compute_dtype
 from treecompile.core.loss import LOSS_MODES
 from treecompile.core.tree import TrajectoryTree
+from treecompile.core.errors import unknown_choice
 
 __all__ = ["ReferenceOutput", "logits_of", "model_logits", "reference_model", "path_logprobs", "per_path_loss", "dense_mask_logits",
            "dense_mask_inputs"]
@@ -168,7 +169,7 @@ def per_path_loss(
             ``loss.backward()`` gives the per-path gradients.
     """
     if loss_mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+        raise ValueError(unknown_choice("loss mode", loss_mode, LOSS_MODES, "modes"))
     model = reference_model(model)
     toks, w, masks = _paths_of(paths, weights, loss_masks)
     router_logits: list[tuple[torch.Tensor, ...]] = []

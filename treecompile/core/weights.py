@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.core.preorder import root_path_sum, subtree_sum
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ LOSS_MODES: dict[str, str] = {m: MODES[m] for m in ("token-mean", "seq-mean-toke
 
 def _check_mode(mode: str) -> None:
     if mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss mode {mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+        raise ValueError(unknown_choice("loss mode", mode, LOSS_MODES, "modes"))
 
 
 def path_loss_coefficients(

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from treecompile.core.batch import pack
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.core.loss import LOSS_MODES
 from treecompile.capture.hf import refuse_label_smoothing
 from treecompile.core.rows import IGNORE_INDEX, as_int_list, batch_from_rows, record_span, rows_to_tree
@@ -75,7 +75,7 @@ class TreeCollator:
     def __init__(self, *, loss_mode: str = "token-mean", path_bits: bool = False,
                  vocab_size: int | None = None) -> None:
         if loss_mode not in LOSS_MODES:
-            raise ValueError(f"unknown loss_mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+            raise ValueError(unknown_choice("loss_mode", loss_mode, LOSS_MODES, "modes"))
         self.loss_mode = loss_mode
         self.path_bits = path_bits
         self.vocab_size = vocab_size

@@ -75,6 +75,7 @@ import sympy as sp
 
 from treecompile.planning.model_dims import BudgetError, ModelDims, dims_of
 from treecompile.planning.peak_memory import measure_peak_bytes
+from treecompile.core.errors import unknown_choice
 
 __all__ = [
     "CHECKPOINTING",
@@ -536,7 +537,7 @@ def _total(terms: list[Term]) -> sp.Expr:
 
 def _check_choice(what: str, value: str, valid) -> None:
     if value not in valid:
-        raise BudgetError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+        raise BudgetError(unknown_choice(what, value, valid))
 
 
 def _horner(coeffs: list[int], x: int) -> int:

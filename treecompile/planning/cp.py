@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treecompile.core.batch import TreeBatch
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.core.preorder import rows_before_on_path
 
 __all__ = ["RowWork", "CPSplit", "split_for_cp", "equal_rows_split", "exchange_of"]
@@ -138,7 +138,7 @@ class CPSplit:
             return self.ancestor_rows * per_row
         if gather == "all":
             return np.full(self.ranks, (self.ranks - 1) * int(self.rows.max()) * per_row, dtype=np.int64)
-        raise ValueError(f"unknown gather={gather!r}; expected 'needed' or 'all'")
+        raise ValueError(unknown_choice("gather", gather, ("needed", "all")))
 
 
     def peak_bytes(self, cost, gather: str = "needed") -> np.ndarray:

@@ -61,6 +61,7 @@ from treecompile.planning.grouping import greedy_groups, optimal_groups
 from treecompile.core.path_sets import CapacityError, check_capacity, path_lengths, subtree, union_tokens
 from treecompile.core.tree import TrajectoryTree
 from treecompile.core.weights import LOSS_MODES, path_target_counts
+from treecompile.core.errors import unknown_choice
 
 __all__ = [
     "METHODS",
@@ -101,7 +102,7 @@ def loss_denominator(trees: TrajectoryTree | Sequence[TrajectoryTree], loss_mode
         (then every coefficient is 0 anyway).
     """
     if loss_mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+        raise ValueError(unknown_choice("loss mode", loss_mode, LOSS_MODES, "modes"))
     if isinstance(trees, TrajectoryTree):
         trees = [trees]
     if loss_mode == "sum":
@@ -208,7 +209,7 @@ def partition_tree(tree: TrajectoryTree, capacity: int, *, method: str = "greedy
         ValueError: for an unknown method.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown partitioning method {method!r}; valid methods: {', '.join(METHODS)}")
+        raise ValueError(unknown_choice("partitioning method", method, METHODS, "methods"))
     capacity = int(capacity)
     check_capacity(tree, capacity)
     path_tokens = int(path_lengths(tree).sum())

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.planning.partition import path_lengths, subtree, union_tokens
 from treecompile.core.preorder import climb
 from treecompile.core.tree import TrajectoryTree
@@ -330,7 +330,7 @@ def shard_paths(
     elif method == "greedy_tree":
         groups = _greedy_tree_groups(trees, ranks)
     else:
-        raise ValueError(f"unknown sharding method {method!r}; valid methods: {', '.join(SHARD_METHODS)}")
+        raise ValueError(unknown_choice("sharding method", method, SHARD_METHODS, "methods"))
     _with_empty_paths(trees, groups)
     shards, rank_tokens, rank_path_tokens = [], [], []
     plens = [path_lengths(t) for t in trees]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.rl.losses import LOSS_AGG_MODES, RLBatch, build_rl_batch
 from treecompile.rl.records import RLRecord, records_from_trl, records_from_verl
 from treecompile.core.tree import TrajectoryTree
@@ -60,7 +60,7 @@ def group_advantages(
         float64 advantages. A group of one gets 0 (its mean is its reward).
     """
     if scale not in ADVANTAGE_SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
+        raise ValueError(unknown_choice("advantage scale", scale, ADVANTAGE_SCALES))
     r = np.asarray(rewards, dtype=np.float64)
     keys = [0] * len(r) if groups is None else list(groups)
     if len(keys) != len(r):
@@ -303,7 +303,7 @@ class RLCollator:
     def __init__(self, max_tokens: int, *, loss_agg_mode: str = "token-mean", max_len: float | None = None,
                  scale: str = "std", eps: float = 1e-6) -> None:
         if loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"unknown loss aggregation mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+            raise ValueError(unknown_choice("loss aggregation mode", loss_agg_mode, LOSS_AGG_MODES))
         self.max_tokens = max_tokens
         self.loss_agg_mode = loss_agg_mode
         self.max_len = max_len

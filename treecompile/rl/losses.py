@@ -43,7 +43,7 @@ import torch
 
 from treecompile.core.weights import MODES
 from treecompile.core.batch import TreeBatch, pack
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.kernels.dtypes import compute_dtype
 from treecompile.core.loss import path_loss_coefficients
 from treecompile.core.preorder import climb
@@ -83,7 +83,7 @@ KL_ESTIMATORS: dict[str, str] = {
 
 def _check_choice(kind: str, value: str, valid: dict) -> None:
     if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
+        raise ValueError(unknown_choice(kind, value, valid))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.core.chat_template import TemplateRenderer, has_chat_template
-from treecompile.core.errors import TreeInputError
+from treecompile.core.errors import TreeInputError, unknown_choice
 
 __all__ = ["RLRecord", "records_from_trl", "records_from_verl"]
 
@@ -72,7 +72,7 @@ def records_from_trl(
         One `RLRecord` per row; the caller's data is not modified.
     """
     if on_drift not in ("warn", "error", "ignore"):
-        raise ValueError(f"unknown on_drift {on_drift!r}; valid: warn, error, ignore")
+        raise ValueError(unknown_choice("on_drift", on_drift, ("warn", "error", "ignore")))
     if isinstance(rows, dict):
         rows = _split_trl_batch(rows)
     out, drifted = [], []

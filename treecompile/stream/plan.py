@@ -10,6 +10,7 @@ import numpy as np
 
 from treecompile.core.batch import TreeBatch
 from treecompile.core.preorder import rows_before_on_path
+from treecompile.core.errors import unknown_choice
 
 __all__ = ["MODES", "CUTS", "StreamOptions", "StreamPlan", "StreamStats", "StreamChoice", "plan_stream", "root_path",
            "plan_stream_report", "stream_cost_model", "stream_peak_bytes", "choose_stream", "STREAM_ROW_BYTES",
@@ -70,16 +71,16 @@ class StreamOptions:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.mode not in BYTE_BUDGET_MODES:
-            raise ValueError(f"unknown stream mode {self.mode!r}; valid modes: {', '.join(BYTE_BUDGET_MODES)}")
+            raise ValueError(unknown_choice("stream mode", self.mode, BYTE_BUDGET_MODES, "modes"))
         if self.mode == "auto" and self.budget_bytes is None:
             raise ValueError("mode='auto' chooses by memory: it needs budget_bytes (with budget_rows, pick keep or "
                              "recompute)")
         if self.cuts not in CUTS:
-            raise ValueError(f"unknown cuts {self.cuts!r}; valid cuts: {', '.join(CUTS)}")
+            raise ValueError(unknown_choice("cuts", self.cuts, CUTS, "cuts"))
         from treecompile.planning.budget import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+            raise ValueError(unknown_choice("optimizer", self.optimizer, OPTIMIZERS))
 
 
 def stream_cost_model(model, options: StreamOptions):
@@ -188,7 +189,7 @@ def plan_stream(batch: TreeBatch, budget_rows: int, cuts: str = "subtree") -> St
     ``subtree_end[k] > q >= start`` holds for every such ``q`` once it holds for ``start``).
     """
     if cuts not in CUTS:
-        raise ValueError(f"unknown cuts {cuts!r}; valid cuts: {', '.join(CUTS)}")
+        raise ValueError(unknown_choice("cuts", cuts, CUTS, "cuts"))
     s = batch.num_tokens
     if cuts == "rows":
         starts = np.append(np.arange(0, s, budget_rows), s)
@@ -285,7 +286,7 @@ def stream_peak_bytes(plan: StreamPlan, cost, mode: str, parts: PartRows | None 
     (`PartRows`; None: the whole part, its prefix, its rows kept).
     """
     if mode not in MODES:
-        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(MODES)}")
+        raise ValueError(unknown_choice("stream mode", mode, MODES, "modes"))
     d = cost.dims
     kv_row = 2 * d.layers * d.kv_heads * d.head_dim * cost.dtype_bytes  # keys and values, every layer
     n_parts = plan.num_parts
@@ -421,7 +422,7 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     from treecompile.planning.budget import BudgetError
 
     if mode not in BYTE_BUDGET_MODES:
-        raise ValueError(f"unknown stream mode {mode!r}; valid modes: {', '.join(BYTE_BUDGET_MODES)}")
+        raise ValueError(unknown_choice("stream mode", mode, BYTE_BUDGET_MODES, "modes"))
     top = max((batch.num_tokens - 1) // ranks, 1)
     least = min(-(-batch.num_tokens // (MAX_STREAM_PARTS * ranks)), top)
     plans: dict[int, StreamPlan] = {}  # one plan per part size, for both modes
