@@ -319,100 +319,112 @@ def stream_passes(state: StreamGraph) -> tuple[Callable, Callable, Callable]:
     """``(read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass)`` sharing
     ``state``: the first runs before every other pass, the second right after
     ``rewrite_attention_pass``, the third after ``route_ssm_state_pass``."""
+    return tuple(_bound(fn, state) for fn in (read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass))
 
-    def read_stream_inputs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        found = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_inputs)]
-        if len(found) != 1:
-            raise RuntimeError(f"treecompile: expected one stream_inputs marker, found {len(found)}")
-        node = found[0]
-        ids, prefix, conv, states, kv_meta = node.args
-        state.prefix, state.conv, state.states = list(prefix), list(conv), list(states)
-        state.kv_end, state.kv_pos, state.conv_pred, state.readouts = kv_meta
-        for kind, inputs in (("prefix_kv_inputs", prefix), ("conv_inputs", conv), ("state_inputs", states)):
-            if inputs:
-                ctx.count(kind, len(inputs))
-        node.replace_all_uses_with(ids)
+
+def _bound(fn: Callable, state: StreamGraph) -> Callable:
+    """``fn`` with ``state`` bound, under ``fn``'s name (the pipeline names passes by it)."""
+    bound = functools.partial(fn, state)
+    bound.__name__ = fn.__name__
+    return bound
+
+
+def read_stream_inputs_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Reads the part's stack inputs off the ``stream_inputs`` marker into ``state``; the marker goes."""
+    found = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_inputs)]
+    if len(found) != 1:
+        raise RuntimeError(f"treecompile: expected one stream_inputs marker, found {len(found)}")
+    node = found[0]
+    ids, prefix, conv, states, kv_meta = node.args
+    state.prefix, state.conv, state.states = list(prefix), list(conv), list(states)
+    state.kv_end, state.kv_pos, state.conv_pred, state.readouts = kv_meta
+    for kind, inputs in (("prefix_kv_inputs", prefix), ("conv_inputs", conv), ("state_inputs", states)):
+        if inputs:
+            ctx.count(kind, len(inputs))
+    node.replace_all_uses_with(ids)
+    gm.graph.erase_node(node)
+    return gm
+
+def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Each attention call also attends to its layer's prefix K/V from the stack (or the model's
+    own mods are refused); a layout that differs from the stack's is left to the next pass."""
+    calls = _attention_calls(gm)
+    own = next((n for n in calls if n.target.spec.mods), None)
+    if own is not None:
+        raise UnsupportedModelError(
+            f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs a score_mod or "
+            "mask_mod of the model's own (its FlexAttention mods, a learned pair bias or chunked attention), "
+            "which the streamed parts' prefix attention does not take; "
+            f"run it whole (no stream=) or under a larger budget.\n  at {source_of(own)}")
+    kv = [(n.args[1], n.args[2]) for n in calls]
+    shapes = _kv_shapes(calls)
+    given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]
+    state.kv_shapes = shapes
+    if given != shapes:
+        state.layout_ok = False  # route_stream_state_pass raises KVLayout with every layer's shapes
+        return gm
+    state.kv_flat = [x for pair in kv for x in pair]
+    for i, node in enumerate(calls):
+        q, k, v = node.args[:3]
+        fn = stream_attention_fn(node.target.spec)
+        with gm.graph.inserting_before(node):
+            new = ctx.mark(gm.graph.call_function(
+                fn, (q, k, v, state.prefix[2 * i], state.prefix[2 * i + 1], state.kv_end, state.kv_pos,
+                     ctx.positions), dict(node.kwargs)), like=node)
+        new.meta["example_value"] = value(node)
+        node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        return gm
+        ctx.count("prefix_attention")
+    return gm
 
-    def route_prefix_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        calls = _attention_calls(gm)
-        own = next((n for n in calls if n.target.spec.mods), None)
-        if own is not None:
-            raise UnsupportedModelError(
-                f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs a score_mod or "
-                "mask_mod of the model's own (its FlexAttention mods, a learned pair bias or chunked attention), "
-                "which the streamed parts' prefix attention does not take; "
-                f"run it whole (no stream=) or under a larger budget.\n  at {source_of(own)}")
-        kv = [(n.args[1], n.args[2]) for n in calls]
-        shapes = _kv_shapes(calls)
-        given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]
-        state.kv_shapes = shapes
-        if given != shapes:
-            state.layout_ok = False  # route_stream_state_pass raises KVLayout with every layer's shapes
-            return gm
-        state.kv_flat = [x for pair in kv for x in pair]
-        for i, node in enumerate(calls):
-            q, k, v = node.args[:3]
-            fn = stream_attention_fn(node.target.spec)
-            with gm.graph.inserting_before(node):
-                new = ctx.mark(gm.graph.call_function(
-                    fn, (q, k, v, state.prefix[2 * i], state.prefix[2 * i + 1], state.kv_end, state.kv_pos,
-                         ctx.positions), dict(node.kwargs)), like=node)
-            new.meta["example_value"] = value(node)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            ctx.count("prefix_attention")
-        return gm
-
-    def route_stream_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        convs, scans = _conv_calls(gm), _scan_calls(gm)
-        conv_shapes, state_shapes = _conv_shapes(convs), _state_shapes(scans)
-        given_conv = [(int(value(c).shape[1]), value(c).dtype) for c in state.conv]
-        given_states = [(*(int(d) for d in value(t).shape[1:]), value(t).dtype) for t in state.states]
-        if not state.layout_ok or given_conv != conv_shapes or given_states != state_shapes:
-            raise KVLayout(state.kv_shapes, conv_shapes, state_shapes)
-        flat = list(state.kv_flat)
-        for i, node in enumerate(convs):
-            x, weight, bias, _ = node.args
-            with gm.graph.inserting_before(node):
-                new = ctx.mark(gm.graph.call_function(
-                    stream_causal_conv1d, (x, weight, bias, state.conv[i], state.conv_pred)), like=node)
-            new.meta["example_value"] = value(node)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            flat.append(x)
-            ctx.count("conv_context")
-        for i, (node, kind) in enumerate(scans):
-            # (q, k, v, g, beta, initial state, node table, kernel name): see kernels/recurrence.py;
-            # (u, dt, A, B, C, ...) for the selective scan: see kernels/selective_scan.py.
-            *inputs, _, table, kernel = node.args
-            with gm.graph.inserting_before(node):
-                new = ctx.mark(gm.graph.call_function(
-                    stream_scan_fn(kind), (*inputs, state.states[i], table, state.readouts, kernel)),
-                    like=node)
-                own = ctx.mark(gm.graph.call_function(operator.getitem, (new, 0)), like=node)
-                read = ctx.mark(gm.graph.call_function(operator.getitem, (new, 1)), like=node)
-            own.meta["example_value"] = value(node)
-            sv = value(state.states[i])
-            read.meta["example_value"] = sv.new_empty(value(state.readouts).shape[0], *sv.shape[1:]).to(
-                state_shapes[i][3])
-            new.meta["example_value"] = (own.meta["example_value"], read.meta["example_value"])
-            node.replace_all_uses_with(own)
-            gm.graph.erase_node(node)
-            flat.append(read)
-            ctx.count("recurrent_state")
-        outputs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_outputs)]
-        if len(outputs) != 1:
-            raise RuntimeError(f"treecompile: expected one stream_outputs marker, found {len(outputs)}")
-        marker = outputs[0]
-        for user in list(marker.users):
-            if not (user.op == "call_function" and user.target is operator.getitem):
-                raise RuntimeError(f"treecompile: stream_outputs used by {user.format_node()}")
-            user.replace_all_uses_with(flat[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(marker)
-        ctx.count("kv_outputs", len(state.kv_flat))
-        return gm
-
-    return read_stream_inputs_pass, route_prefix_kv_pass, route_stream_state_pass
+def route_stream_state_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Conv context and scan states come from the stack; the part's K/V, conv inputs and state
+    readouts become the ``stream_outputs`` marker's values (or `KVLayout` names every layer's shapes)."""
+    convs, scans = _conv_calls(gm), _scan_calls(gm)
+    conv_shapes, state_shapes = _conv_shapes(convs), _state_shapes(scans)
+    given_conv = [(int(value(c).shape[1]), value(c).dtype) for c in state.conv]
+    given_states = [(*(int(d) for d in value(t).shape[1:]), value(t).dtype) for t in state.states]
+    if not state.layout_ok or given_conv != conv_shapes or given_states != state_shapes:
+        raise KVLayout(state.kv_shapes, conv_shapes, state_shapes)
+    flat = list(state.kv_flat)
+    for i, node in enumerate(convs):
+        x, weight, bias, _ = node.args
+        with gm.graph.inserting_before(node):
+            new = ctx.mark(gm.graph.call_function(
+                stream_causal_conv1d, (x, weight, bias, state.conv[i], state.conv_pred)), like=node)
+        new.meta["example_value"] = value(node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        flat.append(x)
+        ctx.count("conv_context")
+    for i, (node, kind) in enumerate(scans):
+        # (q, k, v, g, beta, initial state, node table, kernel name): see kernels/recurrence.py;
+        # (u, dt, A, B, C, ...) for the selective scan: see kernels/selective_scan.py.
+        *inputs, _, table, kernel = node.args
+        with gm.graph.inserting_before(node):
+            new = ctx.mark(gm.graph.call_function(
+                stream_scan_fn(kind), (*inputs, state.states[i], table, state.readouts, kernel)),
+                like=node)
+            own = ctx.mark(gm.graph.call_function(operator.getitem, (new, 0)), like=node)
+            read = ctx.mark(gm.graph.call_function(operator.getitem, (new, 1)), like=node)
+        own.meta["example_value"] = value(node)
+        sv = value(state.states[i])
+        read.meta["example_value"] = sv.new_empty(value(state.readouts).shape[0], *sv.shape[1:]).to(
+            state_shapes[i][3])
+        new.meta["example_value"] = (own.meta["example_value"], read.meta["example_value"])
+        node.replace_all_uses_with(own)
+        gm.graph.erase_node(node)
+        flat.append(read)
+        ctx.count("recurrent_state")
+    outputs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.stream_outputs)]
+    if len(outputs) != 1:
+        raise RuntimeError(f"treecompile: expected one stream_outputs marker, found {len(outputs)}")
+    marker = outputs[0]
+    for user in list(marker.users):
+        if not (user.op == "call_function" and user.target is operator.getitem):
+            raise RuntimeError(f"treecompile: stream_outputs used by {user.format_node()}")
+        user.replace_all_uses_with(flat[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(marker)
+    ctx.count("kv_outputs", len(state.kv_flat))
+    return gm

@@ -158,20 +158,8 @@ def _load_trees(args: argparse.Namespace) -> tuple[list[str], list[Any], dict[st
 
 def run(args: argparse.Namespace) -> int:
     """``treecompile plan FILE``: partition, POR, ERR, per-rank load and duplicated tokens."""
-    from treecompile.planning.dataloader import plan_step
-    from treecompile.planning.partition import partition_tree, path_lengths
-    from treecompile.planning.shard import shard_paths
-
     start = time.perf_counter()
-    if getattr(args, "cp_align", None) is not None and getattr(args, "cp", None) is None:
-        raise ValueError("--cp-align sets where a context-parallel split cuts the row: give it with --cp")
-    if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
-        raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
-    if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:  # (with --cp too)
-        raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
-    if getattr(args, "cp", None) is not None and getattr(args, "budget_bytes", None) and not getattr(args, "stream", None):
-        raise ValueError("--cp plans a context-parallel split of each whole row: --budget-bytes plans streamed parts, "
-                         "give it with --stream")
+    _check_options(args)
     _budget_options(args)
     budget = capacity_from_budget(args) if getattr(args, "budget_bytes", None) is not None else None
     names, trees, header = _load_trees(args)
@@ -189,6 +177,30 @@ def run(args: argparse.Namespace) -> int:
         from treecompile.cli.plan_cp import plan_cp_report
 
         return plan_cp_report(names, trees, header, args, start)
+    return _partition_report(names, trees, header, args, start)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuses an option given without the one it works with."""
+    if getattr(args, "cp_align", None) is not None and getattr(args, "cp", None) is None:
+        raise ValueError("--cp-align sets where a context-parallel split cuts the row: give it with --cp")
+    if getattr(args, "aux_loss", False) and not getattr(args, "stream", None):
+        raise ValueError("--aux-loss counts the extra forward pass of a streamed step: give it with --stream")
+    if getattr(args, "stream", None) == "auto" and getattr(args, "budget_bytes", None) is None:  # (with --cp too)
+        raise ValueError("--stream auto chooses the mode by memory: give --budget-bytes (and --config)")
+    if getattr(args, "cp", None) is not None and getattr(args, "budget_bytes", None) and not getattr(args, "stream", None):
+        raise ValueError("--cp plans a context-parallel split of each whole row: --budget-bytes plans streamed parts, "
+                         "give it with --stream")
+
+
+def _partition_report(names: list[str], trees: list[Any], header: dict, args: argparse.Namespace, start: float) -> int:
+    """The data-parallel plan: each tree partitioned under the capacity, the step's micro-batches
+    sharded over the ranks (against greedy token balancing), printed or as JSON."""
+    from treecompile.cli.args import progress_bar
+    from treecompile.planning.dataloader import plan_step
+    from treecompile.planning.partition import partition_tree, path_lengths
+    from treecompile.planning.shard import shard_paths
+
     if args.ranks < 1:
         raise ValueError(f"--ranks must be at least 1, got {args.ranks}")
     n_paths = sum(t.num_paths for t in trees)
@@ -200,8 +212,6 @@ def run(args: argparse.Namespace) -> int:
     if capacity is None:
         capacity = max(-(-max(t.num_tokens for t in trees) // 2), longest)
     check_capacity_all(names, trees, capacity)
-    from treecompile.cli.args import progress_bar
-
     parts = []
     with progress_bar("partitioning", len(trees)) as bar:
         for t in trees:

@@ -465,6 +465,73 @@ def _warn_untrained(trees: list, per_tree: list[np.ndarray]) -> None:
                   stacklevel=3)
 
 
+def _checked_trees(trees: Any, max_tokens: int | None, vocab_size: int | None) -> list[TrajectoryTree]:
+    """``trees`` as a list of trees, refused with a `TreeInputError` when it is not one, is over
+    ``max_tokens`` rows or holds an id at or above ``vocab_size``."""
+    if not isinstance(trees, TrajectoryTree) and (isinstance(trees, (str, bytes, dict)) or not hasattr(trees, "__iter__")):
+        raise TreeInputError(f"pack takes a TrajectoryTree or a list of them, got {type(trees).__name__}")
+    if isinstance(trees, TrajectoryTree):
+        trees = [trees]
+    trees = list(trees)
+    if not trees:
+        raise TreeInputError("pack needs at least one tree")
+    for i, t in enumerate(trees):
+        if not isinstance(t, TrajectoryTree):
+            raise TreeInputError(f"trees[{i}] is a {type(t).__name__}, not a TrajectoryTree")
+    sizes = [t.num_tokens for t in trees]
+    total = sum(sizes)
+    if max_tokens is not None and total > max_tokens:
+        biggest = int(np.argmax(sizes))
+        raise TreeInputError(
+            f"the batch has {total} tokens, over max_tokens={max_tokens} (largest tree: #{biggest} "
+            f"with {sizes[biggest]} tokens); pack fewer trees or partition them"
+        )
+    if vocab_size is not None:
+        for i, t in enumerate(trees):
+            if t.tokens.size and t.tokens.max() >= vocab_size:
+                j = int(np.argmax(t.tokens >= vocab_size))
+                raise TreeInputError(
+                    f"tree {i}: token id {int(t.tokens[j])} is out of range for vocab_size={vocab_size}"
+                )
+    return trees
+
+
+def _row_columns(trees: list[TrajectoryTree], coef: np.ndarray, path_bits: bool) -> dict[str, list[np.ndarray]]:
+    """Per tree, the packed row's columns (rows, nodes and paths numbered across the batch):
+    token, position, subtree end, predictor row, target weight (``coef``: the paths'
+    coefficients), tree id, path count; node start, end and parent; each path's end node
+    (-1: no tokens) and tree; the path bit vectors (with ``path_bits``)."""
+    ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
+    nstart, nend, npar, pnode, ptree = [], [], [], [], []
+    row_base = node_base = path_base = 0
+    chunks = max((t.num_nodes + 63) // 64 for t in trees)
+    bits = []
+    for ti, t in enumerate(trees):
+        n, lengths, offs = t.num_nodes, t.node_lengths, t.node_offsets
+        node_of_row = np.repeat(np.arange(n), lengths)
+        local = np.arange(t.num_tokens) - offs[node_of_row]
+        ids.append(t.tokens)
+        pos.append(t.depth_start[node_of_row] + local)
+        sub.append(offs[t.subtree_end_node][node_of_row] + row_base)
+        parent_last = np.where(t.parent >= 0, offs[np.maximum(t.parent, 0) + 1] - 1 + row_base, -1)
+        pred.append(np.where(local == 0, parent_last[node_of_row], np.arange(t.num_tokens) - 1 + row_base))
+        tw.append(tree_target_weights(t, coef[path_base : path_base + t.num_paths]))
+        tid.append(np.full(t.num_tokens, ti, dtype=np.int64))
+        pcount.append(t.path_counts()[node_of_row])
+        nstart.append(offs[:-1] + row_base)
+        nend.append(offs[1:] + row_base)
+        npar.append(np.where(t.parent >= 0, t.parent + node_base, -1))
+        pnode.append(np.where(t.path_node >= 0, t.path_node + node_base, -1))
+        ptree.append(np.full(t.num_paths, ti, dtype=np.int64))
+        if path_bits:
+            bits.append(_tree_path_bits(t, chunks)[node_of_row])
+        row_base += t.num_tokens
+        node_base += n
+        path_base += t.num_paths
+    return dict(ids=ids, pos=pos, sub=sub, pred=pred, tw=tw, tid=tid, pcount=pcount, nstart=nstart, nend=nend,
+                npar=npar, pnode=pnode, ptree=ptree, bits=bits)
+
+
 def pack(
     trees: TrajectoryTree | Sequence[TrajectoryTree],
     *,
@@ -495,32 +562,9 @@ def pack(
     Returns:
         The `TreeBatch`.
     """
-    if not isinstance(trees, TrajectoryTree) and (isinstance(trees, (str, bytes, dict)) or not hasattr(trees, "__iter__")):
-        raise TreeInputError(f"pack takes a TrajectoryTree or a list of them, got {type(trees).__name__}")
-    if isinstance(trees, TrajectoryTree):
-        trees = [trees]
-    trees = list(trees)
-    if not trees:
-        raise TreeInputError("pack needs at least one tree")
-    for i, t in enumerate(trees):
-        if not isinstance(t, TrajectoryTree):
-            raise TreeInputError(f"trees[{i}] is a {type(t).__name__}, not a TrajectoryTree")
+    trees = _checked_trees(trees, max_tokens, vocab_size)
     sizes = [t.num_tokens for t in trees]
     total = sum(sizes)
-    if max_tokens is not None and total > max_tokens:
-        biggest = int(np.argmax(sizes))
-        raise TreeInputError(
-            f"the batch has {total} tokens, over max_tokens={max_tokens} (largest tree: #{biggest} "
-            f"with {sizes[biggest]} tokens); pack fewer trees or partition them"
-        )
-    if vocab_size is not None:
-        for i, t in enumerate(trees):
-            if t.tokens.size and t.tokens.max() >= vocab_size:
-                j = int(np.argmax(t.tokens >= vocab_size))
-                raise TreeInputError(
-                    f"tree {i}: token id {int(t.tokens[j])} is out of range for vocab_size={vocab_size}"
-                )
-
     per_tree = [path_target_counts(t) for t in trees]
     _warn_untrained(trees, per_tree)
     counts = np.concatenate(per_tree)
@@ -528,63 +572,38 @@ def pack(
     coef = path_loss_coefficients(counts, weights, loss_mode, denominator,
                                   empty=np.concatenate([t.path_node < 0 for t in trees]))
 
-    ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
-    nstart, nend, npar, pnode, ptree = [], [], [], [], []
-    row_base = node_base = path_base = 0
-    chunks = max((t.num_nodes + 63) // 64 for t in trees)
-    bits = []
-    for ti, t in enumerate(trees):
-        n, lengths, offs = t.num_nodes, t.node_lengths, t.node_offsets
-        node_of_row = np.repeat(np.arange(n), lengths)
-        local = np.arange(t.num_tokens) - offs[node_of_row]
-        ids.append(t.tokens)
-        pos.append(t.depth_start[node_of_row] + local)
-        sub.append(offs[t.subtree_end_node][node_of_row] + row_base)
-        parent_last = np.where(t.parent >= 0, offs[np.maximum(t.parent, 0) + 1] - 1 + row_base, -1)
-        pred.append(np.where(local == 0, parent_last[node_of_row], np.arange(t.num_tokens) - 1 + row_base))
-        tw.append(tree_target_weights(t, coef[path_base : path_base + t.num_paths]))
-        tid.append(np.full(t.num_tokens, ti, dtype=np.int64))
-        pcount.append(t.path_counts()[node_of_row])
-        nstart.append(offs[:-1] + row_base)
-        nend.append(offs[1:] + row_base)
-        npar.append(np.where(t.parent >= 0, t.parent + node_base, -1))
-        pnode.append(np.where(t.path_node >= 0, t.path_node + node_base, -1))
-        ptree.append(np.full(t.num_paths, ti, dtype=np.int64))
-        if path_bits:
-            bits.append(_tree_path_bits(t, chunks)[node_of_row])
-        row_base += t.num_tokens
-        node_base += n
-        path_base += t.num_paths
+    cols = _row_columns(trees, coef, path_bits)
 
-    def cat(parts: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype=dtype)
+    def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(cols[name]))).to(dtype=dtype)
 
     # Per-path training would compute every row once per path through it: a batch that shares
     # too little gains nothing from the tree (once per call site, as warnings are).
     if warn_por:
-        path_tokens = int(sum(int(c.sum()) for c in pcount))
+        path_tokens = int(sum(int(c.sum()) for c in cols["pcount"]))
         warn_low_por_value(1.0 - total / path_tokens if path_tokens else 0.0, stacklevel=2)
 
     # Built and checked on the host, then moved: the check travels with it (TreeBatch.validate),
     # so the model's call reads nothing back from the device.
     batch = TreeBatch(
-        input_ids=cat(ids, torch.int64),
-        position_ids=cat(pos, torch.int64),
-        subtree_end=cat(sub, torch.int64),
-        pred_index=cat(pred, torch.int64),
-        target_weight=cat(tw, torch.float64),
-        tree_ids=cat(tid, torch.int64),
-        path_count=cat(pcount, torch.int64),
-        node_start=cat(nstart, torch.int64),
-        node_end=cat(nend, torch.int64),
-        node_parent=cat(npar, torch.int64),
-        path_node=cat(pnode, torch.int64),
-        path_tree=cat(ptree, torch.int64),
+        input_ids=cat("ids", torch.int64),
+        position_ids=cat("pos", torch.int64),
+        subtree_end=cat("sub", torch.int64),
+        pred_index=cat("pred", torch.int64),
+        target_weight=cat("tw", torch.float64),
+        tree_ids=cat("tid", torch.int64),
+        path_count=cat("pcount", torch.int64),
+        node_start=cat("nstart", torch.int64),
+        node_end=cat("nend", torch.int64),
+        node_parent=cat("npar", torch.int64),
+        path_node=cat("pnode", torch.int64),
+        path_tree=cat("ptree", torch.int64),
         path_weight=torch.from_numpy(weights.copy()),
         path_coef=torch.from_numpy(coef.copy()),
         tree_offsets=torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64),
         loss_mode=loss_mode,
         n_targets=int(counts.sum()),
-        path_bits=cat([b.view(np.int64) for b in bits], torch.int64) if path_bits else None,
+        path_bits=(torch.from_numpy(np.concatenate([b.view(np.int64) for b in cols["bits"]])) if path_bits
+                   else None),
     ).validate()
     return batch if device is None else batch.to(device)

@@ -213,6 +213,71 @@ def _token_values(v: Any, name: str, p: int, length: int, scalar_ok: bool) -> np
     return arr
 
 
+def _target_entries(batch: TreeBatch, paths: list, targets: list[np.ndarray], coef: np.ndarray, adv: list,
+                    old: list | None, ref: list | None) -> dict[str, np.ndarray]:
+    """One entry per (path, target token): its row, its old and reference log-probs (0 when not
+    given), ``c_p * max(A, 0)``, ``c_p * max(-A, 0)`` and ``c_p``; non-finite values refused."""
+    rows_l, old_l, ref_l, apos_l, aneg_l, c_l = [], [], [], [], [], []
+    node_start, node_end = batch.node_start.cpu().numpy(), batch.node_end.cpu().numpy()
+    node_parent = batch.node_parent.cpu().numpy()
+    for p, path in enumerate(paths):
+        length = len(path.tokens)
+        chain = list(climb(node_parent, batch.path_node[p]))
+        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
+        t = targets[p]
+        a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
+        rows_l.append(rows[t])
+        apos_l.append(coef[p] * np.maximum(a, 0.0))
+        aneg_l.append(coef[p] * np.maximum(-a, 0.0))
+        c_l.append(np.full(len(t), coef[p]))
+        old_l.append(_token_values(old[p], "old_logprobs", p, length, False)[t] if old else np.zeros(len(t)))
+        ref_l.append(_token_values(ref[p], "ref_logprobs", p, length, False)[t] if ref else np.zeros(len(t)))
+    e = dict(rows=np.concatenate(rows_l).astype(np.int64), old=np.concatenate(old_l), ref=np.concatenate(ref_l),
+             apos=np.concatenate(apos_l), aneg=np.concatenate(aneg_l), coef=np.concatenate(c_l))
+    for name, arr in (("advantages", e["apos"] - e["aneg"]), ("old_logprobs", e["old"]), ("ref_logprobs", e["ref"])):
+        bad = np.flatnonzero(~np.isfinite(arr))
+        if bad.size:
+            raise TreeInputError(f"{name}: non-finite value {arr[bad[0]]} at a target token (row {e['rows'][bad[0]]})")
+    return e
+
+
+def _row_tables(e: dict[str, np.ndarray], s: int) -> tuple[dict[str, np.ndarray], int, int]:
+    """``(tables, K, rows with variants)``: the entries grouped by (row, old, ref), exact float
+    equality (so a difference is never merged), each group in a slot of its row: ``[S, K]``
+    sums of ``apos``, ``aneg`` and ``coef`` per group, and each group's old and ref values."""
+    rows, olds, refs = e["rows"], e["old"], e["ref"]
+    order = np.lexsort((refs, olds, rows))
+    r_s, o_s, f_s = rows[order], olds[order], refs[order]
+    new_group = np.ones(len(order), dtype=bool)
+    new_group[1:] = (r_s[1:] != r_s[:-1]) | (o_s[1:] != o_s[:-1]) | (f_s[1:] != f_s[:-1])
+    group = np.cumsum(new_group) - 1
+    g_row = r_s[new_group]
+    g_first = np.flatnonzero(new_group)
+    # Slot of each group within its row: its rank among the row's groups.
+    row_first_group = np.searchsorted(g_row, g_row, side="left")
+    slot = np.arange(len(g_row)) - row_first_group
+    k = int(slot.max()) + 1 if len(slot) else 1
+    n_groups = len(g_row)
+
+    def table(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((s, k), dtype=np.float64)
+        if n_groups:
+            per_group = np.zeros(n_groups)
+            np.add.at(per_group, group, values[order])
+            out[g_row, slot] = per_group
+        return out
+
+    def key_table(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((s, k), dtype=np.float64)
+        if n_groups:
+            out[g_row, slot] = values[order][g_first]
+        return out
+
+    tables = dict(adv_pos=table(e["apos"]), adv_neg=table(e["aneg"]), weight=table(e["coef"]), old=key_table(olds),
+                  ref=key_table(refs))
+    return tables, k, int(np.unique(g_row[slot > 0]).size) if n_groups else 0
+
+
 def build_rl_batch(
     trees: TrajectoryTree | Sequence[TrajectoryTree],
     *,
@@ -277,73 +342,23 @@ def build_rl_batch(
     coef = rl_path_coefficients(counts, weights, loss_agg_mode, max_len=max_len, denominator=denominator,
                                 empty=empty)
 
-    # One entry per (path, target token): the row, its (old, ref) key and c_p * A±.
-    rows_l, old_l, ref_l, apos_l, aneg_l, c_l = [], [], [], [], [], []
-    node_start, node_end = batch.node_start.cpu().numpy(), batch.node_end.cpu().numpy()
-    node_parent = batch.node_parent.cpu().numpy()
-    for p, path in enumerate(paths):
-        length = len(path.tokens)
-        chain = list(climb(node_parent, batch.path_node[p]))
-        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
-        t = targets[p]
-        a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
-        rows_l.append(rows[t])
-        apos_l.append(coef[p] * np.maximum(a, 0.0))
-        aneg_l.append(coef[p] * np.maximum(-a, 0.0))
-        c_l.append(np.full(len(t), coef[p]))
-        old_l.append(_token_values(old[p], "old_logprobs", p, length, False)[t] if has_old else np.zeros(len(t)))
-        ref_l.append(_token_values(ref[p], "ref_logprobs", p, length, False)[t] if has_ref else np.zeros(len(t)))
-    rows = np.concatenate(rows_l).astype(np.int64)
-    olds, refs = np.concatenate(old_l), np.concatenate(ref_l)
-    for name, arr in (("advantages", np.concatenate(apos_l) - np.concatenate(aneg_l)), ("old_logprobs", olds),
-                      ("ref_logprobs", refs)):
-        bad = np.flatnonzero(~np.isfinite(arr))
-        if bad.size:
-            raise TreeInputError(f"{name}: non-finite value {arr[bad[0]]} at a target token (row {rows[bad[0]]})")
-
-    s = batch.num_tokens
-    # Group entries by (row, old, ref): exact float equality, so a difference is never merged.
-    order = np.lexsort((refs, olds, rows))
-    r_s, o_s, f_s = rows[order], olds[order], refs[order]
-    new_group = np.ones(len(order), dtype=bool)
-    new_group[1:] = (r_s[1:] != r_s[:-1]) | (o_s[1:] != o_s[:-1]) | (f_s[1:] != f_s[:-1])
-    group = np.cumsum(new_group) - 1
-    g_row = r_s[new_group]
-    g_first = np.flatnonzero(new_group)
-    # Slot of each group within its row: its rank among the row's groups.
-    row_first_group = np.searchsorted(g_row, g_row, side="left")
-    slot = np.arange(len(g_row)) - row_first_group
-    k = int(slot.max()) + 1 if len(slot) else 1
-    n_groups = len(g_row)
-
-    def table(values: np.ndarray | None, fill: float = 0.0) -> np.ndarray:
-        out = np.full((s, k), fill, dtype=np.float64)
-        if values is not None and n_groups:
-            per_group = np.zeros(n_groups)
-            np.add.at(per_group, group, values[order])
-            out[g_row, slot] = per_group
-        return out
-
-    def key_table(values: np.ndarray) -> np.ndarray:
-        out = np.zeros((s, k), dtype=np.float64)
-        if n_groups:
-            out[g_row, slot] = values[order][g_first]
-        return out
+    e = _target_entries(batch, paths, targets, coef, adv, old if has_old else None, ref if has_ref else None)
+    tables, k, variant_rows = _row_tables(e, batch.num_tokens)
 
     def t(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x).to(device=batch.device)
 
     return RLBatch(
         batch=batch,
-        adv_pos=t(table(np.concatenate(apos_l))),
-        adv_neg=t(table(np.concatenate(aneg_l))),
-        weight=t(table(np.concatenate(c_l))),
-        old_logprobs=t(key_table(olds)) if has_old else None,
-        ref_logprobs=t(key_table(refs)) if has_ref else None,
+        adv_pos=t(tables["adv_pos"]),
+        adv_neg=t(tables["adv_neg"]),
+        weight=t(tables["weight"]),
+        old_logprobs=t(tables["old"]) if has_old else None,
+        ref_logprobs=t(tables["ref"]) if has_ref else None,
         path_coef=t(coef.copy()),
         loss_agg_mode=loss_agg_mode,
         max_variants=k,
-        meta={"rows_with_variants": int(np.unique(g_row[slot > 0]).size) if n_groups else 0},
+        meta={"rows_with_variants": variant_rows},
     )
 
 
