@@ -34,6 +34,7 @@ __all__ = [
     "warn_low_por",
     "warn_low_por_value",
     "warn_position_overflow",
+    "warn_untrained",
 ]
 
 
@@ -163,3 +164,26 @@ def warn_low_por_value(por: float, *, stacklevel: int = 2) -> bool:
     if message is not None:
         warnings.warn(message, TreeWarning, stacklevel=stacklevel + 1)
     return message is not None
+
+
+def warn_untrained(trees: Sequence[Any], per_tree: Sequence[Any]) -> None:
+    """Warns once per batch (`TreeWarning`, at the caller of the function calling it) when trees train no token
+    (a conversation without an assistant turn, masks that are all 0), naming them: they add
+    nothing to the loss, which is what per-path training gives too, but rarely what was meant.
+    A tree marked ``metadata["padding"]`` (a data loader's empty micro-step) is meant so."""
+    idle = [i for i, c in enumerate(per_tree) if (not c.size or int(c.sum()) == 0)
+            and not (isinstance(trees[i].metadata, dict) and trees[i].metadata.get("padding"))]
+    if not idle:
+        return
+
+    def name(i: int) -> str:
+        meta = trees[i].metadata if isinstance(trees[i].metadata, dict) else {}
+        label = next((f"{k}={meta[k]!r}" for k in ("id", "name", "group", "record", "source", "task_id") if k in meta),
+                     "")
+        return f"#{i}" + (f" ({label})" if label else "")
+
+    shown = ", ".join(name(i) for i in idle[:5]) + (f" and {len(idle) - 5} more" if len(idle) > 5 else "")
+    whole = " (the whole batch: its loss is 0 and no gradient flows)" if len(idle) == len(trees) else ""
+    warnings.warn(f"treecompile: {len(idle)} tree(s) of the batch train no token: {shown}{whole}. A conversation "
+                  "without an assistant turn, or loss masks that are all 0, give such a tree.", TreeWarning,
+                  stacklevel=3)

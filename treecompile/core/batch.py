@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treecompile.core.advice import warn_low_por_value
+from treecompile.core.advice import warn_low_por_value, warn_untrained
 from treecompile.core.errors import TreeInputError
 from treecompile.core.preorder import climb, preorder_violation, subtree_max, subtree_sum
 from treecompile.core.tree import TrajectoryTree
@@ -439,32 +439,6 @@ def _tree_path_bits(tree: TrajectoryTree, chunks: int) -> np.ndarray:
     return bits
 
 
-def _warn_untrained(trees: list, per_tree: list[np.ndarray]) -> None:
-    """Warns once per batch (`treecompile.core.advice.TreeWarning`) when trees train no token
-    (a conversation without an assistant turn, masks that are all 0), naming them: they add
-    nothing to the loss, which is what per-path training gives too, but rarely what was meant.
-    A tree marked ``metadata["padding"]`` (a data loader's empty micro-step) is meant so."""
-    idle = [i for i, c in enumerate(per_tree) if (not c.size or int(c.sum()) == 0)
-            and not (isinstance(trees[i].metadata, dict) and trees[i].metadata.get("padding"))]
-    if not idle:
-        return
-    import warnings
-
-    from treecompile.core.advice import TreeWarning
-
-    def name(i: int) -> str:
-        meta = trees[i].metadata if isinstance(trees[i].metadata, dict) else {}
-        label = next((f"{k}={meta[k]!r}" for k in ("id", "name", "group", "record", "source", "task_id") if k in meta),
-                     "")
-        return f"#{i}" + (f" ({label})" if label else "")
-
-    shown = ", ".join(name(i) for i in idle[:5]) + (f" and {len(idle) - 5} more" if len(idle) > 5 else "")
-    whole = " (the whole batch: its loss is 0 and no gradient flows)" if len(idle) == len(trees) else ""
-    warnings.warn(f"treecompile: {len(idle)} tree(s) of the batch train no token: {shown}{whole}. A conversation "
-                  "without an assistant turn, or loss masks that are all 0, give such a tree.", TreeWarning,
-                  stacklevel=3)
-
-
 def _checked_trees(trees: Any, max_tokens: int | None, vocab_size: int | None) -> list[TrajectoryTree]:
     """``trees`` as a list of trees, refused with a `TreeInputError` when it is not one, is over
     ``max_tokens`` rows or holds an id at or above ``vocab_size``."""
@@ -566,7 +540,7 @@ def pack(
     sizes = [t.num_tokens for t in trees]
     total = sum(sizes)
     per_tree = [path_target_counts(t) for t in trees]
-    _warn_untrained(trees, per_tree)
+    warn_untrained(trees, per_tree)
     counts = np.concatenate(per_tree)
     weights = np.concatenate([t.path_weight for t in trees])
     coef = path_loss_coefficients(counts, weights, loss_mode, denominator,
