@@ -6,8 +6,8 @@ import ast
 import re
 from typing import Any
 
-__all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error", "CaptureFailed",
-           "unexpected_error", "unknown_choice"]
+__all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error",
+           "CaptureFailed", "unexpected_error", "unknown_choice"]
 
 
 def unknown_choice(what: str, value: Any, valid: Any, plural: str = "") -> str:
