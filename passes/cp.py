@@ -41,7 +41,7 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
-from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls,
+from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls, refuse_own_mods,
                                        stream_attention_fn)
 
 __all__ = ["CPGraph", "cp_inputs", "cp_passes"]
@@ -100,7 +100,10 @@ def cp_passes(state: CPGraph, streamed: bool = False) -> tuple[Callable, Callabl
     def route_cp_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         gather = torch.ops.treecompile.cp_gather_rows.default
         n_keys = value(state.gather_index).shape[0]
-        for node in _attention_calls(gm):
+        calls = _attention_calls(gm)
+        refuse_own_mods(calls, "run this model under context parallelism", "a rank's attention to the gathered rows",
+                        "train it without cp=")
+        for node in calls:
             q, k, v = node.args[:3]
             with gm.graph.inserting_before(node):
                 prefix = []

@@ -231,6 +231,17 @@ def prefix_attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
             if n.op == "call_function" and isinstance(getattr(n.target, "prefix_spec", None), AttentionSpec)]
 
 
+def refuse_own_mods(calls: list[fx.Node], doing: str, kernel: str, advice: str) -> None:
+    """Refuses the first attention call that runs a score_mod or mask_mod of the model's own:
+    ``kernel`` (the prefix attention of streamed parts and of context-parallel ranks) takes none."""
+    own = next((n for n in calls if n.target.spec.mods), None)
+    if own is not None:
+        raise UnsupportedModelError(
+            f"treecompile cannot {doing}: {describe(own)} at {location_of(own)} runs a score_mod or "
+            f"mask_mod of the model's own (its FlexAttention mods, a learned pair bias or chunked attention), "
+            f"which {kernel} does not take; {advice}.\n  at {source_of(own)}")
+
+
 def _attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
     """The tree attention calls (after ``rewrite_attention_pass``), in graph order."""
     return [n for n in gm.graph.nodes
@@ -349,13 +360,8 @@ def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContex
     """Each attention call also attends to its layer's prefix K/V from the stack (or the model's
     own mods are refused); a layout that differs from the stack's is left to the next pass."""
     calls = _attention_calls(gm)
-    own = next((n for n in calls if n.target.spec.mods), None)
-    if own is not None:
-        raise UnsupportedModelError(
-            f"treecompile cannot stream this model: {describe(own)} at {location_of(own)} runs a score_mod or "
-            "mask_mod of the model's own (its FlexAttention mods, a learned pair bias or chunked attention), "
-            "which the streamed parts' prefix attention does not take; "
-            f"run it whole (no stream=) or under a larger budget.\n  at {source_of(own)}")
+    refuse_own_mods(calls, "stream this model", "the streamed parts' prefix attention",
+                    "run it whole (no stream=) or under a larger budget")
     kv = [(n.args[1], n.args[2]) for n in calls]
     shapes = _kv_shapes(calls)
     given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]

@@ -451,6 +451,18 @@ def test_what_cp_cannot_run_is_refused(one_rank):
         tree_compile(model, cp="cp")
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(tree_compile(model, cp=one_rank))
+    # A model's own FlexAttention mods: a rank's attention to the gathered rows takes none.
+    import zoo
+    import zoo_custom as zc
+
+    flex = zoo.perturb(zc.FlexSoftcapLM().double().eval())
+    before = {n: p.detach().clone() for n, p in flex.state_dict().items()}
+    with pytest.raises(UnsupportedModelError) as info:
+        tree_compile(flex, backend="eager", cp=one_rank)(zoo.batches()[1][1])
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("treecompile cannot run this model under context parallelism: ") and \
+        "zoo_custom.py:" in first and "score_mod or mask_mod of the model's own" in first, first
+    assert all(torch.equal(before[n], p) for n, p in flex.state_dict().items())
 
 
 def test_cp_needs_an_initialised_group():
