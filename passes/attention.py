@@ -39,7 +39,6 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
 from treecompile.kernels.flex_mods import chunk_mods, register_mods
 from treecompile.passes._graph import (
@@ -70,6 +69,7 @@ from treecompile.passes.score_chain import StopWalk, arithmetic_mask, spell_soft
 from treecompile.passes.markers import is_marker
 from treecompile.passes.attention_mha import rewrite_multihead
 from treecompile.passes.relative_bias import relative_bias_mods
+from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_attention_pass"]
 
@@ -190,10 +190,7 @@ def _replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, pos
 def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     a = bind(node, _SDPA_ARGS, _SDPA_DEFAULTS)
     if a["dropout_p"]:
-        raise UnsupportedModelError(
-            f"{describe(node)} at {source_of(node)}: attention dropout {a['dropout_p']} cannot match "
-            "per-path training (it is random per call); use model.eval() or dropout_p=0"
-        )
+        raise attention_dropout(node, a["dropout_p"], "dropout_p=0")
     if not row_dims(a["query"], ctx.seq_len, "seq"):
         return  # attention over something other than the sequence (e.g. over heads or patches)
     mask = a["attn_mask"]
@@ -391,9 +388,7 @@ def _rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.No
         if is_call(out, (torch.nn.functional.dropout,)):
             p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
             if p["p"] and p["training"]:
-                raise UnsupportedModelError(
-                    f"{describe(out)} at {source_of(out)}: attention dropout cannot match per-path training"
-                )
+                raise attention_dropout(out, p["p"], "dropout p=0")
         out = single_user(out)
     if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
         return

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from treecompile.core.errors import UnsupportedModelError
-from treecompile.passes._graph import Emitter, PassContext, bind, describe, row_dims, source_of, value
+from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
 from treecompile.passes._mask_eval import structural_causal
+from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
 
@@ -69,9 +69,7 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, repla
         why = ("nn.MultiheadAttention without a causal mask (bidirectional: every token sees the whole packed row)"
                if not a["is_causal"] else "is_causal without the mask nn.MultiheadAttention needs")
     if a["dropout_p"] and a["training"]:
-        raise UnsupportedModelError(
-            f"{describe(node)} at {source_of(node)}: attention dropout {a['dropout_p']} cannot match per-path training "
-            "(it is random per call); use model.eval() or dropout=0")
+        raise attention_dropout(node, a["dropout_p"], "dropout=0")
     heads = a["num_heads"]
     window = None
     if why is None:

@@ -37,6 +37,7 @@ from treecompile.passes._graph import (
 )
 from treecompile.passes._mask_eval import depends_on_inputs
 from treecompile.passes.rows import ONE_ROW, row_states
+from treecompile.passes.rows.random import draws, random_refusal
 
 __all__ = ["verify_graph_pass"]
 
@@ -76,41 +77,12 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-#: Ops that draw random numbers: dropout with ``(p, train)`` at these positions / names, and
-#: draws whose every call is random.
-_DROPOUTS = {"dropout": (1, 2), "alpha_dropout": (1, 2), "feature_alpha_dropout": (1, 2), "dropout1d": (1, 2),
-             "dropout2d": (1, 2), "dropout3d": (1, 2), "native_dropout": (1, 2), "feature_dropout": (1, 2)}
-_DRAWS = {"bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like",
-          "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
-          "multinomial", "randperm"}
-
-
 def _refuse_random(nodes: list[fx.Node]) -> None:
-    """Refuses the first op that draws random numbers: dropout in training mode (``p > 0``)
-    or a random draw. Per-path training draws them per path; a tree draws one per row, shared
-    by the paths through it: another estimator, which ``tree_compile(dropout="shared")`` accepts."""
+    """Refuses the first op that draws random numbers (`treecompile.passes.rows.random`)."""
     for node in nodes:
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[-1]
-        if name in _DROPOUTS:
-            i_p, i_train = _DROPOUTS[name]
-            p = node.kwargs.get("p", node.args[i_p] if len(node.args) > i_p else 0.5)
-            train = node.kwargs.get("training", node.kwargs.get("train",
-                                    node.args[i_train] if len(node.args) > i_train else True))
-            if not (isinstance(p, (int, float)) and p > 0 and train is not False):
-                continue
-            what = f"dropout (p={p}) in training mode"
-        elif name in _DRAWS:
-            what = f"a random draw ({name})"
-        else:
-            continue
-        raise UnsupportedModelError(
-            f"treecompile will not train this model on a tree without being told to: {describe(node)} at "
-            f"{location_of(node)} is {what}. Per-path training draws it for each path; a tree draws it once "
-            "for each shared token, for all the paths through it (another estimator, not the same numbers).\n"
-            f"  at {source_of(node)}\n"
-            "Call model.eval() or set the dropout to 0 for exact per-path results, or pass "
-            "tree_compile(model, dropout=\"shared\") to train with one draw per tree token."
-        )
+        what = draws(node)
+        if what is not None:
+            raise random_refusal(node, what)
 
 
 def _on_the_loss_path(gm: fx.GraphModule, ctx: PassContext, violations: list) -> list:

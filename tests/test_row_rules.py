@@ -113,6 +113,9 @@ CASES = [
     ("pointwise", lambda x, w: (x * 2 + x.sin()).relu() + w[0], 1),
     ("pointwise-two-row-dims", lambda x: x[:, :, None, :1] + x[:, None, :, :1], SQUARE),
     ("cast", lambda x: x.double().float().contiguous(), 1),
+    # random ops: the rows of what they compute (whether a call draws is verify's refusal)
+    ("dropout", lambda x: torch.nn.functional.dropout(x, 0.0, training=False) * 2, 1),
+    ("random-draw", lambda x: torch.rand_like(x) + x.sigmoid().bernoulli(), 1),
     ("where-masked-fill", lambda x: torch.where(x > 0, x, -x).masked_fill(x < -1, 0.0), 1),
     ("length-as-value", lambda x: x * (x.shape[1] - 1), r"uses the sequence length as a value \(s\d+ - 1"),
     ("length-fill", lambda x: torch.full((1, x.shape[1], 1), x.shape[1]) + x, r"uses the sequence length as a value"),

@@ -19,11 +19,12 @@ as it sees a row: nothing is assumed safe because no list of dangers names it.
 | :mod:`.reduce` | reductions, scans, sorts and softmaxes along dims, norms |
 | :mod:`.contract` | products, attention, lookups, convolutions, pooling |
 | :mod:`.create` | new tensors, ``arange``, ops refused by name |
+| :mod:`.random` | dropout and random draws (and whether a call draws) |
 
 ``passes/README.md`` lists the rules in one table (`rule_table`, checked by the tests).
 """
 
-from treecompile.passes.rows import contract, create, elementwise, index, reduce, shape  # noqa: F401 (the table)
+from treecompile.passes.rows import contract, create, elementwise, index, random, reduce, shape  # noqa: F401 (the table)
 from treecompile.passes.rows.domain import (
     IDS,
     ONE_ROW,
@@ -44,6 +45,10 @@ __all__ = ["Rows", "IDS", "TABLE", "NotRowLocal", "RowEnv", "row_states", "row_f
 FAMILIES: dict[str, str] = {
     "pointwise": "each result element reads the same element of each input: the inputs' rows must be the same rows "
                  "at the same (broadcast) dim; row ids may not be computed with",
+    "dropout": "as element-wise; in training mode with `p > 0` it draws random numbers, refused before the rules "
+               "run unless `tree_compile(dropout=\"shared\")`",
+    "random draw": "as element-wise (`bernoulli`, in-place draws), a new tensor (`rand`) or one shaped like its input "
+                   "(`rand_like`); every call draws, refused before the rules run unless `dropout=\"shared\"`",
     "cast": "the same values in another dtype, device or memory: the rows (and row ids) stay",
     "meta": "reads a shape or checks a condition: no tensor, nothing moves",
     "host read": "a value read on the host (`item`, `tolist`): refused if the tensor has rows",

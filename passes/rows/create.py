@@ -29,14 +29,14 @@ from treecompile.passes.rows.domain import (
 from treecompile.passes.ssm_state import SCAN_OPS
 
 
-@_register("like", "zeros_like ones_like empty_like full_like rand_like randn_like randint_like")
+@_register("like", "zeros_like ones_like empty_like full_like")
 def like(node: fx.Node, a: Args, env: RowEnv) -> Any:
     """A new tensor shaped like ``x``: its rows, with the same value (or i.i.d. noise) in each."""
     r = env.rows(a.first)
     return None if r is None else dataclasses.replace(r, ids=None, uniform=True)
 
 
-@_register("creation", "zeros ones empty rand randn empty_strided empty_permuted", sizes=("all",))
+@_register("creation", "zeros ones empty empty_strided empty_permuted", sizes=("all",))
 def creation(node: fx.Node, a: Args, env: RowEnv) -> Any:
     return _created_rows(node, env)
 

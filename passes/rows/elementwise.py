@@ -33,8 +33,7 @@ nan_to_num ne not_equal neg negative nextafter polygamma positive pow rad2deg re
 rsqrt rsub sgn sigmoid sign signbit sin sinc sinh sqrt square sub subtract tan tanh true_divide trunc xlogy
 masked_fill relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign log_sigmoid
 tanhshrink hardshrink softshrink threshold logsigmoid prelu rrelu polar complex resolve_conj
-resolve_neg copy fill zero dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d native_dropout
-bernoulli normal uniform exponential geometric log_normal cauchy random entr erfcx expit exp2 ndtr ndtri
+resolve_neg copy fill zero entr erfcx expit exp2 ndtr ndtri
 log_ndtr xlog1py sinc special_expit
 """.split()
 
