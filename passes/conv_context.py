@@ -26,8 +26,9 @@ The ancestor table is built in the graph from ``pred_index`` with ``K - 2`` gath
 per kernel size.
 
 Shifts along the sequence by ``k`` (``pad(x, (.., k, -k))`` as RWKV's time shift writes it,
-``cat([zeros, x[:, :-k]])``, ``diff(x, prepend=zeros)``) are the same thing with one tap: each
-becomes a gather of the row ``k`` steps back on its path (`SHIFT_SPELLINGS`, one entry each).
+``cat([zeros, x[:, :-k]])``, ``diff(x, prepend=zeros)``, ``roll(x, k)`` with its first ``k`` rows
+zeroed in place before any read) are the same thing with one tap: each becomes a gather of the
+row ``k`` steps back on its path (`SHIFT_SPELLINGS`, one entry each).
 
 Scans along the sequence (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``)
 become scans along each row's root path (`treecompile.passes.scans`).
@@ -348,8 +349,50 @@ def _match_diff(node: fx.Node, ctx: PassContext):
     return x, dim, 1, -1, (a["prepend"],)
 
 
+def _match_roll(node: fx.Node, ctx: PassContext):
+    """``roll(x, k, dims=d)`` whose first ``k`` rows are zeroed in place before anything reads
+    it (``y[:, 0] = 0`` for ``k = 1``, ``y[:, :k] = 0``): the rows that wrapped around are the
+    shift's zero padding. A roll read before the zeroing, or zeroed on other rows, is no shift."""
+    if not is_call(node, (torch.roll,), ("roll",)):
+        return None
+    a = bind(node, ["input", "shifts", "dims"], {"dims": None})
+    x, k, dim = a["input"], a["shifts"], a["dims"]
+    k = k[0] if isinstance(k, (list, tuple)) and len(k) == 1 else k
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    xv = value(x)
+    if not (isinstance(k, int) and k > 0 and isinstance(dim, int) and isinstance(xv, torch.Tensor)):
+        return None
+    dim %= xv.dim()
+    if dim not in _row_dim(x, ctx):
+        return None
+    first = next((n for n in node.graph.nodes if n in node.users), None)  # the first user in graph order
+    if first is None or not (first.op == "call_function" and first.target is operator.setitem
+                             and first.args[0] is node and first.args[2] in (0, 0.0)
+                             and _first_rows(first.args[1], dim, xv.dim()) == k):
+        return None
+    return x, dim, k, 0, (first,)
+
+
+def _first_rows(index: Any, dim: int, nd: int) -> int | None:
+    """``k`` if ``index`` picks the first ``k`` rows on ``dim`` (``0`` or ``:k``) and whole
+    other dims, else None."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (nd - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (nd - len(index))
+    if len(index) != nd or any(i != slice(None) for d, i in enumerate(index) if d != dim):
+        return None
+    cut = index[dim]
+    if isinstance(cut, int) and not isinstance(cut, bool) and cut == 0:
+        return 1
+    if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1) and isinstance(cut.stop, int):
+        return cut.stop if cut.stop > 0 else None
+    return None
+
+
 #: The spellings of a shift along the sequence, each a matcher (see above).
-SHIFT_SPELLINGS = (("pad", _match_pad), ("cat", _match_cat), ("diff", _match_diff))
+SHIFT_SPELLINGS = (("pad", _match_pad), ("cat", _match_cat), ("diff", _match_diff), ("roll", _match_roll))
 
 
 def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
@@ -378,10 +421,14 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
             if sign:
                 new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=node)
                 new.meta["example_value"] = value(node)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        # A zeroing the shift already does (a roll's wrapped rows) stays on the old node, whose
+        # write nothing reads any more: the mutation-safe dead-code elimination removes both.
+        zeroing = {d for d in dead if isinstance(d, fx.Node) and d.target is operator.setitem and d.args[0] is node}
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user not in zeroing)
+        if not node.users:
+            gm.graph.erase_node(node)
         for d in dead:
-            if isinstance(d, fx.Node) and not d.users:
+            if isinstance(d, fx.Node) and not d.users and d not in zeroing:
                 gm.graph.erase_node(d)
         ctx.count("shift")
 

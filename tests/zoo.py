@@ -164,6 +164,15 @@ CASES: list[Case] = [
     Case("cat-shift", "custom: token shift cat([x.new_zeros(b, 1, d), x[:, :-1]], dim=1) mixed into the input",
          _custom(zc.CatShiftLM)),
     Case("crop-pad-shift", "custom: shift by two as F.pad(x[:, :-2], (0, 0, 2, 0))", _custom(zc.CropPadShiftLM)),
+    Case("roll-shift", "custom: token shift as roll(x, 1, dims=1) with prev[:, 0] = 0", _custom(zc.RollShiftLM)),
+    Case("roll-shift-two", "custom: shift by two as x.roll(shifts=2, dims=1) with prev[:, :2] = 0",
+         _custom(zc.RollShiftTwoLM)),
+    Case("roll-no-zero", "custom: roll(x, 1, dims=1) kept whole (the first row reads the last)",
+         _custom(zc.RollNoZeroLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
+    Case("roll-wrong-zero", "custom: roll by two with only the first row zeroed (the second reads the last)",
+         _custom(zc.RollWrongZeroLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
+    Case("roll-read-first", "custom: roll(x, 1, dims=1) read before its first row is zeroed",
+         _custom(zc.RollReadFirstLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
     Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "
          "sequence", _custom(zc.CumsumLinearLM)),
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "

@@ -267,6 +267,54 @@ class CropPadShiftAttn(_SdpaAttn):
         return x + 0.5 * F.pad(x[:, :-2], (0, 0, 2, 0))
 
 
+class RollShiftAttn(_SdpaAttn):
+    """A token shift as ``torch.roll(x, 1, dims=1)`` with the wrapped-around first row zeroed in
+    place (``prev[:, 0] = 0``), mixed into the attention input."""
+
+    def forward(self, x):
+        prev = torch.roll(x, 1, dims=1)
+        prev[:, 0] = 0
+        return super().forward(x + 0.5 * prev)
+
+
+class RollShiftTwoAttn(_SdpaAttn):
+    """A shift by two as ``torch.roll(x, shifts=2, dims=1)`` with the first two rows zeroed
+    (``prev[:, :2] = 0``), added after attention."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        prev = x.roll(shifts=2, dims=1)
+        prev[:, :2] = 0.0
+        return x + 0.5 * prev
+
+
+class RollNoZeroAttn(_SdpaAttn):
+    """``torch.roll(x, 1, dims=1)`` without zeroing: the first row reads the sequence's last."""
+
+    def forward(self, x):
+        return super().forward(x + 0.5 * torch.roll(x, 1, dims=1))
+
+
+class RollWrongZeroAttn(_SdpaAttn):
+    """``torch.roll(x, 2, dims=1)`` with only the first row zeroed: the second reads the last."""
+
+    def forward(self, x):
+        prev = torch.roll(x, 2, dims=1)
+        prev[:, 0] = 0
+        return super().forward(x + 0.5 * prev)
+
+
+class RollReadFirstAttn(_SdpaAttn):
+    """``torch.roll(x, 1, dims=1)`` read (a per-row sum) before its first row is zeroed: that read
+    sees the wrapped-around row."""
+
+    def forward(self, x):
+        prev = torch.roll(x, 1, dims=1)
+        seen = prev.sum(-1, keepdim=True)
+        prev[:, 0] = 0
+        return super().forward(x + 0.5 * prev + 0.1 * seen)
+
+
 class CumsumLinearAttn(_Attn):
     """Causal linear attention written with running sums (the naive form of the
     linear-transformer / Performer papers' causal attention): ``phi(q) . cumsum(phi(k) v^T) /
@@ -348,6 +396,8 @@ def _spelling(attn_cls):
               VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn, FunctionalConvAttn,
               ShiftTokensAttn, CatShiftAttn, CropPadShiftAttn)
 )
+RollShiftLM, RollShiftTwoLM, RollNoZeroLM, RollWrongZeroLM, RollReadFirstLM = (
+    _spelling(c) for c in (RollShiftAttn, RollShiftTwoAttn, RollNoZeroAttn, RollWrongZeroAttn, RollReadFirstAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
