@@ -11,8 +11,9 @@ return the index of each value along the sequence: on a path that is the value's
 the path, which in the tree is the position of the row it comes from.
 
 Integer ``cumsum`` under the interval mask (RoBERTa's positions) is the positions pass's
-(`treecompile.kernels.path_scan.path_cumsum`); the in-place forms (``x.cumsum_(d)``) are left
-to the verify pass, which refuses them.
+(`treecompile.kernels.path_scan.path_cumsum`). The in-place forms (``x.cumsum_(d)``,
+``x.cumprod_(d)``) keep their write: the scan runs along the path on a copy of ``x`` and is
+copied back into ``x``.
 
 Counter (``ctx.counters["rewrite_conv_context_pass"]``): ``path_scan``.
 """
@@ -35,22 +36,31 @@ __all__ = ["rewrite_scans", "SCAN_SPELLINGS"]
 SCAN_SPELLINGS = {name: name for name in PATH_SCANS}
 
 
-def _scan_of(node: fx.Node, ctx: PassContext) -> tuple[str, fx.Node, int] | None:
-    """``(op, x, dim)`` if ``node`` scans ``x`` along the rows."""
+#: The scans that write their result into their input: ``x.cumsum_(d)``, ``x.cumprod_(d)``.
+IN_PLACE_SCANS = {"cumsum_": "cumsum", "cumprod_": "cumprod"}
+
+
+def _scan_of(node: fx.Node, ctx: PassContext) -> tuple[str, fx.Node, int, fx.Node | None] | None:
+    """``(op, x, dim, written)`` if ``node`` scans ``x`` along the rows; ``written`` is the tensor
+    an in-place form writes the result into (None: the result is new)."""
     if node.op not in ("call_function", "call_method") or node in ctx.created:
         return None
     name = op_name(node)
-    if name not in SCAN_SPELLINGS:
+    if name not in SCAN_SPELLINGS and name not in IN_PLACE_SCANS:
         return None
     a = bind(node, ["input", "dim"], {})
     x, dim = a.get("input"), a.get("dim")
     xv = value(x)
-    if not isinstance(xv, torch.Tensor) or not isinstance(dim, int) or node.kwargs.get("out") is not None:
+    if not isinstance(xv, torch.Tensor) or not isinstance(dim, int):
         return None
     dim %= xv.dim()
     if not same_size(xv.shape[dim], ctx.seq_len):
         return None
-    return SCAN_SPELLINGS[name], x, dim
+    if name in IN_PLACE_SCANS:
+        return IN_PLACE_SCANS[name], x, dim, x
+    if node.kwargs.get("out") is not None:  # autograd refuses out= on a tensor that needs grad
+        return None
+    return SCAN_SPELLINGS[name], x, dim, None
 
 
 def rewrite_scans(gm: fx.GraphModule, ctx: PassContext, needs_structure) -> None:
@@ -62,10 +72,13 @@ def rewrite_scans(gm: fx.GraphModule, ctx: PassContext, needs_structure) -> None
             continue
         if ctx.pred_index is None:
             needs_structure(node)
-        op, x, dim = found
+        op, x, dim, written = found
         result = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
         g = gm.graph
         with g.inserting_before(node):
+            if written is not None:  # the scan keeps its input for its backward: not the tensor written
+                x = ctx.mark(g.call_method("clone", (x,)), like=node)
+                x.meta["example_value"] = value(written)
             if value(x).dtype != result.dtype:  # a dtype= argument, or torch's promotion (bool, int32 -> int64)
                 x = ctx.mark(g.call_method("to", (x, result.dtype)), like=node)
                 x.meta["example_value"] = result
@@ -73,11 +86,17 @@ def rewrite_scans(gm: fx.GraphModule, ctx: PassContext, needs_structure) -> None
                                             (x, dim, ctx.pred_index, ctx.node_table, op)), like=node)
             vals = ctx.mark(g.call_function(operator.getitem, (scan, 0)), like=node)
             vals.meta["example_value"] = value(node) if PATH_SCANS[op][1] is None else value(node)[0]
-        if PATH_SCANS[op][1] is None:
+        if written is not None:
+            # The write stays, as a copy of the path scan into the same tensor: the node (an
+            # in-place op the pipeline keeps) becomes ``written.copy_(scan)``, and the row rules
+            # judge it as any other copy.
+            node.op, node.target, node.args, node.kwargs = "call_method", "copy_", (written, vals), {}
+        elif PATH_SCANS[op][1] is None:
             node.replace_all_uses_with(vals)
+            gm.graph.erase_node(node)
         else:
             _replace_pair(gm, ctx, node, scan, vals)
-        gm.graph.erase_node(node)
+            gm.graph.erase_node(node)
         ctx.count("path_scan")
 
 

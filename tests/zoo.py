@@ -178,6 +178,9 @@ CASES: list[Case] = [
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "
          "attention", _custom(zc.MinGRULM)),
     Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
+    Case("in-place-cumsum", "custom: a running sum in place, h = x.clone(); h.cumsum_(1)", _custom(zc.InPlaceCumsumLM)),
+    Case("in-place-cumprod", "custom: a running product of a gate in place, g = 0.5 + 0.4 * tanh(x); g.cumprod_(1)",
+         _custom(zc.InPlaceCumprodLM)),
     Case("running-max", "custom: cummax over the sequence, values and indices", _custom(zc.RunningMaxLM)),
     Case("flex-softcap", "attention-gym generate_tanh_softcap as the model's own flex_attention score_mod",
          _custom(zc.FlexSoftcapLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),

@@ -315,6 +315,24 @@ class RollReadFirstAttn(_SdpaAttn):
         return super().forward(x + 0.5 * prev + 0.1 * seen)
 
 
+class InPlaceCumsumAttn(_SdpaAttn):
+    """A running sum written in place: ``h = x.clone(); h.cumsum_(1)``, mixed into the input."""
+
+    def forward(self, x):
+        h = x.clone()
+        h.cumsum_(1)
+        return super().forward(x + 0.1 * h)
+
+
+class InPlaceCumprodAttn(_SdpaAttn):
+    """A running product of a gate in (0, 1), in place: ``g = 0.5 + 0.4 * tanh(x); g.cumprod_(1)``."""
+
+    def forward(self, x):
+        g = 0.5 + 0.4 * torch.tanh(x)
+        g.cumprod_(1)
+        return super().forward(x + g)
+
+
 class CumsumLinearAttn(_Attn):
     """Causal linear attention written with running sums (the naive form of the
     linear-transformer / Performer papers' causal attention): ``phi(q) . cumsum(phi(k) v^T) /
@@ -396,8 +414,9 @@ def _spelling(attn_cls):
               VmapMaskAttn, VmapHeadsAttn, InPlaceScoresAttn, InPlaceBiasAttn, CausalConvSliceAttn, FunctionalConvAttn,
               ShiftTokensAttn, CatShiftAttn, CropPadShiftAttn)
 )
-RollShiftLM, RollShiftTwoLM, RollNoZeroLM, RollWrongZeroLM, RollReadFirstLM = (
-    _spelling(c) for c in (RollShiftAttn, RollShiftTwoAttn, RollNoZeroAttn, RollWrongZeroAttn, RollReadFirstAttn))
+RollShiftLM, RollShiftTwoLM, RollNoZeroLM, RollWrongZeroLM, RollReadFirstLM, InPlaceCumsumLM, InPlaceCumprodLM = (
+    _spelling(c) for c in (RollShiftAttn, RollShiftTwoAttn, RollNoZeroAttn, RollWrongZeroAttn, RollReadFirstAttn,
+                           InPlaceCumsumAttn, InPlaceCumprodAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
