@@ -472,10 +472,10 @@ def _checked_trees(trees: Any, max_tokens: int | None, vocab_size: int | None) -
 
 
 def _row_columns(trees: list[TrajectoryTree], coef: np.ndarray, path_bits: bool) -> dict[str, list[np.ndarray]]:
-    """Per tree, the packed row's columns (rows, nodes and paths numbered across the batch):
-    token, position, subtree end, predictor row, target weight (``coef``: the paths'
+    """Per `TreeBatch` field, its parts, tree by tree (rows, nodes and paths numbered across the
+    batch): token, position, subtree end, predictor row, target weight (``coef``: the paths'
     coefficients), tree id, path count; node start, end and parent; each path's end node
-    (-1: no tokens) and tree; the path bit vectors (with ``path_bits``)."""
+    (-1: no tokens) and tree; the path bit vectors (with ``path_bits``, else none)."""
     ids, pos, sub, pred, tw, tid, pcount = [], [], [], [], [], [], []
     nstart, nend, npar, pnode, ptree = [], [], [], [], []
     row_base = node_base = path_base = 0
@@ -503,8 +503,9 @@ def _row_columns(trees: list[TrajectoryTree], coef: np.ndarray, path_bits: bool)
         row_base += t.num_tokens
         node_base += n
         path_base += t.num_paths
-    return dict(ids=ids, pos=pos, sub=sub, pred=pred, tw=tw, tid=tid, pcount=pcount, nstart=nstart, nend=nend,
-                npar=npar, pnode=pnode, ptree=ptree, bits=bits)
+    return dict(input_ids=ids, position_ids=pos, subtree_end=sub, pred_index=pred, target_weight=tw, tree_ids=tid,
+                path_count=pcount, node_start=nstart, node_end=nend, node_parent=npar, path_node=pnode,
+                path_tree=ptree, path_bits=bits)
 
 
 def pack(
@@ -548,37 +549,25 @@ def pack(
                                   empty=np.concatenate([t.path_node < 0 for t in trees]))
 
     cols = _row_columns(trees, coef, path_bits)
-
-    def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(cols[name]))).to(dtype=dtype)
+    bits = cols.pop("path_bits")
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(
+        dtype=torch.float64 if name == "target_weight" else torch.int64) for name, parts in cols.items()}
 
     # Per-path training would compute every row once per path through it: a batch that shares
     # too little gains nothing from the tree (once per call site, as warnings are).
     if warn_por:
-        path_tokens = int(sum(int(c.sum()) for c in cols["pcount"]))
+        path_tokens = int(tensors["path_count"].sum())
         warn_low_por_value(1.0 - total / path_tokens if path_tokens else 0.0, stacklevel=2)
 
     # Built and checked on the host, then moved: the check travels with it (TreeBatch.validate),
     # so the model's call reads nothing back from the device.
     batch = TreeBatch(
-        input_ids=cat("ids", torch.int64),
-        position_ids=cat("pos", torch.int64),
-        subtree_end=cat("sub", torch.int64),
-        pred_index=cat("pred", torch.int64),
-        target_weight=cat("tw", torch.float64),
-        tree_ids=cat("tid", torch.int64),
-        path_count=cat("pcount", torch.int64),
-        node_start=cat("nstart", torch.int64),
-        node_end=cat("nend", torch.int64),
-        node_parent=cat("npar", torch.int64),
-        path_node=cat("pnode", torch.int64),
-        path_tree=cat("ptree", torch.int64),
+        **tensors,
         path_weight=torch.from_numpy(weights.copy()),
         path_coef=torch.from_numpy(coef.copy()),
         tree_offsets=torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64),
         loss_mode=loss_mode,
         n_targets=int(counts.sum()),
-        path_bits=(torch.from_numpy(np.concatenate([b.view(np.int64) for b in cols["bits"]])) if path_bits
-                   else None),
+        path_bits=torch.from_numpy(np.concatenate([b.view(np.int64) for b in bits])) if path_bits else None,
     ).validate()
     return batch if device is None else batch.to(device)
