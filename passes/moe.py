@@ -75,6 +75,22 @@ def check_moe_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     return gm
 
 
+#: Each region's begin marker and the end marker it leads to.
+REGIONS = (("experts_begin", "experts_end"), ("router_stats_begin", "router_aux_end"))
+
+
+def region_nodes(gm: fx.GraphModule, seq: Any) -> set[fx.Node]:
+    """The nodes inside every experts and router-loss region (as `check_moe_regions_pass`
+    finds them): what a rewrite before it must leave alone. An ``arange`` over the tokens
+    there is a permutation of the region's tokens (grouping them by expert and back), not
+    their positions."""
+    inside: set[fx.Node] = set()
+    for begin_name, end_name in REGIONS:
+        for begin in [n for n in gm.graph.nodes if is_marker(n, begin_name)]:
+            inside |= _region(begin, end_name, seq)[0]
+    return inside
+
+
 def _region(begin: fx.Node, end_name: str, seq: Any) -> tuple[set[fx.Node], fx.Node]:
     """The nodes between ``begin`` and its end marker, and the end marker.
 

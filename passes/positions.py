@@ -36,6 +36,7 @@ from torch import fx
 from treecompile.kernels.path_scan import path_cumsum
 from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, multiple_of, row_indices, same_size, value
 from treecompile.passes._mask_eval import depends_on_inputs
+from treecompile.passes.moe import region_nodes
 
 __all__ = ["rewrite_positions_pass"]
 
@@ -57,8 +58,9 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     if external:
         ctx.count("position_ids_input", len(external))
     _drop_identity_gathers(gm, ctx)
+    experts = region_nodes(gm, ctx.seq_len)  # their aranges permute tokens: not positions
     for node in list(gm.graph.nodes):
-        if node in ctx.created:
+        if node in ctx.created or node in experts:
             continue
         offset = _row_index_offset(node, ctx) if is_call(node, ARANGE) else None
         # An arange used as an index along the rows is a row index, not a position (the

@@ -158,6 +158,20 @@ def test_verify_checks_the_aux_loss():
     assert report.worst_grad_diff <= report.tolerance
 
 
+def test_one_expert_per_token_keeps_the_experts_permutation():
+    """HF's grouped_mm experts with one expert per token sort the S tokens by expert and undo it
+    with ``inv_perm[perm] = arange(S)``: a permutation of the region's tokens, which the positions
+    pass must not take for positions (it did, and the experts region refused the model)."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(_config(num_experts_per_tok=1)).float().eval()
+    compiled = tree_compile(model, verify=True, backend="eager")
+    batch, _ = make_batch("branchy")
+    compiled(batch)
+    report = compiled.verified
+    assert report is not None and report.worst_grad_diff <= report.tolerance
+    assert compiled.counters["check_moe_regions_pass"]["experts"] == N_LAYERS
+
+
 # A model whose auxiliary loss ignores the attention mask: its statistics cannot be weighted
 # per path, so the MoE pass must refuse it (found by tree_compile through the model's module).
 _hf_loss = transformers.models.qwen3_moe.modeling_qwen3_moe.load_balancing_loss_func
