@@ -365,8 +365,10 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     dim %= xv.dim()
     if dim not in _row_dim(x, ctx):
         return None
-    first = next((n for n in node.graph.nodes if n in node.users), None)  # the first user in graph order
-    if first is None or not (first.op == "call_function" and first.target is operator.setitem
+    first = node.next  # the first user in graph order (users follow the node)
+    while first.op != "root" and first not in node.users:
+        first = first.next
+    if first.op == "root" or not (first.op == "call_function" and first.target is operator.setitem
                              and first.args[0] is node and first.args[2] in (0, 0.0)
                              and _first_rows(first.args[1], dim, xv.dim()) == k):
         return None

@@ -41,8 +41,8 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
-from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls, refuse_own_mods,
-                                       stream_attention_fn)
+from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls,
+                                       refuse_own_mods, stream_attention_fn)
 
 __all__ = ["CPGraph", "cp_inputs", "cp_passes"]
 

@@ -356,6 +356,7 @@ def read_stream_inputs_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassCon
     gm.graph.erase_node(node)
     return gm
 
+
 def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Each attention call also attends to its layer's prefix K/V from the stack (or the model's
     own mods are refused); a layout that differs from the stack's is left to the next pass."""
@@ -382,6 +383,7 @@ def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContex
         gm.graph.erase_node(node)
         ctx.count("prefix_attention")
     return gm
+
 
 def route_stream_state_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Conv context and scan states come from the stack; the part's K/V, conv inputs and state

@@ -145,30 +145,30 @@ def test_moe_without_aux_loss_matches_per_path_training(overrides):
     assert compiled.counters["check_moe_regions_pass"] == {"experts": N_LAYERS}
 
 
-@pytest.mark.full
-def test_verify_checks_the_aux_loss():
-    """verify=True (float64 copy, HF's default grouped_mm experts on the user's model) passes."""
+def _verified_grouped_mm(**overrides):
+    """A float32 model on HF's default grouped_mm experts, called once with verify=True (its
+    float64 copy against per-path training); the compiled model."""
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(_config(router_aux_loss_coef=1.0)).float().eval()
+    model = transformers.Qwen3MoeForCausalLM(_config(**overrides)).float().eval()
     compiled = tree_compile(model, verify=True, backend="eager")
-    batch, _ = make_batch("branchy")
-    compiled(batch)
+    compiled(make_batch("branchy")[0])
     report = compiled.verified
     assert report is not None and report.dtype == torch.float64
     assert report.worst_grad_diff <= report.tolerance
+    return compiled
+
+
+@pytest.mark.full
+def test_verify_checks_the_aux_loss():
+    """verify=True (float64 copy, HF's default grouped_mm experts on the user's model) passes."""
+    _verified_grouped_mm(router_aux_loss_coef=1.0)
 
 
 def test_one_expert_per_token_keeps_the_experts_permutation():
     """HF's grouped_mm experts with one expert per token sort the S tokens by expert and undo it
     with ``inv_perm[perm] = arange(S)``: a permutation of the region's tokens, which the positions
     pass must not take for positions (it did, and the experts region refused the model)."""
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(_config(num_experts_per_tok=1)).float().eval()
-    compiled = tree_compile(model, verify=True, backend="eager")
-    batch, _ = make_batch("branchy")
-    compiled(batch)
-    report = compiled.verified
-    assert report is not None and report.worst_grad_diff <= report.tolerance
+    compiled = _verified_grouped_mm(num_experts_per_tok=1)
     assert compiled.counters["check_moe_regions_pass"]["experts"] == N_LAYERS
 
 

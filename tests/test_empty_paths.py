@@ -170,3 +170,15 @@ def test_a_padded_row_of_padding_only_is_an_empty_path():
     alone = batch_from_rows(ids[[0, 2]], attention_mask=mask[[0, 2]])
     assert batch.num_paths == 3 and batch.path_node[1] == -1
     _close(COMPILED(batch).loss.detach(), COMPILED(alone).loss.detach())
+
+
+def test_coefficients_leave_empty_paths_out_of_p_and_keep_a_given_denominator():
+    from treecompile.core.weights import path_loss_coefficients
+
+    n, w, empty = np.array([2.0, 0.0, 3.0]), np.array([1.0, 5.0, 2.0]), np.array([False, True, False])
+    got = path_loss_coefficients(n, w, "seq-mean-token-mean", empty=empty)
+    np.testing.assert_allclose(got, [1 / (2 * 2), 0.0, 2 / (2 * 3)])
+    got = path_loss_coefficients(n, w, "seq-mean-token-mean", denominator=0.5, empty=empty)
+    np.testing.assert_allclose(got, [1 / (0.5 * 2), 0.0, 2 / (0.5 * 3)])
+    np.testing.assert_allclose(path_loss_coefficients(n, w, "seq-mean-token-sum", empty=empty), [0.5, 0.0, 1.0])
+    assert not path_loss_coefficients(n, w, "seq-mean-token-sum", empty=np.ones(3, bool)).any()

@@ -30,7 +30,8 @@ DROPOUTS: dict[str, tuple[int, int]] = {
 DRAWS = frozenset("bernoulli bernoulli_ rand randn rand_like randn_like randint randint_like normal normal_ uniform_ "
                   "exponential_ geometric_ cauchy_ log_normal_ random_ multinomial randperm".split())
 
-_register("dropout", "dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d native_dropout")(pointwise)
+# ``feature_dropout`` gets no row rule (it never had one): it is refused wherever it sees rows.
+_register("dropout", [name for name in DROPOUTS if name != "feature_dropout"])(pointwise)
 _register("random draw", "bernoulli normal uniform exponential geometric log_normal cauchy random")(pointwise)
 _register("random draw", "rand randn", sizes=("all",))(creation)
 _register("random draw", "rand_like randn_like randint_like")(like)

@@ -42,7 +42,7 @@ import torch
 
 from treecompile.core.advice import warn_low_por_value, warn_untrained
 from treecompile.core.errors import TreeInputError
-from treecompile.core.preorder import climb, preorder_violation, subtree_max, subtree_sum
+from treecompile.core.preorder import preorder_violation, root_path_rows, subtree_max, subtree_sum
 from treecompile.core.tree import TrajectoryTree
 from treecompile.core.weights import path_loss_coefficients, path_target_counts, tree_target_weights
 
@@ -267,10 +267,9 @@ class TreeBatch:
 
     def path_rows(self, p: int) -> torch.Tensor:
         """``[T_p]`` rows of path ``p`` from its root, in path order."""
-        starts, ends = self.node_start.tolist(), self.node_end.tolist()
-        chain = list(climb(self.node_parent.tolist(), self.path_node[p]))
-        rows = [torch.arange(starts[n], ends[n]) for n in reversed(chain)]
-        return torch.cat(rows).to(self.device) if rows else torch.zeros(0, dtype=torch.int64, device=self.device)
+        rows = root_path_rows(self.node_start.cpu().numpy(), self.node_end.cpu().numpy(),
+                              self.node_parent.cpu().numpy(), int(self.path_node[p]))
+        return torch.from_numpy(rows).to(self.device)
 
     def reference_attention_mask(self) -> torch.Tensor:
         """``[S, S]`` bool, entry ``[q, k]`` true iff query ``q`` sees key ``k``.

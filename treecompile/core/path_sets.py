@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from treecompile.core.errors import TreeInputError
-from treecompile.core.preorder import climb
+from treecompile.core.preorder import at_path_ends, climb
 from treecompile.core.tree import TrajectoryTree
 
 __all__ = ["CapacityError", "check_capacity", "path_lengths", "subtree", "union_tokens"]
@@ -27,9 +27,7 @@ class CapacityError(TreeInputError):
 def path_lengths(tree: TrajectoryTree) -> np.ndarray:
     """``[P]`` tokens on each path (its end node's depth plus the node's length; 0 for a path
     with no tokens)."""
-    ends = tree.path_node
-    at = np.maximum(ends, 0)
-    return np.where(ends >= 0, tree.depth_start[at] + tree.node_lengths[at], 0)
+    return at_path_ends(tree.depth_start + tree.node_lengths, tree.path_node)
 
 
 def union_tokens(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> int:
@@ -145,7 +143,7 @@ def subtree(tree: TrajectoryTree, path_ids: Sequence[int] | np.ndarray) -> Traje
         tokens=np.concatenate(tok_parts),
         node_offsets=new_offsets,
         parent=new_parent,
-        path_node=np.where(ends >= 0, new_id[head[np.maximum(ends, 0)]], -1),
+        path_node=at_path_ends(new_id[head], ends, fill=-1),
         path_weight=tree.path_weight[ids],
         node_mask=np.concatenate(mask_parts),
         mask_exceptions=exceptions,

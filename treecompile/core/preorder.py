@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["preorder_violation", "subtree_sum", "subtree_max", "root_path_sum", "climb", "rows_before_on_path"]
+__all__ = ["preorder_violation", "subtree_sum", "subtree_max", "root_path_sum", "climb", "at_path_ends",
+           "root_path_rows", "rows_before_on_path"]
 
 
 def preorder_violation(parent: np.ndarray) -> str | None:
@@ -94,6 +95,19 @@ def climb(parent: np.ndarray, v: int, stop: np.ndarray | None = None) -> Iterato
     while v >= 0 and (stop is None or not stop[v]):
         yield v
         v = int(parent[v])
+
+
+def at_path_ends(values: np.ndarray, path_node: np.ndarray, fill: int = 0) -> np.ndarray:
+    """``[P]`` ``values[path_node[p]]``, and ``fill`` for a path with no tokens (``path_node`` -1,
+    which NumPy would read as the last node)."""
+    return np.where(path_node >= 0, values[np.maximum(path_node, 0)], fill)
+
+
+def root_path_rows(start: np.ndarray, end: np.ndarray, parent: np.ndarray, v: int) -> np.ndarray:
+    """``[T]`` int64: the rows of node ``v``'s root path, root first, where node ``u`` holds rows
+    ``start[u]:end[u]`` (empty for ``v`` -1, a path with no tokens). O(depth)."""
+    chain = [np.arange(start[u], end[u], dtype=np.int64) for u in climb(parent, v)]
+    return np.concatenate(chain[::-1]) if chain else np.zeros(0, dtype=np.int64)
 
 
 def rows_before_on_path(nodes: np.ndarray, row: int) -> np.ndarray:

@@ -177,11 +177,12 @@ def per_path_loss(
         if forward is not None or not _is_hf(model):
             raise ValueError("router_aux_loss_coef needs a Hugging Face model called in the usual way (no forward=)")
         forward = _recording_router_logits(router_logits)
+    param = next(model.parameters())
     sums, counts, lps = [], [], []
-    for tokens, mask in zip(toks, masks):
-        if not len(tokens):  # a path with no tokens: nothing to predict, in no mean
-            lps.append(torch.zeros(0, dtype=compute_dtype(next(model.parameters()).dtype),
-                                   device=next(model.parameters()).device))
+    wt, live = [], []  # per path with tokens: its weight and target count (a path with none is in no mean)
+    for tokens, mask, weight in zip(toks, masks, w):
+        if not len(tokens):
+            lps.append(torch.zeros(0, dtype=compute_dtype(param.dtype), device=param.device))
             counts.append(0)
             continue
         lp = path_logprobs(model, tokens, forward=forward)
@@ -190,10 +191,10 @@ def per_path_loss(
         sums.append((lp * m.to(lp.dtype)).sum())
         counts.append(int(m.sum()))
         lps.append(lp)
+        wt.append(float(weight))
+        live.append(counts[-1])
     if not sums:
         raise ValueError("every path is empty: there is nothing to train")
-    wt = [float(x) for x, t in zip(w, toks) if len(t)]
-    live = [c for c, t in zip(counts, toks) if len(t)]
     n_paths = len(sums)
     if loss_mode == "token-mean":
         d = float(sum(counts)) if denominator is None else float(denominator)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from treecompile.core.errors import TreeInputError, unknown_choice
-from treecompile.core.preorder import root_path_sum, subtree_sum
+from treecompile.core.preorder import at_path_ends, root_path_sum, subtree_sum
 
 if TYPE_CHECKING:
     from treecompile.core.tree import TrajectoryTree
@@ -91,11 +91,13 @@ def path_loss_coefficients(
         return w / (1.0 if denominator is None else float(denominator))
     paths = len(w) - (0 if empty is None else int(empty.sum()))
     d = float(paths) if denominator is None else float(denominator)
+    if d <= 0:  # every path is empty: nothing to train
+        return np.zeros_like(w)
     if mode == "seq-mean-token-sum":
-        return w / d if d > 0 else np.zeros_like(w)
+        return w / d
     # seq-mean-token-mean: a path without targets contributes nothing (and counts in P,
     # unless it has no tokens at all).
-    return np.where(n > 0, w / (max(d, 1.0) * np.maximum(n, 1.0)), 0.0)
+    return np.where(n > 0, w / (d * np.maximum(n, 1.0)), 0.0)
 
 
 def _effective_masks(tree: TrajectoryTree) -> tuple[np.ndarray, dict[tuple[int, int], np.ndarray]]:
@@ -117,8 +119,7 @@ def path_target_counts(tree: TrajectoryTree) -> np.ndarray:
     node_mask, exceptions = _effective_masks(tree)
     per_node = (np.add.reduceat(node_mask.astype(np.int64), tree.node_offsets[:-1]) if tree.num_nodes
                 else np.zeros(0, dtype=np.int64))
-    ends = tree.path_node
-    counts = np.where(ends >= 0, root_path_sum(tree.parent, per_node)[np.maximum(ends, 0)], 0)
+    counts = at_path_ends(root_path_sum(tree.parent, per_node), tree.path_node)
     for (p, v), m in exceptions.items():
         a, b = tree.node_offsets[v], tree.node_offsets[v + 1]
         counts[p] += int(m.sum()) - int(node_mask[a:b].sum())

@@ -28,7 +28,7 @@ import gzip
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,13 +191,12 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     A run stopped mid-write (Ctrl-C, a killed job) leaves the previous version, never half a file.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # Created as open() creates a file (mode 0o666 less the umask), never over another one.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # what open() would give (mkstemp's file is the owner's alone)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

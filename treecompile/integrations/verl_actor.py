@@ -52,6 +52,7 @@ from treecompile.compile.wrapper import TreeCompiledModel, tree_compile
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError, UnsupportedModelError
 from treecompile.core.tree import TrajectoryTree
+from treecompile.core.preorder import root_path_rows
 
 __all__ = [
     "UNSUPPORTED",
@@ -158,11 +159,7 @@ def micro_batch_tree(input_ids: torch.Tensor, position_ids: torch.Tensor) -> Ver
     index = np.zeros(int(offsets_np[-1]), dtype=np.int64)
     valid = np.zeros(int(offsets_np[-1]), dtype=bool)
     for b, seq in enumerate(seqs):
-        chain, n = [], int(path_node[b])
-        while n >= 0:
-            chain.append(n)
-            n = int(node_parent[n])
-        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
+        rows = root_path_rows(node_start, node_end, node_parent, int(path_node[b]))
         first, last = offsets_np[b], offsets_np[b + 1]
         index[first:last - 1] = rows[1:]
         valid[first:last - 1] = True

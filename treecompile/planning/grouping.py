@@ -16,6 +16,7 @@ import bisect
 import numpy as np
 
 from treecompile.core.path_sets import check_capacity, union_tokens
+from treecompile.core.preorder import at_path_ends
 from treecompile.core.tree import TrajectoryTree
 
 __all__ = ["greedy_groups", "optimal_groups", "brute_force_optimum"]
@@ -73,8 +74,7 @@ def _attach_endpoints(tree: TrajectoryTree, leaf_group: dict[int, int]) -> np.nd
         p = int(tree.parent[v])
         if p >= 0 and node_group[v] >= 0:
             node_group[p] = node_group[v]  # ends as the group of the first child in preorder
-    ends = tree.path_node  # a path with no tokens (-1) gets a part from partition_tree
-    return np.where(ends >= 0, node_group[np.maximum(ends, 0)], 0)
+    return at_path_ends(node_group, tree.path_node)  # a path with no tokens gets its part from partition_tree
 
 
 def greedy_groups(tree: TrajectoryTree, capacity: int) -> np.ndarray:

@@ -251,8 +251,8 @@ def _group_cost(group: list[tuple[int, int]], trees: Sequence[TrajectoryTree], c
 
 
 def _with_empty_paths(trees: Sequence[TrajectoryTree], groups: list[list[tuple[int, int]]]) -> None:
-    """Adds each path with no tokens (the methods place only paths with tokens) to the group of
-    the first path of its tree that has tokens: it costs nothing and keeps every path on a rank."""
+    """Adds each path with no tokens (the methods place only paths with tokens) to the first
+    group holding a path of its tree: it costs nothing and keeps every path on a rank."""
     home: dict[int, int] = {}
     for gi, g in enumerate(groups):
         for ti, _ in g:

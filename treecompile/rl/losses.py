@@ -46,7 +46,7 @@ from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.kernels.dtypes import compute_dtype
 from treecompile.core.loss import path_loss_coefficients
-from treecompile.core.preorder import climb
+from treecompile.core.preorder import root_path_rows
 from treecompile.core.tree import TrajectoryTree
 
 __all__ = [
@@ -222,8 +222,7 @@ def _target_entries(batch: TreeBatch, paths: list, targets: list[np.ndarray], co
     node_parent = batch.node_parent.cpu().numpy()
     for p, path in enumerate(paths):
         length = len(path.tokens)
-        chain = list(climb(node_parent, batch.path_node[p]))
-        rows = np.concatenate([np.arange(node_start[n], node_end[n]) for n in reversed(chain)] + [np.zeros(0, int)])
+        rows = root_path_rows(node_start, node_end, node_parent, int(batch.path_node[p]))
         t = targets[p]
         a = _token_values(adv[p], "advantages", p, length, scalar_ok=True)[t]
         rows_l.append(rows[t])
