@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 from typing import Any
 
 __all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error",
@@ -63,7 +64,11 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
         return UnsupportedModelError(
             f"treecompile cannot make this model exact on a tree: {reason} (called at {short}).\n  at {where}: {code}"
         )
-    if raised:
+    if raised.startswith("TypeError(") and where.startswith(_CALL_SITE) and _BINDING.search(raised):
+        # Newer Dynamo reports an argument mismatch at treecompile's own call of the model as the
+        # TypeError Python would raise there.
+        text = "failed to bind arguments"
+    if raised and "failed to bind arguments" not in text:
         why = f"it raises {raised} when traced"
         hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
                "tensor need it built, which tree batches do not do"
@@ -93,6 +98,10 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
         f"treecompile cannot capture this model: {site}: {why} ({kind}).\n  What to do: {hint}.\n"
         f"  (Dynamo: {kind}; set TORCHDYNAMO_VERBOSE=1 for its full trace.)"
     )
+
+
+_CALL_SITE = str(Path(__file__).resolve().parents[1] / "capture" / "call.py")
+_BINDING = re.compile(r"missing \d* ?required|positional argument|unexpected keyword argument")
 
 
 def _after(text: str, marker: str) -> str:
