@@ -271,7 +271,7 @@ def count_blocks(subtree_end: np.ndarray, block_size: int, real: np.ndarray | No
 
 def _tokenizer() -> tuple[object, str]:
     """cl100k as ``treecompile stats`` uses by default; the bundled sample BPE without tiktoken."""
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer("cl100k"), "cl100k (the `treecompile stats` default)"
@@ -281,7 +281,8 @@ def _tokenizer() -> tuple[object, str]:
 
 def real_workloads(data: Path, tokenizer: object) -> list[tuple[str, list[TrajectoryTree]]]:
     """``(name, trees)`` per source file, built as ``treecompile stats`` builds them."""
-    from treecompile.data import chat, datasets
+    from treecompile.chat import to_tree as chat
+    from treecompile.data import datasets
     from treecompile.rl.data import tot_search_samples
 
     def tree(convs: list) -> TrajectoryTree:

@@ -20,7 +20,7 @@ one compiled model for every workload, warmed up on three batches first (its com
 epoch speedup is the ratio of the path tokens trained per second over the timed steps: an
 epoch holds the same samples under both samplers, so it estimates the ratio of the epoch times.
 
-Workloads (samples rendered with `treecompile.core.conversation.render_conversations` and the
+Workloads (samples rendered with `treecompile.chat.conversation.render_conversations` and the
 bundled 2,048-id sample tokenizer; loss on the assistant tokens):
 
 * tau-bench airline (GPT-4o, 25 tasks x 4 trials), tau-bench retail (Grok-3, 115 tasks) and
@@ -58,7 +58,7 @@ VOCAB = 2048
 
 
 def _rendered(convs: list, samples: str, tok) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from treecompile.core.conversation import RenderOptions, render_conversations
+    from treecompile.chat.conversation import RenderOptions, render_conversations
 
     paths = render_conversations(convs, tok, RenderOptions(samples=samples, think="last", template="chatml",
                                                            on_drift="ignore"))
@@ -67,7 +67,7 @@ def _rendered(convs: list, samples: str, tok) -> tuple[list[np.ndarray], list[np
 
 def real_workloads(data: Path) -> list[tuple[str, int, list, list]]:
     """``(name, B, sequences, loss masks)`` of each file of ``data``."""
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
     from treecompile.data import datasets
 
     tok = load_tokenizer("sample")

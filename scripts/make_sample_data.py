@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from treecompile.data.chat import render_text  # noqa: E402
+from treecompile.chat.to_tree import render_text  # noqa: E402
 from treecompile.data.datasets import GSM8K_SOLVERS, load_gsm8k_solutions, load_tau2, load_tau_bench  # noqa: E402
 
 # The tau-bench airline tasks with the smallest trajectories (total JSON size of their 4

@@ -92,7 +92,7 @@ def test_readme_data_commands_run_on_the_base_install():
 
 
 def test_missing_tiktoken_through_the_cli_names_the_extra(monkeypatch, capsys):
-    from treecompile.core import tokenizer as tokmod
+    from treecompile.chat import tokenizer as tokmod
     from treecompile.cli.main import main
 
     tokmod._cl100k_encoding.cache_clear()

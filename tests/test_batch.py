@@ -161,7 +161,7 @@ def test_a_padded_or_moved_batch_carries_the_check_a_fresh_one_finds():
 
 
 def test_scaled_weights_keep_the_check_and_refuse_a_zero_or_nan_scale(monkeypatch):
-    from treecompile.core.rows import normalised
+    from treecompile.core.padded_rows import normalised
 
     batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
     half = normalised(batch, torch.tensor(2 * batch.n_targets))  # the Trainer's count, a tensor

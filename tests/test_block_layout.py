@@ -81,7 +81,7 @@ def test_alignment_padding_changes_no_real_row(what, block, case):
 @functools.cache
 def _sample_row(name):
     """A packed row of real trees: one bundled tau-bench task, or 12 bundled GSM8K groups."""
-    from treecompile.data.chat import tree_from_messages
+    from treecompile.chat.to_tree import tree_from_messages
     from treecompile.data.samples import sample_gsm8k, sample_tau_bench
 
     def tree(convs):

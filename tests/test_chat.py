@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from testing import examples
 
 from treecompile import TrajectoryTree, TreeInputError
-from treecompile.data.chat import RetokenizationDriftWarning, render_text, tree_from_messages
+from treecompile.chat.to_tree import RetokenizationDriftWarning, render_text, tree_from_messages
 from treecompile.data.datasets import load_gsm8k_solutions, load_tau2, load_tau_bench
 from treecompile.data.samples import sample_conversations, sample_gsm8k, sample_tau_bench, sample_think
-from treecompile.core.tokenizer import load_tokenizer
+from treecompile.chat.tokenizer import load_tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TAU_AIRLINE = SHARED / "tau_bench" / "gpt-4o-airline-even-tasks.json"

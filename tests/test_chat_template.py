@@ -1,4 +1,4 @@
-"""Trees from the tokenizer's own chat template (`treecompile.core.chat_template`), against
+"""Trees from the tokenizer's own chat template (`treecompile.chat.template`), against
 ``apply_chat_template`` itself: Qwen3's (reasoning dropped from earlier turns), its TRL training
 variant with ``{% generation %}`` blocks, Qwen2.5's default system prompt, Llama 3's headers."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import treecompile as tc
 from treecompile.core.errors import TreeInputError
-from treecompile.data.chat import tree_from_messages
+from treecompile.chat.to_tree import tree_from_messages
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")  # ships the real templates (trl/chat_templates/*.jinja)
@@ -134,8 +134,8 @@ def test_real_trajectories_render_as_the_template_does():
     convs = [json.loads(line) for line in (SAMPLES / "tau2_airline_think_sample.jsonl").read_text().splitlines()]
     tree = tc.TrajectoryTree.from_messages(convs, tok, samples="assistant_turns", loss_on="last_assistant")
     ends = tree.metadata["path_message"]
-    from treecompile.core.chat_template import message_dicts
-    from treecompile.core.messages import normalize_conversation
+    from treecompile.chat.template import message_dicts
+    from treecompile.chat.messages import normalize_conversation
 
     for path, c, end in zip(tree.paths(), tree.metadata["path_conversation"], ends):
         msgs = normalize_conversation(convs[c])[: end + 1]

@@ -213,7 +213,7 @@ def test_a_bad_line_in_grouped_jsonl_names_file_and_line(bad_line, message, tmp_
 
 
 def test_capacity_advice_covers_every_tree(capsys):
-    from treecompile.data.chat import tree_from_messages
+    from treecompile.chat.to_tree import tree_from_messages
     from treecompile.data.samples import sample_gsm8k
     from treecompile.planning.partition import path_lengths
 

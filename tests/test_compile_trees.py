@@ -73,7 +73,7 @@ def real_trees():
     after their second assistant turn), tokenized with the bundled 2048-token BPE, and one
     compiled Qwen3 that every loss mode reuses."""
     from treecompile.data.samples import sample_gsm8k, sample_tau_bench
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
 
     tok = load_tokenizer("sample")
     gsm = list(sample_gsm8k().values())[:2]

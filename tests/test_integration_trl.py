@@ -473,7 +473,7 @@ def test_records_from_trl_chat_uses_the_template_and_its_assistant_mask():
 
 
 def test_records_from_trl_text_and_drift():
-    from treecompile.data.chat import RetokenizationDriftWarning
+    from treecompile.chat.to_tree import RetokenizationDriftWarning
     from treecompile.rl.data import records_from_trl
 
     tok = _tokenizer()

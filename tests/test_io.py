@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from treecompile import TrajectoryTree, TreeInputError
-from treecompile.data.chat import tree_from_messages
+from treecompile.chat.to_tree import tree_from_messages
 from treecompile.data.samples import sample_conversations, sample_path
 from treecompile.data.io import (
     UNGROUPED,

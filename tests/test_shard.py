@@ -97,7 +97,7 @@ def test_unknown_method_lists_the_valid_ones():
 
 def test_tau_bench_dfs_beats_greedy(shared_data):
     from treecompile.data.datasets import load_tau_bench
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
 
     tok = load_tokenizer("cl100k")
     convs = load_tau_bench(shared_data / "tau_bench" / "gpt-4o-airline-even-tasks.json")

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from treecompile.core import tokenizer as tokmod
+from treecompile.chat import tokenizer as tokmod
 from treecompile.data.samples import sample_path
-from treecompile.core.tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
+from treecompile.chat.tokenizer import TOKENIZER_NAMES, Tokenizer, load_tokenizer
 
 
 def test_bytes_tokenizer_encodes_utf8_and_has_specials_after_256():
@@ -109,15 +109,15 @@ def test_tokenizer_instance_passes_through():
 
 
 def test_public_api_is_pinned():
-    import treecompile.data.chat
+    import treecompile.chat.to_tree
     import treecompile.cli.main
     import treecompile.data.samples
     import treecompile.data.datasets
     import treecompile.data.io
-    import treecompile.core.tokenizer
+    import treecompile.chat.tokenizer
 
-    assert treecompile.core.tokenizer.__all__ == ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
-    assert treecompile.data.chat.__all__ == [
+    assert treecompile.chat.tokenizer.__all__ == ["TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
+    assert treecompile.chat.to_tree.__all__ == [
         "LOSS_ON", "ON_DRIFT", "SAMPLES", "TEMPLATES", "THINK", "RetokenizationDriftWarning",
         "normalize_conversation", "render_text", "tree_from_messages",
     ]  # fmt: skip
@@ -132,5 +132,5 @@ def test_public_api_is_pinned():
     assert treecompile.data.__all__ == [
         "SAMPLE_FILES", "sample_conversations", "sample_gsm8k", "sample_path", "sample_tau_bench", "sample_think",
     ]  # fmt: skip
-    for module in (treecompile.data.chat, treecompile.data.io, treecompile.core.tokenizer, treecompile.cli.main, treecompile.data.samples):
+    for module in (treecompile.chat.to_tree, treecompile.data.io, treecompile.chat.tokenizer, treecompile.cli.main, treecompile.data.samples):
         assert all(hasattr(module, name) for name in module.__all__), module.__name__

@@ -220,8 +220,8 @@ def _workloads(cfg: BenchConfig) -> list[tuple[str, list[TrajectoryTree]]]:
         out.append((f"synthetic POR {por:g}", [synthetic_tree(cfg.paths, path_len, por, cfg.vocab, cfg.seed + i)]))
     if cfg.tau_tasks or cfg.gsm8k_groups:
         from treecompile.data import samples as data
-        from treecompile.data.chat import tree_from_messages
-        from treecompile.core.tokenizer import load_tokenizer
+        from treecompile.chat.to_tree import tree_from_messages
+        from treecompile.chat.tokenizer import load_tokenizer
 
         tok = load_tokenizer("sample")
         if tok.vocab_size > cfg.vocab:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from treecompile.compile.wrapper import tree_compile
     from treecompile.data.samples import sample_tau_bench
     from treecompile.core.reference import per_path_loss
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dtype = getattr(torch, args.dtype)

@@ -107,7 +107,7 @@ def read_groups(path: Path, kind: str) -> list[Group]:
 
 
 def build_tree(group: Group, args: argparse.Namespace, tokenizer: Any) -> Any:
-    from treecompile.data.chat import tree_from_messages
+    from treecompile.chat.to_tree import tree_from_messages
     from treecompile.core.tree import TrajectoryTree
 
     if group.conversations:
@@ -181,7 +181,7 @@ class InputTrees:
 
 def load_input_trees(args: argparse.Namespace) -> InputTrees:
     """Reads ``args.file`` and builds its trees, grouped by ``args.group_by``, at most ``args.limit``."""
-    from treecompile.core.tokenizer import chat_tokenizer
+    from treecompile.chat.tokenizer import chat_tokenizer
 
     path = resolve_file(args.file)
     kind = detect_kind(path)

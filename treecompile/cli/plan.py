@@ -26,7 +26,7 @@ __all__ = ["add_command", "run"]
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     """Adds the ``plan`` subcommand to the CLI's subparsers."""
-    from treecompile.data.chat import SAMPLES, THINK
+    from treecompile.chat.to_tree import SAMPLES, THINK
     from treecompile.cli.args import int_at_least
     from treecompile.planning.partition import METHODS
     from treecompile.planning.shard import SHARD_METHODS

@@ -27,7 +27,7 @@ _KIND_LABELS = {
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
-    from treecompile.data.chat import SAMPLES, THINK
+    from treecompile.chat.to_tree import SAMPLES, THINK
 
     p = sub.add_parser(
         "stats",

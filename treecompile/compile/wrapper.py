@@ -41,7 +41,7 @@ from treecompile.capture.dynamo import (
     sequence_kernels,
     swapped_kernels,
 )
-from treecompile.core.rows import batch_from_rows, normalised
+from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error, unknown_choice
 from treecompile.kernels.masks import MASK_KINDS
 from treecompile.kernels.recurrence import SCAN_KERNELS

@@ -243,8 +243,8 @@ class TrajectoryTree:
     def from_messages(
         cls, conversations: Sequence[Sequence[dict]], tokenizer: Any, *, vocab_size: int | None = None, **options: Any
     ) -> TrajectoryTree:
-        """Builds a tree from chat conversations; see `treecompile.data.chat.tree_from_messages`."""
-        from treecompile.core.conversation import RenderOptions, render_conversations
+        """Builds a tree from chat conversations; see `treecompile.chat.to_tree.tree_from_messages`."""
+        from treecompile.chat.conversation import RenderOptions, render_conversations
 
         weights = options.pop("weights", None)
         paths = render_conversations(conversations, tokenizer, RenderOptions(**options), weights=weights)
@@ -252,7 +252,7 @@ class TrajectoryTree:
 
     @classmethod
     def from_rendered(cls, paths: Any, *, vocab_size: int | None = None) -> TrajectoryTree:
-        """Merges rendered conversations (a `treecompile.core.conversation.RenderedPaths`) into a tree."""
+        """Merges rendered conversations (a `treecompile.chat.conversation.RenderedPaths`) into a tree."""
         return cls.from_sequences(paths.sequences, weights=paths.weights, loss_masks=paths.masks,
                                   vocab_size=vocab_size, metadata=paths.metadata)
 

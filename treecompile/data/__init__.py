@@ -1,8 +1,8 @@
-"""Reading trajectories: files, datasets, chats, and the bundled samples.
+"""Reading trajectories: files, datasets and the bundled samples.
 
 `io` reads and writes tree files (JSONL, JSON), `datasets` reads Hugging Face datasets,
-`chat` builds trees from chat conversations, `samples` opens the real public samples
-shipped in ``treecompile/samples/``.
+`samples` opens the real public samples shipped in ``treecompile/samples/`` (trees from chat
+conversations are `treecompile.chat.to_tree`).
 
 Layer 8: imports kernels and core (and the layers between, which it does not need).
 """

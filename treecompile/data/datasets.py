@@ -1,7 +1,7 @@
 """Readers of agent and math datasets' files into conversations grouped by task.
 
 Each returns ``group -> [conversation per sample]``, conversations in the OpenAI message
-format that `treecompile.data.chat.tree_from_messages` turns into trees: tau-bench trajectory
+format that `treecompile.chat.to_tree.tree_from_messages` turns into trees: tau-bench trajectory
 files, tau2-bench simulation files and GSM8K's example model solutions.
 """
 

@@ -6,7 +6,7 @@ compressed):
 * **sequences**: ``{"input_ids": [...], "weight": 1.0, "loss_mask": [...], "group": "..."}``;
   only ``input_ids`` is required. Sequences with the same ``group`` form one tree.
 * **conversations**: ``{"messages": [...], "group": "...", "weight": 1.0}``; OpenAI-format
-  messages, rendered by :mod:`treecompile.data.chat`.
+  messages, rendered by :mod:`treecompile.chat.to_tree`.
 * **trees**: one :meth:`TrajectoryTree.to_dict` per line (``"format": "treecompile.core.tree/1"``).
 
 Example:
@@ -19,7 +19,7 @@ Example:
     4
 
 :func:`detect_kind` tells these apart, and also the tau-bench / tau2 / GSM8K files that
-:mod:`treecompile.data.chat` reads, for the CLI.
+:mod:`treecompile.chat.to_tree` reads, for the CLI.
 """
 
 from __future__ import annotations
@@ -238,10 +238,10 @@ def load_sequences(path: str | Path) -> list[SequenceRecord]:
 def _hf_keys(path: str | Path, n: int, obj: dict[str, Any], ids: list[Any], mask: list[Any] | None
              ) -> tuple[list[Any], list[Any] | None]:
     """A line's Hugging Face-style ``labels`` and ``attention_mask``, honoured where their
-    meaning is clear (`treecompile.core.rows.record_span`: ``attention_mask`` 0 at the ends is
+    meaning is clear (`treecompile.core.padded_rows.record_span`: ``attention_mask`` 0 at the ends is
     padding, dropped; ``labels`` -100 is a token not trained, the loss mask); anything else is
     refused naming the line, as are labels that disagree with a ``loss_mask``."""
-    from treecompile.core.rows import IGNORE_INDEX, record_span
+    from treecompile.core.padded_rows import IGNORE_INDEX, record_span
 
     labels, attn = obj.get("labels"), obj.get("attention_mask")
     if labels is None and attn is None:
@@ -330,8 +330,8 @@ def load_conversations(path: str | Path) -> list[ConversationRecord]:
 
 
 def _check_conversation_line(path: str | Path, n: int, messages: list[Any]) -> None:
-    """The message checks of `treecompile.data.chat`, here where the file line is known."""
-    from treecompile.data.chat import normalize_conversation
+    """The message checks of `treecompile.chat.to_tree`, here where the file line is known."""
+    from treecompile.chat.to_tree import normalize_conversation
 
     try:
         normalize_conversation(messages, index=0)

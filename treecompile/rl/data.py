@@ -184,17 +184,17 @@ def multi_turn_sample(
 
     Args:
         conversations: C conversations (OpenAI-format messages).
-        tokenizer: as `treecompile.data.chat.tree_from_messages`.
+        tokenizer: as `treecompile.chat.to_tree.tree_from_messages`.
         advantages: per conversation, a scalar (given to each of its turns) or a list with
             one scalar per assistant turn.
-        **kwargs: passed to `treecompile.data.chat.tree_from_messages` (``samples`` is
+        **kwargs: passed to `treecompile.chat.to_tree.tree_from_messages` (``samples`` is
             ``"assistant_turns"``; ``loss_on`` defaults to ``"last_assistant"`` so that each
             turn is trained in its own sample, once).
 
     Returns:
         The `RLSample`: one path per assistant turn, each a prefix of the next.
     """
-    from treecompile.data.chat import tree_from_messages
+    from treecompile.chat.to_tree import tree_from_messages
 
     kwargs.setdefault("loss_on", "last_assistant")
     if len(advantages) != len(conversations):
@@ -235,11 +235,11 @@ def tot_search_samples(
 
     Args:
         path: the JSON file (a list of problems, each with ``steps``).
-        tokenizer: anything `treecompile.core.tokenizer.load_tokenizer` accepts.
+        tokenizer: anything `treecompile.chat.tokenizer.load_tokenizer` accepts.
         problems: indices of the problems to read (default all).
         scale: a key of `ADVANTAGE_SCALES`.
     """
-    from treecompile.core.tokenizer import load_tokenizer
+    from treecompile.chat.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     data = json.loads(Path(path).read_text(encoding="utf-8"))

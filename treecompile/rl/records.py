@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.chat_template import TemplateRenderer, has_chat_template
+from treecompile.chat.template import TemplateRenderer, has_chat_template
 from treecompile.core.errors import TreeInputError, unknown_choice
 
 __all__ = ["RLRecord", "records_from_trl", "records_from_verl"]
@@ -65,7 +65,7 @@ def records_from_trl(
     Drift check (text and chats): the prompt rendered alone must be a prefix of the prompt and
     completion rendered together; where it is not, the record's prompt is the longest common
     prefix (so the trained tokens are those of the full rendering) and ``on_drift`` says what
-    happens: ``"warn"`` (one `treecompile.data.chat.RetokenizationDriftWarning`), ``"error"``
+    happens: ``"warn"`` (one `treecompile.chat.to_tree.RetokenizationDriftWarning`), ``"error"``
     (`TreeInputError`) or ``"ignore"``.
 
     Returns:
@@ -117,7 +117,7 @@ def records_from_trl(
     if drifted and on_drift == "warn":
         import warnings
 
-        from treecompile.data.chat import RetokenizationDriftWarning
+        from treecompile.chat.to_tree import RetokenizationDriftWarning
 
         warnings.warn(f"{len(drifted)} of {len(out)} records drift; first: {drifted[0]}", RetokenizationDriftWarning,
                       stacklevel=2)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from treecompile.core.errors import TreeInputError
-from treecompile.core.messages import Message
+from treecompile.chat.messages import Message
 
 __all__ = ["has_chat_template", "generation_marked", "message_dicts", "TemplateRenderer"]
 

@@ -166,7 +166,7 @@ def chat_tokenizer(spec: Any) -> Any:
     """What chats are rendered with for ``spec``: a folder whose tokenizer has a chat template
     (``tokenizer_config.json`` with ``chat_template``, or a ``chat_template.jinja``) gives the
     Hugging Face tokenizer itself, so that conversations are rendered by that template, as
-    training renders them (`treecompile.data.chat`); anything else `load_tokenizer` takes.
+    training renders them (`treecompile.chat.to_tree`); anything else `load_tokenizer` takes.
 
     Raises:
         ImportError: such a folder without transformers installed (the message says what to

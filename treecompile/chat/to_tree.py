@@ -1,7 +1,7 @@
 """Chat conversations (OpenAI message format) to trajectory trees.
 
 Example:
-    >>> from treecompile.data.chat import tree_from_messages
+    >>> from treecompile.chat.to_tree import tree_from_messages
     >>> convs = [
     ...     [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
     ...     [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four."}],
@@ -13,7 +13,7 @@ Example:
 With a Hugging Face tokenizer that has a chat template (``tokenizer.chat_template``), each
 path is rendered by that template (``apply_chat_template``) and tokenized whole: the tokens
 the model is trained and served with, its system prompt, tool schema and reasoning rules
-included (`treecompile.core.chat_template` says which tokens are trained). Otherwise (or with
+included (`treecompile.chat.template` says which tokens are trained). Otherwise (or with
 ``template="chatml"``) each message is rendered with a ChatML-like template::
 
     <|im_start|>{role}\\n{body}<|im_end|>\\n
@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from treecompile.core.conversation import (
+from treecompile.chat.conversation import (
     LOSS_ON,
     ON_DRIFT,
     SAMPLES,
@@ -58,7 +58,7 @@ from treecompile.core.conversation import (
 )
 from treecompile.core.tree import TrajectoryTree
 
-# The option tuples and message helpers of `treecompile.core.conversation`, re-exported beside the tree builder.
+# The option tuples and message helpers of `treecompile.chat.conversation`, re-exported beside the tree builder.
 __all__ = ["LOSS_ON", "ON_DRIFT", "SAMPLES", "TEMPLATES", "THINK", "RetokenizationDriftWarning",
            "normalize_conversation", "render_text", "tree_from_messages"]
 
@@ -83,7 +83,7 @@ def tree_from_messages(
         conversations: C conversations, each a list of OpenAI-format messages (or a dict
             with a ``"messages"`` list and optionally ``"tools"``, the tool schemas a chat
             template renders).
-        tokenizer: anything :func:`treecompile.core.tokenizer.load_tokenizer` accepts
+        tokenizer: anything :func:`treecompile.chat.tokenizer.load_tokenizer` accepts
             (``"cl100k"``, ``"sample"``, ``"bytes"``, a HF tokenizer, a callable...).
         samples: ``"conversation"``: one path per conversation. ``"assistant_turns"``:
             one path per assistant message, the conversation up to and including it

@@ -1,6 +1,6 @@
 """Chat conversations (OpenAI message format) rendered to token sequences and loss masks,
-one per path, message by message; :mod:`treecompile.core.messages` checks the messages first,
-and :mod:`treecompile.data.chat` merges the paths into a tree and describes the template.
+one per path, message by message; :mod:`treecompile.chat.messages` checks the messages first,
+and :mod:`treecompile.chat.to_tree` merges the paths into a tree and describes the template.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from treecompile.core.chat_template import TemplateRenderer, has_chat_template, message_dicts
+from treecompile.chat.template import TemplateRenderer, has_chat_template, message_dicts
 from treecompile.core.errors import TreeInputError, unknown_choice
-from treecompile.core.messages import Message, normalize_conversation
-from treecompile.core.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
+from treecompile.chat.messages import Message, normalize_conversation
+from treecompile.chat.tokenizer import IM_END, IM_START, Tokenizer, load_tokenizer
 
 __all__ = [
     "LOSS_ON",
@@ -98,7 +98,7 @@ class _Renderer:
 def render_text(messages: Sequence[dict[str, Any]], *, think: str = "all", normalize_tool_call_ids: bool = True) -> str:
     """The rendered text of one conversation (markers spelled out), for reading and debugging.
 
-    ``think`` as in :func:`treecompile.data.chat.tree_from_messages` for ``samples="conversation"``.
+    ``think`` as in :func:`treecompile.chat.to_tree.tree_from_messages` for ``samples="conversation"``.
     """
     _check_option("think", think, THINK)
     msgs = normalize_conversation(messages, normalize_tool_call_ids=normalize_tool_call_ids)
@@ -250,7 +250,7 @@ class RenderedPaths:
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """How conversations become paths: :func:`treecompile.data.chat.tree_from_messages`'s options
+    """How conversations become paths: :func:`treecompile.chat.to_tree.tree_from_messages`'s options
     of the same names, checked when built (an unknown value raises ``ValueError``)."""
 
     samples: str = "conversation"
@@ -276,7 +276,7 @@ def render_conversations(
 ) -> RenderedPaths:
     """Renders chat conversations to token sequences with their loss masks, one per path.
 
-    ``options`` and ``weights`` are :func:`treecompile.data.chat.tree_from_messages`'s (which
+    ``options`` and ``weights`` are :func:`treecompile.chat.to_tree.tree_from_messages`'s (which
     merges the paths into a tree); None means the default :class:`RenderOptions`.
     """
     opts = options if options is not None else RenderOptions()
@@ -375,7 +375,7 @@ def _render_with_template(
     conversations: list, tokenizer: Any, opts: RenderOptions, weights: Sequence[float] | None
 ) -> RenderedPaths:
     """`render_conversations` with the tokenizer's own chat template (see
-    :mod:`treecompile.core.chat_template`): each path is its messages rendered and tokenized
+    :mod:`treecompile.chat.template`): each path is its messages rendered and tokenized
     whole. ``think="auto"`` hands every assistant message its reasoning and lets the template
     decide what it shows, as at inference."""
     renderer = TemplateRenderer(tokenizer)

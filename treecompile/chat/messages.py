@@ -2,7 +2,7 @@
 
 :func:`normalize_conversation` validates one conversation (roles, text content, tool calls
 and their results, assistant reasoning in ``reasoning_content``, ``reasoning`` or a leading
-``<think>`` block) and returns one :class:`Message` per message; `treecompile.core.conversation`
+``<think>`` block) and returns one :class:`Message` per message; `treecompile.chat.conversation`
 renders them to tokens.
 """
 
