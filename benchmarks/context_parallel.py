@@ -6,7 +6,7 @@ One training step (forward, backward, SGD) of a small Qwen3-shaped model (float3
 weights) on one two-level tree (a prompt, ``fanout[0]`` turns, each with ``fanout[1]``
 leaves), with ``tree_compile(model, cp=group)`` over K gloo processes on this machine, for
 each K given. Per K: the largest rank's rows and its share of the work
-(`treecompile.planning.cp.split_for_cp`), the keys and values a rank receives per layer (the
+(`treecompile.distributed.cp_split.split_for_cp`), the keys and values a rank receives per layer (the
 root path of its first row: what the exchange moves) and sends (its rows on later ranks'
 paths), against what an all-gather would move (every other rank's rows padded to the
 longest), the median step time over ``--steps`` steps after a warm-up step
@@ -20,7 +20,7 @@ devices. Prints a Markdown table and the environment.
 With ``--stream-rows B``: the same tree streamed, B rows per rank
 (``tree_compile(model, cp=group, stream=StreamOptions(budget_rows=B))``; on 1 rank,
 streaming alone, the baseline): the parts, the stack's depth, the step time and each rank's
-peak, measured and predicted (`treecompile.stream.stream_cp.stream_cp_peak_bytes`).
+peak, measured and predicted (`treecompile.distributed.stream_cp.stream_cp_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _streamed(compiled, batch, cost, mode: str, rank: int) -> dict:
     import numpy as np
 
     from treecompile.stream.plan import stream_peak_bytes
-    from treecompile.stream.stream_cp import stream_cp_peak_bytes
+    from treecompile.distributed.stream_cp import stream_cp_peak_bytes
 
     if compiled._cp is None:  # streaming on one process
         runner = compiled._stream

@@ -1,11 +1,11 @@
 """The keys and values a context-parallel rank reads from the others, gathered in its graph.
 
 Under context parallelism (CP) each rank of a group holds a contiguous run of the packed
-row (`treecompile.planning.cp`). A rank's queries see, besides its own rows, the rows of
+row (`treecompile.distributed.cp_split`). A rank's queries see, besides its own rows, the rows of
 the root path of its first row, which earlier ranks hold. ``treecompile::cp_gather_rows``
 fetches those rows of one layer's keys (or values) inside the compiled graph with one
 all-to-all: each rank sends every later rank the rows of its path that it holds, and
-receives the rows of its own path (`treecompile.planning.cp.CPSplit.exchange`), so a rank
+receives the rows of its own path (`treecompile.distributed.cp_split.CPSplit.exchange`), so a rank
 receives its path's rows and no others: what moves per layer is the tree's root paths at the
 cuts, not the row. Its backward adds the gradient of the received rows and sends it back
 the same way (the reverse all-to-all), where each rank adds what every reader sent into its
@@ -35,7 +35,7 @@ PAD_SEND = 2
 
 
 def padded_send(send_rows: np.ndarray) -> np.ndarray:
-    """``send_rows`` (`treecompile.planning.cp.CPSplit.exchange`) after `PAD_SEND` unread entries."""
+    """``send_rows`` (`treecompile.distributed.cp_split.CPSplit.exchange`) after `PAD_SEND` unread entries."""
     return np.concatenate([np.zeros(PAD_SEND, np.int64), send_rows])
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}

@@ -1,7 +1,7 @@
 """The context-parallel variant of the graph: a rank's rows attend over the keys and values
 the other ranks hold.
 
-Under context parallelism (`treecompile.stream.context_parallel`) each rank of a group runs
+Under context parallelism (`treecompile.distributed.context_parallel`) each rank of a group runs
 one graph over its own consecutive rows of the packed row, as a streamed part does
 (`treecompile.passes.stream`), with one difference: the prefix keys and values (the root
 path of the rank's first row, held by earlier ranks) are not graph inputs computed before
@@ -24,7 +24,7 @@ Recurrent layers and causal convolutions (Gated DeltaNet, Mamba) would need the 
 rank's first row from the rank before it, layer by layer: not done, and refused by name
 (`refuse_cp_state_pass`).
 
-A streamed part split over the group (`treecompile.stream.stream_cp`) runs the streamed
+A streamed part split over the group (`treecompile.distributed.stream_cp`) runs the streamed
 part's graph with ``extend_prefix_kv_pass`` after its ``route_prefix_kv_pass``: each
 attention's prefix becomes ``[the stack's rows ; the gathered rows]``, the first from the
 stream inputs (earlier parts), the second gathered as above (the part's earlier ranks).
@@ -78,7 +78,7 @@ def cp_passes(state: CPGraph, streamed: bool = False) -> tuple[Callable, Callabl
     the first runs before every other pass, the second right after ``rewrite_attention_pass``,
     the third after ``route_ssm_state_pass``.
 
-    ``streamed``: for a streamed part split over the group (`treecompile.stream.stream_cp`),
+    ``streamed``: for a streamed part split over the group (`treecompile.distributed.stream_cp`),
     whose attention calls already read a prefix from the KV stack: the second is
     ``extend_prefix_kv_pass`` instead, which runs right after the stream passes'
     ``route_prefix_kv_pass`` and appends the gathered rows to each call's prefix (the stack's

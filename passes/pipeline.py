@@ -158,7 +158,7 @@ def context_parallel(pipeline: Pipeline, state: CPGraph) -> Pipeline:
 
 
 def streamed_context_parallel(pipeline: Pipeline, stream: StreamGraph, cp: CPGraph) -> Pipeline:
-    """The pipeline of a streamed part split over a CP group (`treecompile.stream.stream_cp`):
+    """The pipeline of a streamed part split over a CP group (`treecompile.distributed.stream_cp`):
     the stream passes and the CP passes (``streamed=True``), each right after the pass it
     follows: the inputs read after the subgraphs are inlined; the stack's keys and values
     routed, then the gathered ones appended, after the attention rewrite; recurrent layers

@@ -206,7 +206,7 @@ def partition() -> Figure:
 def sharding() -> Figure:
     """The paths of a forest split across 2 ranks: contiguous DFS groups against greedy by tokens."""
     from treecompile import TrajectoryTree
-    from treecompile.planning.shard import shard_paths
+    from treecompile.distributed.shard import shard_paths
 
     tree = TrajectoryTree.from_sequences(SHARDED)
     ranks = 2

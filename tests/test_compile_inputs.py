@@ -174,7 +174,7 @@ def test_an_fsdp2_model_runs_unsharded_and_its_shards_get_the_gradients(tmp_path
     calls with and without FSDP2's gradient synchronisation; verify=True refused."""
     import torch.distributed as dist
 
-    from treecompile.compile.distributed import wrap_fsdp
+    from treecompile.distributed.data_parallel import wrap_fsdp
     from treecompile.stream.options import StreamOptions
 
     torch.manual_seed(0)

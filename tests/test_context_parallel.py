@@ -1,4 +1,4 @@
-"""Context parallelism (treecompile.stream.context_parallel): one packed row split over 2 and
+"""Context parallelism (treecompile.distributed.context_parallel): one packed row split over 2 and
 4 CPU processes (gloo) equals per-path training, float64: loss, log-probs, router auxiliary
 loss, entropies and every parameter gradient, on every rank, for a windowed and soft-capped
 model whose other layers attend in full (Gemma 2: the window crosses rank boundaries) and an
@@ -109,7 +109,7 @@ def _worker(rank, world, init_file, out_dir):
     os._exit(0)  # as tests/test_distributed.py: no interpreter teardown after the work
 
 
-#: Per group size, the families also run streamed under CP (`treecompile.stream.stream_cp`),
+#: Per group size, the families also run streamed under CP (`treecompile.distributed.stream_cp`),
 #: with the stream mode and the rows per rank: small enough that every tree streams, over
 #: parts whose ranks read the stack and the part's earlier ranks.
 STREAMED = {2: {}, 4: {"qwen3-moe-aux": ("keep", 2)}}
@@ -125,7 +125,7 @@ def _plain(family, world):
 def _streamed_runs(model, family, world, options):
     from torch._dynamo.utils import counters
 
-    from treecompile.planning.cp import exchange_of
+    from treecompile.distributed.cp_split import exchange_of
     from treecompile.stream.options import StreamOptions
 
     mode, budget = STREAMED[world][family]
@@ -158,7 +158,7 @@ def _mismatched_batches(compiled, rank):
         messages.append(str(info.value))
     # Without waiting for the answer (CUDA after the first call): the device's assertion,
     # which on the CPU raises at once.
-    from treecompile.stream.context_parallel import check_same_batch
+    from treecompile.distributed.context_parallel import check_same_batch
 
     with pytest.raises(RuntimeError) as info:
         check_same_batch(pack(same_shape, warn_por=False), dist.group.WORLD, torch.device("cpu"), wait=False)
@@ -209,9 +209,9 @@ def _fsdp_step():
     over its ``cp`` pair. ``(dp rank, summed loss, every full gradient)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from treecompile.compile.distributed import wrap_fsdp
+    from treecompile.distributed.data_parallel import wrap_fsdp
 
-    import treecompile.stream.stream_cp as stream_cp
+    import treecompile.distributed.stream_cp as stream_cp
     from treecompile.stream.options import StreamOptions
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
@@ -258,11 +258,11 @@ def _measured_streamed_peak(rank):
     """``("keep", measured, predicted)`` peak bytes of one streamed CP step in keep mode
     (forward, backward into existing gradients, AdamW's step) of a float32 model on this
     rank, 48 rows per rank (7 parts, a stack 3 deep): the CPU allocator's peak against
-    `treecompile.stream.stream_cp.stream_cp_peak_bytes`; then the same for a byte budget."""
+    `treecompile.distributed.stream_cp.stream_cp_peak_bytes`; then the same for a byte budget."""
     from test_budget import cpu_training, measured_step_peak, turns_batch
 
     from treecompile.stream.options import StreamOptions
-    from treecompile.stream.stream_cp import stream_cp_peak_bytes
+    from treecompile.distributed.stream_cp import stream_cp_peak_bytes
 
     cfg, model, opt, cost = cpu_training("qwen3-attention")
     batch = turns_batch(cfg.vocab_size, 96, 64, 32)
@@ -475,7 +475,7 @@ def test_the_batch_check_waits_on_the_first_call_and_on_the_cpu(monkeypatch):
     calls compare on the device); on the CPU every call does (no sync to save)."""
     import types
 
-    import treecompile.stream.context_parallel as cp
+    import treecompile.distributed.context_parallel as cp
 
     waits = []
     monkeypatch.setattr(cp, "check_same_batch", lambda batch, group, device, wait: waits.append((device.type, wait)))

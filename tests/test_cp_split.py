@@ -1,4 +1,4 @@
-"""Splitting a packed tree row over context-parallel ranks by work (`treecompile.planning.cp`),
+"""Splitting a packed tree row over context-parallel ranks by work (`treecompile.distributed.cp_split`),
 against brute force over every contiguous split and against the dense tree mask."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import treecompile as tc
 from treecompile.core.errors import TreeInputError
-from treecompile.planning import cp
+from treecompile.distributed import cp_split as cp
 from treecompile.planning.budget import ModelDims
-from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+from treecompile.distributed.cp_split import RowWork, equal_rows_split, split_for_cp
 
 WORK = RowWork(dense=1.0, attention=0.3, head=2.0)
 
@@ -178,7 +178,7 @@ def test_the_work_split_is_no_worse_than_the_row_split_at_the_same_alignment(ali
 
 @given(seqs=trees, ranks=st.integers(1, 4), budget=st.integers(1, 5), cuts=st.sampled_from(["subtree", "rows"]))
 def test_a_streamed_part_split_over_ranks_reads_exactly_the_keys_its_queries_see(seqs, ranks, budget, cuts):
-    """`treecompile.stream.stream_cp.split_parts`: each part of a streamed plan is split over
+    """`treecompile.distributed.stream_cp.split_parts`: each part of a streamed plan is split over
     the ranks by rows (at most ``budget`` rows each); a rank's stack rows (earlier parts) and
     gathered rows (the part's earlier ranks), in that order, are exactly the earlier keys its
     queries see under the dense tree mask; the gathered rows are what the exchange hands it;
@@ -186,7 +186,7 @@ def test_a_streamed_part_split_over_ranks_reads_exactly_the_keys_its_queries_see
     call inputs make its padding keys invisible and its real ones visible by the tree rule."""
     from treecompile.stream.parts import PAD_PREFIX, BatchArrays
     from treecompile.stream.plan import plan_stream
-    from treecompile.stream.stream_cp import PAD_GATHER, split_parts
+    from treecompile.distributed.stream_cp import PAD_GATHER, split_parts
 
     batch = _batch(seqs)
     plan = plan_stream(batch, budget * ranks, cuts)
@@ -229,7 +229,7 @@ def test_a_model_the_memory_model_refuses_is_still_split_by_work():
 
     transformers = pytest.importorskip("transformers")
     from treecompile.planning.budget import BudgetError, CostModel
-    from treecompile.stream.context_parallel import row_work_of
+    from treecompile.distributed.context_parallel import row_work_of
 
     config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,

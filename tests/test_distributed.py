@@ -56,7 +56,7 @@ def _logprob_forward(compiled):
 
 
 def _worker(rank, init_file, out_dir):
-    from treecompile.compile.distributed import reference_forward, train_step, wrap_ddp, wrap_fsdp
+    from treecompile.distributed.data_parallel import reference_forward, train_step, wrap_ddp, wrap_fsdp
     from treecompile.compile.wrapper import tree_compile
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

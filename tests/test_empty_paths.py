@@ -21,7 +21,7 @@ from treecompile.core.path_sets import subtree
 from treecompile.core.reference import per_path_loss
 from treecompile.core.padded_rows import batch_from_rows
 from treecompile.planning.partition import loss_denominator, partition_tree
-from treecompile.planning.shard import SHARD_METHODS, shard_paths
+from treecompile.distributed.shard import SHARD_METHODS, shard_paths
 from treecompile.rl.losses import PolicyLossConfig, build_rl_batch, policy_loss
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]

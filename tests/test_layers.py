@@ -17,9 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Bottom to top. A module may import from its own layer and the layers below it.
 LAYERS = ["kernels", "core", "passes", "capture", "planning", "stream", "compile", "data", "rl", "integrations",
           "bench", "cli", "api"]
-#: Rooms that share a layer's floor: chat conversations sit beside the tree (`TrajectoryTree.from_messages`
-#: renders them; rendering builds trees), each may import the other.
-FLOORS = {"chat": "core"}
+#: Rooms (or a room's modules) that stand on a layer's floor: chat conversations sit beside the tree
+#: (`TrajectoryTree.from_messages` renders them; rendering builds trees); the distributed room holds every
+#: kind of parallelism, each module on the floor of the layer it serves (the data loader shards, the
+#: stream runner runs FSDP2 units unsharded, context parallelism runs stream parts).
+FLOORS = {"chat": "core", "distributed.unsharded": "core", "distributed.shard": "planning",
+          "distributed.cp_split": "planning", "distributed.context_parallel": "stream",
+          "distributed.stream_cp": "stream", "distributed.data_parallel": "compile", "distributed": "core"}
 #: Folder in the checkout -> package name.
 PACKAGE_DIRS = {"treecompile": "treecompile", "passes": "treecompile.passes", "kernels": "treecompile.kernels"}
 
@@ -88,26 +92,33 @@ def imports(path: Path, name: str) -> list[tuple[int, str]]:
 MODULES = _modules()
 
 
-def rank(layer: str) -> int:
-    return LAYERS.index(FLOORS.get(layer, layer))
+def floor_of(module: str) -> str:
+    """The layer whose floor ``module`` stands on: its room's, or its own entry in `FLOORS`."""
+    parts = module.split(".")
+    for key in (".".join(parts[1:3]), ".".join(parts[1:2])):
+        if key in FLOORS:
+            return FLOORS[key]
+    return layer_of(module)
 
 
 def violations(modules: dict[str, Path]) -> list[str]:
     out = []
     for name, path in modules.items():
-        mine = rank(layer_of(name))
+        mine = LAYERS.index(floor_of(name))
         for line, target in imports(path, name):
-            theirs = rank(layer_of(target))
+            theirs = LAYERS.index(floor_of(target))
             if theirs > mine:
                 where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-                out.append(f"{where}:{line}: {name} ({layer_of(name)}) imports {target} "
-                           f"({layer_of(target)}), a layer above")
+                out.append(f"{where}:{line}: {name} ({floor_of(name)}) imports {target} "
+                           f"({floor_of(target)}), a layer above")
     return out
 
 
 def test_every_module_has_a_layer():
     unknown = sorted(n for n in MODULES if n.count(".") >= 2 and n.split(".")[1] not in [*LAYERS, *FLOORS])
     assert not unknown, unknown
+    assert all(f"treecompile.{key}" in MODULES for key in FLOORS), "a FLOORS entry names no module"
+    assert all(floor in LAYERS for floor in FLOORS.values())
 
 
 def test_no_module_imports_from_a_layer_above():

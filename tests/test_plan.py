@@ -60,7 +60,7 @@ def test_plan_cp_splits_each_row_by_work(capsys, tmp_path):
         assert max(t["peak_bytes"]) < t["peak_bytes_one_rank"]  # the activations are split
     transformers = pytest.importorskip("transformers")
     from treecompile.planning.budget import CostModel
-    from treecompile.planning.cp import RowWork
+    from treecompile.distributed.cp_split import RowWork
 
     config = transformers.Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)

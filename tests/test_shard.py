@@ -10,7 +10,7 @@ from strategies import path_sets
 
 from treecompile import TrajectoryTree
 from treecompile.planning.partition import union_tokens
-from treecompile.planning.shard import SHARD_METHODS, ShardCost, dfs_path_order, shard_paths
+from treecompile.distributed.shard import SHARD_METHODS, ShardCost, dfs_path_order, shard_paths
 
 
 def _trees(forest):

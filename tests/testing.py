@@ -225,7 +225,7 @@ def eager_default_lowering():
 
 #: What every spawned rank imports: loaded once by the fork server (`spawn_ranks`).
 RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "treecompile.compile.wrapper",
-                "treecompile.stream.context_parallel", "treecompile.compile.distributed"]
+                "treecompile.distributed.context_parallel", "treecompile.distributed.data_parallel"]
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:

@@ -87,10 +87,10 @@ def nccl_rank():
 
 def _batch_check_syncs(syncs: list[str]) -> list[str]:
     """The host syncs among ``syncs`` (`treecompile.bench.profile_cuda.host_syncs`) made inside
-    `treecompile.stream.context_parallel.check_same_batch`."""
+    `treecompile.distributed.context_parallel.check_same_batch`."""
     import inspect
 
-    from treecompile.stream.context_parallel import check_same_batch
+    from treecompile.distributed.context_parallel import check_same_batch
 
     lines, start = inspect.getsourcelines(check_same_batch)
     file = inspect.getsourcefile(check_same_batch)
@@ -118,7 +118,7 @@ def test_cp_of_one_rank_on_cuda_is_exact_and_equals_the_whole_tree(name, nccl_ra
 
 
 def test_streamed_cp_of_one_rank_on_cuda_is_exact(nccl_rank):
-    """Streaming under CP (`treecompile.stream.stream_cp`) on one NCCL rank: the streamed part
+    """Streaming under CP (`treecompile.distributed.stream_cp`) on one NCCL rank: the streamed part
     graph with the CP exchange through Inductor, the kept rows' all-gather and the gradients'
     all-reduce through NCCL, parts that cut nodes."""
     from treecompile.stream.options import StreamOptions

@@ -29,7 +29,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     from treecompile.chat.to_tree import SAMPLES, THINK
     from treecompile.cli.args import int_at_least
     from treecompile.planning.partition import METHODS
-    from treecompile.planning.shard import SHARD_METHODS
+    from treecompile.distributed.shard import SHARD_METHODS
 
     p = sub.add_parser(
         "plan",
@@ -64,7 +64,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         "--cp", type=int_at_least(1), default=None, metavar="K",
         help="instead: split each tree's packed row over K context-parallel ranks by work (attention pairs, dense "
         "and LM-head rows weighed by --config's FLOPs; default Qwen3-8B's) and print each rank's share and the "
-        "K/V bytes it receives per layer (treecompile.planning.cp)",
+        "K/V bytes it receives per layer (treecompile.distributed.cp_split)",
     )
     p.add_argument("--cp-align", type=int_at_least(1), default=None, metavar="N",
                    help="with --cp: cut the row on multiples of N rows (an attention block; default 1)")
@@ -199,7 +199,7 @@ def _partition_report(names: list[str], trees: list[Any], header: dict, args: ar
     from treecompile.cli.args import progress_bar
     from treecompile.planning.dataloader import plan_step
     from treecompile.planning.partition import partition_tree, path_lengths
-    from treecompile.planning.shard import shard_paths
+    from treecompile.distributed.shard import shard_paths
 
     if args.ranks < 1:
         raise ValueError(f"--ranks must be at least 1, got {args.ranks}")

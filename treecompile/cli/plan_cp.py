@@ -1,6 +1,6 @@
 """``treecompile plan FILE --cp K``: each tree's packed row split over K context-parallel ranks.
 
-Prints, per tree, the split by work (`treecompile.planning.cp.split_for_cp`: attention pairs,
+Prints, per tree, the split by work (`treecompile.distributed.cp_split.split_for_cp`: attention pairs,
 dense rows and LM-head rows weighed by the model's FLOPs) against the split by row count,
 each rank's share, and the K and V bytes a rank receives per layer: the root path of its
 first row (what its queries see, and what treecompile's exchange moves), against every other
@@ -40,7 +40,7 @@ def plan_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], a
                    start: float) -> int:
     """Splits each tree's row over ``args.cp`` ranks; prints the table (or JSON)."""
     from treecompile.core.batch import pack
-    from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+    from treecompile.distributed.cp_split import RowWork, equal_rows_split, split_for_cp
 
     cost, source = _cost_model(args)
     dims, dtype_bytes = cost.dims, cost.dtype_bytes
@@ -95,7 +95,7 @@ def _print(out: dict[str, Any], rows: int) -> None:
 def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, Any], args: argparse.Namespace,
                           start: float) -> int:
     """``--cp K --stream MODE --capacity C``: per tree, streamed parts of at most ``K x C``
-    rows, each split over the K ranks (`treecompile.stream.stream_cp`): the parts, the stack's
+    rows, each split over the K ranks (`treecompile.distributed.stream_cp`): the parts, the stack's
     depth, the rows a rank gathers per layer and the rows every rank keeps on the stack at
     most, and each rank's predicted peak (`stream_cp_peak_bytes`) against one process
     streaming parts of as many rows as a rank holds. A tree whose split gives no rank more
@@ -103,9 +103,9 @@ def plan_stream_cp_report(names: list[str], trees: list[Any], header: dict[str, 
     of C: one CP call where every rank's predicted peak is within B, else the parts (and, for
     ``auto``, the mode) `choose_stream` picks within B."""
     from treecompile.core.batch import pack
-    from treecompile.planning.cp import RowWork, split_for_cp
+    from treecompile.distributed.cp_split import RowWork, split_for_cp
     from treecompile.stream.plan import plan_stream, stream_peak_bytes
-    from treecompile.stream.stream_cp import choose_stream_cp, split_parts, stream_cp_peak_bytes
+    from treecompile.distributed.stream_cp import choose_stream_cp, split_parts, stream_cp_peak_bytes
 
     budget = getattr(args, "budget_bytes", None)
     if budget is None and args.capacity is None:

@@ -16,7 +16,7 @@ EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCa
 
 def check_model(model: Any) -> None:
     """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap (FSDP1
-    included; FSDP2 units are run unsharded for each call, `treecompile.stream.sharded`)."""
+    included; FSDP2 units are run unsharded for each call, `treecompile.distributed.unsharded`)."""
     expected = EXPECTED
     if not isinstance(model, nn.Module):
         raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
@@ -41,8 +41,8 @@ def check_model(model: Any) -> None:
         raise TypeError(
             f"{type(model).__name__} is sharded by FSDP ({sharded}), FSDP1: tree_compile captures the whole forward "
             "as one graph, and FSDP1's flat parameters are gathered and freed in hooks outside it; shard with FSDP2 "
-            "(torch.distributed.fsdp.fully_shard, treecompile.compile.distributed.wrap_fsdp), whose units tree_compile "
-            "runs unsharded for each call, or train with DDP (treecompile.compile.distributed.wrap_ddp)"
+            "(torch.distributed.fsdp.fully_shard, treecompile.distributed.data_parallel.wrap_fsdp), whose units tree_compile "
+            "runs unsharded for each call, or train with DDP (treecompile.distributed.data_parallel.wrap_ddp)"
         )
 
 

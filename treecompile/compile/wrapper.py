@@ -54,7 +54,7 @@ from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
-from treecompile.stream.sharded import fsdp_call_of
+from treecompile.distributed.unsharded import fsdp_call_of
 from treecompile.compile.probe import ProbeReport, probe_hook, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
@@ -102,7 +102,7 @@ def tree_compile(
     Args:
         model: a Hugging Face causal LM or any module ``model(ids[1, S]) -> logits`` (a
             tensor, a tuple starting with logits, or an object with ``.logits``); FSDP2-sharded
-            too (each call unsharded, `treecompile.stream.sharded.UnshardedUntilBackward`).
+            too (each call unsharded, `treecompile.distributed.unsharded.UnshardedUntilBackward`).
         mask: ``"interval"`` (``subtree_end``, default) or ``"bitmask"`` (``path_bits``;
             pack with ``path_bits=True``).
         backend: ``"aot_eager"``, ``"inductor"`` or ``"eager"``; None picks inductor on
@@ -148,11 +148,11 @@ def tree_compile(
             ``DeviceMesh``) whose ranks each call the wrapper with the same batch; each runs
             its share of the packed row (split by work), the attention layers gather the keys
             and values their queries see from the other ranks, and every rank gets the whole
-            tree's loss, log-probabilities and gradients (:mod:`treecompile.stream.context_parallel`).
+            tree's loss, log-probabilities and gradients (:mod:`treecompile.distributed.context_parallel`).
             Models with recurrent or convolution layers are refused under it. With ``stream``
             (``budget_rows``: the rows one rank holds; ``budget_bytes``: one rank's step), a
             batch over the budget streams, each part split over the group
-            (:mod:`treecompile.stream.stream_cp`). None: no CP.
+            (:mod:`treecompile.distributed.stream_cp`). None: no CP.
 
     Returns:
         A :class:`TreeCompiledModel` sharing ``model``'s parameters.
@@ -190,7 +190,7 @@ def tree_compile(
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
     check_sharded(model, verify=verify)
     if cp is not None:
-        from treecompile.stream.context_parallel import cp_group_checked
+        from treecompile.distributed.context_parallel import cp_group_checked
 
         cp = cp_group_checked(cp, mask=mask, verify=verify)
     return TreeCompiledModel(
@@ -581,7 +581,7 @@ def _stream_runner(options: StreamOptions, setup: CallSetup):
 
 
 def _cp_runner(group, setup: CallSetup, stream: StreamOptions | None = None):
-    from treecompile.stream.stream_cp import cp_runner
+    from treecompile.distributed.stream_cp import cp_runner
 
     return cp_runner(setup, group, stream)
 

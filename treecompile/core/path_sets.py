@@ -1,6 +1,6 @@
 """Sets of a tree's paths: how many tokens they span, and the tree they span.
 
-What partitioning (:mod:`treecompile.planning.partition`) and sharding (:mod:`treecompile.planning.shard`)
+What partitioning (:mod:`treecompile.planning.partition`) and sharding (:mod:`treecompile.distributed.shard`)
 measure and cut: a path's length (`path_lengths`), the tree tokens of a set of paths (the
 union of their root paths, `union_tokens`), the check that every path fits a token
 capacity on its own (`check_capacity`), and the `TrajectoryTree` of a subset of paths

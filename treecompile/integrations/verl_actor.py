@@ -30,7 +30,7 @@ as in verl (it only decides which sequences share a micro-batch).
 verl's engine build (``initialize``) wraps the module in FSDP2 (strategy ``fsdp2``) or FSDP1
 (``fsdp``). FSDP2 works: each tree call gathers the full parameters once (FSDP2's own
 ``unshard``), runs the one captured graph, and at the end of its backward reduce-scatters
-every gradient into its shard as FSDP2 would (`treecompile.stream.sharded`); verl's gradient
+every gradient into its shard as FSDP2 would (`treecompile.distributed.unsharded`); verl's gradient
 clipping and optimizer then act on the shards. The full parameters and full gradients of a
 call live together until its backward ends (FSDP2's per-layer gathering does not apply to one
 graph). verl's ``set_requires_gradient_sync(False)`` on non-final micro-batches defers the

@@ -16,7 +16,7 @@ One global step, `plan_step`:
 1. the loss normalizer of the whole step (`treecompile.planning.partition.loss_denominator`) goes
    into every batch as ``denominator``, so the losses of all ranks and micro-steps add
    up to the loss of the whole step (and their gradients, summed, to its gradient);
-2. the paths are sharded across ranks (`treecompile.planning.shard.shard_paths`, AReaL-DTA
+2. the paths are sharded across ranks (`treecompile.distributed.shard.shard_paths`, AReaL-DTA
    Algorithm 4 by default);
 3. each rank's trees are partitioned into parts of at most ``capacity`` tokens
    (`treecompile.planning.partition.partition_tree`);
@@ -47,7 +47,7 @@ import torch
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import TreeInputError
 from treecompile.planning.partition import ReuseStats, loss_denominator, partition_tree, path_lengths
-from treecompile.planning.shard import Sharding, shard_paths
+from treecompile.distributed.shard import Sharding, shard_paths
 from treecompile.core.tree import TrajectoryTree
 
 __all__ = ["StepPlan", "StepSampler", "TreeCollator", "as_tree", "padding_tree", "plan_step"]
@@ -167,7 +167,7 @@ def plan_step(
         ranks: data-parallel ranks.
         loss_mode: a key of `treecompile.LOSS_MODES`.
         method: partitioning method (`treecompile.planning.partition.METHODS`).
-        shard_method: sharding method (`treecompile.planning.shard.SHARD_METHODS`).
+        shard_method: sharding method (`treecompile.distributed.shard.SHARD_METHODS`).
         equalize: pad ranks to the same number of micro-steps (needed by FSDP).
 
     Raises:

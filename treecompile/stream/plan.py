@@ -243,7 +243,7 @@ STREAM_ROW_BYTES = 16
 @dataclass(frozen=True)
 class PartRows:
     """What one process holds of each part of a streamed plan, where it is not the whole
-    part (a part split over a CP group, `treecompile.stream.stream_cp`), for
+    part (a part split over a CP group, `treecompile.distributed.stream_cp`), for
     `stream_peak_bytes`. Each ``[n]``, per part.
 
     Attributes:
@@ -412,7 +412,7 @@ def choose_stream(batch: TreeBatch, cost, budget_bytes: int, mode: str = "auto",
     later parts read once more but may fit larger parts (fewer calls) in the budget.
 
     ``ranks``, ``rank_peak``: a batch streamed over a CP group of ``ranks``
-    (`treecompile.stream.stream_cp.choose_stream_cp`): the size chosen is the rows per rank,
+    (`treecompile.distributed.stream_cp.choose_stream_cp`): the size chosen is the rows per rank,
     parts of ``ranks`` times as many rows, and ``rank_peak(plan, mode)`` the largest rank's
     predicted peak. The choice's ``rows`` are a part's.
 

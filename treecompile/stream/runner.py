@@ -20,7 +20,7 @@ from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
 from treecompile.stream.plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
                                      stream_cost_model)
-from treecompile.stream.sharded import Unsharded
+from treecompile.distributed.unsharded import Unsharded
 from treecompile.stream.stack import StackEntry, backward_part, gather_prefix
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class StreamRunner:
                            structure, prefix, conv, states, kv_meta, cp_meta):
             ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
             ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
-            if cp_meta:  # a part split over a CP group (`treecompile.stream.stream_cp`): the exchange's data
+            if cp_meta:  # a part split over a CP group (`treecompile.distributed.stream_cp`): the exchange's data
                 ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)
@@ -179,7 +179,7 @@ class StreamRunner:
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
-        with Unsharded(w.model) as unsharded:  # an FSDP2 model runs unsharded (treecompile.stream.sharded)
+        with Unsharded(w.model) as unsharded:  # an FSDP2 model runs unsharded (treecompile.distributed.unsharded)
             result, first_rows, names, streamed = self._step(batch, plan, mode, device, grad)
         wanted = set(names)
         params = [p for n, p in w.model.named_parameters() if n in wanted]
@@ -274,7 +274,7 @@ class StreamRunner:
                                        forward_rows=forward_rows))
 
     # ------------------------------------------------------------------ what a part reads and keeps
-    # (`treecompile.stream.stream_cp` overrides these to split each part over a CP group)
+    # (`treecompile.distributed.stream_cp` overrides these to split each part over a CP group)
 
     def _part_inputs(self, data: BatchArrays, plan: StreamPlan, j: int) -> tuple[list, torch.Tensor, list]:
         """``(compiled-call inputs, global rows of its targets, extra graph inputs)`` of part ``j``."""

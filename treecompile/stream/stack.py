@@ -50,7 +50,7 @@ def gather_prefix(plan: StreamPlan, data: BatchArrays, j: int, entries: dict[int
 
     ``rows``, ``index_of``: where a process reads other rows than the part's prefix from
     entries that hold other rows than their parts' (a part split over a CP group,
-    `treecompile.stream.stream_cp`): the rows it reads, and ``index_of(part, rows)``, their
+    `treecompile.distributed.stream_cp`): the rows it reads, and ``index_of(part, rows)``, their
     places in that part's entry.
     """
     rows = plan.prefix[j] if rows is None else rows

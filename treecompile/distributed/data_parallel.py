@@ -3,7 +3,7 @@
 Example (on each rank, after ``torch.distributed.init_process_group``)::
 
     from treecompile.planning.dataloader import TreeCollator
-    from treecompile.compile.distributed import wrap_ddp, train_step
+    from treecompile.distributed.data_parallel import wrap_ddp, train_step
 
     model = wrap_ddp(model)                       # gradients are summed, not averaged
     collate = TreeCollator(capacity=8192, rank=rank, world_size=world)

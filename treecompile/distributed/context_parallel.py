@@ -2,7 +2,7 @@
 
 ``tree_compile(model, cp=group)`` (a ``torch.distributed`` process group, or a 1-D
 ``DeviceMesh``): every rank of the group calls the wrapper with the same batch; each runs the
-model on its own consecutive rows only (`treecompile.planning.cp.split_for_cp`, balanced by
+model on its own consecutive rows only (`treecompile.distributed.cp_split.split_for_cp`, balanced by
 work), and every attention layer gathers, from the other ranks, the keys and values of the
 rows its queries see before its first row: the root path of that row
 (`treecompile.passes.cp`). The loss, the log-probabilities and every parameter's gradient
@@ -19,12 +19,12 @@ training:
 
 Memory per rank: the parameters and optimizer state (each rank holds them all), the
 activations of its own rows, and per layer the keys and values of its prefix rows, which
-the attention keeps for its backward (`treecompile.planning.cp.CPSplit.peak_bytes` predicts
+the attention keeps for its backward (`treecompile.distributed.cp_split.CPSplit.peak_bytes` predicts
 it; the exchange's buffers are transient, one layer at a time).
 
 Hybrid models (recurrent or convolution layers) are refused under CP by the op's name.
 With ``stream=`` as well, a batch larger than the group holds streams, each part split over
-the group (`treecompile.stream.stream_cp`).
+the group (`treecompile.distributed.stream_cp`).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_bloc
 from treecompile.passes import markers
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, context_parallel
-from treecompile.planning.cp import CPSplit, RowWork, split_for_cp
+from treecompile.distributed.cp_split import CPSplit, RowWork, split_for_cp
 from treecompile.stream.parts import PAD_PREFIX, BatchArrays
 from treecompile.stream.runner import _StreamedLoss
-from treecompile.stream.sharded import Unsharded
+from treecompile.distributed.unsharded import Unsharded
 
 __all__ = ["CPRunner", "cp_group_of", "cp_group_checked", "row_work_of", "local_structure", "check_same_batch"]
 
@@ -206,7 +206,7 @@ class CPRunner:
         """The whole tree's loss and log-probabilities on every rank; with grad enabled,
         ``loss.backward()`` gives every parameter the whole tree's gradient (FSDP2's sharded
         parameters: their shards of it, reduced over the data-parallel mesh as the units are
-        configured, see `treecompile.stream.sharded`). ``checked``: the caller checked that
+        configured, see `treecompile.distributed.unsharded`). ``checked``: the caller checked that
         every rank has the same batch (`check_same_batch`); ``split``: the caller's split of
         the batch padded to the group's size (`split_for_cp`), else computed here."""
         w = self.setup

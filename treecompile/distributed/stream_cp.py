@@ -3,8 +3,8 @@
 ``tree_compile(model, cp=group, stream=StreamOptions(budget_rows=B))`` on every rank of a
 group of K ranks, each calling the wrapper with the same batch:
 
-* a batch whose CP split (`treecompile.planning.cp.split_for_cp`, by work) gives no rank
-  more than B rows runs as one CP call (`treecompile.stream.context_parallel`);
+* a batch whose CP split (`treecompile.distributed.cp_split.split_for_cp`, by work) gives no rank
+  more than B rows runs as one CP call (`treecompile.distributed.context_parallel`);
 * a larger one streams (`treecompile.stream.options`) in parts of at most K x B consecutive
   rows, cut and scheduled as a streamed batch's are (`plan_stream`), and each part is split
   over the ranks by rows (at most B each: the budget is what one rank holds).
@@ -56,8 +56,8 @@ from treecompile.kernels.cp_gather import padded_send
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph
-from treecompile.planning.cp import CPSplit, exchange_of, split_for_cp
-from treecompile.stream.context_parallel import CPRunner, local_structure, row_work_of
+from treecompile.distributed.cp_split import CPSplit, exchange_of, split_for_cp
+from treecompile.distributed.context_parallel import CPRunner, local_structure, row_work_of
 from treecompile.stream.parts import PAD_PREFIX, PAD_STATES, BatchArrays
 from treecompile.stream.plan import (PartRows, StreamChoice, StreamOptions, StreamPlan, choose_stream, plan_stream,
                                      stream_peak_bytes)

@@ -2,7 +2,7 @@
 
 Example:
     >>> from treecompile import TrajectoryTree
-    >>> from treecompile.planning.shard import shard_paths
+    >>> from treecompile.distributed.shard import shard_paths
     >>> tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7, 8]])
     >>> s = shard_paths([tree], ranks=2)
     >>> s.rank_tokens, s.duplicated_tokens

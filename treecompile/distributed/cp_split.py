@@ -2,7 +2,7 @@
 
 Example:
     >>> import treecompile as tc
-    >>> from treecompile.planning.cp import RowWork, equal_rows_split, split_for_cp
+    >>> from treecompile.distributed.cp_split import RowWork, equal_rows_split, split_for_cp
     >>> tree = tc.TrajectoryTree.from_sequences([[1] * 60 + [2] * 20, [1] * 60 + [3] * 20, [1] * 60 + [4] * 20])
     >>> batch = tc.pack(tree, warn_por=False)
     >>> work = RowWork(dense=1.0, attention=0.05, head=0.5)

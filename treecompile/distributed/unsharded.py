@@ -1,6 +1,6 @@
 """A model sharded by FSDP2, run as one unsharded model for the length of a call whose
 backward runs inside it (a streamed call, `treecompile.stream.runner`; context parallelism,
-`treecompile.stream.context_parallel`), or until the end of the backward through a
+`treecompile.distributed.context_parallel`), or until the end of the backward through a
 whole-tree call's outputs (`UnshardedUntilBackward`).
 
 FSDP2 (``fully_shard``) gathers a unit's parameters in a forward hook and frees them in
@@ -12,7 +12,7 @@ full parameters, and afterwards gives each unit its hooks back and frees the ful
 parameters again (``reshard()``). `Unsharded.shard_grads` then turns the full gradients into
 FSDP2's sharded ones as FSDP2 would: reduced over the data-parallel mesh (a reduce-scatter),
 divided as the units are configured (``set_gradient_divide_factor``: by that factor; FSDP2's
-default, the mesh size: the mean; `treecompile.compile.distributed.wrap_fsdp` sets 1, the
+default, the mesh size: the mean; `treecompile.distributed.data_parallel.wrap_fsdp` sets 1, the
 sum), in the shards' dtype, and cut as FSDP2 cuts the parameters (dim 0, ``torch.chunk``'s
 sizes).
 """
