@@ -18,6 +18,7 @@ from treecompile.passes.rows import RULES, Rule
 from treecompile.passes.rows.elementwise import pointwise
 
 import treecompile as tc
+from treecompile.compile.probe import PROBE_TOLERANCE
 from treecompile.core.errors import UnsupportedModelError
 
 
@@ -173,3 +174,33 @@ def test_the_probe_leaves_the_training_step_unchanged():
     (loss_a, grads_a, draw_a), (loss_b, grads_b, draw_b) = results
     assert torch.equal(loss_a, loss_b) and torch.equal(draw_a, draw_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_a_float64_model_whose_router_multiplies_in_float32_is_judged_at_float32_rounding():
+    """DeepSeek-V3's router casts to float32 before its product (``F.linear(h.type(torch.float32),
+    w.type(torch.float32))``): a path run alone, with fewer rows, rounds that product differently by
+    ~1e-7, which the float64 tolerance took for a row-order dependence (the model was refused at the
+    router's sigmoid). The probe judges at the least precise dtype a product computes in; the model
+    is exact to that rounding."""
+    import transformers
+    from testing import backward_grads, perturbed_hf_model
+
+    from treecompile.core.reference import per_path_loss
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=128)
+    model = perturbed_hf_model(cfg, experts_implementation="eager")
+    compiled = tc.tree_compile(model)
+    for tree in (tc.TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11],
+                                                   [12, 13]]),
+                 tc.TrajectoryTree.from_sequences([[5, 6, 7], [5, 6, 8, 9]])):
+        out, grads = backward_grads(model, lambda: compiled(tc.pack(tree, warn_por=False)))
+        ref, ref_grads = backward_grads(model, lambda: per_path_loss(model, tree))
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+        for name, g in ref_grads.items():
+            assert (grads[name] - g).abs().max() <= 1e-6 * max(g.abs().max().item(), 1e-12), name
+    report = compiled.probed[0]
+    assert report.alone_rows_compared > 0 and report.alone_tolerance == PROBE_TOLERANCE[torch.float32]

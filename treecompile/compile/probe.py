@@ -27,6 +27,7 @@ against per-path training (:mod:`treecompile.compile.selfcheck`).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import warnings
 import weakref
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from treecompile.core.batch import TreeBatch, pack
@@ -237,6 +239,9 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
         # Rounding may differ between runs where the shapes depend on the data (rows chosen by a
         # router) or where a kernel varies from run to run.
         data_dependent = _has_unbacked_sizes(gm) or _routes_experts(record) or varies and not random
+        # Products over another number of rows round differently: their least precise dtype is the
+        # model's (a float64 model whose router casts to float32 rounds like a float32 one there).
+        computes = products_dtype(gm, wrapper_dtype(wrapper))
         if forest.edited is None:
             report.skipped.append("branch edit: the batch has a single token value")
         elif random:
@@ -244,7 +249,7 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
                                   "mode), so two runs differ anyway")
         else:
             edited = run(forest.edited)
-            tol = _rounding(wrapper_dtype(wrapper)) if data_dependent else 0.0
+            tol = _rounding(computes) if data_dependent else 0.0
             bad = _first_bad(base, edited, outside, outside, tol)
             report.edited_rows_compared, report.edit_tolerance = len(outside), tol
             if bad is not None:
@@ -252,7 +257,7 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
         if not random:
             alone = run(forest.alone)
             rows_alone = list(range(len(forest.alone_rows)))
-            tol = PROBE_TOLERANCE.get(wrapper_dtype(wrapper), 1e-3)
+            tol = PROBE_TOLERANCE.get(computes, 1e-3)
             bad = _first_bad(base, alone, forest.alone_rows, rows_alone, tol)
             report.alone_rows_compared, report.alone_tolerance = len(rows_alone), tol
             report.alone_max_diff = _relative_diff(base[forest.alone_rows], alone[rows_alone])
@@ -267,6 +272,27 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
 def wrapper_dtype(wrapper: Any) -> torch.dtype:
     p = next(iter(wrapper.parameters()), None)
     return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+
+
+#: The ops whose rounding depends on how many rows they take (a blocked matrix product).
+_PRODUCTS = {F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
+             torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, *([F.grouped_mm] if hasattr(F, "grouped_mm") else []),
+             *([torch._grouped_mm] if hasattr(torch, "_grouped_mm") else [])}
+_PRODUCT_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
+
+
+def products_dtype(gm: fx.GraphModule, default: torch.dtype) -> torch.dtype:
+    """The least precise floating dtype a matrix product of ``gm`` computes in (``default`` if
+    every product is at least as precise)."""
+    worst = default
+    for n in gm.graph.nodes:
+        if (n.op == "call_function" and n.target in _PRODUCTS) or (n.op == "call_method" and n.target in
+                                                                    _PRODUCT_METHODS):
+            v = n.meta.get("example_value")
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and \
+                    torch.finfo(v.dtype).eps > torch.finfo(worst).eps:
+                worst = v.dtype
+    return worst
 
 
 def _rounding(dtype: torch.dtype) -> float:
