@@ -18,7 +18,7 @@ reports, per block size (128, and 64 for comparison):
   and pairs that involve padding rows), in units of block pairs.
 
 Blocks are classified here from per-block counts of visible pairs (full iff all
-``block_size^2`` pairs are visible), independently of `treecompile.kernels.blockmask`; the tests
+``block_size^2`` pairs are visible), independently of `treecompile.kernels.attention.blockmask`; the tests
 check that both agree.
 
 Layouts (the tree content, every path's tokens, weight and loss mask, and so the loss, are
@@ -229,7 +229,7 @@ def block_pair_counts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(visible, real_visible)``: ``[nb, nb]`` int64 visible pairs per (query block, key block).
 
-    Dense tables, for checking against `treecompile.kernels.blockmask` on small rows; `count_blocks`
+    Dense tables, for checking against `treecompile.kernels.attention.blockmask` on small rows; `count_blocks`
     streams the same counts.
     """
     nb = -(-subtree_end.shape[0] // block_size)

@@ -1,4 +1,4 @@
-"""BlockMask build time: treecompile.kernels.blockmask.tree_block_mask vs create_block_mask.
+"""BlockMask build time: treecompile.kernels.attention.blockmask.tree_block_mask vs create_block_mask.
 
     python benchmarks/blockmask_build.py            # 8k, 32k, 128k tokens
 
@@ -20,8 +20,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from treecompile.core.batch import pack
-from treecompile.kernels.blockmask import tree_block_mask
-from treecompile.kernels.masks import bind_buffers, interval_mask_mod
+from treecompile.kernels.attention.blockmask import tree_block_mask
+from treecompile.kernels.attention.masks import bind_buffers, interval_mask_mod
 from treecompile.core.tree import TrajectoryTree
 
 

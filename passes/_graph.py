@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from treecompile.kernels.flex import BlockLayout
+from treecompile.kernels.attention.flex import BlockLayout
 
 __all__ = ["PassContext", "Emitter", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
 
@@ -35,7 +35,7 @@ class PassContext:
         input_ids: the ``[1, S]`` ids placeholder.
         positions: the ``[S]`` tree positions placeholder.
         mask_buffers: the placeholders the tree ``mask_mod`` reads, in
-            :data:`treecompile.kernels.masks.MASK_KINDS` order.
+            :data:`treecompile.kernels.attention.masks.MASK_KINDS` order.
         block_tensors: the BlockMask tensor placeholders.
         layout: the BlockMask tuple layout.
         chunks: ``path_bits.shape[1]`` (bitmask rule), else 0.
@@ -61,7 +61,7 @@ class PassContext:
         dropout: ``"refuse"``: a random op in the graph (dropout in training mode) is refused;
             ``"shared"``: accepted, one draw per tree row (see ``tree_compile(dropout=...)``).
         scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
-            of :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
+            of :data:`treecompile.kernels.scans.recurrence.SCAN_KERNELS`.
         row_states: per node, where its rows are (:class:`treecompile.passes.rows.Rows`), as
             the verify pass proved them; the first-call probe compares those rows.
     """

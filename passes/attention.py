@@ -39,8 +39,8 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.kernels.flex import AttentionSpec, tree_attention_fn
-from treecompile.kernels.flex_mods import chunk_mods, register_mods
+from treecompile.kernels.attention.flex import AttentionSpec, tree_attention_fn
+from treecompile.kernels.attention.flex_mods import chunk_mods, register_mods
 from treecompile.passes._graph import (
     MATMUL,
     SDPA,
@@ -235,7 +235,7 @@ def _rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     only pairs with the key at or before the query; the causal pattern (optionally within a
     window) becomes the tree kernel's own rule, any other such pattern (chunks, dilation, a
     per-head mask) and any ``score_mod`` run in the tree kernel on the rows' path positions
-    (`treecompile.kernels.flex_mods`). The tensors they read may be parameters (a learned
+    (`treecompile.kernels.attention.flex_mods`). The tensors they read may be parameters (a learned
     bias) or structural, never computed from the tokens, nor one entry per token of the row
     (document ids): those index by something other than the position. The model's
     ``BlockMask`` is then dead; the tree kernel builds its own."""

@@ -7,9 +7,9 @@ one graph over its own consecutive rows of the packed row, as a streamed part do
 path of the rank's first row, held by earlier ranks) are not graph inputs computed before
 the call but gathered inside it, layer by layer, from the keys and values the other ranks
 compute in the same layer (``treecompile::cp_gather_rows``, an all-to-all of the rows each
-rank reads whose backward sends the gradients back, `treecompile.kernels.cp_gather`). Each attention then runs
+rank reads whose backward sends the gradients back, `treecompile.kernels.collectives.cp_gather`). Each attention then runs
 over ``[prefix ; own]`` with the concatenated interval rule of
-`treecompile.kernels.prefix_attention`, exactly as a streamed part's.
+`treecompile.kernels.attention.prefix_attention`, exactly as a streamed part's.
 
 The wrapper routes the gather's index data through one marker:
 ``treecompile::cp_inputs(ids, [kv_end, kv_pos, gather_index, send_rows, counts])`` returns a
@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
+from treecompile.kernels.collectives import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls,
                                        refuse_own_mods, stream_attention_fn)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from treecompile.kernels.fused_logprobs import fused_target_logprobs
+from treecompile.kernels.logprobs.fused import fused_target_logprobs
 from treecompile.passes._graph import PassContext, is_call, value
 from treecompile.passes.markers import is_marker, logprobs_at_rows, scatter_to_rows
 
@@ -79,7 +79,7 @@ def gather_logits_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def fuse_lm_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Like `gather_logits_pass`, but a plain LM head (``linear`` then at most casts) becomes
-    the fused chunked projection + log-softmax (`treecompile.kernels.fused_logprobs`): the
+    the fused chunked projection + log-softmax (`treecompile.kernels.logprobs.fused`): the
     ``[R, V]`` logits are never formed, forward or backward. Other heads are gathered as
     `gather_logits_pass` does.
 

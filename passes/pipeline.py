@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from treecompile.kernels.flex import BlockLayout
-from treecompile.kernels.masks import MASK_KINDS
+from treecompile.kernels.attention.flex import BlockLayout
+from treecompile.kernels.attention.masks import MASK_KINDS
 from treecompile.core.errors import UnsupportedModelError, unknown_choice
 from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
                                       value)
@@ -324,7 +324,7 @@ def make_backend(
     """A Dynamo backend that rewrites the captured graph for the tree and lowers it.
 
     Args:
-        mask: a key of :data:`treecompile.kernels.masks.MASK_KINDS`.
+        mask: a key of :data:`treecompile.kernels.attention.masks.MASK_KINDS`.
         layout_of, chunks_of: the current batch's BlockMask layout and path-bit chunks
             (static per compiled graph; Dynamo guards on the shapes that determine them).
         lowering: a key of :data:`LOWERINGS`.

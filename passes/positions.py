@@ -18,7 +18,7 @@ so every place where a model derives a position from the row index must read
 * ``cumsum`` along the rows of an integer or boolean tensor (RoBERTa's and fairseq's
   positions, ``cumsum(ids != pad) + pad``): on a path it counts the tokens before each one
   on that path, so it becomes the sum over the row's ancestors-or-self
-  (:func:`treecompile.kernels.path_scan.path_cumsum`, from ``subtree_end``; interval mask).
+  (:func:`treecompile.kernels.scans.path_scan.path_cumsum`, from ``subtree_end``; interval mask).
 
 Aranges that feed mask building (a comparison) are left alone: a mask built from the
 sequence index is not a position, and if it survived the attention pass the verify pass
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.kernels.path_scan import path_cumsum
+from treecompile.kernels.scans.path_scan import path_cumsum
 from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, multiple_of, row_indices, same_size, value
 from treecompile.passes._mask_eval import depends_on_inputs
 from treecompile.passes.moe import region_nodes

@@ -6,7 +6,7 @@ and added to the scores: per path ``i`` and ``j`` are the tokens' offsets on the
 on the tree the bias is ``g(h, positions[q] - positions[kv])``. The attention pass hands the
 tree kernel a table ``T[h, d] = g(h, d)`` for ``d`` in ``[0, S)`` (the distances a causal
 query sees) and a score_mod adding ``T[h, positions[q] - positions[kv]]``
-(`treecompile.kernels.flex_mods`): O(S) memory, the table computed in the graph from the
+(`treecompile.kernels.attention.flex_mods`): O(S) memory, the table computed in the graph from the
 model's own parameters, so a learned table gets its gradient.
 
 The table is the model's own subgraph with the key index replaced by 0 (``g(h, i - 0)``): the
@@ -22,7 +22,7 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.kernels.flex_mods import register_mods
+from treecompile.kernels.attention.flex_mods import register_mods
 from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import evaluate
 

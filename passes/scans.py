@@ -5,13 +5,13 @@ pass, which owns the reads along the path).
 (linear attention's running sums of ``k v^T``, GLA-style running gates, minGRU, running
 means) combine, per path, each token with every token before it on its path. In the packed
 row those are the row's ancestors, not the rows before it; ``treecompile::path_scan``
-(`treecompile.kernels.path_scan`) combines exactly those, in order, forward and backward, by
+(`treecompile.kernels.scans.path_scan`) combines exactly those, in order, forward and backward, by
 pointer jumping along ``pred_index`` (O(S log depth), no O(S^2)). ``cummax`` / ``cummin``
 return the index of each value along the sequence: on a path that is the value's offset on
 the path, which in the tree is the position of the row it comes from.
 
 Integer ``cumsum`` under the interval mask (RoBERTa's positions) is the positions pass's
-(`treecompile.kernels.path_scan.path_cumsum`). The in-place forms (``x.cumsum_(d)``,
+(`treecompile.kernels.scans.path_scan.path_cumsum`). The in-place forms (``x.cumsum_(d)``,
 ``x.cumprod_(d)``) keep their write: the scan runs along the path on a copy of ``x`` and is
 copied back into ``x``.
 
@@ -25,8 +25,8 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.kernels import path_scan as _path_scan  # noqa: F401  (registers treecompile::path_scan)
-from treecompile.kernels.path_scan import PATH_SCANS
+from treecompile.kernels.scans import path_scan as _path_scan  # noqa: F401  (registers treecompile::path_scan)
+from treecompile.kernels.scans.path_scan import PATH_SCANS
 from treecompile.passes._graph import PassContext, bind, describe, op_name, same_size, source_of, value
 
 __all__ = ["rewrite_scans", "SCAN_SPELLINGS"]

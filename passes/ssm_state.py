@@ -7,8 +7,8 @@ subtree (DFS order), whose state must not leak in. The wrapper swaps the models'
 kernels (Hugging Face's ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan`` and
 ``mamba_selective_scan``, flash-linear-attention's ``chunk_gated_delta_rule``) for drop-ins
 calling ``treecompile::gated_delta_rule`` / ``ssd_scan`` (see
-:mod:`treecompile.kernels.recurrence`) or ``treecompile::selective_scan`` (Mamba-1, see
-:mod:`treecompile.kernels.selective_scan`); this pass replaces each such node with its tree
+:mod:`treecompile.kernels.scans.recurrence`) or ``treecompile::selective_scan`` (Mamba-1, see
+:mod:`treecompile.kernels.scans.selective_scan`); this pass replaces each such node with its tree
 form ``treecompile::tree_<kind>(<the op's inputs>, initial_state, node_table, scan_kernel)``,
 which runs each node's rows from its parent's final state (roots from the call's initial
 state, zero without one), nodes of one depth together, and, backward, adds the gradients of
@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels.scans import SCANS
+from treecompile.kernels.scans.table import SCANS
 from treecompile.passes._graph import PassContext, describe, is_op, same_size, source_of, value
 
 __all__ = ["route_ssm_state_pass"]

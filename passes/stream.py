@@ -6,7 +6,7 @@ A tree too large for one call is run in parts of consecutive rows (see
 * every tree attention (after ``rewrite_attention_pass``) attends over ``[prefix ; own]``
   keys and values: the prefix rows are the part's ancestors' keys and values for that
   layer, graph inputs taken from the KV stack, and the mask is the interval rule in the
-  concatenated coordinates (`treecompile.kernels.prefix_attention`);
+  concatenated coordinates (`treecompile.kernels.attention.prefix_attention`);
 * the graph returns each attention's own keys and values, so that later parts can read
   them and their gradients can flow back.
 
@@ -23,7 +23,7 @@ Why it is exact: row ``q`` of a part attends, per path, to the rows on its root 
 itself. Those before the part are on the root path of the part's first row (the prefix,
 taken from earlier parts whose keys and values are the per-path ones by induction over
 parts and layers); those inside follow the interval rule. The concatenated rule
-``j <= c_q < kv_end[j]`` selects exactly them (`treecompile.kernels.prefix_attention`).
+``j <= c_q < kv_end[j]`` selects exactly them (`treecompile.kernels.attention.prefix_attention`).
 
 The number of attention calls and their key/value shapes (and the conv contexts' and
 recurrent states') are checked against the graph: a compile given another layout raises
@@ -44,10 +44,10 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels.scans import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
-from treecompile.kernels import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
-from treecompile.kernels.flex import AttentionSpec, _common_dtype, _with_sinks
-from treecompile.kernels.prefix_flex import prefix_flex_hop
+from treecompile.kernels.scans.table import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
+from treecompile.kernels.attention import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
+from treecompile.kernels.attention.flex import AttentionSpec, _common_dtype, _with_sinks
+from treecompile.kernels.attention.prefix_flex import prefix_flex_hop
 from treecompile.passes._graph import PassContext, describe, is_op, location_of, source_of, value
 
 __all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
@@ -60,8 +60,8 @@ Tensor = torch.Tensor
 PREFIX_BLOCK = 128
 
 #: The kernel of a part's attention over ``[prefix ; own]``, by device type: ``"flex"``, one
-#: FlexAttention call (`treecompile.kernels.prefix_flex.prefix_flex_hop`); ``"blocks"``, the
-#: per-block op of `treecompile.kernels.prefix_attention` (devices not named here). ALiBi
+#: FlexAttention call (`treecompile.kernels.attention.prefix_flex.prefix_flex_hop`); ``"blocks"``, the
+#: per-block op of `treecompile.kernels.attention.prefix_attention` (devices not named here). ALiBi
 #: always takes the per-block op (its bias reads query and key positions of two tables).
 PREFIX_KERNEL = {"cuda": "flex"}
 
@@ -182,7 +182,7 @@ def stream_causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, context
 @functools.cache
 def stream_scan_fn(kind: str) -> Callable:
     """``fn(q, k, v, g, beta, states, node_table, readouts, kernel) -> (out [1, S, H, Dv], [R, H, Dk, Dv])``
-    (a scan whose `treecompile.kernels.scans.ScanKind` has its own ``stream``: that one):
+    (a scan whose `treecompile.kernels.scans.table.ScanKind` has its own ``stream``: that one):
     the tree recurrence of a part, started from states of earlier parts, reading out states
     for later parts, through the unchanged ``treecompile::tree_{kind}`` op.
 
@@ -201,7 +201,7 @@ def stream_scan_fn(kind: str) -> Callable:
     The gradients flow through the same rows: into the injected states, and from the
     read-out states into the part's rows.
     """
-    if SCANS[kind].stream is not None:  # a scan with its own injection form (kernels/scans.py)
+    if SCANS[kind].stream is not None:  # a scan with its own injection form (kernels/scans/table.py)
         return SCANS[kind].stream
     op = getattr(torch.ops.treecompile, f"tree_{kind}")
 
@@ -287,7 +287,7 @@ def _conv_shapes(convs: list[fx.Node]) -> list[tuple[int, torch.dtype]]:
 
 
 def _state_of(n: fx.Node, kind: str) -> tuple[int, int, int, torch.dtype]:
-    """``(H, Dk, Dv, dtype)`` of a tree scan's state (`treecompile.kernels.scans.ScanKind.state_of`);
+    """``(H, Dk, Dv, dtype)`` of a tree scan's state (`treecompile.kernels.scans.table.ScanKind.state_of`);
     refused with an initial state or a symbolic size."""
     if n.args[5] is not None:
         raise UnsupportedModelError(
@@ -406,8 +406,8 @@ def route_stream_state_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassCon
         flat.append(x)
         ctx.count("conv_context")
     for i, (node, kind) in enumerate(scans):
-        # (q, k, v, g, beta, initial state, node table, kernel name): see kernels/recurrence.py;
-        # (u, dt, A, B, C, ...) for the selective scan: see kernels/selective_scan.py.
+        # (q, k, v, g, beta, initial state, node table, kernel name): see kernels/scans/recurrence.py;
+        # (u, dt, A, B, C, ...) for the selective scan: see kernels/scans/selective_scan.py.
         *inputs, _, table, kernel = node.args
         with gm.graph.inserting_before(node):
             new = ctx.mark(gm.graph.call_function(

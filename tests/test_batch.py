@@ -7,7 +7,7 @@ from hypothesis import given
 from strategies import forests, path_sets
 
 from treecompile import TrajectoryTree, TreeInputError, pack
-from treecompile.kernels.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
+from treecompile.kernels.attention.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
 
 
 def _trees(forest):

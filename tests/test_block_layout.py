@@ -12,7 +12,7 @@ from hypothesis import given
 from strategies import forests, path_sets
 
 from treecompile import TrajectoryTree, pack
-from treecompile.kernels.blockmask import block_classes, tree_block_mask
+from treecompile.kernels.attention.blockmask import block_classes, tree_block_mask
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "block_layout.py"
 _spec = importlib.util.spec_from_file_location("block_layout", SCRIPT)

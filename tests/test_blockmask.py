@@ -6,8 +6,8 @@ from strategies import path_sets
 from testing import examples
 
 from treecompile import TrajectoryTree, pack
-from treecompile.kernels.blockmask import tree_block_mask
-from treecompile.kernels.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
+from treecompile.kernels.attention.blockmask import tree_block_mask
+from treecompile.kernels.attention.masks import bind_buffers, bitmask_mask_mod, interval_mask_mod
 from torch.nn.attention.flex_attention import create_block_mask
 
 

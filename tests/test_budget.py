@@ -99,8 +99,8 @@ def test_projection_biases_and_qk_norms_are_read_from_the_model():
 
 
 def test_block_rows_match_the_kernel():
-    from treecompile.kernels import cpu_attention
-    from treecompile.kernels.flex import BLOCK_SIZE
+    from treecompile.kernels.attention import cpu_attention
+    from treecompile.kernels.attention.flex import BLOCK_SIZE
 
     assert CPU_BLOCK_ROWS == BLOCK_SIZE
     assert CPU_CALL_ROWS == cpu_attention._GROUP_ROWS == cpu_attention._MASKED_KEYS
@@ -113,8 +113,8 @@ def test_the_cpu_attention_terms_bound_its_measured_working_memory(shape):
     attention terms (its output, log-sum-exp and output gradient, the attention backward's
     gradients, the call's mask and keys)."""
     from treecompile import TrajectoryTree, pack
-    from treecompile.kernels.cpu_attention import tree_attention_cpu
-    from treecompile.kernels.flex import tree_block_mask
+    from treecompile.kernels.attention.cpu_attention import tree_attention_cpu
+    from treecompile.kernels.attention.flex import tree_block_mask
 
     hq, hkv, d, s = 4, 2, 16, 2048
     gen = torch.Generator().manual_seed(0)

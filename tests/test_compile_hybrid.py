@@ -1,6 +1,6 @@
 """Hybrid models: Gated DeltaNet, Mamba2 and Mamba layers and their causal conv, exact on a tree.
 
-Two layers of tests. The kernels (`treecompile.kernels.recurrence` for Gated DeltaNet and
+Two layers of tests. The kernels (`treecompile.kernels.scans.recurrence` for Gated DeltaNet and
 Mamba2's scan, `.selective_scan` for Mamba's, `.conv`) against their plain token-by-token
 reference loops, in float64 to rounding, forward and backward, on a row and on a tree (where
 the tree reference composes the reference loop node by node from the parent's final state,
@@ -42,7 +42,11 @@ from treecompile.compile.wrapper import tree_compile
 from treecompile.compile.selfcheck import verify_tree_compile
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.capture import drop_ins
-from treecompile.kernels import conv, gdn, mamba2, recurrence, selective_scan
+from treecompile.kernels import conv
+from treecompile.kernels.scans import gdn
+from treecompile.kernels.scans import mamba2
+from treecompile.kernels.scans import recurrence
+from treecompile.kernels.scans import selective_scan
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.core.reference import per_path_loss

@@ -132,7 +132,7 @@ _HOST_READS = ("cpu", "numpy", "tolist", "item", "__int__", "__bool__", "__float
 
 
 #: Modules that run on the CPU only (their reads of a tensor are no device sync).
-CPU_ONLY = {"treecompile.kernels.cpu_attention"}
+CPU_ONLY = {"treecompile.kernels.attention.cpu_attention"}
 
 
 def test_a_packed_batch_runs_without_reading_the_device(compiled, monkeypatch):

@@ -1,4 +1,4 @@
-"""Tree FlexAttention (kernels/flex.py) against the dense reference, and the BlockMask builders."""
+"""Tree FlexAttention (kernels/attention/flex.py) against the dense reference, and the BlockMask builders."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ from testing import COMPILE_TOL as TOL
 from testing import dense_tree_attention, tree_visibility
 
 import treecompile as tc
-from treecompile.kernels import flex
-from treecompile.kernels.masks import interval_mask_mod, tree_mask_mod
+from treecompile.kernels.attention import flex
+from treecompile.kernels.attention.masks import interval_mask_mod, tree_mask_mod
 
 SEQS = {
     # 1-token nodes and a prefix path.

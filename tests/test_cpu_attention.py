@@ -10,9 +10,9 @@ from strategies import path_sets
 from testing import dense_tree_attention, examples, tree_visibility
 
 from treecompile import TrajectoryTree, pack
-from treecompile.kernels.blockmask import tree_block_mask
-from treecompile.kernels import cpu_attention
-from treecompile.kernels.cpu_attention import tree_attention_cpu
+from treecompile.kernels.attention.blockmask import tree_block_mask
+from treecompile.kernels.attention import cpu_attention
+from treecompile.kernels.attention.cpu_attention import tree_attention_cpu
 
 
 @contextlib.contextmanager
@@ -84,7 +84,7 @@ def test_matches_dense_reference(name):
 def test_masked_keys_in_pieces_match_dense_reference(name, monkeypatch):
     """Masked keys one block per call (`_MASKED_KEYS` at the block size): many pieces, some that
     a query sees none of, merged by their log-sum-exps, forward and backward."""
-    from treecompile.kernels import cpu_attention
+    from treecompile.kernels.attention import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_MASKED_KEYS", 4)
     trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8, 9], [1, 2, 10], [1, 2, 10], [1, 11]]),
@@ -172,7 +172,7 @@ def test_alibi_bias_is_in_path_positions(kind):
 def test_sinks_through_the_log_sum_exp():
     """A sink logit per head in every softmax denominator (gpt-oss): the kernel output times
     ``sigmoid(lse - sink)``, gradients through ``lse`` included, against dense softmax with a sink column."""
-    from treecompile.kernels.flex import _with_sinks
+    from treecompile.kernels.attention.flex import _with_sinks
 
     trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8, 9], [1, 2, 10], [1, 11]])]
     batch = pack(trees)

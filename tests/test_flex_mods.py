@@ -1,4 +1,4 @@
-"""A model's own FlexAttention score_mod / mask_mod on the tree (kernels/flex_mods.py): the
+"""A model's own FlexAttention score_mod / mask_mod on the tree (kernels/attention/flex_mods.py): the
 CPU kernel against FlexAttention's own op over the same functions, the learned tensors'
 gradients through the lowering, and the refusals (streaming, document ids)."""
 
@@ -11,11 +11,11 @@ import zoo_custom as zc
 
 import treecompile as tc
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels.blockmask import tree_block_mask
-from treecompile.kernels.flex import BLOCK_SIZE, AttentionSpec, _flex_hop_attention, split_block_mask, tree_attention_fn
-from treecompile.kernels.flex_mods import register_mods
-from treecompile.kernels.masks import tree_mask_mod
-from treecompile.kernels.flex import softcap_score_mod
+from treecompile.kernels.attention.blockmask import tree_block_mask
+from treecompile.kernels.attention.flex import BLOCK_SIZE, AttentionSpec, _flex_hop_attention, split_block_mask, tree_attention_fn
+from treecompile.kernels.attention.flex_mods import register_mods
+from treecompile.kernels.attention.masks import tree_mask_mod
+from treecompile.kernels.attention.flex import softcap_score_mod
 from treecompile.stream.options import StreamOptions
 
 
@@ -46,7 +46,7 @@ def test_cpu_kernel_matches_flexattention_over_the_same_functions(which, window)
     spec = AttentionSpec(kind="interval", scale=None, window=window, softcap=None, chunks=0, layout=layout, mods=key)
     bufs = ([table] if score else []) + ([chunk] if mask else [])
     cpu = tree_attention_fn(spec)(q, k, v, batch.position_ids, batch.subtree_end, *tables, mod_buffers=bufs)
-    from treecompile.kernels.flex import BlockTensors, demote_full_blocks
+    from treecompile.kernels.attention.flex import BlockTensors, demote_full_blocks
 
     hop, _ = _flex_hop_attention(spec, tree_mask_mod("interval", window=window), softcap_score_mod(None), q, k, v,
                                  batch.position_ids,

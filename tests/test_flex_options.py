@@ -1,4 +1,4 @@
-"""The FlexAttention kernel-options table (kernels/flex_options.py) and `treecompile tune` on CPU."""
+"""The FlexAttention kernel-options table (kernels/attention/flex_options.py) and `treecompile tune` on CPU."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from treecompile.cli.main import main
-from treecompile.kernels import flex_options as fo
-from treecompile.kernels.flex import BLOCK_SIZE
+from treecompile.kernels.attention import flex_options as fo
+from treecompile.kernels.attention.flex import BLOCK_SIZE
 
 
 def test_every_table_entry_fits_the_tree_block_mask():
@@ -102,7 +102,7 @@ def test_cuda_calls_ask_for_the_main_triton_kernel_with_the_table_tiles(tmp_path
     """On CUDA every call names FlexAttention's main kernel: left to choose, Inductor takes its
     decoding kernel below 128 query rows, which with grouped heads can have no configuration at
     all (a compile error on an H200). Off CUDA nothing is asked for; the table's tiles ride along."""
-    from treecompile.kernels import flex
+    from treecompile.kernels.attention import flex
     from torch.nn.attention import flex_attention as fa
 
     monkeypatch.setattr(fo, "arch_of", lambda device: "sm90")

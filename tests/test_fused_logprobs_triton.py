@@ -1,4 +1,4 @@
-"""The Triton fused log-prob kernels (kernels/fused_logprobs_triton.py) against the torch op.
+"""The Triton fused log-prob kernels (kernels/logprobs/fused_triton.py) against the torch op.
 
 The kernels run here under Triton's CPU interpreter, in a child process
 (``tests/triton_interpreter_cases.py``): Triton reads ``TRITON_INTERPRET`` when a kernel is
@@ -20,7 +20,7 @@ import torch
 
 from test_fused_logprobs import TOLERANCES
 
-from treecompile.kernels.fused_logprobs import KERNELS, default_kernel, fused_target_logprobs
+from treecompile.kernels.logprobs.fused import KERNELS, default_kernel, fused_target_logprobs
 
 pytest.importorskip("triton")
 

@@ -1,4 +1,4 @@
-"""Running sums along each row's root path (kernels/path_scan.py) against the definition."""
+"""Running sums along each row's root path (kernels/scans/path_scan.py) against the definition."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import treecompile as tc
-from treecompile.kernels.path_scan import path_cumsum, path_cumsum_reference
+from treecompile.kernels.scans.path_scan import path_cumsum, path_cumsum_reference
 
 TREES = {
     "branchy": [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [1, 2, 5], [1, 7, 8, 9, 10, 11]],
@@ -46,7 +46,7 @@ def test_path_scan_matches_the_definition_forward_and_backward(name, op):
     """``treecompile::path_scan`` (pointer jumping along pred_index) against each root path
     gathered and scanned by torch's own op: values to float64 rounding, cummax / cummin's rows
     exactly, and the gradient of a non-linear function of the values."""
-    from treecompile.kernels.path_scan import path_scan, path_scan_reference
+    from treecompile.kernels.scans.path_scan import path_scan, path_scan_reference
 
     batch = _batch(name)
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_path_scan_matches_the_definition_forward_and_backward(name, op):
 
 def test_path_scan_without_a_node_table_runs_enough_levels():
     """Without the node table the levels are bounded by the row count: the same result."""
-    from treecompile.kernels.path_scan import path_scan
+    from treecompile.kernels.scans.path_scan import path_scan
 
     batch = _batch("branchy")
     x = torch.randn(batch.num_tokens, 2, dtype=torch.float64)
@@ -77,7 +77,7 @@ def test_path_scan_without_a_node_table_runs_enough_levels():
 def test_logcumsumexp_over_minus_infinity_has_the_gradient_torch_gives():
     """Masked scores (-inf) before a finite one: the gradient there is 0, as torch's own
     logcumsumexp gives on each root path (`path_scan_reference`), not NaN (-inf - -inf)."""
-    from treecompile.kernels.path_scan import path_scan, path_scan_reference
+    from treecompile.kernels.scans.path_scan import path_scan, path_scan_reference
 
     batch = tc.pack([tc.TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]])])
     assert batch.num_tokens == 6

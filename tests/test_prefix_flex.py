@@ -1,6 +1,6 @@
-"""A streamed part's attention as one FlexAttention call (`treecompile.kernels.prefix_flex`):
+"""A streamed part's attention as one FlexAttention call (`treecompile.kernels.attention.prefix_flex`):
 its block mask against create_block_mask for every part of a tree at several block sizes,
-and its output against the dense reference of `treecompile.kernels.prefix_attention`."""
+and its output against the dense reference of `treecompile.kernels.attention.prefix_attention`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from test_stream import BRANCHY
 from testing import COMPILE_TOL
 
 from treecompile import TrajectoryTree, pack
-from treecompile.kernels.prefix_attention import prefix_attention_reference
-from treecompile.kernels.prefix_flex import prefix_block_mask, prefix_flex_attention, prefix_flex_hop, prefix_mask_mod
+from treecompile.kernels.attention.prefix_attention import prefix_attention_reference
+from treecompile.kernels.attention.prefix_flex import prefix_block_mask, prefix_flex_attention, prefix_flex_hop, prefix_mask_mod
 from treecompile.stream.options import plan_stream
 
 

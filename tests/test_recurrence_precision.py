@@ -1,4 +1,4 @@
-"""The chunked recurrence in float32 is about as accurate as the token loop (kernels/recurrence.py).
+"""The chunked recurrence in float32 is about as accurate as the token loop (kernels/scans/recurrence.py).
 
 Strong decays (``g`` down to -8 per token, a chunk's running sum down to about -250) are what
 Mamba2 layers produce (``dt * A`` with ``A = -exp(A_log)`` up to -16). Each decay
@@ -14,7 +14,7 @@ import torch
 
 from gpu_exactness import FP32_RATIO
 
-from treecompile.kernels.recurrence import chunked_recurrence, recurrence_reference
+from treecompile.kernels.scans.recurrence import chunked_recurrence, recurrence_reference
 
 
 def _errors(fn, inputs, weights, delta) -> list[float]:

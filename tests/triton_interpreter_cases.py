@@ -49,8 +49,8 @@ def run(fn, hidden, weight, bias, slot, target, grad, **kw):
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
-    from treecompile.kernels import fused_logprobs_triton as tri
-    from treecompile.kernels.fused_logprobs import fused_target_logprobs, reference_target_logprobs
+    from treecompile.kernels.logprobs import fused_triton as tri
+    from treecompile.kernels.logprobs.fused import fused_target_logprobs, reference_target_logprobs
 
     assert tri.INTERPRETED
     out: dict[str, dict] = {}

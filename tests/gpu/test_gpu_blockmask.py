@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from treecompile.kernels.blockmask import tree_block_mask
+from treecompile.kernels.attention.blockmask import tree_block_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

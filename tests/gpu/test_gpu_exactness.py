@@ -45,7 +45,7 @@ def _reference(name: str):
 def _fla_scan(name: str, dtype: str):
     """fla's scan kernel the tree runs for a hybrid (None: it failed its check, e.g. fla 0.6
     refuses the Gated DeltaNet backward on Hopper with Triton < 3.7.1, and the torch scan runs)."""
-    from treecompile.kernels.recurrence import varlen_kernel
+    from treecompile.kernels.scans.recurrence import varlen_kernel
 
     return varlen_kernel("auto", torch.device("cuda"), name == "qwen3_next", DTYPES[dtype])
 
@@ -66,7 +66,7 @@ def test_tree_matches_per_path_training_on_cuda(name, mask, lm_head, dtype, reco
         pytest.importorskip("fla", reason="the hybrid scans run through flash-linear-attention: pip install '.[fla]'")
     triton_calls = []
     if lm_head == "fused":
-        from treecompile.kernels import fused_logprobs_triton as tri
+        from treecompile.kernels.logprobs import fused_triton as tri
 
         real = tri.triton_target_logprobs
         monkeypatch.setattr(tri, "triton_target_logprobs", lambda *a, **k: triton_calls.append(1) or real(*a, **k))
@@ -82,7 +82,7 @@ def test_tree_matches_per_path_training_on_cuda(name, mask, lm_head, dtype, reco
         assert dict(compiled.counters["fuse_lm_head_pass"]) == {"fused_lm_head": 1}
         assert triton_calls, "lm_head='fused' on CUDA did not reach the Triton kernel"
     if name in ("qwen3_next", "bamba"):
-        from treecompile.kernels.recurrence import _fla_kernel, known_bad_fla, varlen_disagreement
+        from treecompile.kernels.scans.recurrence import _fla_kernel, known_bad_fla, varlen_disagreement
 
         used = _fla_scan(name, dtype)
         fla_used = used is not None

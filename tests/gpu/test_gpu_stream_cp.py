@@ -1,7 +1,7 @@
 """Streamed parts and context parallelism on CUDA, through Inductor, against per-path training.
 
 * A streamed part's attention on CUDA is one FlexAttention call over ``[prefix ; own]``
-  (`treecompile.kernels.prefix_flex`): float32, a dense and a windowed + soft-capped model,
+  (`treecompile.kernels.attention.prefix_flex`): float32, a dense and a windowed + soft-capped model,
   parts that cut nodes, checked as the whole-tree exactness tests are (tests/gpu_exactness.py:
   the tree's difference from the per-path run within the per-path run's own float32 error).
 * CP over a group of one rank (NCCL) on the GPU: the same check, and equal to the whole-tree

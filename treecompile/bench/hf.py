@@ -132,7 +132,7 @@ class Packed(Baseline):
         ids, pos, labels = _packed_inputs(paths, self.device)
         mask = None
         if self.attention == "flex_attention":
-            from treecompile.kernels.blockmask import tree_block_mask
+            from treecompile.kernels.attention.blockmask import tree_block_mask
 
             ends, total = [], 0
             for t, _ in paths:

@@ -43,7 +43,7 @@ __all__ = ["CATEGORIES", "GAP_CLASSES", "ProfileConfig", "profile_step", "profil
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("attention backward", r"flex_attention_backward|flash.*bwd|fmha.*bwd|attention_cpu_backward|attention_backward"),
     ("attention forward", r"flex_attention|flash.*fwd|fmha|tree_attention|prefix_tree_attention|sdpa|attention"),
-    # The fused head's Triton kernels (kernels/fused_logprobs_triton.py) and the gathered head's ops.
+    # The fused head's Triton kernels (kernels/logprobs/fused_triton.py) and the gathered head's ops.
     ("LM head log-probs", r"logprobs|_row_grad_kernel|log_softmax|cross_entropy|nll_loss"),
     ("matmuls", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|\bmm\b|_mm_|aten::mm|aten::addmm|aten::bmm|aten::matmul|"
                 r"aten::linear|triton_tem_fused_(addmm|mm|bmm)"),

@@ -5,8 +5,8 @@ causal conv and their scans through module-level functions; `treecompile.capture
 names them and swaps each, for one call, for the drop-in here. A drop-in takes the same
 arguments and returns the same result, does the token-wise preparation itself (head repeat,
 L2 norm, query scaling, ``dt`` discretisation) and runs the sequence part as one
-treecompile op (:mod:`treecompile.kernels.conv`, :mod:`~treecompile.kernels.gdn`,
-:mod:`~treecompile.kernels.mamba2`, :mod:`~treecompile.kernels.mamba`), one node per layer for
+treecompile op (:mod:`treecompile.kernels.conv`, :mod:`~treecompile.kernels.scans.gdn`,
+:mod:`~treecompile.kernels.scans.mamba2`, :mod:`~treecompile.kernels.scans.mamba`), one node per layer for
 the passes to find.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers treecompile::causal_conv1d)
-from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers treecompile::gated_delta_rule)
-from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
-from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
+from treecompile.kernels.scans import gdn as _gdn  # noqa: F401  (registers treecompile::gated_delta_rule)
+from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
+from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",

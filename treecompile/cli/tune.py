@@ -1,4 +1,4 @@
-"""``treecompile tune``: FlexAttention kernel options timed on this GPU (`treecompile.kernels.flex_options`)."""
+"""``treecompile tune``: FlexAttention kernel options timed on this GPU (`treecompile.kernels.attention.flex_options`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         help="time FlexAttention kernel options on this GPU and print a new options table",
         description=(
             "Times FlexAttention forward + backward on a tree mask for candidate tile sizes, warps and stages "
-            "per head dim and dtype, and prints the fastest as the table for treecompile/kernels/flex_options.py. "
+            "per head dim and dtype, and prints the fastest as the table for treecompile/kernels/attention/flex_options.py. "
             "Needs a CUDA GPU (exit status 2 without one)."
         ),
     )
@@ -33,10 +33,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Times FlexAttention kernel options on this GPU (treecompile/kernels/flex_options.py)."""
+    """Times FlexAttention kernel options on this GPU (treecompile/kernels/attention/flex_options.py)."""
     import torch
 
-    from treecompile.kernels.flex_options import format_table, save_table, tune
+    from treecompile.kernels.attention.flex_options import format_table, save_table, tune
 
     if not torch.cuda.is_available():
         print("treecompile tune: no CUDA device; kernel options are tuned on the GPU they run on", file=sys.stderr)

@@ -13,7 +13,7 @@ import torch
 
 from treecompile.core.batch import TreeBatch
 from treecompile.core.errors import TreeInputError
-from treecompile.kernels.flex import BLOCK_SIZE, BlockLayout, interval_block_mask, split_block_mask
+from treecompile.kernels.attention.flex import BLOCK_SIZE, BlockLayout, interval_block_mask, split_block_mask
 
 __all__ = ["tree_call_inputs"]
 

@@ -1,6 +1,6 @@
 """The tree mask of a packed batch as a matrix, a text grid and a PNG.
 
-`mask_matrix` evaluates the rule functions of `treecompile.kernels.masks` densely (an
+`mask_matrix` evaluates the rule functions of `treecompile.kernels.attention.masks` densely (an
 ``[S, S]`` reference, for pictures of small examples); `mask_picture` draws it with
 ``█``/``·`` and node and tree boundaries, `png_bytes` as an RGB PNG without matplotlib.
 `treecompile inspect` prints them and `treecompile.cli.plots.mask_figure` draws the same
@@ -23,11 +23,11 @@ def mask_matrix(batch: Any, mask: str = "interval") -> Any:
     """``[S, S]`` bool, ``[q, k]`` true iff query row ``q`` sees key row ``k`` under ``mask``.
 
     Evaluates the same rule functions the FlexAttention ``mask_mod`` calls
-    (:mod:`treecompile.kernels.masks`) densely, so the picture is the kernel's rule, not a redrawing.
+    (:mod:`treecompile.kernels.attention.masks`) densely, so the picture is the kernel's rule, not a redrawing.
     """
     import torch
 
-    from treecompile.kernels.masks import bitmask_rule, interval_rule
+    from treecompile.kernels.attention.masks import bitmask_rule, interval_rule
 
     idx = torch.arange(batch.num_tokens)
     q, k = idx[:, None], idx[None, :]

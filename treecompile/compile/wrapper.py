@@ -43,8 +43,8 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error, unknown_choice
-from treecompile.kernels.masks import MASK_KINDS
-from treecompile.kernels.recurrence import SCAN_KERNELS
+from treecompile.kernels.attention.masks import MASK_KINDS
+from treecompile.kernels.scans.recurrence import SCAN_KERNELS
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
@@ -138,7 +138,7 @@ def tree_compile(
             tree: ``"auto"`` (default: flash-linear-attention's kernels on CUDA when they are
             installed and pass a check against the torch scan, else the torch scan),
             ``"torch"`` or ``"fla"`` (raises at the first call where it cannot be used);
-            see :data:`treecompile.kernels.recurrence.SCAN_KERNELS`.
+            see :data:`treecompile.kernels.scans.recurrence.SCAN_KERNELS`.
         dropout: dropout outside attention in training mode draws one mask per path in
             per-path training and one per tree row here (a shared prefix token is dropped or
             kept for all its paths): another estimator of the same expectation, not the same

@@ -8,7 +8,7 @@
   backward, which every whole-tree and streamed call of an FSDP2 model goes through.
 - `cp_split`: one packed row split over a context-parallel group by work (attention pairs).
 - `context_parallel`: that row run over the group, each rank's queries seeing the prefix keys
-  and values gathered from the other ranks in the graph (`treecompile.kernels.cp_gather`).
+  and values gathered from the other ranks in the graph (`treecompile.kernels.collectives.cp_gather`).
 - `stream_cp`: a tree over the row budget streamed in parts, each part split over the group.
 
 The modules stand on the floors of the layers they serve (docs/architecture.md): `unsharded`

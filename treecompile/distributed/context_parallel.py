@@ -37,8 +37,8 @@ import torch.distributed as dist
 from treecompile.capture.call import (CallSetup, TreeOutput, argument_names, call_under_setup, compile_named,
                                       device_of, run_head)
 from treecompile.core.batch import TreeBatch, on_host, to_device
-from treecompile.kernels.cp_gather import padded_send, register_group
-from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.kernels.collectives.cp_gather import padded_send, register_group
+from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, context_parallel
@@ -111,7 +111,7 @@ class CPRunner:
         work: the per-row costs the split balances (None: by rows).
         align: cuts on multiples of this many rows.
         split: the `CPSplit` of the latest batch.
-        group_name: the name the graphs know the group by (`treecompile.kernels.cp_gather.register_group`).
+        group_name: the name the graphs know the group by (`treecompile.kernels.collectives.cp_gather.register_group`).
     """
 
     def __init__(self, setup: CallSetup, group: dist.ProcessGroup, work: RowWork | None = None,

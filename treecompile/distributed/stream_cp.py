@@ -52,7 +52,7 @@ import torch.distributed as dist
 from treecompile.capture.call import CallSetup, device_of
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.core.preorder import rows_before_on_path
-from treecompile.kernels.cp_gather import padded_send
+from treecompile.kernels.collectives.cp_gather import padded_send
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import Pipeline, streamed_context_parallel
 from treecompile.passes.stream import StreamGraph

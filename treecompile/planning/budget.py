@@ -35,7 +35,7 @@ The model is a polynomial in the packed length ``S``, built with sympy::
 
 Attention working memory depends on the device. FlexAttention's GPU kernel keeps only
 ``O(S * heads)`` statistics. On CPU, treecompile runs its own block-sparse op
-(`treecompile.kernels.cpu_attention`, ``attention="cpu-blocks"``, the CPU default), which
+(`treecompile.kernels.attention.cpu_attention`, ``attention="cpu-blocks"``, the CPU default), which
 calls SDPA's fused CPU kernel on up to `CPU_CALL_ROWS` queries at a time: no ``[H, S, S]`` and
 no per-head score tensor. A masked call takes at most `CPU_CALL_ROWS` keys, so its additive
 tree mask, with its boolean temporaries, is at most ``[CPU_CALL_ROWS, min(S, CPU_CALL_ROWS)]``
@@ -102,16 +102,16 @@ CHECKPOINTING = ("none", "layer")
 DEVICES = ("cpu", "cuda")
 #: ``attention=``: the attention kernel, which decides the working memory of its backward.
 #: ``"flex"``: FlexAttention's fused GPU kernel, ``O(S * H)`` statistics; ``"cpu-blocks"``:
-#: treecompile's block-sparse CPU op (``treecompile.kernels.cpu_attention``), SDPA's fused kernel
+#: treecompile's block-sparse CPU op (``treecompile.kernels.attention.cpu_attention``), SDPA's fused kernel
 #: on a few query blocks and their live keys at a time; ``"flex-dense"``: the eager flex op,
 #: ``[H, S, S]`` scores (treecompile's CPU path before ``cpu-blocks``).
 ATTENTION = ("flex", "cpu-blocks", "flex-dense")
 #: The kernel treecompile runs on each device.
 DEFAULT_ATTENTION = {"cuda": "flex", "cpu": "cpu-blocks"}
-#: Query rows per block of the CPU op (``treecompile.kernels.flex.BLOCK_SIZE``; a test checks).
+#: Query rows per block of the CPU op (``treecompile.kernels.attention.flex.BLOCK_SIZE``; a test checks).
 CPU_BLOCK_ROWS = 128
 #: Query rows per call of the CPU op to SDPA's fused kernel (consecutive blocks whose keys
-#: nearly agree share one: ``treecompile.kernels.cpu_attention._GROUP_ROWS``), and the most keys
+#: nearly agree share one: ``treecompile.kernels.attention.cpu_attention._GROUP_ROWS``), and the most keys
 #: of one masked call (``_MASKED_KEYS``); a test checks both.
 CPU_CALL_ROWS = 512
 #: Bytes per (query, key) pair of a CPU call's tree mask beyond the mask's own dtype: the rule's

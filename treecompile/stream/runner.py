@@ -13,7 +13,7 @@ import torch
 
 from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
-from treecompile.kernels.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
+from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
 from treecompile.passes.pipeline import Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout

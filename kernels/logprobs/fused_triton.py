@@ -2,7 +2,7 @@
 
     lp = triton_target_logprobs(hidden, lm_head.weight, None, slot, target)   # [M], CUDA
 
-The same function as :func:`treecompile.kernels.fused_logprobs.fused_target_logprobs` (its
+The same function as :func:`treecompile.kernels.logprobs.fused.fused_target_logprobs` (its
 torch op is the reference the tests compare with), split the same way: rows are processed
 ``chunk`` at a time, so at most ``[chunk, V]`` logits exist at once, never ``[R, V]``.
 Per chunk, the projection ``y = h W^T + b`` is one matrix product (cuBLAS), and everything
@@ -131,7 +131,7 @@ def check_device(device: torch.device) -> None:
         return
     raise RuntimeError(
         f"the Triton fused log-prob kernel runs on CUDA tensors (on CPU only under Triton's interpreter, "
-        f"TRITON_INTERPRET=1 set before treecompile.kernels.fused_logprobs_triton is imported); got {device}"
+        f"TRITON_INTERPRET=1 set before treecompile.kernels.logprobs.fused_triton is imported); got {device}"
     )
 
 
@@ -250,7 +250,7 @@ def triton_target_logprobs(
 
     Args:
         hidden, weight, bias, slot, target, softcap, chunk: as in
-            :func:`treecompile.kernels.fused_logprobs.fused_target_logprobs`.
+            :func:`treecompile.kernels.logprobs.fused.fused_target_logprobs`.
         block_v: vocabulary tile (a power of two); None picks :func:`default_block_v`.
 
     Raises:

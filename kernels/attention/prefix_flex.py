@@ -1,17 +1,17 @@
 """A streamed part's attention over ``[prefix ; own]`` keys as one FlexAttention call.
 
-The mask of `treecompile.kernels.prefix_attention` (query ``i`` of the part sits at
+The mask of `treecompile.kernels.attention.prefix_attention` (query ``i`` of the part sits at
 concatenated index ``c_i = P + i``; key ``j`` is visible iff ``j <= c_i < kv_end[j]``, with a
 window also ``q_pos[i] - kv_pos[j] < window``) as a ``mask_mod`` over ``S`` queries and
 ``L = P + S`` keys, and its ``BlockMask`` built from ``kv_end`` without visiting the S x L
-pairs: `treecompile.kernels.blockmask.block_classes` with the queries the last ``S`` of the
+pairs: `treecompile.kernels.attention.blockmask.block_classes` with the queries the last ``S`` of the
 ``L`` rows (``q_len=S``); with a window no block is known full.
 The gradients reach the prefix keys and values as any key's: the stack's K/V get theirs
 from the same call. `prefix_flex_hop` is what a streamed part's (or a context-parallel
 rank's) graph calls on CUDA: FlexAttention's higher-order op with the tables of
-`prefix_block_mask`, as `treecompile.kernels.flex` calls it for the whole tree (it runs
+`prefix_block_mask`, as `treecompile.kernels.attention.flex` calls it for the whole tree (it runs
 forward and backward on CPU too, over every pair: how the tests check it). The per-block
-loop of `treecompile.kernels.prefix_attention` stays the CPU kernel.
+loop of `treecompile.kernels.attention.prefix_attention` stays the CPU kernel.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from treecompile.kernels.blockmask import block_classes, block_mask_from_classes
-from treecompile.kernels.flex import BLOCK_SIZE, call_flex_hop, softcap_score_mod, split_block_mask
+from treecompile.kernels.attention.blockmask import block_classes, block_mask_from_classes
+from treecompile.kernels.attention.flex import BLOCK_SIZE, call_flex_hop, softcap_score_mod, split_block_mask
 
 __all__ = ["prefix_mask_mod", "prefix_block_mask", "prefix_flex_attention", "prefix_flex_hop"]
 
@@ -60,7 +60,7 @@ def prefix_block_mask(kv_end: torch.Tensor, kv_pos: torch.Tensor, q_pos: torch.T
 def prefix_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor,
                           kv_pos: torch.Tensor, q_pos: torch.Tensor, *, scale: float, softcap: float = 0.0,
                           window: int = 0, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [1, Hq, S, Dv], lse [1, Hq, S])`` of `treecompile.kernels.prefix_attention`'s op,
+    """``(out [1, Hq, S, Dv], lse [1, Hq, S])`` of `treecompile.kernels.attention.prefix_attention`'s op,
     as one FlexAttention call (grouped-query heads, soft-cap as a ``score_mod``)."""
     block_mask = prefix_block_mask(kv_end, kv_pos, q_pos, block_size=block_size, window=window)
 
@@ -76,7 +76,7 @@ def prefix_flex_hop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: t
                     q_pos: torch.Tensor, *, scale: float, softcap: float = 0.0, window: int = 0,
                     block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_flex_attention` through FlexAttention's higher-order op (what a compiled part
-    graph calls: `treecompile.kernels.flex.call_flex_hop`), the rule's tensors passed as mask
+    graph calls: `treecompile.kernels.attention.flex.call_flex_hop`), the rule's tensors passed as mask
     buffers so that one graph serves every part. ``(out [1, Hq, S, Dv], lse [1, Hq, S])``,
     the log-sum-exp natural."""
     tables, layout = split_block_mask(prefix_block_mask(kv_end, kv_pos, q_pos, block_size=block_size, window=window))

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from treecompile.kernels import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
-from treecompile.kernels import mamba as _mamba  # noqa: F401  (registers the treecompile:: selective-scan ops)
-from treecompile.kernels import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)
+from treecompile.kernels.scans import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
+from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers the treecompile:: selective-scan ops)
+from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)
 
 Tensor = torch.Tensor
 
@@ -44,7 +44,7 @@ class ScanKind:
 
 def stream_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor, node_table: Tensor,
                           readouts: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """The tree selective scan (Mamba-1, :mod:`treecompile.kernels.selective_scan`) of a part,
+    """The tree selective scan (Mamba-1, :mod:`treecompile.kernels.scans.selective_scan`) of a part,
     started from states of earlier parts, reading out states for later parts, through the
     unchanged ``treecompile::tree_selective_scan`` op, with the node table of `stream_scan_fn`.
 

@@ -7,7 +7,7 @@ The recurrence, per batch row and head, with state ``S`` ``[Dk, Dv]`` (Yang et a
     S   <- S + k_t u_t^T                      # write
     o_t  = S^T q_t                            # read
 
-the delta form of :mod:`treecompile.kernels.recurrence`, which computes it (chunked, and
+the delta form of :mod:`treecompile.kernels.scans.recurrence`, which computes it (chunked, and
 on a tree by depth levels) and registers the ops:
 
 * ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state)`` ``-> (out, final_state)``:
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.kernels.recurrence import recurrence_reference
-from treecompile.kernels.recurrence_ops import register
+from treecompile.kernels.scans.recurrence import recurrence_reference
+from treecompile.kernels.scans.recurrence_ops import register
 
 __all__ = ["gated_delta_rule_reference", "gated_delta_rule", "tree_gated_delta_rule"]
 

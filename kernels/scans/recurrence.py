@@ -11,7 +11,7 @@ token by token,
 
 Gated DeltaNet (Yang et al., 2025) is the delta form. Mamba2's state space dual is the
 plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (its state
-``h = S^T``); see :mod:`treecompile.kernels.mamba2`.
+``h = S^T``); see :mod:`treecompile.kernels.scans.mamba2`.
 
 * `recurrence_reference`: that loop, the definition a reader can check by eye.
 * `chunked_recurrence`: the same map computed 64 tokens at a time with matrix products, a
@@ -32,7 +32,7 @@ plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (
   carried by the tree op's ``scan_kernel`` argument); `varlen_kernel` resolves the name, and a
   kernel is used only once it has matched the torch scan on a small problem.
 
-Each kind is registered as three ops (:func:`treecompile.kernels.recurrence_ops.register`), e.g. for ``gated_delta_rule``:
+Each kind is registered as three ops (:func:`treecompile.kernels.scans.recurrence_ops.register`), e.g. for ``gated_delta_rule``:
 ``treecompile::gated_delta_rule(q, k, v, g, beta, initial_state) -> (out, final_state)``
 (the linear-sequence form the wrapper swaps in for a model's kernel before capture),
 ``treecompile::tree_gated_delta_rule(q, k, v, g, beta, initial_state, node_table, scan_kernel) -> out``

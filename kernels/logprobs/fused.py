@@ -226,7 +226,7 @@ def fused_target_logprobs(
     if kernel == "triton":
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError("kernel='triton' needs the triton package (pip install triton)")
-        from treecompile.kernels.fused_logprobs_triton import triton_target_logprobs
+        from treecompile.kernels.logprobs.fused_triton import triton_target_logprobs
 
         return triton_target_logprobs(hidden, weight, bias, slot, target, softcap=softcap, chunk=chunk)
     lp, _ = torch.ops.treecompile.fused_target_logprobs(

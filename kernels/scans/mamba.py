@@ -1,7 +1,7 @@
 """Mamba's selective scan (Mamba-1): its ops and their reference.
 
 The scan, per batch row and channel ``d``, with state ``h`` ``[D, N]`` (see
-:mod:`treecompile.kernels.selective_scan`, which computes it):
+:mod:`treecompile.kernels.scans.selective_scan`, which computes it):
 
     h_t = exp(dt_t[:, None] * A) * h_{t-1} + u_t[:, None] * B_t[None, :]
     y_t = h_t C_t
@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from treecompile.kernels import selective_scan as _scan
+from treecompile.kernels.scans import selective_scan as _scan
 from treecompile.kernels.dtypes import compute_dtype
-from treecompile.kernels.recurrence import SCAN_KERNELS, autograd_inside
+from treecompile.kernels.scans.recurrence import SCAN_KERNELS, autograd_inside
 
 __all__ = ["selective_scan_reference", "selective_scan", "tree_selective_scan", "check_scan_kernel"]
 

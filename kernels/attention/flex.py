@@ -27,12 +27,12 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from treecompile.kernels import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
+from treecompile.kernels.attention import cpu_attention  # noqa: F401  (registers treecompile::tree_attention_cpu)
 
-from treecompile.kernels.blockmask import tree_block_mask
-from treecompile.kernels.flex_mods import user_mods
-from treecompile.kernels.flex_options import MASK_BLOCK, flex_kernel_options
-from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
+from treecompile.kernels.attention.blockmask import tree_block_mask
+from treecompile.kernels.attention.flex_mods import user_mods
+from treecompile.kernels.attention.flex_options import MASK_BLOCK, flex_kernel_options
+from treecompile.kernels.attention.masks import MASK_KINDS, tree_mask_mod
 
 __all__ = [
     "BLOCK_SIZE",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: Rows per BlockMask block (FlexAttention's default tile; every kernel tile in
-#: `treecompile.kernels.flex_options` divides it).
+#: `treecompile.kernels.attention.flex_options` divides it).
 BLOCK_SIZE = MASK_BLOCK
 
 # --------------------------------------------------------------------------- score_mods
@@ -111,7 +111,7 @@ def alibi_score_mod(inner: Callable) -> Callable:
 def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
     """The BlockMask of the interval rule, from per-block min/max of ``subtree_end``.
 
-    See `treecompile.kernels.blockmask.tree_block_mask`: no pair is evaluated, and the result
+    See `treecompile.kernels.attention.blockmask.tree_block_mask`: no pair is evaluated, and the result
     equals ``create_block_mask``'s.
     """
     return tree_block_mask(subtree_end, block_size=block_size)
@@ -221,7 +221,7 @@ def _block_tuple(layout: BlockLayout, tables: BlockTensors, q_len, kv_len, mask_
 def call_kernel_options(q) -> dict | None:
     """The ``kernel_options`` our FlexAttention calls ask for: on CUDA, FlexAttention's main
     Triton kernel (:func:`main_kernel_option`) with the tiles of the options table
-    (kernels/flex_options.py); elsewhere the table's (``None``: torch's own choice)."""
+    (kernels/attention/flex_options.py); elsewhere the table's (``None``: torch's own choice)."""
     table = flex_kernel_options(q)
     if q.device.type != "cuda":
         return table or None
@@ -352,7 +352,7 @@ class AttentionSpec:
             logit per query in the softmax denominator, with no value (gpt-oss attention
             sinks); the output is scaled by ``sigmoid(lse - sink)``.
         mods: the key of a model's own FlexAttention ``score_mod`` / ``mask_mod``
-            (`treecompile.kernels.flex_mods`), run on the rows' path positions, the mask ANDed
+            (`treecompile.kernels.attention.flex_mods`), run on the rows' path positions, the mask ANDed
             with the tree rule; the call passes the tensors they read as ``mod_buffers=``.
     """
 

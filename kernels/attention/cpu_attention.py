@@ -23,15 +23,15 @@ alone (docs/benchmarks.md, "Long paths").
 
 Both directions are ``torch.library`` custom ops, so a captured graph holds one opaque node
 per attention call (the Python loop over blocks is not traced). The mask rules are the
-ones in `treecompile.kernels.masks`; the reference is SDPA over the dense tree mask (tests).
+ones in `treecompile.kernels.attention.masks`; the reference is SDPA over the dense tree mask (tests).
 """
 
 from __future__ import annotations
 
 import torch
 
-from treecompile.kernels.flex_mods import score_vjp, tile_mask, tile_scores, user_mods
-from treecompile.kernels.masks import MASK_KINDS, tree_mask_mod
+from treecompile.kernels.attention.flex_mods import score_vjp, tile_mask, tile_scores, user_mods
+from treecompile.kernels.attention.masks import MASK_KINDS, tree_mask_mod
 
 __all__ = ["tree_attention_cpu", "lse_dtype", "fused_ok", "fused_block", "fused_block_backward", "attention_scores", "row_terms"]
 
@@ -284,7 +284,7 @@ def attention_scores(qb: Tensor, kb: Tensor, scale: float, softcap: float, bias:
 
 
 class _Mods:
-    """A model's own score_mod / mask_mod on one call's tiles (see `treecompile.kernels.flex_mods`)."""
+    """A model's own score_mod / mask_mod on one call's tiles (see `treecompile.kernels.attention.flex_mods`)."""
 
     def __init__(self, key: str, kind: str, buffers: list[Tensor], hq: int, device) -> None:
         self.mods = user_mods(key) if key else None
@@ -351,7 +351,7 @@ def tree_attention_cpu(
         alibi: per query head, the ALiBi slope: ``slope * (positions[kv] - positions[q])``
             is added to each score (after soft-capping); empty or None for none.
         mods: the key of a model's own score_mod / mask_mod
-            (`treecompile.kernels.flex_mods.register_mods`), run on the rows' path positions;
+            (`treecompile.kernels.attention.flex_mods.register_mods`), run on the rows' path positions;
             "" for none.
 
     Returns:

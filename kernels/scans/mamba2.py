@@ -6,7 +6,7 @@ discretised step ``dt_t`` (after bias, softplus and clamping):
     h_t = exp(dt_t * A) * h_{t-1} + (dt_t * x_t) B_t^T
     y_t = h_t C_t + D * x_t
 
-This is the plain (no delta rule) form of :mod:`treecompile.kernels.recurrence` with
+This is the plain (no delta rule) form of :mod:`treecompile.kernels.scans.recurrence` with
 ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` and state ``S = h^T``, which
 computes it and registers the ops ``treecompile::ssd_scan(q, k, v, g, beta, initial_state)``
 ``-> (out, final_state)``, ``treecompile::tree_ssd_scan(..., node_table) -> out`` (what the
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.kernels.recurrence import recurrence_reference
-from treecompile.kernels.recurrence_ops import register
+from treecompile.kernels.scans.recurrence import recurrence_reference
+from treecompile.kernels.scans.recurrence_ops import register
 
 __all__ = ["ssd_scan_reference", "ssd_scan", "tree_ssd_scan"]
 

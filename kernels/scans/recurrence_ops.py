@@ -1,4 +1,4 @@
-"""The custom ops of the scalar-gated recurrences (see :mod:`treecompile.kernels.recurrence`).
+"""The custom ops of the scalar-gated recurrences (see :mod:`treecompile.kernels.scans.recurrence`).
 
 :func:`register` registers, for one kind (``gated_delta_rule``, ``ssd_scan``), the
 linear-sequence op the wrapper swaps in for a model's kernel, its tree form (what the SSM
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from treecompile.kernels import recurrence as _rec
+from treecompile.kernels.scans import recurrence as _rec
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["register"]

@@ -3,7 +3,7 @@
     opts = flex_kernel_options(q)          # {} on CPU or for a shape the table lacks
     treecompile tune                       # measures candidates on this GPU, prints a new table
 
-:func:`treecompile.kernels.flex.call_flex_hop` passes these to FlexAttention on CUDA; the
+:func:`treecompile.kernels.attention.flex.call_flex_hop` passes these to FlexAttention on CUDA; the
 table below is the one place they are written, and it holds only entries measured to beat
 torch's own choice on a tree step. **It is empty**: on an H100 (torch 2.11, triton 3.6,
 2026-11-27, `scripts/gpu.sh perf`) no candidate for head dim 128 in bfloat16 beat torch's
@@ -15,7 +15,7 @@ measured elsewhere (`treecompile tune --write FILE`) is used without editing thi
 setting ``TREECOMPILE_FLEX_OPTIONS=FILE``.
 
 Tree masks give a constraint torch's defaults need not meet: treecompile's BlockMasks use
-128-row blocks (:data:`treecompile.kernels.flex.BLOCK_SIZE`), and FlexAttention needs the
+128-row blocks (:data:`treecompile.kernels.attention.flex.BLOCK_SIZE`), and FlexAttention needs the
 mask's block size to be a multiple of every kernel tile, so every tile here divides 128.
 """
 
@@ -39,7 +39,7 @@ __all__ = ["FlexOptions", "FLEX_OPTIONS", "TABLE_ENV", "arch_of", "candidates", 
 #: table has not measured.
 TABLE_ENV = "TREECOMPILE_FLEX_OPTIONS"
 
-#: Rows per BlockMask block; each tile must divide it (kept equal to ``kernels.flex.BLOCK_SIZE``).
+#: Rows per BlockMask block; each tile must divide it (kept equal to ``kernels.attention.flex.BLOCK_SIZE``).
 MASK_BLOCK = 128
 
 
@@ -202,7 +202,7 @@ def tune(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: FlexAttention kernel options are tuned on the GPU they run on")
-    from treecompile.kernels.blockmask import tree_block_mask
+    from treecompile.kernels.attention.blockmask import tree_block_mask
 
     dev = torch.device("cuda")
     arch = arch_of(dev)

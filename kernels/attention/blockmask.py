@@ -16,7 +16,7 @@ A key block reaching further into the query block holds visible pairs (``k = q``
 a key after some query: partial. Blocks after the query block are empty (``k > q``). The
 result is identical to ``create_block_mask``'s, in O(S + blocks^2) tensor work on the
 batch's device. The queries may be the last rows of the keys only (a streamed part after
-its prefix keys, `treecompile.kernels.prefix_flex`): ``block_classes(..., q_len=S)``.
+its prefix keys, `treecompile.kernels.attention.prefix_flex`): ``block_classes(..., q_len=S)``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from treecompile.kernels.masks import MaskMod, bind_buffers, interval_mask_mod
+from treecompile.kernels.attention.masks import MaskMod, bind_buffers, interval_mask_mod
 
 __all__ = ["tree_block_mask", "block_classes", "block_mask_from_classes"]
 
@@ -37,7 +37,7 @@ def block_classes(subtree_end: torch.Tensor, block_size: int, *,
         subtree_end: ``[L]`` int64, each key's subtree end.
         block_size: rows per block (the same for queries and keys).
         q_len: the queries are the last ``q_len`` rows (a streamed part's own rows after
-            its ``L - q_len`` prefix keys, `treecompile.kernels.prefix_flex`); default all L.
+            its ``L - q_len`` prefix keys, `treecompile.kernels.attention.prefix_flex`); default all L.
     """
     total = subtree_end.shape[0]
     q_len = total if q_len is None else q_len

@@ -17,7 +17,7 @@ Per query block the op gathers the keys that can still be visible (``kv_end > c_
 ``j < c_{q1}``), so a finished sibling subtree costs nothing; memory is
 ``O(H x block x live keys)``, never ``S x L``. Forward and backward are custom ops (one
 opaque node per call in a captured graph); the backward is the standard one from the saved
-log-sum-exp, as in `treecompile.kernels.cpu_attention` (on SDPA's fused CPU kernel where
+log-sum-exp, as in `treecompile.kernels.attention.cpu_attention` (on SDPA's fused CPU kernel where
 that kernel can take the call). The plain reference is
 `prefix_attention_reference` (dense, O(S x L), for tests).
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.kernels.cpu_attention import (attention_scores, fused_block, fused_block_backward, fused_ok,
+from treecompile.kernels.attention.cpu_attention import (attention_scores, fused_block, fused_block_backward, fused_ok,
                                                 lse_dtype, row_terms)
 
 __all__ = ["prefix_tree_attention", "prefix_attention_reference"]
@@ -79,7 +79,7 @@ def prefix_tree_attention(
         kv_pos: ``[L]`` path positions of the keys; q_pos: ``[S]`` of the queries.
         block_size: queries per block.
         scale, softcap (0 for none), window (0 for none), alibi (slopes per query head or
-            None): as in `treecompile.kernels.cpu_attention.tree_attention_cpu`.
+            None): as in `treecompile.kernels.attention.cpu_attention.tree_attention_cpu`.
 
     Returns:
         ``(out [1, Hq, S, Dv], lse [1, Hq, S])``.

@@ -11,7 +11,7 @@ softplus) both sets the decay and scales the input ``x``. The scan here takes th
 ``D * x`` skip and the ``silu(z)`` gate act on each row alone and stay outside (see
 :func:`treecompile.capture.drop_ins.hf_mamba_selective_scan`). Unlike Mamba2's scan the decay differs
 along the state (``A`` is ``[D, N]``), so it is not a scalar-gated recurrence of
-:mod:`treecompile.kernels.recurrence`; it is gated linear attention with one head per
+:mod:`treecompile.kernels.scans.recurrence`; it is gated linear attention with one head per
 channel, ``Dk = N`` and ``Dv = 1``, which is how streamed parts keep its state (``[D, N, 1]``).
 
 * `selective_scan_reference`: that loop, token by token, the definition a reader can check by eye.
@@ -26,12 +26,12 @@ channel, ``Dk = N`` and ``Dv = 1``, which is how streamed parts keep its state (
 * `tree_selective_scan`: the scan on a packed tree. Each tree node's rows run from its
   *parent node's final state* (roots from the call's initial state, or zeros), nodes of
   one depth together as one zero-padded batch (split where lengths differ widely, as
-  :func:`treecompile.kernels.recurrence.tree_recurrence` does), so the sequential steps
+  :func:`treecompile.kernels.scans.recurrence.tree_recurrence` does), so the sequential steps
   follow how deep the tree is in nodes. Siblings read the same parent state tensor, so
   autograd sums their gradients into it, as it does per path.
 
 Memory: ``O(S * D * N)`` (the states of every row, as Hugging Face's torch fallback holds its
-discretised ``A`` and ``B * x``); nothing is ``O(S^2)``. The ops (:mod:`treecompile.kernels.mamba`)
+discretised ``A`` and ``B * x``); nothing is ``O(S^2)``. The ops (:mod:`treecompile.kernels.scans.mamba`)
 compute in at least float32. Shapes: ``u, dt`` ``[B, S, D]``, ``A`` ``[D, N]``, ``B, C``
 ``[B, S, N]``, states ``[B, D, N]``; ``node_table`` ``[M, 3]`` int64 (start row, end row,
 parent node in preorder, -1 for a root), on the CPU. The tree form takes one packed row.
@@ -44,7 +44,7 @@ import math
 import numpy as np
 import torch
 
-from treecompile.kernels.recurrence import CHUNK, node_levels, padding_groups
+from treecompile.kernels.scans.recurrence import CHUNK, node_levels, padding_groups
 
 __all__ = ["selective_scan_reference", "chunked_selective_scan", "tree_selective_scan"]
 

@@ -1,0 +1,2 @@
+"""The LM head's log-probabilities without the full logits: `fused` (the torch op, chunked over
+rows, and its reference) and `fused_triton` (the Triton kernel it dispatches to on CUDA)."""
