@@ -324,7 +324,20 @@ def test_a_tau2_simulation_without_messages_is_one_line(tmp_path, capsys):
     assert f"{bad}: simulation 0 (task '2'): a message or tool call of the wrong shape (AttributeError" in err, err
 
 
-def test_ctrl_c_is_one_line_and_status_130():
+@pytest.fixture
+def default_sigint():
+    """SIGINT handled as Python's default for the test (and so for the processes it starts): a
+    suite started in the background, or a library an earlier test loaded, may have left it ignored,
+    which a child inherits."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_is_one_line_and_status_130(default_sigint):
     """SIGINT to a running command: the shell's status for it, one line, no traceback."""
     import signal
     import time
@@ -347,7 +360,7 @@ def test_ctrl_c_is_one_line_and_status_130():
 
 
 @pytest.mark.full
-def test_ctrl_c_during_a_running_bench_keeps_the_measured_rows(tmp_path):
+def test_ctrl_c_during_a_running_bench_keeps_the_measured_rows(tmp_path, default_sigint):
     """SIGINT once ``bench --out`` has written its first row: status 130, one line, the file whole."""
     import signal
     import time
@@ -373,7 +386,7 @@ def test_ctrl_c_during_a_running_bench_keeps_the_measured_rows(tmp_path):
     assert rows[0]["method"] == "packed" and rows[0]["exact"]
 
 
-def test_a_ctrl_c_swallowed_by_a_callback_stops_at_the_next_measurement():
+def test_a_ctrl_c_swallowed_by_a_callback_stops_at_the_next_measurement(default_sigint):
     """Python drops a KeyboardInterrupt raised inside a weakref callback or ``__del__``; the bench
     raises it again before its next measurement."""
     import signal
