@@ -43,6 +43,9 @@ SCALED_GRAD_TOLERANCE = {
 
 #: Relative tolerance of the zoo's loss and log-prob comparisons (the same bar).
 ZOO_TOLERANCE = SCALED_GRAD_TOLERANCE[("float64", "zoo")]
+#: The zoo's bar for Hugging Face models, run with their float32 casts computed in float64 on both
+#: sides (`hf_float64_casts`): float64 rounding only (measured <= 4e-15 over its 37 HF cases).
+ZOO_F64_TOLERANCE = 1e-12
 
 
 def examples(n: int) -> int:
@@ -240,3 +243,48 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+#: The float32 casts of Hugging Face modeling code, and their float64 forms: a float64 model whose
+#: norms, routers, softmaxes and rotary tables compute in float64 on both sides of a comparison.
+_FLOAT32_CASTS = [(".float()", ".double()"), ("torch.float32", "torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"),
+                  ("dtype=torch.float,", "dtype=torch.float64,")]
+
+
+@contextlib.contextmanager
+def hf_float64_casts(*modules: str):
+    """Inside, the named Hugging Face modules (``"transformers.models.llama.modeling_llama"``)
+    compute in float64 where their code casts to float32 (their source re-run with the casts
+    rewritten); models built inside use it. The modules are restored on exit.
+
+    HF code rounds to float32 inside a float64 model (norms, routers, softmaxes, rotary
+    tables), so the tree and the per-path reference each round differently by ~1e-7, a floor
+    that would hide a real error of that size; with the casts gone both agree to float64
+    rounding."""
+    import importlib
+
+    saved = []
+    try:
+        for name in modules:
+            mod = importlib.import_module(name)
+            saved.append((mod, dict(mod.__dict__)))
+            source = open(mod.__file__, encoding="utf-8").read()
+            for cast, wide in _FLOAT32_CASTS:
+                source = source.replace(cast, wide)
+            exec(compile(source, mod.__file__, "exec"), mod.__dict__)  # noqa: S102  (the library's own source)
+        yield
+    finally:
+        for mod, d in reversed(saved):
+            mod.__dict__.clear()
+            mod.__dict__.update(d)
+
+
+def hf_modeling_modules(config_name: str) -> tuple[str, ...]:
+    """The modeling module of ``transformers.<config_name>``, after the shared module whose
+    helpers it calls with float32 casts (RoPE initialisation): the modeling module imports its
+    names when it runs. (The experts' interface module is left alone: treecompile registers its
+    experts there, and the zoo runs eager experts.)"""
+    import transformers
+
+    config_module = getattr(transformers, config_name).__module__
+    return "transformers.modeling_rope_utils", config_module.replace(".configuration_", ".modeling_")
