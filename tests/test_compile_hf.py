@@ -10,7 +10,7 @@ run the rewritten graph as it is (``backend="eager"``): the rewrite is what diff
 import pytest
 import torch
 from test_compile_models import compare_with_paths, make_batch
-from testing import perturbed_hf_model
+from testing import hf_float64_casts, hf_modeling_modules, perturbed_hf_model
 
 from treecompile.compile.wrapper import tree_compile
 
@@ -50,16 +50,18 @@ CASES = [(f, "interval") for f in ("qwen3", "llama", "qwen2", "mistral-sw4", "ge
 
 @pytest.mark.parametrize("family,mask", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_hf_model_matches_per_path_training(family, mask):
-    model = _model(family)
-    attn_implementation = model.config._attn_implementation
-    lowered = (family, mask) == ("qwen3", "interval")
-    compiled = tree_compile(model, mask=mask, backend=None if lowered else "eager")
-    for name in ("branchy", "forest"):
-        batch, trees = make_batch(name)
-        compare_with_paths(model, compiled, batch, trees, tol="hf")
-        # The model's attention implementation is restored after each call (the capturing one
-        # and a later one).
-        assert model.config._attn_implementation == attn_implementation
+    """With the model's float32 casts computed in float64 on both sides: float64 rounding only."""
+    with hf_float64_casts(*hf_modeling_modules(type(_config(family)).__name__)):
+        model = _model(family)
+        attn_implementation = model.config._attn_implementation
+        lowered = (family, mask) == ("qwen3", "interval")
+        compiled = tree_compile(model, mask=mask, backend=None if lowered else "eager")
+        for name in ("branchy", "forest"):
+            batch, trees = make_batch(name)
+            compare_with_paths(model, compiled, batch, trees, tol="pure")
+            # The model's attention implementation is restored after each call (the capturing one
+            # and a later one).
+            assert model.config._attn_implementation == attn_implementation
     n_layers = 2
     assert compiled.counters["rewrite_attention_pass"] == {"hf_interface": n_layers}
     assert compiled.counters["rewrite_positions_pass"]["position_ids_input"] >= 1
