@@ -24,15 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from treecompile.passes._graph import (
-    MATMUL,
-    PassContext,
-    bind,
-    is_call,
-    mutated_args,
-    same_size,
-    value,
-)
+
+from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS"]
@@ -48,7 +41,7 @@ class ScoreChain:
         softcap: ``c`` of ``c * tanh(x / c)``, or None.
         masks: ``(kind, node)``: ``masked_fill``, ``additive``, ``where``, ``multiply``,
             ``subtract`` (the last two judged together, see `arithmetic_mask`), ``relative`` (a
-            bias over the pairs computed from parameters, `treecompile.passes.relative_bias`).
+            bias over the pairs computed from parameters, `treecompile.passes.attention.relative_bias`).
         nodes: the nodes the rewrite replaces.
     """
 

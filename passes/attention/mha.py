@@ -14,13 +14,13 @@ Counters (``rewrite_attention_pass``): ``multihead_attention``, ``memory_attenti
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 
 import torch
 from torch import fx
 
 from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
 from treecompile.passes._mask_eval import structural_causal
+from treecompile.passes.attention.replace import replace
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
@@ -36,7 +36,7 @@ _MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": Tru
                  "is_causal": False, "bias_k": None, "bias_v": None, "add_zero_attn": False, "dropout_p": 0.0}
 
 
-def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, replace: Callable) -> None:
+def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``,
     fairseq) over the rows ``[S, 1, E]`` under a structural causal ``attn_mask``: its
     projections, split into heads, the tree attention, and the output projection, as the

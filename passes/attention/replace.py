@@ -1,0 +1,103 @@
+"""The one rewrite every spelling of causal attention ends in: the tree kernel's call.
+
+`replace` inserts the FlexAttention call (CPU kernels on CPU) with the call's scale, window,
+soft-cap, ALiBi slopes, sinks and the model's own mods, and redirects the attention output's
+users; `heads_of` reads the kernel's head count off an attention node.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from treecompile.kernels.attention.flex import AttentionSpec, tree_attention_fn
+from treecompile.passes._graph import row_dims, value
+
+__all__ = ["replace", "heads_of"]
+
+
+def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post=None, alibi=None,
+             sinks=None, sink_values=None, mods=None, mod_buffers=()) -> bool:
+    """Inserts the tree attention call and redirects the users of ``output`` (default ``node``).
+
+    ``q``, ``k``, ``v`` are ``[B, H, S, D]`` or ``[B * H, S, D]`` (``[B, S, D]`` for attention
+    without a head dim); the batch is 1 (the wrapper's), so a 3-D tensor's leading dim is the
+    kernel's heads, and the result gets ``output``'s layout back. Inputs of different
+    dtypes (scores in float32, values in float64, as GPT-J does) are promoted to one dtype
+    (the most precise of them) for the kernel, and the result cast to ``output``'s dtype.
+    """
+    output = output or node
+    vals = [value(x) for x in (q, k, v)]
+    out_val = value(output)
+    if any(not isinstance(t, torch.Tensor) for t in (*vals, out_val)):
+        return False
+    # The kernel's result has q's dims; ``post`` (an einsum layout) maps it to ``output``'s.
+    out_dim = vals[0].dim() if post is not None else out_val.dim()
+    dims = {t.dim() for t in vals} | {out_dim}
+    if not dims <= {3, 4}:
+        ctx.notes[output] = f"attention over tensors of {sorted(dims)} dims: the tree kernel takes [B, H, S, D]"
+        return False
+    if any(t.dim() - 2 not in row_dims(x, ctx.seq_len, "seq") for x, t in zip((q, k, v), vals) if not callable(x)):
+        ctx.notes[output] = "attention whose q, k or v does not have the sequence as its second-to-last dim"
+        return False
+    traced = [name for name, x in (("scale", scale), ("window", window), ("softcap", softcap))
+              if isinstance(x, fx.Node)]
+    if traced:
+        # The tree kernel takes them as constants; Dynamo traces a number as a variable when it
+        # has seen it change between calls of the same function.
+        ctx.notes[output] = f"attention whose {' and '.join(traced)} is a traced variable, not a constant"
+        return False
+    three_d = out_dim == 3
+    dtype = vals[0].dtype
+    for t in vals[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    with gm.graph.inserting_before(output):
+        args = []
+        for x, t in zip((q, k, v), vals):
+            if t.dtype != dtype:
+                x = ctx.mark(gm.graph.call_method("to", (x, dtype)), like=output)
+            if t.dim() == 3:  # [B * H, S, D] or [B, S, D] with B = 1: the leading dim is the heads
+                x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
+            args.append(x)
+    q, k, v = args
+    spec = AttentionSpec(
+        kind=ctx.mask,
+        scale=None if scale is None else float(scale),
+        window=None if window is None else int(window),
+        softcap=None if softcap is None else float(softcap),
+        chunks=ctx.chunks,
+        layout=ctx.layout,
+        alibi=alibi,
+        sinks=sinks is not None,
+        mods=mods,
+    )
+    fn = tree_attention_fn(spec)
+    with gm.graph.inserting_before(output):
+        kwargs = {} if sinks is None else {"sinks": sinks}
+        if sink_values is not None:
+            kwargs["sink_values"] = sink_values
+        if mods is not None:
+            kwargs["mod_buffers"] = list(mod_buffers)
+        new = ctx.mark(gm.graph.call_function(fn, (q, k, v, ctx.positions, *ctx.mask_buffers, *ctx.block_tensors),
+                                              kwargs), like=output)
+        if three_d:
+            new = ctx.mark(gm.graph.call_method("squeeze", (new, 0)), like=output)
+        if dtype != value(output).dtype:
+            new = ctx.mark(gm.graph.call_method("to", (new, value(output).dtype)), like=output)
+        if post is not None:
+            new = ctx.mark(post(gm.graph, new), like=output)
+    new.meta["example_value"] = value(output)
+    output.replace_all_uses_with(new)
+    return True
+
+
+def heads_of(node: fx.Node) -> int | None:
+    """The kernel's heads for an attention whose output (or scores) is ``node``: the product
+    of its leading dims (the batch is 1), or None if one is symbolic."""
+    v = value(node)
+    n = 1
+    for d in v.shape[:-2]:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n

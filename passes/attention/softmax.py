@@ -1,0 +1,191 @@
+"""Manual softmax attention: ``softmax(scale * (q @ k^T) masked by a structural causal mask) @ v``,
+with scores by ``matmul``, ``bmm``, ``baddbmm`` or ``einsum``, casts and views in between, with or
+without a head dim (the walk from the softmax back to the scores is `score_chain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from treecompile.passes._graph import MATMUL, PassContext, bind, describe, is_call, row_dims, source_of, value
+from treecompile.passes._mask_eval import causal_pattern, structural_causal
+from treecompile.passes.attention.operands import (
+    chain_end,
+    drops_last_column,
+    forward_chain,
+    output_operands,
+    outside_use,
+    scores_operands,
+    single_user,
+    sink_column,
+)
+from treecompile.passes.attention.relative_bias import relative_bias_mods
+from treecompile.passes.attention.replace import heads_of, replace
+from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
+from treecompile.passes.rows.random import attention_dropout
+
+__all__ = ["rewrite_softmax_attention"]
+
+
+_VIEWS = ("view", "reshape", "contiguous")
+_CASTS = ("float", "double", "to", "type", "type_as")
+
+
+@dataclass
+class _Match:
+    """A manual softmax attention read off the graph: the softmax ``node``, the output product
+    ``out`` (its ``post`` layout), the query, key and value operands, a sink column, and the
+    walk from the softmax back to the scores (scale, masks, soft-cap)."""
+
+    out: fx.Node
+    q: Any
+    k: Any
+    v: Any
+    post: Any
+    sink: fx.Node | None
+    walk: ScoreChain
+
+
+def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+    """Matches ``softmax(chain(q @ k^T), dim=-1) @ v`` where ``chain`` scales, masks, casts
+    and reshapes.
+
+    Scores by ``matmul`` / ``@``, ``bmm``, ``baddbmm`` or a two-operand ``einsum``; the
+    output by ``matmul``, ``bmm`` or ``einsum``; casts (``.float()``, ``.to(dtype)``,
+    ``.type_as(q)``) and views anywhere in between. A match whose masks do not make it causal
+    is left with a note (`_judge_masks`).
+    """
+    m = _match(ctx, node)
+    if m is None:
+        return
+    terms = _judge_masks(ctx, node, m.walk)
+    if isinstance(terms, tuple) and isinstance(terms[0], str):
+        why, at_out = terms
+        ctx.notes[m.out if at_out else node] = why
+        return
+    window, alibi, relative = terms
+    mods, mod_buffers = None, []
+    if relative:
+        if alibi is not None or m.walk.softcap is not None:
+            ctx.notes[node] = "the scores get a learned pair bias beside ALiBi or a soft-cap"
+            return
+        found = relative_bias_mods(gm, ctx, relative[0], m.out, m.walk.relative_scale, heads_of(node))
+        if isinstance(found, str):
+            ctx.notes[node] = f"the scores get {found}"
+            return
+        mods, table = found
+        mod_buffers = [table]
+    sink = m.sink
+    with gm.graph.inserting_before(m.out):
+        q, k, v = (ctx.mark(x(gm.graph), like=m.out) if callable(x) else x for x in (m.q, m.k, m.v))
+        if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
+            sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
+    if replace(gm, ctx, node, q, k, v, scale=m.walk.scale * (m.walk.softcap or 1.0), window=window,
+               softcap=m.walk.softcap, output=m.out, post=m.post, alibi=alibi, sinks=sink, mods=mods,
+               mod_buffers=mod_buffers):
+        ctx.count("softmax_attention")
+        if mods is not None:
+            ctx.count("relative_bias")
+
+
+def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
+    """The attention around the softmax ``node``, or None where it is not one (or a note says why
+    it cannot be rewritten)."""
+    args = bind(node, ["input", "dim"], {"dim": None})
+    scores = args["input"]
+    sv = value(scores)
+    if not isinstance(sv, torch.Tensor) or sv.dim() < 2 or args["dim"] not in (-1, sv.dim() - 1):
+        return None
+    sink = sink_column(ctx, scores)
+    if sink is not None:
+        # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
+        scores = scores.args[0][0]
+    if len(row_dims(scores, ctx.seq_len, "seq")) < 2:
+        return None
+    try:
+        walk = walk_scores(ctx, node, scores)
+    except StopWalk as e:
+        if str(e):
+            ctx.notes[node] = str(e)
+        return None
+    qk = scores_operands(walk.qk)
+    if qk is None:
+        return None
+    q, k, q_layout = qk
+    out = _output_product(node, sink)
+    pv = None if out is None else output_operands(out, q_layout)
+    if pv is None:
+        return None
+    p_arg, v, post = pv
+    if p_arg is not chain_end(node, out):
+        return None
+    other = outside_use(walk.nodes + [args["input"]] + forward_chain(node, out), out)
+    if other is not None:
+        ctx.notes[out] = (f"the attention scores are also used by {describe(other)} at {source_of(other)} (an in-place "
+                          "edit or a second reader), which rewriting the attention would drop")
+        return None
+    return _Match(out, q, k, v, post, sink, walk)
+
+
+def _output_product(node: fx.Node, sink: fx.Node | None) -> fx.Node | None:
+    """Forward from the softmax: [drop the sink column] -> [dropout(p=0) | cast | view] -> @ v."""
+    out = single_user(node)
+    if sink is not None:
+        if out is None or not drops_last_column(out):
+            return None
+        out = single_user(out)
+    while out is not None and is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
+        if is_call(out, (torch.nn.functional.dropout,)):
+            p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
+            if p["p"] and p["training"]:
+                raise attention_dropout(out, p["p"], "dropout p=0")
+        out = single_user(out)
+    if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
+        return None
+    return out
+
+
+def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
+    """``(window, alibi slopes, relative biases)`` of a causal attention's masks, or ``(why,
+    at_out)``: why they do not make it causal (noted on the output product if ``at_out``)."""
+    bidirectional = ("softmax attention without a causal mask (bidirectional)", True)
+    if not walk.masks:
+        return bidirectional
+    heads = heads_of(node)
+    window, alibi, causal = None, None, False
+    arithmetic = any(kind in ("multiply", "subtract") for kind, _ in walk.masks)
+    relative = [m for kind, m in walk.masks if kind == "relative"]
+    masks = [(kind, m) for kind, m in walk.masks if kind != "relative"]
+    if relative and (arithmetic or len(relative) > 1):
+        return "the scores get a learned pair bias beside another bias or an arithmetic mask", False
+    for kind, m in [] if arithmetic else masks:  # an arithmetic mask is judged as a whole, below
+        w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
+        if why:
+            return f"the attention mask is {why}", False
+        if slopes is not None:
+            if alibi is not None:
+                return "the scores get two ALiBi biases", False
+            alibi = slopes
+        causal = causal or is_mask
+        if w is not None:
+            window = w if window is None else min(window, w)
+    allowed = arithmetic_mask(ctx, walk)
+    if isinstance(allowed, str):
+        return f"the attention mask is {allowed}", False
+    if allowed is not None:
+        flat = allowed.reshape(-1, *allowed.shape[-2:])
+        w, why = causal_pattern(flat[0]) if all(torch.equal(flat[0], f) for f in flat[1:]) else \
+            (None, "different across batch or heads")
+        if why:
+            return f"the attention mask is {why}", False
+        ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
+        causal = True
+        if w is not None:
+            window = w if window is None else min(window, w)
+    if not causal:
+        return bidirectional
+    return window, alibi, relative
