@@ -31,10 +31,11 @@ removes it, runs the passes, then lowers with the chosen backend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -58,7 +59,7 @@ from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
 __all__ = [
-    "streamed", "context_parallel", "streamed_context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "make_backend", "run_passes",
+    "streamed", "context_parallel", "streamed_context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "CallState", "make_backend", "run_passes",
 ]
 
 log = logging.getLogger("treecompile.passes")
@@ -305,19 +306,46 @@ def _pass_failure(name: str, exc: Exception) -> UnsupportedModelError:
     )
 
 
+@dataclasses.dataclass
+class CallState:
+    """What a backend reads about the batch of the call it compiles for, set by whoever makes the
+    call (the wrapper, the stream runner, the CP runner) before each compiled call, and read only
+    when Dynamo compiles a graph.
+
+    Attributes:
+        layout: the batch's BlockMask layout (static per compiled graph: Dynamo guards on the
+            shapes that determine it).
+        chunks: the path-bit chunks of ``mask="bitmask"`` (0 otherwise).
+        probe_rows: the length at which to judge structural masks (``PassContext.probe_rows``).
+        judge_cap: see ``PassContext.judge_cap``.
+    """
+
+    layout: BlockLayout | None = None
+    chunks: int = 0
+    probe_rows: int = 0
+    judge_cap: int = 0
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[CallState]:
+        """Within the block the fields may change (a probe's own calls); restored on exit."""
+        saved = dataclasses.replace(self)
+        try:
+            yield self
+        finally:
+            for f in dataclasses.fields(self):
+                setattr(self, f.name, getattr(saved, f.name))
+
+
 def make_backend(
     *,
     mask: str,
-    layout_of: Callable[[], BlockLayout],
-    chunks_of: Callable[[], int],
+    call_state: CallState,
     lowering: str,
     records: list[CompileRecord],
     passes: Sequence[Pass] | Pipeline = PASSES,
-    probe_rows_of: Callable[[], int] = lambda: 0,
     scan_kernel: str = "auto",
     dropout: str = "refuse",
     keep_inputs: bool = False,
-    judge_cap_of: Callable[[], int] = lambda: 0,
     arguments: Sequence[str] = (),
     before_commit: Callable[[CompileRecord], None] | None = None,
 ) -> Callable:
@@ -325,19 +353,15 @@ def make_backend(
 
     Args:
         mask: a key of :data:`treecompile.kernels.attention.masks.MASK_KINDS`.
-        layout_of, chunks_of: the current batch's BlockMask layout and path-bit chunks
-            (static per compiled graph; Dynamo guards on the shapes that determine them).
+        call_state: the batch's layout, chunks and judging lengths, read when a graph compiles.
         lowering: a key of :data:`LOWERINGS`.
         records: each compile appends its :class:`CompileRecord` here.
         passes: the passes to run, or a :class:`Pipeline` (passes and hooks).
-        probe_rows_of: the length at which to judge structural masks (see
-            ``PassContext.probe_rows``).
         scan_kernel: the scan kernel of recurrent layers' tree forms (see
             ``PassContext.scan_kernel``).
         dropout: see ``PassContext.dropout``.
         keep_inputs: record what the first-call probe needs (`CompileRecord.sources`,
             ``last_args``, ``probe_graph``).
-        judge_cap_of: see ``PassContext.judge_cap``.
         arguments: the names of the compiled function's arguments (the batch); every other
             graph input is the model's state (see :mod:`treecompile.passes.state`).
         before_commit: with ``keep_inputs``, ``before_commit(record)`` runs at the first call
@@ -358,9 +382,9 @@ def make_backend(
             raise
         except Exception as e:
             raise _pass_failure("separate_state", e) from e
-        ctx = _context(gm, example_inputs, mask, layout_of(), chunks_of())
-        ctx.probe_rows = probe_rows_of()
-        ctx.judge_cap = judge_cap_of()
+        ctx = _context(gm, example_inputs, mask, call_state.layout, call_state.chunks)
+        ctx.probe_rows = call_state.probe_rows
+        ctx.judge_cap = call_state.judge_cap
         ctx.scan_kernel = scan_kernel
         ctx.dropout = dropout
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))

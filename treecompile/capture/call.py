@@ -172,7 +172,8 @@ class CallSetup:
         structure: whether the model has recurrent or convolution layers (the calls pass the
             path structure).
         passes: the `treecompile.passes.pipeline.Pipeline` (or pass tuple) of the wrapper.
-        backend: ``backend(device, *, mask, layout_of, chunks_of, passes, ...)``: the
+        backend: ``backend(device, *, mask, state, passes, ...)`` (``state``: the caller's
+            `treecompile.passes.pipeline.CallState`, set before each call): the
             treecompile Dynamo backend for a graph.
         graph_parts: ``() -> (inner, kwargs_of, router, want_entropy, temperature)``: what the
             traced forward calls.

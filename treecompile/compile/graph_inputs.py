@@ -1,7 +1,7 @@
 """The arguments of a whole-tree compiled call, from a batch.
 
 One definition of what the compiled function ``tree_forward`` (`treecompile.compile.wrapper`)
-takes, in its order (`treecompile.compile.probe.BATCH_ARGS` names them): the ids, the
+takes, by name and in its order (`GraphInputs`; `GRAPH_ARGS` names them): the ids, the
 positions, the mask rule's tensors, the BlockMask's tables, the path structure, the head's
 indices, the target weights and the path counts. The BlockMask is built here, once per batch,
 outside the model.
@@ -9,16 +9,55 @@ outside the model.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from treecompile.core.batch import TreeBatch
 from treecompile.core.errors import TreeInputError
 from treecompile.kernels.attention.flex import BLOCK_SIZE, BlockLayout, interval_block_mask, split_block_mask
 
-__all__ = ["tree_call_inputs"]
+__all__ = ["GRAPH_ARGS", "GraphInputs", "tree_call_inputs"]
 
 
-def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[tuple, BlockLayout, int]:
+@dataclasses.dataclass(frozen=True)
+class GraphInputs:
+    """The compiled whole-tree function's arguments, by name, in the order it takes them.
+
+    Attributes:
+        ids: the token ids ``[1, S]``.
+        positions: each row's position on its path ``[S]``.
+        mask_buffers: the mask rule's tensors (``subtree_end``; or the tree ids and path bits).
+        block_tensors: the BlockMask's tables (`split_block_mask`).
+        structure: the path structure (``pred_index`` and the CPU node table), or empty.
+        rows, slot, target, dest: the head's indices (`TreeBatch.head_index`).
+        weight: each target's loss weight.
+        path_count: how many paths pass through each row.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask_buffers: list
+    block_tensors: list
+    structure: list
+    rows: torch.Tensor
+    slot: torch.Tensor
+    target: torch.Tensor
+    dest: torch.Tensor
+    weight: torch.Tensor
+    path_count: torch.Tensor
+
+    def args(self) -> tuple[Any, ...]:
+        """The positional arguments of the compiled call."""
+        return tuple(getattr(self, name) for name in GRAPH_ARGS)
+
+
+#: The compiled function's argument names, in its order.
+GRAPH_ARGS = tuple(f.name for f in dataclasses.fields(GraphInputs))
+
+
+def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[GraphInputs, BlockLayout, int]:
     """``(arguments, block layout, path-bit chunks)`` of one whole-tree call.
 
     Args:
@@ -59,6 +98,6 @@ def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[tupl
                  # from the first call, so a second batch size does not recompile.
                  *[(b, d) for b in block_tensors for d in range(2, b.dim())]]:
         torch._dynamo.maybe_mark_dynamic(t, d)
-    args = (ids, batch.position_ids, buffers, block_tensors, paths, rows, slot, target, dest, batch.target_weight,
-            batch.path_count)
-    return args, layout, chunks
+    inputs = GraphInputs(ids, batch.position_ids, buffers, block_tensors, paths, rows, slot, target, dest,
+                         batch.target_weight, batch.path_count)
+    return inputs, layout, chunks

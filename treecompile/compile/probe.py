@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from treecompile.compile.graph_inputs import GRAPH_ARGS
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.tree import TrajectoryTree
@@ -53,10 +54,6 @@ __all__ = ["ProbeReport", "probe_graph", "probe_hook", "probe_new_graphs", "prob
 #: through every layer. A row-index position or a length-dependent value moves log-probs by
 #: far more in any model that reads them.
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
-
-#: The names of the compiled function's batch arguments (``TreeCompiledModel._inputs``).
-BATCH_ARGS = ("ids", "positions", "mask_buffers", "block_tensors", "structure", "rows", "slot", "target", "dest",
-              "weight", "path_count")
 
 
 @dataclass
@@ -226,8 +223,7 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
     start = time.perf_counter()
     gm = record.probe_graph
     forest = probe_forest(batch, wrapper._vocab_size, bitmask=wrapper.mask == "bitmask")
-    saved = wrapper._layout, wrapper._chunks
-    try:
+    with wrapper._state.kept():  # the probe's own calls set the state for their batches
         run = _Runner(wrapper, record, gm)
         base = run(forest.batch)
         report = ProbeReport(rows=forest.batch.num_tokens, edited_rows_compared=0, alone_rows_compared=0)
@@ -263,8 +259,6 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
             report.alone_max_diff = _relative_diff(base[forest.alone_rows], alone[rows_alone])
             if bad is not None:
                 raise _refusal(run, forest.batch, forest.alone, forest.alone_rows, rows_alone, tol, bad, "alone")
-    finally:
-        wrapper._layout, wrapper._chunks = saved
     report.seconds = time.perf_counter() - start
     return report
 
@@ -341,7 +335,7 @@ class _Runner:
     def args(self, batch: TreeBatch) -> list:
         device = next(iter(self.wrapper.parameters())).device
         batch = batch.padded(2).to(device)
-        local = dict(zip(BATCH_ARGS, self.wrapper._inputs(batch)))
+        local = dict(zip(GRAPH_ARGS, self.wrapper._inputs(batch)))
         out = []
         for source, real in zip(self.record.sources, self.record.last_args):
             root = source.split("]")[0][3:-1] if source.startswith("L['") else None

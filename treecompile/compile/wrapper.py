@@ -49,7 +49,7 @@ from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_att
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
-from treecompile.passes.pipeline import LOWERINGS, PASSES, CompileRecord, make_backend, passes_for
+from treecompile.passes.pipeline import LOWERINGS, PASSES, CallState, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
@@ -240,8 +240,8 @@ class TreeCompiledModel(DelegatingModule):
         self.verify = verify
         self._backend_name = backend
         self.compile_records: list[CompileRecord] = []
-        self._layout = None
-        self._chunks = 0
+        # The batch's layout, chunks and judging lengths, read by the backend when a graph compiles.
+        self._state = CallState()
         self._is_hf = is_hf_model(model)
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
@@ -258,8 +258,6 @@ class TreeCompiledModel(DelegatingModule):
         self._compiled = None
         self._first_record = 0
         self._proven_rows: int | None = None
-        self._probe_rows = 0
-        self._judge_cap = 0
         self._extends = False  # whether short buffers are extended for a call (see forward)
         self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
@@ -430,7 +428,7 @@ class TreeCompiledModel(DelegatingModule):
             # mask evaluated at the example length): compile again, judging at twice this
             # path's length so that growing batches recompile O(log) times.
             self._compiled, self._proven_rows = None, None
-            self._probe_rows = 2 * longest
+            self._state.probe_rows = 2 * longest
         batch = batch.padded(MIN_ROWS)
         batch = batch.to(device) if batch.device != device else batch
         args = self._inputs(batch)
@@ -478,7 +476,7 @@ class TreeCompiledModel(DelegatingModule):
 
     def _call(self, args: tuple, extend: list, rows: int, longest: int) -> tuple:
         """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
-        self._judge_cap = min((size for _, _, size in extend), default=0)
+        self._state.judge_cap = min((size for _, _, size in extend), default=0)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
         hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
         with hf, swapped_kernels(self._kernels + self._mask_swaps + TORCH_SWAPS), extended_buffers(extend, rows):
@@ -509,24 +507,21 @@ class TreeCompiledModel(DelegatingModule):
         after wrapping changes it)."""
         return model_vocab_size(self._inner, self._is_hf)
 
-    def _backend(self, device: torch.device, *, mask: str, layout_of, chunks_of, passes, arguments, probe_rows_of=None,
-                 keep_inputs: bool = False, judge_cap_of=None, before_commit=None):
+    def _backend(self, device: torch.device, *, mask: str, state: CallState, passes, arguments,
+                 keep_inputs: bool = False, before_commit=None):
         """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
         wrapper's lowering (its default per device), recording into ``compile_records``. The
         whole-tree graph and the streamed part graph (:mod:`treecompile.stream.runner`) differ
         only in the arguments (``arguments``: the compiled function's, the batch)."""
         return make_backend(
             mask=mask,
-            layout_of=layout_of,
-            chunks_of=chunks_of,
+            call_state=state,
             lowering=self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager"),
             records=self.compile_records,
             passes=passes,
-            probe_rows_of=probe_rows_of or (lambda: 0),
             scan_kernel=self.scan_kernel,
             dropout=self.dropout,
             keep_inputs=keep_inputs,
-            judge_cap_of=judge_cap_of or (lambda: 0),
             arguments=arguments,
             before_commit=before_commit,
         )
@@ -557,18 +552,17 @@ class TreeCompiledModel(DelegatingModule):
                 loss = loss + router.coef * aux.to(loss.dtype)
             return markers.returned((loss, logprobs, aux, entropy))
 
-        backend = self._backend(device, mask=self.mask, layout_of=lambda: self._layout, chunks_of=lambda: self._chunks,
-                                passes=self._passes, arguments=argument_names(tree_forward),
-                                probe_rows_of=lambda: self._probe_rows, keep_inputs=self.verify is not False,
-                                judge_cap_of=lambda: self._judge_cap, before_commit=probe_hook(self))
+        backend = self._backend(device, mask=self.mask, state=self._state, passes=self._passes,
+                                arguments=argument_names(tree_forward), keep_inputs=self.verify is not False,
+                                before_commit=probe_hook(self))
         return compile_named(tree_forward, "tree_forward", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
         """The compiled function's arguments for one batch (`tree_call_inputs`); the path
         structure for a model with sequence kernels or conv modules, and once a capture found a
         shift or a functional conv along the sequence (`NeedsStructure`)."""
-        args, self._layout, self._chunks = tree_call_inputs(batch, self.mask, self._structure)
-        return args
+        inputs, self._state.layout, self._state.chunks = tree_call_inputs(batch, self.mask, self._structure)
+        return inputs.args()
 
 
 # --------------------------------------------------------------------------- helpers

@@ -41,7 +41,7 @@ from treecompile.kernels.collectives.cp_gather import padded_send, register_grou
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
 from treecompile.passes.cp import CPGraph
-from treecompile.passes.pipeline import Pipeline, context_parallel
+from treecompile.passes.pipeline import CallState, Pipeline, context_parallel
 from treecompile.distributed.cp_split import CPSplit, RowWork, split_for_cp
 from treecompile.stream.parts import PAD_PREFIX, BatchArrays
 from treecompile.stream.runner import _StreamedLoss
@@ -125,7 +125,7 @@ class CPRunner:
         self.split: CPSplit | None = None
         self.group_name = register_group(group)
         self._compiled = None
-        self._layout = None
+        self._state = CallState()  # this rank's layout, read when its graph compiles
         self._checked = False  # a call has checked the ranks' batches and waited for the answer
 
     @property
@@ -158,8 +158,8 @@ class CPRunner:
             stats = router.tree_stats(out.router_logits, path_count) if router is not None else None
             return markers.returned((loss, logprobs, stats, entropy))
 
-        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                            passes=context_parallel(pipeline, state), arguments=argument_names(cp_forward))
+        backend = w.backend(device, mask="interval", state=self._state, passes=context_parallel(pipeline, state),
+                            arguments=argument_names(cp_forward))
         self._compiled = compile_named(cp_forward, "cp_forward", backend)
 
     def _call(self, args: tuple) -> tuple:
@@ -182,7 +182,7 @@ class CPRunner:
         send_rows, send_counts, recv_counts = split.exchange(self.rank)
         send_rows = padded_send(send_rows)
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
-        block_tensors, self._layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        block_tensors, self._state.layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
         device = device_of(self.setup.model)
         moved = [to_device(x, device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local,
                                                 weight, path_count, kv_end, kv_pos, torch.from_numpy(index),

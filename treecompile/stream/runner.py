@@ -15,7 +15,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
-from treecompile.passes.pipeline import Pipeline, streamed
+from treecompile.passes.pipeline import CallState, Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
 from treecompile.stream.plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
@@ -71,7 +71,7 @@ class StreamRunner:
         self._compiled = None
         self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
         self._remembered = False  # whether `_shapes` went into `_LEARNT` (once checked by a call)
-        self._layout = None
+        self._state = CallState()  # the part's layout, read when its graph compiles
         self._resolved: tuple | None = None  # (options, cost model, rows) for a budget in bytes
         _check_streamable(setup)
         self.budget_rows  # noqa: B018  (a budget in bytes is resolved, or refused, here)
@@ -152,8 +152,8 @@ class StreamRunner:
             kv = torch.ops.treecompile.stream_outputs(ids, list(prefix), list(conv), list(states), kv_meta[3])
             return markers.returned((loss, logprobs, kv, stats, entropy))
 
-        backend = w.backend(device, mask="interval", layout_of=lambda: self._layout, chunks_of=lambda: 0,
-                            passes=self._pipeline(pipeline), arguments=argument_names(stream_forward))
+        backend = w.backend(device, mask="interval", state=self._state, passes=self._pipeline(pipeline),
+                            arguments=argument_names(stream_forward))
         self._compiled = compile_named(stream_forward, f"{self._GRAPH}_{len(shapes.shapes)}", backend)
         self._shapes = shapes
         self._remembered = False
@@ -310,7 +310,7 @@ class StreamRunner:
         for its backward, whose kept values are on the stack already)."""
         inputs, dest, extra = self._part_inputs(data, plan, j)
         inputs = [to_device(x, device) for x in inputs]
-        block_tensors, self._layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
+        block_tensors, self._state.layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
         guessed = False
         if self._shapes is None:
             guess = _known_layout(self.setup) or _layout_guess(self.setup)
