@@ -10,7 +10,7 @@ run the rewritten graph as it is (``backend="eager"``): the rewrite is what diff
 import pytest
 import torch
 from test_compile_models import compare_with_paths, make_batch
-from testing import hf_float64_casts, hf_modeling_modules, perturbed_hf_model
+from testing import hf_float64_casts, perturbed_hf_model
 
 from treecompile.compile.wrapper import tree_compile
 
@@ -51,8 +51,8 @@ CASES = [(f, "interval") for f in ("qwen3", "llama", "qwen2", "mistral-sw4", "ge
 @pytest.mark.parametrize("family,mask", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_hf_model_matches_per_path_training(family, mask):
     """With the model's float32 casts computed in float64 on both sides: float64 rounding only."""
-    with hf_float64_casts(*hf_modeling_modules(type(_config(family)).__name__)):
-        model = _model(family)
+    model = _model(family)
+    with hf_float64_casts(model, methods=True):
         attn_implementation = model.config._attn_implementation
         lowered = (family, mask) == ("qwen3", "interval")
         compiled = tree_compile(model, mask=mask, backend=None if lowered else "eager")

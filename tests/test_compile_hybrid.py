@@ -22,18 +22,15 @@ deep chain of 1-token nodes.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
-import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_compile_models import SdpaBlock, compare_with_paths, make_batch, tiny
 from torch import nn
-from testing import TOLERANCES, assert_grads_close, backward_grads
+from testing import TOLERANCES, assert_grads_close, backward_grads, float_keeping_float64, hf_float64_casts
 from zoo import transformers_version
 
 import treecompile as tc
@@ -43,10 +40,7 @@ from treecompile.compile.selfcheck import verify_tree_compile
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.capture import drop_ins
 from treecompile.kernels import conv
-from treecompile.kernels.scans import gdn
-from treecompile.kernels.scans import mamba2
-from treecompile.kernels.scans import recurrence
-from treecompile.kernels.scans import selective_scan
+from treecompile.kernels.scans import gdn, mamba2, recurrence, selective_scan
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.core.reference import per_path_loss
@@ -454,7 +448,7 @@ def test_hf_mamba_adapter_matches_hf_selective_scan(family, monkeypatch):
     if transformers_version() < SCAN_FUNCTIONS_SINCE:
         pytest.skip(f"transformers {transformers.__version__} has no mamba_selective_scan (its scan is in the mixer)")
     hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    monkeypatch.setattr(torch.Tensor, "float", _float_keeping_float64)
+    monkeypatch.setattr(torch.Tensor, "float", float_keeping_float64)
     g = torch.Generator().manual_seed(0)
     b, d, s, n = 2, 6, 9, 4
     x, dt, z = (torch.randn(b, d, s, generator=g, dtype=F64) for _ in range(3))
@@ -712,49 +706,11 @@ def _model(name: str):
     return model
 
 
-# ``torch`` with ``float32`` and ``float`` meaning float64. One object for every call: Dynamo
-# guards on the modules' ``torch`` global by identity, so a new one per call would recompile the
-# shared compiled models in every test.
-_FLOAT64_TORCH = types.ModuleType("torch")
-_FLOAT64_TORCH.__dict__.update(torch.__dict__)
-_FLOAT64_TORCH.float32 = _FLOAT64_TORCH.float = torch.float64
-
-
-def _float_keeping_float64(self, *args, **kwargs):
-    """``Tensor.float()`` as the modules mean it, at least float32: a float64 tensor stays float64."""
-    return self.to(torch.promote_types(self.dtype, torch.float32), *args, **kwargs)
-
-
 #: Families whose float32 casts are ``tensor.float()`` calls too (Mamba's ``A_log``, ``D`` and
 #: ``dt`` bias, its torch scan's ``B`` and ``x``, Mamba's logits), which `_float64_casts` makes
 #: float64 as well (``methods=True``): loss and gradients then equal per-path training to
 #: float64 rounding (COMPILE_TOL["pure"]).
 FLOAT_METHOD_CASTS = ("mamba", "falcon_mamba", "jamba", "zamba")
-
-
-@contextlib.contextmanager
-def _float64_casts(model, methods: bool = False):
-    """The model's Hugging Face modules cast to float64 where they cast to float32 (norms,
-    gates, the GDN and Mamba2 fallbacks): in a float64 model those casts put float32 rounding
-    on both sides, which ill-conditioned gradients (Qwen3-Next's ``dt_bias``, 1.7e-2 apart
-    with perturbed weights) amplify past any float64 budget. Both sides run under it: the
-    model is the same function on the tree and per path. ``methods``: ``tensor.float()`` too,
-    for the run (Dynamo traces the method as it is set, so the captured graph does as well;
-    it does not guard on it, so a compiled model is called with ``methods`` always or never)."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if type(m).__module__.startswith("transformers.models.")}
-    saved = [(mod, mod.torch) for mod in modules if getattr(mod, "torch", None) is torch]
-    saved_float = torch.Tensor.float
-    try:
-        for mod, _ in saved:
-            mod.torch = _FLOAT64_TORCH
-        if methods:
-            torch.Tensor.float = _float_keeping_float64
-        yield
-    finally:
-        torch.Tensor.float = saved_float
-        for mod, real in saved:
-            mod.torch = real
 
 
 _COMPILED: dict[str, tuple] = {}
@@ -796,7 +752,7 @@ def test_hybrid_model_matches_per_path_training(name, tree):
                              message), message
         return
     exact = name in FLOAT_METHOD_CASTS
-    with _float64_casts(model, methods=exact):
+    with hf_float64_casts(model, methods=exact):
         # Against the unmodified model per path, its float32 casts made float64 on both sides
         # (a few `.float()` calls remain outside FLOAT_METHOD_CASTS: absolute TOL["hf"]).
         tree_run = backward_grads(model, lambda: compiled(batch))

@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 
 import os
+import sys
+import types
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ SCALED_GRAD_TOLERANCE = {
 #: Relative tolerance of the zoo's loss and log-prob comparisons (the same bar).
 ZOO_TOLERANCE = SCALED_GRAD_TOLERANCE[("float64", "zoo")]
 #: The zoo's bar for Hugging Face models, run with their float32 casts computed in float64 on both
-#: sides (`hf_float64_casts`): float64 rounding only (measured <= 4e-15 over its 37 HF cases).
+#: sides (`hf_float64_casts`): float64 rounding only (measured <= 2.5e-15 over its HF cases).
 ZOO_F64_TOLERANCE = 1e-12
 
 
@@ -245,46 +247,40 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
-#: The float32 casts of Hugging Face modeling code, and their float64 forms: a float64 model whose
-#: norms, routers, softmaxes and rotary tables compute in float64 on both sides of a comparison.
-_FLOAT32_CASTS = [(".float()", ".double()"), ("torch.float32", "torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"),
-                  ("dtype=torch.float,", "dtype=torch.float64,")]
+# ``torch`` with ``float32`` and ``float`` meaning float64. One object for every call: Dynamo
+# guards on the modules' ``torch`` global by identity, so a new one per call would recompile the
+# shared compiled models in every test.
+FLOAT64_TORCH = types.ModuleType("torch")
+FLOAT64_TORCH.__dict__.update(torch.__dict__)
+FLOAT64_TORCH.float32 = FLOAT64_TORCH.float = torch.float64
+
+
+def float_keeping_float64(self, *args, **kwargs):
+    """``Tensor.float()`` as the modules mean it, at least float32: a float64 tensor stays float64."""
+    return self.to(torch.promote_types(self.dtype, torch.float32), *args, **kwargs)
 
 
 @contextlib.contextmanager
-def hf_float64_casts(*modules: str):
-    """Inside, the named Hugging Face modules (``"transformers.models.llama.modeling_llama"``)
-    compute in float64 where their code casts to float32 (their source re-run with the casts
-    rewritten); models built inside use it. The modules are restored on exit.
-
-    HF code rounds to float32 inside a float64 model (norms, routers, softmaxes, rotary
-    tables), so the tree and the per-path reference each round differently by ~1e-7, a floor
-    that would hide a real error of that size; with the casts gone both agree to float64
-    rounding."""
-    import importlib
-
-    saved = []
+def hf_float64_casts(model, methods: bool = False):
+    """Inside, the model's Hugging Face modules cast to float64 where they cast to float32
+    (norms, routers, softmaxes, rotary tables, the GDN and Mamba2 fallbacks): in a float64 model
+    those casts put float32 rounding on both sides of a comparison, ~1e-7 apart, a floor that
+    would hide a real error of that size (and that ill-conditioned gradients, Qwen3-Next's
+    ``dt_bias``, amplify past any float64 budget). Both sides run under it: the model is the same
+    function on the tree and per path. ``methods``: ``tensor.float()`` too, for the run (Dynamo
+    traces the method as it is set, so the captured graph does as well; it does not guard on
+    it, so a compiled model is called with ``methods`` always or never)."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if type(m).__module__.startswith("transformers.models.")}
+    saved = [(mod, mod.torch) for mod in modules if getattr(mod, "torch", None) is torch]
+    saved_float = torch.Tensor.float
     try:
-        for name in modules:
-            mod = importlib.import_module(name)
-            saved.append((mod, dict(mod.__dict__)))
-            source = open(mod.__file__, encoding="utf-8").read()
-            for cast, wide in _FLOAT32_CASTS:
-                source = source.replace(cast, wide)
-            exec(compile(source, mod.__file__, "exec"), mod.__dict__)  # noqa: S102  (the library's own source)
+        for mod, _ in saved:
+            mod.torch = FLOAT64_TORCH
+        if methods:
+            torch.Tensor.float = float_keeping_float64
         yield
     finally:
-        for mod, d in reversed(saved):
-            mod.__dict__.clear()
-            mod.__dict__.update(d)
-
-
-def hf_modeling_modules(config_name: str) -> tuple[str, ...]:
-    """The modeling module of ``transformers.<config_name>``, after the shared module whose
-    helpers it calls with float32 casts (RoPE initialisation): the modeling module imports its
-    names when it runs. (The experts' interface module is left alone: treecompile registers its
-    experts there, and the zoo runs eager experts.)"""
-    import transformers
-
-    config_module = getattr(transformers, config_name).__module__
-    return "transformers.modeling_rope_utils", config_module.replace(".configuration_", ".modeling_")
+        torch.Tensor.float = saved_float
+        for mod, real in saved:
+            mod.torch = real

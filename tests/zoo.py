@@ -115,7 +115,7 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
             model.config._experts_implementation_internal = "eager"
         return perturb(model.double().eval())
 
-    build.config_name = config_name  # run() computes its float32 casts in float64
+    build.hf = True  # run() computes its float32 casts in float64
     return build
 
 
@@ -494,17 +494,16 @@ def run(case: Case) -> list[dict]:
     tests, and lowering with AOTAutograd (tested on its own in test_compile_custom.py)
     would triple the compile time of every case.
     """
-    from testing import ZOO_F64_TOLERANCE, hf_float64_casts, hf_modeling_modules
+    from testing import ZOO_F64_TOLERANCE, hf_float64_casts
 
     from treecompile.compile.wrapper import tree_compile
 
+    model = case.build()
+    twin = copy.deepcopy(model)
     # A Hugging Face model computes its float32 casts in float64 here (both sides), so the bar
     # is float64 rounding, not the ~1e-7 those casts add.
-    config_name = getattr(case.build, "config_name", None)
-    modules = hf_modeling_modules(config_name) if config_name else ()
-    with hf_float64_casts(*modules):
-        model = case.build()
-        twin = copy.deepcopy(model)
+    f64 = getattr(case.build, "hf", False)
+    with hf_float64_casts(model, methods=True) if f64 else contextlib.nullcontext():
         compiled = tree_compile(model, backend="eager")
         diffs = []
         for _, batch, trees in batches():
@@ -513,7 +512,7 @@ def run(case: Case) -> list[dict]:
             # the tree call, before the per-path reference runs the model.
             unchanged = functools.partial(assert_unchanged, model, twin, lengths=(batch.num_tokens, 7))
             diffs.append(compare(model, compiled, batch, trees, case.reference, after_tree=unchanged,
-                                 rel=ZOO_F64_TOLERANCE if modules else None))
+                                 rel=ZOO_F64_TOLERANCE if f64 else None))
     if case.attention is not None:
         assert dict(compiled.counters["rewrite_attention_pass"]) == case.attention, compiled.counters["rewrite_attention_pass"]
     return diffs
