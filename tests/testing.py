@@ -256,8 +256,11 @@ FLOAT64_TORCH.float32 = FLOAT64_TORCH.float = torch.float64
 
 
 def float_keeping_float64(self, *args, **kwargs):
-    """``Tensor.float()`` as the modules mean it, at least float32: a float64 tensor stays float64."""
-    return self.to(torch.promote_types(self.dtype, torch.float32), *args, **kwargs)
+    """``Tensor.float()`` as the modules mean it in a float64 model: a float64 tensor stays float64,
+    integers (position ids) become float64 too (what they meet is float64 now), half precision
+    becomes float32."""
+    wide = torch.float64 if self.dtype == torch.float64 or not self.is_floating_point() else torch.float32
+    return self.to(wide, *args, **kwargs)
 
 
 @contextlib.contextmanager
