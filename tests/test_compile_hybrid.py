@@ -707,7 +707,7 @@ def _model(name: str):
 
 
 #: Families whose float32 casts are ``tensor.float()`` calls too (Mamba's ``A_log``, ``D`` and
-#: ``dt`` bias, its torch scan's ``B`` and ``x``, Mamba's logits), which `_float64_casts` makes
+#: ``dt`` bias, its torch scan's ``B`` and ``x``, Mamba's logits), which `testing.hf_float64_casts` makes
 #: float64 as well (``methods=True``): loss and gradients then equal per-path training to
 #: float64 rounding (COMPILE_TOL["pure"]).
 FLOAT_METHOD_CASTS = ("mamba", "falcon_mamba", "jamba", "zamba")

@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import path_sets
-from test_compile_hybrid import GatedDeltaNetLayer, GdnLM, _float64_casts
+from test_compile_hybrid import GatedDeltaNetLayer, GdnLM
 from test_compile_models import NanoGPT, tiny
-from testing import COMPILE_TOL, assert_grads_close, examples, perturbed_hf_model
+from testing import COMPILE_TOL, assert_grads_close, examples, hf_float64_casts, perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.capture.dynamo import sequence_kernels, swapped_kernels
@@ -180,7 +180,7 @@ _MODELS["jamba"] = lambda: _perturbed(transformers.JambaConfig(
 #: those kernels against HF's and the reference loops).
 _HYBRID = ("qwen3-next", "bamba", "falcon-h1", "lfm2", "qwen3-next-moe-aux", "mamba", "jamba")
 #: Families whose float32 casts (``torch.float32`` and ``tensor.float()``) are made float64 on
-#: both sides (test_compile_hybrid's `_float64_casts`): compared to float64 rounding.
+#: both sides (`testing.hf_float64_casts`): compared to float64 rounding.
 _FLOAT64_CASTS = ("mamba", "jamba")
 #: Extra tree_compile options per family.
 _OPTIONS = {"qwen3-moe-aux": dict(outputs=("entropy",))}
@@ -215,7 +215,7 @@ def _check(family, mode, seqs, budget, loss_mode="token-mean", weights=None, mas
     trees include ones where a gradient is exactly zero and both sides hold rounding noise."""
     model, compiled = _compiled(family, mode)
     if family in _FLOAT64_CASTS:
-        with _float64_casts(model, methods=True):
+        with hf_float64_casts(model, methods=True):
             return _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled, "pure")
     return _check_run(family, mode, seqs, budget, loss_mode, weights, masks, scaled,
                       "pure" if family == "nanogpt" else "hf")
