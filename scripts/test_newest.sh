@@ -6,12 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-newest}"
 start=$SECONDS
-[ -x "$VENV/bin/python3" ] || python3 -m venv --system-site-packages "$VENV"
-# shellcheck disable=SC1091
-source "$VENV/bin/activate"
-bash scripts/setup.sh "test,docs,trl"
-python3 -m pip install -q --no-deps --upgrade "${TORCH:-torch}"
+# shellcheck source=scripts/venv_job.sh
+source scripts/venv_job.sh
+venv_job "$VENV" "test,docs,trl" "${TORCH:-torch}" --no-deps --upgrade
 python3 -c 'import torch; print(f"testing with torch {torch.__version__}")'
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python3 -m pytest -n auto --dist loadgroup -m "" -q "$@"
 echo "total: $((SECONDS - start)) s"

@@ -47,7 +47,7 @@ SCALED_GRAD_TOLERANCE = {
 ZOO_TOLERANCE = SCALED_GRAD_TOLERANCE[("float64", "zoo")]
 #: The zoo's bar for Hugging Face models, run with their float32 casts computed in float64 on both
 #: sides (`hf_float64_casts`): float64 rounding only (measured <= 2.5e-15 over its HF cases).
-ZOO_F64_TOLERANCE = 1e-12
+ZOO_F64_TOLERANCE = COMPILE_TOL["pure"][0]
 
 
 def examples(n: int) -> int:

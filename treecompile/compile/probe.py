@@ -27,7 +27,6 @@ against per-path training (:mod:`treecompile.compile.selfcheck`).
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 import warnings
 import weakref
@@ -43,6 +42,7 @@ from treecompile.compile.graph_inputs import GRAPH_ARGS
 from treecompile.core.batch import TreeBatch, pack
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.tree import TrajectoryTree
+from treecompile.passes._graph import MATMUL
 
 if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
@@ -269,8 +269,8 @@ def wrapper_dtype(wrapper: Any) -> torch.dtype:
 
 
 #: The ops whose rounding depends on how many rows they take (a blocked matrix product).
-_PRODUCTS = {F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
-             torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, *([F.grouped_mm] if hasattr(F, "grouped_mm") else []),
+_PRODUCTS = {*MATMUL, F.linear, torch._C._nn.linear, torch.mm, torch.addmm, torch.baddbmm, torch.einsum, F.conv1d,
+             F.conv2d, *([F.grouped_mm] if hasattr(F, "grouped_mm") else []),
              *([torch._grouped_mm] if hasattr(torch, "_grouped_mm") else [])}
 _PRODUCT_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 

@@ -64,15 +64,14 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
         return UnsupportedModelError(
             f"treecompile cannot make this model exact on a tree: {reason} (called at {short}).\n  at {where}: {code}"
         )
-    if raised.startswith("TypeError(") and where.startswith(_CALL_SITE) and _BINDING.search(raised):
-        # Newer Dynamo reports an argument mismatch at treecompile's own call of the model as the
-        # TypeError Python would raise there.
-        text = "failed to bind arguments"
-    if raised and "failed to bind arguments" not in text:
+    # Newer Dynamo reports an argument mismatch at treecompile's own call of the model as the
+    # TypeError Python would raise there.
+    binding = raised.startswith("TypeError(") and where.startswith(_CALL_SITE) and bool(_BINDING.search(raised))
+    if raised and not binding:
         why = f"it raises {raised} when traced"
         hint = "run the model eagerly on one path to see the same error; models that read an attention_mask " \
                "tensor need it built, which tree batches do not do"
-    elif "failed to bind arguments" in text or "argument mismatch" in text.lower():
+    elif binding or "failed to bind arguments" in text or "argument mismatch" in text.lower():
         return UnsupportedModelError(
             "treecompile cannot capture this model: its forward cannot be called as model(input_ids) (a plain PyTorch "
             "model must take the token ids [1, S] as its one required argument).\n  What to do: wrap it in a module "
