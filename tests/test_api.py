@@ -17,6 +17,7 @@ PUBLIC = [
     "TreeOutput",
     "TreeStats",
     "UnsupportedModelError",
+    "Verify",
     "gather_logprobs",
     "logprobs",
     "pack",

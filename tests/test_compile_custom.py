@@ -26,7 +26,7 @@ from test_compile_models import (
     tiny,
 )
 
-from treecompile.compile.wrapper import BACKENDS, MASKS, TreeCompiledModel, tree_compile
+from treecompile.compile.wrapper import BACKENDS, MASKS, TreeCompiledModel, Verify, tree_compile
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.stream.options import StreamOptions
 
@@ -218,7 +218,7 @@ def test_verify_in_place_checks_a_twin_without_the_check_and_the_temperature(mon
     compiled = tree_compile(model, temperature=temperature, verify=True, backend="eager")
     compiled(make_batch("forest")[0])
     assert compiled.verified.worst_grad_diff < 1e-10 and compiled.verified.loss_diff < 1e-12
-    assert compiled.temperature == temperature and compiled.verify
+    assert compiled.temperature == temperature and compiled.verify is Verify.FULL
 
 
 class _LeakyMask(TreeCompiledModel):
@@ -286,7 +286,7 @@ def test_temperature_divides_the_logits_exactly():
     ref, ref_grads = backward_grads(model, reference)
     torch.testing.assert_close(out.loss, ref.loss, rtol=COMPILE_TOL["pure"][0], atol=COMPILE_TOL["pure"][1])
     assert_grads_close(grads, ref_grads, ("float64", "pure"))
-    for bad in (0, -1.0, float("inf")):
+    for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="temperature must be a positive finite number"):
             tree_compile(model, temperature=bad)
 

@@ -60,7 +60,7 @@ def test_the_probe_runs_by_default_and_reports():
     batch, _ = make_batch("branchy")
     compiled = tc.tree_compile(tiny(NanoGPT, layers=1))
     compiled(batch)
-    assert compiled.verify == "probe" and len(compiled.probed) == 1
+    assert compiled.verify is tc.Verify.PROBE and len(compiled.probed) == 1
     report = compiled.probed[0]
     assert report.edited_rows_compared > 0 and report.alone_rows_compared > 0 and not report.skipped
     compiled(batch)  # no new graph, no new probe
@@ -156,8 +156,13 @@ def test_gpt2_with_residual_dropout_in_training_mode_is_refused_by_name():
 
 
 def test_verify_takes_probe_true_or_false():
-    with pytest.raises(ValueError, match="unknown verify 'yes'; valid: 'probe', True, False"):
-        tc.tree_compile(tiny(NanoGPT, layers=1), verify="yes")
+    model = tiny(NanoGPT, layers=1)
+    for value, member in [("probe", tc.Verify.PROBE), (True, tc.Verify.FULL), (False, tc.Verify.OFF),
+                          (tc.Verify.OFF, tc.Verify.OFF)]:
+        assert tc.tree_compile(model, verify=value).verify is member
+    for bad in ("yes", 1, 0, None, "full"):
+        with pytest.raises(ValueError, match=r"unknown verify .*; valid: 'probe', True, False"):
+            tc.tree_compile(model, verify=bad)
 
 
 def test_the_probe_leaves_the_training_step_unchanged():

@@ -28,6 +28,7 @@ _EXPORTS = {
     "tree_compile": "treecompile.compile.wrapper",
     "TreeCompiledModel": "treecompile.compile.wrapper",
     "TreeOutput": "treecompile.compile.wrapper",
+    "Verify": "treecompile.compile.options",
     "logprobs": "treecompile.compile.extract",
 }
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from treecompile.core.batch import TreeBatch, pack
     from treecompile.compile.wrapper import TreeCompiledModel, TreeOutput, tree_compile
     from treecompile.compile.extract import logprobs
+    from treecompile.compile.options import Verify
     from treecompile.core.errors import TreeInputError, UnsupportedModelError
     from treecompile.core.loss import LOSS_MODES, gather_logprobs, tree_loss
     from treecompile.core.tree import Path, TrajectoryTree, TreeStats

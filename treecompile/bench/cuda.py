@@ -388,9 +388,11 @@ def _run_row(row: CudaRow, method: str, model, fn, trees, paths, cfg, dev, pack,
             try:
                 measured = _measure(_Tree(fn, pack(trees, device=dev, warn_por=False)), model, cfg, dev)
             except UnsupportedModelError as e:
+                from treecompile.compile.probe import ProbeRefused
+
                 # A refusal by the first-call probe alone is a finding, and the step still gets
                 # measured (the rules proved the graph row-local): with verify=False, said in the row.
-                if getattr(fn, "_refused", None) is not e:  # not the probe's refusal (which the wrapper keeps)
+                if not isinstance(e, ProbeRefused):
                     raise
                 row.note = f"first-call probe refused ({str(e).splitlines()[0][:200]}); measured with verify=False"
                 from treecompile.compile.wrapper import tree_compile

@@ -58,12 +58,12 @@ def _is_fsdp2(module: nn.Module) -> bool:
                for c in type(module).__mro__)
 
 
-def check_sharded(model: nn.Module, *, verify: Any) -> None:
+def check_sharded(model: nn.Module, *, full_check: bool) -> None:
     """Raises ``ValueError`` for the option an FSDP2 model cannot take: ``verify=True`` (the
     full check copies the model to one process)."""
     if not any(_is_fsdp2(m) for m in model.modules()):
         return
-    if verify is True:
+    if full_check:
         raise ValueError("tree_compile(verify=True) of an FSDP2 model: the full check copies the model to one "
                          "process; check it before sharding it (tree_compile(model, verify=True) on one process)")
 

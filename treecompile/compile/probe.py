@@ -47,13 +47,18 @@ from treecompile.passes._graph import MATMUL
 if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
 
-__all__ = ["ProbeReport", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
+__all__ = ["ProbeReport", "ProbeRefused", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
 
 #: The "path alone" check's tolerance, relative to ``max(1, |log-prob|)``, by the dtype the
 #: model computes in: rounding of the same values summed in another order (other shapes),
 #: through every layer. A row-index position or a length-dependent value moves log-probs by
 #: far more in any model that reads them.
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+class ProbeRefused(UnsupportedModelError):
+    """The probe's refusal of a graph: the wrapper keeps it and raises it at every later call
+    (the graph stays in Dynamo's cache, so a later call would not probe it again)."""
 
 
 @dataclass
@@ -199,16 +204,15 @@ def probe_hook(wrapper: Any) -> Callable[[CompileRecord], None]:
 def probe_record(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> None:
     """Probes the graph of ``record`` into ``wrapper.probed``, once; the compiled call runs it
     at the graph's first call, before the state the graph writes is written back into the
-    model. A refusal sticks (the wrapper raises it at every later call); a failure of the
-    probe itself is a warning (the rules alone proved the graph)."""
+    model. A refusal is a `ProbeRefused` (the wrapper keeps it); a failure of the probe itself
+    is a warning (the rules alone proved the graph)."""
     from treecompile.core.advice import TreeWarning
 
     if record.probe_graph is None or record.last_args is None:
         return
     try:
         wrapper.probed.append(probe_graph(wrapper, record, batch))
-    except UnsupportedModelError as e:
-        wrapper._refused = e
+    except UnsupportedModelError:
         raise
     except Exception as e:
         warnings.warn(f"treecompile: the first-call probe could not run ({type(e).__name__}: {e}); the graph was "
@@ -403,7 +407,7 @@ def _refusal(run: _Runner, batch_a: TreeBatch, batch_b: TreeBatch, rows_a: list[
         module = f" (in {module})" if module else ""
         src = f"\n  at {source_of(node)}"
         path_row = row
-    return UnsupportedModelError(
+    return ProbeRefused(
         f"treecompile cannot make this model exact on a tree: the first-call probe found that {where}{module} "
         f"{how} (row {path_row} of the probe forest).{src}\n{tail}"
     )

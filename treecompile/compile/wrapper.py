@@ -42,20 +42,19 @@ from treecompile.capture.dynamo import (
     swapped_kernels,
 )
 from treecompile.core.padded_rows import batch_from_rows, normalised
-from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error, unknown_choice
-from treecompile.kernels.attention.masks import MASK_KINDS
-from treecompile.kernels.scans.recurrence import SCAN_KERNELS
+from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
 from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
-from treecompile.passes.pipeline import LOWERINGS, PASSES, CallState, CompileRecord, make_backend, passes_for
+from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
+from treecompile.compile.options import BACKENDS, MASKS, OUTPUTS, Verify, checked_options
 from treecompile.distributed.unsharded import fsdp_call_of
-from treecompile.compile.probe import ProbeReport, probe_hook, probe_new_graphs
+from treecompile.compile.probe import ProbeRefused, ProbeReport, probe_hook, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -63,20 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "tree_compile", "TreeCompiledModel", "TreeOutput", "VerifyReport", "verify_tree_compile", "MASKS", "BACKENDS",
-    "OUTPUTS",
+    "OUTPUTS", "Verify",
 ]
-
-#: Mask encodings ``tree_compile(mask=...)`` accepts.
-MASKS = tuple(MASK_KINDS)
-#: Extra outputs ``tree_compile(outputs=...)`` can add to `TreeOutput`.
-OUTPUTS = ("entropy",)
-#: What ``tree_compile(verify=...)`` accepts: the first-call probe, the probe and the full
-#: check against per-path training, or nothing.
-VERIFY = ("probe", True, False)
-#: What ``tree_compile(dropout=...)`` accepts (see there).
-DROPOUT = ("refuse", "shared")
-#: Backends ``tree_compile(backend=...)`` accepts (None picks inductor on CUDA, aot_eager on CPU).
-BACKENDS = tuple(LOWERINGS)
 
 #: Fewest rows a compiled call runs (shorter batches are padded; see `TreeBatch.padded`).
 MIN_ROWS = 2
@@ -87,7 +74,7 @@ def tree_compile(
     *,
     mask: str = "interval",
     backend: str | None = None,
-    verify: bool | str = "probe",
+    verify: bool | str | Verify = "probe",
     outputs: tuple[str, ...] = (),
     lm_head: str = "gather",
     temperature: float = 1.0,
@@ -167,32 +154,19 @@ def tree_compile(
     if isinstance(model, TreeCompiledModel):
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
     check_model(model)
-    if mask not in MASKS:
-        raise ValueError(unknown_choice("mask", mask, MASKS, "masks"))
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(unknown_choice("backend", backend, BACKENDS, "backends"))
-    unknown = [o for o in outputs if o not in OUTPUTS]
-    if unknown or isinstance(outputs, str):
-        raise ValueError(unknown_choice("outputs", outputs, OUTPUTS, "outputs") + " (a tuple)")
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    if scan_kernel not in SCAN_KERNELS:
-        raise ValueError(unknown_choice("scan_kernel", scan_kernel, SCAN_KERNELS, "scan kernels"))
-    if dropout not in DROPOUT:
-        raise ValueError(unknown_choice("dropout", dropout, map(repr, DROPOUT)))
-    if verify not in VERIFY:
-        raise ValueError(unknown_choice("verify", verify, map(repr, VERIFY)))
+    verify = checked_options(mask=mask, backend=backend, outputs=outputs, temperature=temperature,
+                             scan_kernel=scan_kernel, dropout=dropout, verify=verify)
     passes = passes_for(lm_head, disable_passes=disable_passes)
     if stream is not None:
         from treecompile.stream.options import StreamOptions
 
         if not isinstance(stream, StreamOptions):
             raise TypeError(f"stream must be a treecompile.stream.options.StreamOptions, got {type(stream).__name__}")
-    check_sharded(model, verify=verify)
+    check_sharded(model, full_check=verify is Verify.FULL)
     if cp is not None:
         from treecompile.distributed.context_parallel import cp_group_checked
 
-        cp = cp_group_checked(cp, mask=mask, verify=verify)
+        cp = cp_group_checked(cp, mask=mask, full_check=verify is Verify.FULL)
     return TreeCompiledModel(
         model, mask=mask, backend=backend, verify=verify, outputs=tuple(outputs), passes=passes,
         temperature=float(temperature), scan_kernel=scan_kernel, stream=stream, dropout=dropout, cp=cp,
@@ -208,7 +182,7 @@ class TreeCompiledModel(DelegatingModule):
 
     Attributes:
         mask: the mask encoding, ``"interval"`` or ``"bitmask"``.
-        verify: ``"probe"``, True or False (see `tree_compile`).
+        verify: a `Verify` (see `tree_compile`).
         verified: the report of the full check (``verify=True``) once it has run, else None.
         probed: the report of the probe of each compiled graph (``verify`` not False).
         stream_verified: with ``stream=``, the report of the check of the streamed variant,
@@ -224,7 +198,7 @@ class TreeCompiledModel(DelegatingModule):
         *,
         mask: str,
         backend: str | None,
-        verify: bool | str,
+        verify: Verify | bool | str,
         passes: tuple = PASSES,
         outputs: tuple[str, ...] = (),
         temperature: float = 1.0,
@@ -237,7 +211,7 @@ class TreeCompiledModel(DelegatingModule):
         object.__setattr__(self, "_inner", model)
         self.training = model.training
         self.mask = mask
-        self.verify = verify
+        self.verify = Verify.of(verify)
         self._backend_name = backend
         self.compile_records: list[CompileRecord] = []
         # The batch's layout, chunks and judging lengths, read by the backend when a graph compiles.
@@ -396,11 +370,19 @@ class TreeCompiledModel(DelegatingModule):
         warn_position_overflow(batch, self._inner, stacklevel=2)
         if self._refused is not None:
             raise self._refused
+        try:
+            return self._forward(batch)
+        except ProbeRefused as e:
+            self._refused = e  # its graph stays cached and would not be probed again
+            raise
+
+    def _forward(self, batch: TreeBatch) -> TreeOutput:
+        """One checked batch: over the CP group, streamed in parts, or as one compiled call."""
         if self._cp is not None:
             return self._cp(batch)
         if self._stream is not None and self._stream.wants(batch):
             out = self._stream(batch)
-            if self.verify is True and self.stream_verified is None:  # the streamed variant is checked on its own
+            if self.verify is Verify.FULL and self.stream_verified is None:  # the streamed variant is checked on its own
                 self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
             return out
         if self._fsdp is None:
@@ -440,7 +422,7 @@ class TreeCompiledModel(DelegatingModule):
         # fail a capture when sliced by the row count: extended for the call once a capture has
         # failed so (then for every such batch); masks are judged no longer than they were.
         short = short_buffers(self._inner, batch.num_tokens, longest)
-        self._call_batch = batch if self.verify is not False else None
+        self._call_batch = batch if self.verify.probes else None
         try:
             try:
                 out = self._call(args, short if self._extends else [], rows, longest)
@@ -468,9 +450,9 @@ class TreeCompiledModel(DelegatingModule):
         out = TreeOutput(
             loss=loss, logprobs=logprobs[:rows], aux_loss=aux, entropy=None if entropy is None else entropy[:rows]
         )
-        if self.verify is not False:
+        if self.verify.probes:
             probe_new_graphs(self, self.compile_records[compiled_before:], batch)
-        if self.verify is True and self.verified is None:
+        if self.verify is Verify.FULL and self.verified is None:
             self.verified = verify_tree_compile(self, batch)
         return out
 
@@ -553,7 +535,7 @@ class TreeCompiledModel(DelegatingModule):
             return markers.returned((loss, logprobs, aux, entropy))
 
         backend = self._backend(device, mask=self.mask, state=self._state, passes=self._passes,
-                                arguments=argument_names(tree_forward), keep_inputs=self.verify is not False,
+                                arguments=argument_names(tree_forward), keep_inputs=self.verify.probes,
                                 before_commit=probe_hook(self))
         return compile_named(tree_forward, "tree_forward", backend)
 

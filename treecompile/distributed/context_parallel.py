@@ -87,16 +87,16 @@ def cp_group_of(cp) -> dist.ProcessGroup:
                     f"got {type(cp).__name__}")
 
 
-def cp_group_checked(cp, *, mask: str, verify) -> dist.ProcessGroup:
+def cp_group_checked(cp, *, mask: str, full_check: bool) -> dist.ProcessGroup:
     """`cp_group_of` ``cp``, with the other `tree_compile` options it cannot take refused.
 
     Raises:
-        ValueError: a mask other than ``"interval"``, ``verify=True``.
+        ValueError: a mask other than ``"interval"``, the full check (``verify=True``).
     """
     group = cp_group_of(cp)
     if mask != "interval":
         raise ValueError("tree_compile(cp=...) runs the interval mask (mask='interval')")
-    if verify is True:
+    if full_check:
         raise ValueError("tree_compile(cp=..., verify=True): the full check runs one process on a float64 CPU "
                          "copy and cannot run the group's collectives; check the model without cp= "
                          "(tree_compile(model, verify=True) on one process), whose passes a CP rank's graph shares")
