@@ -40,7 +40,7 @@ from treecompile.compile.selfcheck import verify_tree_compile
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.capture import drop_ins
 from treecompile.kernels import conv
-from treecompile.kernels.scans import gdn, mamba2, recurrence, selective_scan
+from treecompile.kernels.scans import naive, recurrence, selective_scan
 from treecompile.passes.conv_context import rewrite_conv_context_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.core.reference import per_path_loss
@@ -106,7 +106,7 @@ def _close(got, ref, what):
         torch.testing.assert_close(a, b, rtol=PURE[0], atol=PURE[1], msg=lambda m, i=i: f"{what} [{i}]: {m}")
 
 
-KINDS = {"gated_delta_rule": gdn.gated_delta_rule_reference, "ssd_scan": mamba2.ssd_scan_reference}
+KINDS = {"gated_delta_rule": naive.gated_delta_rule_reference, "ssd_scan": naive.ssd_scan_reference}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -339,7 +339,7 @@ def test_selective_scan_matches_reference_loop(s, with_state, chunk):
     u, dt, a, bb, cc, h0 = _mamba_inputs(2, s)
     init = h0 if with_state else None
     inputs = [u, dt, a, bb, cc] + ([h0] if with_state else [])
-    ref = selective_scan.selective_scan_reference(u, dt, a, bb, cc, init)
+    ref = naive.selective_scan_reference(u, dt, a, bb, cc, init)
     got = selective_scan.chunked_selective_scan(u, dt, a, bb, cc, init, chunk=chunk)
     if chunk is None:
         got = torch.ops.treecompile.selective_scan(u, dt, a, bb, cc, init)
@@ -365,8 +365,8 @@ def _tree_selective_reference(u, dt, a, bb, cc, init, batch):
     finals, outs = [], []
     for start, end, parent in zip(batch.node_start.tolist(), batch.node_end.tolist(), batch.node_parent.tolist()):
         state = init if parent < 0 else finals[parent]
-        o, f = selective_scan.selective_scan_reference(u[:, start:end], dt[:, start:end], a, bb[:, start:end],
-                                                       cc[:, start:end], state)
+        o, f = naive.selective_scan_reference(u[:, start:end], dt[:, start:end], a, bb[:, start:end],
+                                              cc[:, start:end], state)
         finals.append(f)
         outs.append(o)
     return torch.cat(outs, dim=1)
@@ -380,7 +380,7 @@ def test_tree_selective_scan_follows_each_path(name):
     # Forward: each path's rows equal the reference loop run on that path alone.
     for p in range(batch.num_paths):
         rows = batch.path_rows(p)
-        ref, _ = selective_scan.selective_scan_reference(u[:, rows], dt[:, rows], a, bb[:, rows], cc[:, rows], h0)
+        ref, _ = naive.selective_scan_reference(u[:, rows], dt[:, rows], a, bb[:, rows], cc[:, rows], h0)
         torch.testing.assert_close(out[:, rows], ref, rtol=PURE[0], atol=PURE[1])
     # Backward (A is shared by every row): against autograd through the node-by-node reference.
     ref = _tree_selective_reference(u, dt, a, bb, cc, h0, batch)
@@ -936,7 +936,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     rep = v.shape[2] // k.shape[2]
     q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-    out, final = gdn.gated_delta_rule_reference(q, k, v, g, beta, initial_state)
+    out, final = naive.gated_delta_rule_reference(q, k, v, g, beta, initial_state)
     return out, (final if output_final_state else None)
 
 
@@ -1117,8 +1117,8 @@ def _varlen_stand_in(delta: bool, calls: list, broken: bool = False):
         bounds = cu_seqlens.tolist()
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             init = None if broken else initial_state[i:i + 1]
-            o, f = recurrence.recurrence_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], init,
-                                                   delta=delta)
+            o, f = naive.recurrence_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], init,
+                                              delta=delta)
             outs.append(o)
             finals.append(f)
         return torch.cat(outs, 1), torch.cat(finals)

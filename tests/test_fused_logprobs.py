@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from treecompile.kernels.logprobs.fused import default_chunk, fused_target_logprobs, reference_target_logprobs
+from treecompile.kernels.logprobs.fused import default_chunk, fused_target_logprobs
+from treecompile.kernels.logprobs.naive import reference_target_logprobs
 
 # (dtype, atol) for values and grads against the plain path on the same inputs. float64: the
 # only difference is where log-sum-exp is subtracted (z - lse vs log_softmax), a few ulps.

@@ -1,4 +1,5 @@
-"""Running sums along each row's root path (kernels/scans/path_scan.py) against the definition."""
+"""Running sums along each row's root path (kernels/scans/path_scan.py) against the definitions
+(kernels/scans/naive.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 import treecompile as tc
-from treecompile.kernels.scans.path_scan import path_cumsum, path_cumsum_reference
+from treecompile.kernels.scans.naive import path_cumsum_reference
+from treecompile.kernels.scans.path_scan import path_cumsum
 
 TREES = {
     "branchy": [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [1, 2, 5], [1, 7, 8, 9, 10, 11]],
@@ -46,7 +48,8 @@ def test_path_scan_matches_the_definition_forward_and_backward(name, op):
     """``treecompile::path_scan`` (pointer jumping along pred_index) against each root path
     gathered and scanned by torch's own op: values to float64 rounding, cummax / cummin's rows
     exactly, and the gradient of a non-linear function of the values."""
-    from treecompile.kernels.scans.path_scan import path_scan, path_scan_reference
+    from treecompile.kernels.scans.naive import path_scan_reference
+    from treecompile.kernels.scans.path_scan import path_scan
 
     batch = _batch(name)
     torch.manual_seed(0)
@@ -77,7 +80,8 @@ def test_path_scan_without_a_node_table_runs_enough_levels():
 def test_logcumsumexp_over_minus_infinity_has_the_gradient_torch_gives():
     """Masked scores (-inf) before a finite one: the gradient there is 0, as torch's own
     logcumsumexp gives on each root path (`path_scan_reference`), not NaN (-inf - -inf)."""
-    from treecompile.kernels.scans.path_scan import path_scan, path_scan_reference
+    from treecompile.kernels.scans.naive import path_scan_reference
+    from treecompile.kernels.scans.path_scan import path_scan
 
     batch = tc.pack([tc.TrajectoryTree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]])])
     assert batch.num_tokens == 6

@@ -12,7 +12,7 @@ from test_stream import BRANCHY
 from testing import COMPILE_TOL
 
 from treecompile import TrajectoryTree, pack
-from treecompile.kernels.attention.prefix_attention import prefix_attention_reference
+from treecompile.kernels.attention.naive import prefix_attention_reference
 from treecompile.kernels.attention.prefix_flex import prefix_block_mask, prefix_flex_attention, prefix_flex_hop, prefix_mask_mod
 from treecompile.stream.options import plan_stream
 

@@ -14,7 +14,8 @@ import torch
 
 from gpu_exactness import FP32_RATIO
 
-from treecompile.kernels.scans.recurrence import chunked_recurrence, recurrence_reference
+from treecompile.kernels.scans.naive import recurrence_reference
+from treecompile.kernels.scans.recurrence import chunked_recurrence
 
 
 def _errors(fn, inputs, weights, delta) -> list[float]:

@@ -25,7 +25,7 @@ from testing import COMPILE_TOL, assert_grads_close, examples, hf_float64_casts,
 from treecompile import TrajectoryTree, pack, tree_compile
 from treecompile.capture.dynamo import sequence_kernels, swapped_kernels
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.kernels.attention.prefix_attention import prefix_attention_reference
+from treecompile.kernels.attention.naive import prefix_attention_reference
 from treecompile.core.reference import per_path_loss
 from treecompile.stream.options import StreamOptions, plan_stream, stream_logprob_loss
 
@@ -588,7 +588,7 @@ def test_stream_selective_scan_injects_and_reads_states_exactly():
     node returns the node's final state, forward and backward, to float64 rounding."""
     from test_compile_hybrid import _mamba_inputs
 
-    from treecompile.kernels.scans.selective_scan import selective_scan_reference
+    from treecompile.kernels.scans.naive import selective_scan_reference
     from treecompile.passes.stream import stream_selective_scan
 
     s, d, n = 7, 5, 3

@@ -50,7 +50,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     from treecompile.kernels.logprobs import fused_triton as tri
-    from treecompile.kernels.logprobs.fused import fused_target_logprobs, reference_target_logprobs
+    from treecompile.kernels.logprobs.fused import fused_target_logprobs
+    from treecompile.kernels.logprobs.naive import reference_target_logprobs
 
     assert tri.INTERPRETED
     out: dict[str, dict] = {}

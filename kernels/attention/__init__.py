@@ -2,6 +2,6 @@
 per-block bounds (`blockmask`), FlexAttention on CUDA (`flex`, its options in `flex_options`),
 the CPU kernels with their backward (`cpu_attention`), a model's own ``score_mod`` /
 ``mask_mod`` on path positions (`flex_mods`), and attention over a streamed part's prefix keys
-and values (`prefix_attention`, with its plain reference `prefix_attention_reference`; as one
-FlexAttention call in `prefix_flex`). The dense attention every kernel is tested against is
+and values (`prefix_attention`; as one FlexAttention call in `prefix_flex`; its plain reference
+`prefix_attention_reference` in `naive`). The dense attention every kernel is tested against is
 the per-path reference of `treecompile.core.reference`."""

@@ -19,7 +19,8 @@ Per query block the op gathers the keys that can still be visible (``kv_end > c_
 opaque node per call in a captured graph); the backward is the standard one from the saved
 log-sum-exp, as in `treecompile.kernels.attention.cpu_attention` (on SDPA's fused CPU kernel where
 that kernel can take the call). The plain reference is
-`prefix_attention_reference` (dense, O(S x L), for tests).
+`prefix_attention_reference` in :mod:`treecompile.kernels.attention.naive` (dense, O(S x L), for
+tests).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from treecompile.kernels.attention.cpu_attention import (attention_scores, fused_block, fused_block_backward, fused_ok,
                                                 lse_dtype, row_terms)
 
-__all__ = ["prefix_tree_attention", "prefix_attention_reference"]
+__all__ = ["prefix_tree_attention"]
 
 Tensor = torch.Tensor
 
@@ -194,22 +195,3 @@ def _backward(ctx, dout, dlse):
 
 
 prefix_tree_attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-def prefix_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, kv_end: Tensor, kv_pos: Tensor, q_pos: Tensor, *, scale: float,
-    softcap: float = 0.0, window: int = 0,
-) -> Tensor:
-    """Dense ``[S, L]`` reference of `prefix_tree_attention` (tests only: O(S x L) memory)."""
-    s, total = q.shape[-2], k.shape[-2]
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    sc = (q @ k.transpose(-2, -1)) * scale
-    if softcap > 0:
-        sc = torch.tanh(sc / softcap) * softcap
-    c = torch.arange(total - s, total)
-    j = torch.arange(total)
-    ok = (j[None, :] <= c[:, None]) & (c[:, None] < kv_end[None, :])
-    if window > 0:
-        ok &= q_pos[:, None] - kv_pos[None, :] < window
-    return torch.softmax(sc.masked_fill(~ok, float("-inf")), -1) @ v

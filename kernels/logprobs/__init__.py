@@ -1,2 +1,3 @@
 """The LM head's log-probabilities without the full logits: `fused` (the torch op, chunked over
-rows, and its reference) and `fused_triton` (the Triton kernel it dispatches to on CUDA)."""
+rows), `fused_triton` (the Triton kernel it dispatches to on CUDA) and `naive` (their plain
+reference)."""

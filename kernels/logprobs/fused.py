@@ -20,8 +20,8 @@ computed with the projection and soft-cap in the weight's dtype, then upcast to 
 float32, as `treecompile.passes.markers.tree_logprobs` does. Its gradient with respect to
 ``z_r`` is ``onehot(t) * g_m - softmax(z_r) * sum_{m' on r} g_m'``.
 
-:func:`reference_target_logprobs` is the same computation written plainly (it forms
-``[R, V]``); tests compare the two.
+:func:`treecompile.kernels.logprobs.naive.reference_target_logprobs` is the same computation
+written plainly (it forms ``[R, V]``); tests compare the two.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "default_chunk",
     "default_kernel",
     "fused_target_logprobs",
-    "reference_target_logprobs",
 ]
 
 Tensor = torch.Tensor
@@ -233,11 +232,3 @@ def fused_target_logprobs(
         hidden, weight, bias, slot, target, None if softcap is None else float(softcap), chunk
     )
     return lp
-
-
-def reference_target_logprobs(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, slot: Tensor, target: Tensor, *, softcap: float | None = None
-) -> Tensor:
-    """The plain computation :func:`fused_target_logprobs` fuses: forms all ``[R, V]`` logits."""
-    _, z = _chunk_logits(hidden, weight, bias, softcap)
-    return torch.log_softmax(z, dim=-1)[slot, target]

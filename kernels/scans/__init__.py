@@ -3,5 +3,5 @@
 `recurrence` (the level-by-level driver and its scan kernels, `recurrence_ops` its ops), the
 families it runs (`gdn`: Gated DeltaNet, `mamba2`: SSD, `selective_scan` and `mamba`: Mamba),
 `path_scan` (running sums and any associative scan along the root path) and `table` (the
-table of recurrent scans the passes route). Each kernel has its plain reference beside it (the
-``*_reference`` functions)."""
+table of recurrent scans the passes route). Their plain references (the ``*_reference``
+functions, the tests' ground truth) are in `naive`."""

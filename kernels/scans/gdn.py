@@ -1,4 +1,4 @@
-"""Gated DeltaNet (the gated delta rule): its ops and their reference.
+"""Gated DeltaNet (the gated delta rule): its ops.
 
 The recurrence, per batch row and head, with state ``S`` ``[Dk, Dv]`` (Yang et al., 2025):
 
@@ -21,26 +21,14 @@ on a tree by depth levels) and registers the ops:
   final state.
 * ``treecompile::gated_delta_rule_backward``: both ops' backward.
 
-`gated_delta_rule_reference` is the loop above, token by token.
+The loop above, token by token, is `gated_delta_rule_reference` in
+:mod:`treecompile.kernels.scans.naive`.
 """
 
 from __future__ import annotations
 
-import torch
-
-from treecompile.kernels.scans.recurrence import recurrence_reference
 from treecompile.kernels.scans.recurrence_ops import register
 
-__all__ = ["gated_delta_rule_reference", "gated_delta_rule", "tree_gated_delta_rule"]
-
-Tensor = torch.Tensor
-
-
-def gated_delta_rule_reference(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The gated delta rule, token by token, in the inputs' dtype: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
-    return recurrence_reference(q, k, v, g, beta, initial_state, delta=True)
-
+__all__ = ["gated_delta_rule", "tree_gated_delta_rule"]
 
 gated_delta_rule, tree_gated_delta_rule = register("gated_delta_rule", delta=True)

@@ -1,4 +1,4 @@
-"""Mamba's selective scan (Mamba-1): its ops and their reference.
+"""Mamba's selective scan (Mamba-1): its ops.
 
 The scan, per batch row and channel ``d``, with state ``h`` ``[D, N]`` (see
 :mod:`treecompile.kernels.scans.selective_scan`, which computes it):
@@ -22,7 +22,8 @@ Registered ops:
 All compute in at least float32 and return ``u``'s dtype. ``scan_kernel`` is the name
 ``tree_compile(scan_kernel=...)`` took: ``"auto"`` and ``"torch"`` run the torch scan, which is
 the only one there is for this scan; ``"fla"`` raises (flash-linear-attention has none for
-it), as does an unknown name. `selective_scan_reference` is the loop above, token by token.
+it), as does an unknown name. The loop above, token by token, is `selective_scan_reference` in
+:mod:`treecompile.kernels.scans.naive`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ from treecompile.kernels.scans import selective_scan as _scan
 from treecompile.kernels.dtypes import compute_dtype
 from treecompile.kernels.scans.recurrence import SCAN_KERNELS, autograd_inside
 
-__all__ = ["selective_scan_reference", "selective_scan", "tree_selective_scan", "check_scan_kernel"]
+__all__ = ["selective_scan", "tree_selective_scan", "check_scan_kernel"]
 
 Tensor = torch.Tensor
-
-selective_scan_reference = _scan.selective_scan_reference
 
 
 def check_scan_kernel(name: str) -> None:

@@ -1,4 +1,4 @@
-"""Mamba2's selective state space scan (SSD): its ops and their reference.
+"""Mamba2's selective state space scan (SSD): its ops.
 
 Per batch row and head, with state ``h`` ``[P, N]`` (head dim x state size) and the
 discretised step ``dt_t`` (after bias, softplus and clamping):
@@ -10,7 +10,8 @@ This is the plain (no delta rule) form of :mod:`treecompile.kernels.scans.recurr
 ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` and state ``S = h^T``, which
 computes it and registers the ops ``treecompile::ssd_scan(q, k, v, g, beta, initial_state)``
 ``-> (out, final_state)``, ``treecompile::tree_ssd_scan(..., node_table) -> out`` (what the
-SSM state pass puts in place of the former) and their backward.
+SSM state pass puts in place of the former) and their backward. The scan token by token is
+`ssd_scan_reference` in :mod:`treecompile.kernels.scans.naive`.
 
 The drop-ins for Hugging Face's ``mamba2_chunk_scan`` and its fused training kernel are in
 :mod:`treecompile.capture.drop_ins`.
@@ -18,21 +19,8 @@ The drop-ins for Hugging Face's ``mamba2_chunk_scan`` and its fused training ker
 
 from __future__ import annotations
 
-import torch
-
-from treecompile.kernels.scans.recurrence import recurrence_reference
 from treecompile.kernels.scans.recurrence_ops import register
 
-__all__ = ["ssd_scan_reference", "ssd_scan", "tree_ssd_scan"]
-
-Tensor = torch.Tensor
-
-
-def ssd_scan_reference(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The scan token by token, in the recurrence's notation: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
-    return recurrence_reference(q, k, v, g, beta, initial_state, delta=False)
-
+__all__ = ["ssd_scan", "tree_ssd_scan"]
 
 ssd_scan, tree_ssd_scan = register("ssd_scan", delta=False)

@@ -11,13 +11,16 @@ still contains ``r`` (``subtree_end[k] > r``). So
 (every row whose subtree ended at or before ``r`` lies before ``r``): two running sums,
 O(S). Exact for integer and boolean inputs (the only ones the positions pass rewrites);
 floating-point sums would cancel large partial sums, so they are left refused.
+
+The definitions, written plainly, are `path_cumsum_reference` and `path_scan_reference` in
+:mod:`treecompile.kernels.scans.naive`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["path_cumsum", "path_cumsum_reference", "path_scan", "path_scan_reference", "PATH_SCANS"]
+__all__ = ["path_cumsum", "path_scan", "PATH_SCANS"]
 
 
 def path_cumsum(x: torch.Tensor, dim: int, subtree_end: torch.Tensor) -> torch.Tensor:
@@ -35,19 +38,6 @@ def path_cumsum(x: torch.Tensor, dim: int, subtree_end: torch.Tensor) -> torch.T
     s = xs.shape[-1]
     ended = xs.new_zeros(*xs.shape[:-1], s + 1).index_add_(-1, subtree_end.to(torch.int64), xs)
     out = xs.cumsum(-1) - ended.cumsum(-1)[..., :s]
-    return out.movedim(-1, dim)
-
-
-def path_cumsum_reference(x: torch.Tensor, dim: int, subtree_end: torch.Tensor) -> torch.Tensor:
-    """The definition, a loop over pairs: row ``r`` sums its ancestors-or-self ``k``
-    (``k <= r < subtree_end[k]``)."""
-    xs = x.movedim(dim, -1).to(torch.int64)
-    out = torch.zeros_like(xs)
-    end = subtree_end.tolist()
-    for r in range(xs.shape[-1]):
-        for k in range(r + 1):
-            if r < end[k]:
-                out[..., r] += xs[..., k]
     return out.movedim(-1, dim)
 
 
@@ -208,26 +198,3 @@ def _path_scan_backward(ctx, grads):
 
 
 path_scan.register_autograd(_path_scan_backward, setup_context=_path_scan_setup)
-
-
-def path_scan_reference(x: torch.Tensor, dim: int, pred_index: torch.Tensor, op: str) -> list[torch.Tensor]:
-    """The definition: each row's root path gathered (following ``pred_index``) and scanned with
-    torch's own op, keeping the last element; for cummax / cummin also the row of each value."""
-    xs = x.movedim(dim, 0)
-    pred = pred_index.tolist()
-    vals, rows = [], []
-    for r in range(xs.shape[0]):
-        path = [r]
-        while pred[path[-1]] >= 0:
-            path.append(pred[path[-1]])
-        path = path[::-1]
-        scanned = getattr(torch, op)(xs[path], 0)
-        if isinstance(scanned, torch.Tensor):
-            vals.append(scanned[-1])
-        else:
-            vals.append(scanned.values[-1])
-            rows.append(torch.tensor(path)[scanned.indices[-1]])
-    out = [torch.stack(vals).movedim(0, dim)]
-    if rows:
-        out.append(torch.stack(rows).movedim(0, dim))
-    return out

@@ -13,7 +13,8 @@ Gated DeltaNet (Yang et al., 2025) is the delta form. Mamba2's state space dual 
 plain form with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``, ``beta = dt`` (its state
 ``h = S^T``); see :mod:`treecompile.kernels.scans.mamba2`.
 
-* `recurrence_reference`: that loop, the definition a reader can check by eye.
+* `recurrence_reference` (in :mod:`treecompile.kernels.scans.naive`): that loop, the definition
+  a reader can check by eye.
 * `chunked_recurrence`: the same map computed 64 tokens at a time with matrix products, a
   differentiable torch function (the delta form solves a unit lower-triangular system per
   chunk, the WY form of the delta rule). Zero rows (``q = k = v = g = beta = 0``) leave
@@ -58,28 +59,13 @@ import torch
 
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["recurrence_reference", "chunked_recurrence", "tree_recurrence", "node_levels", "CHUNK",
+__all__ = ["chunked_recurrence", "tree_recurrence", "node_levels", "CHUNK",
            "padding_groups", "SCAN_KERNELS", "varlen_kernel", "varlen_disagreement", "known_bad_fla", "autograd_inside"]
 
 Tensor = torch.Tensor
 
 #: Tokens per chunk of `chunked_recurrence`.
 CHUNK = 64
-
-
-def recurrence_reference(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None, *, delta: bool
-) -> tuple[Tensor, Tensor]:
-    """The recurrence token by token, in the inputs' dtype: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
-    b, s, h, dk = k.shape
-    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype).clone()
-    out = q.new_zeros(b, s, h, v.shape[-1])
-    for t in range(s):
-        state = state * g[:, t].exp()[..., None, None]
-        written = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]) if delta else v[:, t]
-        state = state + k[:, t, :, :, None] * (beta[:, t, :, None] * written)[:, :, None, :]
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-    return out, state
 
 
 def chunked_recurrence(

@@ -14,7 +14,8 @@ along the state (``A`` is ``[D, N]``), so it is not a scalar-gated recurrence of
 :mod:`treecompile.kernels.scans.recurrence`; it is gated linear attention with one head per
 channel, ``Dk = N`` and ``Dv = 1``, which is how streamed parts keep its state (``[D, N, 1]``).
 
-* `selective_scan_reference`: that loop, token by token, the definition a reader can check by eye.
+* `selective_scan_reference` (in :mod:`treecompile.kernels.scans.naive`): that loop, token by token,
+  the definition a reader can check by eye.
 * `chunked_selective_scan`: the same map in ``O(sqrt(S))`` sequential steps, differentiable.
   The rows are cut into ``L`` chunks of ``L`` rows (``L = ceil(sqrt(S))``); every chunk runs
   from the zero state at once (``L`` steps over all chunks together), keeping the decay
@@ -46,22 +47,9 @@ import torch
 
 from treecompile.kernels.scans.recurrence import CHUNK, node_levels, padding_groups
 
-__all__ = ["selective_scan_reference", "chunked_selective_scan", "tree_selective_scan"]
+__all__ = ["chunked_selective_scan", "tree_selective_scan"]
 
 Tensor = torch.Tensor
-
-
-def selective_scan_reference(
-    u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The selective scan token by token, in the inputs' dtype: ``(y [B, S, D], final [B, D, N])``."""
-    b, s, d = u.shape
-    h = u.new_zeros(b, d, A.shape[-1]) if initial_state is None else initial_state.to(u.dtype).clone()
-    y = u.new_zeros(b, s, d)
-    for t in range(s):
-        h = torch.exp(dt[:, t, :, None] * A) * h + u[:, t, :, None] * B[:, t, None, :]
-        y[:, t] = (h * C[:, t, None, :]).sum(-1)
-    return y, h
 
 
 def chunked_selective_scan(

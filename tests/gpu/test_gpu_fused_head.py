@@ -8,7 +8,8 @@ import torch
 from gpu_exactness import BF16_RATIO
 from test_fused_logprobs import TOLERANCES
 
-from treecompile.kernels.logprobs.fused import fused_target_logprobs, reference_target_logprobs
+from treecompile.kernels.logprobs.fused import fused_target_logprobs
+from treecompile.kernels.logprobs.naive import reference_target_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
