@@ -182,10 +182,9 @@ def test_a_probe_refusal_is_reported_and_the_step_measured_without_the_probe(mon
     """The benchmark keeps measuring a model the first-call probe refuses (the rules proved it),
     says so in the row, and reuses the unverified wrapper for the later workloads."""
     import treecompile.compile.probe as probe
-    from treecompile.core.errors import UnsupportedModelError
 
     def refuse(*args):
-        raise UnsupportedModelError("the first-call probe found a difference (planted by the test)")
+        raise probe.ProbeRefused("the first-call probe found a difference (planted by the test)")
 
     monkeypatch.setattr(probe, "probe_graph", refuse)
     cfg = dataclasses.replace(bench_cuda.DEFAULT, models=("tiny",), path_tokens=(64,), pors=(0.5, 0.0),
