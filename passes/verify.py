@@ -120,13 +120,55 @@ def _refuse_static_length(gm: fx.GraphModule, ctx: PassContext, violations: list
     if violations:
         node, why = violations[0]
         where += f"  The first op that mixes rows: {describe(node)} at {location_of(node)} {why}.\n  at {source_of(node)}\n"
+    line = _where_length_became_constant(ctx, s)
+    code, _, place = (line or "").partition("  # ")
+    at = f" at {place.strip()} (`{code.strip()}`)" if line else " in the captured graph"
+    if line and "range(" in code and not code.lstrip().startswith(("for ", "while ")):
+        advice = ("A Python range (or list) of the length becomes numbers at capture: build positions with "
+                  "torch.arange(T, device=x.device), which the tree rewrite reads.")
+    else:
+        advice = ("Write the recurrence as a scan kernel treecompile knows (see docs/hybrid.md), or as ops over "
+                  "the whole sequence.")
     raise UnsupportedModelError(
         f"treecompile cannot make this model exact on a tree: the model makes the sequence length a constant "
-        f"({s}) in the captured graph, typically a Python loop over the tokens (for t in range(seq_len)) or a "
-        f"branch on the length, so its per-token ops cannot be checked.{where}"
-        "Write the recurrence as a scan kernel treecompile knows (see docs/hybrid.md), or as ops over the whole "
-        "sequence."
+        f"({s}){at}, typically a Python loop over the tokens (for t in range(seq_len)), a Python range of the "
+        f"length or a branch on it, so its per-token ops cannot be checked.{where}{advice}"
     )
+
+
+def _where_length_became_constant(ctx: PassContext, s) -> str | None:
+    """The model's source line at which Dynamo replaced the row length's symbol by ``s`` (its
+    shape environment records where each symbol was specialised; lines of treecompile's own
+    call around the model are skipped), or None."""
+    from torch._guards import detect_fake_mode
+
+    try:
+        env = getattr(detect_fake_mode(ctx.example_inputs), "shape_env", None)
+        slocs = getattr(env, "replacements_slocs", None) or {}
+        for sym, val in getattr(env, "replacements", {}).items():
+            user = getattr(slocs.get(sym), "maybe_user_loc", None)
+            if user and val == int(s) and not _own_source(str(user)):
+                return str(user).strip()
+    except Exception:  # an older shape environment without these records: the message stays general
+        return None
+    return None
+
+
+def _own_source(loc: str) -> bool:
+    """Whether ``loc`` (``code  # path:line in function``, the path maybe cut on the left) is a
+    line of treecompile's own packages."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    import treecompile
+
+    m = re.search(r"#\s*(\S+):\d+ in \S+\s*$", loc)
+    if m is None:
+        return False
+    kernels = importlib.import_module("treecompile.kernels")
+    roots = {Path(treecompile.__file__).parent, Path(__file__).parent, Path(kernels.__file__).parent}
+    return any(str(f).endswith(m.group(1)) for root in roots for f in root.rglob("*.py"))
 
 
 def _indexes_one_token(node: fx.Node, s) -> bool:

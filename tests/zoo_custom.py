@@ -462,8 +462,24 @@ class _TableRopeAttn(_Attn):
         return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
 
 
+class RangeRopeAttn(ComplexRopeAttn):
+    """RoPE angles from positions built as ``q.new_tensor(range(T))``: a Python range of the
+    length, which Dynamo turns into numbers (the length becomes a constant)."""
+
+    def attend(self, q, k, v):
+        ang = torch.outer(q.new_tensor(range(q.shape[2])).to(self.inv.dtype), self.inv)
+        freqs = torch.polar(torch.ones_like(ang), ang)
+
+        def rot(z):
+            zc = torch.view_as_complex(z.reshape(*z.shape[:-1], -1, 2).contiguous())
+            return torch.view_as_real(zc * freqs).flatten(-2)
+
+        return F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+
+
 ComplexRopeLM = _spelling(ComplexRopeAttn)
 ComplexRopeTableLM = _spelling(_TableRopeAttn)
+RangeRopeLM = _spelling(RangeRopeAttn)
 
 
 class AlibiAttn(_Attn):
