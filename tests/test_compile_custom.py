@@ -11,6 +11,7 @@ their subject is the rewrite or the wrapper and lowering triples a compile's tim
 
 import gc
 import logging
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -359,3 +360,9 @@ def test_torch_compile_of_a_tree_compiled_model_changes_nothing_and_says_so():
     with pytest.warns(TreeWarning, match=r"torch.compile\(...\) of a tree-compiled model does nothing"):
         out = torch.compile(compiled)(batch)
     assert out.loss.item() == expected
+    # The full check calls a tree-compiled twin inside the call: not an outer compile.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"torch.compile\(...\) of a tree-compiled", category=TreeWarning)
+        checked = tree_compile(tiny(NanoGPT), backend="eager", verify=True)
+        checked(batch)
+    assert checked.verified is not None

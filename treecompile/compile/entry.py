@@ -28,15 +28,18 @@ def warn_outer_compile() -> None:
     """Says (once per call site, as warnings do), when a call comes through
     ``torch.compile(compiled)``, that the outer compile does nothing (the call is not traced by
     it; ``tree_compile`` compiles the model itself)."""
-    # The frames of torch's eval_frame.py above this call: one is ``__call__``'s own disable
-    # wrapper; a second is an outer torch.compile's.
-    frame, seen = sys._getframe(1), 0
-    for _ in range(16):
+    # The frames of torch's eval_frame.py above this call: each tree-compiled call on the
+    # stack (this one, and an outer one whose self-check calls a twin) has its own disable
+    # wrapper; one more is an outer torch.compile's.
+    frame = sys._getframe(1)
+    own, calls, seen = frame.f_code, 0, 0
+    for _ in range(32):
         if frame is None:
             break
+        calls += frame.f_code is own
         seen += frame.f_code.co_filename.replace("\\", "/").endswith("_dynamo/eval_frame.py")
         frame = frame.f_back
-    if seen >= 2:
+    if seen > calls:
         import warnings
 
         from treecompile.core.advice import TreeWarning
