@@ -42,7 +42,7 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.collectives import cp_gather  # noqa: F401  (registers treecompile::cp_gather_rows)
 from treecompile.passes._graph import PassContext, describe, is_op, source_of, value
 from treecompile.passes.stream import (_attention_calls, _conv_calls, _scan_calls, prefix_attention_calls,
-                                       refuse_own_mods, stream_attention_fn)
+                                       refuse_own_mods, refuse_pair_sums, stream_attention_fn)
 
 __all__ = ["CPGraph", "cp_inputs", "cp_passes"]
 
@@ -143,6 +143,7 @@ def cp_passes(state: CPGraph, streamed: bool = False) -> tuple[Callable, Callabl
         return gm
 
     def refuse_cp_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        refuse_pair_sums(gm, "the ranks of context parallelism", "train this model without cp=")
         held = _conv_calls(gm) + [n for n, _ in _scan_calls(gm)]
         if held:
             n = held[0]

@@ -46,11 +46,12 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.scans.table import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
 from treecompile.kernels.attention import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
+from treecompile.kernels.attention import pair_sum  # noqa: F401  (registers treecompile::tree_pair_sum)
 from treecompile.kernels.attention.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.kernels.attention.prefix_flex import prefix_flex_hop
 from treecompile.passes._graph import PassContext, describe, is_op, location_of, source_of, value
 
-__all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "stream_attention_fn", "stream_causal_conv1d",
+__all__ = ["KVLayout", "StreamGraph", "stack_layout", "stream_passes", "refuse_pair_sums", "stream_attention_fn", "stream_causal_conv1d",
            "stream_scan_fn", "stream_selective_scan", "stream_inputs", "stream_outputs", "prefix_attention_calls"]
 
 
@@ -231,6 +232,16 @@ def prefix_attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
             if n.op == "call_function" and isinstance(getattr(n.target, "prefix_spec", None), AttentionSpec)]
 
 
+def refuse_pair_sums(gm: fx.GraphModule, where: str, advice: str) -> None:
+    """Refuses attention without a softmax (`treecompile.kernels.attention.pair_sum`), whose sum
+    over a query's ancestors is not split over ``where``."""
+    for n in gm.graph.nodes:
+        if is_op(n, torch.ops.treecompile.tree_pair_sum):
+            raise UnsupportedModelError(
+                f"treecompile: attention without a softmax at {location_of(n)} is not run over {where} (its sum over "
+                f"a query's ancestors would miss those held elsewhere): {advice}.\n  at {source_of(n)}")
+
+
 def refuse_own_mods(calls: list[fx.Node], doing: str, kernel: str, advice: str) -> None:
     """Refuses the first attention call that runs a score_mod or mask_mod of the model's own:
     ``kernel`` (the prefix attention of streamed parts and of context-parallel ranks) takes none."""
@@ -363,6 +374,7 @@ def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContex
     calls = _attention_calls(gm)
     refuse_own_mods(calls, "stream this model", "the streamed parts' prefix attention",
                     "run it whole (no stream=) or under a larger budget")
+    refuse_pair_sums(gm, "streamed parts", "run it whole (no stream=)")
     kv = [(n.args[1], n.args[2]) for n in calls]
     shapes = _kv_shapes(calls)
     given = [(int(value(p).shape[1]), int(value(p).shape[3]), value(p).dtype) for p in state.prefix]

@@ -346,6 +346,79 @@ class CumsumLinearAttn(_Attn):
         return num / den.unsqueeze(-1)
 
 
+class QuadraticLinearAttn(_Attn):
+    """Causal linear attention in its parallel form: ``(phi(q) @ phi(k)^T)`` zeroed above the
+    diagonal by ``masked_fill(triu(ones(T, T), 1), 0)``, then ``@ v`` (no softmax)."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        a = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-1, -2)
+        a = a.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), 1), 0.0)
+        return a @ v
+
+
+class TrilLinearAttn(_Attn):
+    """Linear attention as ``torch.tril(q @ k^T) / sqrt(d) @ v``."""
+
+    def attend(self, q, k, v):
+        return torch.tril(q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) @ v
+
+
+class RetentionAttn(_Attn):
+    """RetNet's parallel retention as microsoft/torchscale builds its decay mask
+    (``index[:, None] - index[None, :]`` filled with ``inf`` above the diagonal, times
+    ``log(1 - 2 ** (-5 - h))``, ``exp``, ``nan_to_num``), unnormalised:
+    ``(q @ k^T * mask) @ v``. ``learned``: the log decay ``logsigmoid`` of a parameter per head
+    (and the mask ``exp(decay * clamp(i - j, 0)) * (i >= j)``)."""
+
+    def __init__(self, learned: bool = False, normalised: bool = False) -> None:
+        super().__init__()
+        gamma = 1 - 2 ** (-5.0 - torch.arange(HEADS, dtype=torch.float64))
+        if learned:
+            self.decay_logit = nn.Parameter(torch.log(gamma / (1 - gamma)))
+        else:
+            self.register_buffer("log_gamma", torch.log(gamma))
+        self.learned, self.normalised = learned, normalised
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        decay = F.logsigmoid(self.decay_logit) if self.learned else self.log_gamma
+        index = torch.arange(t).to(decay)
+        if self.learned:  # a gradient through exp(inf * decay) would be NaN: the distances clamped instead
+            d = index[:, None] - index[None, :]
+            mask = torch.exp(decay[:, None, None] * d.clamp(min=0)) * (d >= 0)
+        else:
+            mask = torch.tril(torch.ones(t, t).to(decay))
+            mask = torch.masked_fill(index[:, None] - index[None, :], ~mask.bool(), float("inf"))
+            mask = torch.exp(mask * decay[:, None, None])
+            mask = torch.nan_to_num(mask)
+        if self.normalised:  # torchscale's: each row of the mask, then of the scores, scaled
+            mask = mask / mask.sum(dim=-1, keepdim=True).sqrt()
+        qk = q @ (k * HD ** -0.5).transpose(-1, -2) * mask
+        if self.normalised:
+            qk = qk / qk.detach().abs().sum(dim=-1, keepdim=True).clamp(min=1, max=5e4)
+        return qk @ v
+
+
+class LengthDecayAttn(_Attn):
+    """A decay mask divided by the sequence length: per path that length is the path's, so the
+    factor is not a function of the distance alone."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device, dtype=q.dtype)
+        d = (i[:, None] - i[None, :])
+        mask = torch.where(d >= 0, 0.9 ** d, torch.zeros_like(d)) / t
+        return (q @ k.transpose(-1, -2) * mask) @ v
+
+
+class BidirectionalLinearAttn(_Attn):
+    """Linear attention without a causal mask: every query sums over every key."""
+
+    def attend(self, q, k, v):
+        return ((F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-1, -2)) @ v
+
+
 def heinsen_associative_scan_log(log_coeffs, log_values):
     """lucidrains/minGRU-pytorch ``heinsen_associative_scan_log``."""
     a_star = log_coeffs.cumsum(dim=1)
@@ -417,6 +490,16 @@ def _spelling(attn_cls):
 RollShiftLM, RollShiftTwoLM, RollNoZeroLM, RollWrongZeroLM, RollReadFirstLM, InPlaceCumsumLM, InPlaceCumprodLM = (
     _spelling(c) for c in (RollShiftAttn, RollShiftTwoAttn, RollNoZeroAttn, RollWrongZeroAttn, RollReadFirstAttn,
                            InPlaceCumsumAttn, InPlaceCumprodAttn))
+QuadraticLinearLM, TrilLinearLM, LengthDecayLM, BidirectionalLinearLM = (
+    _spelling(c) for c in (QuadraticLinearAttn, TrilLinearAttn, LengthDecayAttn, BidirectionalLinearAttn))
+
+
+class RetentionLM(_LM):
+    """RetNet's parallel retention (`RetentionAttn`) in every block."""
+
+    block_cls = RetentionAttn
+
+
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 

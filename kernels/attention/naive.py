@@ -4,6 +4,8 @@ the tests as the ground truth the fast kernels beside them are compared with.
 * `prefix_attention_reference`: the attention of a streamed part's queries over its prefix keys and
   its own (:mod:`treecompile.kernels.attention.prefix_attention`) as one dense ``[S, L]`` softmax:
   O(S x L) time and memory.
+* `tree_pair_sum_reference`: attention without a softmax on the tree
+  (:mod:`treecompile.kernels.attention.pair_sum`) as one dense ``[S, S]`` product: O(S^2) memory.
 
 The dense reference of the whole-tree attention is SDPA over ``TreeBatch.reference_attention_mask``
 (``[S, S]``), and the per-path ground truth of a model is :mod:`treecompile.core.reference`.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["prefix_attention_reference"]
+__all__ = ["prefix_attention_reference", "tree_pair_sum_reference"]
 
 Tensor = torch.Tensor
 
@@ -35,3 +37,16 @@ def prefix_attention_reference(
     if window > 0:
         ok &= q_pos[:, None] - kv_pos[None, :] < window
     return torch.softmax(sc.masked_fill(~ok, float("-inf")), -1) @ v
+
+
+def tree_pair_sum_reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
+                            subtree_end: Tensor, scale: float) -> Tensor:
+    """Dense ``[S, S]`` reference of `tree_pair_sum` (tests only: O(S^2) memory)."""
+    s = q.shape[-2]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    r = torch.arange(s)
+    seen = (r[None, :] <= r[:, None]) & (subtree_end[None, :] > r[:, None])
+    dist = (positions[:, None] - positions[None, :]).clamp(min=0, max=table.shape[-1] - 1)
+    factor = table.to(q.dtype)[:, dist] * seen.to(q.dtype)  # [L, S, S]
+    return ((q @ k.transpose(-2, -1)) * scale * factor) @ v

@@ -32,7 +32,9 @@ it adds to), all ending in one rewrite (`replace.replace`: the FlexAttention cal
 window, soft-cap, ALiBi, sinks and the model's own mods): `hf_interface`, `sdpa`, `softmax` (the
 manual spelling; its walk from the softmax back to the scores is the step table of `score_chain`,
 its operands read by `operands`, a learned pair bias turned into a score_mod by `relative_bias`),
-`mha` (``F.multi_head_attention_forward``) and `flex` (a model's own FlexAttention).
+`mha` (``F.multi_head_attention_forward``), `flex` (a model's own FlexAttention) and `pair_sum`
+(attention without a softmax, ``(q @ k^T * D) @ v`` with a causal decay ``D``: its own kernel,
+`treecompile.kernels.attention.pair_sum`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from treecompile.passes._graph import SDPA, SOFTMAX, PassContext, is_call
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
 from treecompile.passes.attention.mha import rewrite_multihead
+from treecompile.passes.attention.pair_sum import is_pair_product, rewrite_pair_sum
 from treecompile.passes.attention.score_chain import spell_softmax
 from treecompile.passes.attention.sdpa import rewrite_sdpa
 from treecompile.passes.attention.softmax import rewrite_softmax_attention
@@ -77,6 +80,8 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("multihead_attention", lambda n: is_call(n, (torch.nn.functional.multi_head_attention_forward,)),
              rewrite_multihead),
     Spelling("flex_attention", _is_flex, rewrite_flex),
+    # After the softmax spelling, whose output products it would otherwise see.
+    Spelling("pair_sum", is_pair_product, rewrite_pair_sum),
 )
 
 

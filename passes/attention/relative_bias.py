@@ -26,7 +26,7 @@ from treecompile.kernels.attention.flex_mods import register_mods
 from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import evaluate
 
-__all__ = ["relative_bias_mods"]
+__all__ = ["relative_bias_mods", "relative_table"]
 
 _SUBTRACTIONS = (operator.sub, torch.sub, torch.subtract)
 
@@ -35,6 +35,34 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
                        heads: int | None) -> tuple[str, fx.Node] | str:
     """``(mods key, table node)`` for ``bias``, the table built in the graph before ``at`` and
     multiplied by ``scale`` (the factor on the scores after the bias is added); or why not."""
+    found = relative_table(gm, ctx, bias, at)
+    if isinstance(found, str):
+        return found
+    table, lead = found
+    if scale != 1.0:
+        with gm.graph.inserting_before(at):
+            table = ctx.mark(gm.graph.call_function(operator.mul, (table, scale)), like=bias)
+    if heads is not None and lead not in (1, heads):
+        return f"a bias over (query, key) pairs with {lead} leading entries for {heads} heads"
+    why = _check(ctx, bias, table, scale)
+    if why is not None:
+        return why
+    per_head = lead > 1
+
+    def relative_bias(score, b, h, q_idx, kv_idx, tab):
+        d = (q_idx - kv_idx).clamp(min=0)
+        return score + tab[h if per_head else 0, d].to(score.dtype)
+
+    return register_mods(relative_bias, None, 1, 0), table
+
+
+def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node) -> tuple[fx.Node, int] | str:
+    """``(table, lead)``: ``table[l, d] = pair[l, d, 0]``, the pair tensor's key column 0 (a
+    ``[lead, S]`` node built before ``at`` from the model's own subgraph with the key index
+    replaced by 0), for a ``pair`` over (query, key) computed from the two sequence indices
+    through their difference; or why it is not one. Whether ``pair`` is that column at every
+    distance is the caller's check (at the example length)."""
+    bias = pair
     anc = ancestors(bias) | {bias}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     aranges = [n for n in anc if is_call(n, ARANGE)]
@@ -57,9 +85,16 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
         zero = ctx.mark(g.call_function(torch.zeros, (tuple([1] * kv.dim()),), {"dtype": kv.dtype,
                                                                                   "device": kv.device}), like=bias)
         zero.meta["example_value"] = torch.zeros([1] * kv.dim(), dtype=kv.dtype, device=kv.device)
-        for n in sorted(indexed, key=order.get):
+        # A pair tensor the bias reads that is not built from the indices (a causal mask from
+        # ones(T, T), a buffer sliced [:T, :T]) is built at key 0 too: its creation with one key.
+        pairs = {n for n in anc - indexed if _is_pair(n, ctx)}
+        for n in sorted(indexed | pairs, key=order.get):
             if n is key_side:
                 env[n] = zero
+                continue
+            if n in pairs:
+                env[n] = _key_column(g, ctx, n, env, pairs)
+                ctx.mark(env[n], like=bias)
                 continue
             env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=bias)
             env[n].meta = dict(n.meta)
@@ -68,26 +103,41 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
         lead = int(torch.Size(value(bias).shape[:-2]).numel()) if value(bias).dim() > 2 else 1
         picked = ctx.mark(g.call_method("select", (column, -1, 0)), like=bias)
         table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=bias)
-        if scale != 1.0:
-            table = ctx.mark(g.call_function(operator.mul, (table, scale)), like=bias)
-    if heads is not None and lead not in (1, heads):
-        return f"a bias over (query, key) pairs with {lead} leading entries for {heads} heads"
-    why = _check(ctx, bias, table, scale)
-    if why is not None:
-        return why
-    per_head = lead > 1
-
-    def relative_bias(score, b, h, q_idx, kv_idx, tab):
-        d = (q_idx - kv_idx).clamp(min=0)
-        return score + tab[h if per_head else 0, d].to(score.dtype)
-
-    return register_mods(relative_bias, None, 1, 0), table
+    return table, lead
 
 
 def _meets(n: fx.Node, ctx: PassContext) -> bool:
     """A node combining a query-index grid ``[.., S, 1]`` with a key-index grid ``[.., 1, S]``."""
     ins = [a for a in n.args[:2] if isinstance(a, fx.Node)]
     return len(ins) == 2 and any(_is_key_grid(a, ctx) for a in ins) and any(_is_query_grid(a, ctx) for a in ins)
+
+
+_CREATIONS = (torch.ones, torch.zeros, torch.full, torch.empty)
+
+
+def _key_column(g: fx.Graph, ctx: PassContext, n: fx.Node, env: dict, pairs: set) -> fx.Node:
+    """A copy of pair tensor ``n`` with one key (``[.., S, 1]``): its creation with the last size
+    1, its ``[:T, :T]`` slice as ``[:T, :1]``, an op on such copies copied; otherwise the key
+    column of ``n`` itself."""
+    s = ctx.seq_len
+    if is_call(n, _CREATIONS) and n.args and isinstance(n.args[0], (tuple, list)) and same_size(n.args[0][-1], s):
+        return g.call_function(n.target, (tuple(n.args[0][:-1]) + (1,), *n.args[1:]), dict(n.kwargs))
+    if is_call(n, _CREATIONS) and len(n.args) >= 2 and all(not isinstance(a, (tuple, list)) for a in n.args[:2]) \
+            and n.target is not torch.full and same_size(n.args[-1], s):
+        return g.call_function(n.target, (*n.args[:-1], 1), dict(n.kwargs))
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple) and n.args[1] \
+            and isinstance(n.args[1][-1], slice) and n.args[1][-1].start in (None, 0) and n.args[1][-1].step is None \
+            and same_size(n.args[1][-1].stop, s) and n.args[0] not in pairs:
+        return g.call_function(operator.getitem, (n.args[0], (*n.args[1][:-1], slice(0, 1))))
+    ins = [x for x in n.all_input_nodes if x in pairs]
+    if ins and all(x in env for x in ins):
+        return g.node_copy(n, lambda x: env.get(x, x))
+    return g.call_function(operator.getitem, (n, (Ellipsis, slice(0, 1))))
+
+
+def _is_pair(x, ctx: PassContext) -> bool:
+    s = _grid(x, ctx)
+    return s is not None and all(same_size(d, ctx.seq_len) for d in s)
 
 
 def _grid(x, ctx: PassContext) -> tuple | None:

@@ -1,0 +1,139 @@
+"""Attention without a softmax on the tree: ``out[q] = sum over kv of (scale * q.k) * D(q, kv) * v[kv]``.
+
+Linear attention written in its parallel form (``(q @ k^T).masked_fill(~causal, 0) @ v``),
+RetNet's parallel retention (``(q @ k^T * gamma ** (i - j) * causal) @ v``) and any such
+product whose pair factor ``D`` is a causal function of the distance ``i - j`` sum over the
+keys a query sees. On a path those are the tokens before it; on the packed tree row they
+are its ancestors-or-self (``kv <= q < subtree_end[kv]``, the interval rule), at the path
+distance ``positions[q] - positions[kv]``:
+
+    out[q] = sum_{kv ancestor-or-self of q} scale * (q . k[kv]) * table[h, pos[q] - pos[kv]] * v[kv]
+
+with ``table[h, d] = D(h, d)`` (a distance past the table's end reads its last entry: a
+one-entry table is a constant factor). The sum runs in blocks of ``BLOCK`` queries over the
+rows that can hold an ancestor of the block (``kv < end of block`` with ``subtree_end[kv] >
+start of block``): the work is that of the tree's attention, the memory ``BLOCK x`` those rows
+per block, never ``[S, S]``. The backward recomputes each block's products and returns the
+gradients of ``q``, ``k``, ``v`` and the table (a learned decay gets its gradient).
+
+The dense definition is `tree_pair_sum_reference` in :mod:`treecompile.kernels.attention.naive`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tree_pair_sum", "BLOCK"]
+
+Tensor = torch.Tensor
+
+#: Queries per block.
+BLOCK = 128
+
+
+def _blocks(s: int, subtree_end: Tensor):
+    """Per query block ``(q0, q1, rows)``: the rows that can be an ancestor-or-self of a query in it."""
+    for q0 in range(0, s, BLOCK):
+        q1 = min(s, q0 + BLOCK)
+        rows = torch.nonzero(subtree_end[:q1] > q0).squeeze(1)
+        yield q0, q1, rows
+
+
+def _factor(table: Tensor, positions: Tensor, subtree_end: Tensor, q0: int, q1: int, rows: Tensor):
+    """``(D [L, C, R] zero off the tree, distances [C, R], seen [C, R])`` of one block."""
+    qi = torch.arange(q0, q1, device=rows.device)
+    seen = (rows[None, :] <= qi[:, None]) & (subtree_end[rows][None, :] > qi[:, None])
+    dist = (positions[q0:q1, None] - positions[rows][None, :]).clamp(min=0, max=table.shape[-1] - 1)
+    d = table[:, dist] * seen.to(table.dtype)
+    return d, dist, seen
+
+
+def _expand(x: Tensor, heads: int) -> Tensor:
+    g = heads // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, 1)
+
+
+def _fold(x: Tensor, kv_heads: int) -> Tensor:
+    """Sums the query heads' gradients of a shared key/value head back onto it."""
+    b, h = x.shape[:2]
+    g = h // kv_heads
+    return x if g == 1 else x.reshape(b, kv_heads, g, *x.shape[2:]).sum(2)
+
+
+@torch.library.custom_op("treecompile::tree_pair_sum", mutates_args=())
+def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor, subtree_end: Tensor,
+                  scale: float) -> Tensor:
+    """The tree sum (module docstring).
+
+    Args:
+        q: ``[B, H, S, Dk]``; k: ``[B, Hk, S, Dk]``; v: ``[B, Hk, S, Dv]`` (``H`` a multiple of ``Hk``).
+        table: ``[L, T]`` with ``L`` 1 or ``H``: the pair factor at each distance.
+        positions, subtree_end: ``[S]`` the rows' path positions and subtree ends.
+        scale: the constant factor on ``q . k``.
+
+    Returns:
+        ``[B, H, S, Dv]``.
+    """
+    h = q.shape[1]
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    table = table.to(q.dtype)
+    for q0, q1, rows in _blocks(q.shape[2], subtree_end):
+        d, _, _ = _factor(table, positions, subtree_end, q0, q1, rows)
+        kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
+        w = (q[:, :, q0:q1] @ kr.transpose(-1, -2)) * scale * d
+        out[:, :, q0:q1] = w @ vr
+    return out
+
+
+@tree_pair_sum.register_fake
+def _tree_pair_sum_fake(q, k, v, table, positions, subtree_end, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("treecompile::tree_pair_sum_backward", mutates_args=())
+def tree_pair_sum_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
+                           subtree_end: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `tree_pair_sum` for ``q``, ``k``, ``v`` and ``table`` (each block's products
+    recomputed)."""
+    h, hk = q.shape[1], k.shape[1]
+    tab = table.to(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtable = torch.zeros(table.shape, dtype=q.dtype, device=q.device)
+    grad = grad.to(q.dtype)
+    for q0, q1, rows in _blocks(q.shape[2], subtree_end):
+        d, dist, seen = _factor(tab, positions, subtree_end, q0, q1, rows)
+        kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
+        qb, gb = q[:, :, q0:q1], grad[:, :, q0:q1]
+        a = (qb @ kr.transpose(-1, -2)) * scale  # [B, H, C, R]
+        dw = gb @ vr.transpose(-1, -2)
+        dv.index_add_(2, rows, _fold((a * d).transpose(-1, -2) @ gb, hk))
+        da = dw * d * scale
+        dq[:, :, q0:q1] = da @ kr
+        dk.index_add_(2, rows, _fold(da.transpose(-1, -2) @ qb, hk))
+        # d table[l, dist]: the pairs' dW * A summed over the batch (and the heads a shared row serves).
+        dd = (dw * a).sum(0)
+        if tab.shape[0] == 1:
+            dd = dd.sum(0, keepdim=True)
+        dd = dd * seen.to(dd.dtype)
+        dtable.index_add_(1, dist.reshape(-1), dd.reshape(dd.shape[0], -1))
+    return dq, dk, dv, dtable.to(table.dtype)
+
+
+@tree_pair_sum_backward.register_fake
+def _tree_pair_sum_backward_fake(grad, q, k, v, table, positions, subtree_end, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, table, positions, subtree_end, scale = inputs
+    ctx.save_for_backward(q, k, v, table, positions, subtree_end)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad):
+    q, k, v, table, positions, subtree_end = ctx.saved_tensors
+    dq, dk, dv, dtable = tree_pair_sum_backward(grad, q, k, v, table, positions, subtree_end, ctx.scale)
+    return dq, dk, dv, dtable, None, None, None
+
+
+tree_pair_sum.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,130 @@
+"""Attention without a softmax on the tree (`treecompile.kernels.attention.pair_sum`): the kernel
+against its dense reference, forward and backward, and the pass's refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+import zoo_custom as zc
+
+import treecompile as tc
+import treecompile.kernels.attention.pair_sum as ps
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.kernels.attention.naive import tree_pair_sum_reference
+from treecompile.stream.options import StreamOptions
+
+FORESTS = {
+    # A shared prefix, a path ending inside another, a duplicate, a second tree.
+    "branchy": [[[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [1, 2, 3, 4, 5, 6]], [[12, 13]]],
+    # A chain deeper than a block, with a branch at the end.
+    "deep": [[list(range(1, 20)) + [20], list(range(1, 20)) + [21, 22]]],
+}
+
+
+def _batch(name):
+    return tc.pack([tc.TrajectoryTree.from_sequences(p) for p in FORESTS[name]], warn_por=False)
+
+
+@pytest.mark.parametrize("forest", list(FORESTS))
+@pytest.mark.parametrize("lead,heads,kv_heads,table_len", [(1, 4, 2, None), (4, 4, 4, None), (4, 4, 1, 3), (1, 2, 2, 1)])
+def test_kernel_matches_the_dense_reference_forward_and_backward(monkeypatch, forest, lead, heads, kv_heads,
+                                                                  table_len):
+    monkeypatch.setattr(ps, "BLOCK", 4)  # several blocks, and blocks that cut nodes
+    batch = _batch(forest)
+    s = batch.num_tokens
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    q, k, v = rand(1, heads, s, 5), rand(1, kv_heads, s, 5), rand(1, kv_heads, s, 3)
+    table = torch.rand(lead, table_len or s, generator=g, dtype=torch.float64).requires_grad_(True)
+    args = (batch.position_ids, batch.subtree_end, 0.7)
+    out = ps.tree_pair_sum(q, k, v, table, *args)
+    ref = tree_pair_sum_reference(q, k, v, table, *args)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, table), grad)
+    want = torch.autograd.grad(ref, (q, k, v, table), grad)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"d{name}: {m}")
+    torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_passes_gradcheck(monkeypatch):
+    monkeypatch.setattr(ps, "BLOCK", 3)
+    batch = _batch("branchy")
+    s = batch.num_tokens
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, s, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.rand(2, s, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, t: ps.tree_pair_sum(q, k, v, t, batch.position_ids, batch.subtree_end, 0.5), (q, k, v, table))
+
+
+def test_the_path_alone_gives_each_row_what_the_tree_gives_it():
+    """The definition, from the other side: every row of a path run alone (a chain) equals the
+    same token's row in the tree."""
+    batch = _batch("branchy")
+    s = batch.num_tokens
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, s, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    table = torch.rand(1, s, generator=g, dtype=torch.float64)
+    tree = ps.tree_pair_sum(q, k, v, table, batch.position_ids, batch.subtree_end, 1.0)
+    for p in range(batch.num_paths):
+        rows = batch.path_rows(p)
+        n = len(rows)
+        alone = ps.tree_pair_sum(q[:, :, rows], k[:, :, rows], v[:, :, rows], table, torch.arange(n),
+                                 torch.full((n,), n), 1.0)
+        torch.testing.assert_close(alone, tree[:, :, rows], rtol=1e-12, atol=1e-12)
+
+
+def test_the_default_lowering_runs_the_kernel_and_its_backward():
+    case = next(c for c in zoo.all_cases() if c.id == "retnet-learned-decay")
+    model = case.build()
+    compiled = tc.tree_compile(model)  # aot_eager on CPU: the fake kernels and the backward op traced
+    name, batch, trees = zoo.batches()[0]
+    result = zoo.compare(model, compiled, batch, trees)
+    assert compiled.counters["rewrite_attention_pass"]["pair_sum"] == 2, result
+
+
+def test_streaming_and_the_bitmask_rule_refuse_it_by_name():
+    model = zoo.perturb(zc.QuadraticLinearLM().double().eval())
+    batch = zoo.batches()[1][1]
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"attention without a softmax at .* is not run over streamed"):
+        streamed(batch)
+    bitmask = tc.tree_compile(model, backend="eager", mask="bitmask")
+    bits = tc.pack([tc.TrajectoryTree.from_sequences(p) for p in FORESTS["branchy"]], path_bits=True, warn_por=False)
+    with pytest.raises(UnsupportedModelError, match=r"runs on the interval mask rule"):
+        bitmask(bits)
+
+
+class _SymmetricDecayAttn(zc._Attn):
+    """A decay of |i - j|: every key, before and after the query, gets a nonzero factor."""
+
+    def attend(self, q, k, v):
+        i = torch.arange(q.shape[2], device=q.device, dtype=q.dtype)
+        return (q @ k.transpose(-1, -2) * 0.9 ** (i[:, None] - i[None, :]).abs()) @ v
+
+
+class _PositionDecayAttn(zc._Attn):
+    """A factor of the query's index as well as the distance: ``(i + 1) ** -1 * 0.9 ** (i - j)``."""
+
+    def attend(self, q, k, v):
+        i = torch.arange(q.shape[2], device=q.device, dtype=q.dtype)
+        d = i[:, None] - i[None, :]
+        mask = torch.where(d >= 0, 0.9 ** d.clamp(min=0) / (i[:, None] + 1), torch.zeros_like(d))
+        return (F.elu(q) @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) * mask) @ v
+
+
+@pytest.mark.parametrize("attn,why", [(_SymmetricDecayAttn, "not causal"),
+                                      (_PositionDecayAttn, "not a function of the distance")])
+def test_a_factor_that_is_not_a_causal_function_of_the_distance_is_refused(attn, why):
+    model = zoo.perturb(zc._spelling(attn)().double().eval())
+    with pytest.raises(UnsupportedModelError, match=rf"attention without a softmax whose pair factor is {why}"):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
