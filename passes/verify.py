@@ -161,13 +161,11 @@ def _own_source(loc: str) -> bool:
     import re
     from pathlib import Path
 
-    import treecompile
-
     m = re.search(r"#\s*(\S+):\d+ in \S+\s*$", loc)
     if m is None:
         return False
-    kernels = importlib.import_module("treecompile.kernels")
-    roots = {Path(treecompile.__file__).parent, Path(__file__).parent, Path(kernels.__file__).parent}
+    core, kernels = (importlib.import_module(f"treecompile.{name}") for name in ("core", "kernels"))
+    roots = {Path(core.__file__).parents[1], Path(__file__).parent, Path(kernels.__file__).parent}
     return any(str(f).endswith(m.group(1)) for root in roots for f in root.rglob("*.py"))
 
 
