@@ -119,7 +119,8 @@ def _refuse_static_length(gm: fx.GraphModule, ctx: PassContext, violations: list
              if culprit is not None else "\n")
     if violations:
         node, why = violations[0]
-        where += f"  The first op that mixes rows: {describe(node)} at {location_of(node)} {why}.\n  at {source_of(node)}\n"
+        where += (f"  The first op that mixes rows: {describe(node)} at {location_of(node)} {why}.\n"
+                  f"  at {source_of(node)}\n")
     line = _where_length_became_constant(ctx, s)
     code, _, place = (line or "").partition("  # ")
     at = f" at {place.strip()} (`{code.strip()}`)" if line else " in the captured graph"

@@ -31,19 +31,23 @@ def _batch(name):
 
 @pytest.mark.parametrize("forest", list(FORESTS))
 @pytest.mark.parametrize("lead,heads,kv_heads,table_len", [(1, 4, 2, None), (4, 4, 4, None), (4, 4, 1, 3), (1, 2, 2, 1)])
+@pytest.mark.parametrize("normalize,eps", [(0, 0.0), (1, 0.5), (2, 2.0)])
 def test_kernel_matches_the_dense_reference_forward_and_backward(monkeypatch, forest, lead, heads, kv_heads,
-                                                                  table_len):
+                                                                  table_len, normalize, eps):
     monkeypatch.setattr(ps, "BLOCK", 4)  # several blocks, and blocks that cut nodes
     batch = _batch(forest)
     s = batch.num_tokens
     g = torch.Generator().manual_seed(0)
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+    def rand(*shape, positive=False):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        return (x.abs() if positive else x).requires_grad_(True)
 
-    q, k, v = rand(1, heads, s, 5), rand(1, kv_heads, s, 5), rand(1, kv_heads, s, 3)
+    # Normalised: positive weights (linear attention's features), some row sums under eps (clamped).
+    q, k = rand(1, heads, s, 5, positive=normalize > 0), rand(1, kv_heads, s, 5, positive=normalize > 0)
+    v = rand(1, kv_heads, s, 3)
     table = torch.rand(lead, table_len or s, generator=g, dtype=torch.float64).requires_grad_(True)
-    args = (batch.position_ids, batch.subtree_end, 0.7)
+    args = (batch.position_ids, batch.subtree_end, 0.7, normalize, eps)
     out = ps.tree_pair_sum(q, k, v, table, *args)
     ref = tree_pair_sum_reference(q, k, v, table, *args)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -357,6 +357,24 @@ class QuadraticLinearAttn(_Attn):
         return a @ v
 
 
+class NormalisedLinearAttn(_Attn):
+    """Normalised causal linear attention in its parallel form: ``A = phi(q) @ phi(k)^T`` masked
+    causal, ``(A @ v) / (A.sum(-1, keepdim=True) + eps)`` (``before``: ``A / A.sum(...)`` then
+    ``@ v``; ``clamp``: the sum clamped below instead of ``+ eps``)."""
+
+    def __init__(self, before: bool = False, clamp: bool = False) -> None:
+        super().__init__()
+        self.before, self.clamp = before, clamp
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        a = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-1, -2)
+        a = a * torch.tril(torch.ones(t, t, device=q.device, dtype=q.dtype))
+        den = a.sum(dim=-1, keepdim=True)
+        den = den.clamp(min=1e-6) if self.clamp else den + 1e-6
+        return a / den @ v if self.before else (a @ v) / den
+
+
 class TrilLinearAttn(_Attn):
     """Linear attention as ``torch.tril(q @ k^T) / sqrt(d) @ v``."""
 
@@ -490,8 +508,9 @@ def _spelling(attn_cls):
 RollShiftLM, RollShiftTwoLM, RollNoZeroLM, RollWrongZeroLM, RollReadFirstLM, InPlaceCumsumLM, InPlaceCumprodLM = (
     _spelling(c) for c in (RollShiftAttn, RollShiftTwoAttn, RollNoZeroAttn, RollWrongZeroAttn, RollReadFirstAttn,
                            InPlaceCumsumAttn, InPlaceCumprodAttn))
-QuadraticLinearLM, TrilLinearLM, LengthDecayLM, BidirectionalLinearLM = (
-    _spelling(c) for c in (QuadraticLinearAttn, TrilLinearAttn, LengthDecayAttn, BidirectionalLinearAttn))
+QuadraticLinearLM, TrilLinearLM, LengthDecayLM, BidirectionalLinearLM, NormalisedLinearLM = (
+    _spelling(c) for c in (QuadraticLinearAttn, TrilLinearAttn, LengthDecayAttn, BidirectionalLinearAttn,
+                           NormalisedLinearAttn))
 
 
 class RetentionLM(_LM):

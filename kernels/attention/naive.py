@@ -40,7 +40,7 @@ def prefix_attention_reference(
 
 
 def tree_pair_sum_reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
-                            subtree_end: Tensor, scale: float) -> Tensor:
+                            subtree_end: Tensor, scale: float, normalize: int = 0, eps: float = 0.0) -> Tensor:
     """Dense ``[S, S]`` reference of `tree_pair_sum` (tests only: O(S^2) memory)."""
     s = q.shape[-2]
     g = q.shape[1] // k.shape[1]
@@ -49,4 +49,8 @@ def tree_pair_sum_reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, posi
     seen = (r[None, :] <= r[:, None]) & (subtree_end[None, :] > r[:, None])
     dist = (positions[:, None] - positions[None, :]).clamp(min=0, max=table.shape[-1] - 1)
     factor = table.to(q.dtype)[:, dist] * seen.to(q.dtype)  # [L, S, S]
-    return ((q @ k.transpose(-2, -1)) * scale * factor) @ v
+    w = (q @ k.transpose(-2, -1)) * scale * factor
+    if not normalize:
+        return w @ v
+    total = w.sum(-1, keepdim=True)
+    return (w @ v) / (total + eps if normalize == 1 else total.clamp(min=eps))

@@ -10,10 +10,13 @@ distance ``positions[q] - positions[kv]``:
     out[q] = sum_{kv ancestor-or-self of q} scale * (q . k[kv]) * table[h, pos[q] - pos[kv]] * v[kv]
 
 with ``table[h, d] = D(h, d)`` (a distance past the table's end reads its last entry: a
-one-entry table is a constant factor). The sum runs in blocks of ``BLOCK`` queries over the
-rows that can hold an ancestor of the block (``kv < end of block`` with ``subtree_end[kv] >
-start of block``): the work is that of the tree's attention, the memory ``BLOCK x`` those rows
-per block, never ``[S, S]``. The backward recomputes each block's products and returns the
+one-entry table is a constant factor). Normalised linear attention divides each query's sum
+by the sum of its weights, ``den[q] = sum_kv w[q, kv]`` (``normalize`` 1: ``den + eps``; 2:
+``den.clamp(min=eps)``), as ``(A @ v) / A.sum(-1, keepdim=True)`` does per path.
+
+The sum runs in blocks of ``BLOCK`` queries over the rows that can hold an ancestor of the
+block (``kv < end of block`` with ``subtree_end[kv] > start of block``): the work is that of the
+tree's attention, the memory ``BLOCK x`` those rows per block, never ``[S, S]``. The backward recomputes each block's products and returns the
 gradients of ``q``, ``k``, ``v`` and the table (a learned decay gets its gradient).
 
 The dense definition is `tree_pair_sum_reference` in :mod:`treecompile.kernels.attention.naive`.
@@ -62,7 +65,7 @@ def _fold(x: Tensor, kv_heads: int) -> Tensor:
 
 @torch.library.custom_op("treecompile::tree_pair_sum", mutates_args=())
 def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor, subtree_end: Tensor,
-                  scale: float) -> Tensor:
+                  scale: float, normalize: int = 0, eps: float = 0.0) -> Tensor:
     """The tree sum (module docstring).
 
     Args:
@@ -70,6 +73,8 @@ def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Ten
         table: ``[L, T]`` with ``L`` 1 or ``H``: the pair factor at each distance.
         positions, subtree_end: ``[S]`` the rows' path positions and subtree ends.
         scale: the constant factor on ``q . k``.
+        normalize, eps: 0: no denominator; 1: each query's sum divided by the sum of its
+            weights plus ``eps``; 2: by that sum clamped below at ``eps``.
 
     Returns:
         ``[B, H, S, Dv]``.
@@ -82,17 +87,24 @@ def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Ten
         kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
         w = (q[:, :, q0:q1] @ kr.transpose(-1, -2)) * scale * d
         out[:, :, q0:q1] = w @ vr
+        if normalize:
+            out[:, :, q0:q1] /= _denominator(w.sum(-1, keepdim=True), normalize, eps)
     return out
 
 
+def _denominator(total: Tensor, normalize: int, eps: float) -> Tensor:
+    return total + eps if normalize == 1 else total.clamp(min=eps)
+
+
 @tree_pair_sum.register_fake
-def _tree_pair_sum_fake(q, k, v, table, positions, subtree_end, scale):
+def _tree_pair_sum_fake(q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("treecompile::tree_pair_sum_backward", mutates_args=())
 def tree_pair_sum_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
-                           subtree_end: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                           subtree_end: Tensor, scale: float, normalize: int = 0,
+                           eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `tree_pair_sum` for ``q``, ``k``, ``v`` and ``table`` (each block's products
     recomputed)."""
     h, hk = q.shape[1], k.shape[1]
@@ -105,8 +117,18 @@ def tree_pair_sum_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, table:
         kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
         qb, gb = q[:, :, q0:q1], grad[:, :, q0:q1]
         a = (qb @ kr.transpose(-1, -2)) * scale  # [B, H, C, R]
-        dw = gb @ vr.transpose(-1, -2)
-        dv.index_add_(2, rows, _fold((a * d).transpose(-1, -2) @ gb, hk))
+        w = a * d
+        if normalize:  # out = (w @ v) / den: the sum's gradient over den, less the denominator's share
+            total = w.sum(-1, keepdim=True)
+            den = _denominator(total, normalize, eps)
+            gb = gb / den
+            dden = -(gb * (w @ vr)).sum(-1, keepdim=True) / den
+            if normalize == 2:
+                dden = dden * (total >= eps).to(dden.dtype)
+            dw = gb @ vr.transpose(-1, -2) + dden
+        else:
+            dw = gb @ vr.transpose(-1, -2)
+        dv.index_add_(2, rows, _fold(w.transpose(-1, -2) @ gb, hk))
         da = dw * d * scale
         dq[:, :, q0:q1] = da @ kr
         dk.index_add_(2, rows, _fold(da.transpose(-1, -2) @ qb, hk))
@@ -120,20 +142,21 @@ def tree_pair_sum_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, table:
 
 
 @tree_pair_sum_backward.register_fake
-def _tree_pair_sum_backward_fake(grad, q, k, v, table, positions, subtree_end, scale):
+def _tree_pair_sum_backward_fake(grad, q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, table, positions, subtree_end, scale = inputs
+    q, k, v, table, positions, subtree_end, scale, normalize, eps = inputs
     ctx.save_for_backward(q, k, v, table, positions, subtree_end)
-    ctx.scale = scale
+    ctx.scale, ctx.normalize, ctx.eps = scale, normalize, eps
 
 
 def _backward(ctx, grad):
     q, k, v, table, positions, subtree_end = ctx.saved_tensors
-    dq, dk, dv, dtable = tree_pair_sum_backward(grad, q, k, v, table, positions, subtree_end, ctx.scale)
-    return dq, dk, dv, dtable, None, None, None
+    dq, dk, dv, dtable = tree_pair_sum_backward(grad, q, k, v, table, positions, subtree_end, ctx.scale,
+                                                ctx.normalize, ctx.eps)
+    return dq, dk, dv, dtable, None, None, None, None, None
 
 
 tree_pair_sum.register_autograd(_backward, setup_context=_setup)

@@ -1,7 +1,8 @@
 """Attention without a softmax: ``(scale * (q @ k^T) * D) @ v`` with ``D`` a causal function of ``i - j``.
 
 Linear attention in its parallel form (``(q @ k^T).masked_fill(triu(ones(T, T), 1), 0) @ v``,
-``torch.tril(q @ k^T) @ v``) and RetNet's parallel retention (``(q @ k^T * decay_mask) @ v``,
+``torch.tril(q @ k^T) @ v``; normalised, ``(A @ v) / (A.sum(-1, keepdim=True) + eps)`` or
+``A / A.sum(-1, keepdim=True).clamp(min=eps) @ v``) and RetNet's parallel retention (``(q @ k^T * decay_mask) @ v``,
 the mask ``gamma[h] ** (i - j)`` below the diagonal and 0 above) sum, for each query, the
 keys before it on its path, each weighted by a factor of the distance. On the tree that is
 `treecompile.kernels.attention.pair_sum.tree_pair_sum` over the query's ancestors-or-self at
@@ -23,6 +24,8 @@ left to the verify pass).
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx
@@ -49,14 +52,33 @@ def is_pair_product(node: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 2 and same_size(v.shape[-1], v.shape[-2])
 
 
+@dataclass
+class _Match:
+    """``chain(q @ k^T) @ v`` read off the graph: the operands, what the chain does (scale,
+    factors, zero-filled masks, ``tril``), a denominator (``normalize``, ``eps``: see
+    `treecompile.kernels.attention.pair_sum.tree_pair_sum`) and the node whose users get the result."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    post: Any
+    scale: float = 1.0
+    factors: list = field(default_factory=list)
+    masks: list = field(default_factory=list)
+    tril: bool = False
+    normalize: int = 0
+    eps: float = 0.0
+    output: fx.Node | None = None
+
+
 def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     """Replaces ``(chain(q @ k^T)) @ v`` (module docstring) with the tree pair sum; leaves a note
     where the chain is such a product but its factor is not a causal function of the distance."""
     m = _match(ctx, node)
     if m is None:
         return
-    qk, q, k, v, post, scale, factors, masks, tril = m
-    vals = [value(x) if isinstance(x, fx.Node) else None for x in (q, k, v)]
+    out = m.output
+    vals = [value(x) if isinstance(x, fx.Node) else None for x in (m.q, m.k, m.v)]
     if any(t is None or t.dim() != 4 for t in vals) or value(node).dim() != 4:
         ctx.notes[node] = "attention without a softmax over tensors that are not [B, H, S, D]"
         return
@@ -67,7 +89,7 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     if not isinstance(heads, int) or heads % vals[1].shape[1] or vals[1].shape[1] != vals[2].shape[1]:
         ctx.notes[node] = "attention without a softmax whose key and value heads do not divide the query heads"
         return
-    judged = _judge(ctx, factors, masks, tril, heads)
+    judged = _judge(ctx, m.factors, m.masks, m.tril, heads)
     if isinstance(judged, str):
         ctx.notes[node] = f"attention without a softmax whose pair factor is {judged}"
         return
@@ -80,61 +102,128 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
         table.meta["example_value"] = torch.tensor(constant, dtype=vals[0].dtype, device=vals[0].device)
     else:
         found = relative_table(gm, ctx, relative, node)
-        if isinstance(found, str):
-            ctx.notes[node] = f"attention without a softmax whose pair factor is {found}"
-            return
-        table = found[0]
-        why = _check_table(ctx, table, columns)
+        why = found if isinstance(found, str) else _check_table(ctx, found[0], columns)
         if why is not None:
             ctx.notes[node] = f"attention without a softmax whose pair factor is {why}"
             return
+        table = found[0]
     dtype = vals[0].dtype
     for t in vals[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
-    with g.inserting_before(node):
+    with g.inserting_before(out):
         args = [x if t.dtype == dtype else ctx.mark(g.call_method("to", (x, dtype)), like=node)
-                for x, t in zip((q, k, v), vals)]
-        new = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default, (*args, table, ctx.positions, ctx.mask_buffers[0],
-                                                       float(scale))), like=node)
-        if dtype != value(node).dtype:
-            new = ctx.mark(g.call_method("to", (new, value(node).dtype)), like=node)
-        if post is not None:
-            new = ctx.mark(post(g, new), like=node)
-    new.meta["example_value"] = value(node)
-    node.replace_all_uses_with(new)
+                for x, t in zip((m.q, m.k, m.v), vals)]
+        new = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default,
+                                       (*args, table, ctx.positions, ctx.mask_buffers[0], float(m.scale),
+                                        m.normalize, float(m.eps))), like=node)
+        if dtype != value(out).dtype:
+            new = ctx.mark(g.call_method("to", (new, value(out).dtype)), like=node)
+        if m.post is not None:
+            new = ctx.mark(m.post(g, new), like=node)
+    new.meta["example_value"] = value(out)
+    out.replace_all_uses_with(new)
     ctx.count("pair_sum")
 
 
-def _match(ctx: PassContext, node: fx.Node):
-    """``(qk, q, k, v, post, scale, factors, masks, tril)`` of ``chain(q @ k^T) @ v``, or None."""
+def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
+    """The pair sum ending in ``node`` (``chain(q @ k^T) @ v``), or None."""
     if not is_pair_product(node) or not all(same_size(d, ctx.seq_len) for d in value(node).shape[-2:-1]):
         return None
     pv = output_operands(node, None) if not is_call(node, (torch.einsum,)) else None
     if pv is None:
         return None
-    cur, v, post = pv
-    scale, factors, masks, tril = 1.0, [], [], False
+    first, v, post = pv
+    m = _Match(q=None, k=None, v=v, post=post, output=node)
+    # Normalised: (A @ v) / A.sum(-1, keepdim=True), or (A / A.sum(-1, keepdim=True)) @ v.
+    after = single_user(node)
+    norm = _normalised(after, node, first) if after is not None and set(first.users) != {node} else None
+    if norm is not None:
+        m.normalize, m.eps = norm
+        m.output = after
+    elif set(first.users) != {node}:
+        return None
+    cur = first
+    if is_call(cur, _DIV, ("div",)) and isinstance(cur.args[1], fx.Node):
+        norm = _denominator(cur.args[1], cur.args[0])
+        if norm is None or m.normalize or set(cur.args[0].users) != {cur, _sum_nodes(cur.args[1])[1]}:
+            return None
+        m.normalize, m.eps = norm
+        cur = first = cur.args[0]  # read by the division and its row sum
     while True:
-        if not isinstance(cur, fx.Node) or single_user(cur) is None and cur is not pv[0]:
+        if not isinstance(cur, fx.Node):
             return None
         if is_call(cur, MATMUL, ("matmul", "bmm")) and reads_tokens(ctx, cur):
             operands = scores_operands(cur)
-            if operands is None:
+            if operands is None or single_user(cur) is None:
                 return None
-            q, k, _ = operands
-            if callable(q) or callable(k) or not (factors or masks or tril):
+            m.q, m.k, _ = operands
+            if callable(m.q) or callable(m.k) or not (m.factors or m.masks or m.tril):
                 return None  # no causal factor: bidirectional, left to the verify pass
-            return cur, q, k, v, post, scale, factors, masks, tril
-        nxt = _step(ctx, cur, factors, masks)
+            return m
+        if cur is not first and single_user(cur) is None:
+            return None
+        nxt = _step(ctx, cur, m.factors, m.masks)
         if nxt is None:
             return None
         if isinstance(nxt, tuple):
             nxt, factor = nxt
             if factor == "tril":
-                tril = True
+                m.tril = True
             else:
-                scale *= factor
+                m.scale *= factor
         cur = nxt
+
+
+def _normalised(div: fx.Node, product: fx.Node, weights: fx.Node) -> tuple[int, float] | None:
+    """``(normalize, eps)`` if ``div`` is ``product / den`` with ``den`` a denominator of ``weights``
+    (its only other reader being that row sum)."""
+    if not is_call(div, _DIV, ("div",)) or div.args[0] is not product or not isinstance(div.args[1], fx.Node):
+        return None
+    norm = _denominator(div.args[1], weights)
+    if norm is None or set(weights.users) != {product, _sum_nodes(div.args[1])[1]}:
+        return None
+    return norm
+
+
+def _denominator(den: fx.Node, weights: fx.Node) -> tuple[int, float] | None:
+    """``(1, eps)`` for ``rowsum(weights) [+ eps]``, ``(2, eps)`` for ``rowsum(weights).clamp(min=eps)``,
+    where ``rowsum`` is ``.sum(-1, keepdim=True)`` (or ``.sum(-1).unsqueeze(-1)``); else None."""
+    mode, eps, d = 1, 0.0, den
+    if is_call(d, (operator.add, torch.add), ("add",)) and len(d.args) == 2 and not d.kwargs:
+        a, b = d.args
+        a, b = (a, b) if isinstance(a, fx.Node) else (b, a)
+        if not isinstance(b, (int, float)) or isinstance(b, bool):
+            return None
+        eps, d = float(b), a
+    elif is_call(d, (torch.clamp, torch.clamp_min), ("clamp", "clamp_min")):
+        b = bind(d, ["input", "min", "max"], {"min": None, "max": None})
+        if not isinstance(b["min"], (int, float)) or isinstance(b["min"], bool) or b["max"] is not None:
+            return None
+        mode, eps, d = 2, float(b["min"]), b["input"]
+    return (mode, eps) if weights in _sum_nodes(d) and _sum_nodes(d) else None
+
+
+def _sum_nodes(d: fx.Node) -> list:
+    """``[x, the sum]`` if ``d`` is ``x.sum(-1, keepdim=True)`` or ``x.sum(-1).unsqueeze(-1)`` (through
+    an ``add`` or ``clamp`` on top), else []."""
+    chain = []
+    while isinstance(d, fx.Node) and (is_call(d, (operator.add, torch.add, torch.clamp, torch.clamp_min),
+                                              ("add", "clamp", "clamp_min"))):
+        chain.append(d)
+        d = d.args[0] if isinstance(d.args[0], fx.Node) else d.args[1]
+    unsqueezed = False
+    if isinstance(d, fx.Node) and is_call(d, (torch.unsqueeze,), ("unsqueeze",)) and d.args[1:2] == (-1,):
+        chain.append(d)
+        d, unsqueezed = d.args[0], True
+    if not isinstance(d, fx.Node) or not is_call(d, (torch.sum,), ("sum",)):
+        return []
+    b = bind(d, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    x = b["input"]
+    dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
+    xv = value(x)
+    if not isinstance(xv, torch.Tensor) or dim not in (-1, xv.dim() - 1) or bool(b["keepdim"]) == unsqueezed:
+        return []
+    return [x, d, *chain]
 
 
 def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
