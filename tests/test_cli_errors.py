@@ -408,6 +408,43 @@ def test_a_ctrl_c_swallowed_by_a_callback_stops_at_the_next_measurement(default_
     # unraisable hook.)
 
 
+def test_a_ctrl_c_inside_torchs_compiler_is_held_until_the_next_measurement(default_sigint):
+    """A KeyboardInterrupt raised inside torch's fake-tensor dispatch is logged by torch as an error
+    with a traceback: a Ctrl-C that lands in torch's compiler is held, raised at the next
+    measurement (or when the command ends); a second one raises at once."""
+    import signal
+    from types import SimpleNamespace
+
+    import torch._dynamo.eval_frame
+
+    from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
+
+    compiling = SimpleNamespace(f_code=SimpleNamespace(co_filename=torch._dynamo.eval_frame.__file__))
+    elsewhere = SimpleNamespace(f_code=SimpleNamespace(co_filename=__file__))
+    def held(press):
+        try:
+            press(signal.SIGINT, compiling)
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C inside torch's compiler was raised there")
+
+    with interrupts_kept():
+        held(signal.getsignal(signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+    with pytest.raises(KeyboardInterrupt):  # held, never raised inside: the block's end raises it
+        with interrupts_kept():
+            held(signal.getsignal(signal.SIGINT))
+    with interrupts_kept():
+        press = signal.getsignal(signal.SIGINT)
+        held(press)
+        with pytest.raises(KeyboardInterrupt):
+            press(signal.SIGINT, compiling)  # a second press: at once
+        with pytest.raises(KeyboardInterrupt):
+            press(signal.SIGINT, elsewhere)  # outside the compiler: at once, as always
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+
+
 def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
     import os
 

@@ -6,6 +6,11 @@ Python prints "Exception ignored" and goes on: the run continues as if no key wa
 :func:`interrupts_kept` remembers every SIGINT, and :func:`raise_if_interrupted`, called between
 units of work (a benchmark's measurements), raises the one that was swallowed, without Python's
 "Exception ignored" text in between.
+
+A Ctrl-C that lands inside torch's compiler (Dynamo tracing, fake tensors, AOTAutograd,
+inductor) is held rather than raised there: torch logs an exception raised inside its fake
+tensor dispatch as an error with a long traceback before passing it on. It is raised at the
+next :func:`raise_if_interrupted`, or when the block ends; a second Ctrl-C raises at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterator
 __all__ = ["interrupts_kept", "raise_if_interrupted"]
 
 _pressed = threading.Event()
+_held = threading.Event()  # a press inside torch's compiler, not raised there
 
 
 @contextlib.contextmanager
@@ -34,8 +40,12 @@ def interrupts_kept() -> Iterator[None]:
         return
 
     def pressed(signum, frame):
+        held = not _pressed.is_set() and _in_compiler(frame)
         _pressed.set()
-        raise KeyboardInterrupt
+        if held:
+            _held.set()
+        else:
+            raise KeyboardInterrupt
 
     hook = sys.unraisablehook
 
@@ -44,17 +54,33 @@ def interrupts_kept() -> Iterator[None]:
             hook(info)
 
     _pressed.clear()
+    _held.clear()
     signal.signal(signal.SIGINT, pressed)
     sys.unraisablehook = unraisable
     try:
         yield
+        if _held.is_set():  # held inside the compiler and not raised since
+            raise KeyboardInterrupt
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.unraisablehook = hook
         _pressed.clear()
+        _held.clear()
+
+
+#: torch's compiler, where a KeyboardInterrupt raised mid-dispatch is logged as an error.
+_COMPILER = tuple(f"/torch/{d}/" for d in ("_dynamo", "_subclasses", "fx", "_functorch", "_inductor",
+                                           "_higher_order_ops", "_library", "_prims", "_prims_common",
+                                           "utils/_sympy")) + ("/sympy/",)
+
+
+def _in_compiler(frame) -> bool:
+    name = frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
+    return any(d in name for d in _COMPILER)
 
 
 def raise_if_interrupted() -> None:
     """Raises ``KeyboardInterrupt`` if Ctrl-C was pressed inside :func:`interrupts_kept`."""
     if _pressed.is_set():
+        _held.clear()
         raise KeyboardInterrupt
