@@ -78,10 +78,16 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     if m is None:
         return
     out = m.output
+    with gm.graph.inserting_before(node):  # keys made with the sequence last (a permute): transposed back
+        m.q, m.k, m.v = (ctx.mark(x(gm.graph), like=node) if callable(x) else x for x in (m.q, m.k, m.v))
     vals = [value(x) if isinstance(x, fx.Node) else None for x in (m.q, m.k, m.v)]
-    if any(t is None or t.dim() != 4 for t in vals) or value(node).dim() != 4:
-        ctx.notes[node] = "attention without a softmax over tensors that are not [B, H, S, D]"
+    dims = {t.dim() if t is not None else None for t in vals} | {value(node).dim()}
+    if dims not in ({4}, {3}):
+        ctx.notes[node] = "attention without a softmax over tensors that are not [B, H, S, D] (or [B * H, S, D])"
         return
+    three_d = dims == {3}  # [B * H, S, D] with B = 1: the leading dim is the heads
+    if three_d:
+        vals = [t.unsqueeze(0) for t in vals]
     if ctx.mask != "interval":
         ctx.notes[node] = "attention without a softmax runs on the interval mask rule (tree_compile(mask='interval'))"
         return
@@ -113,9 +119,13 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     with g.inserting_before(out):
         args = [x if t.dtype == dtype else ctx.mark(g.call_method("to", (x, dtype)), like=node)
                 for x, t in zip((m.q, m.k, m.v), vals)]
+        if three_d:
+            args = [ctx.mark(g.call_method("unsqueeze", (x, 0)), like=node) for x in args]
         new = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default,
                                        (*args, table, ctx.positions, ctx.mask_buffers[0], float(m.scale),
                                         m.normalize, float(m.eps))), like=node)
+        if three_d:
+            new = ctx.mark(g.call_method("squeeze", (new, 0)), like=node)
         if dtype != value(out).dtype:
             new = ctx.mark(g.call_method("to", (new, value(out).dtype)), like=node)
         if m.post is not None:
@@ -157,7 +167,7 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
             if operands is None or single_user(cur) is None:
                 return None
             m.q, m.k, _ = operands
-            if callable(m.q) or callable(m.k) or not (m.factors or m.masks or m.tril):
+            if not (m.factors or m.masks or m.tril):
                 return None  # no causal factor: bidirectional, left to the verify pass
             return m
         if cur is not first and single_user(cur) is None:

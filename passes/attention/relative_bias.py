@@ -10,7 +10,8 @@ query sees) and a score_mod adding ``T[h, positions[q] - positions[kv]]``
 model's own parameters, so a learned table gets its gradient.
 
 The table is the model's own subgraph with the key index replaced by 0 (``g(h, i - 0)``): the
-two index grids must meet in one subtraction, nothing else of the bias may read an index,
+two index grids must meet in one subtraction (and may be compared, ``i >= j``, a function of the
+difference too), nothing else of the bias may read an index,
 and the bias evaluated at the example length must equal the table at every distance;
 otherwise the bias is refused.
 """
@@ -29,6 +30,8 @@ from treecompile.passes._mask_eval import evaluate
 __all__ = ["relative_bias_mods", "relative_table"]
 
 _SUBTRACTIONS = (operator.sub, torch.sub, torch.subtract)
+_COMPARISONS = (operator.ge, operator.gt, operator.le, operator.lt, torch.ge, torch.gt, torch.le, torch.lt)
+_COMPARISON_METHODS = ("ge", "gt", "le", "lt")
 
 
 def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: fx.Node, scale: float,
@@ -68,13 +71,19 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
     aranges = [n for n in anc if is_call(n, ARANGE)]
     if not aranges:
         return "a bias over (query, key) pairs that is not built from the sequence index (a learned [S, S] table)"
-    meet = next((n for n in sorted(anc, key=order.get) if _meets(n, ctx)), None)
-    if meet is None or not is_call(meet, _SUBTRACTIONS, ("sub",)):
+    meet = next((n for n in sorted(anc, key=order.get) if _meets(n, ctx) and is_call(n, _SUBTRACTIONS, ("sub",))),
+                None)
+    if meet is None:
         return "a bias over (query, key) pairs whose indices do not meet in one difference (i - j)"
     key_side = next(a for a in meet.args[:2] if _is_key_grid(a, ctx))
-    after = _downstream(meet) & anc
+    # The same two grids compared (a causal ``(i >= j)``) is a function of their difference too.
+    compared = [n for n in anc if n is not meet and is_call(n, _COMPARISONS, _COMPARISON_METHODS)
+                and set(n.args[:2]) == set(meet.args[:2])]
+    allowed = ancestors(meet) | {meet} | (_downstream(meet) & anc)
+    for c in compared:
+        allowed |= {c} | (_downstream(c) & anc)
     indexed = _downstream_of(aranges) & anc
-    if not indexed <= (ancestors(meet) | {meet} | after):
+    if not indexed <= allowed:
         return "a bias over (query, key) pairs that reads a sequence index other than through their difference"
     if any(m not in indexed for n in indexed for m in mutated_args(n)):  # its copy would write that again
         return "a bias over (query, key) pairs built by writing in place into a tensor it does not create"

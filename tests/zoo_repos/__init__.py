@@ -30,8 +30,9 @@ from zoo_repos.attention import (
     LinspacePosLM,
     TorchExamplesTransformerLM,
 )
-from zoo_repos.common import VOCAB
+from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM
+from zoo_repos.retention import RetNet
 from zoo_repos.gpt import (
     MinGPT,
     ModdedNanoGPT,
@@ -135,6 +136,9 @@ CASES: list[zoo.Case] = [
              _build(TorchExamplesTransformerLM)),
     zoo.Case("diff-shift", "h + torch.diff(h, dim=1, prepend=zeros) after attention (each row minus the previous "
              "row: minus the parent's last row at a node's first token)", _build(DiffShiftLM)),
+    zoo.Case("retnet-jamie-stirling", "Jamie-Stirling/RetNet: parallel retention per head in a Python loop, "
+             "(Q @ K.permute(0, 2, 1)) * D with D = gamma ** (n - m) * (n >= m) and D[D != D] = 0 in place, xPos, "
+             "GroupNorm, swish gate", _build(RetNet), attention={"pair_sum": HEADS}),
     zoo.Case("rwkv-token-shift", "BlinkDL/RWKV-LM v4neo RWKV_ChannelMix: token shift nn.ZeroPad2d((0, 0, 1, -1)) "
              "as the feed-forward (the previous token on the path), SDPA attention", _build(RWKVShiftLM)),
     zoo.Case("llama1-reference", "meta-llama/llama model.py: freqs_cis for max_seq_len * 2 as a plain attribute, "
