@@ -30,10 +30,12 @@ def _batch(name):
 
 
 @pytest.mark.parametrize("forest", list(FORESTS))
-@pytest.mark.parametrize("lead,heads,kv_heads,table_len", [(1, 4, 2, None), (4, 4, 4, None), (4, 4, 1, 3), (1, 2, 2, 1)])
-@pytest.mark.parametrize("normalize,eps", [(0, 0.0), (1, 0.5), (2, 2.0)])
+@pytest.mark.parametrize("lead,heads,kv_heads,table_len",
+                         [(1, 4, 2, None), (4, 4, 4, None), (4, 4, 1, 3), (1, 2, 2, 1)])
+@pytest.mark.parametrize("normalize,eps,high,per_query", [(0, 0.0, 0.0, False), (1, 0.5, 0.0, False),
+                                                          (2, 2.0, 0.0, True), (3, 1.0, 3.0, True)])
 def test_kernel_matches_the_dense_reference_forward_and_backward(monkeypatch, forest, lead, heads, kv_heads,
-                                                                  table_len, normalize, eps):
+                                                                  table_len, normalize, eps, high, per_query):
     monkeypatch.setattr(ps, "BLOCK", 4)  # several blocks, and blocks that cut nodes
     batch = _batch(forest)
     s = batch.num_tokens
@@ -47,16 +49,19 @@ def test_kernel_matches_the_dense_reference_forward_and_backward(monkeypatch, fo
     q, k = rand(1, heads, s, 5, positive=normalize > 0), rand(1, kv_heads, s, 5, positive=normalize > 0)
     v = rand(1, kv_heads, s, 3)
     table = torch.rand(lead, table_len or s, generator=g, dtype=torch.float64).requires_grad_(True)
-    args = (batch.position_ids, batch.subtree_end, 0.7, normalize, eps)
-    out = ps.tree_pair_sum(q, k, v, table, *args)
-    ref = tree_pair_sum_reference(q, k, v, table, *args)
+    # A factor of the query's position too (RetNet's rows scaled), on the other heads' count.
+    qtable = (torch.rand(heads // lead if lead == heads else heads, s, generator=g, dtype=torch.float64) + 0.5
+              ).requires_grad_(True) if per_query else None
+    args = (batch.position_ids, batch.subtree_end, 0.7, normalize, eps, high)
+    out = ps.tree_pair_sum(q, k, v, table, *args, qtable)
+    ref = tree_pair_sum_reference(q, k, v, table, *args, qtable)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v, table), grad)
-    want = torch.autograd.grad(ref, (q, k, v, table), grad)
-    for name, a, b in zip("qkv", got, want):
+    inputs = (q, k, v, table) + ((qtable,) if per_query else ())
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(ref, inputs, grad)
+    for name, a, b in zip(("q", "k", "v", "table", "qtable"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"d{name}: {m}")
-    torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
 
 
 def test_kernel_passes_gradcheck(monkeypatch):

@@ -268,9 +268,9 @@ CASES: list[Case] = [
          _custom(zc.RetentionLM), attention={"pair_sum": 2}),
     Case("retnet-learned-decay", "custom: RetNet parallel retention with the decay rate a parameter per head",
          _custom(zc.RetentionLM, learned=True), attention={"pair_sum": 2}),
-    Case("retnet-normalised", "custom: RetNet parallel retention with torchscale's row normalisations of the mask "
-         "and the scores (sums over the keys)", _custom(zc.RetentionLM, normalised=True), expect="refused",
-         reason="produces a [.., S, S] tensor"),
+    Case("retnet-normalised", "custom: RetNet parallel retention with torchscale's row normalisations: the mask "
+         "by the square root of its row sums, the scores by their detached absolute row sums clamped to [1, 5e4]",
+         _custom(zc.RetentionLM, normalised=True), attention={"pair_sum": 2}),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

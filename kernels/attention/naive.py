@@ -40,7 +40,8 @@ def prefix_attention_reference(
 
 
 def tree_pair_sum_reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
-                            subtree_end: Tensor, scale: float, normalize: int = 0, eps: float = 0.0) -> Tensor:
+                            subtree_end: Tensor, scale: float, normalize: int = 0, eps: float = 0.0,
+                            high: float = 0.0, qtable: Tensor | None = None) -> Tensor:
     """Dense ``[S, S]`` reference of `tree_pair_sum` (tests only: O(S^2) memory)."""
     s = q.shape[-2]
     g = q.shape[1] // k.shape[1]
@@ -49,8 +50,12 @@ def tree_pair_sum_reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, posi
     seen = (r[None, :] <= r[:, None]) & (subtree_end[None, :] > r[:, None])
     dist = (positions[:, None] - positions[None, :]).clamp(min=0, max=table.shape[-1] - 1)
     factor = table.to(q.dtype)[:, dist] * seen.to(q.dtype)  # [L, S, S]
+    if qtable is not None:
+        factor = factor * qtable.to(q.dtype)[:, positions.clamp(max=qtable.shape[-1] - 1)][..., None]
     w = (q @ k.transpose(-2, -1)) * scale * factor
     if not normalize:
         return w @ v
+    if normalize == 3:
+        return (w @ v) / w.detach().abs().sum(-1, keepdim=True).clamp(min=eps, max=high if high > 0 else None)
     total = w.sum(-1, keepdim=True)
     return (w @ v) / (total + eps if normalize == 1 else total.clamp(min=eps))

@@ -16,8 +16,9 @@ by the sum of its weights, ``den[q] = sum_kv w[q, kv]`` (``normalize`` 1: ``den 
 
 The sum runs in blocks of ``BLOCK`` queries over the rows that can hold an ancestor of the
 block (``kv < end of block`` with ``subtree_end[kv] > start of block``): the work is that of the
-tree's attention, the memory ``BLOCK x`` those rows per block, never ``[S, S]``. The backward recomputes each block's products and returns the
-gradients of ``q``, ``k``, ``v`` and the table (a learned decay gets its gradient).
+tree's attention, the memory ``BLOCK x`` those rows per block, never ``[S, S]``. The backward
+recomputes each block's products and returns the gradients of ``q``, ``k``, ``v`` and the tables
+(a learned decay gets its gradient).
 
 The dense definition is `tree_pair_sum_reference` in :mod:`treecompile.kernels.attention.naive`.
 """
@@ -42,13 +43,19 @@ def _blocks(s: int, subtree_end: Tensor):
         yield q0, q1, rows
 
 
-def _factor(table: Tensor, positions: Tensor, subtree_end: Tensor, q0: int, q1: int, rows: Tensor):
-    """``(D [L, C, R] zero off the tree, distances [C, R], seen [C, R])`` of one block."""
+def _factor(table: Tensor, qtable: Tensor | None, positions: Tensor, subtree_end: Tensor, q0: int, q1: int,
+            rows: Tensor):
+    """``(D [L, C, R] zero off the tree, distances [C, R], seen [C, R], query factor [Lq, C, 1] or
+    None)`` of one block."""
     qi = torch.arange(q0, q1, device=rows.device)
     seen = (rows[None, :] <= qi[:, None]) & (subtree_end[rows][None, :] > qi[:, None])
     dist = (positions[q0:q1, None] - positions[rows][None, :]).clamp(min=0, max=table.shape[-1] - 1)
     d = table[:, dist] * seen.to(table.dtype)
-    return d, dist, seen
+    qf = None
+    if qtable is not None:
+        qf = qtable[:, positions[q0:q1].clamp(max=qtable.shape[-1] - 1)][..., None]
+        d = d * qf
+    return d, dist, seen, qf
 
 
 def _expand(x: Tensor, heads: int) -> Tensor:
@@ -65,7 +72,8 @@ def _fold(x: Tensor, kv_heads: int) -> Tensor:
 
 @torch.library.custom_op("treecompile::tree_pair_sum", mutates_args=())
 def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor, subtree_end: Tensor,
-                  scale: float, normalize: int = 0, eps: float = 0.0) -> Tensor:
+                  scale: float, normalize: int = 0, eps: float = 0.0, high: float = 0.0,
+                  qtable: Tensor | None = None) -> Tensor:
     """The tree sum (module docstring).
 
     Args:
@@ -73,8 +81,13 @@ def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Ten
         table: ``[L, T]`` with ``L`` 1 or ``H``: the pair factor at each distance.
         positions, subtree_end: ``[S]`` the rows' path positions and subtree ends.
         scale: the constant factor on ``q . k``.
-        normalize, eps: 0: no denominator; 1: each query's sum divided by the sum of its
-            weights plus ``eps``; 2: by that sum clamped below at ``eps``.
+        normalize, eps, high: 0: no denominator; 1: each query's sum divided by the sum of its
+            weights plus ``eps``; 2: by that sum clamped below at ``eps``; 3: by the sum of the
+            weights' magnitudes clamped to ``[eps, high]`` (``high`` 0: no upper bound), as a
+            constant (no gradient: RetNet's
+            ``qk / qk.detach().abs().sum(-1).clamp(min, max)``).
+        qtable: ``[Lq, T]`` (``Lq`` 1 or ``H``) or None: a factor of the query's path position
+            on every weight of the query (RetNet's decay mask scaled per row).
 
     Returns:
         ``[B, H, S, Dv]``.
@@ -82,81 +95,99 @@ def tree_pair_sum(q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Ten
     h = q.shape[1]
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     table = table.to(q.dtype)
+    qtable = None if qtable is None else qtable.to(q.dtype)
     for q0, q1, rows in _blocks(q.shape[2], subtree_end):
-        d, _, _ = _factor(table, positions, subtree_end, q0, q1, rows)
+        d = _factor(table, qtable, positions, subtree_end, q0, q1, rows)[0]
         kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
         w = (q[:, :, q0:q1] @ kr.transpose(-1, -2)) * scale * d
         out[:, :, q0:q1] = w @ vr
         if normalize:
-            out[:, :, q0:q1] /= _denominator(w.sum(-1, keepdim=True), normalize, eps)
+            out[:, :, q0:q1] /= _denominator(w, normalize, eps, high)[1]
     return out
 
 
-def _denominator(total: Tensor, normalize: int, eps: float) -> Tensor:
-    return total + eps if normalize == 1 else total.clamp(min=eps)
+def _denominator(w: Tensor, normalize: int, eps: float, high: float) -> tuple[Tensor, Tensor]:
+    """``(the weights' row sum, the denominator)`` of a normalised sum."""
+    if normalize == 3:
+        total = w.abs().sum(-1, keepdim=True)
+        return total, total.clamp(min=eps, max=high if high > 0 else None)
+    total = w.sum(-1, keepdim=True)
+    return total, (total + eps if normalize == 1 else total.clamp(min=eps))
 
 
 @tree_pair_sum.register_fake
-def _tree_pair_sum_fake(q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0):
+def _tree_pair_sum_fake(q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0, high=0.0,
+                        qtable=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("treecompile::tree_pair_sum_backward", mutates_args=())
 def tree_pair_sum_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, table: Tensor, positions: Tensor,
-                           subtree_end: Tensor, scale: float, normalize: int = 0,
-                           eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of `tree_pair_sum` for ``q``, ``k``, ``v`` and ``table`` (each block's products
-    recomputed)."""
+                           subtree_end: Tensor, scale: float, normalize: int = 0, eps: float = 0.0,
+                           high: float = 0.0,
+                           qtable: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `tree_pair_sum` for ``q``, ``k``, ``v``, ``table`` and ``qtable`` (zeros of
+    ``table``'s shape when there is none), each block's products recomputed."""
     h, hk = q.shape[1], k.shape[1]
     tab = table.to(q.dtype)
+    qtab = None if qtable is None else qtable.to(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtable = torch.zeros(table.shape, dtype=q.dtype, device=q.device)
+    dqtable = torch.zeros((qtable if qtable is not None else table).shape, dtype=q.dtype, device=q.device)
     grad = grad.to(q.dtype)
     for q0, q1, rows in _blocks(q.shape[2], subtree_end):
-        d, dist, seen = _factor(tab, positions, subtree_end, q0, q1, rows)
+        d, dist, seen, qf = _factor(tab, qtab, positions, subtree_end, q0, q1, rows)
         kr, vr = _expand(k[:, :, rows], h), _expand(v[:, :, rows], h)
         qb, gb = q[:, :, q0:q1], grad[:, :, q0:q1]
         a = (qb @ kr.transpose(-1, -2)) * scale  # [B, H, C, R]
         w = a * d
         if normalize:  # out = (w @ v) / den: the sum's gradient over den, less the denominator's share
-            total = w.sum(-1, keepdim=True)
-            den = _denominator(total, normalize, eps)
+            total, den = _denominator(w, normalize, eps, high)
             gb = gb / den
-            dden = -(gb * (w @ vr)).sum(-1, keepdim=True) / den
-            if normalize == 2:
-                dden = dden * (total >= eps).to(dden.dtype)
-            dw = gb @ vr.transpose(-1, -2) + dden
+            dw = gb @ vr.transpose(-1, -2)
+            if normalize != 3:  # 3: the denominator is a constant
+                dden = -(gb * (w @ vr)).sum(-1, keepdim=True) / den
+                if normalize == 2:
+                    dden = dden * (total >= eps).to(dden.dtype)
+                dw = dw + dden
         else:
             dw = gb @ vr.transpose(-1, -2)
         dv.index_add_(2, rows, _fold(w.transpose(-1, -2) @ gb, hk))
         da = dw * d * scale
         dq[:, :, q0:q1] = da @ kr
         dk.index_add_(2, rows, _fold(da.transpose(-1, -2) @ qb, hk))
-        # d table[l, dist]: the pairs' dW * A summed over the batch (and the heads a shared row serves).
-        dd = (dw * a).sum(0)
-        if tab.shape[0] == 1:
-            dd = dd.sum(0, keepdim=True)
-        dd = dd * seen.to(dd.dtype)
-        dtable.index_add_(1, dist.reshape(-1), dd.reshape(dd.shape[0], -1))
-    return dq, dk, dv, dtable.to(table.dtype)
+        # The tables' gradients: the pairs' dW * A summed over the batch (and the heads a table
+        # row serves), by distance for the table and by the query's position for the query table.
+        dd = (dw * a).sum(0) * seen.to(dw.dtype)  # [H, C, R]
+        dist_part = dd if qf is None else dd * qf
+        dist_part = dist_part.sum(0, keepdim=True) if tab.shape[0] == 1 else dist_part
+        dtable.index_add_(1, dist.reshape(-1), dist_part.reshape(dist_part.shape[0], -1))
+        if qf is not None:
+            dcol = (dd * tab[:, dist]).sum(-1)  # [H, C]
+            dcol = dcol.sum(0, keepdim=True) if qtab.shape[0] == 1 else dcol
+            where = positions[q0:q1].clamp(max=qtab.shape[-1] - 1)
+            dqtable.index_add_(1, where, dcol)
+    return dq, dk, dv, dtable.to(table.dtype), dqtable.to((qtable if qtable is not None else table).dtype)
 
 
 @tree_pair_sum_backward.register_fake
-def _tree_pair_sum_backward_fake(grad, q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
+def _tree_pair_sum_backward_fake(grad, q, k, v, table, positions, subtree_end, scale, normalize=0, eps=0.0,
+                                 high=0.0, qtable=None):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table),
+            torch.empty_like(qtable if qtable is not None else table))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, table, positions, subtree_end, scale, normalize, eps = inputs
-    ctx.save_for_backward(q, k, v, table, positions, subtree_end)
-    ctx.scale, ctx.normalize, ctx.eps = scale, normalize, eps
+    q, k, v, table, positions, subtree_end, scale, normalize, eps, high, qtable = inputs
+    ctx.save_for_backward(q, k, v, table, positions, subtree_end, qtable)
+    ctx.options = (scale, normalize, eps, high)
 
 
 def _backward(ctx, grad):
-    q, k, v, table, positions, subtree_end = ctx.saved_tensors
-    dq, dk, dv, dtable = tree_pair_sum_backward(grad, q, k, v, table, positions, subtree_end, ctx.scale,
-                                                ctx.normalize, ctx.eps)
-    return dq, dk, dv, dtable, None, None, None, None, None
+    q, k, v, table, positions, subtree_end, qtable = ctx.saved_tensors
+    dq, dk, dv, dtable, dqtable = tree_pair_sum_backward(grad, q, k, v, table, positions, subtree_end, *ctx.options,
+                                                         qtable)
+    return dq, dk, dv, dtable, None, None, None, None, None, None, None if qtable is None else dqtable
 
 
 tree_pair_sum.register_autograd(_backward, setup_context=_setup)

@@ -8,6 +8,12 @@ keys before it on its path, each weighted by a factor of the distance. On the tr
 `treecompile.kernels.attention.pair_sum.tree_pair_sum` over the query's ancestors-or-self at
 path distances, with the factor as a table ``table[h, d]``.
 
+RetNet as torchscale writes it also scales each row of its decay mask by ``1 / sqrt(mask.sum(-1))``
+(a function of the query's position: the row sum of a causal relative mask is the running sum
+of its table, so a per-query table ``qtable[h, p]`` built from ``cumsum(table)`` by the model's
+own ops) and divides the scores by ``qk.detach().abs().sum(-1).clamp(min=1, max=5e4)`` (a
+denominator the kernel computes over the query's keys).
+
 The walk from the product with ``v`` back to ``q @ k^T`` takes constant scales, pair factors
 (a tensor that reads no token: built from the indices, a buffer, a parameter), masks filled
 with 0, ``tril`` and casts. The factors together must be, at the example length and at a
@@ -68,6 +74,7 @@ class _Match:
     tril: bool = False
     normalize: int = 0
     eps: float = 0.0
+    high: float = 0.0
     output: fx.Node | None = None
 
 
@@ -101,7 +108,19 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
         return
     constant, relative, columns = judged
     g = gm.graph
-    if relative is None:
+    qtable = None
+    if isinstance(relative, tuple):  # a relative factor scaled per query by its row sum
+        found = relative_table(gm, ctx, relative[0], node)
+        if isinstance(found, str):
+            ctx.notes[node] = f"attention without a softmax whose pair factor is {found}"
+            return
+        table = found[0]
+        qtable = _row_scale_table(gm, ctx, table, relative, node)
+        why = _check_scaled(ctx, table, qtable, columns)
+        if why is not None:
+            ctx.notes[node] = f"attention without a softmax whose pair factor is {why}"
+            return
+    elif relative is None:
         with g.inserting_before(node):
             table = ctx.mark(g.call_function(torch.tensor, (constant,), {"dtype": vals[0].dtype,
                                                                           "device": vals[0].device}), like=node)
@@ -123,7 +142,7 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
             args = [ctx.mark(g.call_method("unsqueeze", (x, 0)), like=node) for x in args]
         new = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default,
                                        (*args, table, ctx.positions, ctx.mask_buffers[0], float(m.scale),
-                                        m.normalize, float(m.eps))), like=node)
+                                        m.normalize, float(m.eps), float(m.high), qtable)), like=node)
         if three_d:
             new = ctx.mark(g.call_method("squeeze", (new, 0)), like=node)
         if dtype != value(out).dtype:
@@ -148,16 +167,16 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
     after = single_user(node)
     norm = _normalised(after, node, first) if after is not None and set(first.users) != {node} else None
     if norm is not None:
-        m.normalize, m.eps = norm
+        m.normalize, m.eps, m.high = norm
         m.output = after
     elif set(first.users) != {node}:
         return None
     cur = first
-    if is_call(cur, _DIV, ("div",)) and isinstance(cur.args[1], fx.Node):
-        norm = _denominator(cur.args[1], cur.args[0])
-        if norm is None or m.normalize or set(cur.args[0].users) != {cur, _sum_nodes(cur.args[1])[1]}:
+    if is_call(cur, _DIV, ("div",)) and isinstance(cur.args[1], fx.Node) and isinstance(cur.args[0], fx.Node):
+        found = _denominator(cur.args[1], cur.args[0])
+        if found is None or m.normalize or set(cur.args[0].users) != {cur, found[3]}:
             return None
-        m.normalize, m.eps = norm
+        m.normalize, m.eps, m.high = found[:3]
         cur = first = cur.args[0]  # read by the division and its row sum
     while True:
         if not isinstance(cur, fx.Node):
@@ -184,56 +203,59 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
         cur = nxt
 
 
-def _normalised(div: fx.Node, product: fx.Node, weights: fx.Node) -> tuple[int, float] | None:
-    """``(normalize, eps)`` if ``div`` is ``product / den`` with ``den`` a denominator of ``weights``
-    (its only other reader being that row sum)."""
+def _normalised(div: fx.Node, product: fx.Node, weights: fx.Node) -> tuple[int, float, float] | None:
+    """``(normalize, eps, high)`` if ``div`` is ``product / den`` with ``den`` a denominator of
+    ``weights`` (its only other reader being that denominator)."""
     if not is_call(div, _DIV, ("div",)) or div.args[0] is not product or not isinstance(div.args[1], fx.Node):
         return None
-    norm = _denominator(div.args[1], weights)
-    if norm is None or set(weights.users) != {product, _sum_nodes(div.args[1])[1]}:
+    found = _denominator(div.args[1], weights)
+    if found is None or set(weights.users) != {product, found[3]}:
         return None
-    return norm
+    return found[:3]
 
 
-def _denominator(den: fx.Node, weights: fx.Node) -> tuple[int, float] | None:
-    """``(1, eps)`` for ``rowsum(weights) [+ eps]``, ``(2, eps)`` for ``rowsum(weights).clamp(min=eps)``,
-    where ``rowsum`` is ``.sum(-1, keepdim=True)`` (or ``.sum(-1).unsqueeze(-1)``); else None."""
-    mode, eps, d = 1, 0.0, den
+def _denominator(den: fx.Node, weights: fx.Node) -> tuple[int, float, float, fx.Node] | None:
+    """``(normalize, eps, high, the node reading weights)`` of a denominator over ``weights``' keys
+    (see `treecompile.kernels.attention.pair_sum.tree_pair_sum`): ``rowsum(weights) [+ eps]`` (1),
+    ``rowsum(weights).clamp(min=eps)`` (2), ``rowsum(weights.detach().abs()).clamp(min=eps[,
+    max=high])`` (3), where ``rowsum`` is ``.sum(-1, keepdim=True)`` (or ``.sum(-1).unsqueeze(-1)``);
+    else None."""
+    mode, eps, high, d = 1, 0.0, 0.0, den
     if is_call(d, (operator.add, torch.add), ("add",)) and len(d.args) == 2 and not d.kwargs:
         a, b = d.args
         a, b = (a, b) if isinstance(a, fx.Node) else (b, a)
-        if not isinstance(b, (int, float)) or isinstance(b, bool):
+        if not _number(b):
             return None
         eps, d = float(b), a
     elif is_call(d, (torch.clamp, torch.clamp_min), ("clamp", "clamp_min")):
         b = bind(d, ["input", "min", "max"], {"min": None, "max": None})
-        if not isinstance(b["min"], (int, float)) or isinstance(b["min"], bool) or b["max"] is not None:
+        if not _number(b["min"]) or not (b["max"] is None or _number(b["max"]) and b["max"] > 0):
             return None
-        mode, eps, d = 2, float(b["min"]), b["input"]
-    return (mode, eps) if weights in _sum_nodes(d) and _sum_nodes(d) else None
-
-
-def _sum_nodes(d: fx.Node) -> list:
-    """``[x, the sum]`` if ``d`` is ``x.sum(-1, keepdim=True)`` or ``x.sum(-1).unsqueeze(-1)`` (through
-    an ``add`` or ``clamp`` on top), else []."""
-    chain = []
-    while isinstance(d, fx.Node) and (is_call(d, (operator.add, torch.add, torch.clamp, torch.clamp_min),
-                                              ("add", "clamp", "clamp_min"))):
-        chain.append(d)
-        d = d.args[0] if isinstance(d.args[0], fx.Node) else d.args[1]
+        mode, eps, high, d = 2, float(b["min"]), float(b["max"] or 0.0), b["input"]
     unsqueezed = False
     if isinstance(d, fx.Node) and is_call(d, (torch.unsqueeze,), ("unsqueeze",)) and d.args[1:2] == (-1,):
-        chain.append(d)
         d, unsqueezed = d.args[0], True
     if not isinstance(d, fx.Node) or not is_call(d, (torch.sum,), ("sum",)):
-        return []
+        return None
     b = bind(d, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
     x = b["input"]
     dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
     xv = value(x)
     if not isinstance(xv, torch.Tensor) or dim not in (-1, xv.dim() - 1) or bool(b["keepdim"]) == unsqueezed:
-        return []
-    return [x, d, *chain]
+        return None
+    reader = d
+    if isinstance(x, fx.Node) and is_call(x, (torch.abs,), ("abs",)):  # rowsum(|weights|), as a constant
+        inner = x.args[0]
+        if mode != 2 or not (isinstance(inner, fx.Node) and is_call(inner, (torch.Tensor.detach,), ("detach",))):
+            return None
+        mode, reader, x = 3, inner, inner.args[0]
+    elif high:
+        return None
+    return (mode, eps, high, reader) if x is weights else None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
@@ -291,7 +313,12 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
         col = full[:, :, 0]
         tol = 1e-9 if full.dtype == torch.float64 else 1e-5
         if not torch.allclose(full[:, i, j], col[:, i - j], rtol=tol, atol=tol):
-            return "not a function of the distance between query and key"
+            scaled = _row_scaled(ctx, factors, masks, tril)
+            if scaled is None:
+                return "not a function of the distance between query and key"
+            fulls = {r: _product(ctx, factors, masks, tril, r).reshape(-1, r, r)
+                     for r in (example, max(2, example // 2))}
+            return None, scaled, fulls
         tables.append(col)
         if rows == example:
             long_full = full
@@ -309,6 +336,75 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
     if not torch.equal(alone.reshape(-1, example, example)[:, i, j], long_full[:, i, j]):
         return "a factor varying with the distance beside masks that drop pairs below the diagonal"
     return None, varying[0], columns
+
+
+_ROW_SUMS = ("sum",)
+
+
+def _row_scaled(ctx: PassContext, factors: list, masks: list, tril: bool):
+    """``(x, sum, y, op)`` if the one factor is ``x / y`` (or ``x * y``) with ``y`` computed from
+    ``x.sum(-1, keepdim=True)`` alone, element by element (RetNet's ``mask / mask.sum(-1,
+    keepdim=True).sqrt()``): a relative ``x`` scaled per query by a function of its row sum,
+    which on a causal ``x`` is the running sum of its table up to the query's position."""
+    if len(factors) != 1 or masks:
+        return None
+    f = factors[0]
+    if not (is_call(f, _DIV, ("div",)) or is_call(f, _MUL, ("mul",))) or len(f.args) != 2 or f.kwargs:
+        return None
+    x, y = f.args
+    if not all(isinstance(n, fx.Node) for n in (x, y)):
+        return None
+    cur = y
+    while True:
+        if is_call(cur, (torch.sum,), _ROW_SUMS):
+            b = bind(cur, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+            dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
+            if b["input"] is x and dim in (-1, value(x).dim() - 1) and b["keepdim"]:
+                return x, cur, y, "div" if is_call(f, _DIV, ("div",)) else "mul"
+            return None
+        ins = [a for a in cur.all_input_nodes]
+        if cur.op not in ("call_function", "call_method") or len(ins) != 1:
+            return None
+        cur = ins[0]
+
+
+def _row_scale_table(gm: fx.GraphModule, ctx: PassContext, table: fx.Node, scaled, at: fx.Node) -> fx.Node:
+    """The query table ``qtable[l, p]``: the factor's row scale at query position ``p``, built from the
+    running sum of the distance table (the row sum of a causal relative ``x`` at row ``p``) through
+    the model's own ops from its row sum to the scale."""
+    x, total, y, op = scaled
+    g = gm.graph
+    lead = tuple(value(total).shape[:-2])
+    env: dict[fx.Node, fx.Node] = {}
+    with g.inserting_before(at):
+        running = ctx.mark(g.call_method("cumsum", (table, -1)), like=at)
+        env[total] = ctx.mark(g.call_method("reshape", (running, (*lead, -1, 1))), like=at)
+        cur, chain = y, []
+        while cur is not total:
+            chain.append(cur)
+            cur = cur.all_input_nodes[0]
+        for n in reversed(chain):
+            env[n] = ctx.mark(g.node_copy(n, lambda a: env.get(a, a)), like=at)
+        scale = env[y]
+        if op == "div":
+            scale = ctx.mark(g.call_function(torch.reciprocal, (scale,)), like=at)
+        lead_n = int(torch.Size(lead).numel()) if lead else 1
+        return ctx.mark(g.call_method("reshape", (scale, lead_n, -1)), like=at)
+
+
+def _check_scaled(ctx: PassContext, table: fx.Node, qtable: fx.Node, fulls: dict) -> str | None:
+    """Why ``table[l, i - j] * qtable[l, i]`` is not the factor at each judged length, or None."""
+    for rows, full in fulls.items():
+        try:
+            t = evaluate(ctx, table, rows=rows).to(torch.float64)
+            qt = evaluate(ctx, qtable, rows=rows).to(torch.float64)
+        except Exception as e:
+            return f"not evaluable from its distances alone ({type(e).__name__})"
+        i, j = torch.tril_indices(rows, rows)
+        got = t[:, i - j] * qt[:, i]
+        if got.shape[-1] != i.numel() or not torch.allclose(got, full[:, i, j], rtol=1e-9, atol=1e-12):
+            return "not a function of the distance scaled per query by its row sum"
+    return None
 
 
 def _check_table(ctx: PassContext, table: fx.Node, columns: dict) -> str | None:

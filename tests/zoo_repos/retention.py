@@ -105,7 +105,8 @@ class MultiScaleRetention(nn.Module):
         self.heads = heads
         self.head_size = hidden_size // heads
         self.head_v_dim = hidden_size // heads
-        self.gammas = (1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), heads))).detach().cpu().tolist()
+        self.gammas = (1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), heads))
+                       ).detach().cpu().tolist()
         self.swish = lambda x: x * torch.sigmoid(x)
         self.W_G = nn.Parameter(torch.randn(hidden_size, self.v_dim) / hidden_size)
         self.W_O = nn.Parameter(torch.randn(self.v_dim, hidden_size) / hidden_size)
