@@ -131,8 +131,21 @@ class _PositionDecayAttn(zc._Attn):
         return (F.elu(q) @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) * mask) @ v
 
 
+class _RowScaledOverLengthAttn(zc._Attn):
+    """A decay mask divided by the length, then scaled per row by its row sum as RetNet does:
+    ``x / sqrt(x.sum(-1))`` with ``x = 0.9 ** (i - j) / T``."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device, dtype=q.dtype)
+        d = i[:, None] - i[None, :]
+        x = 0.9 ** d.clamp(min=0) * (d >= 0) / t
+        return (q @ k.transpose(-1, -2) * (x / x.sum(-1, keepdim=True).sqrt())) @ v
+
+
 @pytest.mark.parametrize("attn,why", [(_SymmetricDecayAttn, "not causal"),
-                                      (_PositionDecayAttn, "not a function of the distance")])
+                                      (_PositionDecayAttn, "not a function of the distance"),
+                                      (_RowScaledOverLengthAttn, "one that changes with the sequence length")])
 def test_a_factor_that_is_not_a_causal_function_of_the_distance_is_refused(attn, why):
     model = zoo.perturb(zc._spelling(attn)().double().eval())
     with pytest.raises(UnsupportedModelError, match=rf"attention without a softmax whose pair factor is {why}"):

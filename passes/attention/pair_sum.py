@@ -393,7 +393,9 @@ def _row_scale_table(gm: fx.GraphModule, ctx: PassContext, table: fx.Node, scale
 
 
 def _check_scaled(ctx: PassContext, table: fx.Node, qtable: fx.Node, fulls: dict) -> str | None:
-    """Why ``table[l, i - j] * qtable[l, i]`` is not the factor at each judged length, or None."""
+    """Why ``table[l, i - j] * qtable[l, i]`` is not the factor at each judged length, or why the
+    tables change with the length; None if neither."""
+    built = []
     for rows, full in fulls.items():
         try:
             t = evaluate(ctx, table, rows=rows).to(torch.float64)
@@ -404,6 +406,12 @@ def _check_scaled(ctx: PassContext, table: fx.Node, qtable: fx.Node, fulls: dict
         got = t[:, i - j] * qt[:, i]
         if got.shape[-1] != i.numel() or not torch.allclose(got, full[:, i, j], rtol=1e-9, atol=1e-12):
             return "not a function of the distance scaled per query by its row sum"
+        built.append((t, qt))
+    (t_long, q_long), (t_short, q_short) = built
+    n = t_short.shape[-1]
+    if not (torch.allclose(t_long[:, :n], t_short, rtol=1e-9, atol=1e-12)
+            and torch.allclose(q_long[:, :n], q_short, rtol=1e-9, atol=1e-12)):
+        return "one that changes with the sequence length (per path the length is the path's)"
     return None
 
 
