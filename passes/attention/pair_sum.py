@@ -268,7 +268,8 @@ def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
                 return other, float(x)
         if all(isinstance(x, fx.Node) for x in (a, b)):
             chain = [x for x in (a, b) if reads_tokens(ctx, x)]
-            if len(chain) == 1:
+            # The factor broadcasts into the scores, never the scores into a larger shape.
+            if len(chain) == 1 and tuple(value(cur).shape) == tuple(value(chain[0]).shape):
                 factors.append(b if chain[0] is a else a)
                 return chain[0]
         return None
