@@ -106,32 +106,12 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     if isinstance(judged, str):
         ctx.notes[node] = f"attention without a softmax whose pair factor is {judged}"
         return
-    constant, relative, columns = judged
+    tables = _tables(gm, ctx, judged, node, vals[0])
+    if isinstance(tables, str):
+        ctx.notes[node] = f"attention without a softmax whose pair factor is {tables}"
+        return
+    table, qtable = tables
     g = gm.graph
-    qtable = None
-    if isinstance(relative, tuple):  # a relative factor scaled per query by its row sum
-        found = relative_table(gm, ctx, relative[0], node)
-        if isinstance(found, str):
-            ctx.notes[node] = f"attention without a softmax whose pair factor is {found}"
-            return
-        table = found[0]
-        qtable = _row_scale_table(gm, ctx, table, relative, node)
-        why = _check_scaled(ctx, table, qtable, columns)
-        if why is not None:
-            ctx.notes[node] = f"attention without a softmax whose pair factor is {why}"
-            return
-    elif relative is None:
-        with g.inserting_before(node):
-            table = ctx.mark(g.call_function(torch.tensor, (constant,), {"dtype": vals[0].dtype,
-                                                                          "device": vals[0].device}), like=node)
-        table.meta["example_value"] = torch.tensor(constant, dtype=vals[0].dtype, device=vals[0].device)
-    else:
-        found = relative_table(gm, ctx, relative, node)
-        why = found if isinstance(found, str) else _check_table(ctx, found[0], columns)
-        if why is not None:
-            ctx.notes[node] = f"attention without a softmax whose pair factor is {why}"
-            return
-        table = found[0]
     dtype = vals[0].dtype
     for t in vals[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -152,6 +132,30 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     new.meta["example_value"] = value(out)
     out.replace_all_uses_with(new)
     ctx.count("pair_sum")
+
+
+def _tables(gm: fx.GraphModule, ctx: PassContext, judged: tuple, node: fx.Node, like):
+    """``(table, query table or None)`` built in the graph before ``node`` for the judged factor
+    (`_judge`), each checked against the factor evaluated at the judged lengths; or why not."""
+    constant, relative, columns = judged
+    g = gm.graph
+    if relative is None:  # a constant below the diagonal: a one-entry table
+        with g.inserting_before(node):
+            table = ctx.mark(g.call_function(torch.tensor, (constant,), {"dtype": like.dtype, "device": like.device}),
+                             like=node)
+        table.meta["example_value"] = torch.tensor(constant, dtype=like.dtype, device=like.device)
+        return table, None
+    scaled = isinstance(relative, tuple)  # a relative factor scaled per query by its row sum
+    found = relative_table(gm, ctx, relative[0] if scaled else relative, node)
+    if isinstance(found, str):
+        return found
+    table = found[0]
+    if not scaled:
+        why = _check_table(ctx, table, columns)
+        return why if why is not None else (table, None)
+    qtable = _row_scale_table(gm, ctx, table, relative, node)
+    why = _check_scaled(ctx, table, qtable, columns)
+    return why if why is not None else (table, qtable)
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
