@@ -9,7 +9,7 @@
   recurrent or conv layers, ``[pred_index [S], node_table [N, 3]]`` (the node table on the
   CPU; the conv context and SSM state passes read them). The pipeline removes it first.
 * ``treecompile::causal_attention(q, k, v, scale, window, softcap, sinks, chunk)`` is what
-  `treecompile.capture.hf.hf_causal_attention` emits for Hugging Face attention-interface calls: one
+  `treecompile.capture.hf_interfaces.hf_causal_attention` emits for Hugging Face attention-interface calls: one
   opaque node carrying the call's semantics (scale, sliding window, soft-capping, attention
   sinks) instead
   of whichever kernel the model was configured with. The attention pass rewrites it; the
@@ -20,7 +20,7 @@
   vocabulary projection. Its eager body and autograd formula are the reference.
 * ``treecompile::experts_begin(hidden, top_k_index, top_k_weights)`` and
   ``treecompile::experts_end(out)`` bracket a mixture-of-experts block's expert
-  computation (what `treecompile.capture.hf.hf_experts` emits for Hugging Face experts-interface calls).
+  computation (what `treecompile.capture.hf_interfaces.hf_experts` emits for Hugging Face experts-interface calls).
   Everything between them is the experts' token-wise function (each output row from its
   own row's hidden state and routing); the MoE pass checks the region and removes both.
 * ``treecompile::router_stats_begin(router_logits, row_weights)`` and

@@ -11,7 +11,7 @@ import torch
 from testing import TOLERANCES, assert_grads_close, eager_default_lowering
 
 from treecompile.bench import cuda as bench_cuda
-from treecompile.bench import hf as bench_hf
+from treecompile.bench import baselines as bench_baselines
 from treecompile.cli.main import main as cli_main
 
 pytest.importorskip("transformers")
@@ -96,14 +96,14 @@ def test_baseline_micro_batches_give_the_one_batch_step(method):
     paths) trains the same step: the token-mean loss and every gradient, float64."""
     from treecompile.bench.trees import synthetic_tree
 
-    model = bench_hf.model_of("tiny", torch.float64, torch.device("cpu"), 0)
+    model = bench_baselines.model_of("tiny", torch.float64, torch.device("cpu"), 0)
     paths = bench_cuda._paths([synthetic_tree(5, 24, 0.5, 2048, 0)])
     paths[1] = (paths[1][0], [False] * 7 + paths[1][1][7:])  # micro-batches of different target counts
 
     def step(micro):
         model.zero_grad(set_to_none=True)
-        runner = (bench_hf.Padded(model, model, paths, torch.device("cpu")) if method == "hf-padded-sdpa"
-                  else bench_hf.Packed(model, model, paths, torch.device("cpu"), "sdpa"))
+        runner = (bench_baselines.Padded(model, model, paths, torch.device("cpu")) if method == "hf-padded-sdpa"
+                  else bench_baselines.Packed(model, model, paths, torch.device("cpu"), "sdpa"))
         runner.micro = micro
         return runner(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -122,15 +122,15 @@ def test_baseline_inputs_are_built_once_outside_the_timed_steps(monkeypatch):
     tree's do not."""
     from treecompile.bench.trees import synthetic_tree
 
-    model = bench_hf.model_of("tiny", torch.float32, torch.device("cpu"), 0)
+    model = bench_baselines.model_of("tiny", torch.float32, torch.device("cpu"), 0)
     paths = bench_cuda._paths([synthetic_tree(4, 16, 0.5, 2048, 0)])
     built = []
-    for cls in (bench_hf.Padded, bench_hf.Packed):
+    for cls in (bench_baselines.Padded, bench_baselines.Packed):
         counted = lambda self, part, f=cls._call_kwargs: built.append(1) or f(self, part)  # noqa: E731
         monkeypatch.setattr(cls, "_call_kwargs", counted)
     cfg = dataclasses.replace(bench_cuda.DEFAULT, warmup=2, repeats=3)
-    for step in (bench_hf.Padded(model, model, paths, torch.device("cpu")),
-                 bench_hf.Packed(model, model, paths, torch.device("cpu"), "sdpa")):
+    for step in (bench_baselines.Padded(model, model, paths, torch.device("cpu")),
+                 bench_baselines.Packed(model, model, paths, torch.device("cpu"), "sdpa")):
         built.clear()
         bench_cuda._measure(step, model, cfg, torch.device("cpu"))
         assert len(built) == 1

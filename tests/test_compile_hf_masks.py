@@ -10,7 +10,7 @@ from testing import perturbed_hf_model
 
 import treecompile as tc
 from treecompile.capture.dynamo import _replacement
-from treecompile.capture.hf import TreeMask
+from treecompile.capture.hf_interfaces import TreeMask
 from treecompile.core.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
@@ -57,7 +57,7 @@ def test_extra_mask_functions_are_refused():
 
 
 def test_the_marker_refuses_a_mask_tensor_built_by_the_model():
-    from treecompile.capture.hf import _window_from_mask
+    from treecompile.capture.hf_interfaces import _window_from_mask
 
     assert _window_from_mask("Attn", None, 5) == 5
     assert _window_from_mask("Attn", TreeMask("sliding", "create_sliding_window_causal_mask", 4), None) == 4

@@ -30,7 +30,7 @@ each baseline, the FLOP bound ``1 / (1 - POR)`` and the fraction of it reached o
 A time budget (``time_budget_s``) stops starting new measurements once spent; rows not run
 say so. On CPU the same code runs with a tiny configuration (tests).
 
-The models and the baselines as a user runs them are in `treecompile.bench.hf`.
+The models and the baselines as a user runs them are in `treecompile.bench.baselines`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
-from treecompile.bench.hf import MODEL_SHAPES, Packed, Padded, model_of
+from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
 from treecompile.data.io import write_json, write_text_atomic

@@ -59,7 +59,7 @@ class ProfileConfig:
     """What one profile runs.
 
     Attributes:
-        model: a key of `treecompile.bench.hf.MODEL_SHAPES`.
+        model: a key of `treecompile.bench.baselines.MODEL_SHAPES`.
         path_tokens, paths, por: the synthetic tree.
         dtype: the model's dtype.
         lm_head: ``tree_compile(lm_head=...)``.
@@ -154,7 +154,7 @@ def profile_step(cfg: ProfileConfig = ProfileConfig(), *, device: str = "cuda") 
     """
     from treecompile.core.batch import pack
     from treecompile.bench.trees import synthetic_tree
-    from treecompile.bench.hf import MODEL_SHAPES, model_of
+    from treecompile.bench.baselines import MODEL_SHAPES, model_of
     from treecompile.compile.wrapper import tree_compile
 
     dev = torch.device(device)

@@ -24,7 +24,7 @@ reproduce would be dropped silently.
 
 For each call, the builders a model's modules reference are swapped for ones that return a
 :class:`TreeMask` saying which kind of mask the layer asked for. The attention marker
-(:func:`treecompile.capture.hf.hf_causal_attention`) reads it: a causal or sliding-window
+(:func:`treecompile.capture.hf_interfaces.hf_causal_attention`) reads it: a causal or sliding-window
 mask becomes the tree rule (with the window), anything else is refused naming the mask kind.
 A mask tensor that reaches the attention from anywhere else (built by the model's own code)
 is refused too.
@@ -54,8 +54,7 @@ from treecompile.capture.drop_ins import (
     hf_mamba_inner_fn,
     hf_mamba_selective_scan,
 )
-from treecompile.capture import hf
-from treecompile.capture.hf import TreeMask
+from treecompile.capture.hf_interfaces import TreeMask, has_own_attention, hf_causal_attention, hf_experts
 from treecompile.passes import markers
 
 if TYPE_CHECKING:
@@ -193,8 +192,8 @@ def register_hf_interfaces() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
 
-    AttentionInterface.register(HF_ATTENTION_NAME, hf.hf_causal_attention)
-    ExpertsInterface.register(HF_ATTENTION_NAME, hf.hf_experts)
+    AttentionInterface.register(HF_ATTENTION_NAME, hf_causal_attention)
+    ExpertsInterface.register(HF_ATTENTION_NAME, hf_experts)
     site = _hf_grouped_mm_site()
     if site is not None:
         global _ORIGINAL_GROUPED_MM, _HF_CAN_USE_GROUPED_MM
@@ -307,7 +306,7 @@ def hf_interfaces(model: nn.Module, route_attention: bool):
                 if route_attention:
                     c._attn_implementation_internal = HF_ATTENTION_NAME
                     # What the model would have run: the attention marker refuses arguments that
-                    # implementation drops (see hf.hf_causal_attention).
+                    # implementation drops (see hf_causal_attention).
                     c.treecompile_routed_from = saved[k]
                 if k in saved_experts:
                     c._experts_implementation_internal = HF_ATTENTION_NAME
@@ -533,7 +532,7 @@ def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
     takes_router = "output_router_logits" in params
 
     # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
-    own_attention = is_hf and "attention_mask" in params and hf.has_own_attention(model)
+    own_attention = is_hf and "attention_mask" in params and has_own_attention(model)
 
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -43,7 +43,7 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
-from treecompile.capture.hf import check_unset, refuse_label_smoothing, uses_attention_interface
+from treecompile.capture.hf_interfaces import check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of

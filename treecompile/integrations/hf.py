@@ -47,7 +47,7 @@ import torch
 from treecompile.core.batch import pack
 from treecompile.core.errors import TreeInputError, unknown_choice
 from treecompile.core.loss import LOSS_MODES
-from treecompile.capture.hf import refuse_label_smoothing
+from treecompile.capture.hf_interfaces import refuse_label_smoothing
 from treecompile.core.padded_rows import IGNORE_INDEX, as_int_list, batch_from_rows, record_span, rows_to_tree
 from treecompile.core.tree import TrajectoryTree
 from treecompile.planning.prefix_sampler import PrefixGroupedSampler

@@ -434,7 +434,7 @@ def _layout_guess(setup: CallSetup) -> KVLayout | None:
     The layout is otherwise learnt by a first capture that only reports it (`KVLayout`), so a
     right guess saves one Dynamo capture of the whole model; a wrong one (a sequence mixer of
     another kind, a state kept in another dtype) is reported by the first capture as before."""
-    from treecompile.capture.hf import _calls_attention_interface
+    from treecompile.capture.hf_interfaces import _calls_attention_interface
 
     if not setup.is_hf or not setup.routes_attention:
         return None
