@@ -360,9 +360,15 @@ def test_torch_compile_of_a_tree_compiled_model_changes_nothing_and_says_so():
     with pytest.warns(TreeWarning, match=r"torch.compile\(...\) of a tree-compiled model does nothing"):
         out = torch.compile(compiled)(batch)
     assert out.loss.item() == expected
-    # The full check calls a tree-compiled twin inside the call: not an outer compile.
+
+
+@pytest.mark.full
+def test_the_full_check_is_not_taken_for_an_outer_compile():
+    """The full check calls a tree-compiled twin inside the call: not an outer torch.compile."""
+    from treecompile.core.advice import TreeWarning
+
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"torch.compile\(...\) of a tree-compiled", category=TreeWarning)
         checked = tree_compile(tiny(NanoGPT), backend="eager", verify=True)
-        checked(batch)
+        checked(make_batch("branchy")[0])
     assert checked.verified is not None

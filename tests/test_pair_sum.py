@@ -92,6 +92,7 @@ def test_the_path_alone_gives_each_row_what_the_tree_gives_it():
         torch.testing.assert_close(alone, tree[:, :, rows], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.full
 def test_the_default_lowering_runs_the_kernel_and_its_backward():
     case = next(c for c in zoo.all_cases() if c.id == "retnet-learned-decay")
     model = case.build()
@@ -101,6 +102,7 @@ def test_the_default_lowering_runs_the_kernel_and_its_backward():
     assert compiled.counters["rewrite_attention_pass"]["pair_sum"] == 2, result
 
 
+@pytest.mark.full
 def test_streaming_and_the_bitmask_rule_refuse_it_by_name():
     model = zoo.perturb(zc.QuadraticLinearLM().double().eval())
     batch = zoo.batches()[1][1]

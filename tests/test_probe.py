@@ -181,6 +181,7 @@ def test_the_probe_leaves_the_training_step_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
+@pytest.mark.full
 def test_a_float64_model_whose_router_multiplies_in_float32_is_judged_at_float32_rounding():
     """DeepSeek-V3's router casts to float32 before its product (``F.linear(h.type(torch.float32),
     w.type(torch.float32))``): a path run alone, with fewer rows, rounds that product differently by
