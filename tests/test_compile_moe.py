@@ -164,6 +164,7 @@ def test_verify_checks_the_aux_loss():
     _verified_grouped_mm(router_aux_loss_coef=1.0)
 
 
+@pytest.mark.full
 def test_one_expert_per_token_keeps_the_experts_permutation():
     """HF's grouped_mm experts with one expert per token sort the S tokens by expert and undo it
     with ``inv_perm[perm] = arange(S)``: a permutation of the region's tokens, which the positions

@@ -88,6 +88,7 @@ def real_trees():
     return trees, model, tree_compile(model, backend="eager")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", LOSS_MODES)
 def test_qwen3_on_real_gsm8k_and_tau_bench_trees(real_trees, mode):
     trees, model, compiled = real_trees

@@ -439,6 +439,7 @@ def test_one_rank_runs_as_the_whole_tree_and_a_hybrid_is_refused_by_name(one_ran
         assert "\n  at " in str(info.value)  # the model's source line
 
 
+@pytest.mark.full
 def test_what_cp_cannot_run_is_refused(one_rank):
     import pickle
 

@@ -55,6 +55,7 @@ def test_cpu_kernel_matches_flexattention_over_the_same_functions(which, window)
     torch.testing.assert_close(cpu, hop, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.full
 def test_a_learned_bias_gets_its_gradient_through_the_lowering():
     """The default lowering (AOTAutograd): loss and every gradient, the bias table's included,
     equal per-path training with the model's FlexAttention computed densely."""
