@@ -17,6 +17,7 @@ size check can see, so such a graph is refused outright.
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 
@@ -158,16 +159,21 @@ def _where_length_became_constant(ctx: PassContext, s) -> str | None:
 def _own_source(loc: str) -> bool:
     """Whether ``loc`` (``code  # path:line in function``, the path maybe cut on the left) is a
     line of treecompile's own packages."""
-    import importlib
     import re
-    from pathlib import Path
 
     m = re.search(r"#\s*(\S+):\d+ in \S+\s*$", loc)
-    if m is None:
-        return False
+    return m is not None and any(f.endswith(m.group(1)) for f in _own_files())
+
+
+@functools.lru_cache(maxsize=1)
+def _own_files() -> tuple[str, ...]:
+    """The source files of treecompile's packages (the api and core folder, passes, kernels)."""
+    import importlib
+    from pathlib import Path
+
     core, kernels = (importlib.import_module(f"treecompile.{name}") for name in ("core", "kernels"))
     roots = {Path(core.__file__).parents[1], Path(__file__).parent, Path(kernels.__file__).parent}
-    return any(str(f).endswith(m.group(1)) for root in roots for f in root.rglob("*.py"))
+    return tuple(str(f) for root in roots for f in root.rglob("*.py"))
 
 
 def _indexes_one_token(node: fx.Node, s) -> bool:

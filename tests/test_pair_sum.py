@@ -152,3 +152,24 @@ def test_a_factor_that_is_not_a_causal_function_of_the_distance_is_refused(attn,
     model = zoo.perturb(zc._spelling(attn)().double().eval())
     with pytest.raises(UnsupportedModelError, match=rf"attention without a softmax whose pair factor is {why}"):
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+
+
+class _WideningDecayAttn(zc._Attn):
+    """A decay of shape ``[H, 1, T, T]`` times scores ``[1, H, T, T]``: the product is ``[H, H, T, T]``
+    (every head's scores under every head's decay), averaged back over the first dim."""
+
+    def attend(self, q, k, v):
+        t, h = q.shape[2], q.shape[1]
+        i = torch.arange(t, device=q.device, dtype=q.dtype)
+        d = i[:, None] - i[None, :]
+        rate = torch.linspace(0.5, 0.9, h, dtype=q.dtype)[:, None, None, None]
+        decay = rate ** d.clamp(min=0) * (d >= 0)
+        return ((q @ k.transpose(-1, -2) * decay) @ v).mean(0, keepdim=True)
+
+
+def test_a_factor_that_widens_the_scores_is_not_taken_for_a_pair_sum():
+    """The kernel's result has the scores' heads; a factor that broadcasts the scores to more
+    dims would be dropped with its extra dim: left to the verify pass, which refuses it."""
+    model = zoo.perturb(zc._spelling(_WideningDecayAttn)().double().eval())
+    with pytest.raises(UnsupportedModelError, match=r"cannot make this model exact on a tree: node 'd' "):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])

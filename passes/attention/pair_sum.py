@@ -41,6 +41,7 @@ from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, same_s
 from treecompile.passes._mask_eval import evaluate, reads_tokens
 from treecompile.passes.attention.operands import output_operands, scores_operands, single_user
 from treecompile.passes.attention.relative_bias import relative_table
+from treecompile.passes.attention.score_chain import is_scalar
 
 __all__ = ["is_pair_product", "rewrite_pair_sum"]
 
@@ -228,24 +229,19 @@ def _denominator(den: fx.Node, weights: fx.Node) -> tuple[int, float, float, fx.
     if is_call(d, (operator.add, torch.add), ("add",)) and len(d.args) == 2 and not d.kwargs:
         a, b = d.args
         a, b = (a, b) if isinstance(a, fx.Node) else (b, a)
-        if not _number(b):
+        if not is_scalar(b):
             return None
         eps, d = float(b), a
     elif is_call(d, (torch.clamp, torch.clamp_min), ("clamp", "clamp_min")):
         b = bind(d, ["input", "min", "max"], {"min": None, "max": None})
-        if not _number(b["min"]) or not (b["max"] is None or _number(b["max"]) and b["max"] > 0):
+        if not is_scalar(b["min"]) or not (b["max"] is None or is_scalar(b["max"]) and b["max"] > 0):
             return None
         mode, eps, high, d = 2, float(b["min"]), float(b["max"] or 0.0), b["input"]
     unsqueezed = False
     if isinstance(d, fx.Node) and is_call(d, (torch.unsqueeze,), ("unsqueeze",)) and d.args[1:2] == (-1,):
         d, unsqueezed = d.args[0], True
-    if not isinstance(d, fx.Node) or not is_call(d, (torch.sum,), ("sum",)):
-        return None
-    b = bind(d, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
-    x = b["input"]
-    dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
-    xv = value(x)
-    if not isinstance(xv, torch.Tensor) or dim not in (-1, xv.dim() - 1) or bool(b["keepdim"]) == unsqueezed:
+    x = _row_sum(d, keepdim=not unsqueezed)
+    if x is None:
         return None
     reader = d
     if isinstance(x, fx.Node) and is_call(x, (torch.abs,), ("abs",)):  # rowsum(|weights|), as a constant
@@ -258,8 +254,17 @@ def _denominator(den: fx.Node, weights: fx.Node) -> tuple[int, float, float, fx.
     return (mode, eps, high, reader) if x is weights else None
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _row_sum(n, keepdim: bool = True) -> fx.Node | None:
+    """``x`` if ``n`` is ``x.sum(-1, keepdim=keepdim)``, else None."""
+    if not isinstance(n, fx.Node) or not is_call(n, (torch.sum,), ("sum",)):
+        return None
+    b = bind(n, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    x = b["input"]
+    dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
+    xv = value(x)
+    if not isinstance(xv, torch.Tensor) or dim not in (-1, xv.dim() - 1) or bool(b["keepdim"]) != keepdim:
+        return None
+    return x
 
 
 def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
@@ -268,7 +273,7 @@ def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
     if is_call(cur, _MUL, ("mul",)):
         a, b = cur.args[:2]
         for x, other in ((a, b), (b, a)):
-            if isinstance(x, (int, float)) and not isinstance(x, bool) and isinstance(other, fx.Node):
+            if is_scalar(x) and isinstance(other, fx.Node):
                 return other, float(x)
         if all(isinstance(x, fx.Node) for x in (a, b)):
             chain = [x for x in (a, b) if reads_tokens(ctx, x)]
@@ -279,7 +284,7 @@ def _step(ctx: PassContext, cur: fx.Node, factors: list, masks: list):
         return None
     if is_call(cur, _DIV, ("div",)):
         a, b = cur.args[:2]
-        if isinstance(b, (int, float)) and not isinstance(b, bool) and b != 0 and len(cur.args) == 2 and not cur.kwargs:
+        if is_scalar(b) and b != 0 and len(cur.args) == 2 and not cur.kwargs:
             return a, 1.0 / float(b)
         return None
     if is_call(cur, (torch.masked_fill,), ("masked_fill",)):
@@ -323,6 +328,8 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
                 return "not a function of the distance between query and key"
             fulls = {r: _product(ctx, factors, masks, tril, r).reshape(-1, r, r)
                      for r in (example, max(2, example // 2))}
+            if any(torch.count_nonzero(f.triu(1)) for f in fulls.values()):
+                return "not causal (a key after its query gets a nonzero factor)"
             return None, scaled, fulls
         tables.append(col)
         if rows == example:
@@ -343,9 +350,6 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
     return None, varying[0], columns
 
 
-_ROW_SUMS = ("sum",)
-
-
 def _row_scaled(ctx: PassContext, factors: list, masks: list, tril: bool):
     """``(x, sum, y, op)`` if the one factor is ``x / y`` (or ``x * y``) with ``y`` computed from
     ``x.sum(-1, keepdim=True)`` alone, element by element (RetNet's ``mask / mask.sum(-1,
@@ -361,13 +365,9 @@ def _row_scaled(ctx: PassContext, factors: list, masks: list, tril: bool):
         return None
     cur = y
     while True:
-        if is_call(cur, (torch.sum,), _ROW_SUMS):
-            b = bind(cur, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
-            dim = b["dim"][0] if isinstance(b["dim"], (tuple, list)) and len(b["dim"]) == 1 else b["dim"]
-            if b["input"] is x and dim in (-1, value(x).dim() - 1) and b["keepdim"]:
-                return x, cur, y, "div" if is_call(f, _DIV, ("div",)) else "mul"
-            return None
-        ins = [a for a in cur.all_input_nodes]
+        if is_call(cur, (torch.sum,), ("sum",)):
+            return (x, cur, y, "div" if is_call(f, _DIV, ("div",)) else "mul") if _row_sum(cur) is x else None
+        ins = cur.all_input_nodes
         if cur.op not in ("call_function", "call_method") or len(ins) != 1:
             return None
         cur = ins[0]

@@ -28,7 +28,7 @@ from torch import fx
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
 
-__all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS"]
+__all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS", "is_scalar"]
 
 
 @dataclass
@@ -62,13 +62,14 @@ _CASTS = ("float", "double", "to", "type", "type_as")
 _VIEWS = ("view", "reshape", "contiguous")
 
 
-def _is_scalar(x) -> bool:
+def is_scalar(x) -> bool:
+    """A Python number (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _constant(ctx: PassContext, x) -> float | None:
     """``x`` as a number: a Python number, or a structural one-element tensor."""
-    if _is_scalar(x):
+    if is_scalar(x):
         return float(x)
     if not isinstance(x, fx.Node) or depends_on_inputs(ctx, x):
         return None
@@ -102,7 +103,7 @@ def _pair_shaped(ctx: PassContext, x: fx.Node) -> bool:
 
 def _baddbmm(ctx, chain, cur):
     b = bind(cur, ["input", "batch1", "batch2"], {"beta": 1.0, "alpha": 1.0})
-    if not (_is_scalar(b["beta"]) and _is_scalar(b["alpha"])):
+    if not (is_scalar(b["beta"]) and is_scalar(b["alpha"])):
         raise StopWalk("")
     if b["beta"] != 0:
         if b["beta"] != 1 or not isinstance(b["input"], fx.Node):
