@@ -271,6 +271,16 @@ CASES: list[Case] = [
     Case("retnet-normalised", "custom: RetNet parallel retention with torchscale's row normalisations: the mask "
          "by the square root of its row sums, the scores by their detached absolute row sums clamped to [1, 5e4]",
          _custom(zc.RetentionLM, normalised=True), attention={"pair_sum": 2}),
+    Case("forgetting-transformer", "custom: the Forgetting Transformer's scores + c_i - c_j, c a running sum of "
+         "log forget gates over the sequence", _custom(zc.ForgettingLM), attention={"softmax_attention": 2}),
+    Case("key-gate-bias", "custom: a bias per key read from its token, before the scale, one per head",
+         _custom(zc.KeyGateLM), attention={"softmax_attention": 2}),
+    Case("key-gate-bias-shared", "custom: a bias per key read from its token, shared by the heads, subtracted after "
+         "the scale", _custom(zc.KeyGateLM, bias_heads=1, subtract=True), attention={"softmax_attention": 2}),
+    Case("key-gate-bias-mqa", "custom: a bias per key read from its token, per head, over one key and value head "
+         "the products broadcast", _custom(zc.KeyGateLM, mqa=True), attention={"softmax_attention": 2}),
+    Case("key-gate-bias-softcap", "custom: a bias per key read from its token outside a soft-cap",
+         _custom(zc.KeyGateCapLM), expect="refused", reason="bias read from the tokens beside a soft-cap"),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

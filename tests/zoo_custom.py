@@ -523,6 +523,73 @@ CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
 
+# ----------------------------------------------------------------------- score biases read from the tokens
+
+
+class _GatedAttn(_Attn):
+    """`_Attn` with a gate per head and token, ``gate(ln(x))`` as ``[B, H, T]``, passed to ``attend``."""
+
+    def __init__(self, bias_heads: int = HEADS) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, bias_heads)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.attend(*self.heads(x), self.gate(self.ln(x)).transpose(1, 2))
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+class ForgettingAttn(_GatedAttn):
+    """The Forgetting Transformer (Lin et al., 2025) as its reference writes it: a forget gate
+    per head and token, ``c = cumsum(logsigmoid(f))`` over the sequence, and the scores
+    ``q k^T / sqrt(d) + c_i - c_j`` (the log of the product of the gates between the two
+    tokens), causal by the tril buffer."""
+
+    def attend(self, q, k, v, f):
+        t = q.shape[2]
+        c = F.logsigmoid(f).cumsum(-1)
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + (c[..., :, None] - c[..., None, :])
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class KeyGateAttn(_GatedAttn):
+    """A bias per key read from its token (Doge's dynamic mask without its top-k), added before
+    the scale, one gate shared by the heads (``bias_heads=1``) or one per head; ``subtract``:
+    the bias subtracted after the scale; ``mqa``: one key and value head broadcast over the
+    query heads by the products."""
+
+    def __init__(self, bias_heads: int = HEADS, subtract: bool = False, mqa: bool = False) -> None:
+        super().__init__(bias_heads)
+        self.subtract, self.mqa = subtract, mqa
+
+    def attend(self, q, k, v, g):
+        t = q.shape[2]
+        if self.mqa:
+            k, v = k[:, :1], v[:, :1]
+        if self.subtract:
+            att = q @ k.transpose(-2, -1) * HD**-0.5 - F.softplus(g)[:, :, None, :]
+        else:
+            att = (q @ k.transpose(-2, -1) + F.softplus(g).unsqueeze(-2)) * HD**-0.5
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class KeyGateCapAttn(_GatedAttn):
+    """A bias per key read from its token subtracted after a soft-cap ``30 tanh(x / 30)``."""
+
+    def attend(self, q, k, v, g):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * HD**-0.5
+        att = 30 * torch.tanh(att / 30) - F.softplus(g)[:, :, None, :]
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+ForgettingLM, KeyGateLM, KeyGateCapLM = (_spelling(c) for c in (ForgettingAttn, KeyGateAttn, KeyGateCapAttn))
+
+
 # ----------------------------------------------------------------------- positions
 
 

@@ -42,6 +42,13 @@ class ScoreChain:
         masks: ``(kind, node)``: ``masked_fill``, ``additive``, ``where``, ``multiply``,
             ``subtract`` (the last two judged together, see `arithmetic_mask`), ``relative`` (a
             bias over the pairs computed from parameters, `treecompile.passes.attention.relative_bias`).
+        token_terms: ``(side, node, factor)``: a score bias read from the tokens that is a sum of
+            terms each constant along one of the two sequence dims, ``node`` of shape ``[.., S, 1]``
+            (``side`` "query": one value per query, which the softmax's row shift cancels) or
+            ``[.., 1, S]`` ("key": one value per key), entering the scores times ``factor`` (its
+            sign and the constant factors applied after it): the Forgetting Transformer's
+            ``c_i - c_j`` of a running sum ``c``, a gate per key. The softmax rewrite makes them
+            features of the query and key (`treecompile.passes.attention.softmax`).
         nodes: the nodes the rewrite replaces.
     """
 
@@ -52,6 +59,7 @@ class ScoreChain:
     nodes: list[fx.Node] = field(default_factory=list)
     after_cap: bool = False  # the walk has passed the soft-cap's tanh (no mask may follow)
     relative_scale: float = 1.0  # the factor on the scores after a ``relative`` bias is added
+    token_terms: list[tuple[str, fx.Node, float]] = field(default_factory=list)
 
 
 class StopWalk(Exception):
@@ -161,16 +169,55 @@ def _add(ctx, chain, cur):
             _mask(ctx, chain, "relative", bias)
             chain.relative_scale = chain.scale
             return scores
+    for bias, scores in ((b, a), (a, b)):
+        if isinstance(scores, fx.Node) and _token_bias(ctx, chain, bias, 1.0):
+            return scores
     raise StopWalk("the scores get an additive bias computed from parameters or the inputs (e.g. a learned T5-style "
                 "relative position bias), which treecompile cannot express in path positions yet")
 
 
 def _sub(ctx, chain, cur):
     a, b = cur.args[:2]
-    if not (isinstance(a, fx.Node) and _structural(ctx, b)):
-        raise StopWalk("")
-    _mask(ctx, chain, "subtract", b)
-    return a
+    if isinstance(a, fx.Node) and _structural(ctx, b):
+        _mask(ctx, chain, "subtract", b)
+        return a
+    if isinstance(a, fx.Node) and _token_bias(ctx, chain, b, -1.0):
+        return a
+    raise StopWalk("")
+
+
+def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float) -> bool:
+    """Records ``bias`` as `ScoreChain.token_terms` if it is a sum of terms read from the tokens,
+    each ``[.., S, 1]`` or ``[.., 1, S]``; False (nothing recorded) otherwise."""
+    terms = _token_terms(ctx, bias, sign)
+    if not terms:
+        return False
+    if chain.after_cap:
+        raise StopWalk("the scores get a bias read from the tokens inside the soft-cap's tanh")
+    chain.token_terms.extend((side, node, factor * chain.scale) for side, node, factor in terms)
+    return True
+
+
+def _token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, float]] | None:
+    """``x`` as ``[(side, term, sign)]`` (see `ScoreChain.token_terms`), or None: a sum or
+    difference of terms, each read from the tokens and constant along the key dim (a query's
+    term) or the query dim (a key's term)."""
+    if not isinstance(x, fx.Node):
+        return None
+    if _binary(operator.add, torch.add, operator.sub, torch.sub)(x) and len(x.args) == 2 and not x.kwargs:
+        a, b = x.args
+        left = _token_terms(ctx, a, sign)
+        right = _token_terms(ctx, b, -sign if is_call(x, (operator.sub, torch.sub), ("sub",)) else sign)
+        return None if left is None or right is None else left + right
+    v = value(x)
+    if not isinstance(v, torch.Tensor) or v.dim() < 2 or not v.dtype.is_floating_point or not reads_tokens(ctx, x):
+        return None
+    rows, cols = v.shape[-2:]
+    if rows == 1 and same_size(cols, ctx.seq_len):
+        return [("key", x, sign)]
+    if cols == 1 and same_size(rows, ctx.seq_len):
+        return [("query", x, sign)]
+    return None
 
 
 def _where(ctx, chain, cur):

@@ -1,0 +1,78 @@
+"""Score biases read from the tokens (`ScoreChain.token_terms`): a term per key, and one per
+query, each becomes one more feature of the query and key the tree kernel multiplies. The zoo (tests/zoo.py: ``forgetting-transformer``, ``key-gate-bias*``) checks each
+spelling against per-path training on the whole tree; here the same models through the default
+lowering and streamed, where the keys with their extra feature are what the stack carries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+import zoo_custom as zc
+
+import treecompile as tc
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.stream.options import StreamOptions
+
+
+def _case(case_id: str) -> zoo.Case:
+    return next(c for c in zoo.all_cases() if c.id == case_id)
+
+
+@pytest.mark.full
+def test_the_default_lowering_takes_the_extra_feature_and_its_gradient():
+    model = _case("forgetting-transformer").build()
+    compiled = tc.tree_compile(model)  # aot_eager on CPU
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert compiled.counters["rewrite_attention_pass"] == {"softmax_attention": 2}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_a_streamed_tree_reads_the_keys_bias_from_the_stack(mode):
+    model = _case("key-gate-bias-mqa").build()
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=3, mode=mode))
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    streamed = [r for r in compiled.compile_records if "route_prefix_kv_pass" in r.counters]
+    assert streamed and streamed[0].counters["route_prefix_kv_pass"] == {"prefix_attention": 2}
+
+
+class _QueryOnly(zc._GatedAttn):
+    """A bias per query only: the softmax cancels it, so per path the gate's gradient is rounding
+    noise; on the tree it is a gradient too (not None: an optimizer would skip the gate)."""
+
+    def attend(self, q, k, v, g):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * zc.HD**-0.5 + F.softplus(g)[..., :, None]
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class _PairGate(zc._GatedAttn):
+    """A bias read from the tokens of both the query and the key in one product: not a sum of a
+    term per query and a term per key, so not a token bias."""
+
+    def attend(self, q, k, v, g):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * zc.HD**-0.5 + g[..., :, None] * g[..., None, :]
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+def test_a_bias_per_query_is_left_to_the_softmax():
+    model = zoo._custom(zc._spelling(_QueryOnly))()
+    compiled = tc.tree_compile(model, backend="eager")
+    _, batch, trees = zoo.batches()[0]
+    zoo.compare(model, compiled, batch, trees)
+    assert compiled.counters["rewrite_attention_pass"] == {"softmax_attention": 2}
+
+
+def test_a_bias_of_both_tokens_is_refused_by_name():
+    model = zoo._custom(zc._spelling(_PairGate))()
+    compiled = tc.tree_compile(model, backend="eager")
+    _, batch, _ = zoo.batches()[0]
+    with pytest.raises(UnsupportedModelError, match="additive bias computed from parameters or the inputs"):
+        compiled(batch)
