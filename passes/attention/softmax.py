@@ -116,10 +116,12 @@ def _with_token_terms(gm: fx.GraphModule, ctx: PassContext, m: _Match, q: fx.Nod
     scores, kv = value(m.walk.qk), value(k)
     cols: dict[str, fx.Node] = {}
     shapes: dict[str, list] = {"query": [], "key": []}
+    if scale == 0:
+        return "the scores get a bias from the tokens but are scaled by 0"
     for side, term, factor in m.walk.token_terms:
         tv = value(term)
-        if tv.dim() > scores.dim():
-            return f"the scores get a bias per {side} with more dims than the scores"
+        if tv.dim() > scores.dim() or torch.broadcast_shapes(scores.shape[:-2], tv.shape[:-2]) != scores.shape[:-2]:
+            return f"the scores get a bias per {side} over more batch or head entries than the scores have"
         shapes[side].append(tuple(tv.shape[:-2]))
         t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
         t = e.fn(operator.mul, t, factor / scale)
