@@ -76,3 +76,22 @@ def test_a_bias_of_both_tokens_is_refused_by_name():
     _, batch, _ = zoo.batches()[0]
     with pytest.raises(UnsupportedModelError, match="additive bias computed from parameters or the inputs"):
         compiled(batch)
+
+
+class _SequenceSoftmaxGate(zc._GatedAttn):
+    """A bias per key normalised over the whole sequence (``softmax`` along it): not a function
+    of one token, so not exact on a tree."""
+
+    def attend(self, q, k, v, g):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * zc.HD**-0.5 + g.softmax(-1)[:, :, None, :]
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+def test_a_bias_per_key_that_mixes_the_sequence_is_refused_where_it_mixes():
+    model = zoo._custom(zc._spelling(_SequenceSoftmaxGate))()
+    compiled = tc.tree_compile(model, backend="eager")
+    _, batch, _ = zoo.batches()[0]
+    with pytest.raises(UnsupportedModelError, match=r"softmax\) .*reduces or reorders \(softmax\) along the sequence"):
+        compiled(batch)

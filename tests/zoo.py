@@ -281,6 +281,14 @@ CASES: list[Case] = [
          "the products broadcast", _custom(zc.KeyGateLM, mqa=True), attention={"softmax_attention": 2}),
     Case("key-gate-bias-softcap", "custom: a bias per key read from its token outside a soft-cap",
          _custom(zc.KeyGateCapLM), expect="refused", reason="bias read from the tokens beside a soft-cap"),
+    Case("key-padding-fill", "custom: a key padding mask from the ids (ids != pad), masked_fill(-inf) after the causal "
+         "one", _custom(zc.PaddedLM), attention={"softmax_attention": 2}),
+    Case("key-padding-sdpa", "custom: SDPA with attn_mask = causal & (ids != pad) per key", _custom(zc.PaddingSdpaLM),
+         attention={"sdpa": 2}),
+    Case("key-padding-sdpa-bias", "custom: SDPA with a float attn_mask, an additive causal mask plus -1e9 on padded "
+         "keys", _custom(zc.PaddingSdpaLM, form="bias"), attention={"sdpa": 2}),
+    Case("key-padding-sdpa-alone", "custom: SDPA with a key padding mask and no causal mask (bidirectional)",
+         _custom(zc.PaddingSdpaLM, form="alone"), expect="refused", reason="attn_mask is read from the tokens alone"),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

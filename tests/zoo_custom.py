@@ -590,6 +590,67 @@ class KeyGateCapAttn(_GatedAttn):
 ForgettingLM, KeyGateLM, KeyGateCapLM = (_spelling(c) for c in (ForgettingAttn, KeyGateAttn, KeyGateCapAttn))
 
 
+PAD = 5  # a token of the zoo's trees (tests/zoo.py TREES), so the padding masks below block keys there
+
+
+class _PaddedAttn(_Attn):
+    """`_Attn` whose ``attend`` also gets ``keep = ids != PAD`` ``[B, T]`` (a key padding mask, as
+    models trained on padded batches compute it from the ids)."""
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        y = self.attend(*self.heads(x), keep)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+class PaddingFillAttn(_PaddedAttn):
+    """Causal by the tril buffer, then ``masked_fill(~keep[:, None, None, :], -inf)``."""
+
+    def attend(self, q, k, v, keep):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * HD**-0.5
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        att = att.masked_fill(~keep[:, None, None, :], float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class PaddingSdpaAttn(_PaddedAttn):
+    """SDPA with ``attn_mask = causal & keep[:, None, None, :]`` (``bias``: the float form, an
+    additive causal mask plus ``-1e9`` on padded keys; ``alone``: the key mask without a causal
+    one, bidirectional)."""
+
+    def __init__(self, form: str = "bool") -> None:
+        super().__init__()
+        self.form = form
+
+    def attend(self, q, k, v, keep):
+        t = q.shape[2]
+        causal = self.causal[:, :, :t, :t].bool()
+        if self.form == "bias":
+            mask = torch.zeros(t, t, dtype=q.dtype, device=q.device).masked_fill(~causal, float("-inf"))
+            mask = mask + torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, -1e9)[:, None, None]
+        else:
+            mask = keep[:, None, None, :] if self.form == "alone" else causal & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class PaddedLM(_LM):
+    """`_LM` whose blocks get the key padding mask ``ids != PAD``."""
+
+    block_cls = PaddingFillAttn
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        keep = idx != PAD
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x, keep)
+        return self.head(self.norm(x))
+
+
+PaddingSdpaLM = type("PaddingSdpaLM", (PaddedLM,), {"block_cls": PaddingSdpaAttn, "__doc__": PaddingSdpaAttn.__doc__})
+
+
 # ----------------------------------------------------------------------- positions
 
 

@@ -27,6 +27,7 @@ from torch import fx
 
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
+from treecompile.passes.attention.token_bias import AND, OR, split_key_masks, token_terms
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS", "is_scalar"]
 
@@ -47,7 +48,10 @@ class ScoreChain:
             (``side`` "query": one value per query, which the softmax's row shift cancels) or
             ``[.., 1, S]`` ("key": one value per key), entering the scores times ``factor`` (its
             sign and the constant factors applied after it): the Forgetting Transformer's
-            ``c_i - c_j`` of a running sum ``c``, a gate per key. The softmax rewrite makes them
+            ``c_i - c_j`` of a running sum ``c``, a gate per key. Or ``side`` "key_blocked" /
+            "key_allowed": a boolean mask per key ``[.., 1, S]`` read from the tokens (``ids !=
+            pad``), True where it blocks / allows, and ``factor`` the very negative score it
+            gives a blocked key. The softmax rewrite makes them
             features of the query and key (`treecompile.passes.attention.softmax`).
         nodes: the nodes the rewrite replaces.
     """
@@ -150,7 +154,8 @@ def _masked_fill(ctx, chain, cur):
     c = _constant(ctx, fill)
     if c is None or c > BLOCKED or not isinstance(m, fx.Node):
         raise StopWalk("")
-    _mask(ctx, chain, "masked_fill", m)
+    for part in _key_masks(ctx, chain, m, OR, c, blocked=True):
+        _mask(ctx, chain, "masked_fill", part)
     return t
 
 
@@ -186,48 +191,45 @@ def _sub(ctx, chain, cur):
     raise StopWalk("")
 
 
-def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float) -> bool:
-    """Records ``bias`` as `ScoreChain.token_terms` if it is a sum of terms read from the tokens,
-    each ``[.., S, 1]`` or ``[.., 1, S]``; False (nothing recorded) otherwise."""
-    terms = _token_terms(ctx, bias, sign)
-    if not terms:
-        return False
-    if chain.after_cap:
-        raise StopWalk("the scores get a bias read from the tokens inside the soft-cap's tanh")
-    chain.token_terms.extend((side, node, factor * chain.scale) for side, node, factor in terms)
-    return True
-
-
-def _token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, float]] | None:
-    """``x`` as ``[(side, term, sign)]`` (see `ScoreChain.token_terms`), or None: a sum or
-    difference of terms, each read from the tokens and constant along the key dim (a query's
-    term) or the query dim (a key's term)."""
-    if not isinstance(x, fx.Node):
-        return None
-    if _binary(operator.add, torch.add, operator.sub, torch.sub)(x) and len(x.args) == 2 and not x.kwargs:
-        a, b = x.args
-        left = _token_terms(ctx, a, sign)
-        right = _token_terms(ctx, b, -sign if is_call(x, (operator.sub, torch.sub), ("sub",)) else sign)
-        return None if left is None or right is None else left + right
-    v = value(x)
-    if not isinstance(v, torch.Tensor) or v.dim() < 2 or not v.dtype.is_floating_point or not reads_tokens(ctx, x):
-        return None
-    rows, cols = v.shape[-2:]
-    if rows == 1 and same_size(cols, ctx.seq_len):
-        return [("key", x, sign)]
-    if cols == 1 and same_size(rows, ctx.seq_len):
-        return [("query", x, sign)]
-    return None
-
-
 def _where(ctx, chain, cur):
     # torch.where(mask, scores, very_negative) (GPT-Neo): the mask says what is allowed.
     cond, x, fill = cur.args
     c = _constant(ctx, fill)
     if not (isinstance(cond, fx.Node) and isinstance(x, fx.Node)) or c is None or c > BLOCKED:
         raise StopWalk("")
-    _mask(ctx, chain, "where", cond)
+    for part in _key_masks(ctx, chain, cond, AND, c, blocked=False):
+        _mask(ctx, chain, "where", part)
     return x
+
+
+def _key_masks(ctx: PassContext, chain: ScoreChain, m: fx.Node, combine: tuple, fill: float,
+               blocked: bool) -> list[fx.Node]:
+    """The parts of a score mask ``m`` (True where ``blocked``, else where allowed) that are not a
+    mask per key read from the tokens (`split_key_masks`); those are recorded as key terms of
+    ``fill`` where they block (a very negative bias on a key is the same block)."""
+    rest, keys = split_key_masks(ctx, m, combine)
+    if not keys:
+        return [m]
+    if chain.after_cap:
+        raise StopWalk("a mask per key read from the tokens before the soft-cap's tanh")
+    if chain.scale <= 0:
+        raise StopWalk("a mask per key read from the tokens on scores scaled by a factor that is not positive")
+    chain.token_terms.extend(("key_blocked" if blocked else "key_allowed", p, fill * chain.scale) for p in keys)
+    if any(not isinstance(p, fx.Node) for p in rest):
+        raise StopWalk("")
+    return rest
+
+
+def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float) -> bool:
+    """Records ``bias`` as `ScoreChain.token_terms` if it is a sum of terms read from the tokens,
+    each ``[.., S, 1]`` or ``[.., 1, S]`` (`token_terms`); False (nothing recorded) otherwise."""
+    terms = token_terms(ctx, bias, sign)
+    if not terms:
+        return False
+    if chain.after_cap:
+        raise StopWalk("the scores get a bias read from the tokens inside the soft-cap's tanh")
+    chain.token_terms.extend((side, node, factor * chain.scale) for side, node, factor in terms)
+    return True
 
 
 def _clamp_min(ctx, chain, cur):

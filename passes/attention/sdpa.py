@@ -1,15 +1,21 @@
 """``scaled_dot_product_attention`` with ``is_causal=True``, or with an ``attn_mask`` that is
 structural (computed from no activation) and evaluates to the causal mask, optionally with a
-sliding window or an ALiBi bias.
+sliding window or an ALiBi bias; that mask may be ANDed with masks per key read from the
+tokens (``ids != pad``) or, as a float bias, plus terms per query and per key read from the
+tokens, which ride in the kernel's product (`treecompile.passes.attention.token_bias`).
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, bind, row_dims
-from treecompile.passes._mask_eval import structural_causal
+from treecompile.passes._graph import PassContext, bind, is_call, row_dims, value
+from treecompile.passes._mask_eval import depends_on_inputs, structural_causal
 from treecompile.passes.attention.replace import heads_of, replace
+from treecompile.passes.attention.token_bias import AND, split_key_masks, token_terms, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_sdpa"]
@@ -24,8 +30,14 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         raise attention_dropout(node, a["dropout_p"], "dropout_p=0")
     if not row_dims(a["query"], ctx.seq_len, "seq"):
         return  # attention over something other than the sequence (e.g. over heads or patches)
-    mask = a["attn_mask"]
+    mask, terms = _token_parts(ctx, a["attn_mask"])
+    if isinstance(terms, str):
+        ctx.notes[node] = terms
+        return
     alibi = None
+    if terms and mask is None and not a["is_causal"]:
+        ctx.notes[node] = "non-causal attention over the sequence (attn_mask is read from the tokens alone)"
+        return
     if mask is None:
         if not a["is_causal"]:
             ctx.notes[node] = "non-causal attention over the sequence (is_causal=False, no mask)"
@@ -39,6 +51,43 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         if not causal and not a["is_causal"]:
             ctx.notes[node] = "non-causal attention over the sequence (attn_mask is a bias without a causal mask)"
             return
-    if replace(gm, ctx, node, a["query"], a["key"], a["value"], scale=a["scale"], window=window, softcap=None,
-                alibi=alibi):
+    q, k, v, scale = a["query"], a["key"], a["value"], a["scale"]
+    if terms:
+        scale = scale if scale is not None else value(q).shape[-1] ** -0.5  # of the head dim before it grows
+        if not isinstance(scale, (int, float)):
+            ctx.notes[node] = "scaled_dot_product_attention with a traced scale and a bias read from the tokens"
+            return
+        lead = torch.broadcast_shapes(tuple(value(q).shape[:-2]), tuple(value(k).shape[:-2]))
+        qkv = with_token_terms(gm, ctx, node, lead, q, k, v, terms, float(scale))
+        if isinstance(qkv, str):
+            ctx.notes[node] = qkv
+            return
+        q, k, v = qkv
+    if replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, alibi=alibi):
         ctx.count("sdpa")
+
+
+def _token_parts(ctx: PassContext, mask) -> tuple:
+    """``(the rest of attn_mask or None, token terms)``: a boolean ``attn_mask`` ANDed with masks
+    per key read from the tokens (``ids != pad``), or a float one plus a sum of terms per query
+    and per key read from the tokens (`treecompile.passes.attention.token_bias`), split into
+    those terms and the rest, judged as before. ``(mask, why)`` where the rest is not one mask."""
+    if not isinstance(mask, fx.Node) or depends_on_inputs(ctx, mask) is False:
+        return mask, []
+    mv = value(mask)
+    if mv.dtype == torch.bool:
+        rest, keys = split_key_masks(ctx, mask, AND)
+        if not keys:
+            return mask, []
+        if len(rest) > 1 or any(not isinstance(r, fx.Node) for r in rest):
+            return mask, "attn_mask joins masks per key read from the tokens with several other masks"
+        return (rest[0] if rest else None), [("key_allowed", p, float("-inf")) for p in keys]
+    whole = token_terms(ctx, mask, 1.0)
+    if whole:
+        return None, whole
+    if is_call(mask, (operator.add, torch.add), ("add",)) and len(mask.args) == 2 and not mask.kwargs:
+        for rest, bias in (mask.args, mask.args[::-1]):
+            terms = token_terms(ctx, bias, 1.0)
+            if terms and isinstance(rest, fx.Node) and depends_on_inputs(ctx, rest) is False:
+                return rest, terms
+    return mask, []

@@ -5,14 +5,13 @@ without a head dim (the walk from the softmax back to the scores is `score_chain
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
-from treecompile.passes._graph import MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, source_of, value
+from treecompile.passes._graph import MATMUL, PassContext, bind, describe, is_call, row_dims, source_of, value
 from treecompile.passes._mask_eval import causal_pattern, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
@@ -27,6 +26,7 @@ from treecompile.passes.attention.operands import (
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
+from treecompile.passes.attention.token_bias import with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_softmax_attention"]
@@ -90,7 +90,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
         if m.walk.token_terms:
-            qkv = _with_token_terms(gm, ctx, m, q, k, v, scale)
+            qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale)
             if isinstance(qkv, str):
                 ctx.notes[node] = qkv
                 return
@@ -101,51 +101,6 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         ctx.count("softmax_attention")
         if mods is not None:
             ctx.count("relative_bias")
-
-
-def _with_token_terms(gm: fx.GraphModule, ctx: PassContext, m: _Match, q: fx.Node, k: fx.Node, v: fx.Node,
-                      scale: float) -> tuple[fx.Node, fx.Node, fx.Node] | str:
-    """``(q', k', v)``: the scores' token bias (`ScoreChain.token_terms`) as features of the
-    query and key the tree kernel multiplies, so that ``scale * q' . k'`` is the scores with the
-    bias: the sum of the key terms over ``scale`` on the key against a 1 on the query, the sum
-    of the query terms likewise on the query against a 1 on the key. A bias per key thus
-    becomes part of the product over each query's ancestors (streamed and context-parallel
-    alike); a bias per query, which the softmax cancels, keeps its (rounding-level) gradient as
-    per path. Or why the keys cannot take them."""
-    e = Emitter(gm, ctx, m.out)
-    scores, kv = value(m.walk.qk), value(k)
-    cols: dict[str, fx.Node] = {}
-    shapes: dict[str, list] = {"query": [], "key": []}
-    if scale == 0:
-        return "the scores get a bias from the tokens but are scaled by 0"
-    for side, term, factor in m.walk.token_terms:
-        tv = value(term)
-        if tv.dim() > scores.dim() or torch.broadcast_shapes(scores.shape[:-2], tv.shape[:-2]) != scores.shape[:-2]:
-            return f"the scores get a bias per {side} over more batch or head entries than the scores have"
-        shapes[side].append(tuple(tv.shape[:-2]))
-        t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
-        t = e.fn(operator.mul, t, factor / scale)
-        cols[side] = e.fn(operator.add, cols[side], t) if side in cols else t
-    lead = torch.broadcast_shapes(tuple(kv.shape[:-2]), *shapes["key"])
-    if any(not isinstance(d, int) for d in lead) or len(lead) != kv.dim() - 2 \
-            or torch.broadcast_shapes(tuple(value(q).shape[:-2]), *shapes["query"]) != value(q).shape[:-2]:
-        return "the scores get a bias from the tokens whose batch or head dims do not match the query's and keys'"
-    if tuple(kv.shape[:-2]) != tuple(lead):  # keys broadcast over heads the bias has: one copy per head
-        if tuple(value(v).shape[:-2]) != tuple(kv.shape[:-2]):
-            return "the scores get a bias per key over heads the keys and values do not have alike"
-        k, v = e.method("expand", k, *lead, -1, -1), e.method("expand", v, *lead, -1, -1)
-    first = (Ellipsis, slice(None, 1, None))
-    q_one, k_one = (e.fn(torch.ones_like, e.fn(operator.getitem, x, first)) for x in (q, k))
-    q_extra, k_extra = [], []
-    if "key" in cols:
-        k_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, k, first))
-        q_extra.append(q_one)
-        k_extra.append(e.fn(operator.add, e.method("to", cols["key"], kv.dtype), k_zero))
-    if "query" in cols:
-        q_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, q, first))
-        q_extra.append(e.fn(operator.add, e.method("to", cols["query"], value(q).dtype), q_zero))
-        k_extra.append(k_one)
-    return e.fn(torch.cat, [q, *q_extra], -1), e.fn(torch.cat, [k, *k_extra], -1), v
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:

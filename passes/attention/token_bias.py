@@ -1,0 +1,141 @@
+"""Score biases read from the tokens that the tree kernel can carry: terms constant along one of
+the two sequence dims.
+
+A bias on the scores ``[.., S, S]`` that is a sum of a term per query ``a[.., :, None]`` and a
+term per key ``b[.., None, :]``, each read from the tokens (the Forgetting Transformer's
+``c_i - c_j`` with ``c`` a running sum of log forget gates, a gate per key), and a boolean mask
+per key read from the tokens (``ids != pad`` per key), are functions of one token each: on the
+tree, the rows of a query's ancestors hold what the path holds. Each side becomes one more
+feature of the query and the key the kernel multiplies (`with_token_terms`), so the bias rides
+in the product over each query's ancestors, whole, streamed or split over a CP group, and gets
+its gradient. `token_terms` and `split_key_masks` read such terms off the graph (the softmax
+walk in `treecompile.passes.attention.score_chain` and the SDPA rewrite use them).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from treecompile.passes._graph import Emitter, PassContext, is_call, same_size, value
+from treecompile.passes._mask_eval import reads_tokens
+
+__all__ = ["OR", "AND", "token_terms", "split_key_masks", "with_token_terms"]
+
+#: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
+OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
+AND = ((operator.and_, torch.logical_and, torch.bitwise_and), ("logical_and", "bitwise_and", "__and__"))
+_SUMS = ((operator.add, torch.add, operator.sub, torch.sub), ("add", "sub"))
+
+
+def token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, float]] | None:
+    """``x`` as ``[(side, term, sign)]``, or None: a sum or difference of terms, each read from
+    the tokens and constant along the key dim (``side`` "query", ``[.., S, 1]``) or the query dim
+    ("key", ``[.., 1, S]``)."""
+    if not isinstance(x, fx.Node):
+        return None
+    if is_call(x, *_SUMS) and len(x.args) == 2 and not x.kwargs:
+        a, b = x.args
+        left = token_terms(ctx, a, sign)
+        right = token_terms(ctx, b, -sign if is_call(x, (operator.sub, torch.sub), ("sub",)) else sign)
+        return None if left is None or right is None else left + right
+    v = value(x)
+    if not isinstance(v, torch.Tensor) or v.dim() < 2 or not v.dtype.is_floating_point or not reads_tokens(ctx, x):
+        return None
+    rows, cols = v.shape[-2:]
+    if rows == 1 and same_size(cols, ctx.seq_len):
+        return [("key", x, sign)]
+    if cols == 1 and same_size(rows, ctx.seq_len):
+        return [("query", x, sign)]
+    return None
+
+
+def split_key_masks(ctx: PassContext, m, combine: tuple) -> tuple[list, list[fx.Node]]:
+    """``(other parts, key masks)`` of a boolean mask ``m`` joined by ``combine`` (`OR`, `AND`):
+    the key masks are the parts that are ``[.., 1, S]`` and read from the tokens (the same for
+    every query, one value per key)."""
+    parts, stack = [], [m]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, fx.Node) and is_call(x, *combine) and len(x.args) == 2 and not x.kwargs:
+            stack.extend(x.args)
+        else:
+            parts.append(x)
+    keys = [p for p in parts if isinstance(p, fx.Node) and _is_key_mask(ctx, p)]
+    return [p for p in parts if p not in keys], keys
+
+
+def _is_key_mask(ctx: PassContext, x: fx.Node) -> bool:
+    v = value(x)
+    return (isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() >= 2 and v.shape[-2] == 1
+            and same_size(v.shape[-1], ctx.seq_len) and bool(reads_tokens(ctx, x)))
+
+
+def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tuple, q: fx.Node, k: fx.Node,
+                     v: fx.Node, terms: list[tuple[str, fx.Node, float]],
+                     scale: float) -> tuple[fx.Node, fx.Node, fx.Node] | str:
+    """``(q', k', v)``: the terms as features of the query and key the tree kernel multiplies,
+    so that ``scale * q' . k'`` is the scores with the bias: the sum of the key terms over
+    ``scale`` on the key against a 1 on the query, the sum of the query terms likewise on the
+    query against a 1 on the key. Or why the keys cannot take them.
+
+    Args:
+        at: the node the new ones go before (the attention's output).
+        lead: the scores' dims before ``[S, S]``.
+        terms: ``(side, node, factor)``: "query" / "key" terms entering the scores times
+            ``factor``; "key_blocked" / "key_allowed" boolean key masks, True where they block /
+            allow, ``factor`` the score a blocked key gets.
+        scale: the kernel's scale.
+
+    A query term's gradient is rounding noise per path (a softmax is unchanged by a value added
+    to its whole row); carried, it is a gradient on the tree too (not None, which an optimizer
+    would skip). Keys broadcast over heads a bias has are expanded per head.
+    """
+    if scale == 0:
+        return "the scores get a bias from the tokens but are scaled by 0"
+    e = Emitter(gm, ctx, at)
+    kv = value(k)
+    lead = tuple(lead)
+    cols: dict[str, fx.Node] = {}
+    shapes: dict[str, list] = {"query": [], "key": []}
+    for side, term, factor in terms:
+        tv = value(term)
+        try:
+            wide = tv.dim() > len(lead) + 2 or torch.broadcast_shapes(lead, tuple(tv.shape[:-2])) != lead
+        except RuntimeError:
+            wide = True
+        if wide:
+            return "the scores get a bias from the tokens over more batch or head entries than the scores have"
+        if side in ("key_blocked", "key_allowed"):  # a boolean mask per key: a very negative score where it blocks
+            blocks = term if side == "key_blocked" else e.fn(torch.logical_not, term)
+            t, side = e.fn(torch.where, e.method("transpose", blocks, -1, -2), factor / scale, 0.0), "key"
+        else:
+            t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
+            t = e.fn(operator.mul, t, factor / scale)
+        shapes[side].append(tuple(tv.shape[:-2]))
+        cols[side] = e.fn(operator.add, cols[side], t) if side in cols else t
+    try:
+        keys = torch.broadcast_shapes(tuple(kv.shape[:-2]), *shapes["key"])
+        queries = torch.broadcast_shapes(tuple(value(q).shape[:-2]), *shapes["query"])
+    except RuntimeError:
+        keys = queries = None
+    if keys is None or any(not isinstance(d, int) for d in keys) or len(keys) != kv.dim() - 2 \
+            or queries != value(q).shape[:-2]:
+        return "the scores get a bias from the tokens whose batch or head dims do not match the query's and keys'"
+    if tuple(kv.shape[:-2]) != tuple(keys):  # keys broadcast over heads the bias has: one copy per head
+        if tuple(value(v).shape[:-2]) != tuple(kv.shape[:-2]):
+            return "the scores get a bias per key over heads the keys and values do not have alike"
+        k, v = e.method("expand", k, *keys, -1, -1), e.method("expand", v, *keys, -1, -1)
+    first = (Ellipsis, slice(None, 1, None))
+    q_extra, k_extra = [], []
+    if "key" in cols:
+        k_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, k, first))
+        q_extra.append(e.fn(torch.ones_like, e.fn(operator.getitem, q, first)))
+        k_extra.append(e.fn(operator.add, e.method("to", cols["key"], kv.dtype), k_zero))
+    if "query" in cols:
+        q_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, q, first))
+        q_extra.append(e.fn(operator.add, e.method("to", cols["query"], value(q).dtype), q_zero))
+        k_extra.append(e.fn(torch.ones_like, e.fn(operator.getitem, k, first)))
+    return e.fn(torch.cat, [q, *q_extra], -1), e.fn(torch.cat, [k, *k_extra], -1), v
