@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import zoo
 from test_compile_models import (
     TREES,
     CachedRopeLM,
@@ -372,3 +373,33 @@ def test_the_full_check_is_not_taken_for_an_outer_compile():
         checked = tree_compile(tiny(NanoGPT), backend="eager", verify=True)
         checked(make_batch("branchy")[0])
     assert checked.verified is not None
+
+
+class _WarningLM(torch.nn.Module):
+    """A model whose forward issues a ``warnings.warn(message)`` (as torch's own functions do
+    about their arguments): Dynamo cannot trace the call, and issues it after the graph instead
+    (a category argument it cannot reorder: such a model is refused naming the line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.attn = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if x.shape[1] > 1:
+            warnings.warn("a warning from the model's forward")
+        q, k, v = self.attn(x).view(1, -1, 3, 2, 8).unbind(2)
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(x.shape))
+
+
+def test_a_warning_in_the_models_forward_is_issued_and_does_not_stop_the_capture():
+    model = zoo.perturb(_WarningLM().double().eval())
+    compiled = tree_compile(model, backend="eager")
+    _, batch, trees = zoo.batches()[0]
+    with pytest.warns(UserWarning, match="a warning from the model's forward"):
+        zoo.compare(model, compiled, batch, trees)
+    assert compiled.counters["rewrite_attention_pass"] == {"sdpa": 1}

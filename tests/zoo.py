@@ -287,6 +287,11 @@ CASES: list[Case] = [
          attention={"sdpa": 2}),
     Case("key-padding-sdpa-bias", "custom: SDPA with a float attn_mask, an additive causal mask plus -1e9 on padded "
          "keys", _custom(zc.PaddingSdpaLM, form="bias"), attention={"sdpa": 2}),
+    Case("key-padding-extended", "custom: BERT's extended mask (1 - keep) * -10000 per key added to the scores",
+         _custom(zc.ExtendedMaskLM), attention={"softmax_attention": 2}),
+    Case("encoder-layer-padding", "torch: nn.TransformerEncoderLayer with a float causal mask and a boolean "
+         "src_key_padding_mask from the ids (torch warns about the mixed types)", _custom(zc.EncoderLayerPaddingLM),
+         attention={"multihead_attention": 2}),
     Case("key-padding-sdpa-alone", "custom: SDPA with a key padding mask and no causal mask (bidirectional)",
          _custom(zc.PaddingSdpaLM, form="alone"), expect="refused", reason="attn_mask is read from the tokens alone"),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),

@@ -651,6 +651,36 @@ class PaddedLM(_LM):
 PaddingSdpaLM = type("PaddingSdpaLM", (PaddedLM,), {"block_cls": PaddingSdpaAttn, "__doc__": PaddingSdpaAttn.__doc__})
 
 
+class ExtendedMaskAttn(_PaddedAttn):
+    """BERT-style extended mask ``(1 - keep[:, None, None, :]) * -10000`` added to the scores,
+    then the causal tril buffer."""
+
+    def attend(self, q, k, v, keep):
+        t = q.shape[2]
+        extended = (1.0 - keep[:, None, None, :].to(q.dtype)) * -10000.0
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + extended
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class EncoderLayerPaddingBlock(nn.Module):
+    """``nn.TransformerEncoderLayer`` with a float causal ``src_mask`` and a boolean
+    ``src_key_padding_mask = ~keep`` (torch warns about the mismatched mask types)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, batch_first=True)
+
+    def forward(self, x, keep):
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype, device=x.device)
+        return self.layer(x, src_mask=causal, src_key_padding_mask=~keep, is_causal=True)
+
+
+ExtendedMaskLM, EncoderLayerPaddingLM = (
+    type(f"{c.__name__}LM", (PaddedLM,), {"block_cls": c, "__doc__": c.__doc__})
+    for c in (ExtendedMaskAttn, EncoderLayerPaddingBlock))
+
+
 # ----------------------------------------------------------------------- positions
 
 

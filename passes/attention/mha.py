@@ -18,9 +18,10 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
-from treecompile.passes._mask_eval import structural_causal
+from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, same_size, value
+from treecompile.passes._mask_eval import reads_tokens, structural_causal
 from treecompile.passes.attention.replace import replace
+from treecompile.passes.attention.token_bias import with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
@@ -61,8 +62,9 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
             return
         if not all(rows_kv):
             why = "attends to keys other than its queries' rows (cross-attention mixing the packed rows with another)"
-    if why is None and any(a[k] is not None for k in ("key_padding_mask", "static_k", "static_v")):
-        why = "uses a key padding mask or static keys"
+    padding = _padding_terms(ctx, a) if why is None else []
+    if why is None and (any(a[k] is not None for k in ("static_k", "static_v")) or padding is None):
+        why = "uses static keys or a key padding mask that is not one per key read from the tokens"
     elif why is None and (a["bias_k"] is None) != (a["bias_v"] is None):
         why = "uses bias_k without bias_v"
     elif why is None and a["attn_mask"] is None:
@@ -95,6 +97,13 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     q, k, v = (emit.method("unsqueeze", emit.method("transpose", emit.method("view", x, -1, heads, hd), 0, 1), 0)
                for x in (q, k, v))
     sinks, sink_values = _mha_extra_keys(emit, a, q, heads, hd)
+    if padding:
+        qkv = with_token_terms(gm, ctx, node, (1, heads), q, k, v, [(side, emit.method("view", m, 1, 1, 1, -1), f)
+                                                                    for side, m, f in padding], hd ** -0.5)
+        if isinstance(qkv, str):
+            ctx.notes[node] = qkv
+            return
+        q, k, v = qkv
     out_w, out_b = a["out_proj_weight"], a["out_proj_bias"]
 
     def post(g: fx.Graph, y: fx.Node) -> fx.Node:  # [1, H, S, hd] -> [S, 1, E] -> out projection
@@ -107,9 +116,24 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     output = outputs[0]
     for extra in outputs[1:]:
         extra.replace_all_uses_with(output)
-    if replace(gm, ctx, node, q, k, v, scale=None, window=window, softcap=None, output=output, post=post,
+    if replace(gm, ctx, node, q, k, v, scale=hd ** -0.5, window=window, softcap=None, output=output, post=post,
                sinks=sinks, sink_values=sink_values):
         ctx.count("multihead_attention")
+
+
+def _padding_terms(ctx: PassContext, a: dict) -> list | None:
+    """The ``key_padding_mask`` as token terms (`treecompile.passes.attention.token_bias`): ``[]``
+    without one; one ``[1, S]`` over the query's rows read from the tokens (``ids == pad``) as a
+    "key_blocked" term (boolean: True blocks, as the function fills ``-inf``) or a "key" term
+    (float: added to the scores); None for any other."""
+    m = a["key_padding_mask"]
+    if m is None:
+        return []
+    mv = value(m)
+    if not (isinstance(mv, torch.Tensor) and mv.dim() == 2 and mv.shape[0] == 1 and same_size(mv.shape[1], ctx.seq_len)
+            and a["key"] is a["query"] and reads_tokens(ctx, m)):
+        return None
+    return [("key_blocked", m, float("-inf"))] if mv.dtype == torch.bool else [("key", m, 1.0)]
 
 
 def _mha_projections(emit: Emitter, a: dict, e: int) -> tuple[fx.Node, fx.Node, fx.Node]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,11 +77,16 @@ class TreeOutput:
 #   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead;
 # - allow_unspec_int_on_nn_module: a Python int the model counts on itself (``self.step += 1``)
 #   becomes a symbol after its first change instead of a constant guarded on, which would
-#   compile again at every call (and fail at the limit); see treecompile.passes.state.
+#   compile again at every call (and fail at the limit); see treecompile.passes.state;
+# - reorderable_logging_functions: a model's ``warnings.warn`` (torch's own
+#   ``F.multi_head_attention_forward`` warns about a float ``attn_mask`` beside a boolean padding
+#   mask) is issued after the graph runs, as ``print`` is, instead of failing the capture.
 DYNAMO_CONFIG = {
     k: v
     for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True,
-                 "allow_unspec_int_on_nn_module": True}.items()
+                 "allow_unspec_int_on_nn_module": True,
+                 "reorderable_logging_functions": {*torch._dynamo.config.reorderable_logging_functions,
+                                                   warnings.warn}}.items()
     if k in torch._dynamo.config._config
 }
 
