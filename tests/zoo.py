@@ -294,6 +294,8 @@ CASES: list[Case] = [
          attention={"multihead_attention": 2}),
     Case("key-padding-sdpa-alone", "custom: SDPA with a key padding mask and no causal mask (bidirectional)",
          _custom(zc.PaddingSdpaLM, form="alone"), expect="refused", reason="attn_mask is read from the tokens alone"),
+    Case("diff-transformer", "microsoft/unilm Diff-Transformer: two softmax maps per head combined p0 - lam * p1 "
+         "before @ v (float32 softmax)", _custom(zc.DiffLM), attention={"softmax_attention": 2}),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

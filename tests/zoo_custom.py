@@ -676,6 +676,45 @@ class EncoderLayerPaddingBlock(nn.Module):
         return self.layer(x, src_mask=causal, src_key_padding_mask=~keep, is_causal=True)
 
 
+class DiffAttn(_Attn):
+    """The Differential Transformer as its reference (microsoft/unilm, ``multihead_diffattn.py``)
+    writes it: ``2H`` heads of half width, scores cleaned by ``nan_to_num``, a triu ``-inf``
+    mask, ``softmax(dtype=float32)``, the maps viewed ``[B, H, 2, T, T]`` and combined
+    ``p[:, :, 0] - lam * p[:, :, 1]`` (``lam`` from four learned vectors) before ``@ v`` with
+    ``H`` value heads of double width, then a sub-LayerNorm. ``exact``: the float32 casts left
+    out (softmax and ``lam`` in the model's dtype)."""
+
+    def __init__(self, exact: bool = False) -> None:
+        super().__init__()
+        self.h, self.d = HEADS // 2, HD
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * 0)
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.randn(self.d) * 0.1) for _ in range(4))
+        self.subln = nn.LayerNorm(2 * self.d)
+        self.exact = exact
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(DIM, dim=-1)
+        q = q.view(b, t, 2 * self.h, self.d).transpose(1, 2) * self.d ** -0.5
+        k = k.view(b, t, 2 * self.h, self.d).transpose(1, 2)
+        v = v.view(b, t, self.h, 2 * self.d).transpose(1, 2)
+        w = torch.nan_to_num(torch.matmul(q, k.transpose(-1, -2)))
+        cast = (lambda z: z) if self.exact else (lambda z: z.float())
+        w = w + torch.triu(cast(torch.zeros([t, t], dtype=q.dtype)).fill_(float("-inf")).type_as(w), 1)
+        w = (F.softmax(w, dim=-1) if self.exact else F.softmax(w, dim=-1, dtype=torch.float32)).type_as(w)
+        lam1 = torch.exp(cast(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1))).type_as(q)
+        lam2 = torch.exp(cast(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1))).type_as(q)
+        w = w.view(b, self.h, 2, t, t)
+        w = w[:, :, 0] - (lam1 - lam2 + self.lambda_init) * w[:, :, 1]
+        y = self.subln(torch.matmul(w, v)) * (1 - self.lambda_init)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+DiffLM = _spelling(DiffAttn)
+
+
 ExtendedMaskLM, EncoderLayerPaddingLM = (
     type(f"{c.__name__}LM", (PaddedLM,), {"block_cls": c, "__doc__": c.__doc__})
     for c in (ExtendedMaskAttn, EncoderLayerPaddingBlock))

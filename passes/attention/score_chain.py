@@ -251,6 +251,14 @@ def _through(ctx, chain, cur):
     return cur.args[0]
 
 
+def _nan_to_num(ctx, chain, cur):
+    # The Differential Transformer's reference cleans its scores: the kernel's scores are the
+    # same where they are finite; where not, its result is NaN (loud), not a value.
+    if len(cur.args) > 1 or cur.kwargs:
+        raise StopWalk("")
+    return cur.args[0]
+
+
 def _calls(functions=(), methods=()) -> Callable[[fx.Node], bool]:
     return lambda n: is_call(n, functions, methods)
 
@@ -272,6 +280,7 @@ STEPS: list[tuple[Callable[[fx.Node], bool], Callable]] = [
     (lambda n: is_call(n, (torch.max, torch.maximum), ("max", "maximum")) and len(n.args) == 2, _clamp_min),
     (_calls((torch.tanh,), ("tanh",)), _tanh),
     (_calls((torch.reshape,), _CASTS + _VIEWS), _through),
+    (_calls((torch.nan_to_num,), ("nan_to_num",)), _nan_to_num),
 ]
 
 #: In-place edits of the scores, read back before the softmax: ``(method, step)``.

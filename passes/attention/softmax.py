@@ -5,13 +5,14 @@ without a head dim (the walk from the softmax back to the scores is `score_chain
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
-from treecompile.passes._graph import MATMUL, PassContext, bind, describe, is_call, row_dims, source_of, value
+from treecompile.passes._graph import MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, source_of, value
 from treecompile.passes._mask_eval import causal_pattern, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
@@ -23,6 +24,7 @@ from treecompile.passes.attention.operands import (
     single_user,
     sink_column,
 )
+from treecompile.passes.attention.grouped import Grouped, combine, grouped_output, repeat_values
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
@@ -49,6 +51,7 @@ class _Match:
     post: Any
     sink: fx.Node | None
     walk: ScoreChain
+    group: Grouped | None = None
 
 
 def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
@@ -89,6 +92,11 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         q, k, v = (ctx.mark(x(gm.graph), like=m.out) if callable(x) else x for x in (m.q, m.k, m.v))
         if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
+    post = m.post
+    if m.group is not None:  # each head with its group's value; the group's combination after
+        v = repeat_values(Emitter(gm, ctx, m.out), m.group)
+        post = functools.partial(combine, grouped=m.group, mark=lambda n: ctx.mark(n, like=m.out))
+    with gm.graph.inserting_before(m.out):
         if m.walk.token_terms:
             qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale)
             if isinstance(qkv, str):
@@ -96,7 +104,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
                 return
             q, k, v = qkv
     if replace(gm, ctx, node, q, k, v, scale=scale, window=window,
-               softcap=m.walk.softcap, output=m.out, post=m.post, alibi=alibi, sinks=sink, mods=mods,
+               softcap=m.walk.softcap, output=m.out, post=post, alibi=alibi, sinks=sink, mods=mods,
                mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
         if mods is not None:
@@ -128,6 +136,15 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
         return None
     q, k, q_layout = qk
     out = _output_product(node, sink)
+    if out is None and sink is None and q_layout is None:
+        group = grouped_output(ctx, node)
+        if group is not None:
+            other = outside_use(walk.nodes + [args["input"]] + group.nodes, group.out)
+            if other is not None:
+                ctx.notes[group.out] = (f"the attention scores are also used by {describe(other)} at "
+                                        f"{source_of(other)}, which rewriting the attention would drop")
+                return None
+            return _Match(group.out, q, k, group.v, None, None, walk, group)
     pv = None if out is None else output_operands(out, q_layout)
     if pv is None:
         return None
