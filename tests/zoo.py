@@ -296,6 +296,12 @@ CASES: list[Case] = [
          _custom(zc.PaddingSdpaLM, form="alone"), expect="refused", reason="attn_mask is read from the tokens alone"),
     Case("diff-transformer", "microsoft/unilm Diff-Transformer: two softmax maps per head combined p0 - lam * p1 "
          "before @ v (float32 softmax)", _custom(zc.DiffLM), attention={"softmax_attention": 2}),
+    Case("cosine-logit-scale", "Swin V2: cosine attention times a learned logit scale per head",
+         _custom(zc.LogitScaleLM), attention={"softmax_attention": 2}),
+    Case("scalable-softmax", "Scalable-Softmax: the scores times s * log(n) per query (n from arange)",
+         _custom(zc.ScalableSoftmaxLM), attention={"softmax_attention": 2}),
+    Case("learned-temperature", "custom: the scores divided by a learned temperature per head",
+         _custom(zc.ScalableSoftmaxLM, temperature=True), attention={"softmax_attention": 2}),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

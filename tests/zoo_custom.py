@@ -715,6 +715,46 @@ class DiffAttn(_Attn):
 DiffLM = _spelling(DiffAttn)
 
 
+class LogitScaleAttn(_Attn):
+    """Cosine attention with a learned logit scale per head (Swin Transformer V2): normalised q
+    and k, scores times ``exp(clamp(logit_scale, max=log(100)))``, then the tril buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(HEADS, 1, 1)))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        att = att * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class ScalableSoftmaxAttn(_Attn):
+    """Scalable-Softmax (Nakanishi, 2025): the scores times ``s * log(n)`` per query, ``n`` the keys
+    it sees (``arange(1, T + 1)``), ``s`` learned per head; ``temperature``: the scores divided
+    by a learned temperature per head instead."""
+
+    def __init__(self, temperature: bool = False) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(HEADS, 1, 1) * 0.4)
+        self.temperature = temperature
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * HD**-0.5
+        if self.temperature:
+            att = att / self.s
+        else:
+            att = att * (self.s * torch.log(torch.arange(1, t + 1, device=q.device, dtype=q.dtype)[:, None]))
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+LogitScaleLM, ScalableSoftmaxLM = (_spelling(c) for c in (LogitScaleAttn, ScalableSoftmaxAttn))
+
+
 ExtendedMaskLM, EncoderLayerPaddingLM = (
     type(f"{c.__name__}LM", (PaddedLM,), {"block_cls": c, "__doc__": c.__doc__})
     for c in (ExtendedMaskAttn, EncoderLayerPaddingBlock))

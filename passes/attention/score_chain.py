@@ -53,6 +53,12 @@ class ScoreChain:
             pad``), True where it blocks / allows, and ``factor`` the very negative score it
             gives a blocked key. The softmax rewrite makes them
             features of the query and key (`treecompile.passes.attention.softmax`).
+        factors: ``(side, node, power)``: a tensor multiplying (``power`` 1) or dividing (-1) the
+            scores that is constant along the key dim (``side`` "query": ``[.., S, 1]``, or one
+            per head ``[.., 1, 1]``) or the query dim ("key": ``[.., 1, S]``): a learned
+            temperature per head, Scalable-Softmax's ``s * log(n)`` per query. The rewrite
+            multiplies the query or key by it; nothing the walk meets after it (applied before
+            it) may be a mask, a bias or a soft-cap, which it would scale.
         nodes: the nodes the rewrite replaces.
     """
 
@@ -64,6 +70,7 @@ class ScoreChain:
     after_cap: bool = False  # the walk has passed the soft-cap's tanh (no mask may follow)
     relative_scale: float = 1.0  # the factor on the scores after a ``relative`` bias is added
     token_terms: list[tuple[str, fx.Node, float]] = field(default_factory=list)
+    factors: list[tuple[str, fx.Node, int]] = field(default_factory=list)
 
 
 class StopWalk(Exception):
@@ -94,7 +101,13 @@ def _constant(ctx: PassContext, x) -> float | None:
         return None
 
 
+def _before_factor(chain: ScoreChain, what: str) -> None:
+    if chain.factors:
+        raise StopWalk(f"{what} before a tensor factor on the scores (the factor would scale it)")
+
+
 def _mask(ctx: PassContext, chain: ScoreChain, kind: str, m) -> None:
+    _before_factor(chain, "a mask or bias")
     if chain.after_cap:
         raise StopWalk("a mask before the soft-cap's tanh (tanh of a very negative score is not very negative)")
     chain.masks.append((kind, m))
@@ -134,15 +147,39 @@ def _mul(ctx, chain, cur):
             chain.scale *= c
             return other
     for x, other in ((b, a), (a, b)):
+        side = _factor_side(ctx, x, other)
+        if side is not None:
+            chain.factors.append((side, x, 1))
+            return other
+    for x, other in ((b, a), (a, b)):
         if _structural(ctx, x) and isinstance(other, fx.Node) and not _structural(ctx, other):
             _mask(ctx, chain, "multiply", x)
             return other
     raise StopWalk("")
 
 
+def _factor_side(ctx: PassContext, x, scores) -> str | None:
+    """"query" or "key" if ``x`` is a tensor factor on ``scores`` (see `ScoreChain.factors`)."""
+    if not (isinstance(x, fx.Node) and isinstance(scores, fx.Node) and _pair_shaped(ctx, scores)):
+        return None
+    v = value(x)
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or v.dim() > value(scores).dim():
+        return None
+    rows, cols = ((1, 1) + tuple(v.shape))[-2:]
+    if cols == 1 and (rows == 1 or same_size(rows, ctx.seq_len)):
+        return "query"
+    if rows == 1 and same_size(cols, ctx.seq_len):
+        return "key"
+    return None
+
+
 def _div(ctx, chain, cur):
     a, b = cur.args[:2]
     c = _constant(ctx, b)
+    side = _factor_side(ctx, b, a) if c is None else None
+    if side is not None:
+        chain.factors.append((side, b, -1))
+        return a
     if c is None or not isinstance(a, fx.Node):
         raise StopWalk("")
     chain.scale /= c
@@ -210,6 +247,7 @@ def _key_masks(ctx: PassContext, chain: ScoreChain, m: fx.Node, combine: tuple, 
     rest, keys = split_key_masks(ctx, m, combine)
     if not keys:
         return [m]
+    _before_factor(chain, "a mask per key")
     if chain.after_cap:
         raise StopWalk("a mask per key read from the tokens before the soft-cap's tanh")
     if chain.scale <= 0:
@@ -226,6 +264,7 @@ def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float) -> bool:
     terms = token_terms(ctx, bias, sign)
     if not terms:
         return False
+    _before_factor(chain, "a bias read from the tokens")
     if chain.after_cap:
         raise StopWalk("the scores get a bias read from the tokens inside the soft-cap's tanh")
     chain.token_terms.extend((side, node, factor * chain.scale) for side, node, factor in terms)
@@ -241,6 +280,7 @@ def _clamp_min(ctx, chain, cur):
 
 def _tanh(ctx, chain, cur):
     # c * tanh(x / c): the factors after the tanh are the cap, those before it the scale / cap.
+    _before_factor(chain, "a soft-cap")
     if chain.softcap is not None:
         raise StopWalk("")
     chain.softcap, chain.scale, chain.after_cap = chain.scale, 1.0, True

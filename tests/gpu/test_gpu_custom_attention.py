@@ -1,6 +1,6 @@
 """The zoo's hand-written spellings on CUDA (tests/zoo.py): what each rewrite hands the tree
-kernel there (a bias or mask read from the tokens as extra query and key features, a model's own
-FlexAttention mods on path positions, a learned relative bias table, `nn.MultiheadAttention`'s
+kernel there (a bias or mask read from the tokens as extra query and key features, maps combined across
+heads, a model's own FlexAttention mods on path positions, a learned relative bias table, `nn.MultiheadAttention`'s
 extra key, the pair sum, path scans) in float32, against per-path training in float32, within
 the budget of tests/gpu_exactness.py (1 + FP32_RATIO times the per-path run's own error against
 float64 on the CPU). The CPU suite checks the same models in float64 (tests/test_zoo.py)."""
@@ -18,8 +18,9 @@ from treecompile.core.reference import per_path_loss
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 #: One case per kernel input the rewrites build (ids in tests/zoo.py).
-CASES = ["forgetting-transformer", "key-gate-bias-mqa", "key-padding-sdpa", "key-padding-fill", "t5-bias",
-         "flex-softcap", "mha-bias-kv-zero-attn", "retnet-learned-decay", "cumsum-linear-attention"]
+CASES = ["forgetting-transformer", "key-gate-bias-mqa", "key-padding-sdpa", "key-padding-fill", "encoder-layer-padding",
+         "diff-transformer", "t5-bias", "flex-softcap", "mha-bias-kv-zero-attn", "retnet-learned-decay",
+         "cumsum-linear-attention"]
 
 
 def _paths(model: torch.nn.Module, trees) -> Measured:

@@ -1,9 +1,13 @@
-"""Score biases read from the tokens (`ScoreChain.token_terms`): a term per key, and one per
-query, each becomes one more feature of the query and key the tree kernel multiplies. The zoo (tests/zoo.py: ``forgetting-transformer``, ``key-gate-bias*``) checks each
+"""Terms on the scores constant along one sequence dim. Biases read from the tokens
+(`ScoreChain.token_terms`): a term per key, and one per query, each becomes one more feature of
+the query and key the tree kernel multiplies. Tensor factors (`ScoreChain.factors`: per head, per
+query, per key) multiply the query or key. The zoo (tests/zoo.py: ``forgetting-transformer``, ``key-gate-bias*``) checks each
 spelling against per-path training on the whole tree; here the same models through the default
 lowering and streamed, where the keys with their extra feature are what the stack carries."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -95,3 +99,38 @@ def test_a_bias_per_key_that_mixes_the_sequence_is_refused_where_it_mixes():
     _, batch, _ = zoo.batches()[0]
     with pytest.raises(UnsupportedModelError, match=r"softmax\) .*reduces or reorders \(softmax\) along the sequence"):
         compiled(batch)
+
+
+class _FactorAfterMask(zc._Attn):
+    """A learned temperature applied after a finite mask fill: it would scale the fill."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = torch.nn.Parameter(torch.ones(zc.HEADS, 1, 1))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.causal[:, :, :t, :t] == 0, -1e4) * self.temp
+        return att.softmax(-1) @ v
+
+
+class _FactorOfTheRow(zc._Attn):
+    """A factor per query computed from its row of scores (``amax``): the row is the tree's."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * zc.HD**-0.5
+        att = att * torch.sigmoid(att.amax(-1, keepdim=True))
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("attn,why", [
+    (_FactorAfterMask, "a mask or bias before a tensor factor on the scores"),
+    (_FactorOfTheRow, "the attention scores are also used by node 'amax'"),
+])
+def test_a_factor_that_would_scale_a_mask_or_reads_the_row_is_refused(attn, why):
+    model = zoo._custom(zc._spelling(attn))()
+    compiled = tc.tree_compile(model, backend="eager")
+    with pytest.raises(UnsupportedModelError, match=re.escape(why)):
+        compiled(zoo.batches()[0][1])
