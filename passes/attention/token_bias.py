@@ -128,14 +128,21 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
         if tuple(value(v).shape[:-2]) != tuple(kv.shape[:-2]):
             return "the scores get a bias per key over heads the keys and values do not have alike"
         k, v = e.method("expand", k, *keys, -1, -1), e.method("expand", v, *keys, -1, -1)
+    # One dtype for the product, the most precise of the query's, key's and terms' (a float32
+    # running sum against bfloat16 keys keeps its float32: c_i - c_j is a difference of large
+    # numbers); the kernel computes in it and casts the result back.
+    dtype = value(q).dtype
+    for x in (k, *cols.values()):
+        dtype = torch.promote_types(dtype, value(x).dtype)
+    q, k = (x if value(x).dtype == dtype else e.method("to", x, dtype) for x in (q, k))
     first = (Ellipsis, slice(None, 1, None))
     q_extra, k_extra = [], []
     if "key" in cols:
         k_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, k, first))
         q_extra.append(e.fn(torch.ones_like, e.fn(operator.getitem, q, first)))
-        k_extra.append(e.fn(operator.add, e.method("to", cols["key"], kv.dtype), k_zero))
+        k_extra.append(e.fn(operator.add, e.method("to", cols["key"], dtype), k_zero))
     if "query" in cols:
         q_zero = e.fn(torch.zeros_like, e.fn(operator.getitem, q, first))
-        q_extra.append(e.fn(operator.add, e.method("to", cols["query"], value(q).dtype), q_zero))
+        q_extra.append(e.fn(operator.add, e.method("to", cols["query"], dtype), q_zero))
         k_extra.append(e.fn(torch.ones_like, e.fn(operator.getitem, k, first)))
     return e.fn(torch.cat, [q, *q_extra], -1), e.fn(torch.cat, [k, *k_extra], -1), v
