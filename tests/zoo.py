@@ -302,6 +302,10 @@ CASES: list[Case] = [
          _custom(zc.ScalableSoftmaxLM), attention={"softmax_attention": 2}),
     Case("learned-temperature", "custom: the scores divided by a learned temperature per head",
          _custom(zc.ScalableSoftmaxLM, temperature=True), attention={"softmax_attention": 2}),
+    Case("memory-kv", "lucidrains/x-transformers num_mem_kv: learned memory keys and values concatenated before "
+         "the sequence's, the causal mask padded", _custom(zc.MemoryKVLM), attention={"softmax_attention": 2}),
+    Case("memory-kv-masked", "custom: memory keys and values the first query may not read",
+         _custom(zc.MemoryKVLM, masked=True), expect="refused", reason="a mask or bias on the memory keys"),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),
          expect="refused", reason="changes with the sequence length"),
     Case("linear-attn-bidirectional", "custom: linear attention without a causal mask",

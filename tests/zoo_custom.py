@@ -755,6 +755,32 @@ class ScalableSoftmaxAttn(_Attn):
 LogitScaleLM, ScalableSoftmaxLM = (_spelling(c) for c in (LogitScaleAttn, ScalableSoftmaxAttn))
 
 
+class MemoryKVAttn(_Attn):
+    """Learned memory keys and values (x-transformers' ``num_mem_kv``): ``M`` per head,
+    expanded over the batch and concatenated before the sequence's keys and values, the causal
+    mask padded with ``M`` readable columns (``masked``: the first query may not read them)."""
+
+    def __init__(self, memory: int = 2, masked: bool = False) -> None:
+        super().__init__()
+        self.mem_k = nn.Parameter(torch.randn(HEADS, memory, HD))
+        self.mem_v = nn.Parameter(torch.randn(HEADS, memory, HD))
+        self.memory, self.masked = memory, masked
+
+    def attend(self, q, k, v):
+        b, _, t, _ = q.shape
+        mem_k, mem_v = (x.unsqueeze(0).expand(b, -1, -1, -1) for x in (self.mem_k, self.mem_v))
+        k, v = torch.cat((mem_k, k), dim=-2), torch.cat((mem_v, v), dim=-2)
+        att = q @ k.transpose(-2, -1) * HD**-0.5
+        blocked = F.pad(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), (self.memory, 0), value=False)
+        if self.masked:
+            blocked[0, : self.memory] = True
+        att = att.masked_fill(blocked, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+MemoryKVLM = _spelling(MemoryKVAttn)
+
+
 ExtendedMaskLM, EncoderLayerPaddingLM = (
     type(f"{c.__name__}LM", (PaddedLM,), {"block_cls": c, "__doc__": c.__doc__})
     for c in (ExtendedMaskAttn, EncoderLayerPaddingBlock))

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.passes._graph import MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, source_of, value
+from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
+                                      source_of, value)
 from treecompile.passes._mask_eval import causal_pattern, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
@@ -26,6 +27,7 @@ from treecompile.passes.attention.operands import (
     sink_column,
 )
 from treecompile.passes.attention.grouped import Grouped, combine, grouped_output, repeat_values
+from treecompile.passes.attention.memory import Memory, memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
@@ -53,6 +55,7 @@ class _Match:
     sink: fx.Node | None
     walk: ScoreChain
     group: Grouped | None = None
+    memory: Memory | None = None
 
 
 def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
@@ -67,6 +70,15 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
     m = _match(ctx, node)
     if m is None:
         return
+    if m.memory is not None:
+        w = m.walk
+        masks = "a bias read from the tokens, a tensor factor or a soft-cap" if (
+            w.token_terms or w.factors or w.softcap is not None) else memory_masks(gm, ctx, m.out, w.masks,
+                                                                                   m.memory.size)
+        if isinstance(masks, str):
+            ctx.notes[node] = f"attention over memory keys and the sequence's with {masks}"
+            return
+        w.masks = masks
     terms = _judge_masks(ctx, node, m.walk)
     if isinstance(terms, tuple) and isinstance(terms[0], str):
         why, at_out = terms
@@ -88,10 +100,15 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         ctx.notes[node] = "the scores get a bias read from the tokens beside a soft-cap (outside its tanh)"
         return
     scale = m.walk.scale * (m.walk.softcap or 1.0)
-    sink = m.sink
+    sink, sink_values = m.sink, None
+    if m.memory is not None:
+        if alibi is not None:
+            ctx.notes[node] = "attention over memory keys and the sequence's with an ALiBi bias"
+            return
+        sink, sink_values = memory_sinks(Emitter(gm, ctx, m.out), m.q, m.memory, scale)
     with gm.graph.inserting_before(m.out):
         q, k, v = (ctx.mark(x(gm.graph), like=m.out) if callable(x) else x for x in (m.q, m.k, m.v))
-        if sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
+        if m.sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
     post = m.post
     if m.group is not None:  # each head with its group's value; the group's combination after
@@ -111,7 +128,8 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
                 return
             q, k, v = qkv
     if replace(gm, ctx, node, q, k, v, scale=scale, window=window,
-               softcap=m.walk.softcap, output=m.out, post=post, alibi=alibi, sinks=sink, mods=mods,
+               softcap=m.walk.softcap, output=m.out, post=post, alibi=alibi, sinks=sink, sink_values=sink_values,
+               mods=mods,
                mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
         if mods is not None:
@@ -153,8 +171,9 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
     if sink is not None:
         # softmax(cat([scores, sink], -1))[..., :-1]: a sink logit per query (gpt-oss).
         scores = scores.args[0][0]
-    if len(row_dims(scores, ctx.seq_len, "seq")) < 2:
-        return None
+    paired = len(row_dims(scores, ctx.seq_len, "seq")) >= 2
+    if not paired and not (sink is None and same_size(value(scores).shape[-2], ctx.seq_len)):
+        return None  # (scores over memory keys and the rows: `memory_keys` below)
     try:
         walk = walk_scores(ctx, node, scores)
     except StopWalk as e:
@@ -181,12 +200,18 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
     p_arg, v, post = pv
     if p_arg is not chain_end(node, out):
         return None
+    memory = None
+    if not paired:
+        memory = memory_keys(ctx, k, v) if q_layout is None and post is None and not callable(k) else None
+        if memory is None:
+            return None
+        k, v = memory.k, memory.v
     other = outside_use(walk.nodes + [args["input"]] + forward_chain(node, out), out)
     if other is not None:
         ctx.notes[out] = (f"the attention scores are also used by {describe(other)} at {source_of(other)} (an in-place "
                           "edit or a second reader), which rewriting the attention would drop")
         return None
-    return _Match(out, q, k, v, post, sink, walk)
+    return _Match(out, q, k, v, post, sink, walk, memory=memory)
 
 
 def _output_product(node: fx.Node, sink: fx.Node | None) -> fx.Node | None:
