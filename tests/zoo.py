@@ -304,6 +304,8 @@ CASES: list[Case] = [
          _custom(zc.ScalableSoftmaxLM, temperature=True), attention={"softmax_attention": 2}),
     Case("memory-kv", "lucidrains/x-transformers num_mem_kv: learned memory keys and values concatenated before "
          "the sequence's, the causal mask padded", _custom(zc.MemoryKVLM), attention={"softmax_attention": 2}),
+    Case("memory-kv-sdpa", "custom: memory keys and values with SDPA and the padded boolean mask",
+         _custom(zc.MemoryKVLM, sdpa=True), attention={"sdpa": 2}),
     Case("memory-kv-masked", "custom: memory keys and values the first query may not read",
          _custom(zc.MemoryKVLM, masked=True), expect="refused", reason="a mask or bias on the memory keys"),
     Case("length-decay", "custom: a decay mask divided by the sequence length", _custom(zc.LengthDecayLM),

@@ -758,18 +758,22 @@ LogitScaleLM, ScalableSoftmaxLM = (_spelling(c) for c in (LogitScaleAttn, Scalab
 class MemoryKVAttn(_Attn):
     """Learned memory keys and values (x-transformers' ``num_mem_kv``): ``M`` per head,
     expanded over the batch and concatenated before the sequence's keys and values, the causal
-    mask padded with ``M`` readable columns (``masked``: the first query may not read them)."""
+    mask padded with ``M`` readable columns (``masked``: the first query may not read them;
+    ``sdpa``: SDPA with the padded boolean mask of what each query may read)."""
 
-    def __init__(self, memory: int = 2, masked: bool = False) -> None:
+    def __init__(self, memory: int = 2, masked: bool = False, sdpa: bool = False) -> None:
         super().__init__()
         self.mem_k = nn.Parameter(torch.randn(HEADS, memory, HD))
         self.mem_v = nn.Parameter(torch.randn(HEADS, memory, HD))
-        self.memory, self.masked = memory, masked
+        self.memory, self.masked, self.sdpa = memory, masked, sdpa
 
     def attend(self, q, k, v):
         b, _, t, _ = q.shape
         mem_k, mem_v = (x.unsqueeze(0).expand(b, -1, -1, -1) for x in (self.mem_k, self.mem_v))
         k, v = torch.cat((mem_k, k), dim=-2), torch.cat((mem_v, v), dim=-2)
+        if self.sdpa:
+            allowed = F.pad(torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), (self.memory, 0), value=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         att = q @ k.transpose(-2, -1) * HD**-0.5
         blocked = F.pad(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), (self.memory, 0), value=False)
         if self.masked:

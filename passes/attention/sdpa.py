@@ -12,8 +12,9 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, bind, is_call, row_dims, value
+from treecompile.passes._graph import Emitter, PassContext, bind, is_call, row_dims, value
 from treecompile.passes._mask_eval import depends_on_inputs, structural_causal
+from treecompile.passes.attention.memory import memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.token_bias import AND, split_key_masks, token_terms, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
@@ -30,9 +31,23 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         raise attention_dropout(node, a["dropout_p"], "dropout_p=0")
     if not row_dims(a["query"], ctx.seq_len, "seq"):
         return  # attention over something other than the sequence (e.g. over heads or patches)
+    memory = memory_keys(ctx, a["key"], a["value"])
+    if memory is not None:  # learned keys and values before the sequence's: the kernel's sinks
+        if a["is_causal"] or not isinstance(a["attn_mask"], fx.Node):
+            ctx.notes[node] = "attention over memory keys and the sequence's without a mask padded for the memory"
+            return
+        kind = "where" if value(a["attn_mask"]).dtype == torch.bool else "additive"
+        masks = memory_masks(gm, ctx, node, [(kind, a["attn_mask"])], memory.size)
+        if isinstance(masks, str):
+            ctx.notes[node] = f"attention over memory keys and the sequence's with {masks}"
+            return
+        a["attn_mask"], a["key"], a["value"] = masks[0][1], memory.k, memory.v
     mask, terms = _token_parts(ctx, a["attn_mask"])
     if isinstance(terms, str):
         ctx.notes[node] = terms
+        return
+    if memory is not None and (terms or a["scale"] is not None and not isinstance(a["scale"], (int, float))):
+        ctx.notes[node] = "attention over memory keys and the sequence's with a bias read from the tokens"
         return
     alibi = None
     if terms and mask is None and not a["is_causal"]:
@@ -63,7 +78,15 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             ctx.notes[node] = qkv
             return
         q, k, v = qkv
-    if replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, alibi=alibi):
+    sinks = sink_values = None
+    if memory is not None:
+        if alibi is not None:
+            ctx.notes[node] = "attention over memory keys and the sequence's with an ALiBi bias"
+            return
+        scale = scale if scale is not None else value(q).shape[-1] ** -0.5
+        sinks, sink_values = memory_sinks(Emitter(gm, ctx, node), q, memory, float(scale))
+    if replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, alibi=alibi, sinks=sinks,
+               sink_values=sink_values):
         ctx.count("sdpa")
 
 
