@@ -18,7 +18,9 @@ size check can see, so such a graph is refused outright.
 from __future__ import annotations
 
 import functools
+import linecache
 import operator
+import os
 import warnings
 
 import torch
@@ -124,7 +126,7 @@ def _refuse_static_length(gm: fx.GraphModule, ctx: PassContext, violations: list
                   f"  at {source_of(node)}\n")
     line = _where_length_became_constant(ctx, s)
     code, _, place = (line or "").partition("  # ")
-    at = f" at {place.strip()} (`{code.strip()}`)" if line else " in the captured graph"
+    at = f" at {_whole_path(place.strip())} (`{code.strip()}`)" if line else " in the captured graph"
     if line and "range(" in code and not code.lstrip().startswith(("for ", "while ")):
         advice = ("A Python range (or list) of the length becomes numbers at capture: build positions with "
                   "torch.arange(T, device=x.device), which the tree rewrite reads.")
@@ -154,6 +156,20 @@ def _where_length_became_constant(ctx: PassContext, s) -> str | None:
     except Exception:  # an older shape environment without these records: the message stays general
         return None
     return None
+
+
+def _whole_path(place: str) -> str:
+    """``path:line in function`` with the path Dynamo cut on the left made whole again: the one
+    loaded module file (or linecache entry) it ends with; as it is when none or several do."""
+    import re
+    import sys
+
+    m = re.match(r"(\S+)(:\d+ in \S+)$", place)
+    if m is None or os.path.exists(m.group(1)):
+        return place
+    files = {getattr(mod, "__file__", None) for mod in list(sys.modules.values())} | set(linecache.cache)
+    found = [f for f in files if isinstance(f, str) and f.endswith(m.group(1))]
+    return found[0] + m.group(2) if len(found) == 1 else place
 
 
 def _own_source(loc: str) -> bool:

@@ -167,3 +167,15 @@ def test_sequence_mixing_is_refused_with_op_and_source(model_id):
     msg = str(info.value)
     assert what in msg, msg
     assert where in msg, msg
+
+
+def test_a_constant_length_refusal_names_the_whole_path_of_its_line():
+    """Dynamo records where the length became a number with the path cut on the left; the
+    refusal names the file whole, so that it can be opened from the message."""
+    import zoo
+    import zoo_custom
+
+    case = next(c for c in zoo.all_cases() if c.id == "range-positions")
+    with pytest.raises(UnsupportedModelError) as info:
+        zoo.run(case.installed())
+    assert f" at {zoo_custom.__file__}:" in str(info.value).splitlines()[0]
