@@ -185,7 +185,7 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
         return None
     q, k, q_layout = qk
     out = _output_product(node, sink)
-    if out is None and sink is None and q_layout is None:
+    if out is None and sink is None and q_layout is None and paired:
         group = grouped_output(ctx, node)
         if group is not None:
             other = outside_use(walk.nodes + [args["input"]] + group.nodes, group.out)
