@@ -664,15 +664,19 @@ class ExtendedMaskAttn(_PaddedAttn):
 
 
 class EncoderLayerPaddingBlock(nn.Module):
-    """``nn.TransformerEncoderLayer`` with a float causal ``src_mask`` and a boolean
-    ``src_key_padding_mask = ~keep`` (torch warns about the mismatched mask types)."""
+    """``nn.TransformerEncoderLayer`` with a boolean causal ``src_mask`` (True above the
+    diagonal) and a boolean ``src_key_padding_mask = ~keep``. (A float causal mask beside the
+    boolean padding mask makes torch warn about the mixed types: on torch 2.13 with a message
+    alone, which the capture issues after the graph; on 2.14 with keyword arguments, which
+    Dynamo cannot reorder, so the model is refused naming the line.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, batch_first=True)
 
     def forward(self, x, keep):
-        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype, device=x.device)
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         return self.layer(x, src_mask=causal, src_key_padding_mask=~keep, is_causal=True)
 
 

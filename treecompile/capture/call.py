@@ -78,9 +78,11 @@ class TreeOutput:
 # - allow_unspec_int_on_nn_module: a Python int the model counts on itself (``self.step += 1``)
 #   becomes a symbol after its first change instead of a constant guarded on, which would
 #   compile again at every call (and fail at the limit); see treecompile.passes.state;
-# - reorderable_logging_functions: a model's ``warnings.warn`` (torch's own
-#   ``F.multi_head_attention_forward`` warns about a float ``attn_mask`` beside a boolean padding
-#   mask) is issued after the graph runs, as ``print`` is, instead of failing the capture.
+# - reorderable_logging_functions: a model's ``warnings.warn(message)`` (torch 2.13's own
+#   ``F.multi_head_attention_forward`` warns so about a float ``attn_mask`` beside a boolean
+#   padding mask) is issued after the graph runs, as ``print`` is, instead of failing the capture
+#   (Dynamo reorders a call with positional constants only: one with a category or keywords is
+#   refused naming its line).
 DYNAMO_CONFIG = {
     k: v
     for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True,
