@@ -36,10 +36,16 @@ BLOCK = 128
 
 
 def _blocks(s: int, subtree_end: Tensor):
-    """Per query block ``(q0, q1, rows)``: the rows that can be an ancestor-or-self of a query in it."""
+    """Per query block ``(q0, q1, rows)``: the rows that can be an ancestor-or-self of a query in
+    it. The row lists are found on the host from one copy of ``subtree_end`` (one device sync per
+    call, not one per block), one block at a time (O(S) at once), each moved to the device from
+    pinned memory without waiting."""
+    ends = subtree_end.cpu()
     for q0 in range(0, s, BLOCK):
         q1 = min(s, q0 + BLOCK)
-        rows = torch.nonzero(subtree_end[:q1] > q0).squeeze(1)
+        rows = torch.nonzero(ends[:q1] > q0).squeeze(1)
+        if subtree_end.is_cuda:
+            rows = rows.pin_memory().to(subtree_end.device, non_blocking=True)
         yield q0, q1, rows
 
 
