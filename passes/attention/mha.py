@@ -18,10 +18,10 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, same_size, value
+from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
 from treecompile.passes._mask_eval import reads_tokens, structural_causal
 from treecompile.passes.attention.replace import replace
-from treecompile.passes.attention.token_bias import with_token_terms
+from treecompile.passes.attention.token_bias import side_of, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
@@ -130,8 +130,8 @@ def _padding_terms(ctx: PassContext, a: dict) -> list | None:
     if m is None:
         return []
     mv = value(m)
-    if not (isinstance(mv, torch.Tensor) and mv.dim() == 2 and mv.shape[0] == 1 and same_size(mv.shape[1], ctx.seq_len)
-            and a["key"] is a["query"] and reads_tokens(ctx, m)):
+    if not (isinstance(mv, torch.Tensor) and mv.dim() == 2 and side_of(ctx, mv) == "key" and a["key"] is a["query"]
+            and reads_tokens(ctx, m)):
         return None
     return [("key_blocked", m, float("-inf"))] if mv.dtype == torch.bool else [("key", m, 1.0)]
 

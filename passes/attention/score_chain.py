@@ -27,7 +27,7 @@ from torch import fx
 
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
-from treecompile.passes.attention.token_bias import AND, OR, split_key_masks, token_terms
+from treecompile.passes.attention.token_bias import AND, OR, side_of, split_key_masks, token_terms
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS", "is_scalar"]
 
@@ -165,12 +165,7 @@ def _factor_side(ctx: PassContext, x, scores) -> str | None:
     v = value(x)
     if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or v.dim() > value(scores).dim():
         return None
-    rows, cols = ((1, 1) + tuple(v.shape))[-2:]
-    if cols == 1 and (rows == 1 or same_size(rows, ctx.seq_len)):
-        return "query"
-    if rows == 1 and same_size(cols, ctx.seq_len):
-        return "key"
-    return None
+    return side_of(ctx, v, per_head=True)
 
 
 def _div(ctx, chain, cur):

@@ -6,7 +6,6 @@ without a head dim (the walk from the softmax back to the scores is `score_chain
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from treecompile.passes.attention.memory import Memory, memory_keys, memory_mask
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
-from treecompile.passes.attention.token_bias import with_token_terms
+from treecompile.passes.attention.token_bias import with_factors, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_softmax_attention"]
@@ -115,7 +114,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         v = repeat_values(Emitter(gm, ctx, m.out), m.group)
         post = functools.partial(combine, grouped=m.group, mark=lambda n: ctx.mark(n, like=m.out))
     if m.walk.factors:
-        qk = _with_factors(Emitter(gm, ctx, m.out), m.walk.factors, q, k)
+        qk = with_factors(Emitter(gm, ctx, m.out), m.walk.factors, q, k)
         if isinstance(qk, str):
             ctx.notes[node] = qk
             return
@@ -134,29 +133,6 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         ctx.count("softmax_attention")
         if mods is not None:
             ctx.count("relative_bias")
-
-
-def _with_factors(e: Emitter, factors: list, q: fx.Node, k: fx.Node) -> tuple[fx.Node, fx.Node] | str:
-    """``(q', k')``: the query times the scores' factors per query (or per head), the key times
-    those per key (`ScoreChain.factors`), so that ``q' . k'`` is the product the model scales.
-    Or why they cannot take them."""
-    sides = {"query": q, "key": k}
-    for side, f, power in factors:
-        fv = value(f)
-        t = f if power == 1 else e.fn(torch.reciprocal, f)
-        if side == "key":  # [.., 1, S] (or [S]) -> [.., S, 1]
-            t = e.method("transpose", t if fv.dim() >= 2 else e.method("unsqueeze", t, 0), -1, -2)
-        target = value(sides[side])
-        shape = tuple(value(t).shape)
-        try:
-            fits = len(shape) <= target.dim() and torch.broadcast_shapes(tuple(target.shape[:-2]), shape[:-2]) \
-                == tuple(target.shape[:-2])
-        except RuntimeError:
-            fits = False
-        if not fits:
-            return f"the scores get a factor per {side} over batch or head entries the {side}s do not have"
-        sides[side] = e.fn(operator.mul, sides[side], t)
-    return sides["query"], sides["key"]
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:

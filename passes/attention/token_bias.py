@@ -22,12 +22,26 @@ from torch import fx
 from treecompile.passes._graph import Emitter, PassContext, is_call, same_size, value
 from treecompile.passes._mask_eval import reads_tokens
 
-__all__ = ["OR", "AND", "token_terms", "split_key_masks", "with_token_terms"]
+__all__ = ["OR", "AND", "side_of", "token_terms", "split_key_masks", "with_token_terms", "with_factors"]
 
 #: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
 OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
 AND = ((operator.and_, torch.logical_and, torch.bitwise_and), ("logical_and", "bitwise_and", "__and__"))
 _SUMS = ((operator.add, torch.add, operator.sub, torch.sub), ("add", "sub"))
+
+
+def side_of(ctx: PassContext, v, per_head: bool = False) -> str | None:
+    """Along which sequence dim a tensor ``v`` broadcast against the scores ``[.., S, S]``
+    (right-aligned) varies: "query" (``[.., S, 1]``), "key" (``[.., 1, S]``), or None; with
+    ``per_head``, one value per head or batch (``[.., 1, 1]``, a scalar) is "query" too."""
+    if not isinstance(v, torch.Tensor):
+        return None
+    rows, cols = ((1, 1) + tuple(v.shape))[-2:]
+    if cols == 1 and (same_size(rows, ctx.seq_len) or per_head and rows == 1):
+        return "query"
+    if rows == 1 and same_size(cols, ctx.seq_len):
+        return "key"
+    return None
 
 
 def token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, float]] | None:
@@ -44,12 +58,8 @@ def token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, fl
     v = value(x)
     if not isinstance(v, torch.Tensor) or v.dim() < 2 or not v.dtype.is_floating_point or not reads_tokens(ctx, x):
         return None
-    rows, cols = v.shape[-2:]
-    if rows == 1 and same_size(cols, ctx.seq_len):
-        return [("key", x, sign)]
-    if cols == 1 and same_size(rows, ctx.seq_len):
-        return [("query", x, sign)]
-    return None
+    side = side_of(ctx, v)
+    return None if side is None else [(side, x, sign)]
 
 
 def split_key_masks(ctx: PassContext, m, combine: tuple) -> tuple[list, list[fx.Node]]:
@@ -69,8 +79,8 @@ def split_key_masks(ctx: PassContext, m, combine: tuple) -> tuple[list, list[fx.
 
 def _is_key_mask(ctx: PassContext, x: fx.Node) -> bool:
     v = value(x)
-    return (isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() >= 2 and v.shape[-2] == 1
-            and same_size(v.shape[-1], ctx.seq_len) and bool(reads_tokens(ctx, x)))
+    return (isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() >= 2 and side_of(ctx, v) == "key"
+            and bool(reads_tokens(ctx, x)))
 
 
 def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tuple, q: fx.Node, k: fx.Node,
@@ -116,13 +126,9 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
             t = e.fn(operator.mul, t, factor / scale)
         shapes[side].append(tuple(tv.shape[:-2]))
         cols[side] = e.fn(operator.add, cols[side], t) if side in cols else t
-    try:
-        keys = torch.broadcast_shapes(tuple(kv.shape[:-2]), *shapes["key"])
-        queries = torch.broadcast_shapes(tuple(value(q).shape[:-2]), *shapes["query"])
-    except RuntimeError:
-        keys = queries = None
+    keys = _broadcast(tuple(kv.shape[:-2]), shapes["key"])
     if keys is None or any(not isinstance(d, int) for d in keys) or len(keys) != kv.dim() - 2 \
-            or queries != value(q).shape[:-2]:
+            or _broadcast(tuple(value(q).shape[:-2]), shapes["query"]) != tuple(value(q).shape[:-2]):
         return "the scores get a bias from the tokens whose batch or head dims do not match the query's and keys'"
     if tuple(kv.shape[:-2]) != tuple(keys):  # keys broadcast over heads the bias has: one copy per head
         if tuple(value(v).shape[:-2]) != tuple(kv.shape[:-2]):
@@ -146,3 +152,28 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
         q_extra.append(e.fn(operator.add, e.method("to", cols["query"], dtype), q_zero))
         k_extra.append(e.fn(torch.ones_like, e.fn(operator.getitem, k, first)))
     return e.fn(torch.cat, [q, *q_extra], -1), e.fn(torch.cat, [k, *k_extra], -1), v
+
+
+def with_factors(e: Emitter, factors: list, q: fx.Node, k: fx.Node) -> tuple[fx.Node, fx.Node] | str:
+    """``(q', k')``: the query times the scores' factors per query (or per head), the key times
+    those per key (`ScoreChain.factors`: ``(side, node, power)``, ``power`` -1 divides), so that
+    ``q' . k'`` is the product the model scales. Or why they cannot take them."""
+    sides = {"query": q, "key": k}
+    for side, f, power in factors:
+        t = f if power == 1 else e.fn(torch.reciprocal, f)
+        if side == "key":  # [.., 1, S] (or [S]) -> [.., S, 1]
+            t = e.method("transpose", t if value(f).dim() >= 2 else e.method("unsqueeze", t, 0), -1, -2)
+        target, shape = value(sides[side]), tuple(value(t).shape)
+        lead = tuple(target.shape[:-2])
+        if len(shape) > target.dim() or _broadcast(lead, [shape[:-2]]) != lead:
+            return f"the scores get a factor per {side} over batch or head entries the {side}s do not have"
+        sides[side] = e.fn(operator.mul, sides[side], t)
+    return sides["query"], sides["key"]
+
+
+def _broadcast(lead: tuple, shapes: list) -> tuple | None:
+    """``lead`` broadcast with ``shapes``, or None where they do not broadcast."""
+    try:
+        return tuple(torch.broadcast_shapes(lead, *shapes))
+    except RuntimeError:
+        return None
