@@ -67,3 +67,24 @@ def test_the_marker_refuses_a_mask_tensor_built_by_the_model():
         _window_from_mask("Attn", TreeMask("bidirectional", "create_bidirectional_mask"), None)
     with pytest.raises(UnsupportedModelError, match=r"^Attn: receives an attention mask Tensor built by the model's own"):
         _window_from_mask("Attn", torch.zeros(1, 1, 4, 4), None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_model_whose_code_reads_its_mask_is_captured_with_its_own_mask(stream):
+    """Doge adds a gate per key to the causal mask it is handed: reading a TreeMask, the first
+    capture stops; the wrapper captures again with the model's own attention and Hugging Face's
+    causal mask (once, whole or streamed), and the tree equals per-path training. The model keeps
+    its attention implementation outside the calls. (Eager attention: before transformers 5.18
+    Doge's SDPA attention skipped the causal mask, see tests/zoo.py.)"""
+    from treecompile.stream.options import StreamOptions
+
+    model = _perturbed(transformers.DogeConfig(**SMALL, attn_implementation="eager"))
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4) if stream else None)
+    assert compiled._route.routes
+    for name in ("branchy", "single"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="hf")
+    assert not compiled._route.routes and [a for _, a, _ in compiled._route.mask_swaps] == ["_ignore_causal_mask_sdpa"]
+    assert model.config._attn_implementation == "eager"
+    if not stream:
+        assert compiled.counters["rewrite_attention_pass"]["softmax_attention"] == 2

@@ -434,6 +434,16 @@ CASES: list[Case] = [
                    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, index_topk=4,
                    index_head_dim=8, index_n_heads=2, head_dim=4, num_hidden_layers=1),
          expect="refused", reason="the model's own code reads the attention mask built by"),
+    # Doge's own code reads the causal mask it is handed (its dynamic mask adds a gate per key to
+    # it): captured with Hugging Face's own mask, the gate rides in the tree kernel's product.
+    # Before transformers 5.18 it let SDPA skip that mask, so its SDPA attention saw later tokens.
+    Case("doge", "Doge: dynamic mask (a gate per key added to the causal mask it reads, repeated over the query "
+         "heads), SDPA", hf=True,
+         build=_hf("DogeConfig", head_dim=8), attention={"sdpa": 2},
+         before=((5, 18), {"expect": "refused", "reason": "the model's own code reads the attention mask built by",
+                           "attention": None})),
+    Case("doge-eager", "Doge with its eager attention (the dynamic mask added to the scores)", hf=True,
+         build=_hf("DogeConfig", head_dim=8, attn_implementation="eager"), attention={"softmax_attention": 2}),
     Case("deepseek-v2", "DeepSeek-V2: MLA, complex RoPE, MoE", hf=True,
          build=_hf("DeepseekV2Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,

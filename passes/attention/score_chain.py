@@ -27,7 +27,7 @@ from torch import fx
 
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
-from treecompile.passes.attention.token_bias import AND, OR, side_of, split_key_masks, token_terms
+from treecompile.passes.attention.token_bias import AND, OR, masked_token_terms, side_of, split_key_masks, token_terms
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS", "is_scalar"]
 
@@ -207,7 +207,7 @@ def _add(ctx, chain, cur):
             chain.relative_scale = chain.scale
             return scores
     for bias, scores in ((b, a), (a, b)):
-        if isinstance(scores, fx.Node) and _token_bias(ctx, chain, bias, 1.0):
+        if isinstance(scores, fx.Node) and _token_bias(ctx, chain, bias, 1.0, cur):
             return scores
     raise StopWalk("the scores get an additive bias computed from parameters or the inputs (e.g. a learned T5-style "
                 "relative position bias), which treecompile cannot express in path positions yet")
@@ -218,7 +218,7 @@ def _sub(ctx, chain, cur):
     if isinstance(a, fx.Node) and _structural(ctx, b):
         _mask(ctx, chain, "subtract", b)
         return a
-    if isinstance(a, fx.Node) and _token_bias(ctx, chain, b, -1.0):
+    if isinstance(a, fx.Node) and _token_bias(ctx, chain, b, -1.0, cur):
         return a
     raise StopWalk("")
 
@@ -253,12 +253,18 @@ def _key_masks(ctx: PassContext, chain: ScoreChain, m: fx.Node, combine: tuple, 
     return rest
 
 
-def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float) -> bool:
+def _token_bias(ctx: PassContext, chain: ScoreChain, bias, sign: float, at: fx.Node) -> bool:
     """Records ``bias`` as `ScoreChain.token_terms` if it is a sum of terms read from the tokens,
-    each ``[.., S, 1]`` or ``[.., 1, S]`` (`token_terms`); False (nothing recorded) otherwise."""
+    each ``[.., S, 1]`` or ``[.., 1, S]`` (`token_terms`), or such terms filled where structural
+    masks block (`masked_token_terms`, the masks recorded too); False (nothing recorded) otherwise."""
     terms = token_terms(ctx, bias, sign)
     if not terms:
-        return False
+        filled = masked_token_terms(ctx, bias, sign, at)
+        if filled is None:
+            return False
+        blocked, terms = filled
+        for m in blocked:
+            _mask(ctx, chain, "masked_fill", m)
     _before_factor(chain, "a bias read from the tokens")
     if chain.after_cap:
         raise StopWalk("the scores get a bias read from the tokens inside the soft-cap's tanh")

@@ -16,7 +16,8 @@ from treecompile.passes._graph import Emitter, PassContext, bind, is_call, row_d
 from treecompile.passes._mask_eval import depends_on_inputs, structural_causal
 from treecompile.passes.attention.memory import memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.replace import heads_of, replace
-from treecompile.passes.attention.token_bias import AND, split_key_masks, token_terms, with_token_terms
+from treecompile.passes.attention.token_bias import (AND, masked_token_terms, split_key_masks, token_terms,
+                                                     with_token_terms)
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_sdpa"]
@@ -42,7 +43,7 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             ctx.notes[node] = f"attention over memory keys and the sequence's with {masks}"
             return
         a["attn_mask"], a["key"], a["value"] = masks[0][1], memory.k, memory.v
-    mask, terms = _token_parts(ctx, a["attn_mask"])
+    mask, terms, kind = _token_parts(ctx, a["attn_mask"], node)
     if isinstance(terms, str):
         ctx.notes[node] = terms
         return
@@ -59,7 +60,7 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             return
         window = None
     else:
-        window, why, alibi, causal = structural_causal(ctx, mask, kind="sdpa", heads=heads_of(node))
+        window, why, alibi, causal = structural_causal(ctx, mask, kind=kind, heads=heads_of(node))
         if why:
             ctx.notes[node] = f"attn_mask is {why}"
             return
@@ -90,27 +91,36 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         ctx.count("sdpa")
 
 
-def _token_parts(ctx: PassContext, mask) -> tuple:
-    """``(the rest of attn_mask or None, token terms)``: a boolean ``attn_mask`` ANDed with masks
-    per key read from the tokens (``ids != pad``), or a float one plus a sum of terms per query
-    and per key read from the tokens (`treecompile.passes.attention.token_bias`), split into
-    those terms and the rest, judged as before. ``(mask, why)`` where the rest is not one mask."""
+def _token_parts(ctx: PassContext, mask, at: fx.Node) -> tuple:
+    """``(the rest of attn_mask or None, token terms, how the rest reads)``: a boolean ``attn_mask``
+    ANDed with masks per key read from the tokens (``ids != pad``), or a float one plus a sum of
+    terms per query and per key read from the tokens, or such terms filled where a structural
+    mask blocks (`treecompile.passes.attention.token_bias`), split into those terms and the
+    rest, judged as before. ``(mask, why, kind)`` where the rest is not one mask."""
     if not isinstance(mask, fx.Node) or depends_on_inputs(ctx, mask) is False:
-        return mask, []
+        return mask, [], "sdpa"
     mv = value(mask)
     if mv.dtype == torch.bool:
         rest, keys = split_key_masks(ctx, mask, AND)
         if not keys:
-            return mask, []
+            return mask, [], "sdpa"
         if len(rest) > 1 or any(not isinstance(r, fx.Node) for r in rest):
-            return mask, "attn_mask joins masks per key read from the tokens with several other masks"
-        return (rest[0] if rest else None), [("key_allowed", p, float("-inf")) for p in keys]
+            return mask, "attn_mask joins masks per key read from the tokens with several other masks", "sdpa"
+        return (rest[0] if rest else None), [("key_allowed", p, float("-inf")) for p in keys], "sdpa"
     whole = token_terms(ctx, mask, 1.0)
     if whole:
-        return None, whole
+        return None, whole, "sdpa"
     if is_call(mask, (operator.add, torch.add), ("add",)) and len(mask.args) == 2 and not mask.kwargs:
         for rest, bias in (mask.args, mask.args[::-1]):
             terms = token_terms(ctx, bias, 1.0)
             if terms and isinstance(rest, fx.Node) and depends_on_inputs(ctx, rest) is False:
-                return rest, terms
-    return mask, []
+                return rest, terms, "sdpa"
+    filled = masked_token_terms(ctx, mask, 1.0, at)
+    if filled is not None:
+        blocked, terms = filled
+        if not blocked:
+            return None, terms, "sdpa"
+        if len(blocked) != 1:
+            return mask, "attn_mask fills a bias read from the tokens where several masks block", "sdpa"
+        return blocked[0], terms, "masked_fill"
+    return mask, [], "sdpa"

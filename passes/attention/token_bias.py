@@ -20,9 +20,10 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import Emitter, PassContext, is_call, same_size, value
-from treecompile.passes._mask_eval import reads_tokens
+from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, reads_tokens
 
-__all__ = ["OR", "AND", "side_of", "token_terms", "split_key_masks", "with_token_terms", "with_factors"]
+__all__ = ["OR", "AND", "side_of", "token_terms", "masked_token_terms", "split_key_masks", "with_token_terms",
+           "with_factors"]
 
 #: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
 OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
@@ -59,7 +60,83 @@ def token_terms(ctx: PassContext, x, sign: float) -> list[tuple[str, fx.Node, fl
     if not isinstance(v, torch.Tensor) or v.dim() < 2 or not v.dtype.is_floating_point or not reads_tokens(ctx, x):
         return None
     side = side_of(ctx, v)
+    if side is None and is_call(x, (torch.broadcast_to,), ("expand", "expand_as")) and isinstance(x.args[0], fx.Node):
+        # A term expanded over the dim it is constant along ([.., 1, S] to [.., S, S]) is that term.
+        src = value(x.args[0])
+        if isinstance(src, torch.Tensor) and src.dim() == v.dim() and all(
+                same_size(a, b) for a, b in zip(src.shape[:-2], v.shape[:-2])):
+            return token_terms(ctx, x.args[0], sign)
     return None if side is None else [(side, x, sign)]
+
+
+#: Ops that move a ``[.., S, S]`` tensor's batch and head dims and keep its last two (Hugging
+#: Face's ``repeat_kv`` of a bias: ``x[:, :, None].expand(b, h, n, S, S).reshape(b, h * n, S, S)``),
+#: and casts: replayed on a term ``[.., 1, S]`` or ``[.., S, 1]`` they give its share of the result.
+_HEAD_VIEWS = ("expand", "reshape", "view", "contiguous", "to", "type_as", "float", "double")
+
+
+def masked_token_terms(ctx: PassContext, x, sign: float, at: fx.Node) -> tuple[list[fx.Node], list] | None:
+    """``x``, a float bias on the scores, as ``(blocked masks, token terms)``, or None: the terms
+    read from the tokens (`token_terms`) of a tensor masked by structural masks
+    (``t.masked_fill(m, very negative)``, True where ``m`` blocks), through ops that only move
+    its batch and head dims (`_HEAD_VIEWS`, which are replayed on each term before ``at``):
+    Doge's dynamic mask, a gate per key expanded over the queries, filled where the causal mask
+    blocks and repeated over each group of query heads. The masks are the caller's to judge."""
+    inner, views = _head_views(ctx, x)
+    masks = []
+    while isinstance(inner, fx.Node) and is_call(inner, (torch.masked_fill,), ("masked_fill",)):
+        t, m, fill = (list(inner.args) + [inner.kwargs.get("value")])[:3]
+        if not (isinstance(fill, (int, float)) and fill <= BLOCKED and isinstance(m, fx.Node)
+                and depends_on_inputs(ctx, m) is False):
+            return None
+        masks.append(m)
+        inner = t
+    terms = token_terms(ctx, inner, sign)
+    if not terms or not views and not masks:
+        return None
+    e = Emitter(at.graph.owning_module, ctx, at)
+    return masks, [(side, _replay(e, term, side, views), f) for side, term, f in terms]
+
+
+def _head_views(ctx: PassContext, x) -> tuple:
+    """``(source, views)``: ``x`` is ``source`` through ``views`` (`_HEAD_VIEWS`, first first),
+    each keeping the last two dims, both of the sequence's length."""
+    views = []
+    while isinstance(x, fx.Node) and x.args and isinstance(x.args[0], fx.Node) and (
+            is_call(x, (), _HEAD_VIEWS) or is_call(x, (operator.getitem,)) and _keeps_pair(x.args[1])):
+        v, src = value(x), value(x.args[0])
+        if not (isinstance(v, torch.Tensor) and isinstance(src, torch.Tensor) and v.dim() >= 2 and src.dim() >= 2
+                and all(same_size(a, ctx.seq_len) and same_size(b, ctx.seq_len)
+                        for a, b in zip(v.shape[-2:], src.shape[-2:]))):
+            break
+        views.append(x)
+        x = x.args[0]
+    return x, views[::-1]
+
+
+def _keeps_pair(index) -> bool:
+    """An index that keeps the last two dims whole: a tuple of ``None`` and full slices ending in
+    two full slices."""
+    full = slice(None, None, None)
+    return isinstance(index, tuple) and len(index) >= 2 and index[-2:] == (full, full) and all(
+        i is None or i == full for i in index)
+
+
+def _replay(e: Emitter, term: fx.Node, side: str, views: list[fx.Node]) -> fx.Node:
+    """``views`` applied to ``term`` (``[.., 1, S]`` for a key term, ``[.., S, 1]`` for a query one):
+    sizes given for the last two dims are the term's (the sequence's size kept, the other 1)."""
+    for view in views:
+        args = list(view.args[1:])
+        if view.target in ("expand", "reshape", "view") and args:
+            sizes = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+            length = sizes[-1] if side == "key" else sizes[-2]
+            sizes[-2:] = [1, length] if side == "key" else [length, 1]
+            if view.target == "expand":
+                sizes[-2:] = [-1, -1]
+            args = sizes
+        name = "reshape" if view.target == "view" else view.target  # (an expanded term has no view)
+        term = e.fn(operator.getitem, term, *args) if view.op == "call_function" else e.method(name, term, *args)
+    return term
 
 
 def split_key_masks(ctx: PassContext, m, combine: tuple) -> tuple[list, list[fx.Node]]:

@@ -19,7 +19,7 @@ from torch import nn
 from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
-__all__ = ["CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named",
+__all__ = ["AttentionRoute", "CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named",
            "argument_names",
            "call_under_setup"]
 
@@ -170,6 +170,32 @@ class _WeakBackend:
         return self._backend()(gm, example_inputs)
 
 
+@dataclass
+class AttentionRoute:
+    """How a Hugging Face model's attention reaches the passes, one object shared by every
+    runner of a wrapper (whole tree, streamed, CP).
+
+    Attributes:
+        routes: its attention-interface calls become tree markers and the masks its
+            ``masking_utils`` builders return become `treecompile.capture.hf_interfaces.TreeMask`
+            objects (`mask_swaps`); False for a model that computes attention in its own code,
+            and for one whose own code reads the mask it is handed (`read_by_the_model`).
+        mask_swaps: the ``masking_utils`` functions swapped in for a call.
+    """
+
+    routes: bool
+    mask_swaps: list
+
+    def read_by_the_model(self, swaps: list) -> None:
+        """The model's own code reads the attention mask (Doge's dynamic mask adds a gate per key
+        to it, a sparse-attention indexer slices it): from now on its calls keep its attention
+        implementation and Hugging Face's own causal mask, built from sizes alone, which the
+        attention pass judges by evaluating it, as for a model with its own attention code;
+        ``swaps`` make the mask builders decide as they do outside a capture
+        (`treecompile.capture.dynamo.eager_mask_skips`)."""
+        self.routes, self.mask_swaps = False, list(swaps)
+
+
 @dataclass(frozen=True)
 class CallSetup:
     """What a streamed call takes from its `TreeCompiledModel`, handed over as one object
@@ -186,9 +212,8 @@ class CallSetup:
         graph_parts: ``() -> (inner, kwargs_of, router, want_entropy, temperature)``: what the
             traced forward calls.
         is_hf: a Hugging Face model.
-        routes_attention: its attention-interface calls become tree markers.
+        route: how its attention reaches the passes (`AttentionRoute`, shared with the wrapper).
         kernels: sequence kernels swapped in for the call (`treecompile.capture.dynamo`).
-        mask_swaps: mask builders swapped in for the call.
         router_aux: the model's router auxiliary loss (`treecompile.capture.router_aux`), or None.
         outputs: extra per-row outputs asked for (``("entropy",)``).
         compile_records: the wrapper's list of compile records (appended to as graphs compile).
@@ -200,9 +225,8 @@ class CallSetup:
     backend: Callable
     graph_parts: Callable
     is_hf: bool
-    routes_attention: bool
+    route: AttentionRoute
     kernels: Sequence
-    mask_swaps: Sequence
     router_aux: Any
     outputs: Sequence[str]
     compile_records: list
@@ -243,8 +267,8 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
     from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
     from treecompile.core.errors import UnsupportedModelError
 
-    hf = hf_interfaces(setup.model, setup.routes_attention) if setup.is_hf else contextlib.nullcontext()
-    with hf, swapped_kernels(setup.kernels + setup.mask_swaps + TORCH_SWAPS):
+    hf = hf_interfaces(setup.model, setup.route.routes) if setup.is_hf else contextlib.nullcontext()
+    with hf, swapped_kernels([*setup.kernels, *setup.route.mask_swaps, *TORCH_SWAPS]):
         with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
             try:
                 return compiled(*args)
@@ -252,7 +276,8 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
                 failure = compile_failure(e, passing)
                 raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
             except Exception as e:
-                if isinstance(e, (UnsupportedModelError, *passing)) or not during_capture(e):
+                if isinstance(e, (UnsupportedModelError, *passing)) or not (
+                        isinstance(e, torch._dynamo.exc.TorchDynamoException) or during_capture(e)):
                     raise
                 from treecompile.core.errors import capture_error
 

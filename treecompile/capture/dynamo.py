@@ -177,6 +177,32 @@ def mask_builder_swaps(model: nn.Module) -> list[tuple[types.ModuleType, str, An
     return [(module, attr, _replacement(name, _BUILDERS[name], masks)) for module, attr, name in _builder_sites(model)]
 
 
+def eager_mask_skips() -> list[tuple[types.ModuleType, str, Any]]:
+    """``(module, attribute, drop-in)`` for transformers' test whether SDPA's causal mask may be
+    skipped (``masking_utils._ignore_causal_mask_sdpa``), deciding as it does outside a capture.
+
+    Under a capture it keeps the mask that a model run eagerly skips (``None``, SDPA's
+    ``is_causal`` instead); a model whose own code adds to the mask it is handed (Doge before
+    transformers 5.24 did not ask for the mask to be kept) computes another function eagerly,
+    per path, than captured. The wrapper passes a padding mask of ones, so the eager decision
+    depends on the lengths alone: skipped for one query or as many queries as keys, unless a
+    local window is no longer than the keys."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        return []
+    signature = inspect.signature(original)
+
+    def skip(*args, **kwargs) -> bool:
+        given = signature.bind(*args, **kwargs).arguments
+        q = given.get("q_length", given.get("query_length"))
+        kv, local = given.get("kv_length"), given.get("local_attention_size")
+        return bool((q == 1 or kv == q) and (local is None or kv < local))
+
+    return [(masking_utils, "_ignore_causal_mask_sdpa", skip)]
+
+
 # --------------------------------------------------------------------------- interfaces and kernels
 
 _HF_REGISTERED = False
@@ -521,9 +547,12 @@ def _positions_from_ids(model: nn.Module) -> bool:
     return any(callable(getattr(type(m), "create_position_ids_from_input_ids", None)) for m in model.modules())
 
 
-def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
+def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None, own_attention: bool = False):
     """``positions -> kwargs`` for calling the model: tree position ids where it takes them,
-    and the router logits when the model has a router auxiliary loss (off otherwise)."""
+    and the router logits when the model has a router auxiliary loss (off otherwise).
+    ``own_attention``: a Hugging Face model whose attention is not routed to the tree markers
+    although it uses the attention interface (its own code reads the mask, see
+    `treecompile.capture.call.AttentionRoute`)."""
     params = inspect.signature(model.forward).parameters
     # A model that numbers tokens from its ids (RoBERTa's padding_idx + running count of
     # non-pad tokens) computes them itself: its running sum becomes one along each path.
@@ -532,7 +561,7 @@ def call_kwargs(model: nn.Module, is_hf: bool, router: RouterAux | None = None):
     takes_router = "output_router_logits" in params
 
     # Attention in the model's own code reads HF's mask: have HF build it from sizes alone.
-    own_attention = is_hf and "attention_mask" in params and has_own_attention(model)
+    own_attention = is_hf and "attention_mask" in params and (own_attention or has_own_attention(model))
 
     def kwargs(positions: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}

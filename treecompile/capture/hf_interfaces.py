@@ -22,10 +22,17 @@ import torch
 from treecompile.core.errors import TreeInputError, UnsupportedModelError
 from treecompile.passes import markers  # noqa: F401  (registers the marker ops emitted below)
 
-__all__ = ["TreeMask", "hf_causal_attention", "hf_experts", "has_own_attention", "uses_attention_interface",
+__all__ = ["MaskRead", "TreeMask", "hf_causal_attention", "hf_experts", "has_own_attention", "uses_attention_interface",
            "refuse_label_smoothing"]
 
 Tensor = torch.Tensor
+
+
+class MaskRead(UnsupportedModelError):
+    """The model's own code read the attention mask a Hugging Face layer was handed (a
+    `TreeMask`). The wrapper captures such a model again with its own attention implementation
+    and Hugging Face's mask (`treecompile.capture.call.AttentionRoute.read_by_the_model`); it
+    reaches the caller only where that is not possible."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class TreeMask:
     size: int | None = None
 
     def __getitem__(self, index: Any):
-        raise UnsupportedModelError(
+        raise MaskRead(
             f"the model's own code reads the attention mask built by {self.builder} (e.g. a sparse-attention "
             "indexer slicing it): that mask is not built on a tree, so such code cannot be made exact"
         )
@@ -51,7 +58,7 @@ class TreeMask:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise UnsupportedModelError(
+        raise MaskRead(
             f"the model's own code reads the attention mask built by {self.builder} (.{name}): that mask is not "
             "built on a tree, so such code cannot be made exact"
         )

@@ -26,11 +26,12 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import (DYNAMO_CONFIG, CallSetup, TreeOutput, argument_names, compile_failure,
+from treecompile.capture.call import (DYNAMO_CONFIG, AttentionRoute, CallSetup, TreeOutput, argument_names, compile_failure,
                                       compile_named, device_of, during_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
+    eager_mask_skips,
     extended_buffers,
     short_buffers,
     hf_interfaces,
@@ -43,7 +44,7 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
-from treecompile.capture.hf_interfaces import check_unset, refuse_label_smoothing, uses_attention_interface
+from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
@@ -219,8 +220,8 @@ class TreeCompiledModel(DelegatingModule):
         self._is_hf = is_hf_model(model)
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
-        self._routes_attention = self._is_hf and uses_attention_interface(model)
-        self._mask_swaps = mask_builder_swaps(model) if self._routes_attention else []
+        routes = self._is_hf and uses_attention_interface(model)
+        self._route = AttentionRoute(routes, mask_builder_swaps(model) if routes else [])
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
@@ -248,16 +249,30 @@ class TreeCompiledModel(DelegatingModule):
         # split over the group) from what it needs, handed over.
         setup = CallSetup(
             model=self._inner, structure=self._structure, passes=self._passes, backend=self._backend,
-            graph_parts=self._graph_parts, is_hf=self._is_hf, routes_attention=self._routes_attention,
-            kernels=self._kernels, mask_swaps=self._mask_swaps, router_aux=self._router_aux,
-            outputs=self._outputs, compile_records=self.compile_records)
+            graph_parts=self._graph_parts, is_hf=self._is_hf, route=self._route, kernels=self._kernels,
+            router_aux=self._router_aux, outputs=self._outputs, compile_records=self.compile_records)
         self._stream_options = stream
-        # Under cp= the CP runner streams what is over the budget itself.
-        self._stream = None if stream is None or cp is not None else _stream_runner(stream, setup)
-        self._cp = None if cp is None else _cp_runner(cp, setup, stream)
+        self._runners(setup, cp)
         # An FSDP2 model runs unsharded from each call to the end of its backward (the CP
         # runner runs it unsharded for each call itself).
         self._fsdp = fsdp_call_of(model) if cp is None else None
+
+    def _runners(self, setup: CallSetup, cp: Any) -> None:
+        """The stream runner (with ``stream=``) and the CP runner (with ``cp=``, which streams what
+        is over the budget itself), none compiled yet."""
+        stream = self._stream_options
+        self._setup = setup
+        self._stream = None if stream is None or cp is not None else _stream_runner(stream, setup)
+        self._cp = None if cp is None else _cp_runner(cp, setup, stream)
+
+    def _keep_own_mask(self) -> None:
+        """The model's own code read the attention mask a layer was handed (`MaskRead`): its calls
+        keep its attention implementation and Hugging Face's mask from now on
+        (`AttentionRoute.read_by_the_model`), compiled again at the next call."""
+        self._route.read_by_the_model(eager_mask_skips())
+        self._call_kwargs = call_kwargs(self._inner, self._is_hf, self._router_aux, own_attention=True)
+        self._compiled = None
+        self._runners(self._setup, None if self._cp is None else self._cp.group)
 
     def _options(self) -> dict[str, Any]:
         """The keyword arguments that wrap a model as this wrapper is (its stream runner aside)."""
@@ -371,7 +386,20 @@ class TreeCompiledModel(DelegatingModule):
         if self._refused is not None:
             raise self._refused
         try:
-            return self._forward(batch)
+            try:
+                return self._forward(batch)
+            except MaskRead as read:
+                if not self._route.routes:
+                    raise
+                self._keep_own_mask()
+                try:
+                    return self._forward(batch)
+                except UnsupportedModelError as e:
+                    # The first line says what kept the model off the tree markers, the rest why
+                    # its own mask did not do either.
+                    e.args = (f"{str(read).partition(chr(10))[0]}\n  Captured with Hugging Face's own causal mask "
+                              f"instead, it is refused: {e}",)
+                    raise
         except ProbeRefused as e:
             self._refused = e  # its graph stays cached and would not be probed again
             raise
@@ -460,8 +488,9 @@ class TreeCompiledModel(DelegatingModule):
         """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
         self._state.judge_cap = min((size for _, _, size in extend), default=0)
         # No duck shaping: S, M and R must not be assumed equal because they once were.
-        hf = hf_interfaces(self._inner, self._routes_attention) if self._is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels(self._kernels + self._mask_swaps + TORCH_SWAPS), extended_buffers(extend, rows):
+        hf = hf_interfaces(self._inner, self._route.routes) if self._is_hf else contextlib.nullcontext()
+        with hf, swapped_kernels([*self._kernels, *self._route.mask_swaps, *TORCH_SWAPS]), \
+                extended_buffers(extend, rows):
             with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
                 try:
                     return self._compiled(*args)

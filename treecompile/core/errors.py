@@ -53,15 +53,17 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
     fake = re.search(r"got (\w+(?:Error|Exception)\(.*?\))\s*$", text, re.MULTILINE)
     if fake and not raised:
         raised = fake.group(1)
-    if raised.startswith(f"{UnsupportedModelError.__name__}("):
+    refusal = next((c for c in _refusal_types() if raised.startswith(f"{c.__name__}(")), None)
+    if refusal is not None:
         # One of treecompile's own refusals, raised inside the model's call (an attention or
-        # mask marker): its text is the reason, the model's call site the place.
+        # mask marker): its text is the reason, the model's call site the place; its type is kept
+        # (the wrapper acts on some).
         try:
-            reason = ast.literal_eval(raised[len(UnsupportedModelError.__name__):].strip()[1:-1].rstrip(","))
+            reason = ast.literal_eval(raised[len(refusal.__name__):].strip()[1:-1].rstrip(","))
         except (ValueError, SyntaxError):
             reason = raised
         short = where.rsplit("/", 1)[-1]
-        return UnsupportedModelError(
+        return refusal(
             f"treecompile cannot make this model exact on a tree: {reason} (called at {short}).\n  at {where}: {code}"
         )
     # Newer Dynamo reports an argument mismatch at treecompile's own call of the model as the
@@ -97,6 +99,17 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
         f"treecompile cannot capture this model: {site}: {why} ({kind}).\n  What to do: {hint}.\n"
         f"  (Dynamo: {kind}; set TORCHDYNAMO_VERBOSE=1 for its full trace.)"
     )
+
+
+def _refusal_types() -> list[type[UnsupportedModelError]]:
+    """`UnsupportedModelError` and its subclasses, most derived first (Dynamo reports an exception
+    the traced code raised by its type's name and arguments)."""
+    found, stack = [], [UnsupportedModelError]
+    while stack:
+        c = stack.pop()
+        found.append(c)
+        stack.extend(c.__subclasses__())
+    return found[::-1]
 
 
 _CALL_SITE = str(Path(__file__).resolve().parents[1] / "capture" / "call.py")
@@ -171,7 +184,10 @@ def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModel
     """``error``, or, if the batch has more rows than its longest path, a refusal that says how
     to run it: a model that checks or slices by the sequence length sees the packed row's length.
     A buffer shorter than the rows but as long as every path (``tril[:T, :T]``, ``cos[:T]``) is
-    extended for the call (`short`); a capture that fails anyway names it."""
+    extended for the call (`short`); a capture that fails anyway names it. A refusal of a kind of
+    its own (a subclass, which the wrapper acts on) is returned as it is."""
+    if type(error) is not UnsupportedModelError:
+        return error
     first, _, rest = str(error).partition("\n")
     if short:
         module, attr, size = short[0]

@@ -436,7 +436,7 @@ def _layout_guess(setup: CallSetup) -> KVLayout | None:
     another kind, a state kept in another dtype) is reported by the first capture as before."""
     from treecompile.capture.hf_interfaces import _calls_attention_interface
 
-    if not setup.is_hf or not setup.routes_attention:
+    if not setup.is_hf or not setup.route.routes:
         return None
     shapes, conv, states = [], [], []
 
