@@ -1553,3 +1553,53 @@ class FullCausalConvAttn(_SdpaAttn):
 
 
 FullCausalConvLM = _spelling(FullCausalConvAttn)
+
+
+class TalkingHeadsAttn(_Attn):
+    """lucidrains/x-transformers' pre-softmax talking heads: the scaled scores through
+    ``nn.Conv2d(heads, heads, 1, bias=False)`` (each head's scores a learned combination of
+    every head's), then the causal ``masked_fill``, a softmax and an einsum with the values.
+    ``form``: "conv", "einsum" (``einsum('b h i j, h g -> b g i j', sim, W)``), "mqa" (one key
+    and value head, repeated), "masked-first" (the mask applied before the mix: mixed too),
+    "both" (x-transformers' pre- and post-softmax talking heads: the probabilities mixed too),
+    "post" (the post-softmax mix alone)."""
+
+    def __init__(self, form: str = "conv") -> None:
+        super().__init__()
+        self.form = form
+        self.talking = nn.Conv2d(HEADS, HEADS, 1, bias=False)
+        self.post_talking = nn.Conv2d(HEADS, HEADS, 1, bias=False)
+        self.mix = nn.Parameter(torch.eye(HEADS) + 0.3 * torch.randn(HEADS, HEADS))
+        if form == "mqa":
+            self.kv = nn.Linear(DIM, 2 * HD)
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        if self.form == "mqa":
+            b = q.shape[0]
+            k, v = (z.view(b, t, 1, HD).transpose(1, 2).expand(-1, HEADS, -1, -1)
+                    for z in self.kv(self.ln(self._x)).split(HD, dim=-1))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * HD ** -0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        if self.form == "masked-first":
+            sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
+        if self.form == "einsum":
+            sim = torch.einsum("b h i j, h g -> b g i j", sim, self.mix)
+        elif self.form != "post":
+            sim = self.talking(sim)
+        if self.form != "masked-first":
+            sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        if self.form in ("both", "post"):
+            attn = self.post_talking(attn)
+        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+
+    def forward(self, x):
+        self._x = x
+        try:
+            return super().forward(x)
+        finally:
+            del self._x
+
+
+TalkingHeadsLM = _spelling(TalkingHeadsAttn)

@@ -27,6 +27,7 @@ from torch import fx
 
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, evaluate, reads_tokens
+from treecompile.passes.attention.head_mix import HeadMix, head_mix
 from treecompile.passes.attention.token_bias import AND, OR, masked_token_terms, side_of, split_key_masks, token_terms
 
 __all__ = ["ScoreChain", "StopWalk", "walk_scores", "arithmetic_mask", "spell_softmax", "STEPS", "is_scalar"]
@@ -59,6 +60,8 @@ class ScoreChain:
             temperature per head, Scalable-Softmax's ``s * log(n)`` per query. The rewrite
             multiplies the query or key by it; nothing the walk meets after it (applied before
             it) may be a mask, a bias or a soft-cap, which it would scale.
+        head_mix: the scores' heads mixed by a matrix (talking heads,
+            `treecompile.passes.attention.head_mix`); only constant factors may come before it.
         nodes: the nodes the rewrite replaces.
     """
 
@@ -71,6 +74,7 @@ class ScoreChain:
     relative_scale: float = 1.0  # the factor on the scores after a ``relative`` bias is added
     token_terms: list[tuple[str, fx.Node, float]] = field(default_factory=list)
     factors: list[tuple[str, fx.Node, int]] = field(default_factory=list)
+    head_mix: HeadMix | None = None
 
 
 class StopWalk(Exception):
@@ -337,9 +341,19 @@ def walk_scores(ctx: PassContext, softmax: fx.Node, scores: fx.Node) -> ScoreCha
     chain = ScoreChain(nodes=[softmax])
     order = {n: i for i, n in enumerate(softmax.graph.nodes)}
     cur, reader = scores, softmax
+    mixed = None  # what the walk had recorded when it met a mix of the heads
     while True:
         chain.nodes.append(cur)
         _in_place_edits(ctx, chain, cur, reader, order)
+        if mixed is not None and _recorded(chain) != mixed:
+            raise StopWalk("a mask, bias, factor or soft-cap applied to the scores before their heads are mixed")
+        mix = head_mix(ctx, cur)
+        if mix is not None:
+            if chain.head_mix is not None:
+                raise StopWalk("")
+            cur, chain.head_mix = mix
+            mixed = _recorded(chain)
+            continue
         if is_call(cur, MATMUL, ("matmul", "bmm")) or is_call(cur, (torch.einsum,)):
             chain.qk = cur
             return chain
@@ -347,11 +361,18 @@ def walk_scores(ctx: PassContext, softmax: fx.Node, scores: fx.Node) -> ScoreCha
         if step is None:
             raise StopWalk("")
         before = step(ctx, chain, cur)
+        if mixed is not None and _recorded(chain) != mixed:
+            raise StopWalk("a mask, bias, factor or soft-cap applied to the scores before their heads are mixed")
         if before is None:
             return chain
         if not isinstance(before, fx.Node):
             raise StopWalk("")
         cur, reader = before, cur
+
+
+def _recorded(chain: ScoreChain) -> tuple:
+    """What a step may add that a mix of the heads would mix too."""
+    return len(chain.masks), len(chain.token_terms), len(chain.factors), chain.softcap
 
 
 def _in_place_edits(ctx: PassContext, chain: ScoreChain, cur: fx.Node, reader: fx.Node, order: dict) -> None:

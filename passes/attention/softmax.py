@@ -26,6 +26,7 @@ from treecompile.passes.attention.operands import (
     sink_column,
 )
 from treecompile.passes.attention.grouped import Grouped, combine, grouped_output, repeat_values
+from treecompile.passes.attention.head_mix import HeadMix, head_mix, mix_matrix, mixed_heads, mixed_values, unmix
 from treecompile.passes.attention.memory import Memory, memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
@@ -55,6 +56,7 @@ class _Match:
     walk: ScoreChain
     group: Grouped | None = None
     memory: Memory | None = None
+    mix: HeadMix | None = None  # the probabilities mixed across heads before ``@ v``
 
 
 def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
@@ -109,7 +111,30 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         q, k, v = (ctx.mark(x(gm.graph), like=m.out) if callable(x) else x for x in (m.q, m.k, m.v))
         if m.sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
+    if m.walk.head_mix is not None or m.mix is not None:
+        if m.group is not None or m.memory is not None or m.sink is not None:
+            ctx.notes[node] = "scores mixed across heads beside maps combined across heads, memory keys or a sink"
+            return
+    if m.walk.head_mix is not None:
+        qk = mixed_heads(Emitter(gm, ctx, m.out), m.walk.head_mix, q, k, v)
+        if isinstance(qk, str):
+            ctx.notes[node] = qk
+            return
+        q, k = qk
     post = m.post
+    if m.mix is not None:  # each head's map times every head's values; the mix after
+        e = Emitter(gm, ctx, m.out)
+        matrix, wide = mix_matrix(e, m.mix), mixed_values(e, v)
+        if isinstance(wide, str) or tuple(value(matrix).shape) != (value(v).shape[1],) * 2:
+            ctx.notes[node] = wide if isinstance(wide, str) else "probabilities mixed by a matrix that is not over the heads"
+            return
+        heads, dv = value(v).shape[1], value(v).shape[-1]
+        v, inner = wide, post
+        mark = functools.partial(_mark_like, ctx, m.out)
+
+        def post(g, y):
+            y = unmix(g, y, matrix, heads, dv, mark)
+            return y if inner is None else inner(g, y)
     if m.group is not None:  # each head with its group's value; the group's combination after
         v = repeat_values(Emitter(gm, ctx, m.out), m.group)
         post = functools.partial(combine, grouped=m.group, mark=lambda n: ctx.mark(n, like=m.out))
@@ -160,7 +185,7 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
     if qk is None:
         return None
     q, k, q_layout = qk
-    out = _output_product(node, sink)
+    out, mix = _output_product(ctx, node, sink)
     if out is None and sink is None and q_layout is None and paired:
         group = grouped_output(ctx, node)
         if group is not None:
@@ -187,25 +212,35 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
         ctx.notes[out] = (f"the attention scores are also used by {describe(other)} at {source_of(other)} (an in-place "
                           "edit or a second reader), which rewriting the attention would drop")
         return None
-    return _Match(out, q, k, v, post, sink, walk, memory=memory)
+    return _Match(out, q, k, v, post, sink, walk, memory=memory, mix=mix)
 
 
-def _output_product(node: fx.Node, sink: fx.Node | None) -> fx.Node | None:
-    """Forward from the softmax: [drop the sink column] -> [dropout(p=0) | cast | view] -> @ v."""
-    out = single_user(node)
+def _output_product(ctx: PassContext, node: fx.Node, sink: fx.Node | None) -> tuple[fx.Node | None, HeadMix | None]:
+    """Forward from the softmax: [drop the sink column] -> [dropout(p=0) | cast | view | a mix
+    of the heads (talking heads, once)] -> @ v; ``(the product, the mix or None)``."""
+    out, mix = single_user(node), None
     if sink is not None:
         if out is None or not drops_last_column(out):
-            return None
+            return None, None
         out = single_user(out)
-    while out is not None and is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
-        if is_call(out, (torch.nn.functional.dropout,)):
-            p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
-            if p["p"] and p["training"]:
-                raise attention_dropout(out, p["p"], "dropout p=0")
+    while out is not None:
+        if is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
+            if is_call(out, (torch.nn.functional.dropout,)):
+                p = bind(out, ["input", "p", "training"], {"p": 0.5, "training": True})
+                if p["p"] and p["training"]:
+                    raise attention_dropout(out, p["p"], "dropout p=0")
+        elif mix is None and (found := head_mix(ctx, out)) is not None:
+            mix = found[1]
+        else:
+            break
         out = single_user(out)
     if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
-        return None
-    return out
+        return None, None
+    return out, mix
+
+
+def _mark_like(ctx: PassContext, like: fx.Node, n: fx.Node) -> fx.Node:
+    return ctx.mark(n, like=like)
 
 
 def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:

@@ -180,7 +180,9 @@ class AttentionRoute:
             ``masking_utils`` builders return become `treecompile.capture.hf_interfaces.TreeMask`
             objects (`mask_swaps`); False for a model that computes attention in its own code,
             and for one whose own code reads the mask it is handed (`read_by_the_model`).
-        mask_swaps: the ``masking_utils`` functions swapped in for a call.
+        mask_swaps: the ``masking_utils`` functions swapped in for a call: the `TreeMask`
+            builders, or (not ``routes``) the test whether SDPA's causal mask is skipped, deciding
+            as outside a capture (`treecompile.capture.dynamo.eager_mask_skips`).
     """
 
     routes: bool

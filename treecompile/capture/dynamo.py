@@ -183,10 +183,11 @@ def eager_mask_skips() -> list[tuple[types.ModuleType, str, Any]]:
 
     Under a capture it keeps the mask that a model run eagerly skips (``None``, SDPA's
     ``is_causal`` instead); a model whose own code adds to the mask it is handed (Doge before
-    transformers 5.24 did not ask for the mask to be kept) computes another function eagerly,
-    per path, than captured. The wrapper passes a padding mask of ones, so the eager decision
-    depends on the lengths alone: skipped for one query or as many queries as keys, unless a
-    local window is no longer than the keys."""
+    transformers 5.18 did not ask for the mask to be kept) computes another function eagerly,
+    per path, than captured. Swapped in for every call of a Hugging Face model whose attention
+    reads the masks Hugging Face builds (not routed to the tree markers). The wrapper passes a
+    padding mask of ones, so the eager decision depends on the lengths alone: skipped for one
+    query or as many queries as keys, unless a local window is no longer than the keys."""
     from transformers import masking_utils
 
     original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)

@@ -220,8 +220,11 @@ class TreeCompiledModel(DelegatingModule):
         self._is_hf = is_hf_model(model)
         # Hugging Face attention-interface calls become tree markers, and the masks they are
         # handed become TreeMasks; a model that computes attention itself keeps both.
+        # A model whose attention is its own code reads Hugging Face's masks, built as they are
+        # when the model runs eagerly (`eager_mask_skips`).
         routes = self._is_hf and uses_attention_interface(model)
-        self._route = AttentionRoute(routes, mask_builder_swaps(model) if routes else [])
+        self._route = AttentionRoute(routes, mask_builder_swaps(model) if routes else
+                                     eager_mask_skips() if self._is_hf else [])
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
