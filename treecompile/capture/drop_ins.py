@@ -23,7 +23,7 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
+__all__ = ["dbrx_experts_forward", "experts_class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -235,3 +235,67 @@ def hf_mamba_inner_fn(*args: Any, **kwargs: Any) -> None:
     """Stands in for HF's fused ``mamba_inner_fn`` (mamba-ssm's training kernel, conv and scan in
     one): None, which makes the mixer take its unfused path (conv and scan kernels apart)."""
     return None
+
+
+# --------------------------------------------------------------------------- experts a loop runs
+
+
+def dbrx_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """Drop-in for ``DbrxExperts.forward``, which loops over the experts a batch hits (a count read
+    from the routing, which a capture cannot follow) and does not take Hugging Face's experts
+    interface: the same experts between the experts markers as the interface's ``grouped_mm``
+    runs them. The ``T * k`` (token, expert) pairs sorted by expert (stable), one grouped product
+    per projection (``treecompile::grouped_mm``), each pair weighted by its routing weight and
+    added to its token's row in the experts' order, as the loop adds them: token-wise."""
+    from treecompile.kernels import grouped_mm as _grouped_mm  # noqa: F401  (registers treecompile::grouped_mm)
+
+    batch, dim, experts, inner = hidden_states.shape[0], self.hidden_size, self.num_experts, self.ffn_hidden_size
+    h, idx, w = torch.ops.treecompile.experts_begin(hidden_states.reshape(-1, dim), top_k_index, top_k_weights)
+    k = idx.shape[-1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k
+    offs = F.one_hot(flat, experts).sum(0).cumsum(0)
+    x = h[tokens]
+    w1, v1, w2 = (p.view(experts, inner, dim) for p in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+    gate = self.mlp.activation_fn(torch.ops.treecompile.grouped_mm(x, w1.transpose(1, 2), offs))
+    up = torch.ops.treecompile.grouped_mm(x, v1.transpose(1, 2), offs)
+    y = torch.ops.treecompile.grouped_mm(gate * up, w2, offs) * w.reshape(-1)[order, None]
+    out = torch.zeros_like(h).index_add(0, tokens, y.to(h.dtype))
+    return torch.ops.treecompile.experts_end(out).view(batch, -1, dim)
+
+
+#: Experts classes that loop over the experts hit and have no experts interface: ``(module,
+#: class name) -> (attributes it must have, lines its forward must have, drop-in forward)``. The
+#: lines pin the computation the drop-in repeats (transformers before 5.15 reshaped DBRX's
+#: hidden states by the experts' inner size: a forward without them is left alone, and refused).
+EXPERTS_CLASSES = {
+    ("transformers.models.dbrx.modeling_dbrx", "DbrxExperts"): (
+        ("mlp", "num_experts", "hidden_size", "ffn_hidden_size"),
+        ("hidden_states = hidden_states.reshape(-1, self.hidden_size)", "for expert_idx in expert_hit:",
+         "states = self.mlp(hidden_states[token_idx], w1, v1, w2)",
+         "states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]",
+         "next_states.index_add_(0, token_idx, states)"),
+        dbrx_experts_forward),
+}
+
+
+def experts_class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """``(class, "forward", drop-in)`` for each experts class of `EXPERTS_CLASSES` among the
+    model's modules whose forward is the one the drop-in repeats, swapped for each call like
+    the sequence kernels."""
+    import inspect
+
+    found = {}
+    for m in model.modules():
+        cls = type(m)
+        known = EXPERTS_CLASSES.get((cls.__module__, cls.__name__))
+        if known is None or cls in found or not all(hasattr(m, a) for a in known[0]):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if all(line in source for line in known[1]):
+            found[cls] = (cls, "forward", known[2])
+    return list(found.values())

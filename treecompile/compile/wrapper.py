@@ -42,6 +42,7 @@ from treecompile.capture.dynamo import (
     sequence_kernels,
     swapped_kernels,
 )
+from treecompile.capture.drop_ins import experts_class_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
@@ -229,9 +230,11 @@ class TreeCompiledModel(DelegatingModule):
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
         # Sequence kernels swapped for treecompile ops during each call (hybrid models).
-        self._kernels = sequence_kernels(model)
+        scans = sequence_kernels(model)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
-        self._structure = bool(self._kernels) or any(isinstance(m, nn.Conv1d) for m in model.modules())
+        self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
+        # ... and experts classes that loop over the experts hit, swapped likewise.
+        self._kernels = scans + experts_class_swaps(model)
         self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
