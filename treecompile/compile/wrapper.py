@@ -233,8 +233,7 @@ class TreeCompiledModel(DelegatingModule):
         scans = sequence_kernels(model)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
-        # ... and experts classes that loop over the experts hit, swapped likewise.
-        self._kernels = scans + experts_class_swaps(model)
+        self._kernels = scans + experts_class_swaps(model)  # (experts loops swapped likewise)
         self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
@@ -400,9 +399,7 @@ class TreeCompiledModel(DelegatingModule):
                 self._keep_own_mask()
                 try:
                     return self._forward(batch)
-                except UnsupportedModelError as e:
-                    # The first line says what kept the model off the tree markers, the rest why
-                    # its own mask did not do either.
+                except UnsupportedModelError as e:  # first what kept it off the markers, then why
                     e.args = (f"{str(read).partition(chr(10))[0]}\n  Captured with Hugging Face's own causal mask "
                               f"instead, it is refused: {e}",)
                     raise
