@@ -443,6 +443,14 @@ CASES: list[Case] = [
                    attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
                    ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32}),
          before=((5, 15), {"expect": "refused", "reason": "treecompile cannot capture this model"})),
+    # JetMoE's router reads its experts' group sizes as Python numbers; drop-ins run its MoE and
+    # its mixture of attention heads (query and output projections per expert) by grouped products.
+    Case("jetmoe", "JetMoE: MoE and a mixture of attention heads whose router splits by group sizes (drop-ins)",
+         hf=True, build=_hf("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
+                            num_key_value_heads=2), attention={"hf_interface": 2}),
+    Case("jetmoe-aux", "JetMoE with the router auxiliary loss (its router's logits recorded through the drop-in)",
+         hf=True, build=_hf("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
+                            num_key_value_heads=2, output_router_logits=True, aux_loss_coef=0.5)),
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
          since=(5, 11),
          build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,

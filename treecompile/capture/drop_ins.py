@@ -23,7 +23,7 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["dbrx_experts_forward", "experts_class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
+__all__ = ["dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "experts_class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -265,8 +265,79 @@ def dbrx_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k
     return torch.ops.treecompile.experts_end(out).view(batch, -1, dim)
 
 
+def _by_expert(idx: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """``(order, offs)``: the ``T * k`` (token, slot) pairs sorted by expert (stable: each token's
+    pairs in the experts' order) and the end of each expert's group."""
+    flat = idx.reshape(-1)
+    return torch.argsort(flat, stable=True), F.one_hot(flat, experts).sum(0).cumsum(0)
+
+
+def _jetmoe_experts(experts: torch.nn.Module, x: Tensor, offs: Tensor) -> Tensor:
+    """``JetMoeParallelExperts`` on rows sorted by expert: ``F.linear(rows, weight[e])`` per group."""
+    from treecompile.kernels import grouped_mm as _grouped_mm  # noqa: F401  (registers treecompile::grouped_mm)
+
+    return torch.ops.treecompile.grouped_mm(x, experts.weight.transpose(1, 2), offs)
+
+
+def jetmoe_gating_forward(self, hidden_states: Tensor) -> tuple:
+    """Drop-in for ``JetMoeTopKGating.forward`` (with `jetmoe_moe_forward` and the MoA's, which
+    read it): the routing, token-wise, ``(top-k experts, their gates, None, None, logits)``; the
+    logits stay output 4, which Hugging Face records for the router's auxiliary loss."""
+    logits = self.layer(hidden_states).float()
+    top_logits, idx = logits.topk(self.top_k, dim=1)
+    return idx, torch.softmax(top_logits, dim=1).type_as(hidden_states), None, None, logits
+
+
+def _jetmoe_route(router: torch.nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(top-k experts, their gates, logits)`` from the (swapped) router module."""
+    idx, gates, _, _, logits = router(h)
+    return idx, gates, logits
+
+
+def jetmoe_moe_forward(self, layer_input: Tensor) -> Tensor:
+    """Drop-in for ``JetMoeMoE.forward``, whose router reads the experts' group sizes as Python
+    numbers (``expert_size.tolist()``, which a capture cannot follow): the same experts by
+    grouped products between the experts markers, each token's results added in the experts'
+    order as its ``index_add`` adds them."""
+    bsz, length, dim = layer_input.shape
+    idx, gates, _ = _jetmoe_route(self.router, layer_input.reshape(-1, dim))
+    h, idx, w = torch.ops.treecompile.experts_begin(layer_input.reshape(-1, dim), idx, gates)
+    order, offs = _by_expert(idx, self.input_linear.num_experts)
+    tokens = order // idx.shape[-1]
+    gate, up = _jetmoe_experts(self.input_linear, h[tokens], offs).chunk(2, dim=-1)
+    y = _jetmoe_experts(self.output_linear, self.activation(gate) * up, offs) * w.reshape(-1)[order, None]
+    out = torch.ops.treecompile.experts_end(torch.zeros_like(h[:, :1]).expand(-1, self.input_size).index_add(
+        0, tokens, y))
+    return out.view(bsz, length, self.input_size) + self.bias
+
+
+def jetmoe_moa_map(self, layer_input: Tensor) -> tuple[Tensor, Tensor, tuple]:
+    """Drop-in for ``JetMoeMoA.map`` (see `jetmoe_moe_forward`): each (token, slot)'s query
+    projection by its expert, in slot order; the routing is handed to `jetmoe_moa_reduce`."""
+    bsz, length, dim = layer_input.shape
+    idx, gates, logits = _jetmoe_route(self.router, layer_input.reshape(-1, dim))
+    h, idx_m, _ = torch.ops.treecompile.experts_begin(layer_input.reshape(-1, dim), idx, gates)
+    order, offs = _by_expert(idx_m, self.num_experts)
+    x = _jetmoe_experts(self.input_linear, h[order // self.top_k], offs)
+    slots = x.new_zeros(x.shape).index_add(0, order, x).view(bsz * length, -1)  # a row per token
+    return torch.ops.treecompile.experts_end(slots).view(bsz, length, self.top_k, -1), logits, (idx, gates)
+
+
+def jetmoe_moa_reduce(self, layer_input: Tensor, topo_info: tuple) -> Tensor:
+    """Drop-in for ``JetMoeMoA.reduce``: each (token, slot)'s output projection by its expert,
+    times its gate, added to its token in the experts' order."""
+    bsz, length, k, hidden = layer_input.shape
+    idx, gates = topo_info
+    rows, idx, w = torch.ops.treecompile.experts_begin(layer_input.reshape(bsz * length, -1), idx, gates)
+    order, offs = _by_expert(idx, self.num_experts)
+    y = _jetmoe_experts(self.output_linear, rows.reshape(-1, hidden)[order], offs) * w.reshape(-1)[order, None]
+    out = y.new_zeros(bsz * length, self.input_size).index_add(0, order // k, y)
+    return torch.ops.treecompile.experts_end(out).view(bsz, length, self.input_size) + self.bias
+
+
 #: Experts classes that loop over the experts hit and have no experts interface: ``(module,
-#: class name) -> (attributes it must have, lines its forward must have, drop-in forward)``. The
+#: class name) -> (attributes it must have, lines its methods must have, drop-in forward or
+#: {method: drop-in})``. The
 #: lines pin the computation the drop-in repeats (transformers before 5.15 reshaped DBRX's
 #: hidden states by the experts' inner size: a forward without them is left alone, and refused).
 EXPERTS_CLASSES = {
@@ -277,7 +348,29 @@ EXPERTS_CLASSES = {
          "states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]",
          "next_states.index_add_(0, token_idx, states)"),
         dbrx_experts_forward),
+    ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeMoE"): (
+        ("router", "input_linear", "output_linear", "activation", "bias", "input_size"),
+        ("_, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)",
+         "hidden_states = self.activation(chunked_hidden_states[0]) * chunked_hidden_states[1]",
+         "layer_output = zeros.index_add(0, batch_index, expert_outputs)", "layer_output = layer_output + self.bias"),
+        jetmoe_moe_forward),
+    ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeMoA"): (
+        ("router", "input_linear", "output_linear", "bias", "input_size", "num_experts", "top_k"),
+        ("expert_outputs = self.input_linear(expert_inputs, expert_size)",
+         "layer_output = zeros.index_add(0, index_sorted_experts, expert_outputs)",
+         "expert_outputs = expert_outputs * batch_gates[:, None]",
+         "layer_output = zeros.index_add(0, batch_index, expert_outputs)"),
+        {"map": jetmoe_moa_map, "reduce": jetmoe_moa_reduce}),
+    ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeTopKGating"): (
+        ("layer", "top_k"),
+        ("logits = self.layer(hidden_states).float()", "top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)",
+         "top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)",
+         "return index_sorted_experts, batch_index, batch_gates, expert_size, logits"),
+        jetmoe_gating_forward),
 }
+
+#: Classes whose drop-ins read each other's results: swapped all together or not at all.
+_TOGETHER = [{("transformers.models.jetmoe.modeling_jetmoe", c) for c in ("JetMoeMoE", "JetMoeMoA", "JetMoeTopKGating")}]
 
 
 def experts_class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
@@ -292,10 +385,15 @@ def experts_class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
         known = EXPERTS_CLASSES.get((cls.__module__, cls.__name__))
         if known is None or cls in found or not all(hasattr(m, a) for a in known[0]):
             continue
+        methods = known[2] if isinstance(known[2], dict) else {"forward": known[2]}
         try:
-            source = inspect.getsource(cls.forward)
+            source = "".join(inspect.getsource(getattr(cls, name)) for name in methods)
         except (OSError, TypeError):
             continue
         if all(line in source for line in known[1]):
-            found[cls] = (cls, "forward", known[2])
-    return list(found.values())
+            found[cls] = [(cls, name, fn) for name, fn in methods.items()]
+    keys = {(c.__module__, c.__name__) for c in found}
+    for group in _TOGETHER:
+        if keys & group and not group <= keys:  # a part of the group is not the code its drop-in reads
+            found = {c: v for c, v in found.items() if (c.__module__, c.__name__) not in group}
+    return [swap for swaps in found.values() for swap in swaps]

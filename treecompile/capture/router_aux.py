@@ -140,6 +140,8 @@ def router_aux_of(model: torch.nn.Module) -> RouterAux | None:
         return None
     name = type(model).__name__
     coef = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
+    if coef is None and _adds_own(type(model), "self.aux_loss_coef * aux_loss"):
+        coef = getattr(model, "aux_loss_coef", None)  # JetMoE's name for it
     off = "set config.output_router_logits = False to train without the auxiliary loss"
     if coef is None:
         raise UnsupportedModelError(
@@ -163,6 +165,14 @@ def router_aux_of(model: torch.nn.Module) -> RouterAux | None:
             f"{'; '.join(problems)}. {off[0].upper()}{off[1:]}."
         )
     return RouterAux(loss_fn=fn, num_experts=experts, top_k=top_k, coef=float(coef))
+
+
+def _adds_own(cls: type, line: str) -> bool:
+    """Whether ``cls.forward``'s source has ``line`` (how the model adds its auxiliary loss)."""
+    try:
+        return line in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _module_attr(cls: type, name: str) -> Any:

@@ -240,8 +240,10 @@ def _router_aux_loss(model: torch.nn.Module, router_logits: list[tuple[torch.Ten
     if fn is None:
         raise ValueError(f"{type(model).__name__}: its module defines no load_balancing_loss_func")
     per_layer = tuple(torch.cat(layer, dim=0) for layer in zip(*router_logits))
-    cfg = model.config
-    return fn(per_layer, cfg.num_experts, cfg.num_experts_per_tok, None)
+    # The model's own counts, as it passes them (JetMoE keeps them on itself, not in its config).
+    experts = getattr(model, "num_experts", None) or model.config.num_experts
+    top_k = getattr(model, "num_experts_per_tok", None) or model.config.num_experts_per_tok
+    return fn(per_layer, experts, top_k, None)
 
 
 def dense_mask_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
