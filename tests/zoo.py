@@ -102,7 +102,11 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
                num_key_value_heads=2, max_position_embeddings=64)
 
 
-def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool = True, **kw):
+def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool = True, built_in_float64=False,
+        **kw):
+    """``built_in_float64``: the model built with float64 as the default dtype, for one whose
+    tables computed at construction (MiniMax's decays) would otherwise hold float32 rounding that
+    no cast patch reaches."""
     def build():
         import transformers
 
@@ -110,7 +114,12 @@ def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool
         config = getattr(transformers, config_name)(**args)
         torch.manual_seed(0)
         cls = getattr(transformers, model_name)
-        model = cls.from_config(config) if model_name.startswith("Auto") else cls(config)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64 if built_in_float64 else default)
+        try:
+            model = cls.from_config(config) if model_name.startswith("Auto") else cls(config)
+        finally:
+            torch.set_default_dtype(default)
         if getattr(model.config, "_experts_implementation_internal", None) not in (None, "eager"):
             model.config._experts_implementation_internal = "eager"
         return perturb(model.double().eval())
@@ -472,10 +481,12 @@ CASES: list[Case] = [
          build=_hf("DeepseekV2Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                    first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                    v_head_dim=8, n_shared_experts=1, n_group=1, topk_group=1), expect="exact"),
-    Case("minimax", "MiniMax: lightning (linear) attention layers", hf=True,
-         build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-                   layer_types=["linear_attention"], block_size=4),
-                   expect="refused", reason="changes the sequence length"),
+    # MiniMax's lightning attention loops over blocks of the sequence; a drop-in writes it in its
+    # parallel form (a decay of i - j on the scores), which the pair sum runs over the ancestors.
+    Case("minimax", "MiniMax: lightning (linear) attention layers (blocks of 4) beside a softmax layer, MoE",
+         hf=True, build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
+                            built_in_float64=True)),
     Case("recurrent-gemma", "RecurrentGemma: RG-LRU recurrence", hf=True,
          build=_hf("RecurrentGemmaConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=1, num_attention_heads=4, lru_width=32, attention_window_size=8,

@@ -23,7 +23,7 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "experts_class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
+__all__ = ["minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -335,12 +335,42 @@ def jetmoe_moa_reduce(self, layer_input: Tensor, topo_info: tuple) -> Tensor:
     return torch.ops.treecompile.experts_end(out).view(bsz, length, self.input_size) + self.bias
 
 
-#: Experts classes that loop over the experts hit and have no experts interface: ``(module,
+# --------------------------------------------------------------------------- blockwise linear attention
+
+
+def minimax_lightning_forward(self, hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                              cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """Drop-in for ``MiniMaxLightningAttention.forward`` without a cache: its lightning attention
+    loops over blocks of the sequence (a count from the length, and decay tables sliced by it),
+    computing ``out_i = sum_{j <= i} exp(-slope (i - j)) (q_i . k_j) v_j`` per head; written here
+    in its parallel form, the scores times a decay of ``i - j`` (zero above the diagonal), which
+    the attention pass runs as the pair sum over each query's ancestors. The layer's projections,
+    norm and output gate as in its forward. A tree batch has no padding, so the padding mask a
+    layer is handed (a `treecompile.capture.hf_interfaces.TreeMask`, or the ones the wrapper
+    passes; transformers before 5.15 did not apply it) changes nothing. Exact to
+    the rounding of the layer's decay tables, which the blocks multiply together (computed at
+    its construction in the default dtype: float32 rounding in a model built in float32)."""
+    if cache is not None:
+        raise ValueError("a tree call runs without a cache")
+    batch, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    q, k, v = (x.transpose(1, 2) for x in torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3))
+    index = torch.arange(length, device=hidden_states.device)
+    distance = (index[:, None] - index[None, :]).to(self.slope_rate.dtype)
+    decay = torch.exp(torch.where(distance >= 0, -self.slope_rate * distance, float("-inf")))  # [heads, S, S]
+    out = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * decay, v)
+    out = self.norm(out.transpose(1, 2).reshape(batch, length, heads * dim))
+    return self.out_proj(F.sigmoid(self.output_gate(hidden_states)) * out), None
+
+
+#: Classes whose code a capture cannot follow (a loop over the experts a batch hits, over blocks
+#: of the sequence, sizes read as Python numbers): ``(module,
 #: class name) -> (attributes it must have, lines its methods must have, drop-in forward or
 #: {method: drop-in})``. The
 #: lines pin the computation the drop-in repeats (transformers before 5.15 reshaped DBRX's
 #: hidden states by the experts' inner size: a forward without them is left alone, and refused).
-EXPERTS_CLASSES = {
+CLASS_DROP_INS = {
     ("transformers.models.dbrx.modeling_dbrx", "DbrxExperts"): (
         ("mlp", "num_experts", "hidden_size", "ffn_hidden_size"),
         ("hidden_states = hidden_states.reshape(-1, self.hidden_size)", "for expert_idx in expert_hit:",
@@ -367,14 +397,25 @@ EXPERTS_CLASSES = {
          "top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)",
          "return index_sorted_experts, batch_index, batch_gates, expert_size, logits"),
         jetmoe_gating_forward),
+    ("transformers.models.minimax.modeling_minimax", "MiniMaxLightningAttention"): (
+        ("slope_rate", "qkv_proj", "out_proj", "output_gate", "norm", "act_fn", "num_attention_heads", "head_dim"),
+        ("qkv_states = self.act_fn(self.qkv_proj(hidden_states))",
+         "query_states, key_states, value_states = torch.split(qkv_states, self.head_dim, dim=3)",
+         "attn_output_intra = torch.matmul(attn_weights_intra * current_diagonal_decay, current_value_states)",
+         "attn_output_inter = torch.matmul(current_query_states * current_query_decay, attn_weights_inter)",
+         "attn_weights_inter = attn_weights_inter * block_decay + next_attn_weights_inter",
+         "attn_output = self.norm(attn_output)",
+         "attn_output = F.sigmoid(self.output_gate(hidden_states)) * attn_output",
+         "attn_output = self.out_proj(attn_output)"),
+        minimax_lightning_forward),
 }
 
 #: Classes whose drop-ins read each other's results: swapped all together or not at all.
 _TOGETHER = [{("transformers.models.jetmoe.modeling_jetmoe", c) for c in ("JetMoeMoE", "JetMoeMoA", "JetMoeTopKGating")}]
 
 
-def experts_class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
-    """``(class, "forward", drop-in)`` for each experts class of `EXPERTS_CLASSES` among the
+def class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """``(class, method, drop-in)`` for each class of `CLASS_DROP_INS` among the
     model's modules whose forward is the one the drop-in repeats, swapped for each call like
     the sequence kernels."""
     import inspect
@@ -382,7 +423,7 @@ def experts_class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
     found = {}
     for m in model.modules():
         cls = type(m)
-        known = EXPERTS_CLASSES.get((cls.__module__, cls.__name__))
+        known = CLASS_DROP_INS.get((cls.__module__, cls.__name__))
         if known is None or cls in found or not all(hasattr(m, a) for a in known[0]):
             continue
         methods = known[2] if isinstance(known[2], dict) else {"forward": known[2]}

@@ -42,7 +42,7 @@ from treecompile.capture.dynamo import (
     sequence_kernels,
     swapped_kernels,
 )
-from treecompile.capture.drop_ins import experts_class_swaps
+from treecompile.capture.drop_ins import class_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
@@ -233,7 +233,7 @@ class TreeCompiledModel(DelegatingModule):
         scans = sequence_kernels(model)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
-        self._kernels = scans + experts_class_swaps(model)  # (experts loops swapped likewise)
+        self._kernels = scans + class_swaps(model)  # (classes a capture cannot follow, likewise)
         self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
