@@ -126,7 +126,8 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         e = Emitter(gm, ctx, m.out)
         matrix, wide = mix_matrix(e, m.mix), mixed_values(e, v)
         if isinstance(wide, str) or tuple(value(matrix).shape) != (value(v).shape[1],) * 2:
-            ctx.notes[node] = wide if isinstance(wide, str) else "probabilities mixed by a matrix that is not over the heads"
+            ctx.notes[node] = wide if isinstance(wide, str) else \
+                "probabilities mixed by a matrix that is not over the heads"
             return
         heads, dv = value(v).shape[1], value(v).shape[-1]
         v, inner = wide, post

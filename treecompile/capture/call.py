@@ -19,7 +19,8 @@ from torch import nn
 from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
-__all__ = ["AttentionRoute", "CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head", "compile_named",
+__all__ = ["AttentionRoute", "CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head",
+           "compile_named",
            "argument_names",
            "call_under_setup"]
 

@@ -8,6 +8,12 @@ L2 norm, query scaling, ``dt`` discretisation) and runs the sequence part as one
 treecompile op (:mod:`treecompile.kernels.conv`, :mod:`~treecompile.kernels.scans.gdn`,
 :mod:`~treecompile.kernels.scans.mamba2`, :mod:`~treecompile.kernels.scans.mamba`), one node per layer for
 the passes to find.
+
+Some model classes run code a capture cannot follow (a loop over the experts a batch hits,
+group sizes read as Python numbers, a loop over blocks of the sequence): `CLASS_DROP_INS` swaps
+their methods, for one call, for drop-ins computing the same function capturably (experts by
+grouped products between the experts markers, blockwise linear attention in its parallel form),
+each only where the class's code is the one it repeats (`class_swaps`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
+__all__ = ["minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward",
+           "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -411,7 +418,8 @@ CLASS_DROP_INS = {
 }
 
 #: Classes whose drop-ins read each other's results: swapped all together or not at all.
-_TOGETHER = [{("transformers.models.jetmoe.modeling_jetmoe", c) for c in ("JetMoeMoE", "JetMoeMoA", "JetMoeTopKGating")}]
+_TOGETHER = [{("transformers.models.jetmoe.modeling_jetmoe", c)
+              for c in ("JetMoeMoE", "JetMoeMoA", "JetMoeTopKGating")}]
 
 
 def class_swaps(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:

@@ -26,8 +26,8 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import (DYNAMO_CONFIG, AttentionRoute, CallSetup, TreeOutput, argument_names, compile_failure,
-                                      compile_named, device_of, during_capture, run_head)
+from treecompile.capture.call import (DYNAMO_CONFIG, AttentionRoute, CallSetup, TreeOutput, argument_names,
+                                      compile_failure, compile_named, device_of, during_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
