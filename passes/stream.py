@@ -213,9 +213,9 @@ def stream_scan_fn(kind: str) -> Callable:
         eye = torch.eye(dk, dtype=q.dtype, device=q.device)[:, None, :].expand(dk, h, dk)
         ins = (q.new_zeros(n_in * dk, h, dk), eye.repeat(n_in, 1, 1),
                states.to(v.dtype).permute(0, 2, 1, 3).reshape(n_in * dk, h, dv),
-               g.new_zeros(n_in * dk, h), beta.new_ones(n_in * dk, h))
+               g.new_zeros(n_in * dk, *g.shape[2:]), beta.new_ones(n_in * dk, h))  # (a gate per head or channel)
         outs = (eye.repeat(n_out, 1, 1), k.new_zeros(n_out * dk, h, dk), v.new_zeros(n_out * dk, h, dv),
-                g.new_zeros(n_out * dk, h), beta.new_zeros(n_out * dk, h))
+                g.new_zeros(n_out * dk, *g.shape[2:]), beta.new_zeros(n_out * dk, h))
         full = [torch.cat([a, x[0], b])[None] for a, x, b in zip(ins, (q, k, v, g, beta), outs)]
         out = op(*full, None, node_table, kernel)
         own = out[:, n_in * dk:n_in * dk + s]

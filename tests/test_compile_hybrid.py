@@ -84,12 +84,13 @@ def _pack(paths: list[list[int]]) -> tuple[tc.TreeBatch, list[tc.TrajectoryTree]
 # --------------------------------------------------------------------------- kernels: GDN
 
 
-def _gdn_inputs(b: int, s: int, h: int = 2, dk: int = 4, dv: int = 3, seed: int = 0):
+def _gdn_inputs(b: int, s: int, h: int = 2, dk: int = 4, dv: int = 3, seed: int = 0, channel: bool = False):
+    """``channel``: a decay per key channel ``[B, S, H, Dk]`` (Kimi Delta Attention)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, s, h, dk, generator=g, dtype=F64)
     k = torch.nn.functional.normalize(torch.randn(b, s, h, dk, generator=g, dtype=F64), dim=-1)
     v = torch.randn(b, s, h, dv, generator=g, dtype=F64)
-    decay = -torch.rand(b, s, h, generator=g, dtype=F64)
+    decay = -torch.rand(b, s, h, *([dk] if channel else []), generator=g, dtype=F64)
     beta = torch.rand(b, s, h, generator=g, dtype=F64)
     h0 = torch.randn(b, h, dk, dv, generator=g, dtype=F64)
     return [x.requires_grad_() for x in (q, k, v, decay, beta, h0)]
@@ -106,14 +107,19 @@ def _close(got, ref, what):
         torch.testing.assert_close(a, b, rtol=PURE[0], atol=PURE[1], msg=lambda m, i=i: f"{what} [{i}]: {m}")
 
 
-KINDS = {"gated_delta_rule": naive.gated_delta_rule_reference, "ssd_scan": naive.ssd_scan_reference}
+KINDS = {"gated_delta_rule": naive.gated_delta_rule_reference, "ssd_scan": naive.ssd_scan_reference,
+         "kimi_delta_rule": naive.channel_delta_rule_reference}
+
+
+def _inputs(kind: str, b: int, s: int, **kw):
+    return _gdn_inputs(b, s, channel=kind == "kimi_delta_rule", **kw)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
 @pytest.mark.parametrize("s", [1, 5, 64, 65, 130], ids=lambda s: f"S{s}")
 def test_scan_op_matches_reference_loop(s, with_state, kind):
-    q, k, v, g, beta, h0 = _gdn_inputs(2, s)
+    q, k, v, g, beta, h0 = _inputs(kind, 2, s)
     init = h0 if with_state else None
     inputs = [q, k, v, g, beta] + ([h0] if with_state else [])
     out, final = getattr(torch.ops.treecompile, kind)(q, k, v, g, beta, init)
@@ -124,12 +130,12 @@ def test_scan_op_matches_reference_loop(s, with_state, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_scan_ops_pass_opcheck(kind):
-    q, k, v, g, beta, h0 = _gdn_inputs(1, 4)
+    q, k, v, g, beta, h0 = _inputs(kind, 1, 4)
     op = getattr(torch.ops.treecompile, kind)
     torch.library.opcheck(op, (q, k, v, g, beta, h0))
     torch.library.opcheck(op, (q, k, v, g, beta, None))
     batch, _ = _pack(TREES["short-nodes"])
-    q, k, v, g, beta, h0 = _gdn_inputs(1, batch.num_tokens)
+    q, k, v, g, beta, h0 = _inputs(kind, 1, batch.num_tokens)
     tree_op = getattr(torch.ops.treecompile, f"tree_{kind}")
     torch.library.opcheck(tree_op, (q, k, v, g, beta, h0, _node_table(batch)))
     torch.library.opcheck(tree_op, (q, k, v, g, beta, None, _node_table(batch)))
@@ -146,6 +152,18 @@ def test_hf_adapter_matches_hf_chunked_kernel():
     kernel = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
     theirs, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_kda_adapter_matches_hf_chunked_kernel():
+    """Our Kimi Delta Attention drop-in and HF's chunked fallback agree (HF computes in float32)."""
+    hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    q, k, v, g, beta, h0 = _gdn_inputs(1, 70, h=2, dk=8, dv=8, channel=True)
+    ours = drop_ins.hf_chunk_kimi_delta_attention(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    kernel = getattr(hf.chunk_kimi_delta_attention, "__wrapped__", hf.chunk_kimi_delta_attention)
+    theirs = kernel(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for o, t in zip(ours, theirs):
+        torch.testing.assert_close(o, t.to(o.dtype), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
@@ -191,7 +209,7 @@ def _tree_reference(reference, q, k, v, g, beta, init, batch):
 def test_tree_scan_follows_each_path(name, kind):
     batch, _ = _pack(TREES[name])
     s = batch.num_tokens
-    q, k, v, g, beta, h0 = _gdn_inputs(1, s)
+    q, k, v, g, beta, h0 = _inputs(kind, 1, s)
     out = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, h0, _node_table(batch))
     # Forward: each path's rows equal the reference loop run on that path alone.
     for p in range(batch.num_paths):
@@ -209,7 +227,7 @@ def test_tree_scan_follows_each_path(name, kind):
 def test_tree_state_routing_matters(kind):
     """Guards the test above: running the packed row linearly leaks siblings' state."""
     batch, _ = _pack(TREES["siblings"])
-    q, k, v, g, beta, _ = _gdn_inputs(1, batch.num_tokens)
+    q, k, v, g, beta, _ = _inputs(kind, 1, batch.num_tokens)
     tree = getattr(torch.ops.treecompile, f"tree_{kind}")(q, k, v, g, beta, None, _node_table(batch))
     linear, _ = getattr(torch.ops.treecompile, kind)(q, k, v, g, beta, None)
     assert (tree - linear).abs().max() > 1e-3
@@ -624,6 +642,25 @@ def _zamba():
     )
 
 
+def _kimi_linear():
+    return transformers.KimiLinearConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        layer_types=["linear_attention"], mlp_layer_types=["dense"], num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _bailing_hybrid():
+    return transformers.BailingHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        layer_types=["linear_attention"], first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8,
+        n_group=1, topk_group=1, short_conv_kernel_size=4, num_mtp_layers=0, pad_token_id=0, eos_token_id=1,
+    )
+
+
 #: name -> (config, the SSM state pass's counters, trees to train on).
 MODELS = {
     "qwen3_next": (_qwen3_next, {"gated_delta_rule": 1}, ["branchy", "forest", *TREES]),
@@ -645,6 +682,10 @@ MODELS = {
     "falcon_mamba": (_falcon_mamba, {"selective_scan": 1}, ["branchy", "deep-chain"]),
     "jamba": (_jamba, {"selective_scan": 1}, ["branchy", "chunk-straddle"]),
     "zamba": (_zamba, {"selective_scan": 2}, ["branchy", "siblings"]),
+    # Kimi Delta Attention (a decay per key channel): its chunked form pads the row to whole chunks,
+    # its drop-in runs treecompile::kimi_delta_rule.
+    "kimi_linear": (_kimi_linear, {"kimi_delta_rule": 1}, ["branchy", "chunk-straddle"]),
+    "bailing_hybrid": (_bailing_hybrid, {"kimi_delta_rule": 1}, ["branchy", "deep-chain"]),
 }
 
 #: Causal convs where a model has more than one per recurrent layer, or convs without a scan.
@@ -843,25 +884,6 @@ def test_hybrid_without_its_pass_is_refused(missing, name):
         compiled(make_batch("branchy")[0])
 
 
-def _kimi_linear():
-    return transformers.KimiLinearConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        layer_types=["linear_attention"], mlp_layer_types=["dense"], num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
-        qk_nope_head_dim=8, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
-    )
-
-
-def _bailing_hybrid():
-    return transformers.BailingHybridConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        layer_types=["linear_attention"], first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8,
-        n_group=1, topk_group=1, short_conv_kernel_size=4, num_mtp_layers=0, pad_token_id=0, eos_token_id=1,
-    )
-
-
 def _qwen4_exp_ngram():
     # Per-layer embeddings of hashed n-grams of the previous tokens (PLE) on its one layer.
     return transformers.Qwen4ExpTextConfig(**_gdn_layer(
@@ -891,13 +913,8 @@ def _xlstm():
     )
 
 
-_KDA_PAD = ("node 'pad' (call_function pad) at ", "changes the sequence length")
-
 #: name -> (config, fragments of the refusal that name the op).
 REFUSED = {
-    # Kimi Delta Attention's chunked form pads the row to whole chunks.
-    "kimi_linear": (_kimi_linear, _KDA_PAD),
-    "bailing_hybrid": (_bailing_hybrid, _KDA_PAD),
     # The n-gram embedding reads the previous tokens of the packed row.
     "qwen4_exp_ngram": (_qwen4_exp_ngram, ("changes the sequence length", "token_history = torch.cat(")),
     # Recurrences written as Python loops over the tokens: Dynamo makes the length a constant.

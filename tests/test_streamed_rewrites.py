@@ -42,3 +42,21 @@ def test_a_pair_sum_is_refused_streamed():
     _, batch, _ = zoo.batches()[0]
     with pytest.raises(UnsupportedModelError, match="attention without a softmax .* is not run over streamed parts"):
         compiled(batch)
+
+
+@pytest.mark.full
+def test_kimi_delta_attention_streams_exactly():
+    """Kimi Delta Attention (a decay per key channel) streamed: each part's tree scan starts from
+    the states of earlier parts, injected through rows whose gate is zero in every channel."""
+    pytest.importorskip("transformers")
+    import test_compile_hybrid as hybrid
+    from test_compile_models import compare_with_paths, make_batch
+
+    hybrid._skip_if_absent("kimi_linear")
+    model = hybrid._model("kimi_linear")
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4, mode="keep"))
+    with hf_float64_casts(model):
+        batch, trees = make_batch("branchy")
+        compare_with_paths(model, compiled, batch, trees, tol="hf")
+    assert compiled._stream.stats.parts > 1
+    assert compiled.counters["route_ssm_state_pass"] == {"kimi_delta_rule": 1}

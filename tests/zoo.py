@@ -146,6 +146,7 @@ _OWN_ATTENTION_BEFORE_5_24 = ((5, 24), {"attention": {"softmax_attention": 2}})
 
 _OLD = dict(vocab_size=VOCAB)  # families with their own config names
 
+
 CASES: list[Case] = [
     # ------------------------------------------------------------------ custom spellings
     Case("bmm-tril", "custom: bmm scores over [B*H, T, d], tril buffer [:T, :T], masked_fill",

@@ -4,7 +4,8 @@ check by eye, used by the tests as the ground truth the fast kernels beside them
 * `recurrence_reference`: the scalar-gated recurrence of
   :mod:`treecompile.kernels.scans.recurrence`, token by token (O(S) sequential steps), and its
   two forms, `gated_delta_rule_reference` (Gated DeltaNet, :mod:`treecompile.kernels.scans.gdn`)
-  and `ssd_scan_reference` (Mamba2's SSD, :mod:`treecompile.kernels.scans.mamba2`).
+  and `ssd_scan_reference` (Mamba2's SSD, :mod:`treecompile.kernels.scans.mamba2`); with a gate
+  per key channel, `channel_delta_rule_reference` (Kimi Delta Attention, :mod:`treecompile.kernels.scans.kda`).
 * `selective_scan_reference`: Mamba's selective scan
   (:mod:`treecompile.kernels.scans.selective_scan`), token by token.
 * `path_cumsum_reference`: the running sum along each row's root path
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gated_delta_rule_reference", "path_cumsum_reference", "path_scan_reference", "recurrence_reference",
+__all__ = ["channel_delta_rule_reference", "gated_delta_rule_reference", "path_cumsum_reference", "path_scan_reference", "recurrence_reference",
            "selective_scan_reference", "ssd_scan_reference"]
 
 Tensor = torch.Tensor
@@ -33,7 +34,8 @@ def recurrence_reference(
     state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype).clone()
     out = q.new_zeros(b, s, h, v.shape[-1])
     for t in range(s):
-        state = state * g[:, t].exp()[..., None, None]
+        # A gate per head [B, S, H] decays the whole state; one per key channel [B, S, H, Dk] its rows.
+        state = state * (g[:, t].exp()[..., None] if g.dim() == k.dim() else g[:, t].exp()[..., None, None])
         written = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]) if delta else v[:, t]
         state = state + k[:, t, :, :, None] * (beta[:, t, :, None] * written)[:, :, None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
@@ -44,6 +46,14 @@ def gated_delta_rule_reference(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The gated delta rule, token by token, in the inputs' dtype: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
+    return recurrence_reference(q, k, v, g, beta, initial_state, delta=True)
+
+
+def channel_delta_rule_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Kimi Delta Attention (the delta rule with ``g`` ``[B, S, H, Dk]``, a decay per key
+    channel), token by token: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
     return recurrence_reference(q, k, v, g, beta, initial_state, delta=True)
 
 

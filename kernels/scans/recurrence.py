@@ -87,6 +87,10 @@ def chunked_recurrence(
     ``A_ij = beta_i exp(b_i - b_j) (k_i . k_j)`` for ``j < i``, a unit lower-triangular
     system; the plain form has ``U = beta * V``.
     """
+    if g.dim() == k.dim():
+        if not delta:
+            raise ValueError("a gate per key channel is taken by the delta form only")
+        return _chunked_channel_delta(q, k, v, g, beta, initial_state, chunk)
     b, s, h, dk = k.shape
     dv = v.shape[-1]
     state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
@@ -118,6 +122,42 @@ def chunked_recurrence(
         outs.append(start * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
         tail = seg[..., -1, :].exp()[..., None]  # exp(b_C - b_j) [B, H, C, 1]
         state = cum[..., -1].exp()[..., None, None] * state + (kc * tail).transpose(-1, -2) @ u
+    out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s].transpose(1, 2)
+    return out, state
+
+
+def _chunked_channel_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                           chunk: int) -> tuple[Tensor, Tensor]:
+    """The delta form with a decay per key channel (Kimi Delta Attention: ``g`` ``[B, S, H, Dk]``,
+    ``S <- diag(exp(g_t)) S``), ``chunk`` tokens per step. As `chunked_recurrence` with ``b_i``
+    a vector: ``A_ij = beta_i sum_d k_i[d] exp(b_i - b_j)[d] k_j[d]`` and the read
+    ``sum_d q_i[d] exp(b_i - b_j)[d] k_j[d]``, one ``[C, C, Dk]`` decay per chunk and head."""
+    b, s, h, dk = k.shape
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    pad = (-s) % chunk
+    # [B, H, n, C, D]; the zero padding rows at the end are exact no-ops.
+    q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).unflatten(2, (-1, chunk))
+                  for x in (q, k, v, g))
+    beta = torch.nn.functional.pad(beta, (0, 0, 0, pad)).transpose(1, 2).unflatten(2, (-1, chunk))
+    idx = torch.arange(chunk, device=q.device)
+    causal = (idx[:, None] >= idx[None, :])[..., None]
+    strict = (idx[:, None] > idx[None, :])[..., None]
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    outs = []
+    for c in range(q.shape[2]):
+        qc, kc, vc, gc, bc = q[:, :, c], k[:, :, c], v[:, :, c], g[:, :, c], beta[:, :, c]
+        cum = gc.cumsum(-2)  # b_i [B, H, C, Dk]
+        # b_i - b_j = g_{j+1} + ... + g_i per channel, summed directly (see `chunked_recurrence`).
+        seg = gc[..., :, None, :].expand(*gc.shape[:-1], chunk, dk).masked_fill(~strict, 0.0).cumsum(-3)
+        decay = seg.masked_fill(~causal, float("-inf")).exp()  # [B, H, C, C, Dk]
+        start = cum.exp()  # exp(b_i)
+        a = (bc[..., :, None] * (kc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1)).tril(-1)
+        rhs = bc[..., None] * (vc - (kc * start) @ state)
+        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        outs.append((qc * start) @ state + (qc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1) @ u)
+        tail = seg[..., -1, :, :].exp()  # exp(b_C - b_j) [B, H, C, Dk]
+        state = cum[..., -1, :].exp()[..., :, None] * state + (kc * tail).transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s].transpose(1, 2)
     return out, state
 

@@ -1,6 +1,6 @@
-"""The custom ops of the scalar-gated recurrences (see :mod:`treecompile.kernels.scans.recurrence`).
+"""The custom ops of the gated recurrences (see :mod:`treecompile.kernels.scans.recurrence`).
 
-:func:`register` registers, for one kind (``gated_delta_rule``, ``ssd_scan``), the
+:func:`register` registers, for one kind (``gated_delta_rule``, ``kimi_delta_rule``, ``ssd_scan``), the
 linear-sequence op the wrapper swaps in for a model's kernel, its tree form (what the SSM
 state pass puts in its place) and their backward, which recomputes the forward under
 autograd and differentiates it.
@@ -28,8 +28,12 @@ def _run(fn: Callable, inputs: list[Tensor], initial_state: Tensor | None, *rest
     return fn(*(x.to(ct) for x in inputs), init, *rest, **options)
 
 
-def _tree_options(scan_kernel: str, q: Tensor, delta: bool) -> dict:
-    """``tree_recurrence``'s keyword arguments for the tree op's ``scan_kernel`` name."""
+def _tree_options(scan_kernel: str, q: Tensor, g: Tensor, delta: bool) -> dict:
+    """``tree_recurrence``'s keyword arguments for the tree op's ``scan_kernel`` name. A gate per
+    key channel (Kimi Delta Attention) runs the torch scan: the variable-length kernels take a
+    gate per head."""
+    if g.dim() == q.dim():
+        return {"delta": delta, "varlen": None}
     return {"delta": delta, "varlen": _rec.varlen_kernel(scan_kernel, q.device, delta, compute_dtype(q.dtype))}
 
 
@@ -73,7 +77,7 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
              node_table: Tensor, scan_kernel: str = "auto") -> Tensor:
         # Not ``kernel``: Inductor's fallback lowering takes an argument of that name itself.
         out = _run(_rec.tree_recurrence, [q, k, v, g, beta], initial_state, node_table,
-                   **_tree_options(scan_kernel, q, delta))
+                   **_tree_options(scan_kernel, q, g, delta))
         return out.to(v.dtype).contiguous()
 
     @tree.register_fake
@@ -89,7 +93,7 @@ def register(kind: str, *, delta: bool) -> tuple[Callable, Callable]:
         if node_table is None:
             return _grads(_rec.chunked_recurrence, inputs, initial_state, [d_out, d_final], delta=delta)
         return _grads(_rec.tree_recurrence, inputs, initial_state, [d_out], node_table,
-                      **_tree_options(scan_kernel, q, delta))
+                      **_tree_options(scan_kernel, q, g, delta))
 
     @backward.register_fake
     def _backward_fake(q, k, v, g, beta, initial_state, d_out, d_final, node_table, scan_kernel):

@@ -25,12 +25,14 @@ import torch.nn.functional as F
 
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers treecompile::causal_conv1d)
 from treecompile.kernels.scans import gdn as _gdn  # noqa: F401  (registers treecompile::gated_delta_rule)
+from treecompile.kernels.scans import kda as _kda  # noqa: F401  (registers treecompile::kimi_delta_rule)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward",
-           "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
+           "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_kimi_delta_attention",
+           "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -127,6 +129,38 @@ def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_f
         query, key = _l2norm(query), _l2norm(key)
     query = query * (query.shape[-1] ** -0.5 if scale is None else scale)
     out, final = torch.ops.treecompile.gated_delta_rule(query, key, value, g, beta, initial_state)
+    return out.to(dtype), (final if output_final_state else None)
+
+
+# --------------------------------------------------------------------------- Kimi Delta Attention
+
+
+def hf_chunk_kimi_delta_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for HF's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (Kimi
+    Linear, Bailing hybrid): the same arguments and result (``[B, S, H, Dv]``, and the final
+    state, which HF's chunked form returns always and the recurrent one when asked). The
+    token-wise preparation (L2 norm, ``Dk^-0.5`` query scaling, in at least float32 as HF does)
+    runs here, the recurrence (a decay per key channel) in ``treecompile::kimi_delta_rule``."""
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("treecompile's delta rule keeps packed sequences apart itself: pass no cu_seqlens")
+    dtype = query.dtype
+    ct = compute_dtype(dtype)
+    query, key, value, g, beta = (x.to(ct) for x in (query, key, value, g, beta))
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    out, final = torch.ops.treecompile.kimi_delta_rule(query * query.shape[-1] ** -0.5, key, value, g, beta,
+                                                       initial_state)
     return out.to(dtype), (final if output_final_state else None)
 
 
