@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 #: One case per kernel input the rewrites build (ids in tests/zoo.py).
 CASES = ["forgetting-transformer", "key-gate-bias-mqa", "key-padding-sdpa", "key-padding-fill", "encoder-layer-padding",
          "diff-transformer", "t5-bias", "flex-softcap", "mha-bias-kv-zero-attn", "retnet-learned-decay",
-         "cumsum-linear-attention", "talking-heads-both", "doge", "dbrx", "jetmoe", "minimax"]
+         "cumsum-linear-attention", "talking-heads-both", "doge", "dbrx", "minimax"]
 
 
 def _paths(model: torch.nn.Module, trees) -> Measured:
