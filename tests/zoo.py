@@ -461,6 +461,15 @@ CASES: list[Case] = [
     Case("jetmoe-aux", "JetMoE with the router auxiliary loss (its router's logits recorded through the drop-in)",
          hf=True, build=_hf("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
                             num_key_value_heads=2, output_router_logits=True, aux_loss_coef=0.5)),
+    # ZAYA's compressed convolutional attention: two convs over one left padding and a value
+    # delayed by one token (the delayed projection of zeros before the first): a drop-in writes
+    # both in the passes' causal forms with the same values.
+    Case("zaya", "ZAYA: q/k mixed by two causal convs over one padding, a delayed value, MoE (a drop-in)",
+         hf=True, since=(5, 13),
+         build=_hf("ZayaConfig", num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                   num_experts_per_tok=1, router_hidden_size=16, cca_time0=2, cca_time1=3, attention_bias=True,
+                   pad_token_id=0, bos_token_id=0, eos_token_id=0),
+         attention={"hf_interface": 2}),
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
          since=(5, 11),
          build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,

@@ -30,7 +30,7 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward",
+__all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward",
            "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn", "hf_chunk_kimi_delta_attention",
            "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
            "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
@@ -405,6 +405,43 @@ def minimax_lightning_forward(self, hidden_states: Tensor, position_embeddings: 
     return self.out_proj(F.sigmoid(self.output_gate(hidden_states)) * out), None
 
 
+def zaya_cca_forward(self, hidden_states: Tensor, cache: Any, conv_mask: Tensor | None = None) -> tuple:
+    """Drop-in for ``ZayaCCAProjection.forward`` without a cache. Its q/k mix runs two convs over
+    one left padding of ``(Ka - 1) + (Kb - 1)``: the second reads ``Kb - 1`` outputs of the first
+    computed over zeros alone, its bias ``c``, where a path starts; its delayed value reads, before
+    the first token, the delayed projection of zeros. Both written here as the passes' causal forms
+    with the same values: the second conv over ``first - c`` with zero history plus its response
+    to ``c`` everywhere (it is linear), the value shifted by one as ``x - fill`` after a zero row
+    plus ``fill``."""
+    if cache is not None:
+        raise ValueError("a tree call runs without a cache")
+    if conv_mask is not None:
+        hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
+    shape = hidden_states.shape[:-1]
+    heads = (*shape, -1, self.head_dim)
+    queries, keys = self.q_proj(hidden_states), self.k_proj(hidden_states)
+    groups = self.num_key_value_groups
+    key_residual = keys.view(*heads).repeat_interleave(groups, dim=-2) if groups > 1 else keys.view(*heads)
+    query_residual = (queries.view(*heads) + key_residual) * 0.5
+    key_residual = query_residual.view(*shape, -1, groups, self.head_dim).mean(dim=-2)
+    first, second = self.conv_qk_depthwise, self.conv_qk_grouped
+    x = torch.cat([queries, keys], dim=-1).transpose(1, 2)
+    y = first(F.pad(x, (first.kernel_size[0] - 1, 0)))
+    c = first.bias if first.bias is not None else y.new_zeros(y.shape[1])
+    kb = second.kernel_size[0]
+    response = F.conv1d(c[None, :, None].expand(1, -1, kb), second.weight, second.bias, groups=second.groups)
+    qk = (F.conv1d(F.pad(y - c[:, None], (kb - 1, 0)), second.weight, None, groups=second.groups) + response)
+    qk = qk.transpose(1, 2)
+    width = query_residual.shape[-2] * query_residual.shape[-1]
+    query = qk[..., :width].view(*heads) + query_residual
+    key = qk[..., width:].view(*heads) + key_residual
+    delayed = self.v_proj_delayed(hidden_states)
+    fill = self.v_proj_delayed(hidden_states.new_zeros(shape[0], 1, self.hidden_size))
+    value_delayed = torch.cat([torch.zeros_like(fill), (delayed - fill)[:, :-1]], dim=1) + fill
+    value = torch.cat([self.v_proj_current(hidden_states), value_delayed], dim=-1).view(*heads)
+    return query, key, value
+
+
 #: Classes whose code a capture cannot follow (a loop over the experts a batch hits, over blocks
 #: of the sequence, sizes read as Python numbers): ``(module,
 #: class name) -> (attributes it must have, lines its methods must have, drop-in forward or
@@ -449,6 +486,20 @@ CLASS_DROP_INS = {
          "attn_output = F.sigmoid(self.output_gate(hidden_states)) * attn_output",
          "attn_output = self.out_proj(attn_output)"),
         minimax_lightning_forward),
+    ("transformers.models.zaya.modeling_zaya", "ZayaCCAProjection"): (
+        ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "conv_qk_depthwise", "conv_qk_grouped", "head_dim",
+         "num_key_value_groups", "hidden_size"),
+        ("query_residual = (query_residual + key_residual) * 0.5",
+         "key_residual = query_residual.view(*input_shape, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)",
+         "qk_states = F.pad(qk_states, (self.conv_kernel_size, 0))",
+         "qk_states = self.conv_qk_depthwise(qk_states)",
+         "qk_states = self.conv_qk_grouped(qk_states).transpose(1, 2)",
+         "query = qk_states[..., :query_hidden_size].view(*hidden_shape) + query_residual",
+         "key = qk_states[..., query_hidden_size:].view(*hidden_shape) + key_residual",
+         "recurrent_v_state = self.v_proj_delayed(hidden_states.new_zeros(input_shape[0], 1, self.hidden_size))",
+         "value_delayed = torch.cat([recurrent_v_state, delayed_v_state[:, :-1]], dim=1)",
+         "value = torch.cat([value_current, value_delayed], dim=-1).view(*hidden_shape)"),
+        zaya_cca_forward),
 }
 
 #: Classes whose drop-ins read each other's results: swapped all together or not at all.
