@@ -155,7 +155,8 @@ def _structural_causal_bias(ctx, mask, kind, heads):
     rows = m.shape[-2]
     flat = m.reshape(-1, rows, s)
     slopes = None
-    if (kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool)) and m.is_floating_point():
+    was_float = (kind == "additive" or (kind == "sdpa" and m.dtype != torch.bool)) and m.is_floating_point()
+    if was_float:
         blocked = flat <= BLOCKED
         bias = flat.masked_fill(blocked, 0.0)
         if torch.any(bias != 0):
@@ -169,6 +170,9 @@ def _structural_causal_bias(ctx, mask, kind, heads):
         kind = "masked_fill"
     if slopes is not None and not torch.any(flat):
         return None, None, slopes, False  # a bias and no mask: causality must come from elsewhere
+    if slopes is None and kind == "masked_fill" and was_float and not torch.any(flat):
+        # An additive term of zeros (baddbmm's zero input, GPT-NeoX-Japanese): it changes no score.
+        return None, None, None, False
     if rows == 1 and slopes is None and not torch.any(flat.bool()):
         return None, None, None, False  # a term that changes no score (an all-zero padding mask)
     if rows == 1:

@@ -415,6 +415,10 @@ CASES: list[Case] = [
          "transformers 5.13)", hf=True,
          build=_hf("CTRLConfig", common=False, vocab_size=VOCAB, n_embd=32, dff=64, n_layer=2, n_head=4,
                    n_positions=64)),
+    Case("gpt-neox-japanese", "GPT-NeoX-Japanese: own attention, baddbmm onto a zero tensor (an additive term of "
+         "zeros beside the causal mask)", hf=True,
+         build=_hf("GPTNeoXJapaneseConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, intermediate_multiple_size=2, bos_token_id=0, eos_token_id=0)),
     Case("mixtral", "Mixtral: sparse MoE", hf=True,
          build=_hf("MixtralConfig", num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2)),
     Case("qwen2-moe", "Qwen2-MoE: MoE with a shared expert", hf=True,
