@@ -111,9 +111,9 @@ def fla_chunk_gated_delta_rule(
                              kwargs)
 
 
-def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_final_state, l2norm, kwargs):
+def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_final_state, l2norm, kwargs, op=None):
     """The token-wise preparation (head repeat, L2 norm, query scaling, in at least float32),
-    then ``treecompile::gated_delta_rule``."""
+    then ``op`` (default ``treecompile::gated_delta_rule``)."""
     if kwargs.get("cu_seqlens") is not None:
         raise ValueError("treecompile's gated delta rule keeps packed sequences apart itself: pass no cu_seqlens")
     if kwargs.get("head_first"):
@@ -128,7 +128,7 @@ def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_f
     if l2norm:
         query, key = _l2norm(query), _l2norm(key)
     query = query * (query.shape[-1] ** -0.5 if scale is None else scale)
-    out, final = torch.ops.treecompile.gated_delta_rule(query, key, value, g, beta, initial_state)
+    out, final = (op or torch.ops.treecompile.gated_delta_rule)(query, key, value, g, beta, initial_state)
     return out.to(dtype), (final if output_final_state else None)
 
 
@@ -149,19 +149,10 @@ def hf_chunk_kimi_delta_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Drop-in for HF's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (Kimi
     Linear, Bailing hybrid): the same arguments and result (``[B, S, H, Dv]``, and the final
-    state, which HF's chunked form returns always and the recurrent one when asked). The
-    token-wise preparation (L2 norm, ``Dk^-0.5`` query scaling, in at least float32 as HF does)
-    runs here, the recurrence (a decay per key channel) in ``treecompile::kimi_delta_rule``."""
-    if kwargs.get("cu_seqlens") is not None:
-        raise ValueError("treecompile's delta rule keeps packed sequences apart itself: pass no cu_seqlens")
-    dtype = query.dtype
-    ct = compute_dtype(dtype)
-    query, key, value, g, beta = (x.to(ct) for x in (query, key, value, g, beta))
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
-    out, final = torch.ops.treecompile.kimi_delta_rule(query * query.shape[-1] ** -0.5, key, value, g, beta,
-                                                       initial_state)
-    return out.to(dtype), (final if output_final_state else None)
+    state when asked), as `hf_chunk_gated_delta_rule` with a decay per key channel, the
+    recurrence in ``treecompile::kimi_delta_rule``."""
+    return _gated_delta_rule(query, key, value, g, beta, None, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, kwargs, torch.ops.treecompile.kimi_delta_rule)
 
 
 # --------------------------------------------------------------------------- Mamba2's SSD
