@@ -30,10 +30,11 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward", "jetmoe_moe_forward",
-           "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
-           "hf_chunk_kimi_delta_attention", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "hf_mamba2_chunk_scan",
-           "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan", "hf_mamba_inner_fn"]
+__all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward",
+           "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
+           "hf_chunk_kimi_delta_attention", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule",
+           "hf_mamba2_chunk_scan", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
+           "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
 
