@@ -158,8 +158,8 @@ def test_hf_kda_adapter_matches_hf_chunked_kernel():
     """Our Kimi Delta Attention drop-in and HF's chunked fallback agree (HF computes in float32)."""
     hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     q, k, v, g, beta, h0 = _gdn_inputs(1, 70, h=2, dk=8, dv=8, channel=True)
-    ours = drop_ins.hf_chunk_kimi_delta_attention(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
+    ours = drop_ins.hf_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
     kernel = getattr(hf.chunk_kimi_delta_attention, "__wrapped__", hf.chunk_kimi_delta_attention)
     theirs = kernel(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for o, t in zip(ours, theirs):

@@ -11,9 +11,10 @@ Gated DeltaNet's rule (:mod:`treecompile.kernels.scans.gdn`) with ``g`` ``[B, S,
 place of ``[B, S, H]``; :mod:`treecompile.kernels.scans.recurrence` computes both (chunked,
 and on a tree by depth levels; the torch scan only, the variable-length kernels take a gate per
 head) and registers the ops ``treecompile::kimi_delta_rule(q, k, v, g, beta, initial_state)``,
-``treecompile::tree_kimi_delta_rule(..., node_table, scan_kernel)`` and their backward. The
-drop-ins for Hugging Face's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``
-(Kimi Linear, Bailing hybrid) are in :mod:`treecompile.capture.drop_ins`; the loop above, token
+``treecompile::tree_kimi_delta_rule(..., node_table, scan_kernel)`` and their backward. Hugging
+Face's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (Kimi Linear, Bailing
+hybrid) are swapped for the gated delta rule's drop-in in :mod:`treecompile.capture.drop_ins`,
+which picks this op by the gate's shape; the loop above, token
 by token, is `channel_delta_rule_reference` in :mod:`treecompile.kernels.scans.naive`.
 """
 

@@ -103,15 +103,21 @@ def mixed_heads(e: Emitter, mix: HeadMix, q: fx.Node, k: fx.Node, v: fx.Node) ->
     m = e.method("to", m, torch.promote_types(qv.dtype, value(m).dtype))
     q = e.method("to", q, value(m).dtype) if qv.dtype != value(m).dtype else q
     if kheads == 1:  # one key for every head: the mix is on the queries alone
-        return e.fn(torch.einsum, "bhsd,gh->bgsd", q, m), k
+        return e.fn(torch.einsum, "bhsd,gh->bgsd", q, m), _as_values(e, k, v)
     if kheads != heads:
         k = e.method("repeat_interleave", k, heads // kheads, 1)
     q = e.method("reshape", e.fn(torch.einsum, "bhsd,gh->bgshd", q, m), qv.shape[0], value(m).shape[0], -1,
                  heads * qv.shape[-1])
     k = e.method("unsqueeze", e.method("reshape", e.method("transpose", k, 1, 2), kv.shape[0], -1,
                                        heads * kv.shape[-1]), 1)
-    k = e.method("expand", k, -1, value(v).shape[1], -1, -1)
+    k = _as_values(e, k, v)
     return q, e.method("to", k, value(q).dtype) if value(k).dtype != value(q).dtype else k
+
+
+def _as_values(e: Emitter, k: fx.Node, v: fx.Node) -> fx.Node:
+    """One key head expanded to the values' heads (the kernel pairs key and value heads)."""
+    heads = value(v).shape[1]
+    return k if value(k).shape[1] == heads else e.method("expand", k, -1, heads, -1, -1)
 
 
 def mix_matrix(e: Emitter, mix: HeadMix) -> fx.Node:

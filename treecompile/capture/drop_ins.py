@@ -32,7 +32,7 @@ from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward",
            "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
-           "hf_chunk_kimi_delta_attention", "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule",
+           "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule",
            "hf_mamba2_chunk_scan", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
            "hf_mamba_inner_fn"]
 
@@ -79,7 +79,8 @@ def hf_chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    """Drop-in for HF's ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``.
+    """Drop-in for HF's ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``, and
+    for its Kimi Delta Attention twins (a decay per key channel, see `_gated_delta_rule`).
 
     Same arguments and result (``[B, S, Hv, Dv]`` and the final state or None); the chunk size
     only changes how HF's kernel sums, not what it computes. The token-wise preparation
@@ -112,9 +113,11 @@ def fla_chunk_gated_delta_rule(
                              kwargs)
 
 
-def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_final_state, l2norm, kwargs, op=None):
+def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_final_state, l2norm, kwargs):
     """The token-wise preparation (head repeat, L2 norm, query scaling, in at least float32),
-    then ``op`` (default ``treecompile::gated_delta_rule``)."""
+    then ``treecompile::gated_delta_rule``, or with a decay per key channel (``g`` ``[B, T, H, K]``,
+    Kimi Delta Attention: HF's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``
+    take the same arguments) ``treecompile::kimi_delta_rule``."""
     if kwargs.get("cu_seqlens") is not None:
         raise ValueError("treecompile's gated delta rule keeps packed sequences apart itself: pass no cu_seqlens")
     if kwargs.get("head_first"):
@@ -129,31 +132,9 @@ def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_f
     if l2norm:
         query, key = _l2norm(query), _l2norm(key)
     query = query * (query.shape[-1] ** -0.5 if scale is None else scale)
-    out, final = (op or torch.ops.treecompile.gated_delta_rule)(query, key, value, g, beta, initial_state)
+    op = torch.ops.treecompile.kimi_delta_rule if g.dim() == key.dim() else torch.ops.treecompile.gated_delta_rule
+    out, final = op(query, key, value, g, beta, initial_state)
     return out.to(dtype), (final if output_final_state else None)
-
-
-# --------------------------------------------------------------------------- Kimi Delta Attention
-
-
-def hf_chunk_kimi_delta_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
-    """Drop-in for HF's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (Kimi
-    Linear, Bailing hybrid): the same arguments and result (``[B, S, H, Dv]``, and the final
-    state when asked), as `hf_chunk_gated_delta_rule` with a decay per key channel, the
-    recurrence in ``treecompile::kimi_delta_rule``."""
-    return _gated_delta_rule(query, key, value, g, beta, None, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, kwargs, torch.ops.treecompile.kimi_delta_rule)
 
 
 # --------------------------------------------------------------------------- Mamba2's SSD

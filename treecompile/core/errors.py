@@ -102,14 +102,14 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
 
 
 def _refusal_types() -> list[type[UnsupportedModelError]]:
-    """`UnsupportedModelError` and its subclasses, most derived first (Dynamo reports an exception
-    the traced code raised by its type's name and arguments)."""
+    """`UnsupportedModelError` and its subclasses (Dynamo reports an exception the traced code
+    raised by its type's name and arguments)."""
     found, stack = [], [UnsupportedModelError]
     while stack:
         c = stack.pop()
         found.append(c)
         stack.extend(c.__subclasses__())
-    return found[::-1]
+    return found
 
 
 _CALL_SITE = str(Path(__file__).resolve().parents[1] / "capture" / "call.py")
