@@ -151,7 +151,8 @@ def test_a_padded_or_moved_batch_carries_the_check_a_fresh_one_finds():
     from treecompile.core.batch import _validate
 
     batch = pack(TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 9]]))
-    for other in (batch.padded(batch.num_tokens + 3), batch.to("cpu"), batch.padded(2)):
+    for other in (batch.padded(batch.num_tokens + 3), batch.to("cpu"), batch.padded(2),
+                  batch.padded(2, target=True), batch.padded(batch.num_tokens + 4, target=True)):
         carried, fresh = other._fresh_check(), _validate(other)
         assert carried is not None
         assert (carried.max_id, carried.longest, carried.longest_tree) == (fresh.max_id, fresh.longest,
@@ -219,6 +220,26 @@ def test_padding_rows_are_isolated_and_weightless(forest):
     zero = torch.zeros((), dtype=torch.int64)
     assert torch.equal(bind_buffers(bitmask_mask_mod(padded.path_bits.shape[1]), padded.tree_ids, padded.path_bits)(zero, zero, q, k), mask)
     assert batch.padded(1) is batch
+
+
+@given(forests)
+def test_a_padding_target_is_an_isolated_two_token_tree_of_weight_zero(forest):
+    batch = pack(_trees(forest), path_bits=True)
+    s = batch.num_tokens
+    padded = batch.padded(s + 3, target=True).validate()
+    assert padded.num_tokens == s + 3 and padded.num_trees == batch.num_trees + 2
+    assert padded.num_nodes == batch.num_nodes + 2
+    mask = padded.reference_attention_mask()
+    assert torch.equal(mask[:s, :s], batch.reference_attention_mask())
+    assert not mask[:s, s:].any() and not mask[s:, :s].any()
+    assert torch.equal(mask[s:, s:], torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool))
+    assert padded.pred_index[s:].tolist() == [-1, -1, s + 1] and torch.all(padded.target_weight[s:] == 0)
+    dest, rows, slot = padded.head_index()
+    assert dest[-1] == s + 2 and rows[slot[-1]] == s + 1
+    q, k = torch.arange(s + 3)[:, None], torch.arange(s + 3)[None, :]
+    zero = torch.zeros((), dtype=torch.int64)
+    assert torch.equal(bind_buffers(bitmask_mask_mod(padded.path_bits.shape[1]), padded.tree_ids, padded.path_bits)(zero, zero, q, k), mask)
+    assert batch.padded(s, target=True).num_tokens == s + 2
 
 
 def test_a_batch_bound_for_cuda_is_pinned_and_copied_without_blocking_the_host(monkeypatch):

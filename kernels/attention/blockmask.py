@@ -30,7 +30,7 @@ __all__ = ["tree_block_mask", "block_classes", "block_mask_from_classes"]
 
 
 def block_classes(subtree_end: torch.Tensor, block_size: int, *,
-                  q_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  q_len: int | None = None, min_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial, full)``: ``[nq, nk]`` bool over (query block, key block) pairs.
 
     Args:
@@ -38,11 +38,13 @@ def block_classes(subtree_end: torch.Tensor, block_size: int, *,
         block_size: rows per block (the same for queries and keys).
         q_len: the queries are the last ``q_len`` rows (a streamed part's own rows after
             its ``L - q_len`` prefix keys, `treecompile.kernels.attention.prefix_flex`); default all L.
+        min_blocks: at least this many blocks on each side: the blocks past the rows are empty
+            (they hold padding rows only).
     """
     total = subtree_end.shape[0]
     q_len = total if q_len is None else q_len
     p = total - q_len
-    nq, nk = -(-q_len // block_size), -(-total // block_size)
+    nq, nk = max(-(-q_len // block_size), min_blocks), max(-(-total // block_size), min_blocks)
     # Padding rows past the end see nothing and are seen by nothing, as create_block_mask
     # evaluates them: they never make a pair visible, and a block holding one is never full.
     end = torch.nn.functional.pad(subtree_end.to(torch.int64), (0, nk * block_size - total), value=-1)
@@ -82,7 +84,7 @@ def _to_indices(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tree_block_mask(
-    subtree_end: torch.Tensor, *, block_size: int = 128, mask_mod: MaskMod | None = None
+    subtree_end: torch.Tensor, *, block_size: int = 128, mask_mod: MaskMod | None = None, min_blocks: int = 1
 ) -> BlockMask:
     """The ``BlockMask`` of the tree rule for one packed row (batch 1, shared by all heads).
 
@@ -93,11 +95,12 @@ def tree_block_mask(
             interval rule over ``subtree_end``. Pass another
             rule only if it is the same relation (the bitmask rule, or one restricted further,
             as by a sliding window, in which case extra blocks are merely partial).
+        min_blocks: at least this many query and key blocks (`block_classes`).
 
     Returns:
         A ``BlockMask`` equal to ``create_block_mask(mask_mod, 1, 1, S, S, BLOCK_SIZE=block_size)``.
     """
-    partial, full = block_classes(subtree_end, block_size)
+    partial, full = block_classes(subtree_end, block_size, min_blocks=min_blocks)
     return block_mask_from_classes(
         partial, full, subtree_end.shape[0], block_size, mask_mod or bind_buffers(interval_mask_mod(), subtree_end)
     )

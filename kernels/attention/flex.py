@@ -108,13 +108,14 @@ def alibi_score_mod(inner: Callable) -> Callable:
 # --------------------------------------------------------------------------- BlockMasks
 
 
-def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
+def interval_block_mask(subtree_end: torch.Tensor, block_size: int = BLOCK_SIZE, *, min_blocks: int = 1) -> BlockMask:
     """The BlockMask of the interval rule, from per-block min/max of ``subtree_end``.
 
     See `treecompile.kernels.attention.blockmask.tree_block_mask`: no pair is evaluated, and the result
-    equals ``create_block_mask``'s.
+    equals ``create_block_mask``'s (with ``min_blocks``, at least that many blocks each side, the
+    ones past the rows empty).
     """
-    return tree_block_mask(subtree_end, block_size=block_size)
+    return tree_block_mask(subtree_end, block_size=block_size, min_blocks=min_blocks)
 
 
 # --------------------------------------------------------------------------- version shim

@@ -82,7 +82,7 @@ def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[Grap
     # The bitmask rule is the same relation as the interval rule, so the block classes from
     # subtree_end are its exact classes (what create_block_mask would find); the bitmask
     # mask_mod decides the pairs inside partial blocks.
-    block_tensors, layout = split_block_mask(interval_block_mask(batch.subtree_end, BLOCK_SIZE))
+    block_tensors, layout = split_block_mask(interval_block_mask(batch.subtree_end, BLOCK_SIZE, min_blocks=2))
     # The target rows and their predicting rows, from the batch's check (built on the host at
     # pack time: no device sync here).
     dest, rows, slot = batch.head_index()

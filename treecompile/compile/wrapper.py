@@ -434,7 +434,9 @@ class TreeCompiledModel(DelegatingModule):
         rows = batch.num_tokens
         # Torch specialises a size-1 dimension as a constant, which would both recompile and
         # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
-        # isolated padding row of weight 0 changes nothing else).
+        # isolated padding row of weight 0 changes nothing else), and where the batch has one
+        # target, one predicting row or one node, a two-token padding tree whose target has
+        # weight 0 (so that a first call on such a batch compiles the graph every tree reuses).
         longest = batch.longest_path()[0]  # from the batch's check: no read of the device
         if self._proven_rows is not None and longest > self._proven_rows:
             # The compiled graph rests on a judgement made at a shorter length (the model's own
@@ -442,7 +444,8 @@ class TreeCompiledModel(DelegatingModule):
             # path's length so that growing batches recompile O(log) times.
             self._compiled, self._proven_rows = None, None
             self._state.probe_rows = 2 * longest
-        batch = batch.padded(MIN_ROWS)
+        dest, predicting, _ = batch.head_index()
+        batch = batch.padded(MIN_ROWS, target=min(dest.shape[0], predicting.shape[0], batch.num_nodes) == 1)
         batch = batch.to(device) if batch.device != device else batch
         args = self._inputs(batch)
         compiled_before = len(self.compile_records)

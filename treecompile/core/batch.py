@@ -220,13 +220,18 @@ class TreeBatch:
         j = int(pos.argmax())
         return int(pos[j]) + 1, int(self.tree_ids[j])
 
-    def padded(self, num_tokens: int) -> TreeBatch:
+    def padded(self, num_tokens: int, *, target: bool = False) -> TreeBatch:
         """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
 
         A padding row sees only itself, no row sees it, nothing predicts from it and it has no
         target, so every other row's outputs, the loss and the gradients are unchanged.
+
+        With ``target``, two rows more (at least) are appended and the last two form one
+        two-token tree whose second token is a target of weight 0 predicted by the first: the
+        batch gains a target, a predicting row and a node, and its loss and gradients are
+        unchanged (the target's log-probability is multiplied by 0).
         """
-        extra = num_tokens - self.num_tokens
+        extra = max(num_tokens - self.num_tokens, 2 if target else 0)
         if extra <= 0:
             return self
         s, t = self.num_tokens, self.num_trees
@@ -235,33 +240,47 @@ class TreeBatch:
         def ext(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, tail.to(device=dev, dtype=x.dtype)])
 
-        rows = torch.arange(s, num_tokens, device=dev)
-        zeros = torch.zeros(extra, dtype=torch.int64, device=dev)
+        rows = torch.arange(s, s + extra)
+        zeros = torch.zeros(extra, dtype=torch.int64)
+        position, pred, end, tree = zeros.clone(), zeros - 1, rows + 1, torch.arange(t, t + extra)
+        starts = rows  # each appended tree's first row (and its one node)
+        if target:
+            a = s + extra - 2
+            position[-1], pred[-1], end[-2], tree[-1] = 1, a, a + 2, tree[-2]
+            starts = rows[:-1]
+        n = len(starts)
+        node_end = starts + 1
+        node_end[-1] = s + extra
         checked = self._fresh_check()
         out = dataclasses.replace(
             self,
             input_ids=ext(self.input_ids, zeros),
-            position_ids=ext(self.position_ids, zeros),
-            subtree_end=ext(self.subtree_end, rows + 1),
-            pred_index=ext(self.pred_index, zeros - 1),
+            position_ids=ext(self.position_ids, position),
+            subtree_end=ext(self.subtree_end, end),
+            pred_index=ext(self.pred_index, pred),
             target_weight=ext(self.target_weight, zeros),
-            tree_ids=ext(self.tree_ids, torch.arange(t, t + extra, device=dev)),
+            tree_ids=ext(self.tree_ids, tree),
             path_count=ext(self.path_count, zeros),
-            node_start=ext(self.node_start, rows),
-            node_end=ext(self.node_end, rows + 1),
-            node_parent=ext(self.node_parent, zeros - 1),
-            tree_offsets=ext(self.tree_offsets, rows + 1),
+            node_start=ext(self.node_start, starts),
+            node_end=ext(self.node_end, node_end),
+            node_parent=ext(self.node_parent, torch.full((n,), -1)),
+            tree_offsets=ext(self.tree_offsets, torch.cat([starts[1:], torch.tensor([s + extra])])),
             path_bits=None if self.path_bits is None else ext(
                 self.path_bits, torch.zeros(extra, self.path_bits.shape[1], dtype=torch.int64).index_fill_(1, torch.tensor([0]), 1)
             ),
         )
         if checked is not None:
-            # The padding rows are one-token trees with no target that predict nothing: the head
-            # index is unchanged, the node table gains one root node per row.
-            pad_rows = np.arange(s, num_tokens, dtype=np.int64)
-            pad_nodes = torch.from_numpy(np.stack([pad_rows, pad_rows + 1, np.full(extra, -1)], 1))
+            # The padding trees are one-token trees with no target that predict nothing (and
+            # with ``target`` one two-token tree whose target has weight 0): the head index
+            # gains that target, the node table one root node per tree.
+            head = checked.head
+            if target:
+                dest, prow, slot = head
+                head = (ext(dest, torch.tensor([s + extra - 1])), ext(prow, torch.tensor([s + extra - 2])),
+                        ext(slot, torch.tensor([prow.shape[0]])))
+            pad_nodes = torch.stack([starts, node_end, torch.full((n,), -1)], 1)
             out._checked = dataclasses.replace(
-                checked, fingerprint=_fingerprint(out), max_id=max(checked.max_id, 0),
+                checked, fingerprint=_fingerprint(out), max_id=max(checked.max_id, 0), head=head,
                 node_table=torch.cat([checked.node_table, pad_nodes]))
         return out
 
