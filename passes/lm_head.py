@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from treecompile.kernels.logprobs.fused import fused_target_logprobs
-from treecompile.passes._graph import PassContext, is_call, value
+from treecompile.passes._graph import PassContext, is_call, mutated_args, storage_of, value
 from treecompile.passes.markers import is_marker, logprobs_at_rows, scatter_to_rows
 
 __all__ = ["gather_logits_pass", "fuse_lm_head_pass", "gathered_logprobs", "fused_logprobs_at_rows"]
@@ -95,6 +95,10 @@ def _rewrite_logprobs(gm: fx.GraphModule, ctx: PassContext, *, fuse: bool) -> fx
             continue
         logits, rows, slot, target, dest = node.args
         chain = _rowwise_chain(logits)
+        if chain is not None and _written(gm, [chain[0].args[0], *chain]):
+            # An op writes into the logits or the head's input in place (``logits.mul_``): the
+            # chain recomputed on the gathered rows would read them from before that write.
+            chain = None
         with gm.graph.inserting_before(node):
             if fuse and chain is not None and all(_is_cast(n) for n in chain[1:]):
                 head = chain[0]
@@ -161,6 +165,15 @@ def _rowwise_chain(logits: fx.Node) -> list[fx.Node] | None:
         else:
             return None
     return None
+
+
+def _written(gm: fx.GraphModule, nodes: list[fx.Node]) -> bool:
+    """Whether some op of the graph writes in place into the memory of one of ``nodes`` (or
+    of a view of it); also when the memory of one, or of a write's target, is not known."""
+    stores = {storage_of(n) for n in nodes}
+    if None in stores:
+        return True
+    return any(storage_of(a) is None or storage_of(a) in stores for m in gm.graph.nodes for a in mutated_args(m))
 
 
 def _is_cast(node: fx.Node) -> bool:

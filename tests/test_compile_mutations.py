@@ -320,3 +320,42 @@ def test_dead_code_elimination_keeps_switches_a_model_sets_and_resets():
     assert before == ["_sdpa_kernel", "_sdpa_kernel", "_exit_inference_mode"]
     eliminate_dead_code(gm)
     assert switches() == before
+
+
+class HeadWriteLM(nn.Module):
+    """An LM head whose logits, or whose input, a later op writes in place (OLMo scales its
+    logits with ``logits.mul_``): the head cannot be recomputed on gathered rows from before
+    the write."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.block = SdpaBlock(DIM, 2, 1)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.emb(idx), torch.arange(idx.shape[1], device=idx.device))
+        logits = self.head(x)
+        if self.form == "logits_mul_":
+            logits.mul_(0.5)
+        elif self.form == "view_add_":  # through a view of the logits
+            logits[..., : VOCAB // 2].add_(0.75)
+        elif self.form == "cast_mul_":  # after a cast that the head's chain walks through
+            logits = logits.double()[:, :]
+            logits.mul_(1.5)
+        return logits
+
+
+@pytest.mark.parametrize("lm_head", ["gather", "fused"])
+@pytest.mark.parametrize("form", ["logits_mul_", "view_add_", "cast_mul_"])
+def test_a_write_into_the_logits_or_the_heads_input_is_kept(form, lm_head):
+    torch.manual_seed(0)
+    model = HeadWriteLM(form).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    compiled = tc.tree_compile(model, lm_head=lm_head, backend="eager")
+    for name in ("branchy", "forest"):
+        batch, trees = make_batch(name)
+        compare_with_paths(model, compiled, batch, trees, tol="pure")

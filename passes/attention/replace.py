@@ -48,6 +48,22 @@ def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post
         ctx.notes[output] = f"attention whose {' and '.join(traced)} is a traced variable, not a constant"
         return False
     three_d = out_dim == 3
+    # A 4-D q whose leading dim is not 1 has two head dims (gpt-oss's token-major
+    # ``[H_kv, q_mult, S, D]`` after its einsum): the kernel's batch is the wrapper's, 1, so both
+    # fold into its heads, k's and v's alike (GQA where theirs divide q's second).
+    folded = vals[0].dim() == 4 and vals[0].shape[0] != 1
+    if folded:
+        lead = [tuple(t.shape[:2]) for t in vals]
+        if not all(isinstance(d, int) for d in lead[0]) or any(
+                s[0] != lead[0][0] or not isinstance(s[1], int) or lead[0][1] % s[1] for s in lead[1:]):
+            ctx.notes[output] = (f"attention over two head dims whose q, k and v shapes {lead} do not fold into "
+                                 "one head dim alike")
+            return False
+        extras = [value(x) for x in (sinks, sink_values) if x is not None]
+        if alibi is not None or mods is not None or any(
+                not isinstance(t, torch.Tensor) or t.dim() < 3 or tuple(t.shape[:2]) != lead[0] for t in extras):
+            ctx.notes[output] = "attention over two head dims with ALiBi, the model's own mods or sinks not per head"
+            return False
     dtype = vals[0].dtype
     for t in vals[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -58,8 +74,16 @@ def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post
                 x = ctx.mark(gm.graph.call_method("to", (x, dtype)), like=output)
             if t.dim() == 3:  # [B * H, S, D] or [B, S, D] with B = 1: the leading dim is the heads
                 x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
+            elif folded:
+                x = ctx.mark(gm.graph.call_method("flatten", (x, 0, 1)), like=output)
+                x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
             args.append(x)
     q, k, v = args
+    if folded:  # the sinks (``[H_kv, q_mult, S]``) and sink values fold like q
+        with gm.graph.inserting_before(output):
+            sinks, sink_values = (None if x is None else ctx.mark(gm.graph.call_method("unsqueeze", (
+                ctx.mark(gm.graph.call_method("flatten", (x, 0, 1)), like=output), 0)), like=output)
+                for x in (sinks, sink_values))
     spec = AttentionSpec(
         kind=ctx.mask,
         scale=None if scale is None else float(scale),
@@ -82,6 +106,9 @@ def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post
                                               kwargs), like=output)
         if three_d:
             new = ctx.mark(gm.graph.call_method("squeeze", (new, 0)), like=output)
+        elif folded:
+            new = ctx.mark(gm.graph.call_method("squeeze", (new, 0)), like=output)
+            new = ctx.mark(gm.graph.call_method("unflatten", (new, 0, lead[0])), like=output)
         if dtype != value(output).dtype:
             new = ctx.mark(gm.graph.call_method("to", (new, value(output).dtype)), like=output)
         if post is not None:

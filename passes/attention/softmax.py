@@ -111,6 +111,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         q, k, v = (ctx.mark(x(gm.graph), like=m.out) if callable(x) else x for x in (m.q, m.k, m.v))
         if m.sink is not None:  # [.., S, 1] -> [.., S], broadcast against the kernel's log-sum-exp
             sink = ctx.mark(gm.graph.call_method("squeeze", (sink, -1)), like=m.out)
+            sink.meta["example_value"] = value(m.sink).squeeze(-1)
     if m.walk.head_mix is not None or m.mix is not None:
         if m.group is not None or m.memory is not None or m.sink is not None:
             ctx.notes[node] = "scores mixed across heads beside maps combined across heads, memory keys or a sink"

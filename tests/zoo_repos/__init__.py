@@ -27,6 +27,7 @@ from zoo_repos.attention import (
     DiffShiftLM,
     FinfoBiasBufferLM,
     GPT2TFPort,
+    GptOssReference,
     LinspacePosLM,
     TorchExamplesTransformerLM,
 )
@@ -44,7 +45,7 @@ from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
 from zoo_repos.state import CountingLM, FilledTableLM, Llama436LM, LucidrainsRotaryLM
-from zoo_repos.xtransformers_olmo import OLMo, OlmoTrainerCall, XTransformerDecoder
+from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
 
 
 def _build(cls, *args, **kw):
@@ -105,6 +106,12 @@ CASES: list[zoo.Case] = [
              _build(XTransformerDecoder, rotary_xpos=False)),
     zoo.Case("olmo", "allenai/OLMo olmo/model.py, called without a mask: RoPE cached in a dict, SwiGLU, SDPA "
              "is_causal, tied head", _build(OLMo)),
+    zoo.Case("olmo-scale-logits", "OLMo with scale_logits: the logits scaled in place (logits.mul_) after the tied "
+             "head", _build(OLMo, OlmoConfig(scale_logits=True))),
+    zoo.Case("gpt-oss-reference", "openai/gpt-oss torch/model.py sdpa: token-major [n_tokens, kv_heads, q_mult, d] "
+             "without a batch dim, K/V expanded over q_mult, einsum('qhmd,khmd->hmqk'), QK *= / += in place, a sink "
+             "logit per head concatenated and dropped, sliding window on even layers",
+             _build(GptOssReference), attention={"softmax_attention": 2}),
     zoo.Case("olmo-attention-bias", "OLMo as its trainer calls it (attention_mask of ones): triu(ones).masked_fill_"
              "(finfo.min) bias cached in a dict, + (1 - mask) * min, SDPA additive attn_mask",
              _build(OlmoTrainerCall)),

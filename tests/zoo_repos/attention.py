@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo_repos.common import CTX, DIM, HEADS, LAYERS, VOCAB
+from zoo_repos.common import CTX, DIM, HD, HEADS, LAYERS, VOCAB
 from zoo_repos.gpt import NanoBlock, NanoCausalSelfAttention, NanoGPTConfig
 
 # =============================================================================== GPT-2 (TF port)
@@ -360,3 +360,87 @@ class FinfoBiasBufferLM(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.lm_head(self.ln_f(x))
+
+
+# =============================================================================== gpt-oss (torch reference)
+
+
+def gptoss_sdpa(Q, K, V, S, sm_scale, sliding_window=0):
+    """openai/gpt-oss gpt_oss/torch/model.py ``sdpa``: token-major tensors without a batch dim,
+    K and V expanded over the query heads of each key head, a learned sink logit per head."""
+    # sliding_window == 0 means no sliding window
+    n_tokens, n_heads, q_mult, d_head = Q.shape
+    assert K.shape == (n_tokens, n_heads, d_head)
+    assert V.shape == (n_tokens, n_heads, d_head)
+    K = K[:, :, None, :].expand(-1, -1, q_mult, -1)
+    V = V[:, :, None, :].expand(-1, -1, q_mult, -1)
+    S = S.reshape(n_heads, q_mult, 1, 1).expand(-1, -1, n_tokens, -1)
+    mask = torch.triu(Q.new_full((n_tokens, n_tokens), -float("inf")), diagonal=1)
+    if sliding_window > 0:
+        mask += torch.tril(mask.new_full((n_tokens, n_tokens), -float("inf")), diagonal=-sliding_window)
+    QK = torch.einsum("qhmd,khmd->hmqk", Q, K)
+    QK *= sm_scale
+    QK += mask[None, None, :, :]
+    QK = torch.cat([QK, S], dim=-1)
+    W = torch.softmax(QK, dim=-1)
+    W = W[..., :-1]
+    attn = torch.einsum("hmqk,khmd->qhmd", W, V)
+    return attn.reshape(n_tokens, -1)
+
+
+class GptOssAttentionBlock(nn.Module):
+    """gpt-oss ``AttentionBlock``: RMSNorm, fused qkv, rotary on the token-major q and k, `gptoss_sdpa`
+    with a sliding window on even layers, residual (its YaRN rotary as plain RoPE here)."""
+
+    def __init__(self, layer_idx: int, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.head_dim, self.num_attention_heads, self.num_key_value_heads = HD, HEADS, kv_heads
+        self.sliding_window = 4 if layer_idx % 2 == 0 else 0
+        self.sinks = nn.Parameter(torch.randn(HEADS))
+        self.norm = nn.RMSNorm(DIM, eps=1e-5)
+        self.qkv = nn.Linear(DIM, HD * (HEADS + 2 * kv_heads))
+        self.out = nn.Linear(HD * HEADS, DIM)
+        self.sm_scale = 1 / math.sqrt(HD)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
+        freqs = torch.einsum("i,j->ij", torch.arange(n, dtype=torch.float64), inv_freq)
+        cos, sin = freqs.cos().unsqueeze(-2).to(x.dtype), freqs.sin().unsqueeze(-2).to(x.dtype)
+        x1, x2 = torch.chunk(x.view(n, -1, HD), 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).reshape(x.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.norm(x)
+        qkv = self.qkv(t)
+        q = qkv[:, : self.num_attention_heads * self.head_dim].contiguous()
+        k = qkv[:, self.num_attention_heads * self.head_dim: (self.num_attention_heads + self.num_key_value_heads)
+                * self.head_dim].contiguous()
+        v = qkv[:, (self.num_attention_heads + self.num_key_value_heads) * self.head_dim:].contiguous()
+        q = q.view(-1, self.num_key_value_heads, self.num_attention_heads // self.num_key_value_heads, self.head_dim)
+        k = k.view(-1, self.num_key_value_heads, self.head_dim)
+        v = v.view(-1, self.num_key_value_heads, self.head_dim)
+        q, k = self.rope(q), self.rope(k)
+        t = gptoss_sdpa(q, k, v, self.sinks, self.sm_scale, self.sliding_window)
+        return x + self.out(t)
+
+
+class GptOssReference(nn.Module):
+    """gpt-oss ``Transformer`` on one sequence ``[n_tokens]`` (the reference runs without a batch
+    dim), two attention blocks (sliding, full), each followed by a SwiGLU MLP in place of its MoE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.block = nn.ModuleList(GptOssAttentionBlock(i) for i in range(2))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.RMSNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.SiLU(),
+                                               nn.Linear(2 * DIM, DIM)) for _ in range(2))
+        self.norm = nn.RMSNorm(DIM, eps=1e-5)
+        self.unembedding = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(x[0])
+        for block, mlp in zip(self.block, self.mlp):
+            x = block(x)
+            x = x + mlp(x)
+        return self.unembedding(self.norm(x))[None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -242,6 +243,7 @@ class OlmoConfig:
     include_bias: bool = False
     layer_norm_eps: float = 1e-5
     weight_tying: bool = True
+    scale_logits: bool = False
 
     @property
     def effective_n_kv_heads(self) -> int:
@@ -548,6 +550,8 @@ class OLMo(nn.Module):
             logits = F.linear(x, self.transformer.wte.weight, None)  # type: ignore
         else:
             logits = self.transformer.ff_out(x)  # type: ignore
+        if self.config.scale_logits:
+            logits.mul_(1 / math.sqrt(self.config.d_model))
         return OLMoOutput(logits=logits, attn_key_values=None, hidden_states=None)
 
 
