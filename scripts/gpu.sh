@@ -6,6 +6,7 @@
 #   scripts/gpu.sh tune  [--out DIR] [--no-install]               # treecompile tune: a new FlexAttention options table
 #   scripts/gpu.sh profile [--out DIR] [--no-install]             # one Qwen3-1.7B-shaped step under torch.profiler
 #   scripts/gpu.sh perf  [--out DIR] [--dry-run]                  # tune + benchmark at every POR + profile (< 9 min)
+#   scripts/gpu.sh run   [--out DIR] [--dry-run]                  # 40 training steps, a new tree each, vs HF (< 9 min)
 #   scripts/gpu.sh install                                        # only the install step
 #   --sections a,b: run only those sections (e.g. one that ran out of time)
 #   --limit S: no section runs longer than S seconds (a short GPU lease)
@@ -36,7 +37,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$cmd" in
-  check|bench|tune|profile|perf|install) ;;
+  check|bench|tune|profile|perf|run|install) ;;
   *) usage >&2; exit 2 ;;
 esac
 mkdir -p "$out"
@@ -70,7 +71,7 @@ link_checkout() {
 }
 
 note="not run" project="not installed"
-if [ "$cmd" = perf ]; then  # no pip: Qwen3 needs nothing beyond the image, and the checkout is linked in
+if [ "$cmd" = perf ] || [ "$cmd" = run ]; then  # no pip: Qwen3 needs nothing beyond the image, and the checkout is linked in
   link_checkout
   note="none needed: the checkout through PYTHONPATH"
 elif [ "$cmd" = install ] || { [ "$dry" = 0 ] && [ "$install" = 1 ]; }; then

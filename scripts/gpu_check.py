@@ -73,8 +73,11 @@ PERF_TOTAL_S = 520
 PERF_BENCH = ["--models", "qwen3-1.7b-8l", "--path-tokens", "32768", "--por", "0", "0.8", "0.5", "0.92",
               "--real-trees", "tau", "--baselines", "faster",
               "--methods", "hf-packed-flex", "hf-padded-sdpa", "tree"]
+#: ``run``: a training run of 40 steps, a new tree at each, the tree's and the baseline's
+#: (`treecompile.bench.run`); each method stops taking steps at 40% of the section's limit.
+RUN_SECTIONS = [("run", "treecompile.bench.run", 540)]
 SECTIONS = {"check": CHECK_SECTIONS, "bench": BENCH_SECTIONS, "tune": TUNE_SECTIONS, "profile": PROFILE_SECTIONS,
-            "perf": PERF_SECTIONS}
+            "perf": PERF_SECTIONS, "run": RUN_SECTIONS}
 
 
 def _version(pkg: str) -> str:
@@ -325,6 +328,17 @@ def run_profile_section(name: str, limit: int, work: Path) -> dict:
             "profile": json.loads(out.read_text()) if out.exists() else None, "log_tail": text[-3000:]}
 
 
+def run_run_section(name: str, limit: int, work: Path) -> dict:
+    out, mdfile, log = work / "run.json", work / "run.md", work / "run.log"
+    rc, secs = _run([sys.executable, "-m", "treecompile.bench.run", "--out", str(out), "--markdown", str(mdfile),
+                     "--time-budget", str(int(limit * 0.4))], log, limit)
+    text = log.read_text(errors="replace")
+    status = {None: f"timed out after {limit} s", 0: "passed"}.get(rc, f"failed (exit {rc})")
+    return {"name": name, "status": status, "seconds": round(secs, 1), "tests": [],
+            "table": mdfile.read_text() if mdfile.exists() else None,
+            "run": json.loads(out.read_text()) if out.exists() else None, "log_tail": text[-3000:]}
+
+
 def render_markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"# treecompile GPU {report['command']}", "",
@@ -386,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
               "env": env, "install": args.install, "sections": []}
     with tempfile.TemporaryDirectory() as tmp:
         perf = args.command == "perf"
-        work = args.out if perf else Path(tmp)
+        # perf and run write straight to --out: a run stopped from outside keeps what it measured.
+        work = args.out if args.command in ("perf", "run") else Path(tmp)
         listed = collect_only(sections, work) if skip else {}
         started = {}
         if args.command == "check" and not skip:  # every test section at once
@@ -408,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                 if perf:
                     section = {"bench": run_bench_section, "tune": run_tune_section}[name](name, limit, work, perf=True)
                 else:
-                    run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section}[args.command]
+                    run = {"bench": run_bench_section, "tune": run_tune_section, "profile": run_profile_section,
+                           "run": run_run_section}[args.command]
                     section = run(name, limit, work)
             print(f"[gpu.sh] {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
             report["sections"].append({**section, "limit": limit})
-        if not perf:
+        if work != args.out:
             with tarfile.open(args.out / f"gpu-{args.command}-raw.tar.gz", "w:gz") as tar:
                 for f in sorted(work.iterdir()):
                     tar.add(f, arcname=f.name)
