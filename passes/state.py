@@ -74,6 +74,7 @@ class StateWrites:
             (``model.rope.cos_cached``), as far as it is known.
         refusal: why the state cannot be kept exactly (the backend raises it once the passes
             have found nothing more fundamental), or None.
+        inputs: the captured graph's inputs (its placeholders).
     """
 
     graph: fx.GraphModule | None
@@ -83,6 +84,7 @@ class StateWrites:
     read_after: frozenset[int]
     names: list[str] = field(default_factory=list)
     refusal: UnsupportedModelError | None = None
+    inputs: int | None = None
 
     def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
         """Runs the state graph on copies of the tensors it writes.
@@ -92,6 +94,16 @@ class StateWrites:
             place and read after the write is its copy), the state values for Dynamo, and the
             written copies (`commit` writes them back).
         """
+        if self.inputs is not None and len(args) != self.inputs:
+            # Seen with a buffer registered as None and registered again in forward beside
+            # other buffers: Dynamo's call does not match the graph it captured, so which
+            # input is which model tensor is not known; nothing has been written yet.
+            names = ", ".join(self.names) or "state"
+            raise UnsupportedModelError(
+                f"treecompile cannot make this model exact on a tree: the captured call that writes {names} got "
+                f"{len(args)} inputs for the {self.inputs} it was captured with, so the tensors it writes cannot be "
+                "matched to the model's (a buffer registered as None in __init__ and registered again in forward "
+                "does this: register it with a tensor in __init__, or keep it as a plain attribute).")
         fresh = list(args)
         for i in self.written:
             fresh[i] = args[i].clone()
@@ -219,7 +231,7 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     labels += [_pretty(sources[placeholders.index(p)]) for p in written]
     state = StateWrites(graph=state_gm, outputs=tuple(kept), size=len(outs),
                         written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
-                        names=labels, refusal=refusal)
+                        names=labels, refusal=refusal, inputs=len(placeholders))
     return gm, state
 
 

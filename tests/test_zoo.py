@@ -9,11 +9,13 @@ the mark goes with the fix. ``docs/supported-models.md`` is generated from the s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import zoo
 
 from treecompile.core.errors import UnsupportedModelError
@@ -35,10 +37,18 @@ def test_zoo_model_is_exact_or_refused_by_name(case):
                         f"model (added in {'.'.join(map(str, case.since))})")
     case = case.installed()
     if case.expect == "refused":
+        model = case.build()
+        twin = copy.deepcopy(model)
         with pytest.raises(UnsupportedModelError) as info:
-            zoo.run(case)
+            zoo.run(case, model)
         first = str(info.value).splitlines()[0]
         assert case.reason in first, first
+        # A refusal leaves the model as it was: its buffers, and what it computes on its own.
+        buffers = dict(twin.named_buffers())
+        assert dict(model.named_buffers()).keys() == buffers.keys()
+        for name, b in model.named_buffers():
+            assert b.shape == buffers[name].shape and torch.equal(b, buffers[name]), f"buffer {name} changed"
+        zoo.assert_unchanged(model, twin, lengths=(7, 12))
     else:
         zoo.run(case)
 

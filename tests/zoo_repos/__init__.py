@@ -44,7 +44,8 @@ from zoo_repos.gpt import (
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
-from zoo_repos.state import CountingLM, FilledTableLM, Llama436LM, LucidrainsRotaryLM
+from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
+                              LucidrainsRotaryLM)
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
 
 
@@ -165,6 +166,10 @@ CASES: list[zoo.Case] = [
     zoo.Case("rotary-embedding-torch-cache", "lucidrains/rotary-embedding-torch: freqs written in place into the "
              "cached_freqs buffer (length in a Python int), read back by the next, shorter call",
              _build(LucidrainsRotaryLM)),
+    zoo.Case("rotary-embedding-torch-0.2", "rotary-embedding-torch 0.2: cached_freqs registered as a None buffer "
+             "beside a dummy buffer, registered again in forward (tmp_store)",
+             _build(LucidrainsRotaryLM, LucidrainsLegacyRotaryEmbedding), expect="refused",
+             reason="inputs for the"),
     zoo.Case("table-filled-in-place", "a sinusoid table buffer filled in place up to the longest length seen and "
              "read back in the same call (self.table[:T] = ...; x + self.table[:T])", _build(FilledTableLM)),
     zoo.Case("step-counters", "self.steps += 1 on a tensor buffer and self.num_calls += 1 on a Python int at "

@@ -179,6 +179,38 @@ class LucidrainsRotaryEmbedding(nn.Module):
         return freqs
 
 
+class LucidrainsLegacyRotaryEmbedding(nn.Module):
+    """rotary-embedding-torch 0.2 ``RotaryEmbedding``: ``cached_freqs`` registered as a None
+    buffer beside a ``dummy`` buffer (for the device), and registered again with the
+    frequencies in forward (``tmp_store``); read back while a sequence is no longer."""
+
+    def __init__(self, dim, theta=10000):
+        super().__init__()
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+        self.cache_if_possible = True
+        self.tmp_store("cached_freqs", None)
+        self.freqs = nn.Parameter(freqs, requires_grad=False)
+        self.learned_freq = False
+        self.tmp_store("dummy", torch.tensor(0))
+
+    @property
+    def device(self):
+        return self.dummy.device
+
+    def tmp_store(self, key, value):
+        self.register_buffer(key, value, persistent=False)
+
+    def forward(self, t, seq_len=None, offset=0):
+        should_cache = self.cache_if_possible and not self.learned_freq and seq_len is not None
+        if should_cache and self.cached_freqs is not None and (offset + seq_len) <= self.cached_freqs.shape[0]:
+            return self.cached_freqs[offset:(offset + seq_len)].detach()
+        freqs = torch.einsum("..., f -> ... f", t.type(self.freqs.dtype), self.freqs)
+        freqs = freqs.repeat_interleave(2, dim=-1)
+        if should_cache:
+            self.tmp_store("cached_freqs", freqs.detach())
+        return freqs
+
+
 def lucidrains_rotate_half(x):
     x = x.unflatten(-1, (-1, 2))  # rearrange(x, '... (d r) -> ... d r', r = 2)
     x1, x2 = x.unbind(dim=-1)
@@ -204,10 +236,10 @@ class LucidrainsRotaryLM(nn.Module):
     x-transformers and lucidrains' models hold it), called with ``t = arange(T)``; SDPA
     is_causal, LayerNorm, GELU MLP."""
 
-    def __init__(self):
+    def __init__(self, rotary=LucidrainsRotaryEmbedding):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.rotary = nn.ModuleList(LucidrainsRotaryEmbedding(HD) for _ in range(LAYERS))
+        self.rotary = nn.ModuleList(rotary(HD) for _ in range(LAYERS))
         self.norm1 = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(LAYERS))
         self.qkv = nn.ModuleList(nn.Linear(DIM, 3 * DIM) for _ in range(LAYERS))
         self.out = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
