@@ -163,7 +163,12 @@ def _structural_causal_bias(ctx, mask, kind, heads):
             if heads is None:
                 return None, "an additive bias, not a 0/-inf mask", None, False
             slopes, why = _alibi_slopes(bias, blocked, heads)
-            why = why or _uses_length(mask)
+            length = _uses_length(mask)
+            if why and not length and not torch.any(blocked) and kind == "additive":
+                # Not ALiBi, and no entry blocked: a bias that may be a function of the
+                # distance (x-transformers' -|i - j| slopes), for the relative-bias rule.
+                return None, f"{PAIR_BIAS} ({why})", None, False
+            why = why or length
             if why:
                 return None, why, None, False
         flat = blocked  # what is left is a 0/-inf mask, as "masked_fill" reads it
@@ -223,6 +228,12 @@ def causal_pattern(allowed: torch.Tensor) -> tuple[int | None, str | None]:
 _SHAPE_OPS = {"arange", "full", "ones", "zeros", "empty", "new_ones", "new_zeros", "new_empty", "new_full", "view",
               "reshape", "expand", "getitem", "narrow", "repeat", "tril", "triu", "ones_like", "zeros_like",
               "_add_batch_dim", "_remove_batch_dim"}
+
+
+#: The start of `structural_causal`'s reason for an additive bias with no blocked entry that is
+#: not ALiBi: the softmax rewrite judges it as a function of the distance instead
+#: (`treecompile.passes.attention.relative_bias`).
+PAIR_BIAS = "an additive bias over (query, key) pairs that blocks nothing"
 
 
 def _uses_length(mask: fx.Node) -> str | None:

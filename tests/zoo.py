@@ -217,6 +217,8 @@ CASES: list[Case] = [
     Case("complex-rope-table", "custom: complex freqs_cis table sliced [:T]", _custom(zc.ComplexRopeTableLM)),
     Case("alibi", "custom: ALiBi slope * (j - i) from arange(T)",
          _custom(zc.AlibiLM), attention={"softmax_attention": 2}),
+    Case("alibi-abs", "custom: x-transformers' symmetric ALiBi -|j - i| * slope (not linear in j), a bias of the "
+         "distance beside the causal mask", _custom(zc.AbsAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("alibi-over-length", "custom: a bias (j - i) / T, linear in j but scaled by the row count",
          _custom(zc.LengthScaledAlibiLM), expect="refused",
          reason="an additive score bias computed from the sequence length"),

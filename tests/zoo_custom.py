@@ -874,6 +874,22 @@ class AlibiAttn(_Attn):
 AlibiLM = _spelling(AlibiAttn)
 
 
+class AbsAlibiAttn(AlibiAttn):
+    """x-transformers' ``AlibiPositionalBias`` (its bias not cached): ``-|j - i| * slope[h]``
+    from two aranges, added before the causal mask, which it leaves unblocked."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i_arange, j_arange = torch.arange(t, device=q.device), torch.arange(t, device=q.device)
+        bias = -torch.abs(j_arange[None, None, :] - i_arange[None, :, None]) * self.slopes[:, None, None]
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + bias.to(q.dtype)
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+AbsAlibiLM = _spelling(AbsAlibiAttn)
+
+
 class T5BiasAttn(_Attn):
     """T5-style relative position bias: a learned ``[buckets, H]`` table at ``bucket(i - j)``."""
 

@@ -14,7 +14,7 @@ from torch import fx
 
 from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
                                       source_of, value)
-from treecompile.passes._mask_eval import causal_pattern, structural_causal
+from treecompile.passes._mask_eval import PAIR_BIAS, causal_pattern, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
     drops_last_column,
@@ -260,6 +260,9 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
         return "the scores get a learned pair bias beside another bias or an arithmetic mask", False
     for kind, m in [] if arithmetic else masks:  # an arithmetic mask is judged as a whole, below
         w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
+        if why and why.startswith(PAIR_BIAS) and not relative:
+            relative = [m]  # judged as a function of the distance, as a learned pair bias is
+            continue
         if why:
             return f"the attention mask is {why}", False
         if slopes is not None:
