@@ -154,6 +154,8 @@ CASES: list[Case] = [
     Case("baddbmm", "custom: Bloom-style baddbmm(beta=0, alpha=scale) scores",
          _custom(zc.BaddbmmLM), attention={"softmax_attention": 2}),
     Case("einsum", "custom: einsum scores and einsum output", _custom(zc.EinsumLM), attention={"softmax_attention": 2}),
+    Case("multi-query-einsum", "custom: PaLM's multi-query einsums, key and value without a head dim "
+         "('b h i d, b j d -> b h i j')", _custom(zc.MultiQueryEinsumLM), attention={"softmax_attention": 2}),
     Case("softmax-type-as", "custom: softmax(scores.float()).type_as(q)",
          _custom(zc.TypeAsLM), attention={"softmax_attention": 2}),
     Case("softmax-to-dtype", "custom: softmax(dtype=float32).to(q.dtype), additive triu(-inf) mask",

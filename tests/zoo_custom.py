@@ -105,6 +105,18 @@ class EinsumAttn(_Attn):
         return torch.einsum("bhqk,bhkd->bhqd", att.softmax(dim=-1), v)
 
 
+class MultiQueryEinsumAttn(_Attn):
+    """PaLM-style multi-query attention (lucidrains/PaLM-pytorch): one key and value head,
+    ``einsum('b h i d, b j d -> b h i j')`` and ``einsum('b h i j, b j d -> b h i d')``."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        k, v = k[:, 0], v.mean(dim=1)  # [b, t, d]: one key head, one value head
+        sim = torch.einsum("b h i d, b j d -> b h i j", q * q.shape[-1] ** -0.5, k)
+        sim = sim.masked_fill(self.causal[:, :, :t, :t] == 0, -torch.finfo(sim.dtype).max)
+        return torch.einsum("b h i j, b j d -> b h i d", sim.softmax(dim=-1), v)
+
+
 class TypeAsAttn(_Attn):
     """``softmax(scores.float(), dim=-1).type_as(q)`` (Llama-1 / Mistral reference code)."""
 
@@ -498,6 +510,7 @@ def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
 
+MultiQueryEinsumLM = _spelling(MultiQueryEinsumAttn)
 (BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM,
  InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM, FunctionalConvLM, ShiftTokensLM, CatShiftLM, CropPadShiftLM) = (
     _spelling(c)

@@ -76,6 +76,27 @@ def _permute(spec_in: str, spec_out: str, x: fx.Node):
     return build
 
 
+def _arrange(spec_in: str, spec_out: str, x: fx.Node):
+    """`_permute` to ``spec_out`` where the letters of ``spec_out`` missing from ``spec_in`` (head
+    dims a multi-query key or value does not have) become dims of size 1 (a builder)."""
+    present = "".join(c for c in spec_out if c in spec_in)
+    missing = [i for i, c in enumerate(spec_out) if c not in spec_in]
+    if not missing:
+        return _permute(spec_in, spec_out, x)
+    inner = _permute(spec_in, present, x)
+
+    def build(g: fx.Graph) -> fx.Node:
+        n = inner(g) if callable(inner) else inner
+        v = value(n)
+        for i in missing:
+            n = g.call_method("unsqueeze", (n, i))
+            v = v.unsqueeze(i)
+            n.meta["example_value"] = v
+        return n
+
+    return build
+
+
 def scores_operands(qk: fx.Node):
     """``(q, k, layout)`` for a scores node ``q @ k^T``; q and k are ``[..., S, D]`` nodes (or
     graph builders of them) and ``layout`` the einsum letters of the scores (None for a matmul)."""
@@ -85,15 +106,18 @@ def scores_operands(qk: fx.Node):
             return None
         a, b, out = spec
         contracted = [c for c in a if c in b and c not in out]
-        ql = [c for c in a if c not in b and c in out]
-        kl = [c for c in b if c not in a and c in out]
-        batch = [c for c in out if c in a and c in b]
-        if len(contracted) != 1 or len(ql) != 1 or len(kl) != 1 or out != "".join(batch) + ql[0] + kl[0]:
+        # The query's and key's own sequence letters are the last two of the scores; the
+        # letters before them are batch and heads, of both, or of the query alone (a multi-query
+        # key without a head dim: ``'b h i d, b j d -> b h i j'``), which the key gets as size 1.
+        if len(contracted) != 1 or len(out) < 2 or out[-2] not in a or out[-2] in b or out[-1] not in b \
+                or out[-1] in a:
             return None
-        if set(a) != set(batch + ql + contracted) or set(b) != set(batch + kl + contracted):
+        ql, kl, batch = out[-2], out[-1], out[:-2]
+        if set(a) != set(batch + ql + contracted[0]) or not set(b) - {kl} <= set(batch + contracted[0]) \
+                or contracted[0] not in b or len(set(out)) != len(out):
             return None
-        d, bt = contracted[0], "".join(batch)
-        return _permute(a, bt + ql[0] + d, qk.args[1]), _permute(b, bt + kl[0] + d, qk.args[2]), out
+        d = contracted[0]
+        return _permute(a, batch + ql + d, qk.args[1]), _arrange(b, batch + kl + d, qk.args[2]), out
     if is_call(qk, (torch.baddbmm,), ("baddbmm",)):
         b = bind(qk, ["input", "batch1", "batch2"], {})
         q, kt = b["batch1"], b["batch2"]
@@ -117,11 +141,12 @@ def output_operands(out: fx.Node, layout: str | None):
         return None
     batch, ql, kl = a[:-2], a[-2], a[-1]
     dl = [c for c in b if c not in a]
-    if len(dl) != 1 or set(b) != set(batch + kl + dl[0]) or set(res) != set(batch + ql + dl[0]):
+    # A multi-query value lacks the head letters: it gets them as size 1 (`_arrange`).
+    if len(dl) != 1 or kl not in b or not set(b) <= set(batch + kl + dl[0]) or set(res) != set(batch + ql + dl[0]):
         return None
     canon = batch + ql + dl[0]
     post = None if res == canon else (lambda g, x: g.call_function(torch.einsum, (f"{canon}->{res}", x)))
-    return out.args[1], _permute(b, batch + kl + dl[0], out.args[2]), post
+    return out.args[1], _arrange(b, batch + kl + dl[0], out.args[2]), post
 
 
 def forward_chain(softmax: fx.Node, out: fx.Node) -> list[fx.Node]:
