@@ -230,6 +230,8 @@ CASES: list[Case] = [
          _custom(zc.T5BucketsLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("learned-alibi", "custom: ALiBi with learned slopes (a parameter), inside the scale",
          _custom(zc.LearnedAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("pointwise-conv", "custom: Conformer's pointwise Conv1d(kernel_size=1) on x.transpose(1, 2) and GLU: one "
+         "token in, one out", _custom(zc.PointwiseConvLM), attention={"sdpa": 2}),
     Case("causal-convs-mixing-channels", "custom: a dilated causal Conv1d mixing channels (WaveNet) and a MADE-style "
          "masked centred conv1d", _custom(zc.FullCausalConvLM)),
     Case("rope-cache-4d-slice", "custom: rotary caches [1, 1, max_len, hd] sliced cache[:, :, :T, ...]",

@@ -237,6 +237,21 @@ class FunctionalConvAttn(_SdpaAttn):
         return x + F.conv1d(x.transpose(1, 2), self.conv_w, self.conv_b, padding=2, groups=DIM)[..., :-2].transpose(1, 2)
 
 
+class PointwiseConvAttn(_SdpaAttn):
+    """Conformer's conv module without its depthwise conv: ``Conv1d(kernel_size=1)`` on
+    ``x.transpose(1, 2)``, GLU over the channels, a second pointwise conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointwise_conv1 = nn.Conv1d(DIM, 2 * DIM, kernel_size=1)
+        self.pointwise_conv2 = nn.Conv1d(DIM, DIM, kernel_size=1, stride=1, padding=0)
+
+    def forward(self, x):
+        x = super().forward(x)
+        y = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)
+        return x + self.pointwise_conv2(F.silu(y)).transpose(1, 2)
+
+
 def xtransformers_shift(t, amount):
     """lucidrains/x-transformers ``shift`` (``pad_at_dim(t, (amount, -amount), dim=-2)``)."""
     if amount == 0:
@@ -532,6 +547,7 @@ class RetentionLM(_LM):
     block_cls = RetentionAttn
 
 
+PointwiseConvLM = _spelling(PointwiseConvAttn)
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 

@@ -18,6 +18,7 @@ from treecompile.passes.rows.domain import (
     _is_tensor,
     _name,
     _nd,
+    _shape,
     _register,
     _right_aligned,
     combine,
@@ -194,9 +195,30 @@ def conv(node: fx.Node, a: Args, env: RowEnv) -> Any:
         raise NotRowLocal("convolves with weights that have rows")
     if r is None:
         return None
+    if _nd(x) == _nd(w) and r.dim >= 2 and _pointwise_along(node, a, w, r.dim - 2):
+        return r  # a kernel of size 1 along the rows (Conformer's pointwise Conv1d): one row in, one out
     if _nd(x) != _nd(w) or r.dim != 0:
         raise NotRowLocal(_CONV if r.dim >= 2 or _nd(x) != _nd(w) else "mixes the rows as convolution channels")
     return r
+
+
+def _pointwise_along(node: fx.Node, a: Args, w: Any, spatial: int) -> bool:
+    """Whether a ``conv1d`` / ``conv2d`` / ``conv3d`` has a kernel of size 1, stride 1 and no
+    padding along spatial dim ``spatial``."""
+    if _name(node) not in ("conv1d", "conv2d", "conv3d"):
+        return False
+    kernel = _shape(w)[2:]
+    if spatial >= len(kernel) or kernel[spatial] != 1:
+        return False
+
+    def along(arg: Any, default: int) -> Any:
+        if isinstance(arg, (tuple, list)):
+            return arg[spatial] if len(arg) == len(kernel) else (arg[0] if len(arg) == 1 else None)
+        return arg if isinstance(arg, (int, str)) else (default if arg is None else None)
+
+    stride = along(a.get(3, "stride", 1), 1)
+    padding = along(a.get(4, "padding", 0), 0)
+    return stride == 1 and (padding == 0 or padding in ("same", "valid"))
 
 
 @_register("pooling", "avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d "

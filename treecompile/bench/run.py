@@ -101,7 +101,7 @@ CPU_RUN = RunConfig(model="tiny", steps=8, dtype="float32", group_sizes=(2, 6), 
 def step_trees(cfg: RunConfig, vocab: int) -> list[tuple[str, list]]:
     """``(label, trees)`` for each step: synthetic GRPO groups, and every ``real_every``-th step
     one of the bundled real trees in turn."""
-    from treecompile import TrajectoryTree
+    from treecompile.core.tree import TrajectoryTree
 
     rng = np.random.default_rng(cfg.seed)
     real = _real_trees(cfg) if cfg.real_every else []
