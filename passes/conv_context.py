@@ -48,8 +48,8 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
-from treecompile.passes._graph import (PADS, Emitter, PassContext, bind, describe, is_call, is_op, same_size,
-                                      source_of, value)
+from treecompile.passes._graph import (ARANGE, PADS, Emitter, PassContext, bind, describe, is_call, is_op,
+                                      mutated_args, same_size, source_of, value)
 from treecompile.passes.scans import rewrite_scans
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
@@ -318,6 +318,37 @@ def _match_pad(node: fx.Node, ctx: PassContext):
     return None
 
 
+def _match_crop(node: fx.Node, ctx: PassContext):
+    """``pad(x, (.., k, 0))[:, :-k]``: k zeros in front, then the last k rows cut (a running
+    window's ``c - F.pad(c, (0, 0, K, 0))[:, :-K]``)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
+        return None
+    padded = node.args[0]
+    pairs = _pad_pairs(padded)
+    moved = [(d, p) for d, p in enumerate(pairs or []) if p != (0, 0)]
+    if len(moved) != 1:
+        return None
+    dim, (left, right) = moved[0]
+    x, index = padded.args[0], node.args[1]
+    pv = value(padded)
+    if left <= 0 or right != 0 or dim not in _row_dim(x, ctx) or dim not in _row_dim(node, ctx):
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (pv.dim() - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (pv.dim() - len(index))
+    if len(index) != pv.dim() or any(i != slice(None) for d, i in enumerate(index) if d != dim):
+        return None
+    cut = index[dim]
+    if not (isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1)):
+        return None
+    # ``:-k``, or ``:S`` (the first S of the S + k rows): the result has the rows of x.
+    if not (cut.stop == -left or same_size(value(node).shape[dim], ctx.seq_len) and not isinstance(cut.stop, int)):
+        return None
+    return x, dim, left, 0, (padded,)
+
+
 def _match_cat(node: fx.Node, ctx: PassContext):
     """``cat([zeros with k rows, x[:, :-k]], dim)``."""
     if not is_call(node, (torch.cat, torch.concat, torch.concatenate)):
@@ -368,11 +399,92 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     first = node.next  # the first user in graph order (users follow the node)
     while first.op != "root" and first not in node.users:
         first = first.next
+    if first.op != "root" and is_call(first, (torch.masked_fill,), ("masked_fill",)) and len(node.users) == 1 \
+            and first.args[0] is node and first.args[2] in (0, 0.0) and _first_rows_mask(first.args[1], dim, xv.dim()) == k:
+        # ``roll(x, k, d).masked_fill(arange(T) < k, 0)`` (or ``== 0`` for k = 1), out of place:
+        # the masked fill is the shift.
+        return x, dim, k, 0, (node,), first
     if first.op == "root" or not (first.op == "call_function" and first.target is operator.setitem
                              and first.args[0] is node and first.args[2] in (0, 0.0)
                              and _first_rows(first.args[1], dim, xv.dim()) == k):
         return None
     return x, dim, k, 0, (first,)
+
+
+def _first_rows_mask(mask: Any, dim: int, nd: int) -> int | None:
+    """``k`` if ``mask`` is ``arange(S) < k`` (or ``== 0``, k = 1) along ``dim`` of an ``nd``-dim
+    tensor, through indexing or unsqueezes that only add dims of size 1."""
+    if not isinstance(mask, fx.Node):
+        return None
+    mv = value(mask)
+    if not isinstance(mv, torch.Tensor) or mv.dim() > nd or mv.dtype != torch.bool:
+        return None
+    at = dim - (nd - mv.dim())  # the mask broadcasts from the right
+    if at < 0 or any(not (isinstance(d, int) and d == 1) for i, d in enumerate(mv.shape) if i != at):
+        return None
+    cur = mask
+    while cur.op == "call_method" and cur.target in ("unsqueeze", "view", "reshape") or (
+            cur.op == "call_function" and cur.target is operator.getitem
+            and all(i is None or i == slice(None) or i is Ellipsis for i in
+                    (cur.args[1] if isinstance(cur.args[1], tuple) else (cur.args[1],)))):
+        cur = cur.args[0]
+        if not isinstance(cur, fx.Node):
+            return None
+    if not is_call(cur, (operator.eq, operator.lt, torch.eq, torch.lt), ("eq", "lt")):
+        return None
+    grid, bound = cur.args[:2]
+    if not (isinstance(grid, fx.Node) and is_call(grid, ARANGE) and isinstance(bound, int)):
+        return None
+    a = bind(grid, ["start", "end", "step"], {"end": None, "step": 1})
+    end = a["start"] if a["end"] is None else a["end"]
+    if (a["end"] is not None and a["start"] != 0) or a["step"] != 1 or not same_size(end, ctx_seq_len_of(grid)):
+        return None
+    if is_call(cur, (operator.eq, torch.eq), ("eq",)):
+        return 1 if bound == 0 else None
+    return bound if bound > 0 else None
+
+
+def ctx_seq_len_of(grid: fx.Node) -> Any:
+    """The length an arange covers (its example value's size)."""
+    v = value(grid)
+    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() == 1 else None
+
+
+def _match_filled(node: fx.Node, ctx: PassContext):
+    """``y = zeros_like(x); y[:, k:] = x[:, :-k]``: a tensor of zeros whose rows from k on are
+    written, before anything reads it, with the rows of x k earlier (a token shift into a buffer)."""
+    if not _is_zeros(node):
+        return None
+    first = node.next  # the first user in graph order
+    while first.op != "root" and first not in node.users:
+        first = first.next
+    if first.op == "root" or not (first.op == "call_function" and first.target is operator.setitem
+                                  and first.args[0] is node and isinstance(first.args[2], fx.Node)):
+        return None
+    nv = value(node)
+    if any(u is not first and node in mutated_args(u) for u in node.users):
+        return None  # written again: not one shift
+    for dim in _row_dim(node, ctx):
+        k = _rows_from(first.args[1], dim, nv.dim())
+        cropped = _drops_last(first.args[2], dim, ctx)
+        if k is not None and cropped is not None and cropped[1] == k and \
+                tuple(value(cropped[0]).shape) == tuple(nv.shape):
+            return cropped[0], dim, k, 0, (first, first.args[2]), node, first
+    return None
+
+
+def _rows_from(index: Any, dim: int, nd: int) -> int | None:
+    """``k`` if ``index`` picks the rows from ``k`` on along ``dim`` (``k:``) and whole other dims."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (nd - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (nd - len(index))
+    if len(index) != nd or any(i != slice(None) for d, i in enumerate(index) if d != dim):
+        return None
+    cut = index[dim]
+    ok = isinstance(cut, slice) and isinstance(cut.start, int) and cut.start > 0 and cut.stop is None
+    return cut.start if ok and cut.step in (None, 1) else None
 
 
 def _first_rows(index: Any, dim: int, nd: int) -> int | None:
@@ -394,7 +506,8 @@ def _first_rows(index: Any, dim: int, nd: int) -> int | None:
 
 
 #: The spellings of a shift along the sequence, each a matcher (see above).
-SHIFT_SPELLINGS = (("pad", _match_pad), ("cat", _match_cat), ("diff", _match_diff), ("roll", _match_roll))
+SHIFT_SPELLINGS = (("pad", _match_pad), ("crop", _match_crop), ("cat", _match_cat), ("diff", _match_diff),
+                   ("roll", _match_roll), ("filled", _match_filled))
 
 
 def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
@@ -414,21 +527,25 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
                 f"treecompile cannot make this model exact on a tree: {describe(node)} shifts the sequence, and this "
                 f"call has no path structure to shift it along (a streamed or context-parallel call).\n"
                 f"  at {source_of(node)}")
-        x, dim, k, sign, dead = found
+        # A matcher may name the node whose value is the shift (default: the matched node) and
+        # where the gather goes (default: before the matched node; after x in any case).
+        x, dim, k, sign, dead, *where = found
+        target, at = (where + [node, node])[:2] if len(where) < 2 else where
         if k + 1 not in tables:
             with gm.graph.inserting_before(_first_node(gm)):
                 tables[k + 1] = _ancestor_table(gm, ctx, k + 1)
-        with gm.graph.inserting_before(node):
-            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=node)
+        with gm.graph.inserting_before(at):
+            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=target)
             if sign:
-                new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=node)
-                new.meta["example_value"] = value(node)
-        # A zeroing the shift already does (a roll's wrapped rows) stays on the old node, whose
-        # write nothing reads any more: the mutation-safe dead-code elimination removes both.
-        zeroing = {d for d in dead if isinstance(d, fx.Node) and d.target is operator.setitem and d.args[0] is node}
-        node.replace_all_uses_with(new, delete_user_cb=lambda user: user not in zeroing)
-        if not node.users:
-            gm.graph.erase_node(node)
+                new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=target)
+                new.meta["example_value"] = value(target)
+        # A write the shift already does (a roll's wrapped rows zeroed, a buffer's shifted rows)
+        # stays on the old node, which nothing reads any more: the mutation-safe dead-code
+        # elimination removes both.
+        zeroing = {d for d in dead if isinstance(d, fx.Node) and d.target is operator.setitem and d.args[0] is target}
+        target.replace_all_uses_with(new, delete_user_cb=lambda user: user not in zeroing)
+        if not target.users:
+            gm.graph.erase_node(target)
         for d in dead:
             if isinstance(d, fx.Node) and not d.users and d not in zeroing:
                 gm.graph.erase_node(d)

@@ -177,6 +177,10 @@ CASES: list[Case] = [
          _custom(zc.CatShiftLM)),
     Case("crop-pad-shift", "custom: shift by two as F.pad(x[:, :-2], (0, 0, 2, 0))", _custom(zc.CropPadShiftLM)),
     Case("roll-shift", "custom: token shift as roll(x, 1, dims=1) with prev[:, 0] = 0", _custom(zc.RollShiftLM)),
+    Case("buffer-shift", "custom: token shift into a buffer, prev = zeros_like(x); prev[:, 1:] = x[:, :-1]",
+         _custom(zc.BufferShiftLM)),
+    Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",
+         _custom(zc.RollMaskedShiftLM)),
     Case("roll-shift-two", "custom: shift by two as x.roll(shifts=2, dims=1) with prev[:, :2] = 0",
          _custom(zc.RollShiftTwoLM)),
     Case("roll-no-zero", "custom: roll(x, 1, dims=1) kept whole (the first row reads the last)",
@@ -190,6 +194,8 @@ CASES: list[Case] = [
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "
          "attention", _custom(zc.MinGRULM)),
     Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
+    Case("running-window", "custom: a moving-window sum, c - F.pad(c, (0, 0, 3, 0))[:, :-3] with c = x.cumsum(1) "
+         "(pad in front, then cut the end)", _custom(zc.RunningWindowLM)),
     Case("in-place-cumsum", "custom: a running sum in place, h = x.clone(); h.cumsum_(1)", _custom(zc.InPlaceCumsumLM)),
     Case("in-place-cumprod", "custom: a running product of a gate in place, g = 0.5 + 0.4 * tanh(x); g.cumprod_(1)",
          _custom(zc.InPlaceCumprodLM)),

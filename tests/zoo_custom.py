@@ -294,6 +294,29 @@ class CropPadShiftAttn(_SdpaAttn):
         return x + 0.5 * F.pad(x[:, :-2], (0, 0, 2, 0))
 
 
+class BufferShiftAttn(_SdpaAttn):
+    """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_prev = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        prev = torch.zeros_like(x)
+        prev[:, 1:] = x[:, :-1]
+        return super().forward(x + torch.tanh(self.w_prev(prev)))
+
+
+class RollMaskedShiftAttn(_SdpaAttn):
+    """A shift by two as ``roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)``."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        first = (torch.arange(t, device=x.device) < 2)[None, :, None]
+        prev = torch.roll(x, shifts=2, dims=1).masked_fill(first, 0.0)
+        return super().forward(x + 0.5 * prev)
+
+
 class RollShiftAttn(_SdpaAttn):
     """A token shift as ``torch.roll(x, 1, dims=1)`` with the wrapped-around first row zeroed in
     place (``prev[:, 0] = 0``), mixed into the attention input."""
@@ -513,6 +536,16 @@ class RunningMeanAttn(_SdpaAttn):
         return super().forward(x + 0.5 * mean)
 
 
+class RunningWindowAttn(_SdpaAttn):
+    """A moving-window sum of the last 3 hidden states by cumsum differences, the earlier sum
+    shifted by padding in front and cutting the end: ``c - F.pad(c, (0, 0, 3, 0))[:, :-3]``."""
+
+    def forward(self, x):
+        c = x.cumsum(1)
+        win = c - F.pad(c, (0, 0, 3, 0))[:, :-3]
+        return super().forward(x + 0.25 * win)
+
+
 class RunningMaxAttn(_SdpaAttn):
     """A running max of a gate over the sequence (``cummax``), with its index as a feature."""
 
@@ -548,6 +581,8 @@ class RetentionLM(_LM):
 
 
 PointwiseConvLM = _spelling(PointwiseConvAttn)
+RunningWindowLM = _spelling(RunningWindowAttn)
+BufferShiftLM, RollMaskedShiftLM = _spelling(BufferShiftAttn), _spelling(RollMaskedShiftAttn)
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
