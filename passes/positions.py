@@ -87,8 +87,9 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             node.replace_all_uses_with(new)
             ctx.count("path_cumsum")
         elif node.op == "call_function" and node.target is operator.getitem:
-            dim = _table_slice_dim(node, ctx)
-            if dim == 0 and _only_gathered_by_position(node, ctx):
+            found = _table_slice(node, ctx)
+            dim, new_dims = found if found is not None else (None, [])
+            if dim == 0 and not new_dims and _only_gathered_by_position(node, ctx):
                 # ``table[:S][position_ids]``: the slice is still a table indexed by position,
                 # and the positions are below S: the gather reads the table itself.
                 for u in list(node.users):
@@ -97,6 +98,8 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             elif dim is not None:
                 with gm.graph.inserting_before(node):
                     new = gm.graph.call_function(torch.index_select, (node.args[0], dim, ctx.positions))
+                    for at in new_dims:  # ``None`` entries of the index: new dims of size 1
+                        new = ctx.mark(gm.graph.call_method("unsqueeze", (new, at)), like=node)
                 new.meta["example_value"] = value(node)
                 ctx.mark(new, like=node)
                 node.replace_all_uses_with(new)
@@ -224,8 +227,10 @@ def _constant_table(node: fx.Node) -> fx.Node | None:
     return node if node.op in ("placeholder", "get_attr") else None
 
 
-def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
-    """The dim ``d`` if ``node`` is ``table[..., :S, ...]`` on a constant table, else None."""
+def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | None:
+    """``(d, new)`` if ``node`` is ``table[..., :S, ...]`` on a constant table, cut to S along
+    the table's dim ``d``, with new dims of size 1 (``None`` entries: ``pos[None, :T, :]``) at
+    the result's dims ``new``; else None."""
     table, index = node.args
     if not isinstance(table, fx.Node) or table in (ctx.input_ids, ctx.positions) or \
             _constant_table(table) is None and depends_on_inputs(ctx, table) is not False:
@@ -236,6 +241,8 @@ def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
     index = index if isinstance(index, tuple) else (index,)
     if index and index[-1] is Ellipsis:  # cache[:, :, :T, ...]: the dims after it are whole
         index = index[:-1]
+    new = [at for at, i in enumerate(index) if i is None]
+    index = tuple(i for i in index if i is not None)
     if any(i is Ellipsis for i in index) or len(index) > tv.dim():
         return None
     sliced = []
@@ -254,4 +261,4 @@ def _table_slice_dim(node: fx.Node, ctx: PassContext) -> int | None:
     length = tv.shape[sliced[0]]
     if _constant_table(table) is None and not (isinstance(length, torch.SymInt) and multiple_of(length, ctx.seq_len)):
         return None
-    return sliced[0]
+    return sliced[0], new

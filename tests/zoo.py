@@ -177,6 +177,8 @@ CASES: list[Case] = [
          _custom(zc.CatShiftLM)),
     Case("crop-pad-shift", "custom: shift by two as F.pad(x[:, :-2], (0, 0, 2, 0))", _custom(zc.CropPadShiftLM)),
     Case("roll-shift", "custom: token shift as roll(x, 1, dims=1) with prev[:, 0] = 0", _custom(zc.RollShiftLM)),
+    Case("positions-none-index", "custom: learned positions [max_len, d] added as pos[None, :T, :]",
+         _custom(zc.NoneIndexPositionsLM)),
     Case("buffer-shift", "custom: token shift into a buffer, prev = zeros_like(x); prev[:, 1:] = x[:, :-1]",
          _custom(zc.BufferShiftLM)),
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",

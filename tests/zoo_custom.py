@@ -294,6 +294,22 @@ class CropPadShiftAttn(_SdpaAttn):
         return x + 0.5 * F.pad(x[:, :-2], (0, 0, 2, 0))
 
 
+class NoneIndexPositionsLM(_LM):
+    """Learned absolute positions ``[max_len, d]`` added as ``self.pos[None, :T, :]``."""
+
+    block_cls = _SdpaAttn
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(MAX_LEN, DIM) * 0.1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[None, : idx.shape[1], :]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
 class BufferShiftAttn(_SdpaAttn):
     """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
 
