@@ -96,7 +96,8 @@ FAMILIES: dict[str, str] = {
     "attention": "`scaled_dot_product_attention` left in the graph: rows as a batch dim or only the queries; over "
                  "the keys refused (a causal one was rewritten before)",
     "lookup": "`embedding`, `one_hot`: the index's rows, plus a dim",
-    "convolution": "rows only as the batch dim; over the channels or spatial dims refused",
+    "convolution": "rows as the batch dim, or on a spatial dim whose kernel is 1 wide with stride 1 and no padding "
+                   "(a pointwise conv1d); over the channels or wider along the rows refused",
     "pooling": "rows as batch or channels; over the pooled dims refused",
     "like": "`zeros_like(x)` ...: x's rows, the same value in each",
     "creation": "`zeros(1, S, D)` ...: one value in every row; two dims of S are an [S, S] mask (refused); "
