@@ -47,8 +47,26 @@ def test_all_methods_run_and_agree_on_the_loss(tmp_path):
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["speedup_vs_packed"] > 0
     assert rows["tree"]["rows"] < rows["hf-packed-flex"]["rows"] == rows["tree"]["path_tokens"]
     assert rows["tree"]["bound"] == pytest.approx(1 / (1 - rows["tree"]["por"]))
+    # The pair-aware bound, from the profiled baseline's split: between the pairs' and the tokens' bounds.
+    from treecompile.bench.bound import AttentionCost, Work
+
+    work = Work(**{k: v for k, v in _work_of_first(result).items()})
+    cost = AttentionCost.from_profile(profile["baselines"]["hf-packed-flex"]["categories_ms"], work)
+    assert rows["tree"]["pair_bound"] == pytest.approx(cost.bound(work))
+    assert work.pair_ratio <= rows["tree"]["pair_bound"] <= rows["tree"]["bound"] + 1e-9
+    assert rows["tree"]["pair_bound_fraction"] == pytest.approx(
+        min(rows["tree"]["speedup_vs_packed"], rows["tree"]["speedup_vs_padded"]) / rows["tree"]["pair_bound"])
     assert rows["hf-packed-flex"]["speedup_vs_packed"] == 1.0
     assert "| tiny | 96 POR 0.5 |" in md.read_text()
+
+
+def _work_of_first(result: dict) -> dict:
+    """The first workload's token and pair counts, rebuilt from the run's configuration."""
+    from treecompile.bench.bound import work_of
+
+    cfg = bench_cuda.CudaBenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()})
+    _, trees = bench_cuda._workloads(cfg, bench_baselines.MODEL_SHAPES[cfg.models[0]]["vocab_size"])[0]
+    return dataclasses.asdict(work_of(trees))
 
 
 def test_only_the_faster_baseline_runs_after_the_first_workload(monkeypatch):

@@ -50,6 +50,7 @@ import torch
 
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
 from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of
+from treecompile.bench.bound import AttentionCost, work_of
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
 from treecompile.data.io import write_json, write_text_atomic
@@ -142,6 +143,8 @@ class CudaRow:
     note: str = ""  # e.g. the probe's refusal, when the row was measured with verify=False
     speedup_vs_packed: float | None = None
     speedup_vs_padded: float | None = None
+    # The pair-aware bound (`treecompile.bench.bound`), from a baseline's profiled split, if any.
+    pair_bound: float | None = None
 
     @property
     def bound(self) -> float:
@@ -152,6 +155,12 @@ class CudaRow:
         """Speed-up over the faster baseline that ran, as a fraction of the FLOP bound."""
         ups = [u for u in (self.speedup_vs_packed, self.speedup_vs_padded) if u is not None]
         return min(ups) / self.bound if ups else None
+
+    @property
+    def pair_bound_fraction(self) -> float | None:
+        """Speed-up over the faster baseline that ran, as a fraction of the pair-aware bound."""
+        ups = [u for u in (self.speedup_vs_packed, self.speedup_vs_padded) if u is not None]
+        return min(ups) / self.pair_bound if ups and self.pair_bound else None
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -266,7 +275,7 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
     start = time.perf_counter()
     dropped: set[str] = set()  # baselines found slower (cfg.baselines == "faster")
     for model_name in cfg.models:
-        model, fns = None, {}
+        model, fns, works = None, {}, []
         for workload, trees in _workloads(cfg, MODEL_SHAPES[model_name]["vocab_size"]):
             if model is None and time.perf_counter() - start <= cfg.time_budget_s:
                 model = model_of(model_name, dtype, dev, cfg.seed)
@@ -302,6 +311,9 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
                 elif profiles is not None:
                     _save_profiles(result, cfg)
             _relate(group, cfg)
+            works.append((group, work_of(trees)))
+            # The baselines are profiled on the first model's first workload only.
+            _pair_bounds(works, result.get("baseline_profiles") or {} if model_name == cfg.models[0] else {})
             if cfg.baselines == "faster" and not dropped:
                 dropped = _slower_baseline(group)
             rows += group
@@ -315,6 +327,20 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
             torch.cuda.empty_cache()
     result["rows"] = [_row_dict(r) for r in rows]
     return result
+
+
+def _pair_bounds(works: list, profiles: dict) -> None:
+    """Each row's pair-aware bound, from the first profiled baseline's split (the profile is of
+    the first workload's step; `treecompile.bench.bound.AttentionCost` carries it to the others)."""
+    # The packed baseline first: its attention covers the paths' own pairs (the padded one's, the padding's too).
+    order = (REFERENCE, *(m for m in METHODS[:2] if m != REFERENCE))
+    profile = next((profiles[m] for m in order if "categories_ms" in profiles.get(m, {})), None)
+    if profile is None or not works:
+        return
+    cost = AttentionCost.from_profile(profile["categories_ms"], works[0][1])
+    for group, work in works:
+        for row in group:
+            row.pair_bound = cost.bound(work)
 
 
 def _slower_baseline(group: list[CudaRow]) -> set[str]:
@@ -432,13 +458,14 @@ def _relate(group: list[CudaRow], cfg: CudaBenchConfig) -> None:
 
 
 def _row_dict(r: CudaRow) -> dict[str, Any]:
-    return {**asdict(r), "bound": r.bound, "bound_fraction": r.bound_fraction}
+    return {**asdict(r), "bound": r.bound, "bound_fraction": r.bound_fraction,
+            "pair_bound_fraction": r.pair_bound_fraction}
 
 
 # ---------------------------------------------------------------------------- output
 
 _COLUMNS = ("model", "workload", "POR", "path tok", "rows", "method", "step ms", "path tok/s", "peak GiB",
-            "vs packed", "vs padded", "bound", "of bound", "loss Δrel", "status")
+            "vs packed", "vs padded", "bound", "of bound", "pair bound", "of pair bound", "loss Δrel", "status")
 
 
 def _fmt(x, spec: str, suffix: str = "") -> str:
@@ -465,7 +492,8 @@ def markdown_table(result: dict) -> str:
             r["model"], r["workload"], f"{r['por']:.3f}", str(r["path_tokens"]), str(r["rows"]), r["method"],
             _fmt(r["step_ms"], ".1f"), _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_gib"], ".2f"),
             _fmt(r["speedup_vs_packed"], ".2f", "x"), _fmt(r["speedup_vs_padded"], ".2f", "x"),
-            f"{r['bound']:.2f}x", _fmt(r["bound_fraction"], ".0%"), _fmt(diff, ".1e") + flag, status,
+            f"{r['bound']:.2f}x", _fmt(r["bound_fraction"], ".0%"), _fmt(r.get("pair_bound"), ".2f", "x"),
+            _fmt(r.get("pair_bound_fraction"), ".0%"), _fmt(diff, ".1e") + flag, status,
         ]) + " |")
     return "\n".join(lines)
 
