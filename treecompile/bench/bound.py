@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Work", "AttentionCost", "work_of", "pair_bound"]
+__all__ = ["Work", "AttentionCost", "work_of", "pair_bound", "pair_bounds"]
 
 #: Profile categories that are attention (`treecompile.bench.profile_cuda.CATEGORIES`).
 ATTENTION = ("attention forward", "attention backward")
@@ -108,3 +108,13 @@ class AttentionCost:
 
     def as_dict(self) -> dict[str, Any]:
         return {"per_token_ms": self.per_token_ms, "per_pair_ms": self.per_pair_ms}
+
+
+def pair_bounds(works: list[Work], profiles: dict[str, dict], order: tuple[str, ...]) -> list[float | None]:
+    """The pair-aware bound of each of ``works`` from the first method of ``order`` whose profile
+    (``profiles[method]["categories_ms"]``) was taken on ``works[0]``'s paths; Nones without one."""
+    profile = next((profiles[m] for m in order if "categories_ms" in profiles.get(m, {})), None)
+    if profile is None or not works:
+        return [None] * len(works)
+    cost = AttentionCost.from_profile(profile["categories_ms"], works[0])
+    return [cost.bound(w) for w in works]

@@ -50,7 +50,7 @@ import torch
 
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
 from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of
-from treecompile.bench.bound import AttentionCost, work_of
+from treecompile.bench.bound import pair_bounds, work_of
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
 from treecompile.data.io import write_json, write_text_atomic
@@ -312,7 +312,6 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
                     _save_profiles(result, cfg)
             _relate(group, cfg)
             works.append((group, work_of(trees)))
-            # The baselines are profiled on the first model's first workload only.
             _pair_bounds(works, result.get("baseline_profiles") or {} if model_name == cfg.models[0] else {})
             if cfg.baselines == "faster" and not dropped:
                 dropped = _slower_baseline(group)
@@ -330,17 +329,11 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
 
 
 def _pair_bounds(works: list, profiles: dict) -> None:
-    """Each row's pair-aware bound, from the first profiled baseline's split (the profile is of
-    the first workload's step; `treecompile.bench.bound.AttentionCost` carries it to the others)."""
-    # The packed baseline first: its attention covers the paths' own pairs (the padded one's, the padding's too).
-    order = (REFERENCE, *(m for m in METHODS[:2] if m != REFERENCE))
-    profile = next((profiles[m] for m in order if "categories_ms" in profiles.get(m, {})), None)
-    if profile is None or not works:
-        return
-    cost = AttentionCost.from_profile(profile["categories_ms"], works[0][1])
-    for group, work in works:
+    """Each row's pair-aware bound from a baseline's profile of the first model's first workload."""
+    bounds = pair_bounds([w for _, w in works], profiles, (REFERENCE, *(m for m in METHODS[:2] if m != REFERENCE)))
+    for (group, _), bound in zip(works, bounds):
         for row in group:
-            row.pair_bound = cost.bound(work)
+            row.pair_bound = bound
 
 
 def _slower_baseline(group: list[CudaRow]) -> set[str]:

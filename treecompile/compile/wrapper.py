@@ -432,11 +432,9 @@ class TreeCompiledModel(DelegatingModule):
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)
         rows = batch.num_tokens
-        # Torch specialises a size-1 dimension as a constant, which would both recompile and
-        # blur the sequence axis with the batch axis of size 1: run at least 2 rows (an
-        # isolated padding row of weight 0 changes nothing else), and where the batch has one
-        # target, one predicting row or one node, a two-token padding tree whose target has
-        # weight 0 (so that a first call on such a batch compiles the graph every tree reuses).
+        # Torch specialises a size-1 dimension as a constant (a recompile, and the sequence axis
+        # blurred with the batch axis): at least 2 rows, and for one target, predicting row or
+        # node a two-token padding tree whose target weighs 0 (`TreeBatch.padded`).
         longest = batch.longest_path()[0]  # from the batch's check: no read of the device
         if self._proven_rows is not None and longest > self._proven_rows:
             # The compiled graph rests on a judgement made at a shorter length (the model's own
