@@ -148,14 +148,8 @@ def _match_crop(node: fx.Node, ctx: PassContext):
     pv = value(padded)
     if left <= 0 or right != 0 or dim not in _row_dim(x, ctx) or dim not in _row_dim(node, ctx):
         return None
-    index = index if isinstance(index, tuple) else (index,)
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (pv.dim() - len(index) + 1) + index[at + 1:]
-    index = index + (slice(None),) * (pv.dim() - len(index))
-    if len(index) != pv.dim() or any(i != slice(None) for d, i in enumerate(index) if d != dim):
-        return None
-    cut = index[dim]
+    found = _cut_along(index, dim, pv.dim())
+    cut = None if found is None else found[0]
     if not (isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1)):
         return None
     # ``:-k``, or ``:S`` (the first S of the S + k rows): the result has the rows of x.
@@ -288,8 +282,9 @@ def _match_filled(node: fx.Node, ctx: PassContext):
     return None
 
 
-def _rows_from(index: Any, dim: int, nd: int) -> int | None:
-    """``k`` if ``index`` picks the rows from ``k`` on along ``dim`` (``k:``) and whole other dims."""
+def _cut_along(index: Any, dim: int, nd: int) -> tuple[Any] | None:
+    """``(entry,)``: a getitem's ``index`` entry on ``dim`` (over ``nd`` dims, an ``...`` expanded),
+    if every other dim is taken whole; else None."""
     index = index if isinstance(index, tuple) else (index,)
     if Ellipsis in index:
         at = index.index(Ellipsis)
@@ -297,7 +292,13 @@ def _rows_from(index: Any, dim: int, nd: int) -> int | None:
     index = index + (slice(None),) * (nd - len(index))
     if len(index) != nd or any(i != slice(None) for d, i in enumerate(index) if d != dim):
         return None
-    cut = index[dim]
+    return (index[dim],)
+
+
+def _rows_from(index: Any, dim: int, nd: int) -> int | None:
+    """``k`` if ``index`` picks the rows from ``k`` on along ``dim`` (``k:``) and whole other dims."""
+    found = _cut_along(index, dim, nd)
+    cut = None if found is None else found[0]
     ok = isinstance(cut, slice) and isinstance(cut.start, int) and cut.start > 0 and cut.stop is None
     return cut.start if ok and cut.step in (None, 1) else None
 
@@ -305,14 +306,10 @@ def _rows_from(index: Any, dim: int, nd: int) -> int | None:
 def _first_rows(index: Any, dim: int, nd: int) -> int | None:
     """``k`` if ``index`` picks the first ``k`` rows on ``dim`` (``0`` or ``:k``) and whole
     other dims, else None."""
-    index = index if isinstance(index, tuple) else (index,)
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (nd - len(index) + 1) + index[at + 1:]
-    index = index + (slice(None),) * (nd - len(index))
-    if len(index) != nd or any(i != slice(None) for d, i in enumerate(index) if d != dim):
+    found = _cut_along(index, dim, nd)
+    if found is None:
         return None
-    cut = index[dim]
+    cut = found[0]
     if isinstance(cut, int) and not isinstance(cut, bool) and cut == 0:
         return 1
     if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1) and isinstance(cut.stop, int):
