@@ -209,7 +209,8 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     while first.op != "root" and first not in node.users:
         first = first.next
     if first.op != "root" and is_call(first, (torch.masked_fill,), ("masked_fill",)) and len(node.users) == 1 \
-            and first.args[0] is node and first.args[2] in (0, 0.0) and _first_rows_mask(first.args[1], dim, xv.dim()) == k:
+            and first.args[0] is node and first.args[2] in (0, 0.0) \
+            and _first_rows_mask(first.args[1], dim, xv.dim(), ctx.seq_len) == k:
         # ``roll(x, k, d).masked_fill(arange(T) < k, 0)`` (or ``== 0`` for k = 1), out of place:
         # the masked fill is the shift.
         return x, dim, k, 0, (node,), first
@@ -220,9 +221,9 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     return x, dim, k, 0, (first,)
 
 
-def _first_rows_mask(mask: Any, dim: int, nd: int) -> int | None:
-    """``k`` if ``mask`` is ``arange(S) < k`` (or ``== 0``, k = 1) along ``dim`` of an ``nd``-dim
-    tensor, through indexing or unsqueezes that only add dims of size 1."""
+def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any) -> int | None:
+    """``k`` if ``mask`` is ``arange(S) < k`` (or ``== 0``, k = 1; ``S`` the rows, ``seq_len``)
+    along ``dim`` of an ``nd``-dim tensor, through indexing or unsqueezes that only add dims of size 1."""
     if not isinstance(mask, fx.Node):
         return None
     mv = value(mask)
@@ -246,17 +247,11 @@ def _first_rows_mask(mask: Any, dim: int, nd: int) -> int | None:
         return None
     a = bind(grid, ["start", "end", "step"], {"end": None, "step": 1})
     end = a["start"] if a["end"] is None else a["end"]
-    if (a["end"] is not None and a["start"] != 0) or a["step"] != 1 or not same_size(end, ctx_seq_len_of(grid)):
+    if (a["end"] is not None and a["start"] != 0) or a["step"] != 1 or not same_size(end, seq_len):
         return None
     if is_call(cur, (operator.eq, torch.eq), ("eq",)):
         return 1 if bound == 0 else None
     return bound if bound > 0 else None
-
-
-def ctx_seq_len_of(grid: fx.Node) -> Any:
-    """The length an arange covers (its example value's size)."""
-    v = value(grid)
-    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() == 1 else None
 
 
 def _match_filled(node: fx.Node, ctx: PassContext):

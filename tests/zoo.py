@@ -183,6 +183,8 @@ CASES: list[Case] = [
          _custom(zc.BufferShiftLM)),
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",
          _custom(zc.RollMaskedShiftLM)),
+    Case("roll-masked-wrong", "custom: roll by two with a masked_fill of only the first row (arange(T) == 0)",
+         _custom(zc.RollMaskedWrongLM), expect="refused", reason="computes with row indices as values"),
     Case("roll-shift-two", "custom: shift by two as x.roll(shifts=2, dims=1) with prev[:, :2] = 0",
          _custom(zc.RollShiftTwoLM)),
     Case("roll-no-zero", "custom: roll(x, 1, dims=1) kept whole (the first row reads the last)",

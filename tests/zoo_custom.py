@@ -333,6 +333,14 @@ class RollMaskedShiftAttn(_SdpaAttn):
         return super().forward(x + 0.5 * prev)
 
 
+class RollMaskedWrongAttn(_SdpaAttn):
+    """A roll by two whose masked_fill zeroes only the first row (``arange(T) == 0``)."""
+
+    def forward(self, x):
+        first = (torch.arange(x.shape[1], device=x.device) == 0)[None, :, None]
+        return super().forward(x + 0.5 * torch.roll(x, shifts=2, dims=1).masked_fill(first, 0.0))
+
+
 class RollShiftAttn(_SdpaAttn):
     """A token shift as ``torch.roll(x, 1, dims=1)`` with the wrapped-around first row zeroed in
     place (``prev[:, 0] = 0``), mixed into the attention input."""
@@ -598,7 +606,8 @@ class RetentionLM(_LM):
 
 PointwiseConvLM = _spelling(PointwiseConvAttn)
 RunningWindowLM = _spelling(RunningWindowAttn)
-BufferShiftLM, RollMaskedShiftLM = _spelling(BufferShiftAttn), _spelling(RollMaskedShiftAttn)
+BufferShiftLM, RollMaskedShiftLM, RollMaskedWrongLM = (
+    _spelling(BufferShiftAttn), _spelling(RollMaskedShiftAttn), _spelling(RollMaskedWrongAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
