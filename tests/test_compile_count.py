@@ -79,11 +79,17 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", ["qwen3", pytest.param("conv", marks=pytest.mark.full)])
+@pytest.mark.parametrize("name", ["qwen3", pytest.param("conv", marks=pytest.mark.full),
+                                  pytest.param("qwen3-streamed", marks=pytest.mark.full)])
 def test_twenty_different_trees_compile_once_per_grad_mode(name):
+    """Streamed (parts of at most 200 rows), a tree that fits runs whole and a longer one as
+    parts: one graph for each kind of call, per grad mode."""
+    from treecompile.stream.plan import StreamOptions
+
     torch.manual_seed(0)
-    model = MODELS[name]()
-    compiled = tree_compile(model)
+    streamed = name.endswith("-streamed")
+    model = MODELS[name.removesuffix("-streamed")]()
+    compiled = tree_compile(model, stream=StreamOptions(budget_rows=200) if streamed else None)
     trees = _trees()
     assert len({(t.num_tokens, t.num_paths) for t in trees}) == 20
     assert trees[0].num_tokens < 128 < max(t.num_tokens for t in trees)
@@ -101,7 +107,8 @@ def test_twenty_different_trees_compile_once_per_grad_mode(name):
     finally:
         log.removeHandler(handler)
         torch._logging.set_logs()
-    assert (with_grad, len(compiled.compile_records)) == (1, 2), handler.reasons
+    kinds = 2 if streamed else 1  # the four trees under no_grad all fit whole: one graph more
+    assert (with_grad, len(compiled.compile_records)) == (kinds, kinds + 1), handler.reasons
     # The graph that served every tree is exact on the first (run with a padding target) and
     # the last: loss, log-probs and every gradient.
     for tree in (trees[0], trees[-1]):

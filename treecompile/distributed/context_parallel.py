@@ -182,7 +182,7 @@ class CPRunner:
         send_rows, send_counts, recv_counts = split.exchange(self.rank)
         send_rows = padded_send(send_rows)
         ids, positions, sub_local, rows, slot, target, dest_local, weight, path_count, kv_end, kv_pos = inputs
-        block_tensors, self._state.layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE))
+        block_tensors, self._state.layout = split_block_mask(interval_block_mask(sub_local, BLOCK_SIZE, min_blocks=2))
         device = device_of(self.setup.model)
         moved = [to_device(x, device) for x in (ids[None], positions, sub_local, rows, slot, target, dest_local,
                                                 weight, path_count, kv_end, kv_pos, torch.from_numpy(index),

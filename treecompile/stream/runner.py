@@ -310,7 +310,7 @@ class StreamRunner:
         for its backward, whose kept values are on the stack already)."""
         inputs, dest, extra = self._part_inputs(data, plan, j)
         inputs = [to_device(x, device) for x in inputs]
-        block_tensors, self._state.layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE))
+        block_tensors, self._state.layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE, min_blocks=2))
         guessed = False
         if self._shapes is None:
             guess = _known_layout(self.setup) or _layout_guess(self.setup)
