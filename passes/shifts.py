@@ -77,17 +77,10 @@ def _drops_last(node: Any, dim: int, ctx: PassContext) -> tuple[fx.Node, int] | 
         return None
     x, index = node.args
     xv, nv = value(x), value(node)
-    if not isinstance(xv, torch.Tensor):
+    if not isinstance(xv, torch.Tensor) or dim not in _row_dim(x, ctx):
         return None
-    index = index if isinstance(index, tuple) else (index,)
-    if index and index[0] is Ellipsis:
-        index = (slice(None),) * (xv.dim() - len(index) + 1) + index[1:]
-    index = index + (slice(None),) * (xv.dim() - len(index))
-    if not isinstance(xv, torch.Tensor) or len(index) != xv.dim() or dim not in _row_dim(x, ctx):
-        return None
-    if any(i != slice(None) for d, i in enumerate(index) if d != dim):
-        return None
-    cut = index[dim]
+    found = _cut_along(index, dim, xv.dim())
+    cut = None if found is None else found[0]
     if not (isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1)):
         return None
     k = -cut.stop if isinstance(cut.stop, int) and cut.stop < 0 else None

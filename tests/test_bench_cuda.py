@@ -115,7 +115,7 @@ def test_baseline_micro_batches_give_the_one_batch_step(method):
     from treecompile.bench.trees import synthetic_tree
 
     model = bench_baselines.model_of("tiny", torch.float64, torch.device("cpu"), 0)
-    paths = bench_cuda._paths([synthetic_tree(5, 24, 0.5, 2048, 0)])
+    paths = bench_baselines.paths_of([synthetic_tree(5, 24, 0.5, 2048, 0)])
     paths[1] = (paths[1][0], [False] * 7 + paths[1][1][7:])  # micro-batches of different target counts
 
     def step(micro):
@@ -141,7 +141,7 @@ def test_baseline_inputs_are_built_once_outside_the_timed_steps(monkeypatch):
     from treecompile.bench.trees import synthetic_tree
 
     model = bench_baselines.model_of("tiny", torch.float32, torch.device("cpu"), 0)
-    paths = bench_cuda._paths([synthetic_tree(4, 16, 0.5, 2048, 0)])
+    paths = bench_baselines.paths_of([synthetic_tree(4, 16, 0.5, 2048, 0)])
     built = []
     for cls in (bench_baselines.Padded, bench_baselines.Packed):
         counted = lambda self, part, f=cls._call_kwargs: built.append(1) or f(self, part)  # noqa: E731

@@ -9,7 +9,6 @@ first call, so a first call with one block, one node or one target would otherwi
 
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest
@@ -19,6 +18,7 @@ from test_compile_models import compare_with_paths
 from testing import perturbed_hf_model
 
 from treecompile import TrajectoryTree, pack, tree_compile
+from treecompile.bench.compile_stats import recompile_reasons
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,17 +55,6 @@ def _trees() -> list[TrajectoryTree]:
     return [TrajectoryTree.from_sequences(s) for s in shapes]
 
 
-class _Recompiles(logging.Handler):
-    """Dynamo's recompile reasons (the ``recompiles`` log), for the failure message."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reasons: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.reasons.append(record.getMessage())
-
-
 def _qwen3():
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -93,22 +82,19 @@ def test_twenty_different_trees_compile_once_per_grad_mode(name):
     trees = _trees()
     assert len({(t.num_tokens, t.num_paths) for t in trees}) == 20
     assert trees[0].num_tokens < 128 < max(t.num_tokens for t in trees)
-    handler = _Recompiles()
-    log = logging.getLogger("torch._dynamo.guards.__recompiles")
     torch._logging.set_logs(recompiles=True)
-    log.addHandler(handler)
     try:
-        for tree in trees:
-            compiled(pack(tree)).loss.backward()
-        with_grad = len(compiled.compile_records)
-        with torch.no_grad():
-            for tree in trees[:4]:
-                compiled(pack(tree))
+        with recompile_reasons() as reasons:
+            for tree in trees:
+                compiled(pack(tree)).loss.backward()
+            with_grad = len(compiled.compile_records)
+            with torch.no_grad():
+                for tree in trees[:4]:
+                    compiled(pack(tree))
     finally:
-        log.removeHandler(handler)
         torch._logging.set_logs()
     kinds = 2 if streamed else 1  # the four trees under no_grad all fit whole: one graph more
-    assert (with_grad, len(compiled.compile_records)) == (kinds, kinds + 1), handler.reasons
+    assert (with_grad, len(compiled.compile_records)) == (kinds, kinds + 1), reasons
     # The graph that served every tree is exact on the first (run with a padding target) and
     # the last: loss, log-probs and every gradient.
     for tree in (trees[0], trees[-1]):

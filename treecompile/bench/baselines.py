@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODEL_SHAPES", "Baseline", "Padded", "Packed", "model_of", "targets"]
+__all__ = ["MODEL_SHAPES", "Baseline", "Padded", "Packed", "model_of", "paths_of", "targets"]
 
 #: Hugging Face Qwen3 shapes (the published configs' sizes; weights random).
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -37,6 +37,18 @@ def model_of(name: str, dtype: torch.dtype, device: torch.device, seed: int):
     with device:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.train()
+
+
+def paths_of(trees) -> list[tuple[list[int], list[bool]]]:
+    """Each path's tokens and loss mask (position 0 never a target)."""
+    out = []
+    for t in trees:
+        for p in t.paths():
+            if p.weight != 1:
+                raise ValueError("the HF baselines' loss has no per-path weights; paths of weight 1 only")
+            mask = [True] * len(p.tokens) if p.loss_mask is None else [bool(m) for m in p.loss_mask]
+            out.append((list(p.tokens), mask))
+    return out
 
 
 def _padded_inputs(paths, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

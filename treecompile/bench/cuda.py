@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from treecompile.bench.compile_stats import PHASES_KEPT, compile_phases, recompile_reasons
-from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of
+from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of, paths_of
 from treecompile.bench.bound import pair_bounds, work_of
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.core.interrupt import interrupts_kept, raise_if_interrupted
@@ -181,18 +181,6 @@ def _workloads(cfg: CudaBenchConfig, vocab: int) -> list[tuple[str, list]]:
     return out
 
 
-def _paths(trees) -> list[tuple[list[int], list[bool]]]:
-    """Each path's tokens and loss mask (position 0 never a target)."""
-    out = []
-    for t in trees:
-        for p in t.paths():
-            if p.weight != 1:
-                raise ValueError("the HF baselines' loss has no per-path weights; paths of weight 1 only")
-            mask = [True] * len(p.tokens) if p.loss_mask is None else [bool(m) for m in p.loss_mask]
-            out.append((list(p.tokens), mask))
-    return out
-
-
 # ---------------------------------------------------------------------------- methods
 
 
@@ -284,7 +272,7 @@ def run_cuda_bench(cfg: CudaBenchConfig = DEFAULT, *, device: str = "cuda", prog
             stats = [t.stats() for t in trees]
             path_tokens = sum(s.path_tokens for s in stats)
             por = 1.0 - sum(s.tree_tokens for s in stats) / path_tokens
-            paths = _paths(trees)
+            paths = paths_of(trees)
             batch_rows = {"tree": sum(s.tree_tokens for s in stats), "tree-fused": sum(s.tree_tokens for s in stats),
                           "hf-padded-sdpa": len(paths) * max(len(t) for t, _ in paths),
                           "hf-packed-flex": path_tokens}

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of
+from treecompile.bench.baselines import MODEL_SHAPES, Packed, Padded, model_of, paths_of
 from treecompile.bench.bound import AttentionCost, work_of
 from treecompile.bench.compile_stats import recompile_reasons
 from treecompile.data.io import write_json, write_text_atomic
@@ -161,7 +161,6 @@ def run_steps(method: str, cfg: RunConfig, steps: list[tuple[str, list]], device
     """Trains a fresh model (``cfg.seed``) with ``method`` (``"tree"`` or a `BASELINES` name) on
     ``steps``; returns its times, compiles, memory and losses (and, for a baseline, the profile
     of one step)."""
-    from treecompile.bench.cuda import _paths
     from treecompile.compile.wrapper import tree_compile
     from treecompile.core.batch import pack
 
@@ -175,20 +174,23 @@ def run_steps(method: str, cfg: RunConfig, steps: list[tuple[str, list]], device
     opt = _optimizer(model, cfg)
     if method == "tree":
         fn = tree_compile(model)
-        frames_before = None
     elif method in BASELINES:
         backend = {} if cfg.baseline_backend is None else {"backend": cfg.baseline_backend}
         fn = torch.compile(model, **backend) if cfg.compile_baseline else model
-        frames_before = _frame_compiles()
     else:
         raise ValueError(f"unknown method {method!r}; valid: tree, {', '.join(BASELINES)}")
+
+    def graphs() -> int:  # the tree's compile records; Dynamo's frame compiles for a baseline
+        return len(fn.compile_records) if method == "tree" else _frame_compiles()
+
+    graphs_before = graphs()
     times, losses, labels, compiled_at, profile = [], [], [], [], None
     start = time.perf_counter()
     with recompile_reasons() as reasons:
         for i, (label, trees) in enumerate(steps):
             if time.perf_counter() - start > cfg.time_budget_s:
                 break
-            before = len(fn.compile_records) if method == "tree" else _frame_compiles()
+            before = graphs()
             if method == "tree":
                 batch = pack(trees, device=device, warn_por=False)
 
@@ -197,8 +199,9 @@ def run_steps(method: str, cfg: RunConfig, steps: list[tuple[str, list]], device
                     out.loss.backward()
                     return float(out.loss.detach())
             else:
-                step = (Padded if method == "hf-padded-sdpa" else
-                        lambda m, f, p, d: Packed(m, f, p, d, cfg.packed_attention))(model, fn, _paths(trees), device)
+                paths = paths_of(trees)
+                step = (Padded(model, fn, paths, device) if method == "hf-padded-sdpa"
+                         else Packed(model, fn, paths, device, cfg.packed_attention))
             sync()
             t0 = time.perf_counter()
             loss = step()
@@ -208,12 +211,12 @@ def run_steps(method: str, cfg: RunConfig, steps: list[tuple[str, list]], device
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             labels.append(label)
-            if (len(fn.compile_records) if method == "tree" else _frame_compiles()) > before:
+            if graphs() > before:
                 compiled_at.append(i)
             if method != "tree" and i == cfg.profile_step:
                 profile = _profile(step, model, device, trees)
     wall = time.perf_counter() - start
-    compiles = len(fn.compile_records) if method == "tree" else _frame_compiles() - frames_before
+    compiles = graphs() - graphs_before
     result = {
         "method": method,
         "steps": len(times),
