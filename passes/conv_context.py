@@ -30,11 +30,15 @@ Shifts along the sequence by ``k`` (``pad(x, (.., k, -k))`` as RWKV's time shift
 zeroed, and the other spellings of `treecompile.passes.shifts`) are the same thing with one tap:
 each becomes a gather of the row ``k`` steps back on its path (`SHIFT_SPELLINGS`, one entry each).
 
+Windows over the last k rows (a causal pool, an ``unfold`` of the left-padded rows) are the
+stack of k such gathers (`WINDOW_SPELLINGS`).
+
 Scans along the sequence (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``)
 become scans along each row's root path (`treecompile.passes.scans`).
 
 Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
-calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``path_scan``.
+calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``window``; ``tap_conv``;
+``path_scan``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from treecompile.kernels import conv as _conv  # noqa: F401  (registers the tree
 from treecompile.passes._graph import (PADS, Emitter, PassContext, bind, describe, is_call, is_op,
                                       same_size, source_of, value)
 from treecompile.passes.scans import rewrite_scans
-from treecompile.passes.shifts import SHIFT_SPELLINGS
+from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, pad_fill
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
 
@@ -70,6 +74,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     _rewrite_shifts(gm, ctx, tables)
+    _rewrite_windows(gm, ctx, tables)
     _rewrite_tap_convs(gm, ctx, tables)
     rewrite_scans(gm, ctx, _needs_structure)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
@@ -128,7 +133,7 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
             if len(users) != 1 or not _keeps_first(users[0], ctx.seq_len, kk):
                 continue
             replaced = users[0]
-        elif padding == [0] and _left_padded(x, kk):
+        elif padding == [0] and _left_pad(x, kk - 1) in (0, 0.0):
             replaced, padded, x = node, x, x.args[0]
         else:
             continue
@@ -174,14 +179,14 @@ def _keeps_first(node: fx.Node, seq_len, kk: int) -> bool:
             and (same_size(last.stop, seq_len) or last.stop == 1 - kk))
 
 
-def _left_padded(x, kk: int) -> bool:
-    """``pad(x, (K - 1, 0))`` with zeros."""
+def _left_pad(x, reach: int, both: bool = False) -> Any:
+    """What ``pad(x, (reach, 0))`` writes into the rows it adds (`pad_fill`: a number or
+    `REPLICATE`), else None; with ``both`` also ``pad(x, (reach, reach))``, as ``nn.Conv1d``
+    pads for a ``padding_mode`` (the caller checks that the rows after S are cut)."""
     if not (isinstance(x, fx.Node) and is_call(x, PADS)):
-        return False
-    pad = x.args[1] if len(x.args) > 1 else x.kwargs.get("pad")
-    mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
-    fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value", None)
-    return _ints(pad) == [kk - 1, 0] and mode == "constant" and fill in (None, 0, 0.0)
+        return None
+    pad = _ints(x.args[1] if len(x.args) > 1 else x.kwargs.get("pad"))
+    return pad_fill(x) if pad == [reach, 0] or both and pad == [reach, reach] else None
 
 
 # --------------------------------------------------------------------------- shifts
@@ -225,13 +230,13 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
                 f"  at {source_of(node)}")
         # A matcher may name the node whose value is the shift (default: the matched node) and
         # where the gather goes (default: before the matched node; after x in any case).
-        x, dim, k, sign, dead, *where = found
-        target, at = (where + [node, node])[:2] if len(where) < 2 else where
+        x, dim, k, sign, dead = found.x, found.dim, found.k, found.sign, found.dead
+        target, at = found.target or node, found.at or node
         if k + 1 not in tables:
             with gm.graph.inserting_before(_first_node(gm)):
                 tables[k + 1] = _ancestor_table(gm, ctx, k + 1)
         with gm.graph.inserting_before(at):
-            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=target)
+            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=target, fill=found.fill)
             if sign:
                 new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=target)
                 new.meta["example_value"] = value(target)
@@ -248,6 +253,43 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
         ctx.count("shift")
 
 
+def _rewrite_windows(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
+    """Replaces every window over the last k rows (`WINDOW_SPELLINGS`: a causal pool, an
+    ``unfold`` of the left-padded rows) by the stack of its rows' ancestor gathers, reduced as
+    the window was. Counter: ``window``."""
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node in ctx.created:
+            continue
+        for _, match in WINDOW_SPELLINGS:
+            found = match(node, ctx)
+            if found is not None:
+                break
+        else:
+            continue
+        if ctx.pred_index is None:
+            raise NeedsStructure(
+                f"treecompile cannot make this model exact on a tree: {describe(node)} reads a window of earlier rows, "
+                f"and this call has no path structure to read it along (a streamed or context-parallel call).\n"
+                f"  at {source_of(node)}")
+        x, dim, k = found.x, found.dim, found.k
+        if k not in tables:
+            with gm.graph.inserting_before(_first_node(gm)):
+                tables[k] = _ancestor_table(gm, ctx, k)
+        emit = Emitter(gm, ctx, node)
+        with gm.graph.inserting_before(node):
+            taps = [_ancestor_gather(gm, ctx, x, dim, tables[k], d, like=node, fill=found.fill) if d else x
+                    for d in range(k - 1, -1, -1)]
+        new = emit.fn(torch.stack, taps, -1)
+        if found.reduce is not None:
+            new = emit.method(found.reduce, new, -1)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for n in found.dead:
+            if n.graph is gm.graph and not n.users:
+                gm.graph.erase_node(n)
+        ctx.count("window")
+
+
 # --------------------------------------------------------------------------- any causal conv, tap by tap
 #
 # A causal conv1d that is not depthwise (channels mixed, ``groups`` < C), dilated, or causal
@@ -259,7 +301,8 @@ def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.N
 
 
 def _conv_taps(node: fx.Node, ctx: PassContext):
-    """``(x, w, bias, groups, [(tap, d)], replaced, dead)`` for a causal conv1d over the rows, or None."""
+    """``(x, w, bias, groups, [(tap, d)], replaced, dead, fill)`` for a causal conv1d over the
+    rows (``fill``: what its padding reads, `_left_pad`), or None."""
     if not is_call(node, _CONV1D):
         return None
     a = bind(node, _CONV1D_ARGS, _CONV1D_DEFAULTS)
@@ -271,16 +314,21 @@ def _conv_taps(node: fx.Node, ctx: PassContext):
     padding = _ints(a["padding"])
     if dil is None or padding is None or len(padding) != 1:
         return None
-    reach = (kk - 1) * dil
+    reach, fill = (kk - 1) * dil, 0
+    users = list(node.users)
+    keeps_first = len(users) == 1 and _keeps_first(users[0], ctx.seq_len, reach + 1)
     if padding == [reach] and reach > 0:  # conv1d(x, padding=(K-1) dil)[..., :S]
-        users = list(node.users)
-        if len(users) != 1 or not _keeps_first(users[0], ctx.seq_len, reach + 1):
+        if not keeps_first:
             return None
         taps = [(j, reach - j * dil) for j in range(kk)]
         replaced, dead = users[0], (node,)
-    elif padding == [0] and reach > 0 and _left_padded(x, reach + 1):  # conv1d(pad(x, ((K-1) dil, 0)))
-        taps = [(j, reach - j * dil) for j in range(kk)]
+    elif padding == [0] and reach > 0 and _left_pad(x, reach) is not None:  # conv1d(pad(x, ((K-1) dil, 0)))
+        taps, fill = [(j, reach - j * dil) for j in range(kk)], _left_pad(x, reach)
         replaced, dead, x = node, (x,), x.args[0]
+    elif padding == [0] and reach > 0 and keeps_first and _left_pad(x, reach, both=True) is not None:
+        # nn.Conv1d(padding=(K-1) dil, padding_mode=..)(x)[..., :S]: padded on both sides, the end cut.
+        taps, fill = [(j, reach - j * dil) for j in range(kk)], _left_pad(x, reach, both=True)
+        replaced, dead, x = users[0], (node, x), x.args[0]
     elif dil == 1 and kk % 2 == 1 and padding == [kk // 2] and _future_taps_zero(ctx, w, kk // 2):
         taps = [(j, kk // 2 - j) for j in range(kk // 2 + 1)]  # MADE: the centred kernel's past half
         replaced, dead = node, ()
@@ -289,7 +337,7 @@ def _conv_taps(node: fx.Node, ctx: PassContext):
     xv = value(x)
     if not (isinstance(xv, torch.Tensor) and xv.dim() == 3 and same_size(xv.shape[2], ctx.seq_len)):
         return None
-    return x, w, a["bias"], a["groups"], taps, replaced, dead
+    return x, w, a["bias"], a["groups"], taps, replaced, dead, fill
 
 
 def _future_taps_zero(ctx: PassContext, w: Any, centre: int) -> bool:
@@ -323,7 +371,7 @@ def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, f
             raise NeedsStructure(
                 f"treecompile cannot make this model exact on a tree: {describe(node)} is a causal conv, and this call "
                 f"has no path structure to run it along (a streamed or context-parallel call).\n  at {source_of(node)}")
-        x, w, bias, groups, taps, replaced, dead = found
+        x, w, bias, groups, taps, replaced, dead, fill = found
         reach = max(d for _, d in taps)
         if reach + 1 not in tables:
             with gm.graph.inserting_before(_first_node(gm)):
@@ -335,7 +383,7 @@ def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, f
                 src = x
             else:
                 with gm.graph.inserting_before(replaced):
-                    src = _ancestor_gather(gm, ctx, x, 2, tables[reach + 1], d, like=node)
+                    src = _ancestor_gather(gm, ctx, x, 2, tables[reach + 1], d, like=node, fill=fill)
             term = emit.fn(F.conv1d, src, emit.method("narrow", w, 2, j, 1), None, 1, 0, 1, groups)
             total = term if total is None else emit.fn(operator.add, total, term)
         if bias is not None:
@@ -349,9 +397,11 @@ def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, f
 
 
 def _ancestor_gather(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, dim: int, table: fx.Node, k: int,
-                     like: fx.Node) -> fx.Node:
-    """``x`` with row ``r`` (on ``dim``) replaced by its ``k``-th ancestor's row, zero where the
-    path has fewer than ``k`` earlier tokens."""
+                     like: fx.Node, fill: Any = 0) -> fx.Node:
+    """``x`` with row ``r`` (on ``dim``) replaced by its ``k``-th ancestor's row; where the path
+    has fewer than ``k`` earlier tokens, ``fill`` (`treecompile.passes.shifts.Shift.fill`):
+    a number, the path's first row (`REPLICATE`: the farthest ancestor there is), or a node
+    of one row."""
     g = gm.graph
     xv = value(x)
     shape = [1] * xv.dim()
@@ -363,12 +413,22 @@ def _ancestor_gather(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, dim: int,
             n.meta["example_value"] = example
         return n
 
+    if fill == REPLICATE:
+        # Row r's j-th ancestor where it has one, else the farthest it has (r itself at a root).
+        rows = node("call_function", operator.sub, node("call_method", "cumsum", node(
+            "call_function", torch.ones_like, ctx.pred_index), 0), 1)
+        for j in range(1, k + 1):
+            anc = node("call_function", torch.select, table, 1, j - 1)
+            rows = node("call_function", torch.where, node("call_method", "lt", anc, 0), rows, anc)
+        return node("call_function", torch.index_select, x, dim, rows, example=xv)
     anc = node("call_function", torch.select, table, 1, k - 1)
     missing = node("call_method", "lt", anc, 0)
     rows = node("call_method", "clamp", anc, 0)
     picked = node("call_function", torch.index_select, x, dim, rows, example=xv)
-    out = node("call_method", "masked_fill", picked, node("call_method", "view", missing, shape), 0, example=xv)
-    return out
+    missing = node("call_method", "view", missing, shape)
+    if isinstance(fill, fx.Node):
+        return node("call_function", torch.where, missing, fill, picked, example=xv)
+    return node("call_method", "masked_fill", picked, missing, fill, example=xv)
 
 
 def _ancestor_table(gm: fx.GraphModule, ctx: PassContext, kk: int) -> fx.Node:

@@ -1,23 +1,51 @@
 """The spellings of a shift along the sequence by ``k`` that `treecompile.passes.conv_context`
-turns into a gather of each row's ``k``-th ancestor on its path (zero above the root).
+turns into a gather of each row's ``k``-th ancestor on its path.
 
-Each matcher takes a node and returns ``(x, dim, k, sign, dead[, target, at])`` or None: the
-shifted tensor ``x``, the rows' dim, the shift, ``-1`` for ``x - shift(x)`` (``diff``) else 0,
-the nodes the rewrite leaves dead, and optionally the node whose value is the shift (default:
-the matched node) and where the gather goes (default: before the matched node).
+Each matcher takes a node and returns a `Shift` or None. What a shift reads above the root (where
+the path has fewer than ``k`` earlier tokens) is its `Shift.fill`: zeros, another constant
+(``pad(.., value=c)``), the path's first row (``mode="replicate"``, ``cat([x[:, :1], x[:, :-1]])``)
+or a row that does not depend on the tokens (a learned initial state, ``cat([h0.expand(..), x[:, :-1]])``).
+Reflecting and circular padding read rows after the shifted one: no matcher takes them.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from treecompile.passes._graph import ARANGE, PADS, PassContext, bind, is_call, mutated_args, same_size, value
 
-__all__ = ["SHIFT_SPELLINGS"]
+__all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill"]
+
+#: `Shift.fill` of a shift whose rows above the root read the path's first row.
+REPLICATE = "replicate"
+
+
+class Shift(NamedTuple):
+    """A shift found in the graph: the node's value is ``x + sign * shift(x, dim, k)``.
+
+    Attributes:
+        x: the shifted tensor. dim: its rows' dim. k: the shift.
+        sign: ``-1`` for ``x - shift(x)`` (``diff``), else 0 (the shift alone).
+        dead: nodes only the match used (removed once nothing reads them).
+        target: the node whose value is the shift (None: the matched node).
+        at: where the gather goes (None: before the matched node).
+        fill: what rows above the root read: a number, `REPLICATE`, or a node of one row
+            along ``dim`` that broadcasts against ``x`` (``k`` is 1 then).
+    """
+
+    x: fx.Node
+    dim: int
+    k: int
+    sign: int = 0
+    dead: tuple = ()
+    target: fx.Node | None = None
+    at: fx.Node | None = None
+    fill: Any = 0
 
 
 def _row_dim(x: Any, ctx: PassContext) -> list[int]:
@@ -25,23 +53,32 @@ def _row_dim(x: Any, ctx: PassContext) -> list[int]:
     return [d for d in range(xv.dim()) if same_size(xv.shape[d], ctx.seq_len)] if isinstance(xv, torch.Tensor) else []
 
 
-def _pad_pairs(node: fx.Node) -> list[tuple[int, int]] | None:
-    """``[(left, right)]`` per dim (dim 0 first) of a constant zero ``pad``, or None."""
+def pad_fill(node: fx.Node) -> Any:
+    """What a ``pad`` node writes into the rows it adds: a number (``mode="constant"``),
+    `REPLICATE`, or None (reflecting or circular padding, which read rows from the far side)."""
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    fill = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    if mode == "constant":
+        fill = 0 if fill is None else fill
+        return fill if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
+    return REPLICATE if mode == "replicate" else None
+
+
+def _pad_pairs(node: fx.Node) -> tuple[list[tuple[int, int]], Any] | None:
+    """``([(left, right)] per dim (dim 0 first), fill)`` of a ``pad`` (`pad_fill`), or None."""
     if not is_call(node, PADS):
         return None
     pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
     pad = [_amount(p, ctx_seq_len(node)) for p in pad] if isinstance(pad, (list, tuple)) else None
     pad = None if pad is None or None in pad else pad
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-    fill = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    fill = pad_fill(node)
     xv = value(node.args[0])
-    if pad is None or len(pad) % 2 or mode != "constant" or fill not in (None, 0, 0.0) or not isinstance(
-            xv, torch.Tensor):
+    if pad is None or len(pad) % 2 or fill is None or not isinstance(xv, torch.Tensor):
         return None
     pairs = [(0, 0)] * xv.dim()
     for i in range(len(pad) // 2):
         pairs[xv.dim() - 1 - i] = (pad[2 * i], pad[2 * i + 1])
-    return pairs
+    return pairs, fill
 
 
 def ctx_seq_len(node: fx.Node) -> Any:
@@ -96,33 +133,46 @@ def _const_int(v: Any) -> int | None:
         return None
 
 
-_ZEROS = {"zeros", "zeros_like", "new_zeros"}
+_CONSTANTS = {"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1}
+
+
+def _constant(node: Any) -> float | int | None:
+    """The value of a tensor filled with one constant made here (``zeros``, ``x.new_zeros``,
+    ``ones``, ``full``, ``full_like``, ``x.new_full``), else None."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name in _CONSTANTS:
+        return _CONSTANTS[name]
+    if name in ("full", "full_like", "new_full"):
+        fill = node.args[-1] if len(node.args) > 1 else node.kwargs.get("fill_value")
+        return fill if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
+    return None
 
 
 def _is_zeros(node: Any) -> bool:
-    """A tensor of zeros made here (``zeros``, ``zeros_like``, ``x.new_zeros``)."""
-    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name in _ZEROS or name in ("full", "new_full") and len(node.args) > 1 and node.args[-1] in (0, 0.0)
+    """A tensor of zeros made here (``zeros``, ``zeros_like``, ``x.new_zeros``, ``full(.., 0)``)."""
+    return _constant(node) in (0, 0.0)
 
 
 def _match_pad(node: fx.Node, ctx: PassContext):
     """``pad(x, (.., k, -k))``: k zeros in front, the last k rows cut (RWKV's ``nn.ZeroPad2d((0, 0,
     1, -1))`` time shift, x-transformers' ``shift_tokens``); or ``pad(x[:, :-k], (.., k, 0))``."""
-    pairs = _pad_pairs(node)
-    if pairs is None:
+    found = _pad_pairs(node)
+    if found is None:
         return None
+    pairs, fill = found
     moved = [(d, p) for d, p in enumerate(pairs) if p != (0, 0)]
     if len(moved) != 1:
         return None
     dim, (left, right) = moved[0]
     x = node.args[0]
-    if left > 0 and right == -left and dim in _row_dim(x, ctx):
-        return x, dim, left, 0, ()
+    if left > 0 and right == -left and dim in _row_dim(x, ctx) and fill != REPLICATE:
+        return Shift(x, dim, left, fill=fill)
+    # Replicated padding of ``x[:, :-k]`` repeats its first row, which is x's.
     cropped = _drops_last(x, dim, ctx) if left > 0 and right == 0 else None
     if cropped is not None and cropped[1] == left:
-        return cropped[0], dim, left, 0, (x,)
+        return Shift(cropped[0], dim, left, dead=(x,), fill=fill)
     return None
 
 
@@ -132,8 +182,8 @@ def _match_crop(node: fx.Node, ctx: PassContext):
     if not (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
         return None
     padded = node.args[0]
-    pairs = _pad_pairs(padded)
-    moved = [(d, p) for d, p in enumerate(pairs or []) if p != (0, 0)]
+    pairs, fill = _pad_pairs(padded) or ([], None)
+    moved = [(d, p) for d, p in enumerate(pairs) if p != (0, 0)]
     if len(moved) != 1:
         return None
     dim, (left, right) = moved[0]
@@ -148,24 +198,40 @@ def _match_crop(node: fx.Node, ctx: PassContext):
     # ``:-k``, or ``:S`` (the first S of the S + k rows): the result has the rows of x.
     if not (cut.stop == -left or same_size(value(node).shape[dim], ctx.seq_len) and not isinstance(cut.stop, int)):
         return None
-    return x, dim, left, 0, (padded,)
+    return Shift(x, dim, left, dead=(padded,), fill=fill)
 
 
 def _match_cat(node: fx.Node, ctx: PassContext):
-    """``cat([zeros with k rows, x[:, :-k]], dim)``."""
+    """``cat([front, x[:, :-k]], dim)`` with ``k`` rows in ``front``: a tensor of one constant
+    (zeros, ``full``); for ``k = 1`` also x's first row ``x[:, :1]`` (the path's first row) or a
+    row that does not depend on the tokens (a learned initial state, broadcast)."""
     if not is_call(node, (torch.cat, torch.concat, torch.concatenate)):
         return None
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and isinstance(dim, int)):
         return None
-    zeros, rest = parts
+    front, rest = parts
     nd = value(node).dim()
     dim %= nd
     cropped = _drops_last(rest, dim, ctx)
-    if cropped is None or not _is_zeros(zeros) or _const_int(value(zeros).shape[dim]) != cropped[1]:
+    fv = value(front)
+    if cropped is None or not isinstance(fv, torch.Tensor) or _const_int(fv.shape[dim]) != cropped[1]:
         return None
-    return cropped[0], dim, cropped[1], 0, (rest, zeros)
+    x, k = cropped
+    fill = _constant(front)
+    if fill is not None:
+        return Shift(x, dim, k, dead=(rest, front), fill=fill)
+    if k != 1:
+        return None
+    if isinstance(front, fx.Node) and front.op == "call_function" and front.target is operator.getitem \
+            and front.args[0] is x and _first_rows(front.args[1], dim, nd) == 1 and fv.dim() == nd:
+        return Shift(x, dim, 1, dead=(rest, front), fill=REPLICATE)
+    from treecompile.passes._mask_eval import reads_tokens
+
+    if isinstance(front, fx.Node) and not _row_dim(front, ctx) and reads_tokens(ctx, front) is False:
+        return Shift(x, dim, 1, dead=(rest,), fill=front)
+    return None
 
 
 def _match_diff(node: fx.Node, ctx: PassContext):
@@ -179,7 +245,7 @@ def _match_diff(node: fx.Node, ctx: PassContext):
     dim %= value(x).dim()
     if dim not in _row_dim(x, ctx) or _const_int(value(a["prepend"]).shape[dim]) != 1:
         return None
-    return x, dim, 1, -1, (a["prepend"],)
+    return Shift(x, dim, 1, sign=-1, dead=(a["prepend"],))
 
 
 def _match_roll(node: fx.Node, ctx: PassContext):
@@ -206,12 +272,12 @@ def _match_roll(node: fx.Node, ctx: PassContext):
             and _first_rows_mask(first.args[1], dim, xv.dim(), ctx.seq_len) == k:
         # ``roll(x, k, d).masked_fill(arange(T) < k, 0)`` (or ``== 0`` for k = 1), out of place:
         # the masked fill is the shift.
-        return x, dim, k, 0, (node,), first
+        return Shift(x, dim, k, dead=(node,), target=first)
     if first.op == "root" or not (first.op == "call_function" and first.target is operator.setitem
                              and first.args[0] is node and first.args[2] in (0, 0.0)
                              and _first_rows(first.args[1], dim, xv.dim()) == k):
         return None
-    return x, dim, k, 0, (first,)
+    return Shift(x, dim, k, dead=(first,))
 
 
 def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any) -> int | None:
@@ -248,9 +314,11 @@ def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any) -> int | None:
 
 
 def _match_filled(node: fx.Node, ctx: PassContext):
-    """``y = zeros_like(x); y[:, k:] = x[:, :-k]``: a tensor of zeros whose rows from k on are
-    written, before anything reads it, with the rows of x k earlier (a token shift into a buffer)."""
-    if not _is_zeros(node):
+    """``y = zeros_like(x); y[:, k:] = x[:, :-k]``: a tensor of one constant (zeros, ``full_like``)
+    whose rows from k on are written, before anything reads it, with the rows of x k earlier (a
+    token shift into a buffer)."""
+    fill = _constant(node)
+    if fill is None:
         return None
     first = node.next  # the first user in graph order
     while first.op != "root" and first not in node.users:
@@ -266,7 +334,7 @@ def _match_filled(node: fx.Node, ctx: PassContext):
         cropped = _drops_last(first.args[2], dim, ctx)
         if k is not None and cropped is not None and cropped[1] == k and \
                 tuple(value(cropped[0]).shape) == tuple(nv.shape):
-            return cropped[0], dim, k, 0, (first, first.args[2]), node, first
+            return Shift(cropped[0], dim, k, dead=(first, first.args[2]), target=node, at=first, fill=fill)
     return None
 
 
@@ -308,3 +376,92 @@ def _first_rows(index: Any, dim: int, nd: int) -> int | None:
 #: The spellings of a shift along the sequence, each a matcher (see above).
 SHIFT_SPELLINGS = (("pad", _match_pad), ("crop", _match_crop), ("cat", _match_cat), ("diff", _match_diff),
                    ("roll", _match_roll), ("filled", _match_filled))
+
+
+# --------------------------------------------------------------------------- windows
+#
+# A window over the last k rows (``pool1d(pad(x, (k - 1, 0)), k, stride=1)``,
+# ``pad(x, (.., k - 1, 0)).unfold(d, k, 1)``) reads the shifts of x by k - 1, ..., 1, 0: on the
+# tree, the ancestors 0 to k - 1 steps back on each row's path, with the padding's fill above
+# the root.
+
+
+class Window(NamedTuple):
+    """A window over the last ``k`` rows: the node's value is ``reduce`` over the stack (on a
+    new last dim, oldest first) of ``shift(x, dim, d, fill)`` for ``d = k - 1, ..., 0``.
+
+    Attributes:
+        reduce: ``"mean"``, ``"amax"`` (a pool) or None (the stack itself: ``unfold``).
+        dead: nodes only the match used.
+    """
+
+    x: fx.Node
+    dim: int
+    k: int
+    fill: Any
+    reduce: str | None
+    dead: tuple = ()
+
+
+def _left_padded(x: Any, dim: int, k: int) -> tuple[fx.Node, Any] | None:
+    """``(inner, fill)`` if ``x`` is ``pad(inner, ..)`` adding ``k - 1`` rows in front of ``dim``
+    only (`pad_fill`), else None."""
+    found = _pad_pairs(x) if isinstance(x, fx.Node) else None
+    if found is None or k < 2:
+        return None
+    pairs, fill = found
+    if [(d, p) for d, p in enumerate(pairs) if p != (0, 0)] != [(dim, (k - 1, 0))]:
+        return None
+    return x.args[0], fill
+
+
+_POOLS = {torch.avg_pool1d: ("mean", ["input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"]),
+          F.avg_pool1d: ("mean", ["input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"]),
+          F.max_pool1d: ("amax", ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                                  "return_indices"]),
+          torch.max_pool1d: ("amax", ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"])}
+
+
+def _one(v: Any) -> Any:
+    return v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v
+
+
+def _match_pool(node: fx.Node, ctx: PassContext) -> Window | None:
+    """``avg_pool1d`` / ``max_pool1d`` of ``pad(x, (k - 1, 0))`` with kernel ``k`` and stride 1
+    over the rows (the last dim): a causal running mean or max."""
+    if node.op != "call_function" or node.target not in _POOLS:
+        return None
+    reduce, names = _POOLS[node.target]
+    a = bind(node, names, {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
+                           "count_include_pad": True, "return_indices": False})
+    k, padded = _one(a["kernel_size"]), a["input"]
+    if not (isinstance(k, int) and _one(a["stride"]) == 1 and _one(a["padding"]) == 0 and _one(a["dilation"]) == 1
+            and a["ceil_mode"] is False and a["return_indices"] is False):
+        return None
+    pv = value(padded)
+    if not isinstance(pv, torch.Tensor) or pv.dim() not in (2, 3):
+        return None
+    found = _left_padded(padded, pv.dim() - 1, k)
+    if found is None or pv.dim() - 1 not in _row_dim(found[0], ctx):
+        return None
+    return Window(found[0], pv.dim() - 1, k, found[1], reduce, (padded,))
+
+
+def _match_unfold(node: fx.Node, ctx: PassContext) -> Window | None:
+    """``pad(x, (.., k - 1, 0)).unfold(d, k, 1)`` over the rows: each row's window of the last
+    ``k`` rows on a new last dim (a lightweight conv's taps)."""
+    if not (node.op == "call_method" and node.target == "unfold" and len(node.args) == 4):
+        return None
+    padded, dim, k, step = node.args
+    pv = value(padded)
+    if not (isinstance(pv, torch.Tensor) and isinstance(dim, int) and isinstance(k, int) and step == 1):
+        return None
+    dim %= pv.dim()
+    found = _left_padded(padded, dim, k)
+    if found is None or dim not in _row_dim(found[0], ctx):
+        return None
+    return Window(found[0], dim, k, found[1], None, (padded,))
+
+
+#: The spellings of a window over the last k rows, each a matcher (see above).
+WINDOW_SPELLINGS = (("pool", _match_pool), ("unfold", _match_unfold))

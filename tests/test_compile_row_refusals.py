@@ -50,7 +50,8 @@ CASES = {
     "roll": (lambda x, idx: torch.roll(x, 1, dims=1), r"reduces or reorders \(roll\) along the sequence"),
     "narrow-shift": (lambda x, idx: torch.cat([x[:, :1], x.narrow(1, 0, _t(x) - 1)], 1),
                      r"changes the sequence length"),
-    "unfold-window": (lambda x, idx: F.pad(x, (0, 0, 1, 0)).unfold(1, 2, 1).mean(-1), r"changes the sequence length"),
+    # Padded at the end, the window reads the next row (padded in front it is causal: zoo "window").
+    "unfold-window": (lambda x, idx: F.pad(x, (0, 0, 0, 1)).unfold(1, 2, 1).mean(-1), r"changes the sequence length"),
     "length-normalised-position": (lambda x, idx: (torch.arange(_t(x), dtype=x.dtype) / _t(x))[None, :, None] * x,
                                    r"uses the sequence length as a value \(the length S itself\)"),
     "length-scaled": (lambda x, idx: x * (_t(x) - 1), r"uses the sequence length as a value \(s\d+ - 1, computed"),

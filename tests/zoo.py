@@ -193,6 +193,19 @@ CASES: list[Case] = [
          _custom(zc.RollWrongZeroLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
     Case("roll-read-first", "custom: roll(x, 1, dims=1) read before its first row is zeroed",
          _custom(zc.RollReadFirstLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
+    Case("fill-shift", "custom: token shifts whose first row is a constant (ConstantPad1d((1, -1), 0.5)), a learned "
+         "initial state (cat([x_prev0.expand(b, 1, d), x[:, :-1]])) or the first row (cat([x[:, :1], x[:, :-1]]))",
+         _custom(zc.FillShiftLM)),
+    Case("fill-conv", "custom: causal convs padded with the first row (Conv1d(padding_mode='replicate')[..., :T]) or "
+         "a constant (F.conv1d(F.pad(x, (K - 1, 0), value=1.0)))", _custom(zc.FillConvLM)),
+    Case("window", "custom: windows over the last 3 rows: avg_pool1d of a replicate-padded sequence, a running max "
+         "over pad(..).unfold(-1, 3, 1), LightweightConv's unfold(1, 3, 1) taps", _custom(zc.WindowLM)),
+    Case("reflect-conv", "custom: conv1d over F.pad(x, (K - 1, 0), mode='reflect') (reads later rows)",
+         _custom(zc.ReflectConvLM), expect="refused", reason="changes the sequence length"),
+    Case("last-row-shift", "custom: a shift whose first row reads the last, cat([x[:, -1:], x[:, :-1]])",
+         _custom(zc.LastRowShiftLM), expect="refused", reason="changes the sequence length"),
+    Case("mean-row-shift", "custom: a shift whose first row is the mean of the sequence, cat([x.mean(1), x[:, :-1]])",
+         _custom(zc.MeanRowShiftLM), expect="refused", reason="reduces or reorders"),
     Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "
          "sequence", _custom(zc.CumsumLinearLM)),
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "

@@ -578,6 +578,90 @@ class RunningMaxAttn(_SdpaAttn):
         return super().forward(x + best.sum(-1, keepdim=True) + 0.01 * where[..., :1].to(x.dtype))
 
 
+class FillShiftAttn(_SdpaAttn):
+    """Token shifts whose first rows read something other than zeros: a constant
+    (``nn.ConstantPad1d((1, -1), 0.5)`` on channels-first rows), a learned initial state
+    (RWKV-7 / Griffin: ``cat([x_prev0.expand(b, 1, d), x[:, :-1]])``) and the first row
+    repeated (``cat([x[:, :1], x[:, :-1]])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.ConstantPad1d((1, -1), 0.5)
+        self.x_prev0 = nn.Parameter(torch.randn(1, 1, DIM))
+
+    def forward(self, x):
+        b = x.shape[0]
+        constant = self.shift(x.transpose(1, 2)).transpose(1, 2)
+        learned = torch.cat([self.x_prev0.expand(b, 1, DIM), x[:, :-1]], dim=1)
+        repeated = torch.cat([x[:, :1], x[:, :-1]], dim=1)
+        return super().forward(x + 0.3 * constant + 0.5 * (learned - x) + 0.2 * repeated)
+
+
+class FillConvAttn(_SdpaAttn):
+    """Causal convs whose padding is not zeros: ``nn.Conv1d(padding=K - 1,
+    padding_mode="replicate")(x)[..., :T]`` (padded on both sides, the end cut) and
+    ``F.conv1d(F.pad(x, (K - 1, 0), value=1.0), w, b, groups=C)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, 3, groups=DIM, padding=2, padding_mode="replicate")
+        self.conv_w = nn.Parameter(torch.randn(DIM, 1, 3) / 3)
+        self.conv_b = nn.Parameter(torch.randn(DIM) / 3)
+
+    def forward(self, x):
+        t = x.shape[1]
+        xt = x.transpose(1, 2)
+        replicated = self.conv(xt)[..., :t]
+        valued = F.conv1d(F.pad(xt, (2, 0), value=1.0), self.conv_w, self.conv_b, groups=DIM)
+        return super().forward(x + 0.5 * (replicated + valued).transpose(1, 2))
+
+
+class WindowAttn(_SdpaAttn):
+    """Windows over the last 3 rows: a causal PoolFormer's ``avg_pool1d(F.pad(x, (2, 0),
+    mode="replicate"), 3, stride=1)``, a running max over ``F.pad(.., value=-1).unfold(-1, 3, 1)``,
+    and fairseq's LightweightConv taps ``F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1)`` weighted by a
+    softmax per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps = nn.Parameter(torch.randn(DIM, 3))
+
+    def forward(self, x):
+        xt = x.transpose(1, 2)
+        mean = F.avg_pool1d(F.pad(xt, (2, 0), mode="replicate"), 3, stride=1)
+        top = F.pad(xt, (2, 0), value=-1.0).unfold(-1, 3, 1).amax(-1)
+        light = (F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1) * self.taps.softmax(-1)).sum(-1)
+        return super().forward(x + 0.3 * (mean + top).transpose(1, 2) + 0.5 * light)
+
+
+class ReflectConvAttn(_SdpaAttn):
+    """A "causal" conv over ``F.pad(x, (K - 1, 0), mode="reflect")``: the padding reflects rows
+    1 .. K - 1, which come after the first row (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_w = nn.Parameter(torch.randn(DIM, 1, 3) / 3)
+
+    def forward(self, x):
+        y = F.conv1d(F.pad(x.transpose(1, 2), (2, 0), mode="reflect"), self.conv_w, groups=DIM)
+        return super().forward(x + y.transpose(1, 2))
+
+
+class LastRowShiftAttn(_SdpaAttn):
+    """A shift whose first row reads the last: ``cat([x[:, -1:], x[:, :-1]])`` (refused)."""
+
+    def forward(self, x):
+        return super().forward(x + 0.5 * torch.cat([x[:, -1:], x[:, :-1]], dim=1))
+
+
+class MeanRowShiftAttn(_SdpaAttn):
+    """A shift whose first row is the mean over the sequence: ``cat([x.mean(1, keepdim=True),
+    x[:, :-1]])`` (refused: the fill reads every token)."""
+
+    def forward(self, x):
+        return super().forward(x + 0.5 * torch.cat([x.mean(1, keepdim=True), x[:, :-1]], dim=1))
+
+
 def _spelling(attn_cls):
     return type(f"{attn_cls.__name__}LM", (_LM,), {"block_cls": attn_cls, "__doc__": attn_cls.__doc__})
 
@@ -608,6 +692,9 @@ PointwiseConvLM = _spelling(PointwiseConvAttn)
 RunningWindowLM = _spelling(RunningWindowAttn)
 BufferShiftLM, RollMaskedShiftLM, RollMaskedWrongLM = (
     _spelling(BufferShiftAttn), _spelling(RollMaskedShiftAttn), _spelling(RollMaskedWrongAttn))
+FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM = (
+    _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
+                           MeanRowShiftAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 
