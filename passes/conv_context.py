@@ -71,6 +71,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
 
     Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d``.
     """
+    _cut_before_transpose(gm, ctx)
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     _rewrite_shifts(gm, ctx, tables)
@@ -153,6 +154,51 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
             if dead is not None and dead is not replaced and not dead.users:
                 gm.graph.erase_node(dead)
         ctx.count("depthwise_conv1d")
+
+
+def _cut_before_transpose(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """``conv1d(..).transpose(1, 2)[:, :S]`` (mamba2-minimal's spelling) becomes
+    ``conv1d(..)[..., :S].transpose(1, 2)``, the form the conv rewrites read: the same rows cut
+    before the transpose instead of after it."""
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is operator.getitem):
+            continue
+        t = node.args[0]
+        if not (isinstance(t, fx.Node) and len(t.users) == 1 and _swaps_last_two(t)):
+            continue
+        conv = t.args[0]
+        cv = value(conv)
+        if not (isinstance(conv, fx.Node) and is_call(conv, _CONV1D) and isinstance(cv, torch.Tensor) and cv.dim() == 3):
+            continue
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        index = index + (slice(None),) * (3 - len(index)) if Ellipsis not in index else index
+        if len(index) != 3 or index[0] != slice(None) or index[2] != slice(None):
+            continue
+        rows = index[1]
+        if not (isinstance(rows, slice) and rows.start in (None, 0) and rows.step in (None, 1) and (
+                same_size(rows.stop, ctx.seq_len) or isinstance(rows.stop, int) and rows.stop < 0)):
+            continue
+        emit = Emitter(gm, ctx, node)
+        cut = emit.fn(operator.getitem, conv, (slice(None), slice(None), rows))
+        back = emit.method("transpose", cut, 1, 2)
+        ctx.created.difference_update((cut, back))  # judged as the model's own nodes
+        node.replace_all_uses_with(back)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(t)
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """``x.transpose(1, 2)`` (or ``(-1, -2)``, ``permute(0, 2, 1)``, ``mT``) of a 3-dim ``x``."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    args = [a % 3 if isinstance(a, int) else a for a in node.args[1:]]
+    if name == "transpose":
+        return sorted(args) == [1, 2]
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return [d % 3 for d in dims] == [0, 2, 1]
+    return False
 
 
 def _ints(v) -> list | None:

@@ -197,7 +197,8 @@ CASES: list[Case] = [
          "initial state (cat([x_prev0.expand(b, 1, d), x[:, :-1]])) or the first row (cat([x[:, :1], x[:, :-1]]))",
          _custom(zc.FillShiftLM)),
     Case("fill-conv", "custom: causal convs padded with the first row (Conv1d(padding_mode='replicate')[..., :T]) or "
-         "a constant (F.conv1d(F.pad(x, (K - 1, 0), value=1.0)))", _custom(zc.FillConvLM)),
+         "a constant (F.conv1d(F.pad(x, (K - 1, 0), value=1.0))), and one cut after transposing back "
+         "(conv(x.transpose(1, 2)).transpose(1, 2)[:, :T])", _custom(zc.FillConvLM)),
     Case("window", "custom: windows over the last 3 rows: avg_pool1d of a replicate-padded sequence, a running max "
          "over pad(..).unfold(-1, 3, 1), LightweightConv's unfold(1, 3, 1) taps", _custom(zc.WindowLM)),
     Case("reflect-conv", "custom: conv1d over F.pad(x, (K - 1, 0), mode='reflect') (reads later rows)",

@@ -600,11 +600,13 @@ class FillShiftAttn(_SdpaAttn):
 class FillConvAttn(_SdpaAttn):
     """Causal convs whose padding is not zeros: ``nn.Conv1d(padding=K - 1,
     padding_mode="replicate")(x)[..., :T]`` (padded on both sides, the end cut) and
-    ``F.conv1d(F.pad(x, (K - 1, 0), value=1.0), w, b, groups=C)``."""
+    ``F.conv1d(F.pad(x, (K - 1, 0), value=1.0), w, b, groups=C)``; and a zero-padded one cut after
+    transposing back, as mamba2-minimal writes it: ``conv(x.transpose(1, 2)).transpose(1, 2)[:, :T]``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv1d(DIM, DIM, 3, groups=DIM, padding=2, padding_mode="replicate")
+        self.conv2 = nn.Conv1d(DIM, DIM, 4, groups=DIM, padding=3)
         self.conv_w = nn.Parameter(torch.randn(DIM, 1, 3) / 3)
         self.conv_b = nn.Parameter(torch.randn(DIM) / 3)
 
@@ -613,7 +615,8 @@ class FillConvAttn(_SdpaAttn):
         xt = x.transpose(1, 2)
         replicated = self.conv(xt)[..., :t]
         valued = F.conv1d(F.pad(xt, (2, 0), value=1.0), self.conv_w, self.conv_b, groups=DIM)
-        return super().forward(x + 0.5 * (replicated + valued).transpose(1, 2))
+        cut_late = self.conv2(xt).transpose(1, 2)[:, :t, :]
+        return super().forward(x + 0.5 * (replicated + valued).transpose(1, 2) + 0.5 * cut_late)
 
 
 class WindowAttn(_SdpaAttn):
