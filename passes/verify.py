@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from treecompile.core.advice import TreeWarning
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.errors import ConstantLength, UnsupportedModelError
 from treecompile.passes._graph import (
     PassContext,
     _add_upstream,
@@ -133,7 +133,7 @@ def _refuse_static_length(gm: fx.GraphModule, ctx: PassContext, violations: list
     else:
         advice = ("Write the recurrence as a scan kernel treecompile knows (see docs/hybrid.md), or as ops over "
                   "the whole sequence.")
-    raise UnsupportedModelError(
+    raise ConstantLength(
         f"treecompile cannot make this model exact on a tree: the model makes the sequence length a constant "
         f"({s}){at}, typically a Python loop over the tokens (for t in range(seq_len)), a Python range of the "
         f"length or a branch on it, so its per-token ops cannot be checked.{where}{advice}"

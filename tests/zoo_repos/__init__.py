@@ -45,7 +45,7 @@ from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
-                              LucidrainsRotaryLM)
+                              LucidrainsRotaryLM, PalmLM)
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
 
 
@@ -172,6 +172,8 @@ CASES: list[zoo.Case] = [
              reason="inputs for the"),
     zoo.Case("table-filled-in-place", "a sinusoid table buffer filled in place up to the longest length seen and "
              "read back in the same call (self.table[:T] = ...; x + self.table[:T])", _build(FilledTableLM)),
+    zoo.Case("palm-lazy-buffers", "lucidrains/PaLM-pytorch: causal mask and rotary table registered as buffers at the "
+             "length of the call, sliced [:n] by later calls; multi-query einsum", _build(PalmLM)),
     zoo.Case("step-counters", "self.steps += 1 on a tensor buffer and self.num_calls += 1 on a Python int at "
              "every call", _build(CountingLM)),
 ]

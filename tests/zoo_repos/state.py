@@ -263,6 +263,78 @@ class LucidrainsRotaryLM(nn.Module):
         return self.head(self.norm_f(x))
 
 
+# =============================================================================== PaLM-pytorch
+
+
+class PalmBlock(nn.Module):
+    """lucidrains/PaLM-pytorch ``ParallelTransformerBlock``: attention and feed-forward in
+    parallel from one fused projection, multi-query attention (one key and value head, einsum
+    ``b h i d, b j d``), and the causal mask and rotary table cached lazily: registered as
+    buffers (None at first) at the length of the call, sliced ``[:n]`` by later calls no
+    longer than that."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fused_dims = (DIM, HD, HD, 4 * DIM)
+        self.fused_attn_ff_proj = nn.Linear(DIM, sum(self.fused_dims), bias=False)
+        self.attn_out = nn.Linear(DIM, DIM, bias=False)
+        self.ff_out = nn.Linear(2 * DIM, DIM, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD)))
+        self.register_buffer("mask", None, persistent=False)
+        self.register_buffer("pos_emb", None, persistent=False)
+
+    def get_mask(self, n, device):
+        if self.mask is not None and self.mask.shape[-1] >= n:
+            return self.mask[:n, :n]
+        mask = torch.ones((n, n), device=device, dtype=torch.bool).triu(1)
+        self.register_buffer("mask", mask, persistent=False)
+        return mask
+
+    def get_rotary_embedding(self, n, device):
+        if self.pos_emb is not None and self.pos_emb.shape[-2] >= n:
+            return self.pos_emb[:n]
+        seq = torch.arange(n, device=device, dtype=self.inv_freq.dtype)
+        freqs = torch.einsum("i , j -> i j", seq, self.inv_freq)
+        pos_emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("pos_emb", pos_emb, persistent=False)
+        return pos_emb
+
+    @staticmethod
+    def rotate(pos, t):
+        x1, x2 = t.chunk(2, dim=-1)
+        return t * pos.cos() + torch.cat((-x2, x1), dim=-1) * pos.sin()
+
+    def forward(self, x):
+        n, device = x.shape[1], x.device
+        h = self.norm(x)
+        q, k, v, ff = self.fused_attn_ff_proj(h).split(self.fused_dims, dim=-1)
+        q = q.view(x.shape[0], n, HEADS, HD).transpose(1, 2)
+        positions = self.get_rotary_embedding(n, device)
+        q, k = self.rotate(positions, q), self.rotate(positions, k)
+        sim = torch.einsum("b h i d, b j d -> b h i j", q * HD ** -0.5, k)
+        sim = sim.masked_fill(self.get_mask(n, device), -torch.finfo(sim.dtype).max)
+        out = torch.einsum("b h i j, b j d -> b h i d", sim.softmax(dim=-1), v)
+        gate, y = ff.chunk(2, dim=-1)
+        return x + self.attn_out(out.transpose(1, 2).reshape(x.shape)) + self.ff_out(F.silu(gate) * y)
+
+
+class PalmLM(nn.Module):
+    """PaLM-pytorch's ``PaLM``: embedding, `PalmBlock` layers, LayerNorm, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(PalmBlock() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.emb.weight.t()
+
+
 # =============================================================================== written and read back
 
 

@@ -417,15 +417,16 @@ def swapped_kernels(kernels: list[tuple[Any, str, Any]]):
             setattr(module, name, original)
 
 
-def short_buffers(model: nn.Module, rows: int, longest: int) -> list[tuple[nn.Module, str, int]]:
+def short_buffers(model: nn.Module, rows: int, longest: int, equal: bool = False) -> list[tuple[nn.Module, str, int]]:
     """``(module, name, size)`` for each buffer with a dim shorter than ``rows`` but at least
     ``longest`` long: a model slicing it by the row count (``tril[:T, :T]``, ``cos[:T]``) cannot
     be captured on a packed row that long, though every path fits it (parameters are never
-    extended: their gradients must reach them)."""
+    extended: their gradients must reach them). With ``equal``, those exactly ``rows`` long
+    instead: sliced by the row count, Dynamo takes the row count for the buffer's fixed size."""
     out = []
     for module in model.modules():
         for name, buf in module._buffers.items():
-            sizes = [d for d in getattr(buf, "shape", ()) if longest <= d < rows]
+            sizes = [d for d in getattr(buf, "shape", ()) if (d == rows if equal else longest <= d < rows)]
             if sizes and buf.dim() >= 1:
                 # The longest such dims are the table's length (a head dim may fall in the range too).
                 out.append((module, name, max(sizes)))
@@ -435,7 +436,8 @@ def short_buffers(model: nn.Module, rows: int, longest: int) -> list[tuple[nn.Mo
 @contextlib.contextmanager
 def extended_buffers(short: list[tuple[nn.Module, str, int]], rows: int):
     """For one call, each of ``short``'s buffers with its dims of that size grown to the next
-    power of two >= ``rows`` (a capture per doubling), the new entries zero. What a pass proves
+    power of two >= ``rows`` (a capture per doubling; twice that for a buffer already that
+    long), the new entries zero. What a pass proves
     exact reads no entry past the longest path (positions are below it, masks are judged no
     longer than the buffer, see ``PassContext.judge_cap``); the model outside the call sees
     its own buffers."""
@@ -444,7 +446,8 @@ def extended_buffers(short: list[tuple[nn.Module, str, int]], rows: int):
     try:
         for module, name, size in short:
             buf = module._buffers[name]
-            shape = [target if d == size else d for d in buf.shape]
+            grown_to = target if target > size else 2 * target
+            shape = [grown_to if d == size else d for d in buf.shape]
             grown = buf.new_zeros(shape)
             grown[tuple(slice(0, d) for d in buf.shape)] = buf
             saved.append((module, name, buf))

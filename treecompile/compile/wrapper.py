@@ -44,7 +44,8 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.capture.drop_ins import class_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
-from treecompile.core.errors import CaptureFailed, TreeInputError, UnsupportedModelError, capture_error, row_count_error
+from treecompile.core.errors import (CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError, capture_error,
+                                     row_count_error)
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
@@ -239,6 +240,7 @@ class TreeCompiledModel(DelegatingModule):
         self._first_record = 0
         self._proven_rows: int | None = None
         self._extends = False  # whether short buffers are extended for a call (see forward)
+        self._extends_same = False  # whether buffers as long as the rows are extended for a call
         self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
         self._outputs = outputs
@@ -454,10 +456,17 @@ class TreeCompiledModel(DelegatingModule):
         # fail a capture when sliced by the row count: extended for the call once a capture has
         # failed so (then for every such batch); masks are judged no longer than they were.
         short = short_buffers(self._inner, batch.num_tokens, longest)
+        # One exactly as long (a cache an earlier call grew to this length) makes Dynamo take
+        # the row count for its size: extended for the call once a capture has so failed.
+        same = short_buffers(self._inner, batch.num_tokens, longest, equal=True)
+
+        def extend():
+            return (short if self._extends else []) + (same if self._extends_same else [])
+
         self._call_batch = batch if self.verify.probes else None
         try:
             try:
-                out = self._call(args, short if self._extends else [], rows, longest)
+                out = self._call(args, extend(), rows, longest)
             except NeedsStructure:
                 if self._structure:
                     raise
@@ -465,15 +474,23 @@ class TreeCompiledModel(DelegatingModule):
                 self._structure = True
                 self._compiled = self._build(device)
                 args = self._inputs(batch)
-                out = self._call(args, short if self._extends else [], rows, longest)
+                out = self._call(args, extend(), rows, longest)
         except CaptureFailed as failed:
             if not short or self._extends:
                 raise failed.error from None
             self._extends = True
             try:
-                out = self._call(args, short, rows, longest)
+                out = self._call(args, extend(), rows, longest)
             except CaptureFailed as again:
                 raise again.error from None
+        except ConstantLength as failed:
+            if not same or self._extends_same:
+                raise
+            self._extends_same = True
+            try:
+                out = self._call(args, extend(), rows, longest)
+            except (CaptureFailed, ConstantLength):
+                raise failed from None
         finally:
             self._call_batch = None
         loss, logprobs, aux, entropy = out

@@ -171,6 +171,13 @@ def unexpected_error(exc: BaseException, stage: str) -> UnsupportedModelError:
     )
 
 
+class ConstantLength(UnsupportedModelError):
+    """The captured graph holds the row count as a constant. The wrapper captures once more
+    with the buffers exactly as long as the row extended (a lazily grown cache that an earlier
+    call made that long: Dynamo takes the row count for the buffer's fixed size) before it
+    refuses with this message."""
+
+
 class CaptureFailed(Exception):
     """A failed capture, carrying its refusal (``error``)."""
 
