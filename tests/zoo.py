@@ -207,6 +207,12 @@ CASES: list[Case] = [
          _custom(zc.LastRowShiftLM), expect="refused", reason="changes the sequence length"),
     Case("mean-row-shift", "custom: a shift whose first row is the mean of the sequence, cat([x.mean(1), x[:, :-1]])",
          _custom(zc.MeanRowShiftLM), expect="refused", reason="reduces or reorders"),
+    Case("average-attention", "OpenNMT-py AverageAttention: matmul(tril(ones) / arange(1, T + 1) mask in float32, "
+         "expanded, cast; x), and tril(ones(T, T)) @ x", _custom(zc.MixingLM)),
+    Case("length-mixing", "custom: (tril(ones(T, T)) / T) @ x, a running sum over the whole length",
+         _custom(zc.LengthMixingLM), expect="refused", reason="different at another length"),
+    Case("future-mixing", "custom: triu(ones(T, T)) @ x, a sum over the rows after each row",
+         _custom(zc.FutureMixingLM), expect="refused", reason="not zero above the diagonal"),
     Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "
          "sequence", _custom(zc.CumsumLinearLM)),
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "

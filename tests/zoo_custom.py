@@ -637,6 +637,40 @@ class WindowAttn(_SdpaAttn):
         return super().forward(x + 0.3 * (mean + top).transpose(1, 2) + 0.5 * light)
 
 
+class MixingAttn(_SdpaAttn):
+    """Fixed causal mixing matrices times the rows: OpenNMT's Average Attention
+    (``cumulative_average_mask``: ``tril(ones(T, T)) * (1 / arange(1, T + 1))[:, None]`` built in
+    float32, expanded over the batch, cast, ``matmul(mask, x)``) and a running sum
+    ``torch.tril(torch.ones(T, T)) @ x``."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        triangle = torch.tril(torch.ones(t, t, dtype=torch.float, device=x.device))
+        weights = torch.ones(1, t, dtype=torch.float, device=x.device) / torch.arange(
+            1, t + 1, dtype=torch.float, device=x.device)
+        mask = (triangle * weights.transpose(0, 1)).unsqueeze(0).expand(b, t, t).to(x.dtype)
+        mean = torch.matmul(mask, x)
+        total = torch.tril(torch.ones(t, t, dtype=x.dtype, device=x.device)) @ x
+        return super().forward(x + 0.5 * mean + 0.05 * total)
+
+
+class LengthMixingAttn(_SdpaAttn):
+    """A causal running sum divided by the whole length, ``(tril(ones(T, T)) / T) @ x``
+    (refused: per path T is the path's length)."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        return super().forward(x + (torch.tril(torch.ones(t, t, dtype=x.dtype, device=x.device)) / t) @ x)
+
+
+class FutureMixingAttn(_SdpaAttn):
+    """A running sum over the rows after each row, ``triu(ones(T, T)) @ x`` (refused)."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        return super().forward(x + 0.1 * torch.triu(torch.ones(t, t, dtype=x.dtype, device=x.device)) @ x)
+
+
 class ReflectConvAttn(_SdpaAttn):
     """A "causal" conv over ``F.pad(x, (K - 1, 0), mode="reflect")``: the padding reflects rows
     1 .. K - 1, which come after the first row (refused)."""
@@ -698,6 +732,7 @@ BufferShiftLM, RollMaskedShiftLM, RollMaskedWrongLM = (
 FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM = (
     _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
                            MeanRowShiftAttn))
+MixingLM, LengthMixingLM, FutureMixingLM = (_spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 

@@ -49,6 +49,7 @@ from treecompile.passes._graph import SDPA, SOFTMAX, PassContext, is_call
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
 from treecompile.passes.attention.mha import rewrite_multihead
+from treecompile.passes.attention.mixing import rewrite_mixing
 from treecompile.passes.attention.pair_sum import is_pair_product, rewrite_pair_sum
 from treecompile.passes.attention.score_chain import spell_softmax
 from treecompile.passes.attention.sdpa import rewrite_sdpa
@@ -62,7 +63,8 @@ __all__ = ["SPELLINGS", "Spelling", "rewrite_attention_pass"]
 class Spelling:
     """One spelling of attention: ``matches(node)`` picks its nodes, ``rewrite(gm, ctx, node)``
     replaces a causal one with the tree kernel (adding 1 to ``counter``) or leaves it with a
-    note for the verify pass to refuse."""
+    note for the verify pass to refuse; it returns False where the node, though matched, is
+    another spelling's (the next one that matches sees it)."""
 
     counter: str
     matches: Callable[[fx.Node], bool]
@@ -80,7 +82,9 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("multihead_attention", lambda n: is_call(n, (torch.nn.functional.multi_head_attention_forward,)),
              rewrite_multihead),
     Spelling("flex_attention", _is_flex, rewrite_flex),
-    # After the softmax spelling, whose output products it would otherwise see.
+    # After the softmax spelling, whose output products it would otherwise see; a product whose
+    # square operand reads no token or parameter is a fixed mixing matrix, not scores.
+    Spelling("mixing", is_pair_product, rewrite_mixing),
     Spelling("pair_sum", is_pair_product, rewrite_pair_sum),
 )
 
@@ -95,7 +99,8 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for node in list(gm.graph.nodes):
         spell_softmax(gm, node)
     for node in list(gm.graph.nodes):
-        spelling = next((s for s in SPELLINGS if s.matches(node)), None)
-        if spelling is not None:
-            spelling.rewrite(gm, ctx, node)
+        for spelling in SPELLINGS:
+            # A rewrite that returns False declines the node (not its kind): the next spelling sees it.
+            if spelling.matches(node) and spelling.rewrite(gm, ctx, node) is not False:
+                break
     return gm
