@@ -211,6 +211,8 @@ CASES: list[Case] = [
          "expanded, cast; x), and tril(ones(T, T)) @ x", _custom(zc.MixingLM)),
     Case("length-mixing", "custom: (tril(ones(T, T)) / T) @ x, a running sum over the whole length",
          _custom(zc.LengthMixingLM), expect="refused", reason="different at another length"),
+    Case("buffer-mixing", "custom: (tri[:T, :T] / arange(1, T + 1)[:, None]) @ x with tri a tril buffer",
+         _custom(zc.BufferMixingLM), expect="refused", reason="reads a buffer"),
     Case("future-mixing", "custom: triu(ones(T, T)) @ x, a sum over the rows after each row",
          _custom(zc.FutureMixingLM), expect="refused", reason="not zero above the diagonal"),
     Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "

@@ -663,6 +663,20 @@ class LengthMixingAttn(_SdpaAttn):
         return super().forward(x + (torch.tril(torch.ones(t, t, dtype=x.dtype, device=x.device)) / t) @ x)
 
 
+class BufferMixingAttn(_SdpaAttn):
+    """A running mean whose matrix is sliced from a buffer, ``(tri[:T, :T] / arange(1, T + 1)[:, None]) @ x``
+    (refused: a buffer's values may change between calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("tri", torch.tril(torch.ones(64, 64)))
+
+    def forward(self, x):
+        t = x.shape[1]
+        scale = torch.arange(1, t + 1, dtype=x.dtype, device=x.device)[:, None]
+        return super().forward(x + (self.tri[:t, :t].to(x.dtype) / scale) @ x)
+
+
 class FutureMixingAttn(_SdpaAttn):
     """A running sum over the rows after each row, ``triu(ones(T, T)) @ x`` (refused)."""
 
@@ -732,7 +746,8 @@ BufferShiftLM, RollMaskedShiftLM, RollMaskedWrongLM = (
 FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM = (
     _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
                            MeanRowShiftAttn))
-MixingLM, LengthMixingLM, FutureMixingLM = (_spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn))
+MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
+    _spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn, BufferMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 

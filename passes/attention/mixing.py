@@ -8,7 +8,8 @@ of the path's first ``i + 1`` rows. On the tree that is ``r`` at the row's posit
 running sum along its root path (``treecompile::path_scan``, O(S log depth)); the matrix
 itself is no longer built.
 
-The matrix is judged as a structural mask is (`treecompile.passes._mask_eval`): evaluated at
+The matrix must be built from sizes and constants alone (not from a buffer, whose values may
+change between calls), and is judged as a structural mask is (`treecompile.passes._mask_eval`): evaluated at
 the length the wrapper asks for (or the example length) and at half of it, it must be causal
 with one value per row below the diagonal, the same at both lengths (``1 / T`` would differ:
 per path ``T`` is the path's length). ``r`` is read from that evaluation, a constant table
@@ -28,7 +29,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.scans import path_scan as _path_scan  # noqa: F401  (registers treecompile::path_scan)
-from treecompile.passes._graph import MATMUL, PassContext, describe, is_call, same_size, source_of, value
+from treecompile.passes._graph import MATMUL, PassContext, ancestors, describe, is_call, same_size, source_of, value
 from treecompile.passes._mask_eval import depends_on_inputs, evaluate
 
 __all__ = ["rewrite_mixing"]
@@ -45,6 +46,11 @@ def rewrite_mixing(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> bool 
     m, x = node.args[:2]
     if not (is_call(node, MATMUL, ("matmul", "bmm")) and _mixes_rows(ctx, m, x)) or depends_on_inputs(ctx, m):
         return False
+    if any(n.op == "placeholder" and isinstance(value(n), torch.Tensor) for n in ancestors(m)):
+        # Built from a buffer (or another tensor input): its values may change between calls,
+        # and the table read from them would not.
+        ctx.notes[node] = "a fixed [S, S] matrix times the rows whose matrix reads a buffer or another tensor input"
+        return None
     judged = _judge(ctx, m)
     if isinstance(judged, str):
         ctx.notes[node] = f"a fixed [S, S] matrix times the rows whose matrix is {judged}"
