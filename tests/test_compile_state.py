@@ -97,6 +97,7 @@ def test_stateful_models_leave_the_model_as_an_ordinary_call_would():
             zoo.assert_unchanged(model, twin, lengths=(batch.num_tokens, 35, 11, 5))
 
 
+@pytest.mark.full
 def test_buffers_a_call_grew_to_the_packed_length_are_read_back_at_that_length():
     """PaLM-pytorch registers its causal mask and rotary table at the length of a call and
     slices them on later calls no longer than that. A tree call grows them to its row count;
