@@ -248,6 +248,19 @@ def during_capture(exc: BaseException) -> bool:
     return False
 
 
+def failed_capture(exc: BaseException, passing: tuple = ()) -> bool:
+    """Whether ``exc`` is a failure to capture the model, refused with the message condensed to
+    what failed, where and why: Dynamo's own (a graph break or data-dependent control flow would
+    run part of the model outside the rewritten graph), or raised while Dynamo traced or compiled
+    a frame (FakeTensor errors, a guard on a data-dependent size, exceptions in the model's code).
+    Not a refusal already (`UnsupportedModelError`, or a type in ``passing``), nor an error of the
+    compiled code itself, which is the model's."""
+    from treecompile.core.errors import UnsupportedModelError
+
+    return not isinstance(exc, (UnsupportedModelError, *passing)) and (
+        isinstance(exc, torch._dynamo.exc.TorchDynamoException) or during_capture(exc))
+
+
 def compile_failure(exc: torch._dynamo.exc.BackendCompilerFailed, passing: tuple = ()) -> BaseException:
     """What a failure of treecompile's backend reaches the caller as: its own refusal (or a
     type in ``passing``) as itself; any other error, of the lowering after the passes, as a
@@ -268,7 +281,6 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
     import contextlib
 
     from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
-    from treecompile.core.errors import UnsupportedModelError
 
     hf = hf_interfaces(setup.model, setup.route.routes) if setup.is_hf else contextlib.nullcontext()
     with hf, swapped_kernels([*setup.kernels, *setup.route.mask_swaps, *TORCH_SWAPS]):
@@ -279,8 +291,7 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
                 failure = compile_failure(e, passing)
                 raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
             except Exception as e:
-                if isinstance(e, (UnsupportedModelError, *passing)) or not (
-                        isinstance(e, torch._dynamo.exc.TorchDynamoException) or during_capture(e)):
+                if not failed_capture(e, passing):
                     raise
                 from treecompile.core.errors import capture_error
 

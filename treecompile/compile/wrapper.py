@@ -27,7 +27,7 @@ from torch import nn
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
 from treecompile.capture.call import (DYNAMO_CONFIG, AttentionRoute, CallSetup, TreeOutput, argument_names,
-                                      compile_failure, compile_named, device_of, during_capture, run_head)
+                                      compile_failure, compile_named, device_of, failed_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
     call_kwargs,
@@ -239,8 +239,7 @@ class TreeCompiledModel(DelegatingModule):
         self._compiled = None
         self._first_record = 0
         self._proven_rows: int | None = None
-        self._extends = False  # whether short buffers are extended for a call (see forward)
-        self._extends_same = False  # whether buffers as long as the rows are extended for a call
+        self._extending: set[type] = set()  # the kinds of buffers extended for a call (see _forward_tree)
         self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
         self._outputs = outputs
@@ -268,9 +267,15 @@ class TreeCompiledModel(DelegatingModule):
         """The stream runner (with ``stream=``) and the CP runner (with ``cp=``, which streams what
         is over the budget itself), none compiled yet."""
         stream = self._stream_options
-        self._setup = setup
-        self._stream = None if stream is None or cp is not None else _stream_runner(stream, setup)
-        self._cp = None if cp is None else _cp_runner(cp, setup, stream)
+        self._setup, self._stream, self._cp = setup, None, None
+        if cp is not None:
+            from treecompile.distributed.stream_cp import cp_runner
+
+            self._cp = cp_runner(setup, cp, stream)
+        elif stream is not None:
+            from treecompile.stream.runner import StreamRunner
+
+            self._stream = StreamRunner(setup, stream)
 
     def _keep_own_mask(self) -> None:
         """The model's own code read the attention mask a layer was handed (`MaskRead`): its calls
@@ -452,16 +457,15 @@ class TreeCompiledModel(DelegatingModule):
         if self._compiled is None:
             self._compiled = self._build(device)
             self._first_record = len(self.compile_records)
-        # Buffers shorter than the rows but as long as the longest path (nanoGPT's tril[:T, :T])
-        # fail a capture when sliced by the row count: extended for the call once a capture has
-        # failed so (then for every such batch); masks are judged no longer than they were.
-        short = short_buffers(self._inner, batch.num_tokens, longest)
-        # One exactly as long (a cache an earlier call grew to this length) makes Dynamo take
-        # the row count for its size: extended for the call once a capture has so failed.
-        same = short_buffers(self._inner, batch.num_tokens, longest, equal=True)
+        # Buffers sliced by the row count: shorter than the rows but as long as the longest path
+        # (nanoGPT's tril[:T, :T]) fail a capture; exactly as long (a cache an earlier call grew to
+        # this length) make Dynamo take the row count for their size. Each kind is extended for the
+        # call once a capture has failed so (then for every such batch); masks are judged no longer.
+        kinds = {CaptureFailed: short_buffers(self._inner, batch.num_tokens, longest),
+                 ConstantLength: short_buffers(self._inner, batch.num_tokens, longest, equal=True)}
 
         def extend():
-            return (short if self._extends else []) + (same if self._extends_same else [])
+            return [b for kind, found in kinds.items() if kind in self._extending for b in found]
 
         self._call_batch = batch if self.verify.probes else None
         try:
@@ -475,22 +479,18 @@ class TreeCompiledModel(DelegatingModule):
                 self._compiled = self._build(device)
                 args = self._inputs(batch)
                 out = self._call(args, extend(), rows, longest)
-        except CaptureFailed as failed:
-            if not short or self._extends:
-                raise failed.error from None
-            self._extends = True
+        except (CaptureFailed, ConstantLength) as failed:
+            kind = type(failed)
+            error = failed.error if kind is CaptureFailed else failed
+            if not kinds[kind] or kind in self._extending:
+                raise error from None
+            self._extending.add(kind)
             try:
                 out = self._call(args, extend(), rows, longest)
-            except CaptureFailed as again:
-                raise again.error from None
-        except ConstantLength as failed:
-            if not same or self._extends_same:
-                raise
-            self._extends_same = True
-            try:
-                out = self._call(args, extend(), rows, longest)
-            except (CaptureFailed, ConstantLength):
-                raise failed from None
+            except (CaptureFailed, ConstantLength) as again:  # a failure with the buffers extended
+                if kind is ConstantLength:
+                    raise error from None  # the first refusal names where the length became constant
+                raise again.error if isinstance(again, CaptureFailed) else again from None
         finally:
             self._call_batch = None
         loss, logprobs, aux, entropy = out
@@ -521,13 +521,7 @@ class TreeCompiledModel(DelegatingModule):
                     failure = compile_failure(e)
                     raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
                 except Exception as e:
-                    # A graph break (or data-dependent control flow) would run part of the
-                    # model outside the rewritten graph; a model that fails under tracing
-                    # (FakeTensor errors, a guard on a data-dependent size, exceptions in its
-                    # code) is refused the same way, with the message condensed to what
-                    # failed, where and why. An error of the compiled code itself is the model's.
-                    if isinstance(e, UnsupportedModelError) or not (
-                            isinstance(e, torch._dynamo.exc.TorchDynamoException) or during_capture(e)):
+                    if not failed_capture(e):  # a refusal already, or the compiled code's own error
                         raise
                     short = extend or short_buffers(self._inner, rows, longest)
                     raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
@@ -598,18 +592,6 @@ class TreeCompiledModel(DelegatingModule):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _stream_runner(options: StreamOptions, setup: CallSetup):
-    from treecompile.stream.runner import StreamRunner
-
-    return StreamRunner(setup, options)
-
-
-def _cp_runner(group, setup: CallSetup, stream: StreamOptions | None = None):
-    from treecompile.distributed.stream_cp import cp_runner
-
-    return cp_runner(setup, group, stream)
 
 
 def _rewrap(model: nn.Module, options: dict[str, Any], stream: StreamOptions | None, cp=None) -> TreeCompiledModel:
