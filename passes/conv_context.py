@@ -94,12 +94,9 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                 f"treecompile: {describe(node)} is a causal conv whose input is not [B, C, S] over the packed "
                 f"sequence.\n  at {source_of(node)}"
             )
-        kk = int(wv.shape[1])
-        if kk not in tables:
-            with gm.graph.inserting_before(_first_node(gm)):
-                tables[kk] = _ancestor_table(gm, ctx, kk)
+        table = _table(gm, ctx, tables, int(wv.shape[1]))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.treecompile.tree_causal_conv1d.default, (x, weight, bias, tables[kk]))
+            new = gm.graph.call_function(torch.ops.treecompile.tree_causal_conv1d.default, (x, weight, bias, table))
         new.meta["example_value"] = value(node)
         ctx.mark(new, like=node)
         node.replace_all_uses_with(new)
@@ -257,32 +254,42 @@ def _first_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.op != "placeholder")
 
 
-def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
-    """Replaces every shift along the sequence (`SHIFT_SPELLINGS`) by a gather of each row's
-    k-th ancestor on its path. Counter: ``shift``."""
+def _matched(gm: fx.GraphModule, ctx: PassContext, spellings: tuple, does: str):
+    """``(node, match)`` for each node of ``gm`` (not one a pass made) that one of ``spellings``
+    matches; raises `NeedsStructure`, saying what the node ``does``, when the call has no path
+    structure."""
     for node in list(gm.graph.nodes):
         if node.graph is not gm.graph or node in ctx.created:
             continue
-        for _, match in SHIFT_SPELLINGS:
-            found = match(node, ctx)
-            if found is not None:
-                break
-        else:
+        found = next((f for _, match in spellings if (f := match(node, ctx)) is not None), None)
+        if found is None:
             continue
         if ctx.pred_index is None:
             raise NeedsStructure(
-                f"treecompile cannot make this model exact on a tree: {describe(node)} shifts the sequence, and this "
-                f"call has no path structure to shift it along (a streamed or context-parallel call).\n"
-                f"  at {source_of(node)}")
+                f"treecompile cannot make this model exact on a tree: {describe(node)} {does}, and this call has no "
+                f"path structure to follow (a streamed or context-parallel call).\n  at {source_of(node)}")
+        yield node, found
+
+
+def _table(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node], kk: int) -> fx.Node:
+    """The ancestor table of ``kk - 1`` columns (`_ancestor_table`), built once per graph."""
+    if kk not in tables:
+        with gm.graph.inserting_before(_first_node(gm)):
+            tables[kk] = _ancestor_table(gm, ctx, kk)
+    return tables[kk]
+
+
+def _rewrite_shifts(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
+    """Replaces every shift along the sequence (`SHIFT_SPELLINGS`) by a gather of each row's
+    k-th ancestor on its path. Counter: ``shift``."""
+    for node, found in _matched(gm, ctx, SHIFT_SPELLINGS, "shifts the sequence"):
         # A matcher may name the node whose value is the shift (default: the matched node) and
         # where the gather goes (default: before the matched node; after x in any case).
         x, dim, k, sign, dead = found.x, found.dim, found.k, found.sign, found.dead
         target, at = found.target or node, found.at or node
-        if k + 1 not in tables:
-            with gm.graph.inserting_before(_first_node(gm)):
-                tables[k + 1] = _ancestor_table(gm, ctx, k + 1)
+        table = _table(gm, ctx, tables, k + 1)
         with gm.graph.inserting_before(at):
-            new = _ancestor_gather(gm, ctx, x, dim, tables[k + 1], k, like=target, fill=found.fill)
+            new = _ancestor_gather(gm, ctx, x, dim, table, k, like=target, fill=found.fill)
             if sign:
                 new = ctx.mark(gm.graph.call_function(operator.sub, (x, new)), like=target)
                 new.meta["example_value"] = value(target)
@@ -303,27 +310,12 @@ def _rewrite_windows(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.
     """Replaces every window over the last k rows (`WINDOW_SPELLINGS`: a causal pool, an
     ``unfold`` of the left-padded rows) by the stack of its rows' ancestor gathers, reduced as
     the window was. Counter: ``window``."""
-    for node in list(gm.graph.nodes):
-        if node.graph is not gm.graph or node in ctx.created:
-            continue
-        for _, match in WINDOW_SPELLINGS:
-            found = match(node, ctx)
-            if found is not None:
-                break
-        else:
-            continue
-        if ctx.pred_index is None:
-            raise NeedsStructure(
-                f"treecompile cannot make this model exact on a tree: {describe(node)} reads a window of earlier rows, "
-                f"and this call has no path structure to read it along (a streamed or context-parallel call).\n"
-                f"  at {source_of(node)}")
+    for node, found in _matched(gm, ctx, WINDOW_SPELLINGS, "reads a window of earlier rows"):
         x, dim, k = found.x, found.dim, found.k
-        if k not in tables:
-            with gm.graph.inserting_before(_first_node(gm)):
-                tables[k] = _ancestor_table(gm, ctx, k)
+        table = _table(gm, ctx, tables, k)
         emit = Emitter(gm, ctx, node)
         with gm.graph.inserting_before(node):
-            taps = [_ancestor_gather(gm, ctx, x, dim, tables[k], d, like=node, fill=found.fill) if d else x
+            taps = [_ancestor_gather(gm, ctx, x, dim, table, d, like=node, fill=found.fill) if d else x
                     for d in range(k - 1, -1, -1)]
         new = emit.fn(torch.stack, taps, -1)
         if found.reduce is not None:
@@ -407,21 +399,10 @@ def _future_taps_zero(ctx: PassContext, w: Any, centre: int) -> bool:
 def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node]) -> None:
     """Rewrites each causal conv1d `_conv_taps` finds into a sum of 1-tap convs over ancestor
     gathers. Counter: ``tap_conv``."""
-    for node in list(gm.graph.nodes):
-        if node.graph is not gm.graph or node in ctx.created:
-            continue
-        found = _conv_taps(node, ctx)
-        if found is None:
-            continue
-        if ctx.pred_index is None:
-            raise NeedsStructure(
-                f"treecompile cannot make this model exact on a tree: {describe(node)} is a causal conv, and this call "
-                f"has no path structure to run it along (a streamed or context-parallel call).\n  at {source_of(node)}")
+    for node, found in _matched(gm, ctx, (("conv", _conv_taps),), "is a causal conv"):
         x, w, bias, groups, taps, replaced, dead, fill = found
         reach = max(d for _, d in taps)
-        if reach + 1 not in tables:
-            with gm.graph.inserting_before(_first_node(gm)):
-                tables[reach + 1] = _ancestor_table(gm, ctx, reach + 1)
+        table = _table(gm, ctx, tables, reach + 1)
         emit = Emitter(gm, ctx, replaced)
         total = None
         for j, d in taps:
@@ -429,7 +410,7 @@ def _rewrite_tap_convs(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, f
                 src = x
             else:
                 with gm.graph.inserting_before(replaced):
-                    src = _ancestor_gather(gm, ctx, x, 2, tables[reach + 1], d, like=node, fill=fill)
+                    src = _ancestor_gather(gm, ctx, x, 2, table, d, like=node, fill=fill)
             term = emit.fn(F.conv1d, src, emit.method("narrow", w, 2, j, 1), None, 1, 0, 1, groups)
             total = term if total is None else emit.fn(operator.add, total, term)
         if bias is not None:
