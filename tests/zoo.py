@@ -293,6 +293,10 @@ CASES: list[Case] = [
          "(the buffer is extended for the call; every path fits it)", _custom(zc.ShortTrilLM)),
     Case("rope-table-16-long-tree", "custom: 16-entry cos/sin tables sliced [:T], tree with more rows than entries",
          _custom(zc.ShortRopeTableLM)),
+    Case("bool-mask-moe", "DeepSeek-MoE training path: y[flat_idx == i] = expert(h[flat_idx == i]) over "
+         "repeat_interleave(k) copies (the mask computed twice)", _custom(zc.BoolMaskMoELM)),
+    Case("bool-mask-moe-written", "the same with the routing indices written in place between the two masks",
+         _custom(zc.BoolMaskMoEWrittenLM), expect="refused", reason="do not line up"),
     Case("inplace-moe", "custom: MoE accumulating experts with index_add_ into a buffer",
          _custom(zc.InplaceMoELM), expect="exact"),
     Case("mla-empty-copy", "custom: MLA keys written into new_empty(...) with copy_",

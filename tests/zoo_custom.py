@@ -1327,6 +1327,51 @@ class InplaceMoEBlock(SdpaTrilMaskAttn):
 InplaceMoELM = type("InplaceMoELM", (_LM,), {"block_cls": InplaceMoEBlock, "__doc__": IndexAddMoE.__doc__})
 
 
+class BoolMaskMoE(nn.Module):
+    """DeepSeek-MoE's training path: the hidden states repeated once per chosen expert
+    (``repeat_interleave(k)``), ``y = torch.empty_like(h)`` and ``y[flat_idx == i] = expert(h[flat_idx == i])``
+    per expert (the mask computed twice), then the weighted sum over the k copies. With
+    ``write_between`` the routing indices are written in place between the two masks (refused:
+    the second mask chooses other rows)."""
+
+    def __init__(self, experts: int = 4, k: int = 2, write_between: bool = False) -> None:
+        super().__init__()
+        self.k, self.write_between = k, write_between
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.SiLU(), nn.Linear(DIM, DIM))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        w, idx = self.router(flat).softmax(-1).topk(self.k, dim=-1)
+        flat_idx = idx.view(-1)
+        h = flat.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(h)
+        for i, expert in enumerate(self.experts):
+            out = expert(h[flat_idx == i])
+            if self.write_between:
+                flat_idx.add_(1).remainder_(len(self.experts))
+            y[flat_idx == i] = out
+        return (y.view(-1, self.k, d) * w.unsqueeze(-1)).sum(1).view(b, t, d)
+
+
+class BoolMaskMoEBlock(SdpaTrilMaskAttn):
+    def __init__(self, write_between: bool = False) -> None:
+        super().__init__()
+        self.mlp = BoolMaskMoE(write_between=write_between)
+
+
+class BoolMaskMoEWrittenBlock(BoolMaskMoEBlock):
+    def __init__(self) -> None:
+        super().__init__(write_between=True)
+
+
+BoolMaskMoELM = type("BoolMaskMoELM", (_LM,), {"block_cls": BoolMaskMoEBlock, "__doc__": BoolMaskMoE.__doc__})
+BoolMaskMoEWrittenLM = type("BoolMaskMoEWrittenLM", (_LM,), {"block_cls": BoolMaskMoEWrittenBlock,
+                                                             "__doc__": BoolMaskMoE.__doc__})
+
+
 class MlaEmptyAttn(_Attn):
     """DeepSeek-style MLA: a low-rank KV, a decoupled key part, keys assembled by writing
     both parts into ``new_empty(...)``: ``k[..., :n].copy_(k_nope)`` as DeepSeek-V2/V3 do,

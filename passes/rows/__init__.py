@@ -85,7 +85,8 @@ FAMILIES: dict[str, str] = {
                "and target have the same rows",
     "masked_select": "a 1-D row mask over 1-D rows: a selection",
     "nonzero": "the ids of non-zero entries of a row tensor: a selection of rows (row ids in its row column, data in "
-               "the others)",
+               "the others); a mask computed again by the same element-wise op from the same tensors, with no write "
+               "between, is the same selection (`y[idx == i] = f(x[idx == i])`)",
     "index": "`where(cond)` is `nonzero`; `where(c, x, y)` is element-wise",
     "along a dim": "reductions, scans, sorts, softmaxes, flips, rolls, differences, FFTs along dims that are not the "
                    "rows (without a dim: every dim, refused with rows)",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from treecompile.passes._graph import ARANGE, is_call, same_size, value
+from treecompile.passes._graph import ARANGE, is_call, mutated_args, same_size, storage_of, value
 from treecompile.passes.rows.domain import (
     _LOOKUP,
     _TABLE_SLICE,
@@ -21,6 +21,7 @@ from treecompile.passes.rows.domain import (
     LENGTH,
     ONE_ROW,
     ROW_INDEX_MATH,
+    RULES,
     SQUARE,
     TABLE,
     Args,
@@ -40,6 +41,7 @@ from treecompile.passes.rows.domain import (
     expr,
     iter_nodes,
     op_is,
+    op_key,
     same_expr,
 )
 from treecompile.passes.rows.elementwise import (
@@ -182,10 +184,46 @@ def _masked(env: RowEnv, r: Rows | None, rm: Rows | None, dims: list[int], mask:
 
 
 def _selection(env: RowEnv, key: fx.Node, dim: int, count: Any = None) -> Rows:
-    """Rows chosen by ``key``'s non-zero entries, in order, at ``dim``."""
+    """Rows chosen by ``key``'s non-zero entries, in order, at ``dim``. A mask computed again
+    the same way from the same tensors (``y[idx == i] = expert(x[idx == i])``) chooses the
+    same rows: it is the same selection."""
+    key = next((k for k in env.selections if _recomputed(k, key)), key)
     if key not in env.selections:
         env.selections[key] = count
     return Rows(dim, count=env.selections[key], key=key)
+
+
+_CONSTANTS = (int, float, bool, str, type(None))
+
+
+def _same_arg(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return isinstance(a, _CONSTANTS) and type(a) is type(b) and a == b
+
+
+def _recomputed(first: fx.Node, again: fx.Node) -> bool:
+    """Whether ``again`` computes what ``first`` did: the same element-wise op (a comparison,
+    a cast; never a random draw) on the same nodes and constants, with no write in place into
+    the memory of those nodes between the two."""
+    if first is again:
+        return True
+    if (first.op, first.target) != (again.op, again.target) or first.op not in ("call_function", "call_method"):
+        return False
+    rule = RULES.get(op_key(first))
+    if rule is None or rule.family not in ("pointwise", "cast") or len(first.args) != len(again.args) or \
+            first.kwargs.keys() != again.kwargs.keys():
+        return False
+    if not all(_same_arg(a, b) for a, b in zip(first.args, again.args)) or \
+            not all(_same_arg(first.kwargs[k], v) for k, v in again.kwargs.items()):
+        return False
+    read = {storage_of(n) for n in first.all_input_nodes}
+    node = first.next
+    while node is not again and node.op != "root":
+        if any(storage_of(m) in read or storage_of(m) is None for m in mutated_args(node)):
+            return False
+        node = node.next
+    return node is again
 
 
 def _gather_reason(index: Any, env: RowEnv) -> str:
