@@ -258,6 +258,11 @@ CASES: list[Case] = [
          reason="an additive score bias computed from the sequence length"),
     Case("t5-bias", "custom: T5-style learned relative position bias (a table at clamp(i - j)), a score_mod on "
          "path distances", _custom(zc.T5BiasLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("t5-masked-bias", "Hugging Face T5's decoder: position_bias = compute_bias(..) + causal mask (finfo.min), "
+         "then scores += position_bias", _custom(zc.T5MaskedBiasLM),
+         attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("t5-future-bias", "the same with a mask that blocks the earlier keys", _custom(zc.T5FutureBiasLM),
+         expect="refused", reason="softmax"),
     Case("t5-buckets", "T5's compute_bias(bidirectional=False): log-spaced buckets into Embedding(buckets, H)",
          _custom(zc.T5BucketsLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("learned-alibi", "custom: ALiBi with learned slopes (a parameter), inside the scale",

@@ -1200,6 +1200,30 @@ class T5BucketsAttn(_Attn):
         return torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
 
 
+class T5MaskedBiasAttn(T5BucketsAttn):
+    """Hugging Face T5's decoder spelling: the causal mask (``finfo.min`` where blocked) added
+    into the position bias, ``position_bias = compute_bias(..) + mask``, then ``scores +=
+    position_bias``. With ``future`` the mask blocks the keys before the query instead (refused)."""
+
+    future = False
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        allowed = self.causal[:, :, :t, :t]
+        if self.future:
+            allowed = allowed.transpose(-1, -2)
+        mask = (1.0 - allowed) * torch.finfo(q.dtype).min
+        position_bias = self.compute_bias(t, t, device=q.device) + mask
+        scores = torch.matmul(q, k.transpose(3, 2))
+        scores += position_bias
+        return torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
+
+
+class T5FutureBiasAttn(T5MaskedBiasAttn):
+    __doc__ = T5MaskedBiasAttn.__doc__
+    future = True
+
+
 class LearnedAlibiAttn(_Attn):
     """ALiBi with learned slopes (a parameter per head) on the scaled scores."""
 
@@ -1234,6 +1258,7 @@ class AbsolutePairBiasAttn(_Attn):
         return att.softmax(-1) @ v
 
 
+T5MaskedBiasLM, T5FutureBiasLM = _spelling(T5MaskedBiasAttn), _spelling(T5FutureBiasAttn)
 T5BucketsLM, LearnedAlibiLM, AbsolutePairBiasLM = (
     _spelling(c) for c in (T5BucketsAttn, LearnedAlibiAttn, AbsolutePairBiasAttn))
 

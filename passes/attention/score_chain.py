@@ -202,6 +202,17 @@ def _add(ctx, chain, cur):
         if _structural(ctx, bias) and isinstance(scores, fx.Node):
             _mask(ctx, chain, "additive", bias)
             return scores
+    # A bias that is a sum of a structural mask and a learned pair bias (Hugging Face T5's
+    # ``position_bias = compute_bias(..) + mask``, reused by the later layers): each part is a
+    # term of its own.
+    for bias, scores in ((b, a), (a, b)):
+        parts = _sum_parts(bias)
+        if len(parts) > 1 and isinstance(scores, fx.Node) and reads_tokens(ctx, scores) and not reads_tokens(
+                ctx, bias) and all(_structural(ctx, p) or _pair_shaped(ctx, p) for p in parts):
+            for part in parts:
+                _mask(ctx, chain, "additive" if _structural(ctx, part) else "relative", part)
+            chain.relative_scale = chain.scale
+            return scores
     # A bias over (query, key) pairs computed from parameters, not the tokens (a learned
     # relative position bias): judged by the attention pass as a function of the distance.
     for bias, scores in ((b, a), (a, b)):
@@ -215,6 +226,14 @@ def _add(ctx, chain, cur):
             return scores
     raise StopWalk("the scores get an additive bias computed from parameters or the inputs (e.g. a learned T5-style "
                 "relative position bias), which treecompile cannot express in path positions yet")
+
+
+def _sum_parts(x) -> list:
+    """The terms of ``x`` if it is a sum of tensors (``a + b``, nested), else ``[x]``."""
+    if isinstance(x, fx.Node) and is_call(x, (operator.add, torch.add), ("add",)) and len(x.args) == 2 \
+            and not x.kwargs and all(isinstance(t, fx.Node) for t in x.args):
+        return _sum_parts(x.args[0]) + _sum_parts(x.args[1])
+    return [x]
 
 
 def _sub(ctx, chain, cur):
