@@ -20,9 +20,10 @@ so every place where a model derives a position from the row index must read
   on that path, so it becomes the sum over the row's ancestors-or-self
   (:func:`treecompile.kernels.scans.path_scan.path_cumsum`, from ``subtree_end``; interval mask).
 
-Aranges that feed mask building (a comparison) are left alone: a mask built from the
-sequence index is not a position, and if it survived the attention pass the verify pass
-refuses it.
+Aranges that feed mask building (a comparison with another index or the length, ``tril``,
+``masked_fill``) are left alone: a mask built from the sequence index is not a position, and
+if it survived the attention pass the verify pass refuses it. A comparison with a constant
+(``segment_pos == 0``: the first token) is a predicate on the position, and reads it.
 """
 
 from __future__ import annotations
@@ -200,7 +201,10 @@ def _const(x):
 
 
 def _feeds_comparison(node: fx.Node) -> bool:
-    """Whether the index reaches a comparison (mask building) through views and offsets."""
+    """Whether the index reaches, through views and offsets, a comparison that builds a mask:
+    one with another index or the length (``i >= j``, ``arange(T) < T - k``), ``tril`` /
+    ``triu`` or ``masked_fill``. A comparison with a constant (Griffin's ``segment_pos == 0``,
+    the first token) is a predicate on each row's position: the index stays a position."""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
@@ -209,10 +213,17 @@ def _feeds_comparison(node: fx.Node) -> bool:
                 continue
             seen.add(u)
             if is_call(u, _COMPARISONS, _COMPARISON_METHODS):
-                return True
-            if is_call(u, _PASS_THROUGH, _PASS_THROUGH_METHODS):
+                others = [a for a in u.args[:2] if a is not n]
+                if u.kwargs or len(u.args) != 2 or not (len(others) == 1 and _is_number(others[0])):
+                    return True
+            elif is_call(u, _PASS_THROUGH, _PASS_THROUGH_METHODS):
                 stack.append(u)
     return False
+
+
+def _is_number(x: Any) -> bool:
+    """A Python number (not a size of the graph)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 _TABLE_CASTS = {"to", "type", "float", "double", "half", "bfloat16", "contiguous", "detach"}

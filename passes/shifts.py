@@ -269,7 +269,7 @@ def _match_roll(node: fx.Node, ctx: PassContext):
         first = first.next
     if first.op != "root" and is_call(first, (torch.masked_fill,), ("masked_fill",)) and len(node.users) == 1 \
             and first.args[0] is node and first.args[2] in (0, 0.0) \
-            and _first_rows_mask(first.args[1], dim, xv.dim(), ctx.seq_len) == k:
+            and _first_rows_mask(first.args[1], dim, xv.dim(), ctx.seq_len, ctx.positions) == k:
         # ``roll(x, k, d).masked_fill(arange(T) < k, 0)`` (or ``== 0`` for k = 1), out of place:
         # the masked fill is the shift.
         return Shift(x, dim, k, dead=(node,), target=first)
@@ -280,7 +280,7 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     return Shift(x, dim, k, dead=(first,))
 
 
-def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any) -> int | None:
+def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any, ctx_positions: fx.Node | None = None) -> int | None:
     """``k`` if ``mask`` is ``arange(S) < k`` (or ``== 0``, k = 1; ``S`` the rows, ``seq_len``)
     along ``dim`` of an ``nd``-dim tensor, through indexing or unsqueezes that only add dims of size 1."""
     if not isinstance(mask, fx.Node):
@@ -302,15 +302,32 @@ def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any) -> int | None:
     if not is_call(cur, (operator.eq, operator.lt, torch.eq, torch.lt), ("eq", "lt")):
         return None
     grid, bound = cur.args[:2]
+    if isinstance(grid, fx.Node) and isinstance(bound, int) and _is_positions(grid, ctx_positions):
+        # The positions pass read ``arange(S) < k`` as the rows' positions: the same first k
+        # rows of each path.
+        return _bound_rows(cur, bound)
     if not (isinstance(grid, fx.Node) and is_call(grid, ARANGE) and isinstance(bound, int)):
         return None
     a = bind(grid, ["start", "end", "step"], {"end": None, "step": 1})
     end = a["start"] if a["end"] is None else a["end"]
     if (a["end"] is not None and a["start"] != 0) or a["step"] != 1 or not same_size(end, seq_len):
         return None
+    return _bound_rows(cur, bound)
+
+
+def _bound_rows(cur: fx.Node, bound: int) -> int | None:
+    """``k`` for ``grid < k`` (``k > 0``) or ``grid == 0`` (1)."""
     if is_call(cur, (operator.eq, torch.eq), ("eq",)):
         return 1 if bound == 0 else None
     return bound if bound > 0 else None
+
+
+def _is_positions(node: fx.Node, positions: fx.Node | None) -> bool:
+    """``positions`` or a cast of it (``positions.to(dtype)``, what the positions pass wrote
+    for an ``arange(S)``)."""
+    while node.op == "call_method" and node.target == "to" and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return positions is not None and node is positions
 
 
 def _match_filled(node: fx.Node, ctx: PassContext):

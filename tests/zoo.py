@@ -184,7 +184,7 @@ CASES: list[Case] = [
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",
          _custom(zc.RollMaskedShiftLM)),
     Case("roll-masked-wrong", "custom: roll by two with a masked_fill of only the first row (arange(T) == 0)",
-         _custom(zc.RollMaskedWrongLM), expect="refused", reason="computes with row indices as values"),
+         _custom(zc.RollMaskedWrongLM), expect="refused", reason="reduces or reorders (roll) along the sequence"),
     Case("roll-shift-two", "custom: shift by two as x.roll(shifts=2, dims=1) with prev[:, :2] = 0",
          _custom(zc.RollShiftTwoLM)),
     Case("roll-no-zero", "custom: roll(x, 1, dims=1) kept whole (the first row reads the last)",
@@ -215,6 +215,10 @@ CASES: list[Case] = [
          _custom(zc.BufferMixingLM), expect="refused", reason="reads a buffer"),
     Case("future-mixing", "custom: triu(ones(T, T)) @ x, a sum over the rows after each row",
          _custom(zc.FutureMixingLM), expect="refused", reason="not zero above the diagonal"),
+    Case("first-token-reset", "Griffin's RG-LRU reset: segment_pos = arange(T); reset = segment_pos == 0 scales "
+         "the first token of each path (a predicate on the position)", _custom(zc.FirstTokenResetLM)),
+    Case("last-token-flag", "custom: arange(T) == T - 1 flags the last row of the packed sequence",
+         _custom(zc.LastTokenFlagLM), expect="refused", reason="sequence length"),
     Case("cumsum-linear-attention", "custom: causal linear attention with running sums cumsum(phi(k) v^T) over the "
          "sequence", _custom(zc.CumsumLinearLM)),
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "

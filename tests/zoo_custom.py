@@ -685,6 +685,33 @@ class FutureMixingAttn(_SdpaAttn):
         return super().forward(x + 0.1 * torch.triu(torch.ones(t, t, dtype=x.dtype, device=x.device)) @ x)
 
 
+class FirstTokenResetAttn(_SdpaAttn):
+    """Griffin's RG-LRU reset (recurrentgemma): ``segment_pos = arange(T)``, ``reset =
+    segment_pos == 0``, and the input multiplier ``reset + ~reset * sqrt(1 - a^2)``: the first
+    token of the sequence gets a different scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        segment_pos = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        reset = segment_pos == 0
+        a = torch.sigmoid(self.gate(x))
+        multiplier = reset[..., None] + ~reset[..., None] * torch.sqrt(1 - a * a)
+        return super().forward(x * multiplier)
+
+
+class LastTokenFlagAttn(_SdpaAttn):
+    """A flag on the last row, ``arange(T) == T - 1`` (refused: per path the last token is the
+    path's)."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        last = (torch.arange(t, device=x.device) == t - 1)[None, :, None]
+        return super().forward(x + last.to(x.dtype))
+
+
 class ReflectConvAttn(_SdpaAttn):
     """A "causal" conv over ``F.pad(x, (K - 1, 0), mode="reflect")``: the padding reflects rows
     1 .. K - 1, which come after the first row (refused)."""
@@ -746,6 +773,7 @@ BufferShiftLM, RollMaskedShiftLM, RollMaskedWrongLM = (
 FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM = (
     _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
                            MeanRowShiftAttn))
+FirstTokenResetLM, LastTokenFlagLM = _spelling(FirstTokenResetAttn), _spelling(LastTokenFlagAttn)
 MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
     _spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn, BufferMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
