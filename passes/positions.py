@@ -9,7 +9,8 @@ so every place where a model derives a position from the row index must read
   ``wpe(arange(T))``, 1-based counts. Replaced by ``positions + c`` (in the arange's
   dtype). Exact: entry ``j`` of the arange was used as row ``j``'s position plus ``c``.
 * ``table[:S]`` on one dim of a constant table (cached cos/sin, position embedding
-  weights): row ``j`` of the slice was used for row ``j``, so it becomes
+  weights, a table the call builds from constants: TinyLlama's rope cache over the block
+  size): row ``j`` of the slice was used for row ``j``, so it becomes
   ``table.index_select(dim, positions)``. Where the slice is only gathered by position
   (``cos[:S][position_ids]``, transformers 4.x Llama) it is still a table indexed by
   position: the gather reads the table itself (positions are below ``S``).
@@ -266,10 +267,13 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
             return None
         sliced.append(d)
     # Exactly one dim cut to S: a [:S, :S] cut is a mask, not a position table. A table built in
-    # the graph (from the inputs' sizes, e.g. f(arange(2 * T))) is at least S long there.
+    # the graph from the inputs' sizes (f(arange(2 * T))) is at least S long there; one built from
+    # constants (TinyLlama's rope cache over block_size, made by the first call) is as long as it
+    # is, and the slice holds S to it.
     if len(sliced) != 1 or same_size(tv.shape[sliced[0]], ctx.seq_len):
         return None
     length = tv.shape[sliced[0]]
-    if _constant_table(table) is None and not (isinstance(length, torch.SymInt) and multiple_of(length, ctx.seq_len)):
+    if _constant_table(table) is None and not (isinstance(length, int) or isinstance(
+            length, torch.SymInt) and multiple_of(length, ctx.seq_len)):
         return None
     return sliced[0], new

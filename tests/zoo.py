@@ -179,6 +179,8 @@ CASES: list[Case] = [
     Case("roll-shift", "custom: token shift as roll(x, 1, dims=1) with prev[:, 0] = 0", _custom(zc.RollShiftLM)),
     Case("positions-none-index", "custom: learned positions [max_len, d] added as pos[None, :T, :]",
          _custom(zc.NoneIndexPositionsLM)),
+    Case("lazy-rope-cache", "TinyLlama / lit-gpt: a (cos, sin) cache over the block size built by the first call "
+         "(self.rope_cache = build_rope_cache(block_size)), then cos[:T]", _custom(zc.LazyRopeCacheLM)),
     Case("buffer-shift", "custom: token shift into a buffer, prev = zeros_like(x); prev[:, 1:] = x[:, :-1]",
          _custom(zc.BufferShiftLM)),
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",

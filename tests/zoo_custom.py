@@ -310,6 +310,50 @@ class NoneIndexPositionsLM(_LM):
         return self.head(self.norm(x))
 
 
+class LazyTableAttn(_SdpaAttn):
+    """Rotary angles read from a ``(cos, sin)`` table the model builds itself (``rope``),
+    applied to q and k."""
+
+    def attend(self, q, k, v, rope=None):
+        cos, sin = rope
+        q, k = (t * cos + torch.cat([-t[..., HD // 2:], t[..., :HD // 2]], -1) * sin for t in (q, k))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x, rope=None):
+        b, t, _ = x.shape
+        y = self.attend(*self.heads(x), rope=rope)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+class LazyRopeCacheLM(_LM):
+    """TinyLlama / lit-gpt: ``if self.rope_cache is None: self.rope_cache = build_rope_cache(block_size)``
+    on the first call (a tuple on the module, over the block size, not the sequence), then
+    ``cos[:T]`` and ``sin[:T]``."""
+
+    block_cls = LazyTableAttn
+    block_size = MAX_LEN
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope_cache = None
+
+    def build_rope_cache(self, device):
+        theta = 1.0 / (10000 ** (torch.arange(0, HD, 2, device=device).float() / HD))
+        idx_theta = torch.outer(torch.arange(self.block_size, device=device).float(), theta).repeat(1, 2)
+        return torch.cos(idx_theta), torch.sin(idx_theta)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if self.rope_cache is None:
+            self.rope_cache = self.build_rope_cache(idx.device)
+        cos, sin = self.rope_cache
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x, rope=(cos[:t].to(x.dtype), sin[:t].to(x.dtype)))
+        return self.head(self.norm(x))
+
+
 class BufferShiftAttn(_SdpaAttn):
     """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
 
