@@ -354,6 +354,35 @@ class LazyRopeCacheLM(_LM):
         return self.head(self.norm(x))
 
 
+class FairseqSinusoidLM(_LM):
+    """fairseq's ``SinusoidalPositionalEmbedding``: the sinusoid table built each call over
+    ``padding_idx + 1 + T`` positions (``get_embedding``, the padding row zeroed), read at
+    ``make_positions``' pad-aware counts ``cumsum(ids != pad) * mask + pad`` with ``index_select``."""
+
+    block_cls = _SdpaAttn
+    padding_idx = 1
+
+    @staticmethod
+    def get_embedding(num_embeddings: int, embedding_dim: int, padding_idx: int) -> torch.Tensor:
+        half_dim = embedding_dim // 2
+        emb = math.log(10000) / (half_dim - 1)
+        emb = torch.exp(torch.arange(half_dim, dtype=torch.float) * -emb)
+        emb = torch.arange(num_embeddings, dtype=torch.float).unsqueeze(1) * emb.unsqueeze(0)
+        emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1).view(num_embeddings, -1)
+        emb[padding_idx, :] = 0
+        return emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len = idx.shape
+        weights = self.get_embedding(self.padding_idx + 1 + seq_len, DIM, self.padding_idx).to(self.head.weight)
+        mask = idx.ne(self.padding_idx).int()
+        positions = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + self.padding_idx
+        x = self.emb(idx) + weights.index_select(0, positions.view(-1)).view(bsz, seq_len, -1).detach()
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
 class BufferShiftAttn(_SdpaAttn):
     """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
 
