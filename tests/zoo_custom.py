@@ -1453,7 +1453,7 @@ class InplaceMoEBlock(SdpaTrilMaskAttn):
 InplaceMoELM = type("InplaceMoELM", (_LM,), {"block_cls": InplaceMoEBlock, "__doc__": IndexAddMoE.__doc__})
 
 
-class BoolMaskMoE(nn.Module):
+class BoolMaskMoE(IndexAddMoE):
     """DeepSeek-MoE's training path: the hidden states repeated once per chosen expert
     (``repeat_interleave(k)``), ``y = torch.empty_like(h)`` and ``y[flat_idx == i] = expert(h[flat_idx == i])``
     per expert (the mask computed twice), then the weighted sum over the k copies. With
@@ -1461,11 +1461,8 @@ class BoolMaskMoE(nn.Module):
     the second mask chooses other rows)."""
 
     def __init__(self, experts: int = 4, k: int = 2, write_between: bool = False) -> None:
-        super().__init__()
+        super().__init__(experts)
         self.k, self.write_between = k, write_between
-        self.router = nn.Linear(DIM, experts, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.SiLU(), nn.Linear(DIM, DIM))
-                                     for _ in range(experts))
 
     def forward(self, x):
         b, t, d = x.shape
