@@ -254,6 +254,7 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
     if index and index[-1] is Ellipsis:  # cache[:, :, :T, ...]: the dims after it are whole
         index = index[:-1]
     new = [at for at, i in enumerate(index) if i is None]
+    kept = [at for at, i in enumerate(index) if i is not None]  # the result dim of each table dim indexed
     index = tuple(i for i in index if i is not None)
     if any(i is Ellipsis for i in index) or len(index) > tv.dim():
         return None
@@ -271,6 +272,10 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
     # constants (TinyLlama's rope cache over block_size, made by the first call) is as long as it
     # is, and the slice holds S to it.
     if len(sliced) != 1 or same_size(tv.shape[sliced[0]], ctx.seq_len):
+        return None
+    # The cut keeps S rows: ``[:S]`` on a dim shorter than S (old GPT-NeoX's ``cos_cached[:T]`` on its
+    # leading dim of size 1) keeps the whole dim, and is no position table.
+    if not same_size(value(node).shape[kept[sliced[0]]], ctx.seq_len):
         return None
     length = tv.shape[sliced[0]]
     if _constant_table(table) is None and not (isinstance(length, int) or isinstance(

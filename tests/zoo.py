@@ -183,6 +183,8 @@ CASES: list[Case] = [
          "(self.rope_cache = build_rope_cache(block_size)), then cos[:T]", _custom(zc.LazyRopeCacheLM)),
     Case("fairseq-sinusoid", "fairseq SinusoidalPositionalEmbedding: the table built each call over "
          "padding_idx + 1 + T positions, read at cumsum(ids != pad) * mask + pad", _custom(zc.FairseqSinusoidLM)),
+    Case("neox-rotary-table", "transformers 4.2x GPT-NeoX: cos_cached [1, 1, L, d] cut [:T, ...] on its size-1 "
+         "leading dim (no cut), then squeeze(1).squeeze(0)[position_ids]", _custom(zc.NeoxRotaryLM)),
     Case("buffer-shift", "custom: token shift into a buffer, prev = zeros_like(x); prev[:, 1:] = x[:, :-1]",
          _custom(zc.BufferShiftLM)),
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",

@@ -383,6 +383,27 @@ class FairseqSinusoidLM(_LM):
         return self.head(self.norm(x))
 
 
+class NeoxRotaryAttn(_SdpaAttn):
+    """transformers 4.2x GPT-NeoX's rotary table: ``cos_cached`` ``[1, 1, L, d]`` built at init,
+    ``cos_cached[:seq_len, ...]`` (a cut of its leading dim of size 1, which keeps it whole), then
+    ``cos.squeeze(1).squeeze(0)[position_ids]`` with ``position_ids = arange(T)[None]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+        emb = torch.outer(torch.arange(MAX_LEN).float(), inv_freq).repeat(1, 2)
+        self.cos_cached, self.sin_cached = emb.cos()[None, None, :, :], emb.sin()[None, None, :, :]
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        position_ids = torch.arange(0, t, dtype=torch.long, device=q.device).unsqueeze(0).view(-1, t)
+        cos, sin = self.cos_cached[:t, ...].to(q), self.sin_cached[:t, ...].to(q)
+        cos = cos.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+        sin = sin.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+        q, k = (z * cos + torch.cat([-z[..., HD // 2:], z[..., :HD // 2]], -1) * sin for z in (q, k))
+        return super().attend(q, k, v)
+
+
 class BufferShiftAttn(_SdpaAttn):
     """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
 
@@ -847,6 +868,7 @@ FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM
     _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
                            MeanRowShiftAttn))
 FirstTokenResetLM, LastTokenFlagLM = _spelling(FirstTokenResetAttn), _spelling(LastTokenFlagAttn)
+NeoxRotaryLM = _spelling(NeoxRotaryAttn)
 MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
     _spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn, BufferMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (

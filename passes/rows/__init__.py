@@ -74,7 +74,8 @@ FAMILIES: dict[str, str] = {
     "mask": "`tril` / `triu` over the rows: refused (a mask built from the row index)",
     "getitem": "slices and integers on other dims; on the rows only the full slice; a tensor index on the rows must "
                "hold row ids (`arange(S)`, or the ids `nonzero` returns, giving a selection); a table read at rows' "
-               "values (`table[ids]`) gives rows; a bound computed from the length on another dim is refused",
+               "values (`table[ids]`) gives rows; a bound computed from the length on another dim is refused "
+               "unless the dim comes out whole (`[:T]` of a dim of size 1)",
     "select": "another dim; one row by its index is refused",
     "narrow": "the identity on the rows' dim; another dim with bounds free of the length",
     "setitem": "the written values' rows must be the rows of the region written",

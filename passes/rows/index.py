@@ -97,7 +97,7 @@ def indexed(x: Any, index: Any, env: RowEnv, out_shape: tuple | None = None) -> 
             if r is not None and d == r.dim:
                 if not _full(env, it, shape[d]):
                     raise NotRowLocal(LENGTH)
-            elif _is_row_sym(env, it):
+            elif _is_row_sym(env, it) and not _keeps_whole(it, shape[d], out_shape, len(layout), tensor_index):
                 raise NotRowLocal(_TABLE_SLICE)
             layout.append(("in", d))
             d += 1
@@ -158,6 +158,15 @@ def indexed(x: Any, index: Any, env: RowEnv, out_shape: tuple | None = None) -> 
 def _whole_dim(r: Rows, shape: tuple) -> bool:
     """Whether the rows' dim holds just the rows (an index into it picks rows)."""
     return r.count is not None and same_expr(expr(shape[r.dim]), r.count)
+
+
+def _keeps_whole(it: slice, size: Any, out_shape: tuple | None, at: int, tensor_index: bool) -> bool:
+    """Whether ``[:stop]`` bounded by the length keeps a dim of constant ``size`` whole: the
+    result's dim ``at`` is as long (old GPT-NeoX's ``cos_cached[:T]`` on its leading dim of
+    size 1: the length never cuts it)."""
+    return (not tensor_index and out_shape is not None and isinstance(size, int) and it.start in (None, 0)
+            and it.step in (None, 1) and at < len(out_shape) and isinstance(out_shape[at], int)
+            and out_shape[at] == size)
 
 
 def _basic_rows(r: Rows | None, layout: list[tuple]) -> Rows | None:
