@@ -127,16 +127,8 @@ def _structural_causal_bias(ctx, mask, kind, heads):
     if depends_on_inputs(ctx, mask):
         return None, "computed from the inputs or parameters (a padding or data-dependent mask)", None, False
     m = None
-    rows = None
-    if ctx.probe_rows and _symbolic_length(ctx):
-        # Judge the mask at the length the wrapper asks for (longer than this batch), so that
-        # the judgement covers the paths it has seen; a mask that cannot be built that long
-        # (a fixed-size buffer) is judged at the example length.
-        rows = max(ctx.probe_rows, ctx.seq_len.node.hint)
-    if ctx.judge_cap and _symbolic_length(ctx):
-        # A buffer was extended past its size for this call (its new entries hold no pattern):
-        # judge no longer than the buffer was (every path of the batch fits in it).
-        rows = min(rows or ctx.seq_len.node.hint, ctx.judge_cap)
+    rows = judged_length(ctx)
+    # A mask that cannot be built that long (a fixed-size buffer) is judged at the example length.
     if rows is not None:
         try:
             m = evaluate(ctx, mask, rows=rows)
@@ -270,6 +262,20 @@ def _alibi_slopes(bias: torch.Tensor, blocked: torch.Tensor, heads: int) -> tupl
         return None, "an additive score bias that is not ALiBi (not linear in the key position)"
     vals = slope.tolist()
     return tuple(vals * heads if n == 1 else vals), None
+
+
+def judged_length(ctx: PassContext) -> int | None:
+    """The length at which to evaluate a structural tensor over the rows, or None for the
+    example length: the length the wrapper asks for (longer than this batch), so that the
+    judgement covers the paths it has seen; where a buffer was extended past its size for the
+    call (its new entries hold no pattern), no longer than the buffer was (every path of the
+    batch fits in it)."""
+    if not _symbolic_length(ctx):
+        return None
+    rows = max(ctx.probe_rows, ctx.seq_len.node.hint) if ctx.probe_rows else None
+    if ctx.judge_cap:
+        rows = min(rows or ctx.seq_len.node.hint, ctx.judge_cap)
+    return rows
 
 
 def _symbolic_length(ctx: PassContext) -> bool:

@@ -52,10 +52,10 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
-from treecompile.passes._graph import (PADS, Emitter, PassContext, bind, describe, is_call, is_op,
+from treecompile.passes._graph import (Emitter, PassContext, bind, describe, is_call, is_op,
                                       same_size, source_of, value)
 from treecompile.passes.scans import rewrite_scans
-from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, pad_fill
+from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, padded_rows
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
 
@@ -156,7 +156,7 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _cut_before_transpose(gm: fx.GraphModule, ctx: PassContext) -> None:
     """``conv1d(..).transpose(1, 2)[:, :S]`` (mamba2-minimal's spelling) becomes
     ``conv1d(..)[..., :S].transpose(1, 2)``, the form the conv rewrites read: the same rows cut
-    before the transpose instead of after it."""
+    before the transpose instead of after it (the same values for any cut of the rows)."""
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is operator.getitem):
             continue
@@ -171,12 +171,10 @@ def _cut_before_transpose(gm: fx.GraphModule, ctx: PassContext) -> None:
         index = index + (slice(None),) * (3 - len(index)) if Ellipsis not in index else index
         if len(index) != 3 or index[0] != slice(None) or index[2] != slice(None):
             continue
-        rows = index[1]
-        if not (isinstance(rows, slice) and rows.start in (None, 0) and rows.step in (None, 1) and (
-                same_size(rows.stop, ctx.seq_len) or isinstance(rows.stop, int) and rows.stop < 0)):
+        if not isinstance(index[1], slice):  # any slice of the rows commutes with the transpose
             continue
         emit = Emitter(gm, ctx, node)
-        cut = emit.fn(operator.getitem, conv, (slice(None), slice(None), rows))
+        cut = emit.fn(operator.getitem, conv, (slice(None), slice(None), index[1]))
         back = emit.method("transpose", cut, 1, 2)
         ctx.created.difference_update((cut, back))  # judged as the model's own nodes
         node.replace_all_uses_with(back)
@@ -185,7 +183,7 @@ def _cut_before_transpose(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
-    """``x.transpose(1, 2)`` (or ``(-1, -2)``, ``permute(0, 2, 1)``, ``mT``) of a 3-dim ``x``."""
+    """``x.transpose(1, 2)`` (or ``(-1, -2)``, ``permute(0, 2, 1)``) of a 3-dim ``x``."""
     if node.op not in ("call_method", "call_function"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
@@ -223,13 +221,15 @@ def _keeps_first(node: fx.Node, seq_len, kk: int) -> bool:
 
 
 def _left_pad(x, reach: int, both: bool = False) -> Any:
-    """What ``pad(x, (reach, 0))`` writes into the rows it adds (`pad_fill`: a number or
-    `REPLICATE`), else None; with ``both`` also ``pad(x, (reach, reach))``, as ``nn.Conv1d``
-    pads for a ``padding_mode`` (the caller checks that the rows after S are cut)."""
-    if not (isinstance(x, fx.Node) and is_call(x, PADS)):
+    """What ``pad(x, (reach, 0))`` over the last dim writes into the rows it adds (`pad_fill`: a
+    number or `REPLICATE`), else None; with ``both`` also ``pad(x, (reach, reach))``, as
+    ``nn.Conv1d`` pads for a ``padding_mode`` (the caller checks that the rows after S are cut)."""
+    xv = value(x.args[0]) if isinstance(x, fx.Node) and x.args else None
+    if not isinstance(xv, torch.Tensor):
         return None
-    pad = _ints(x.args[1] if len(x.args) > 1 else x.kwargs.get("pad"))
-    return pad_fill(x) if pad == [reach, 0] or both and pad == [reach, reach] else None
+    last = xv.dim() - 1
+    found = padded_rows(x, last, reach) or (padded_rows(x, last, reach, reach) if both else None)
+    return None if found is None else found[1]
 
 
 # --------------------------------------------------------------------------- shifts

@@ -19,7 +19,7 @@ from torch import fx
 
 from treecompile.passes._graph import ARANGE, PADS, PassContext, bind, is_call, mutated_args, same_size, value
 
-__all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill"]
+__all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill", "padded_rows"]
 
 #: `Shift.fill` of a shift whose rows above the root read the path's first row.
 REPLICATE = "replicate"
@@ -280,7 +280,7 @@ def _match_roll(node: fx.Node, ctx: PassContext):
     return Shift(x, dim, k, dead=(first,))
 
 
-def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any, ctx_positions: fx.Node | None = None) -> int | None:
+def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any, positions: fx.Node | None = None) -> int | None:
     """``k`` if ``mask`` is ``arange(S) < k`` (or ``== 0``, k = 1; ``S`` the rows, ``seq_len``)
     along ``dim`` of an ``nd``-dim tensor, through indexing or unsqueezes that only add dims of size 1."""
     if not isinstance(mask, fx.Node):
@@ -302,7 +302,7 @@ def _first_rows_mask(mask: Any, dim: int, nd: int, seq_len: Any, ctx_positions: 
     if not is_call(cur, (operator.eq, operator.lt, torch.eq, torch.lt), ("eq", "lt")):
         return None
     grid, bound = cur.args[:2]
-    if isinstance(grid, fx.Node) and isinstance(bound, int) and _is_positions(grid, ctx_positions):
+    if isinstance(grid, fx.Node) and isinstance(bound, int) and _is_positions(grid, positions):
         # The positions pass read ``arange(S) < k`` as the rows' positions: the same first k
         # rows of each path.
         return _bound_rows(cur, bound)
@@ -420,14 +420,14 @@ class Window(NamedTuple):
     dead: tuple = ()
 
 
-def _left_padded(x: Any, dim: int, k: int) -> tuple[fx.Node, Any] | None:
-    """``(inner, fill)`` if ``x`` is ``pad(inner, ..)`` adding ``k - 1`` rows in front of ``dim``
-    only (`pad_fill`), else None."""
+def padded_rows(x: Any, dim: int, left: int, right: int = 0) -> tuple[fx.Node, Any] | None:
+    """``(inner, fill)`` if ``x`` is ``pad(inner, ..)`` adding ``left`` rows in front of ``dim``
+    and ``right`` after it, and nothing on other dims (`pad_fill`), else None."""
     found = _pad_pairs(x) if isinstance(x, fx.Node) else None
-    if found is None or k < 2:
+    if found is None or left < 1:
         return None
     pairs, fill = found
-    if [(d, p) for d, p in enumerate(pairs) if p != (0, 0)] != [(dim, (k - 1, 0))]:
+    if [(d, p) for d, p in enumerate(pairs) if p != (0, 0)] != [(dim, (left, right))]:
         return None
     return x.args[0], fill
 
@@ -458,7 +458,7 @@ def _match_pool(node: fx.Node, ctx: PassContext) -> Window | None:
     pv = value(padded)
     if not isinstance(pv, torch.Tensor) or pv.dim() not in (2, 3):
         return None
-    found = _left_padded(padded, pv.dim() - 1, k)
+    found = padded_rows(padded, pv.dim() - 1, k - 1)
     if found is None or pv.dim() - 1 not in _row_dim(found[0], ctx):
         return None
     return Window(found[0], pv.dim() - 1, k, found[1], reduce, (padded,))
@@ -474,7 +474,7 @@ def _match_unfold(node: fx.Node, ctx: PassContext) -> Window | None:
     if not (isinstance(pv, torch.Tensor) and isinstance(dim, int) and isinstance(k, int) and step == 1):
         return None
     dim %= pv.dim()
-    found = _left_padded(padded, dim, k)
+    found = padded_rows(padded, dim, k - 1)
     if found is None or dim not in _row_dim(found[0], ctx):
         return None
     return Window(found[0], dim, k, found[1], None, (padded,))

@@ -30,7 +30,7 @@ from torch import fx
 
 from treecompile.kernels.scans import path_scan as _path_scan  # noqa: F401  (registers treecompile::path_scan)
 from treecompile.passes._graph import MATMUL, PassContext, ancestors, describe, is_call, same_size, source_of, value
-from treecompile.passes._mask_eval import depends_on_inputs, evaluate
+from treecompile.passes._mask_eval import depends_on_inputs, evaluate, judged_length
 
 __all__ = ["rewrite_mixing"]
 
@@ -54,7 +54,7 @@ def rewrite_mixing(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> bool 
     judged = _judge(ctx, m)
     if isinstance(judged, str):
         ctx.notes[node] = f"a fixed [S, S] matrix times the rows whose matrix is {judged}"
-        return
+        return None
     if ctx.pred_index is None:
         raise NeedsStructure(
             f"treecompile cannot make this model exact on a tree: {describe(node)} sums the rows before each row, "
@@ -80,6 +80,7 @@ def rewrite_mixing(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> bool 
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     ctx.count("mixing")
+    return None
 
 
 def _mixes_rows(ctx: PassContext, m: Any, x: Any) -> bool:
@@ -97,9 +98,7 @@ def _judge(ctx: PassContext, m: fx.Node) -> torch.Tensor | str:
     length; else why not."""
     if not isinstance(ctx.seq_len, torch.SymInt) or ctx.seq_len.node.hint is None:
         return "judged at one length only (the sequence length is a constant)"
-    rows = max(ctx.probe_rows, int(ctx.seq_len.node.hint))
-    if ctx.judge_cap:  # a buffer extended for the call holds no pattern past its size
-        rows = min(rows, ctx.judge_cap)
+    rows = int(judged_length(ctx) or ctx.seq_len.node.hint)
     try:
         long = evaluate(ctx, m, rows=rows)
         short = evaluate(ctx, m, rows=max(2, rows // 2))
