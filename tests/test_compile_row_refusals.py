@@ -59,6 +59,12 @@ CASES = {
                                  r"normalises over the sequence"),
     "group-norm": (lambda x, idx: F.group_norm(x.transpose(1, 2), 4).transpose(1, 2),
                    r"normalises over the sequence"),
+    # A scan over a row in front (zoo "rooted-scan") whose front row is also read on its own, or
+    # that is scaled by a table over T + 1 rows: both left as written, refused at the cat.
+    "rooted-scan-front-read": (lambda x, idx: (lambda r: r[:, 1:] + r[:, :1])(
+        torch.cat([x.new_ones(x.shape[0], 1, x.shape[2]), x], 1).cumsum(1)), r"changes the sequence length"),
+    "rooted-scan-length-table": (lambda x, idx: (torch.cat([x.new_ones(x.shape[0], 1, x.shape[2]), x], 1) * torch.arange(
+        _t(x) + 1, dtype=x.dtype)[None, :, None]).cumsum(1)[:, 1:], r"changes the sequence length"),
 }
 
 

@@ -229,6 +229,14 @@ CASES: list[Case] = [
          "sequence", _custom(zc.CumsumLinearLM)),
     Case("mingru", "lucidrains/minGRU-pytorch: log-space scan with cumsum and logcumsumexp over the sequence, no "
          "attention", _custom(zc.MinGRULM)),
+    Case("minlstm", "minLSTM (\"Were RNNs All We Needed?\"): log-space scan over a learned initial state in front "
+         "of the values (cat([log h_0, v]), pad(cumsum(log f), (0, 0, 1, 0)), logcumsumexp), first row dropped",
+         _custom(zc.MinLSTMLM)),
+    Case("rooted-scan", "custom: cat([h0, v], 1).cumsum(1)[:, 1:], pad(g, (0, 0, 1, 0), value=2).cumprod(1)[:, -T:] "
+         "and the exclusive pad(v, (0, 0, 1, 0)).cumsum(1)[:, :-1]",
+         _custom(zc.RootedScanLM)),
+    Case("token-root-scan", "custom: cat([x.mean(1), x], 1).cumsum(1)[:, 1:] (the row in front reads every token)",
+         _custom(zc.TokenRootScanLM), expect="refused", reason="reduces or reorders (mean) along the sequence"),
     Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
     Case("running-window", "custom: a moving-window sum, c - F.pad(c, (0, 0, 3, 0))[:, :-3] with c = x.cumsum(1) "
          "(pad in front, then cut the end)", _custom(zc.RunningWindowLM)),

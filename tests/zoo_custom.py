@@ -644,6 +644,65 @@ class MinGRUBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def parallel_scan_log(log_coeffs, log_values):
+    """"Were RNNs All We Needed?" ``parallel_scan_log``: ``log_values`` holds the initial state
+    in front (T + 1 rows), the coefficients' running sum is padded in front to match."""
+    a_star = F.pad(torch.cumsum(log_coeffs, dim=1), (0, 0, 1, 0))
+    log_h0_plus_b_star = torch.logcumsumexp(log_values - a_star, dim=1)
+    log_h = a_star + log_h0_plus_b_star
+    return torch.exp(log_h)[:, 1:]
+
+
+class MinLSTMBlock(nn.Module):
+    """minLSTM of "Were RNNs All We Needed?" in log space: the initial state (learned) in front
+    of the values, ``cat([log_g(h_0), log_i + log_tilde_h], dim=1)``, a scan over the T + 1 rows,
+    the first row dropped; then a feed-forward, no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.linear_fih = nn.Linear(DIM, 3 * DIM)
+        self.h_0 = nn.Parameter(torch.randn(1, 1, DIM))
+        self.to_out = nn.Linear(DIM, DIM, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.ln2 = nn.LayerNorm(DIM)
+
+    def forward(self, x):
+        f, i, h = self.linear_fih(self.ln(x)).chunk(3, dim=-1)
+        diff = F.softplus(-f) - F.softplus(-i)
+        log_f, log_i = -F.softplus(diff), -F.softplus(-diff)
+        log_h_0 = mingru_log_g(self.h_0).expand(x.shape[0], 1, DIM)
+        h = parallel_scan_log(log_f, torch.cat([log_h_0, log_i + mingru_log_g(h)], dim=1))
+        x = x + self.to_out(h)
+        return x + self.mlp(self.ln2(x))
+
+
+class RootedScanAttn(_SdpaAttn):
+    """Scans over the sequence with a row in front that reads no token, that row dropped after:
+    a running sum from a learned start, ``cat([h0.expand(b, 1, d), v], 1).cumsum(1)[:, 1:]``,
+    a running product of a gate from 2, ``F.pad(g, (0, 0, 1, 0), value=2.0).cumprod(1)[:, -T:]``,
+    and an exclusive running sum (the rows before each row), ``F.pad(v, (0, 0, 1, 0)).cumsum(1)[:, :-1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h0 = nn.Parameter(torch.randn(1, 1, DIM))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        run = torch.cat([self.h0.expand(b, 1, d), 0.3 * x], dim=1).cumsum(1)[:, 1:]
+        gate = F.pad(0.5 + 0.4 * torch.tanh(x), (0, 0, 1, 0), value=2.0).cumprod(1)[:, -t:]
+        before = F.pad(x, (0, 0, 1, 0)).cumsum(1)[:, :-1]
+        return super().forward(x + 0.2 * run + 0.3 * gate + 0.1 * before)
+
+
+class TokenRootScanAttn(_SdpaAttn):
+    """A running sum whose row in front is the mean of the sequence, ``cat([x.mean(1,
+    keepdim=True), x], 1).cumsum(1)[:, 1:]`` (refused: that row reads every token)."""
+
+    def forward(self, x):
+        return super().forward(x + 0.3 * torch.cat([x.mean(1, keepdim=True), x], dim=1).cumsum(1)[:, 1:])
+
+
 class RunningMeanAttn(_SdpaAttn):
     """A running mean of the hidden states over the sequence (``cumsum / arange(1, T + 1)``)
     mixed in before attention."""
@@ -873,6 +932,7 @@ MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
     _spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn, BufferMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
+MinLSTMLM, RootedScanLM, TokenRootScanLM = (_spelling(c) for c in (MinLSTMBlock, RootedScanAttn, TokenRootScanAttn))
 
 
 # ----------------------------------------------------------------------- score biases read from the tokens
