@@ -23,7 +23,7 @@ from torch import fx
 
 from treecompile.kernels.attention.flex import BlockLayout
 
-__all__ = ["PassContext", "Emitter", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
 
 
 @dataclass
@@ -560,11 +560,24 @@ class Emitter:
         return self._emit("call_method", name, args)
 
     def _emit(self, op: str, target, args) -> fx.Node:
-        with self.gm.graph.inserting_before(self.at):
-            n = self.gm.graph.create_node(op, target, args, {})
-        self.ctx.mark(n, like=self.at)
-        vals = torch.fx.node.map_arg(args, value)
-        fake = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
-        with fake if fake is not None else contextlib.nullcontext():
-            n.meta["example_value"] = target(*vals) if op == "call_function" else getattr(vals[0], target)(*vals[1:])
-        return n
+        return emit(self.gm, self.ctx, self.at, op, target, args)
+
+
+def emit(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, op: str, target: Any, args: tuple,
+         kwargs: dict | None = None, mark: bool = True, fake: Any = None) -> fx.Node:
+    """A node before ``at`` (source info from ``at``) with its example value computed on fake
+    tensors (``fake``: the fake mode where no argument is a fake tensor). ``mark=False`` leaves
+    it out of ``ctx.created``, so that a later rewrite matches it as if the model wrote it."""
+    kwargs = kwargs or {}
+    with gm.graph.inserting_before(at):
+        n = gm.graph.create_node(op, target, args, kwargs)
+    if mark:
+        ctx.mark(n, like=at)
+    else:
+        n.meta.update({k: at.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in at.meta})
+    vals = torch.fx.node.map_arg((args, kwargs), value)
+    fake = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), fake)
+    with fake if fake is not None else contextlib.nullcontext():
+        a, k = vals
+        n.meta["example_value"] = target(*a, **k) if op == "call_function" else getattr(a[0], target)(*a[1:], **k)
+    return n

@@ -54,6 +54,7 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
 from treecompile.passes._graph import (Emitter, PassContext, bind, describe, is_call, is_op,
                                       same_size, source_of, value)
+from treecompile.passes.first_row import rewrite_first_row_kept
 from treecompile.passes.rooted import rewrite_rooted_scans
 from treecompile.passes.scans import rewrite_scans
 from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, padded_rows
@@ -76,6 +77,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     rewrite_rooted_scans(gm, ctx)
+    rewrite_first_row_kept(gm, ctx)
     _rewrite_shifts(gm, ctx, tables)
     _rewrite_windows(gm, ctx, tables)
     _rewrite_tap_convs(gm, ctx, tables)

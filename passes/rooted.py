@@ -27,14 +27,13 @@ Counter (``ctx.counters["rewrite_conv_context_pass"]``): ``rooted_scan``.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any
 
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PADS, PassContext, is_call, op_name, same_size, value
+from treecompile.passes._graph import PADS, PassContext, emit, is_call, op_name, same_size, value
 from treecompile.passes.rows.elementwise import _POINTWISE
 from treecompile.passes.shifts import _cut_along, _pad_pairs
 
@@ -151,24 +150,6 @@ def _group(start: fx.Node, ctx: PassContext) -> tuple[dict[fx.Node, int], list[f
     return rooted, cuts
 
 
-def _emit(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, op: str, target: Any, args: tuple, kwargs: dict,
-          mark: bool = True, fake: Any = None) -> fx.Node:
-    """A node before ``at`` with its example value computed on fake tensors. A scan is emitted
-    unmarked (``mark=False``): the scans pass then runs it along each path."""
-    with gm.graph.inserting_before(at):
-        n = gm.graph.create_node(op, target, args, kwargs)
-    if mark:
-        ctx.mark(n, like=at)
-    else:
-        n.meta.update({k: at.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in at.meta})
-    vals = fx.node.map_arg((args, kwargs), value)
-    fake = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), fake)
-    with fake if fake is not None else contextlib.nullcontext():
-        a, k = vals
-        n.meta["example_value"] = target(*a, **k) if op == "call_function" else getattr(a[0], target)(*a[1:], **k)
-    return n
-
-
 def _split(gm: fx.GraphModule, ctx: PassContext, rooted: dict[fx.Node, int]) -> dict[fx.Node, tuple[Any, Any]]:
     """Each rooted node's ``(root, rows)``, emitted in graph order."""
     parts: dict[fx.Node, tuple[Any, Any]] = {}
@@ -181,7 +162,7 @@ def _split(gm: fx.GraphModule, ctx: PassContext, rooted: dict[fx.Node, int]) -> 
             root, rows, _ = found
             if isinstance(root, float):
                 rv = value(rows)
-                root = _emit(gm, ctx, n, "call_function", torch.full, ((1,) * rv.dim(), root),
+                root = emit(gm, ctx, n, "call_function", torch.full, ((1,) * rv.dim(), root),
                              {"dtype": rv.dtype, "device": rv.device}, fake=getattr(rv, "fake_mode", None))
             parts[n] = (root, rows)
             continue
@@ -189,15 +170,15 @@ def _split(gm: fx.GraphModule, ctx: PassContext, rooted: dict[fx.Node, int]) -> 
         if scan is not None:
             root, rows = parts[n.args[0]]
             rest, kw = tuple(n.args[1:]), dict(n.kwargs)
-            scanned = _emit(gm, ctx, n, n.op, n.target, (rows, *rest), kw, mark=False)
-            parts[n] = (root, _emit(gm, ctx, n, "call_function", ROOTED_SCANS[scan], (root, scanned), {}))
+            scanned = emit(gm, ctx, n, n.op, n.target, (rows, *rest), kw, mark=False)
+            parts[n] = (root, emit(gm, ctx, n, "call_function", ROOTED_SCANS[scan], (root, scanned), {}))
             continue
 
         def side(i: int, n=n):
             return fx.node.map_arg((n.args, n.kwargs), lambda a: parts[a][i] if a in parts else a)
 
         (ra, rk), (wa, wk) = side(0), side(1)
-        parts[n] = (_emit(gm, ctx, n, n.op, n.target, ra, rk), _emit(gm, ctx, n, n.op, n.target, wa, wk))
+        parts[n] = (emit(gm, ctx, n, n.op, n.target, ra, rk), emit(gm, ctx, n, n.op, n.target, wa, wk))
     return parts
 
 
@@ -211,10 +192,10 @@ def _token_rows(gm: fx.GraphModule, ctx: PassContext, cut: fx.Node, root: fx.Nod
     shape[d] = 1
     if not all(isinstance(x, int) for x in shape):
         return None
-    front = _emit(gm, ctx, cut, "call_method", "expand", (root, *shape), {})
+    front = emit(gm, ctx, cut, "call_method", "expand", (root, *shape), {})
     index = (slice(None),) * d + (slice(None, -1),)
-    rest = _emit(gm, ctx, cut, "call_function", operator.getitem, (rows, index), {}, mark=False)
-    return _emit(gm, ctx, cut, "call_function", torch.cat, ([front, rest], d), {}, mark=False)
+    rest = emit(gm, ctx, cut, "call_function", operator.getitem, (rows, index), {}, mark=False)
+    return emit(gm, ctx, cut, "call_function", torch.cat, ([front, rest], d), {}, mark=False)
 
 
 def rewrite_rooted_scans(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -65,6 +65,11 @@ CASES = {
         torch.cat([x.new_ones(x.shape[0], 1, x.shape[2]), x], 1).cumsum(1)), r"changes the sequence length"),
     "rooted-scan-length-table": (lambda x, idx: (torch.cat([x.new_ones(x.shape[0], 1, x.shape[2]), x], 1) * torch.arange(
         _t(x) + 1, dtype=x.dtype)[None, :, None]).cumsum(1)[:, 1:], r"changes the sequence length"),
+    # The first row kept and the later rows reading the rows before (zoo "smear"), but through
+    # a mean over them, or two rows back: left as written, refused at the cut.
+    "smear-mean": (lambda x, idx: torch.cat([x[:, :1], x[:, 1:] + x[:, :-1].mean(1, keepdim=True)], 1),
+                   r"changes the sequence length"),
+    "smear-two-back": (lambda x, idx: torch.cat([x[:, :2], x[:, 2:] + x[:, :-2]], 1), r"changes the sequence length"),
 }
 
 

@@ -237,6 +237,10 @@ CASES: list[Case] = [
          _custom(zc.RootedScanLM)),
     Case("token-root-scan", "custom: cat([x.mean(1), x], 1).cumsum(1)[:, 1:] (the row in front reads every token)",
          _custom(zc.TokenRootScanLM), expect="refused", reason="reduces or reorders (mean) along the sequence"),
+    Case("smear", "nanochat / modded-nanogpt smear: cat([x[:, :1], x[:, 1:] + gate(x[:, 1:, :8]) * x[:, :-1]])",
+         _custom(zc.SmearLM)),
+    Case("smear-first-row", "custom: a smear whose later rows read the first row, x[:, :-1] * x[:, :1]",
+         _custom(zc.SmearFirstLM), expect="refused", reason="changes the sequence length"),
     Case("running-mean", "custom: running mean cumsum(1) / arange(1, T + 1) before SDPA", _custom(zc.RunningMeanLM)),
     Case("running-window", "custom: a moving-window sum, c - F.pad(c, (0, 0, 3, 0))[:, :-3] with c = x.cumsum(1) "
          "(pad in front, then cut the end)", _custom(zc.RunningWindowLM)),

@@ -703,6 +703,30 @@ class TokenRootScanAttn(_SdpaAttn):
         return super().forward(x + 0.3 * torch.cat([x.mean(1, keepdim=True), x], dim=1).cumsum(1)[:, 1:])
 
 
+class SmearAttn(_SdpaAttn):
+    """nanochat / modded-nanogpt's smear: the first row kept, every later row plus a gated copy
+    of the row before it, ``cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)`` with
+    ``gate = lambda * sigmoid(smear_gate(x[:, 1:, :8]))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.smear_gate = nn.Linear(8, 1, bias=False)
+        self.smear_lambda = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[:, 1:, :8]))
+        return super().forward(torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1))
+
+
+class SmearFirstAttn(_SdpaAttn):
+    """A smear whose later rows also read the first row, ``cat([x[:, :1], x[:, 1:] + x[:, :-1] *
+    x[:, :1]])`` (refused: per path that is the path's first row, in the packed row only the first
+    root's)."""
+
+    def forward(self, x):
+        return super().forward(torch.cat([x[:, :1], x[:, 1:] + x[:, :-1] * x[:, :1]], dim=1))
+
+
 class RunningMeanAttn(_SdpaAttn):
     """A running mean of the hidden states over the sequence (``cumsum / arange(1, T + 1)``)
     mixed in before attention."""
@@ -933,6 +957,7 @@ MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (
     _spelling(c) for c in (CumsumLinearAttn, MinGRUBlock, RunningMeanAttn, RunningMaxAttn))
 MinLSTMLM, RootedScanLM, TokenRootScanLM = (_spelling(c) for c in (MinLSTMBlock, RootedScanAttn, TokenRootScanAttn))
+SmearLM, SmearFirstLM = _spelling(SmearAttn), _spelling(SmearFirstAttn)
 
 
 # ----------------------------------------------------------------------- score biases read from the tokens
