@@ -43,6 +43,7 @@ from zoo_repos.gpt import (
 )
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
+from zoo_repos.nanochat import NanoChat
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
                               LucidrainsRotaryLM, PalmLM)
@@ -89,6 +90,9 @@ CASES: list[zoo.Case] = [
              "from create_block_mask, value embeddings (the per-path reference computes the causal attention by SDPA: "
              "FlexAttention has no backward on CPU)", _build(ModdedNanoGPTFlex), reference=sdpa_reference,
              attention={"flex_attention": 2}),
+    zoo.Case("nanochat", "karpathy/nanochat gpt.py with flash_attention.py's SDPA path: smear, value embeddings with "
+             "gates, resid/x0 lambdas, bf16 rotary buffers cut [:, T0:T0 + T], QK rms_norm, sliding window as an "
+             "arange mask on the short layer, padded vocabulary, float32 soft-capped logits", _build(NanoChat)),
     zoo.Case("litgpt", "Lightning-AI/litgpt model.py: fused qkv, GQA repeat_interleave, cos[:T] rope cache, SDPA "
              "is_causal, RMSNorm in float32", _build(LitGPT)),
     zoo.Case("litgpt-softcap", "litgpt with attention_logit_softcapping: manual scores, mask ones(T,T).triu(1) "
