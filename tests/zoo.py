@@ -185,6 +185,9 @@ CASES: list[Case] = [
          "padding_idx + 1 + T positions, read at cumsum(ids != pad) * mask + pad", _custom(zc.FairseqSinusoidLM)),
     Case("neox-rotary-table", "transformers 4.2x GPT-NeoX: cos_cached [1, 1, L, d] cut [:T, ...] on its size-1 "
          "leading dim (no cut), then squeeze(1).squeeze(0)[position_ids]", _custom(zc.NeoxRotaryLM)),
+    Case("neox-baddbmm", "transformers 4.2x GPT-NeoX _attn: bool tril buffer [:, :, kl - ql : kl, :kl], baddbmm "
+         "(beta=1, alpha=tensor(1.0) / norm_factor, a one-element buffer), where(mask, scores, finfo.min)",
+         _custom(zc.NeoxBaddbmmLM), attention={"softmax_attention": 2}),
     Case("buffer-shift", "custom: token shift into a buffer, prev = zeros_like(x); prev[:, 1:] = x[:, :-1]",
          _custom(zc.BufferShiftLM)),
     Case("roll-masked-shift", "custom: shift by two as roll(x, 2, dims=1).masked_fill(arange(T)[None, :, None] < 2, 0)",

@@ -404,6 +404,29 @@ class NeoxRotaryAttn(_SdpaAttn):
         return super().attend(q, k, v)
 
 
+class NeoxBaddbmmAttn(_Attn):
+    """transformers 4.2x GPT-NeoX's ``_attn``: a boolean tril buffer cut ``[:, :, kl - ql : kl, :kl]``,
+    scores ``baddbmm(zeros, q, k^T, beta=1.0, alpha=tensor(1.0) / self.norm_factor)`` with the
+    scale a one-element buffer, ``where(causal_mask, scores, tensor(finfo.min))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones((MAX_LEN, MAX_LEN), dtype=torch.bool)).view(
+            1, 1, MAX_LEN, MAX_LEN), persistent=False)
+        self.register_buffer("norm_factor", torch.sqrt(torch.tensor(HD, dtype=torch.float32)), persistent=False)
+
+    def attend(self, query, key, value):
+        b, h, ql, d = query.size()
+        kl = key.size(-2)
+        causal_mask = self.bias[:, :, kl - ql:kl, :kl]
+        scores = torch.zeros(b * h, ql, kl, dtype=query.dtype, device=key.device)
+        scores = torch.baddbmm(scores, query.reshape(b * h, ql, d), key.reshape(b * h, kl, d).transpose(1, 2),
+                               beta=1.0, alpha=torch.tensor(1.0, dtype=self.norm_factor.dtype) / self.norm_factor)
+        scores = scores.view(b, h, ql, kl)
+        mask_value = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype).to(scores.device)
+        return torch.matmul(F.softmax(torch.where(causal_mask, scores, mask_value), dim=-1), value)
+
+
 class BufferShiftAttn(_SdpaAttn):
     """A token shift into a buffer: ``prev = torch.zeros_like(x); prev[:, 1:] = x[:, :-1]``."""
 
@@ -951,7 +974,7 @@ FillShiftLM, FillConvLM, WindowLM, ReflectConvLM, LastRowShiftLM, MeanRowShiftLM
     _spelling(c) for c in (FillShiftAttn, FillConvAttn, WindowAttn, ReflectConvAttn, LastRowShiftAttn,
                            MeanRowShiftAttn))
 FirstTokenResetLM, LastTokenFlagLM = _spelling(FirstTokenResetAttn), _spelling(LastTokenFlagAttn)
-NeoxRotaryLM = _spelling(NeoxRotaryAttn)
+NeoxRotaryLM, NeoxBaddbmmLM = _spelling(NeoxRotaryAttn), _spelling(NeoxBaddbmmAttn)
 MixingLM, LengthMixingLM, FutureMixingLM, BufferMixingLM = (
     _spelling(c) for c in (MixingAttn, LengthMixingAttn, FutureMixingAttn, BufferMixingAttn))
 CumsumLinearLM, MinGRULM, RunningMeanLM, RunningMaxLM = (

@@ -132,13 +132,20 @@ def _pair_shaped(ctx: PassContext, x: fx.Node) -> bool:
 
 def _baddbmm(ctx, chain, cur):
     b = bind(cur, ["input", "batch1", "batch2"], {"beta": 1.0, "alpha": 1.0})
-    if not (is_scalar(b["beta"]) and is_scalar(b["alpha"])):
+    alpha = b["alpha"] if is_scalar(b["alpha"]) else _constant(ctx, b["alpha"])
+    # A one-element tensor alpha read from the model's tensors (transformers 4.2x GPT-NeoX:
+    # ``alpha=tensor(1.0) / self.norm_factor``) scales the product alone, as a factor on it.
+    side = _factor_side(ctx, b["alpha"], cur) if alpha is None else None
+    if not is_scalar(b["beta"]) or (alpha is None and (side is None or value(b["alpha"]).numel() != 1)):
         raise StopWalk("")
     if b["beta"] != 0:
         if b["beta"] != 1 or not isinstance(b["input"], fx.Node):
             raise StopWalk("")
         _mask(ctx, chain, "additive", b["input"])
-    chain.scale *= b["alpha"]
+    if alpha is None:
+        chain.factors.append((side, b["alpha"], 1))
+    else:
+        chain.scale *= alpha
     chain.qk = cur
     return None
 
