@@ -26,8 +26,14 @@ Refused: a layer whose final state is read (a cache being filled) — on a tree 
 final state per leaf, not per call — or a call whose input is not one packed row
 (``[1, S, H, D]``; ``[1, S, D]`` for the selective scan).
 
+torch's recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``, captured as ``treecompile::rnn``,
+see :mod:`treecompile.kernels.scans.rnn`) become ``treecompile::tree_rnn`` the same way: each
+node's rows from its parent node's final ``h`` (and ``c``) of every layer. Refused: a
+bidirectional layer (it reads later tokens), dropout between layers in training (a draw per
+packed row), an initial state read from the tokens, a final state that is read.
+
 Counters (``ctx.counters["route_ssm_state_pass"]``): ``gated_delta_rule``, ``ssd_scan``,
-``selective_scan`` (rewritten layers).
+``selective_scan``, ``rnn`` (rewritten layers).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
+from treecompile.kernels.scans import rnn as _rnn  # noqa: F401  (registers treecompile::rnn, tree_rnn)
 from treecompile.kernels.scans.table import SCANS
 from treecompile.passes._graph import PassContext, describe, is_op, same_size, source_of, value
 
@@ -54,6 +61,7 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     Counters (``ctx.counters["route_ssm_state_pass"]``): ``gated_delta_rule``, ``ssd_scan``,
     ``selective_scan``.
     """
+    _route_rnns(gm, ctx)
     calls = [(n, kind) for n in gm.graph.nodes for kind in SCAN_OPS
              if is_op(n, getattr(torch.ops.treecompile, kind))]
     if not calls:
@@ -95,3 +103,53 @@ def route_ssm_state_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         gm.graph.erase_node(node)
         ctx.count(kind)
     return gm
+
+
+def _refuse(node: fx.Node, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"treecompile cannot make this model exact on a tree: {describe(node)} is a "
+                                 f"recurrent layer {why}.\n  at {source_of(node)}")
+
+
+def _route_rnns(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Replaces each ``treecompile::rnn`` over the packed rows by ``treecompile::tree_rnn``."""
+    from treecompile.passes._mask_eval import reads_tokens
+    from treecompile.passes.conv_context import NeedsStructure
+
+    for node in [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.rnn)]:
+        x, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = node.args
+        xv = value(x)
+        rows, batch = (1, 0) if batch_first else (0, 1)
+        if not (isinstance(xv, torch.Tensor) and xv.dim() == 3 and same_size(xv.shape[rows], ctx.seq_len)):
+            # Not over the packed rows: torch's own call again, which the row rules judge.
+            node.target = getattr(torch, mode)
+            node.args = (x, tuple(hx) if mode == "lstm" else hx[0], weights, *node.args[4:])
+            continue
+        if xv.shape[batch] != 1:
+            raise _refuse(node, "whose input is not one packed row")
+        if bidirectional:
+            raise _refuse(node, "that is bidirectional: its backward direction reads the tokens after each token")
+        if dropout > 0 and train:
+            raise _refuse(node, f"with dropout {dropout} between its layers in training (a draw per packed row, "
+                                "not per path); call model.eval() or set dropout=0")
+        if any(reads_tokens(ctx, h) for h in hx):
+            raise _refuse(node, "whose initial state is read from the tokens (every root would start from the "
+                                "packed row's)")
+        if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
+            raise UnsupportedModelError(f"treecompile: {describe(node)}'s results are used as a whole")
+        if any(u.args[1] != 0 and u.users for u in node.users):
+            raise _refuse(node, "whose final state is read: a tree has one final state per leaf, not one per call")
+        if ctx.node_table is None:
+            raise NeedsStructure(f"treecompile cannot make this model exact on a tree: {describe(node)} is a "
+                                 "recurrent layer, and this call has no path structure to run it along (a streamed "
+                                 f"or context-parallel call).\n  at {source_of(node)}")
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.treecompile.tree_rnn.default,
+                                         (x, hx, weights, mode, has_biases, num_layers, batch_first, ctx.node_table))
+        new.meta["example_value"] = value(node)[0]
+        ctx.mark(new, like=node)
+        for user in list(node.users):
+            if user.args[1] == 0:
+                user.replace_all_uses_with(new)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        ctx.count("rnn")

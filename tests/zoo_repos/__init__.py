@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM
 from zoo_repos.retention import RetNet
+from zoo_repos.rnn import RNNModel
 from zoo_repos.gpt import (
     MinGPT,
     ModdedNanoGPT,
@@ -146,6 +147,16 @@ CASES: list[zoo.Case] = [
     zoo.Case("torch-examples-transformer", "pytorch/examples word_language_model TransformerModel: nn.Transformer "
              "encoder, float mask (triu(ones) == 1).transpose cached in self.src_mask, sequence-first",
              _build(TorchExamplesTransformerLM)),
+    zoo.Case("word-language-model-lstm", "pytorch/examples word_language_model RNNModel('LSTM'): nn.LSTM of 2 "
+             "layers over the sequence-first input from init_hidden's zeros, decoder tied to the embedding, "
+             "log_softmax", _build(RNNModel, "LSTM")),
+    zoo.Case("word-language-model-gru", "word_language_model RNNModel('GRU')", _build(RNNModel, "GRU", tie_weights=False)),
+    zoo.Case("word-language-model-rnn-relu", "word_language_model RNNModel('RNN_RELU'), one layer",
+             _build(RNNModel, "RNN_RELU", nlayers=1)),
+    zoo.Case("bidirectional-lstm", "RNNModel with nn.LSTM(bidirectional=True)", _build(RNNModel, bidirectional=True),
+             expect="refused", reason="is a recurrent layer that is bidirectional"),
+    zoo.Case("lstm-final-state", "RNNModel whose LSTM's final h of the last layer is added to every position",
+             _build(RNNModel, read_final=True), expect="refused", reason="whose final state is read"),
     zoo.Case("diff-shift", "h + torch.diff(h, dim=1, prepend=zeros) after attention (each row minus the previous "
              "row: minus the parent's last row at a node's first token)", _build(DiffShiftLM)),
     zoo.Case("retnet-jamie-stirling", "Jamie-Stirling/RetNet: parallel retention per head in a Python loop, "

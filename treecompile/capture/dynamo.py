@@ -502,7 +502,12 @@ def _torch_swaps() -> list[tuple[Any, str, Any]]:
     import torch.nn.attention.flex_attention as flex
     import torch.nn.modules.transformer as transformer
 
-    swaps = [(torch, "linspace", _linspace), (torch.nn.functional, "scaled_dot_product_attention", _sdpa)]
+    import torch.nn.modules.rnn as rnn
+
+    from treecompile.kernels.scans.rnn import VF_FOR_CAPTURE
+
+    swaps = [(torch, "linspace", _linspace), (torch.nn.functional, "scaled_dot_product_attention", _sdpa),
+             (rnn, "_VF", VF_FOR_CAPTURE)]
     if hasattr(transformer, "_detect_is_causal_mask"):
         swaps.append((transformer, "_detect_is_causal_mask", _detect_is_causal_mask))
     if hasattr(flex, "_validate_device"):
