@@ -23,7 +23,7 @@ from torch import fx
 
 from treecompile.kernels.attention.flex import BlockLayout
 
-__all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors"]
+__all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors", "table_length"]
 
 
 @dataclass
@@ -490,6 +490,17 @@ def _multiple_of(size: Any, s: Any) -> bool:
         return True
     ratio = sympy.simplify(ratio)
     return bool(ratio.is_integer) and bool(ratio.is_positive)
+
+
+def table_length(length: Any, s: Any) -> bool:
+    """Whether ``length`` (a size expression) is a table's length built from the row count ``s``:
+    ``c * S``, ``S + c`` (``c`` a positive constant), or a ``max`` with one of them (Qwen-1's rotary
+    cache over ``max(2 * S, 16)``): longer than S for every S, so its first S entries are indices 0
+    to S - 1, read at positions."""
+    if type(length).__name__ == "Max":
+        return any(table_length(a, s) for a in length.args)
+    extra = length - s
+    return _multiple_of(length, s) and extra != 0 or bool(getattr(extra, "is_Integer", False)) and int(extra) > 0
 
 
 # Ops that index along one dim of their first argument: (dim argument position, name, index argument

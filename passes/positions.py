@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.scans.path_scan import path_cumsum
-from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, multiple_of, row_indices, same_size, value
+from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_indices, same_size, table_length, value
 from treecompile.passes._mask_eval import depends_on_inputs
 from treecompile.passes.moe import region_nodes
 
@@ -239,6 +239,14 @@ def _constant_table(node: fx.Node) -> fx.Node | None:
     return node if node.op in ("placeholder", "get_attr") else None
 
 
+def _zero(start: Any) -> bool:
+    """A slice start of 0: none, 0, or a size computed to 0 (``key_len - q_len`` with both S)."""
+    v = value(start) if isinstance(start, fx.Node) else start
+    if isinstance(v, torch.SymInt):
+        return v.node.expr == 0
+    return v is None or (isinstance(v, int) and v == 0)
+
+
 def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | None:
     """``(d, new)`` if ``node`` is ``table[..., :S, ...]`` on a constant table, cut to S along
     the table's dim ``d``, with new dims of size 1 (``None`` entries: ``pos[None, :T, :]``) at
@@ -264,7 +272,7 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
             return None
         if i == slice(None):
             continue
-        if i.start not in (None, 0) or i.step not in (None, 1) or not same_size(i.stop, ctx.seq_len):
+        if not _zero(i.start) or i.step not in (None, 1) or not same_size(i.stop, ctx.seq_len):
             return None
         sliced.append(d)
     # Exactly one dim cut to S: a [:S, :S] cut is a mask, not a position table. A table built in
@@ -279,6 +287,6 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
         return None
     length = tv.shape[sliced[0]]
     if _constant_table(table) is None and not (isinstance(length, int) or isinstance(
-            length, torch.SymInt) and multiple_of(length, ctx.seq_len)):
+            length, torch.SymInt) and table_length(length.node.expr, ctx.seq_len.node.expr)):
         return None
     return sliced[0], new

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from treecompile.passes._graph import same_size
+from treecompile.passes._graph import same_size, table_length
 from treecompile.passes.rows.domain import (
     IDS,
     RULES,
@@ -79,9 +79,8 @@ def arange(node: fx.Node, a: Args, env: RowEnv) -> Any:
 
 
 def _table_length(env: RowEnv, length: Any) -> bool:
-    """``c * S`` or ``S + c`` (``c`` a constant, at least 1 and 0): at least S long for every S."""
-    extra = length - env.s_expr
-    return divides(env.s_expr, length) or bool(getattr(extra, "is_Integer", False)) and int(extra) > 0
+    """At least S long for every S (`table_length`)."""
+    return table_length(length, env.s_expr)
 
 
 @_register("creation", "linspace logspace eye tril_indices triu_indices", sizes="rule")

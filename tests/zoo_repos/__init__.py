@@ -46,6 +46,7 @@ from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.nanochat import NanoChat
 from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
+from zoo_repos.qwen import QWen1LM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
                               LucidrainsRotaryLM, PalmLM)
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
@@ -91,6 +92,9 @@ CASES: list[zoo.Case] = [
              "from create_block_mask, value embeddings (the per-path reference computes the causal attention by SDPA: "
              "FlexAttention has no backward on CPU)", _build(ModdedNanoGPTFlex), reference=sdpa_reference,
              attention={"flex_attention": 2}),
+    zoo.Case("qwen1-remote-code", "QwenLM/Qwen modeling_qwen.py: rotary [cos, sin] cached on the module over "
+             "max(2 * T, 16) and cut [:, :T], logn query scaling cut [:, kl - ql : kl], bool tril buffer cut "
+             "[:, :, kl - ql : kl, :kl] with torch.where(mask, w, finfo.min)", _build(QWen1LM)),
     zoo.Case("nanochat", "karpathy/nanochat gpt.py with flash_attention.py's SDPA path: smear, value embeddings with "
              "gates, resid/x0 lambdas, bf16 rotary buffers cut [:, T0:T0 + T], QK rms_norm, sliding window as an "
              "arange mask on the short layer, padded vocabulary, float32 soft-capped logits", _build(NanoChat)),
