@@ -103,8 +103,8 @@ FAMILIES: dict[str, str] = {
     "pooling": "rows as batch or channels; over the pooled dims refused",
     "like": "`zeros_like(x)` ...: x's rows, the same value in each",
     "creation": "`zeros(1, S, D)` ...: one value in every row; two dims of S are an [S, S] mask (refused); "
-                "`arange(S)` is the row ids; `arange(c * S)` or `arange(S + c)` a table read at positions; any other arange or "
-                "`linspace` over the rows is refused",
+                "`arange(S)` is the row ids; `arange(c * S)`, `arange(S + c)` or `arange(max(c * S, n))` a table read "
+                "at positions; any other arange or `linspace` over the rows is refused",
     "refused": "named ops over rows that no tree form exists for here (recurrent layers, a loss inside the model, "
                "an attention or sequence kernel left unrewritten)",
 }
