@@ -194,6 +194,14 @@ class GruLM(nn.Module):
         return self.head(y)
 
 
+class BiGruLM(GruLM):
+    """A bidirectional recurrent layer over the sequence (not causal)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16):
+        super().__init__(vocab, dim)
+        self.rnn = nn.GRU(dim, dim // 2, batch_first=True, bidirectional=True)
+
+
 class CumsumLM(nn.Module):
     """A running mean over the sequence (cumsum), as in some linear-attention toys."""
 

@@ -6,7 +6,7 @@ Each refusal must name the op and the user source line that produced it.
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compile_models import VOCAB, ConvLM, CumsumLM, GruLM, compare_with_paths, make_batch, tiny
+from test_compile_models import VOCAB, BiGruLM, ConvLM, CumsumLM, compare_with_paths, make_batch, tiny
 from torch import nn
 
 from treecompile import UnsupportedModelError
@@ -114,7 +114,7 @@ class ZeroPadShiftLM(_EmbedHeadLM):
 
 REFUSED = {
     # model -> (op named in the message, source fragment named in the message)
-    "gru": (GruLM, "recurrent layer", "self.rnn("),
+    "bidirectional-gru": (BiGruLM, "recurrent layer that is bidirectional", "self.rnn("),
     "bidirectional-sdpa": (BidirectionalLM, "scaled_dot_product_attention", "scaled_dot_product_attention(x, x, x)"),
     "prefix-lm-mask": (PrefixLMMaskLM, "not causal", "x @ x.transpose"),
     "mean-pool": (MeanPoolLM, "along the sequence", "x.mean(dim=1"),

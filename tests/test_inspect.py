@@ -210,14 +210,14 @@ def test_fused_lm_head_is_inspected_through_the_pipeline_tree_compile_runs(capsy
 
 
 def test_refused_model_exits_1_naming_the_op(capsys, monkeypatch):
-    code, out, _ = run(capsys, "test_compile_models:GruLM")
+    code, out, _ = run(capsys, "test_compile_models:BiGruLM")
     assert code == 1
-    assert "REFUSED in verify_graph_pass" in out
-    assert "node 'gru'" in out and "recurrent layer" in out and "self.rnn(self.emb(idx))" in out
-    code, out, err = run(capsys, "test_compile_models:GruLM", "--json")
+    assert "REFUSED in route_ssm_state_pass" in out
+    assert "node 'rnn'" in out and "recurrent layer that is bidirectional" in out and "self.rnn(self.emb(idx))" in out
+    code, out, err = run(capsys, "test_compile_models:BiGruLM", "--json")
     assert code == 1
     data = json.loads(out)
-    assert data["refused"] and data["refused_at"] == "verify_graph_pass" and "recurrent layer" in data["refusal"]
+    assert data["refused"] and data["refused_at"] == "route_ssm_state_pass" and "recurrent layer" in data["refusal"]
     assert data["passes"][-1]["refused"] and data["rewritten"] is None
     assert "refused" in err and "recurrent layer" in err
 

@@ -27,7 +27,8 @@ the output row equals the per-path output row. Windows are measured in path posi
 (``positions[q] - positions[kv]``), the distance per-path training sees, and soft-capping
 acts on each score alone.
 
-One module per spelling, each a row of `SPELLINGS` (what it matches, its rewrite, the counter
+Before matching, `layout` moves scores laid out ``[seq_q, seq_k, ..]`` (a softmax over dim 1)
+to ``[.., seq_q, seq_k]``. One module per spelling, each a row of `SPELLINGS` (what it matches, its rewrite, the counter
 it adds to), all ending in one rewrite (`replace.replace`: the FlexAttention call with its scale,
 window, soft-cap, ALiBi, sinks and the model's own mods): `hf_interface`, `sdpa`, `softmax` (the
 manual spelling; its walk from the softmax back to the scores is the step table of `score_chain`,
@@ -48,6 +49,7 @@ from torch import fx
 from treecompile.passes._graph import SDPA, SOFTMAX, PassContext, is_call
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
+from treecompile.passes.attention.layout import canonical_layout
 from treecompile.passes.attention.mha import rewrite_multihead
 from treecompile.passes.attention.mixing import rewrite_mixing
 from treecompile.passes.attention.pair_sum import is_pair_product, rewrite_pair_sum
@@ -98,6 +100,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """
     for node in list(gm.graph.nodes):
         spell_softmax(gm, node)
+        canonical_layout(gm, ctx, node)
     for node in list(gm.graph.nodes):
         for spelling in SPELLINGS:
             # A rewrite that returns False declines the node (not its kind): the next spelling sees it.

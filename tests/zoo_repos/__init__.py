@@ -42,6 +42,7 @@ from zoo_repos.gpt import (
     NanoGPT,
     sdpa_reference,
 )
+from zoo_repos.labml import LabmlTransformerLM
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.nanochat import NanoChat
@@ -95,6 +96,13 @@ CASES: list[zoo.Case] = [
     zoo.Case("qwen1-remote-code", "QwenLM/Qwen modeling_qwen.py: rotary [cos, sin] cached on the module over "
              "max(2 * T, 16) and cut [:, :T], logn query scaling cut [:, kl - ql : kl], bool tril buffer cut "
              "[:, :, kl - ql : kl, :kl] with torch.where(mask, w, finfo.min)", _build(QWen1LM)),
+    zoo.Case("labml-transformer", "labmlai/annotated_deep_learning_paper_implementations transformers/mha.py: "
+             "sequence-first, scores einsum('ibhd,jbhd->ijbh') scaled in place, subsequent_mask [i, j, 1, 1] "
+             "masked_fill, nn.Softmax(dim=1), einsum('ijbh,jbhd->ibhd')", _build(LabmlTransformerLM),
+             attention={"softmax_attention": 2, "layout": 2}),
+    zoo.Case("labml-no-mask", "labml's MultiHeadAttention called without a mask (bidirectional)",
+             _build(LabmlTransformerLM, causal=False), expect="refused",
+             reason="softmax attention without a causal mask (bidirectional)"),
     zoo.Case("nanochat", "karpathy/nanochat gpt.py with flash_attention.py's SDPA path: smear, value embeddings with "
              "gates, resid/x0 lambdas, bf16 rotary buffers cut [:, T0:T0 + T], QK rms_norm, sliding window as an "
              "arange mask on the short layer, padded vocabulary, float32 soft-capped logits", _build(NanoChat)),
