@@ -3,7 +3,7 @@
 ``nn.MultiheadAttention``, ``nn.Transformer*Layer`` and fairseq call
 ``F.multi_head_attention_forward``: one node holding the projections, the attention and the
 output projection. Over the rows (``[S, 1, E]``, sequence first) under a structural causal
-``attn_mask`` it is written out as its projections, the tree attention (``replace``, the
+``attn_mask`` (with an ALiBi bias or not: ofirpress's fairseq adds it to the future mask) it is written out as its projections, the tree attention (``replace``, the
 attention pass's call builder) and its output projection; appended keys (``bias_k`` /
 ``bias_v``, ``add_zero_attn``) become the kernel's sinks with values; attention from the
 rows to a memory without rows is written out as plain row-local ops.
@@ -73,11 +73,13 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     if a["dropout_p"] and a["training"]:
         raise attention_dropout(node, a["dropout_p"], "dropout=0")
     heads = a["num_heads"]
-    window = None
+    window = alibi = None
     if why is None:
+        # A 3-D attn_mask is [batch * heads, S, S]: with the packed row's batch of one, one per head.
         window, bad, alibi, causal = structural_causal(ctx, a["attn_mask"], kind="sdpa", heads=heads)
-        why = f"attn_mask is {bad}" if bad else ("attn_mask is a bias without a causal mask" if not causal else
-                                                  "attn_mask has an ALiBi bias" if alibi is not None else None)
+        why = f"attn_mask is {bad}" if bad else ("attn_mask is a bias without a causal mask" if not causal else None)
+    if why is None and alibi is not None and (a["bias_k"] is not None or a["add_zero_attn"]):
+        why = "attn_mask has an ALiBi bias beside appended keys (bias_k or add_zero_attn)"
     users = list(node.users)
     if why is None and not all(u.op == "call_function" and u.target is operator.getitem for u in users):
         why = "its result is used as a whole"
@@ -117,7 +119,7 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     for extra in outputs[1:]:
         extra.replace_all_uses_with(output)
     if replace(gm, ctx, node, q, k, v, scale=hd ** -0.5, window=window, softcap=None, output=output, post=post,
-               sinks=sinks, sink_values=sink_values):
+               alibi=alibi, sinks=sinks, sink_values=sink_values):
         ctx.count("multihead_attention")
 
 

@@ -22,6 +22,7 @@ import zoo
 from torch import nn
 from zoo import perturb
 
+from zoo_repos.alibi import AlibiFairseqLM
 from zoo_repos.attention import (
     MHALM,
     DiffShiftLM,
@@ -103,6 +104,9 @@ CASES: list[zoo.Case] = [
     zoo.Case("labml-no-mask", "labml's MultiHeadAttention called without a mask (bidirectional)",
              _build(LabmlTransformerLM, causal=False), expect="refused",
              reason="softmax attention without a causal mask (bidirectional)"),
+    zoo.Case("alibi-fairseq", "ofirpress/attention_with_linear_biases fairseq decoder: key-only ALiBi added to the "
+             "triu(-inf) future mask cached on the module, cut [:bsz * heads, :T, :T], as the 3-D attn_mask of "
+             "F.multi_head_attention_forward", _build(AlibiFairseqLM), attention={"multihead_attention": 2}),
     zoo.Case("nanochat", "karpathy/nanochat gpt.py with flash_attention.py's SDPA path: smear, value embeddings with "
              "gates, resid/x0 lambdas, bf16 rotary buffers cut [:, T0:T0 + T], QK rms_norm, sliding window as an "
              "arange mask on the short layer, padded vocabulary, float32 soft-capped logits", _build(NanoChat)),
