@@ -63,6 +63,8 @@ def _rooted_dim(node: Any, ctx: PassContext) -> int | None:
 def _source(node: fx.Node, ctx: PassContext) -> tuple[Any, fx.Node, int] | None:
     """``(root, rows, dim)`` if ``node`` puts one row in front of the rows: ``cat([h, x], d)``
     with ``h`` one row along ``d``, or ``pad(x, (.., 1, 0), value=c)``."""
+    if not (is_call(node, _CATS) or is_call(node, PADS)):
+        return None
     d = _rooted_dim(node, ctx)
     if d is None:
         return None
