@@ -12,10 +12,12 @@ that is: a root row kept, every other row computed from itself and its parent. S
 - the ops between those cuts and the ``cat`` run on every row, as written;
 - the ``cat`` becomes ``where(positions == 0, x, computed)``: roots keep their row.
 
-The ops in between are taken as they are and judged by the row rules after the rewrite (a
-row-local op on every row is row-local); each must give the shape it gave with one row less
-(an op reading the length, ``view(b, t - 1, ..)``, is left as written), and nothing else may
-read them. Otherwise the ``cat`` is left as written and refused by name.
+The ops in between must be row-local by name (element-wise ops, casts, ``linear``, indexing:
+`_ROW_LOCAL`; a scan, roll or reduction over the cut rows would read the root's row once run
+on every row) and are judged again by the row rules after the rewrite; each must give the
+shape it gave with one row less (an op reading the length, ``view(b, t - 1, ..)``, is left as
+written), and nothing else may read them. Otherwise the ``cat`` is left as written and
+refused by name.
 
 Counter (``ctx.counters["rewrite_conv_context_pass"]``): ``first_row``.
 """
@@ -28,11 +30,20 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, emit, is_call, same_size, value
+from treecompile.passes._graph import PassContext, emit, is_call, op_name, same_size, value
+from treecompile.passes.rows.elementwise import _POINTWISE
 
 __all__ = ["rewrite_first_row_kept"]
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+#: The ops that may run between the cuts and the ``cat``: each computes a row from that row
+#: alone, so running it on every row (the root's included, then dropped) gives each later row
+#: what it gave with one row less. A scan, a roll or a reduction over the cut rows would not
+#: (it would read the root's row): those are left as written, and refused.
+_ROW_LOCAL = frozenset(_POINTWISE) | {"add", "sub", "mul", "truediv", "floordiv", "neg", "pow", "to", "float",
+                                      "double", "type_as", "contiguous", "clone", "linear", "getitem", "where"}
 
 
 class _Decline(Exception):
@@ -108,7 +119,8 @@ def _region(later: fx.Node, ctx: PassContext, cat: fx.Node) -> tuple[list[fx.Nod
         if found is not None:
             cuts[n] = found
             continue
-        if n.op not in ("call_function", "call_method") or not _rows_at(n, ctx.seq_len - 1):
+        if n.op not in ("call_function", "call_method") or not _rows_at(n, ctx.seq_len - 1) \
+                or op_name(n) not in _ROW_LOCAL:
             raise _Decline
         ops.add(n)
         for a in n.all_input_nodes:
@@ -158,8 +170,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, cat: fx.Node) -> bool:
     new: dict[fx.Node, fx.Node] = {c: _every_row(gm, ctx, cat, cut) for c, cut in cuts.items()}
     for n in ops:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: new.get(a, a))
-        try:
-            new[n] = emit(gm, ctx, cat, n.op, n.target, args, kwargs)
+        try:  # unmarked: the row rules judge it as the model's own op
+            new[n] = emit(gm, ctx, cat, n.op, n.target, args, kwargs, mark=False)
         except Exception:  # the op does not run on every row (it read the shorter length)
             return False
         want = list(value(n).shape)

@@ -179,8 +179,10 @@ def _split(gm: fx.GraphModule, ctx: PassContext, rooted: dict[fx.Node, int]) -> 
         def side(i: int, n=n):
             return fx.node.map_arg((n.args, n.kwargs), lambda a: parts[a][i] if a in parts else a)
 
+        # The model's own op on each part, unmarked: the row rules judge it as any op of the model.
         (ra, rk), (wa, wk) = side(0), side(1)
-        parts[n] = (emit(gm, ctx, n, n.op, n.target, ra, rk), emit(gm, ctx, n, n.op, n.target, wa, wk))
+        parts[n] = (emit(gm, ctx, n, n.op, n.target, ra, rk, mark=False),
+                    emit(gm, ctx, n, n.op, n.target, wa, wk, mark=False))
     return parts
 
 

@@ -77,9 +77,9 @@ def _permuted(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, a: Any, nd: int
     av = value(a)
     if a in skip or not isinstance(a, fx.Node) or not isinstance(av, torch.Tensor) or av.dim() == 0:
         return a
-    for _ in range(nd - av.dim()):
-        a = emit(gm, ctx, at, "call_method", "unsqueeze", (a, 0))
-    return emit(gm, ctx, at, "call_method", "permute", (a, perm))
+    for _ in range(nd - av.dim()):  # unmarked: the row rules judge them as the model's own ops
+        a = emit(gm, ctx, at, "call_method", "unsqueeze", (a, 0), mark=False)
+    return emit(gm, ctx, at, "call_method", "permute", (a, perm), mark=False)
 
 
 def canonical_layout(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
