@@ -109,6 +109,7 @@ SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attent
 SOFTMAX = {torch.softmax, F.softmax, torch.ops.aten._softmax.default, torch.ops.aten.softmax.int}
 MATMUL = {operator.matmul, torch.matmul, torch.bmm, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}
 PADS = {F.pad, torch._C._nn.pad, torch.constant_pad_nd}  # F.pad inlines to torch._C._nn.pad
+CATS = {torch.cat, torch.concat, torch.concatenate}
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
 
 

@@ -13,7 +13,7 @@ that is: a root row kept, every other row computed from itself and its parent. S
 - the ``cat`` becomes ``where(positions == 0, x, computed)``: roots keep their row.
 
 The ops in between must be row-local by name (element-wise ops, casts, ``linear``, indexing:
-`_ROW_LOCAL`; a scan, roll or reduction over the cut rows would read the root's row once run
+`rows.elementwise.ROW_LOCAL`; a scan, roll or reduction over the cut rows would read the root's row once run
 on every row) and are judged again by the row rules after the rewrite; each must give the
 shape it gave with one row less (an op reading the length, ``view(b, t - 1, ..)``, is left as
 written), and nothing else may read them. Otherwise the ``cat`` is left as written and
@@ -30,20 +30,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, emit, is_call, op_name, same_size, value
-from treecompile.passes.rows.elementwise import _POINTWISE
+from treecompile.passes._graph import CATS, PassContext, emit, is_call, op_name, same_size, value
+from treecompile.passes.rows.elementwise import ROW_LOCAL
 
 __all__ = ["rewrite_first_row_kept"]
 
-_CATS = (torch.cat, torch.concat, torch.concatenate)
-
-
-#: The ops that may run between the cuts and the ``cat``: each computes a row from that row
-#: alone, so running it on every row (the root's included, then dropped) gives each later row
-#: what it gave with one row less. A scan, a roll or a reduction over the cut rows would not
-#: (it would read the root's row): those are left as written, and refused.
-_ROW_LOCAL = frozenset(_POINTWISE) | {"add", "sub", "mul", "truediv", "floordiv", "neg", "pow", "to", "float",
-                                      "double", "type_as", "contiguous", "clone", "linear", "getitem", "where"}
 
 
 class _Decline(Exception):
@@ -89,7 +80,7 @@ def _cut(node: fx.Node, ctx: PassContext) -> tuple[fx.Node, int, str, tuple] | N
     return None
 
 
-def _first(node: Any, ctx: PassContext) -> tuple[fx.Node, int, int] | None:
+def _first(node: Any, ctx: PassContext) -> tuple[fx.Node, int] | None:
     """``(x, d)`` if ``node`` is ``x[:, :1]`` (every other dim whole) along x's row dim."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
@@ -120,7 +111,10 @@ def _region(later: fx.Node, ctx: PassContext, cat: fx.Node) -> tuple[list[fx.Nod
             cuts[n] = found
             continue
         if n.op not in ("call_function", "call_method") or not _rows_at(n, ctx.seq_len - 1) \
-                or op_name(n) not in _ROW_LOCAL:
+                or op_name(n) not in ROW_LOCAL:
+            # Row-local ops only: run on every row (the root's included, then dropped) each gives a
+            # later row what it gave with one row less; a scan, roll or reduction over the cut rows
+            # would read the root's row.
             raise _Decline
         ops.add(n)
         for a in n.all_input_nodes:
@@ -146,7 +140,7 @@ def _every_row(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, cut: tuple) ->
                      mark=False)
         y = emit(gm, ctx, at, "call_function", torch.cat, ([front, rest], d), {}, mark=False)
     if any(i != slice(None) for i in whole):
-        y = emit(gm, ctx, at, "call_function", operator.getitem, (y, whole), {})
+        y = emit(gm, ctx, at, "call_function", operator.getitem, (y, whole), {}, mark=False)
     return y
 
 
@@ -200,5 +194,5 @@ def rewrite_first_row_kept(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrites each ``cat([x[:, :1], f(x[:, 1:], x[:, :-1])])`` (module docstring); any other
     ``cat`` is left as written."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and is_call(node, _CATS) and _rewrite(gm, ctx, node):
+        if node.op == "call_function" and is_call(node, CATS) and _rewrite(gm, ctx, node):
             ctx.count("first_row")

@@ -33,18 +33,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PADS, PassContext, emit, is_call, op_name, same_size, value
-from treecompile.passes.rows.elementwise import _POINTWISE
-from treecompile.passes.shifts import _cut_along, _pad_pairs
+from treecompile.passes._graph import CATS, PADS, PassContext, emit, is_call, op_name, same_size, value
+from treecompile.passes.rows.elementwise import ROW_LOCAL
+from treecompile.passes.shifts import _cut_along, padded_rows
 
 __all__ = ["rewrite_rooted_scans", "ROOTED_SCANS"]
 
 #: The scans over a rooted tensor, by name: how the front row combines with the scan of the rows.
 ROOTED_SCANS = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logaddexp}
 
-_ELEMENTWISE = frozenset(_POINTWISE) | {"to", "type_as", "float", "double", "half", "bfloat16", "clone",
-                                        "contiguous", "add", "sub", "mul", "truediv", "neg", "pow", "where"}
-_CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
 class _Decline(Exception):
@@ -63,13 +60,13 @@ def _rooted_dim(node: Any, ctx: PassContext) -> int | None:
 def _source(node: fx.Node, ctx: PassContext) -> tuple[Any, fx.Node, int] | None:
     """``(root, rows, dim)`` if ``node`` puts one row in front of the rows: ``cat([h, x], d)``
     with ``h`` one row along ``d``, or ``pad(x, (.., 1, 0), value=c)``."""
-    if not (is_call(node, _CATS) or is_call(node, PADS)):
+    if not (is_call(node, CATS) or is_call(node, PADS)):
         return None
     d = _rooted_dim(node, ctx)
     if d is None:
         return None
     nd = value(node).dim()
-    if is_call(node, _CATS):
+    if is_call(node, CATS):
         parts = node.args[0] if node.args else node.kwargs.get("tensors")
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         if isinstance(parts, (list, tuple)) and len(parts) == 2 and isinstance(dim, int) and dim % nd == d:
@@ -79,14 +76,8 @@ def _source(node: fx.Node, ctx: PassContext) -> tuple[Any, fx.Node, int] | None:
                     and same_size(xv.shape[d], ctx.seq_len):
                 return h, x, d
         return None
-    if is_call(node, PADS):
-        found = _pad_pairs(node)
-        if found is None or isinstance(found[1], str):
-            return None
-        pairs, fill = found
-        if [p for i, p in enumerate(pairs) if p != (0, 0)] == [(1, 0)] and pairs[d] == (1, 0):
-            return float(fill), node.args[0], d
-    return None
+    found = padded_rows(node, d, 1)  # a constant fill (not `REPLICATE`, the first token's row)
+    return None if found is None or isinstance(found[1], str) else (float(found[1]), found[0], d)
 
 
 def _cut(node: fx.Node, rooted: fx.Node, d: int, ctx: PassContext) -> str | None:
@@ -114,11 +105,11 @@ def _scan(node: fx.Node, d: int) -> str | None:
     return name if isinstance(dim, int) and dim % value(node).dim() == d else None
 
 
-def _group(start: fx.Node, ctx: PassContext) -> tuple[dict[fx.Node, int], list[fx.Node]]:
+def _group(start: fx.Node, ctx: PassContext) -> tuple[dict[fx.Node, int], list[tuple[fx.Node, str]]]:
     """The rooted tensors connected to ``start`` (each with its row dim) and the cuts that take
-    their token rows; raises `_Decline` where one is read any other way."""
+    their rows, with their kind (`_cut`); raises `_Decline` where one is read any other way."""
     rooted: dict[fx.Node, int] = {}
-    cuts: list[fx.Node] = []
+    cuts: list[tuple[fx.Node, str]] = []
     todo = [start]
     while todo:
         n = todo.pop()
@@ -127,24 +118,27 @@ def _group(start: fx.Node, ctx: PassContext) -> tuple[dict[fx.Node, int], list[f
         d = _rooted_dim(n, ctx)
         if d is None or (n.op == "call_function" and n.target is operator.getitem):
             raise _Decline
-        if _source(n, ctx) is None and _scan(n, d) is None and op_name(n) not in _ELEMENTWISE:
+        source = _source(n, ctx) is not None
+        if not source and _scan(n, d) is None and op_name(n) not in ROW_LOCAL:
             raise _Decline
-        for a in n.all_input_nodes:  # an op reading a rooted tensor: every S + 1 input must be rooted
-            if _rooted_dim(a, ctx) is not None and _source(n, ctx) is None:
-                todo.append(a)
+        if not source:  # an op reading a rooted tensor: every S + 1 input must be rooted
+            todo.extend(a for a in n.all_input_nodes if _rooted_dim(a, ctx) is not None)
         rooted[n] = d
         nd = value(n).dim()
         for user in n.users:
-            if _cut(user, n, d, ctx):
-                cuts.append(user)
+            kind = _cut(user, n, d, ctx)
+            if kind is not None:
+                cuts.append((user, kind))
             elif _rooted_dim(user, ctx) is not None and value(user).dim() == nd and _rooted_dim(user, ctx) == d:
                 todo.append(user)
             else:
                 raise _Decline
     for n, d in rooted.items():
+        if _source(n, ctx) is not None:
+            continue
         for a in n.all_input_nodes:
             av = value(a)
-            if _source(n, ctx) is None and isinstance(av, torch.Tensor) and a not in rooted:
+            if isinstance(av, torch.Tensor) and a not in rooted:
                 # An operand without the rooted dim: it must broadcast over it (absent or size 1).
                 at = d - (value(n).dim() - av.dim())
                 if at >= 0 and av.shape[at] != 1:
@@ -186,11 +180,12 @@ def _split(gm: fx.GraphModule, ctx: PassContext, rooted: dict[fx.Node, int]) -> 
     return parts
 
 
-def _token_rows(gm: fx.GraphModule, ctx: PassContext, cut: fx.Node, root: fx.Node, rows: fx.Node, d: int) -> Any:
+def _token_rows(gm: fx.GraphModule, ctx: PassContext, cut: fx.Node, kind: str, root: fx.Node, rows: fx.Node,
+                d: int) -> Any:
     """What ``cut`` takes of a rooted tensor: its token rows (``[:, 1:]``), or its front row
     then its token rows shifted by one (``[:, :-1]``), a shift the shifts pass runs along the
     path with the front row above each root (None where the shapes are not known numbers)."""
-    if _cut(cut, cut.args[0], d, ctx) == "front":
+    if kind == "front":
         return rows
     shape = list(value(cut).shape)
     shape[d] = 1
@@ -219,10 +214,10 @@ def rewrite_rooted_scans(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not cuts or not any(_scan(n, d) for n, d in rooted.items()):
             continue
         parts = _split(gm, ctx, rooted)
-        new = [_token_rows(gm, ctx, cut, *parts[cut.args[0]], rooted[cut.args[0]]) for cut in cuts]
-        if any(r is None or tuple(value(r).shape) != tuple(value(c).shape) for r, c in zip(new, cuts)):
+        new = [_token_rows(gm, ctx, cut, kind, *parts[cut.args[0]], rooted[cut.args[0]]) for cut, kind in cuts]
+        if any(r is None or tuple(value(r).shape) != tuple(value(c).shape) for r, (c, _) in zip(new, cuts)):
             continue  # left as it is (what was emitted is dead code)
-        for cut, r in zip(cuts, new):
+        for (cut, _), r in zip(cuts, new):
             cut.replace_all_uses_with(r)
             gm.graph.erase_node(cut)
         for n in reversed(list(gm.graph.nodes)):

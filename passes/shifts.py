@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from treecompile.passes._graph import ARANGE, PADS, PassContext, bind, is_call, mutated_args, same_size, value
+from treecompile.passes._graph import ARANGE, CATS, PADS, PassContext, bind, is_call, mutated_args, same_size, value
 
 __all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill", "padded_rows"]
 
@@ -205,7 +205,7 @@ def _match_cat(node: fx.Node, ctx: PassContext):
     """``cat([front, x[:, :-k]], dim)`` with ``k`` rows in ``front``: a tensor of one constant
     (zeros, ``full``); for ``k = 1`` also x's first row ``x[:, :1]`` (the path's first row) or a
     row that does not depend on the tokens (a learned initial state, broadcast)."""
-    if not is_call(node, (torch.cat, torch.concat, torch.concatenate)):
+    if not is_call(node, CATS):
         return None
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)

@@ -121,13 +121,13 @@ def _tree_rnn_backward_fake(grad, x, hx, weights, mode, has_biases, num_layers, 
 def _setup(ctx, inputs, output):
     x, hx, weights, mode, has_biases, num_layers, batch_first, node_table = inputs
     ctx.save_for_backward(x, *hx, *weights)
-    ctx.counts = (len(hx), len(weights))
+    ctx.states = len(hx)
     ctx.args = (mode, has_biases, num_layers, batch_first, node_table)
 
 
 def _backward(ctx, grad):
     saved = ctx.saved_tensors
-    nh, _ = ctx.counts
+    nh = ctx.states
     x, hx, weights = saved[0], list(saved[1:1 + nh]), list(saved[1 + nh:])
     grads = torch.ops.treecompile.tree_rnn_backward(grad.contiguous(), x, hx, weights, *ctx.args)
     return grads[0], list(grads[1:1 + nh]), list(grads[1 + nh:]), None, None, None, None, None

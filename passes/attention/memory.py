@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from treecompile.passes._graph import Emitter, PassContext, is_call, row_dims, same_size, value
+from treecompile.passes._graph import CATS, Emitter, PassContext, is_call, row_dims, same_size, value
 from treecompile.passes._mask_eval import depends_on_inputs, evaluate
 
 __all__ = ["Memory", "memory_keys", "memory_masks", "memory_sinks"]
@@ -37,7 +37,7 @@ class Memory:
 def _split(ctx: PassContext, x) -> tuple[fx.Node, fx.Node, int] | None:
     """``(memory, rows, M)`` if ``x`` is ``cat([memory, rows], -2)`` with ``M`` memory entries
     that have no row of the sequence."""
-    if not (isinstance(x, fx.Node) and is_call(x, (torch.cat, torch.concat, torch.concatenate), ())):
+    if not (isinstance(x, fx.Node) and is_call(x, CATS)):
         return None
     parts, dim = x.args[0], (x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0))
     xv = value(x)

@@ -22,7 +22,6 @@ from treecompile.passes.rows.domain import (
     _nd,
     _register,
     _shape,
-    divides,
     expr,
     iter_nodes,
 )
@@ -70,17 +69,12 @@ def arange(node: fx.Node, a: Args, env: RowEnv) -> Any:
     start, step = a.kwargs.get("start", start), a.kwargs.get("step", step)
     if start == 0 and step == 1 and same_size(size, env.s):
         return Rows(0, count=env.s_expr, ids=IDS)
-    if start == 0 and step == 1 and isinstance(size, torch.SymInt) and _table_length(env, expr(size)) \
+    if start == 0 and step == 1 and isinstance(size, torch.SymInt) and table_length(expr(size), env.s_expr) \
             and not _is_row_sym(env, a.kwargs.get("start")):
         # arange(c * S) or arange(S + c): the entries of a table to be read at positions (each
         # below S, at most the table's length); fairseq builds its sinusoids over padding_idx + 1 + S.
         return Rows(0, count=expr(size), key=TABLE, ids=IDS)
     raise NotRowLocal("is an index over the packed row that is not a position (e.g. feeds a mask)")
-
-
-def _table_length(env: RowEnv, length: Any) -> bool:
-    """At least S long for every S (`table_length`)."""
-    return table_length(length, env.s_expr)
 
 
 @_register("creation", "linspace logspace eye tril_indices triu_indices", sizes="rule")

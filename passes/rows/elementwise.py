@@ -38,6 +38,15 @@ log_ndtr xlog1py sinc special_expit
 """.split()
 
 
+#: Op names that compute each row of their result from that row of their inputs alone (the
+#: element-wise ops, Python's operators, casts, ``linear`` over the features, indexing): the
+#: rewrites that run such ops on more rows than the model did (`passes/rooted.py`,
+#: `passes/first_row.py`) take only these, and the rules below judge them again after.
+ROW_LOCAL = frozenset(_POINTWISE) | {"add", "sub", "mul", "truediv", "floordiv", "neg", "pow", "where", "to",
+                                     "type_as", "float", "double", "half", "bfloat16", "clone", "contiguous",
+                                     "linear", "getitem"}
+
+
 @_register("pointwise", _POINTWISE)
 def pointwise(node: fx.Node, a: Args, env: RowEnv) -> Any:
     """Element-wise with broadcasting: each result element reads the same element of each
