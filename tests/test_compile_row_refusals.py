@@ -15,6 +15,7 @@ from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
 
 import treecompile as tc
 from treecompile.core.errors import UnsupportedModelError
+from treecompile.stream.options import StreamOptions
 
 HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) at test_compile_row_refusals\.py:\d+ "
 
@@ -38,6 +39,24 @@ def _with_mix(name: str, mix):
 
 def _t(x):
     return x.shape[1]
+
+
+def _decay(u, t):
+    """A kernel of the distance alone, ``exp(-0.3 d)`` scaled per channel of ``u`` ``[B, C, T]``."""
+    per_channel = (1 + torch.arange(u.shape[1], dtype=u.dtype))[:, None] / 8
+    return torch.exp(-0.3 * torch.arange(t, dtype=u.dtype))[None, :] * per_channel
+
+
+def _fft_conv(kernel=_decay, n=lambda t: 2 * t, take=lambda y, t: y[..., :t], scale=lambda t: 1):
+    """``irfft(rfft(u, n) * rfft(k, n) * scale, n)`` cut by ``take``, over the channels of ``x``."""
+    def mix(x, idx):
+        t = _t(x)
+        u = x.transpose(1, 2)
+        k = kernel(u, t)
+        y = torch.fft.irfft(torch.fft.rfft(u, n=n(t)) * torch.fft.rfft(k, n=n(t)) * scale(t), n=n(t))
+        return take(y, t).transpose(1, 2)
+
+    return mix
 
 
 CASES = {
@@ -73,6 +92,14 @@ CASES = {
     # A scan over the cut rows would read the root's row once run on every row: left as written.
     "smear-scan": (lambda x, idx: torch.cat([x[:, :1], x[:, 1:].cumsum(1) * 0.1 + x[:, :-1]], 1),
                    r"changes the sequence length"),
+    # Convolutions by FFT (zoo "s4d", "h3", "hyena-fft"), each with one condition of the rule broken.
+    "fft-conv-circular": (_fft_conv(n=lambda t: t), r"not provably at least S \+ K - 1"),
+    "fft-conv-length-filter": (_fft_conv(kernel=lambda u, t: torch.exp(-3 * torch.arange(t, dtype=u.dtype) / t)),
+                               r"kernel changes with the sequence length"),
+    "fft-conv-token-kernel": (_fft_conv(kernel=lambda u, t: u.mean(1, keepdim=True)), r"of two token operands"),
+    "fft-conv-future": (_fft_conv(kernel=lambda u, t: _decay(u, 2 * t - 1), n=lambda t: 3 * t,
+                                  take=lambda y, t: y[..., t - 1:2 * t - 1]), r"used other than as \[\.\.\., :S\]"),
+    "fft-conv-unscaled": (_fft_conv(scale=lambda t: 2 * t), r"multiply to 2\*s\d+, not 1"),
 }
 
 
@@ -85,6 +112,18 @@ def test_row_movement_is_refused_by_name(case):
     first = str(info.value).splitlines()[0]
     assert __import__("re").search(HEAD + ".*(" + why + ")", first), first
     assert "test_compile_row_refusals.py" in str(info.value).splitlines()[1], str(info.value)
+
+
+def test_a_convolution_by_fft_is_exact():
+    """The cases above without their defect: a kernel of the distance, ``n = 2S``, ``[..., :S]``."""
+    batch, trees = make_batch("branchy")
+    model = tiny(_with_mix("FFTConv", _fft_conv()))
+    compiled = tc.tree_compile(model)
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    assert compiled.counters["rewrite_attention_pass"]["fft_conv"] == 1
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"a convolution by FFT\) at .* is not run over streamed parts"):
+        streamed(batch)
 
 
 def test_a_length_temperature_is_refused():

@@ -68,13 +68,15 @@ def test_zoo_has_distinct_ids_and_known_outcomes():
 
 def test_repository_models_are_causal_as_written():
     """Each repository model, run as an ordinary model, is causal (changing the last tokens
-    leaves earlier logits unchanged) unless it is meant to be refused for mixing rows."""
+    leaves earlier logits unchanged) unless it is meant to be refused for mixing rows. In
+    float64, to rounding: a convolution by FFT sums every row, the later ones times zero
+    spectra (1e-15)."""
     import zoo_repos
 
     for c in zoo_repos.CASES:
         if c.hf or c.expect == "refused":
             continue
-        assert zoo_repos.check_causal(c.build()) == 0.0, c.id
+        assert zoo_repos.check_causal(c.build()) < 1e-12, c.id
 
 
 def test_supported_models_page_is_up_to_date():

@@ -33,9 +33,10 @@ it adds to), all ending in one rewrite (`replace.replace`: the FlexAttention cal
 window, soft-cap, ALiBi, sinks and the model's own mods): `hf_interface`, `sdpa`, `softmax` (the
 manual spelling; its walk from the softmax back to the scores is the step table of `score_chain`,
 its operands read by `operands`, a learned pair bias turned into a score_mod by `relative_bias`),
-`mha` (``F.multi_head_attention_forward``), `flex` (a model's own FlexAttention) and `pair_sum`
+`mha` (``F.multi_head_attention_forward``), `flex` (a model's own FlexAttention), `pair_sum`
 (attention without a softmax, ``(q @ k^T * D) @ v`` with a causal decay ``D``: its own kernel,
-`treecompile.kernels.attention.pair_sum`).
+`treecompile.kernels.attention.pair_sum`) and `fft_conv` (a long convolution by FFT, a sum over
+each token's ancestors on the same kernel).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import SDPA, SOFTMAX, PassContext, is_call
+from treecompile.passes.attention.fft_conv import is_fft_conv, rewrite_fft_conv
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
 from treecompile.passes.attention.layout import canonical_layout
@@ -88,6 +90,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     # square operand reads no token or parameter is a fixed mixing matrix, not scores.
     Spelling("mixing", is_pair_product, rewrite_mixing),
     Spelling("pair_sum", is_pair_product, rewrite_pair_sum),
+    Spelling("fft_conv", is_fft_conv, rewrite_fft_conv),
 )
 
 

@@ -33,7 +33,7 @@ from zoo_repos.attention import (
     TorchExamplesTransformerLM,
 )
 from zoo_repos.common import HEADS, VOCAB
-from zoo_repos.convs import HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM
+from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
 from zoo_repos.gpt import (
@@ -140,8 +140,13 @@ CASES: list[zoo.Case] = [
     zoo.Case("hyena-short-conv", "HazyResearch/safari Hyena operator without its long filter: Conv1d(padding=2, "
              "groups) on x.transpose(1, 2) sliced [..., :l], gated; then an SDPA layer", _build(HyenaShortConvLM)),
     zoo.Case("hyena-fft", "safari standalone_hyena.py HyenaOperator: implicit long filter z[:, :L] and fftconv "
-             "(torch.fft.rfft over 2L)", _build(HyenaFFTLM), expect="refused",
-             reason="reshapes the rows so that one row's entries land in several rows"),
+             "(rfft(k, n=2L) / 2L, irfft(norm='forward')[..., :L]) as a sum over each token's ancestors",
+             _build(HyenaFFTLM), attention={"fft_conv": 1}),
+    zoo.Case("s4d", "state-spaces/s4 s4d.py + example.py: Vandermonde kernel over arange(L) from a complex diagonal "
+             "A, fft conv over n = 2L sliced [..., :L], D skip, Conv1d + GLU output", _build(S4DLM),
+             attention={"fft_conv": 1}),
+    zoo.Case("h3", "HazyResearch/H3 h3.py: shift-SSM kernel irfft(rfft(B) * rfft(C))[:N] padded to L, diagonal-SSM "
+             "kernel, two fft convs of size L_kernel + L, q * (k * v) gating", _build(H3LM), attention={"fft_conv": 2}),
     zoo.Case("roberta-causal-lm", "transformers RobertaForCausalLM (is_decoder): positions cumsum(input_ids != pad) "
              "+ padding_idx, pad id 1 occurring in the trees", zoo._hf("RobertaConfig", "RobertaForCausalLM",
                                                                        common=False, **_ROBERTA), hf=True),

@@ -1,10 +1,12 @@
-"""Convolutions and shifts along the sequence: Hyena (safari) and RWKV's token shift."""
+"""Convolutions and shifts along the sequence: Hyena (safari), S4D (state-spaces/s4), H3
+(HazyResearch/H3) and RWKV's token shift."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zoo_repos.common import CTX, DIM, LAYERS, VOCAB
@@ -264,6 +266,170 @@ class HyenaFFTLM(nn.Module):
         x = self.wte(idx)
         for b in self.blocks:
             x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+# =============================================================================== S4D (state-spaces/s4)
+
+
+class S4DKernel(nn.Module):
+    """state-spaces/s4 models/s4/s4d.py: complex diagonal ``A``, ``C`` stored through
+    ``view_as_real``, ZOH discretisation and the Vandermonde kernel over ``arange(L)``."""
+
+    def __init__(self, d_model, N=16, dt_min=0.001, dt_max=0.1):
+        super().__init__()
+        H = d_model
+        self.log_dt = nn.Parameter(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.C = nn.Parameter(torch.view_as_real(torch.randn(H, N // 2, dtype=torch.cfloat)))
+        self.log_A_real = nn.Parameter(torch.log(0.5 * torch.ones(H, N // 2)))
+        self.A_imag = nn.Parameter(math.pi * torch.arange(N // 2).float().repeat(H, 1))
+
+    def forward(self, L):
+        dt = torch.exp(self.log_dt)  # (H)
+        C = torch.view_as_complex(self.C)  # (H N)
+        A = -torch.exp(self.log_A_real) + 1j * self.A_imag  # (H N)
+        dtA = A * dt.unsqueeze(-1)  # (H N)
+        K = dtA.unsqueeze(-1) * torch.arange(L, device=A.device)  # (H N L)
+        C = C * (torch.exp(dtA) - 1.) / A
+        K = 2 * torch.einsum('hn, hnl -> hl', C, torch.exp(K)).real
+        return K
+
+
+class S4D(nn.Module):
+    def __init__(self, d_model, d_state=16):
+        super().__init__()
+        self.h = d_model
+        self.D = nn.Parameter(torch.randn(self.h))
+        self.kernel = S4DKernel(self.h, N=d_state)
+        self.activation = nn.GELU()
+        self.output_linear = nn.Sequential(nn.Conv1d(self.h, 2 * self.h, kernel_size=1), nn.GLU(dim=-2))
+
+    def forward(self, u):
+        """Input and output shape (B, H, L)"""
+        L = u.size(-1)
+        k = self.kernel(L=L)  # (H L)
+        k_f = torch.fft.rfft(k, n=2 * L)  # (H L)
+        u_f = torch.fft.rfft(u, n=2 * L)  # (B H L)
+        y = torch.fft.irfft(u_f * k_f, n=2 * L)[..., :L]  # (B H L)
+        y = y + u * self.D.unsqueeze(-1)
+        return self.output_linear(self.activation(y))
+
+
+class S4DLM(nn.Module):
+    """s4's example.py S4Model (prenorm, transposed layers) over token embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, DIM)
+        self.s4_layers = nn.ModuleList([S4D(DIM) for _ in range(LAYERS)])
+        self.norms = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(LAYERS)])
+        self.decoder = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        x = self.encoder(x).transpose(-1, -2)  # (B, d_model, L)
+        for layer, norm in zip(self.s4_layers, self.norms):
+            z = norm(x.transpose(-1, -2)).transpose(-1, -2)
+            x = layer(z) + x
+        return self.decoder(x.transpose(-1, -2))
+
+
+# =============================================================================== H3 (HazyResearch/H3)
+
+
+class SSKernelShift(nn.Module):
+    """The shift SSM's kernel: ``irfft(rfft(B) * rfft(C))[:N]`` padded to ``L``."""
+
+    def __init__(self, H, N=8):
+        super().__init__()
+        self.N = N
+        B = torch.zeros(H, N)
+        B[..., 0] = 1.0  # shift matrix: B = e_0
+        self.B = nn.Parameter(B)
+        self.C = nn.Parameter(torch.randn(1, H, N))
+
+    def forward(self, L):
+        B, C = self.B, self.C
+        k = torch.fft.irfft(torch.fft.rfft(B, n=2 * self.N) * torch.fft.rfft(C, n=2 * self.N),
+                            n=2 * self.N)[..., :self.N]
+        if k.size(-1) < L:
+            k = F.pad(k, (0, L - k.size(-1)))
+        return k[..., :L]
+
+
+class SSKernelDiag(nn.Module):
+    def __init__(self, H, N=8, dt_min=0.001, dt_max=0.1):
+        super().__init__()
+        self.log_dt = nn.Parameter(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.inv_A_real = nn.Parameter(torch.log(torch.exp(0.5 * torch.ones(H, N // 2)) - 1))  # softplus^-1
+        self.A_imag = nn.Parameter(math.pi * torch.arange(N // 2).float().repeat(H, 1))
+        self.C = nn.Parameter(torch.view_as_real(torch.randn(1, H, N // 2, dtype=torch.cfloat)))
+
+    def forward(self, L):
+        dt = torch.exp(self.log_dt)
+        A = -F.softplus(self.inv_A_real) + 1j * self.A_imag
+        dtA = A * dt.unsqueeze(-1)
+        C = torch.view_as_complex(self.C) * (torch.exp(dtA) - 1.0) / A
+        K = dtA.unsqueeze(-1) * torch.arange(L, device=A.device)
+        return 2 * torch.einsum("chn,hnl->chl", C, torch.exp(K)).real
+
+
+class H3(nn.Module):
+    """HazyResearch/H3 src/models/ssm/h3.py (head_dim 1): the shift SSM on ``k``, ``k * v``
+    through the diagonal SSM, both as FFT convolutions of size ``L_kernel + L``, ``q *``."""
+
+    def __init__(self, d_model=DIM, d_state=8):
+        super().__init__()
+        self.H = d_model
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.ssm_k_kernel = SSKernelShift(self.H, N=d_state)
+        self.ssm_k_D = nn.Parameter(torch.randn(self.H))
+        self.ssm_kernel = SSKernelDiag(self.H, N=d_state)
+        self.D = nn.Parameter(torch.randn(self.H))
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, u):
+        L_og = u.size(-2)
+        L_kernel = L_og
+        ssm_kernel = self.ssm_kernel(L=L_kernel).squeeze(0)  # '1 h l -> h l'
+        u = u.reshape(-1, u.size(-1))  # 'b l h -> (b l) h'
+        q = self.q_proj.weight @ u.T + self.q_proj.bias.unsqueeze(-1)
+        k = self.k_proj.weight @ u.T + self.k_proj.bias.unsqueeze(-1)
+        v = self.v_proj.weight @ u.T + self.v_proj.bias.unsqueeze(-1)
+        q, k, v = [x.view(x.size(0), -1, L_og).transpose(0, 1) for x in (q, k, v)]  # 'h (b l) -> b h l'
+        ssm_k_kernel = self.ssm_k_kernel(L=L_kernel).squeeze(0)
+        fft_size = L_kernel + L_og
+        k_f = torch.fft.rfft(k, n=fft_size)
+        ssm_k_kernel_f = torch.fft.rfft(ssm_k_kernel, n=fft_size)
+        shift_k_out = torch.fft.irfft(k_f * ssm_k_kernel_f, n=fft_size)[..., :L_og]
+        k = shift_k_out + self.ssm_k_D.unsqueeze(-1) * k
+        kv = k * v
+        kv_f = torch.fft.rfft(kv, n=fft_size)
+        ssm_kernel_f = torch.fft.rfft(ssm_kernel, n=fft_size)
+        y = torch.fft.irfft(kv_f * ssm_kernel_f, n=fft_size)[..., :L_og]
+        y = y + kv * self.D.unsqueeze(-1)
+        return self.out_proj((q * y).transpose(1, 2))  # 'b h l -> b l h'
+
+
+class H3LM(nn.Module):
+    """H3's prenorm residual blocks (mixer, then an MLP), tied embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = nn.Embedding(VOCAB, DIM)
+        self.mixers = nn.ModuleList([H3(DIM) for _ in range(LAYERS)])
+        self.norms1 = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(LAYERS)])
+        self.norms2 = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(LAYERS)])
+        self.mlps = nn.ModuleList([nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(approximate="tanh"),
+                                                 nn.Linear(4 * DIM, DIM)) for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.lm_head.weight = self.embeddings.weight
+
+    def forward(self, input_ids):
+        x = self.embeddings(input_ids)
+        for mixer, n1, n2, mlp in zip(self.mixers, self.norms1, self.norms2, self.mlps):
+            x = x + mixer(n1(x))
+            x = x + mlp(n2(x))
         return self.lm_head(self.ln_f(x))
 
 
