@@ -44,6 +44,9 @@ class PassContext:
         counters: per pass function name, a Counter of rewrites by kind.
         pass_name: the name of the pass now running; :meth:`count` records under it.
         created: nodes the passes inserted (the verify pass trusts them).
+        off_rows: created nodes whose dims of the row count's size are not rows (a
+            convolution kernel or a relative table over distances): they get no row state, so
+            the first-call probe does not compare them as rows.
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
             root), when the model has recurrent or conv layers (else None).
@@ -77,6 +80,7 @@ class PassContext:
     example_inputs: list[Any]
     counters: dict[str, Counter] = field(default_factory=dict)
     created: set[fx.Node] = field(default_factory=set)
+    off_rows: set[fx.Node] = field(default_factory=set)
     notes: dict[fx.Node, str] = field(default_factory=dict)
     pred_index: fx.Node | None = None
     node_table: fx.Node | None = None
@@ -94,9 +98,12 @@ class PassContext:
             raise RuntimeError("treecompile internal error: a pass counted outside run_passes")
         self.counters.setdefault(self.pass_name, Counter())[kind] += n
 
-    def mark(self, node: fx.Node, like: fx.Node | None = None) -> fx.Node:
-        """Records ``node`` as created by a pass, copying source info from ``like``."""
+    def mark(self, node: fx.Node, like: fx.Node | None = None, rows: bool = True) -> fx.Node:
+        """Records ``node`` as created by a pass, copying source info from ``like``; ``rows=False``:
+        its dims of the row count's size are not rows (`off_rows`)."""
         self.created.add(node)
+        if not rows:
+            self.off_rows.add(node)
         if like is not None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
                 if key in like.meta:

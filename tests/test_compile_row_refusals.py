@@ -121,6 +121,10 @@ def test_a_convolution_by_fft_is_exact():
     compiled = tc.tree_compile(model)
     compare_with_paths(model, compiled, batch, trees, tol="pure")
     assert compiled.counters["rewrite_attention_pass"]["fft_conv"] == 1
+    # The kernel's copy indexes distances: no row state, so the probe never compares it as rows.
+    record = compiled.compile_records[-1]
+    kernel = [n for n in record.graph_module.graph.nodes if n.name.startswith("arange")]
+    assert kernel and all(record.row_states.get(n, "absent") is None for n in kernel), kernel
     streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
     with pytest.raises(UnsupportedModelError, match=r"a convolution by FFT\) at .* is not run over streamed parts"):
         streamed(batch)

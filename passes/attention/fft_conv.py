@@ -195,16 +195,19 @@ def _emit(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, u: fx.Node, k: fx
         env: dict[fx.Node, fx.Node] = {}
         sub = ancestors(k) | {k}
         for n in [n for n in gm.graph.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
-            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=n)
+            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=n, rows=False)
         kernel, signal = env.get(k, k), u
         for d in k_lead:
-            kernel = op("unsqueeze", kernel, d)
+            kernel = ctx.mark(g.call_method("unsqueeze", (kernel, d)), like=node, rows=False)
         for d in u_lead:
             signal = op("unsqueeze", signal, d)
-        kernel, signal = op("to", kernel, dtype), op("to", signal, dtype)
+        signal = op("to", signal, dtype)
         v = op("reshape", op("expand", signal, *lead, -1), 1, channels, -1, 1)
-        table = op("reshape", op("expand", kernel, *lead, -1), channels, -1)
-        table = op(torch.nn.functional.pad, table, (0, 1), method=False)  # a distance past the kernel reads 0
+        table = g.call_method("reshape", (g.call_method("expand", (g.call_method("to", (kernel, dtype)), *lead, -1)),
+                                          channels, -1))
+        table = g.call_function(torch.nn.functional.pad, (table, (0, 1)))  # a distance past the kernel reads 0
+        for t in (table, table.args[0], table.args[0].args[0], table.args[0].args[0].args[0]):
+            ctx.mark(t, like=node, rows=False)
         unit = op(torch.ones_like, v, method=False)
         summed = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default,
                                           (unit, unit, v, table, ctx.positions, ctx.mask_buffers[0], 1.0)), like=node)

@@ -14,18 +14,31 @@ two index grids must meet in one subtraction (and may be compared, ``i >= j``, a
 difference too), nothing else of the bias may read an index,
 and the bias evaluated at the example length must equal the table at every distance;
 otherwise the bias is refused.
+
+A pair tensor built by moving the entries of a vector that reads no token (MEGA's and RWKV's
+Toeplitz trick: a learned vector padded, tiled and cut into ``[T, T]``) has no index difference
+to find. Its table is the key column of the model's own construction, copied (the pass's nodes,
+so that no row rule judges its moves): ``[S, S]`` on the packed row, as the model builds it per
+path, said in a warning. It is taken only where the pair, evaluated at the example length and at
+half of it, is below the diagonal the column at the distance, and the column does not change
+with the length.
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from torch import fx
 
+from treecompile.core.advice import TreeWarning
+
 from treecompile.kernels.attention.flex_mods import register_mods
-from treecompile.passes._graph import ARANGE, PassContext, ancestors, is_call, mutated_args, same_size, value
-from treecompile.passes._mask_eval import evaluate
+from treecompile.passes._graph import (ARANGE, PassContext, ancestors, describe, is_call, location_of, mutated_args,
+                                      same_size, value)
+from treecompile.passes._mask_eval import evaluate, reads_tokens
+from treecompile.passes.rows.random import draws
 
 __all__ = ["relative_bias_mods", "relative_table"]
 
@@ -44,7 +57,7 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
     table, lead = found
     if scale != 1.0:
         with gm.graph.inserting_before(at):
-            table = ctx.mark(gm.graph.call_function(operator.mul, (table, scale)), like=bias)
+            table = ctx.mark(gm.graph.call_function(operator.mul, (table, scale)), like=bias, rows=False)
     if heads is not None and lead not in (1, heads):
         return f"a bias over (query, key) pairs with {lead} leading entries for {heads} heads"
     why = _check(ctx, bias, table, scale)
@@ -70,11 +83,13 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     aranges = [n for n in anc if is_call(n, ARANGE)]
     if not aranges:
-        return "a bias over (query, key) pairs that is not built from the sequence index (a learned [S, S] table)"
+        return _own_column(gm, ctx, pair, at, "a bias over (query, key) pairs that is not built from the sequence "
+                                              "index (a learned [S, S] table)")
     meet = next((n for n in sorted(anc, key=order.get) if _meets(n, ctx) and is_call(n, _SUBTRACTIONS, ("sub",))),
                 None)
     if meet is None:
-        return "a bias over (query, key) pairs whose indices do not meet in one difference (i - j)"
+        return _own_column(gm, ctx, pair, at, "a bias over (query, key) pairs whose indices do not meet in one "
+                                              "difference (i - j)")
     key_side = next(a for a in meet.args[:2] if _is_key_grid(a, ctx))
     # The same two grids compared (a causal ``(i >= j)``) is a function of their difference too.
     compared = [n for n in anc if n is not meet and is_call(n, _COMPARISONS, _COMPARISON_METHODS)
@@ -92,7 +107,8 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
     kv = value(key_side)
     with g.inserting_before(at):
         zero = ctx.mark(g.call_function(torch.zeros, (tuple([1] * kv.dim()),), {"dtype": kv.dtype,
-                                                                                  "device": kv.device}), like=bias)
+                                                                                  "device": kv.device}), like=bias,
+                        rows=False)
         zero.meta["example_value"] = torch.zeros([1] * kv.dim(), dtype=kv.dtype, device=kv.device)
         # A pair tensor the bias reads that is not built from the indices (a causal mask from
         # ones(T, T), a buffer sliced [:T, :T]) is built at key 0 too: its creation with one key.
@@ -103,15 +119,59 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
                 continue
             if n in pairs:
                 env[n] = _key_column(g, ctx, n, env, pairs)
-                ctx.mark(env[n], like=bias)
+                ctx.mark(env[n], like=bias, rows=False)
                 continue
-            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=bias)
+            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=bias, rows=False)
             env[n].meta = dict(n.meta)
             env[n].meta.pop("example_value", None)
         column = env[bias]
         lead = int(torch.Size(value(bias).shape[:-2]).numel()) if value(bias).dim() > 2 else 1
-        picked = ctx.mark(g.call_method("select", (column, -1, 0)), like=bias)
-        table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=bias)
+        picked = ctx.mark(g.call_method("select", (column, -1, 0)), like=bias, rows=False)
+        table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=bias, rows=False)
+    return table, lead
+
+
+def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node,
+                why: str) -> tuple[fx.Node, int] | str:
+    """``(table, lead)``: the key column of a copy of ``pair``'s construction (module docstring),
+    or ``why`` where the pair reads a token, is built by writing in place or drawing at random,
+    or is not, at both judged lengths, a function of the distance that does not change with the
+    length."""
+    sub = ancestors(pair) | {pair}
+    if reads_tokens(ctx, pair) or any(mutated_args(n) or draws(n) for n in sub):
+        return why
+    s = value(ctx.input_ids).shape[-1]
+    if not isinstance(s, torch.SymInt):
+        return why
+    example = int(s.node.hint)
+    columns = []
+    for rows in (example, max(2, example // 2)):
+        try:
+            full = evaluate(ctx, pair, rows=rows).to(torch.float64)
+        except Exception:  # not evaluable alone or at another length
+            return why
+        if full.dim() < 2 or full.shape[-1] != rows or full.shape[-2] != rows:
+            return why
+        full = full.reshape(-1, rows, rows)
+        i, j = torch.tril_indices(rows, rows)
+        tol = 1e-9 if value(pair).dtype == torch.float64 else 1e-5
+        if not torch.allclose(full[:, i, j], full[:, i - j, 0], rtol=tol, atol=tol):
+            return why
+        columns.append(full[:, :, 0])
+    long, short = columns
+    if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9):
+        return why
+    g = gm.graph
+    env: dict[fx.Node, fx.Node] = {}
+    with g.inserting_before(at):
+        for n in [n for n in g.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
+            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=n, rows=False)
+        lead = int(torch.Size(value(pair).shape[:-2]).numel()) if value(pair).dim() > 2 else 1
+        picked = ctx.mark(g.call_method("select", (env[pair], -1, 0)), like=pair, rows=False)
+        table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=pair, rows=False)
+    warnings.warn(f"treecompile: the relative table of {describe(pair)} at {location_of(pair)} is the key column of "
+                  "the model's own construction of that [S, S] tensor, built for the whole packed row: S^2 memory",
+                  TreeWarning, stacklevel=2)
     return table, lead
 
 

@@ -58,6 +58,9 @@ def row_states(
             continue
         if node.op == "output":
             continue
+        if node in ctx.off_rows:  # a pass's table over distances (or keys): no rows
+            env.states[node] = None
+            continue
         try:
             state = infer(node, env)
             if node in trusted and not _has_rows(state):

@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 )
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
+from zoo_repos.mega import MegaLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
 from zoo_repos.gpt import (
@@ -142,6 +143,16 @@ CASES: list[zoo.Case] = [
     zoo.Case("hyena-fft", "safari standalone_hyena.py HyenaOperator: implicit long filter z[:, :L] and fftconv "
              "(rfft(k, n=2L) / 2L, irfft(norm='forward')[..., :L]) as a sum over each token's ancestors",
              _build(HyenaFFTLM), attention={"fft_conv": 1}),
+    zoo.Case("mega", "facebookresearch/mega moving_average_gated_attention.py: EMA kernel over arange(L) applied by "
+             "fft conv, relative bias by the pad/tile Toeplitz trick (the key column of its own [T, T] built), "
+             "triu(-inf) mask, addcmul update", _build(MegaLM), attention={"fft_conv": 1, "softmax_attention": 1,
+                                                                             "relative_bias": 1}),
+    zoo.Case("mega-untiled-bias", "MEGA's bias as a repeated vector times a column (not a function of i - j)",
+             _build(MegaLM, bias="untiled"), expect="refused",
+             reason="a bias over (query, key) pairs that is not built from the sequence index"),
+    zoo.Case("mega-bias-from-start", "MEGA's Toeplitz bias over the vector's first 2T - 1 entries (its table "
+             "changes with T)", _build(MegaLM, bias="from-start"), expect="refused",
+             reason="a bias over (query, key) pairs that is not built from the sequence index"),
     zoo.Case("s4d", "state-spaces/s4 s4d.py + example.py: Vandermonde kernel over arange(L) from a complex diagonal "
              "A, fft conv over n = 2L sliced [..., :L], D skip, Conv1d + GLU output", _build(S4DLM),
              attention={"fft_conv": 1}),
