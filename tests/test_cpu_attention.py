@@ -34,14 +34,21 @@ def fused_calls():
         cpu_attention._FLASH, cpu_attention._FLASH_BACKWARD = saved
 
 
-def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="interval", seed=0, fused=False):
+def run_case(batch, *, hq=4, hkv=2, d=8, block=4, softcap=0.0, window=0, kind="interval", seed=0, fused=False,
+             transposed=False):
     """``fused``: values as wide as keys, which the fused kernel takes (else one wider: the
-    block-by-block softmax); the test checks which one ran."""
+    block-by-block softmax); the test checks which one ran. ``transposed``: q, k and v are
+    ``[1, H, D, S]`` tensors transposed (their last dim not contiguous, as a model's key
+    ``'b s (h d) -> b h d s'`` repeated over the query heads is)."""
     s = batch.num_tokens
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(1, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    v = torch.randn(1, hkv, s, d if fused else d + 1, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def leaf(h, width):
+        if not transposed:
+            return torch.randn(1, h, s, width, dtype=torch.float64, generator=g, requires_grad=True)
+        return torch.randn(1, h, width, s, dtype=torch.float64, generator=g, requires_grad=True).transpose(-1, -2)
+
+    q, k, v = leaf(hq, d), leaf(hkv, d), leaf(hkv, d if fused else d + 1)
     bm = tree_block_mask(batch.subtree_end, block_size=block)
     buffers = [batch.subtree_end] if kind == "interval" else [batch.tree_ids, batch.path_bits]
     chunks = 0 if kind == "interval" else batch.path_bits.shape[1]
@@ -70,6 +77,9 @@ CASES = {
     "fused-bitmask-window": dict(kind="bitmask", window=2, fused=True),
     "fused-block1": dict(block=1, fused=True),
     "fused-softcap": dict(softcap=2.0, fused=True),  # soft-capping: the block-by-block softmax
+    "transposed": dict(transposed=True),
+    "fused-transposed": dict(fused=True, transposed=True),
+    "fused-mqa-transposed": dict(hq=4, hkv=1, fused=True, transposed=True),
 }
 
 

@@ -162,6 +162,9 @@ CASES: list[Case] = [
          _custom(zc.ToDtypeLM), attention={"softmax_attention": 2}),
     Case("masked-fill-triu", "custom: masked_fill(ones(T, T).triu(1), -inf)",
          _custom(zc.MaskedFillInfLM), attention={"softmax_attention": 2}),
+    Case("gqa-keys-transposed", "custom (llm-foundry's torch attention): keys 'b s (h d) -> b h d s', two key heads "
+         "repeat_interleave'd over four, q.matmul(k), ~tril cut [-s_q:, -s_k:] filled with finfo.min",
+         _custom(zc.TransposedKeysLM), attention={"softmax_attention": 2}),
     Case("in-place-scores", "custom: att.masked_fill_(tril == 0, -inf) as a statement before the softmax",
          _custom(zc.InPlaceScoresLM), attention={"softmax_attention": 2}),
     Case("in-place-bias", "custom: a learned bias added to the scores in place (att.add_(bias[:T, :T]))",
@@ -681,6 +684,15 @@ def assert_unchanged(model: nn.Module, twin: nn.Module, lengths: tuple[int, ...]
         assert diff == 0.0, f"the model run on its own at length {T} changed by {diff:.3e} after a tree call"
 
 
+def twin_of(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``; a tensor an attribute holds that autograd computed (the
+    ``weight`` of ``torch.nn.utils.weight_norm``, which its hook recomputes at every call) is
+    copied detached, as ``copy.deepcopy`` refuses it."""
+    memo = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not v.is_leaf}
+    return copy.deepcopy(model, memo)
+
+
 def run(case: Case, model: nn.Module | None = None) -> list[dict]:
     """Builds the case, compiles it once, compares both trees; returns per-tree diffs.
 
@@ -693,7 +705,7 @@ def run(case: Case, model: nn.Module | None = None) -> list[dict]:
     from treecompile.compile.wrapper import tree_compile
 
     model = case.build() if model is None else model
-    twin = copy.deepcopy(model)
+    twin = twin_of(model)
     # A Hugging Face model computes its float32 casts in float64 here (both sides), so the bar
     # is float64 rounding, not the ~1e-7 those casts add.
     f64 = case.hf

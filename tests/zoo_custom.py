@@ -147,6 +147,33 @@ class MaskedFillInfAttn(_Attn):
         return att.masked_fill(upper, float("-inf")).softmax(-1) @ v
 
 
+class TransposedKeysAttn(_Attn):
+    """llm-foundry's torch attention: keys stored ``'b s (h d) -> b h d s'`` (two key heads
+    repeated over the four query heads, ``repeat_interleave(dim=1)``), ``q.matmul(k)``, the
+    causal mask ``~ones(s, s).tril()`` cut ``[-s_q:, -s_k:]`` filled with ``finfo.min``: the
+    kernel gets keys and values whose last dim is not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, DIM + 2 * 2 * HD)
+
+    def heads(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln(x)).split([DIM, 2 * HD, 2 * HD], dim=-1)
+        q = q.view(b, t, HEADS, HD).permute(0, 2, 1, 3)
+        k = k.view(b, t, 2, HD).permute(0, 2, 3, 1)
+        v = v.view(b, t, 2, HD).permute(0, 2, 1, 3)
+        return q, k.repeat_interleave(HEADS // 2, dim=1), v.repeat_interleave(HEADS // 2, dim=1)
+
+    def attend(self, q, k, v):
+        s_q, s_k = q.size(2), k.size(-1)
+        att = q.matmul(k) * HD**-0.5
+        s = max(s_q, s_k)
+        causal = ~att.new_ones(s, s, dtype=torch.float32).tril().to(torch.bool)
+        att = att.masked_fill(causal[-s_q:, -s_k:].view(1, 1, s_q, s_k), torch.finfo(q.dtype).min)
+        return torch.softmax(att, dim=-1).to(v.dtype).matmul(v)
+
+
 class SdpaTrilMaskAttn(_Attn):
     """``scaled_dot_product_attention(attn_mask=tril_buffer[:T, :T].bool())``."""
 
@@ -945,6 +972,7 @@ def _spelling(attn_cls):
 
 
 MultiQueryEinsumLM = _spelling(MultiQueryEinsumAttn)
+TransposedKeysLM = _spelling(TransposedKeysAttn)
 (BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM,
  InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM, FunctionalConvLM, ShiftTokensLM, CatShiftLM, CropPadShiftLM) = (
     _spelling(c)

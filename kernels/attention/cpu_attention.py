@@ -179,11 +179,19 @@ def _additive(ok: Tensor | None, bias: Tensor | None, hq: int, dtype: torch.dtyp
     return (bias.reshape(hq, *ok.shape).to(dtype) + mask)[None]
 
 
+def _unit_last(*xs: Tensor) -> tuple[Tensor, ...]:
+    """``xs`` with their last dim contiguous: torch's fused CPU kernel reads a last dim of
+    another stride wrongly, without an error (a key ``[B, H, D, S]`` transposed, as a model
+    that stores its keys ``'b s (h d) -> b h d s'`` passes them)."""
+    return tuple(x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in xs)
+
+
 def fused_block(qb: Tensor, kb: Tensor, vb: Tensor, ok: Tensor | None, bias: Tensor | None, scale: float):
     """``(out [Hq, Bq, D], lse [Hq, Bq])`` of queries ``qb`` ``[1, Hq, Bq, D]`` over keys
     ``kb``/``vb`` ``[Hkv, L, D]``, seeing ``ok`` ``[Bq, L]`` (None: all of them), plus ``bias``
     ``[Hkv, g, Bq, L]``. A query that sees none of the keys gets 0 and -inf."""
     hq = qb.shape[1]
+    qb, kb, vb = _unit_last(qb, kb, vb)
     o, m = _FLASH(qb, kb[None], vb[None], attn_mask=_additive(ok, bias, hq, qb.dtype), scale=scale)
     if ok is not None:  # the kernel gives such a query a log-sum-exp of 0 (its output is not relied on)
         none = ~ok.any(-1)
@@ -201,6 +209,7 @@ def fused_block_backward(dob: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Te
     parts, `_merge`): the kernel's probabilities ``exp(s - lse)`` and row term ``sum(dO * O)``
     are then the whole softmax's, so each part's gradients are its share of the whole's."""
     hq = qb.shape[1]
+    dob, qb, kb, vb, ob = _unit_last(dob, qb, kb, vb, ob)
     lseb = lseb if lseb.dtype == torch.float64 else lseb.float()
     dq, dk, dv = _FLASH_BACKWARD(dob, qb, kb[None], vb[None], ob, lseb, 0.0, False,
                                  attn_mask=_additive(ok, bias, hq, qb.dtype), scale=scale)
