@@ -179,3 +179,31 @@ def test_a_constant_length_refusal_names_the_whole_path_of_its_line():
     with pytest.raises(UnsupportedModelError) as info:
         zoo.run(case.installed())
     assert f" at {zoo_custom.__file__}:" in str(info.value).splitlines()[0]
+
+
+class BranchOnValueLM(_EmbedHeadLM):
+    """A buffer whose feature dim falls between the longest path and the packed row count (a
+    random projection ``[16, width]``, Performer's) beside a branch on a tensor's value."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("projection", torch.randn(16, width))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if x.sum() > 0:  # the capture fails here, not at the buffer
+            x = x * 2
+        return self.head(x + (x[..., :1] @ self.projection[:1, :1]))
+
+
+def test_a_capture_failing_on_a_value_names_its_line_not_a_buffer():
+    """A capture that fails on a tensor's value is not blamed on a buffer that happens to have
+    a dim in the range a table sliced by the row count would have, nor retried with it grown."""
+    batch, _ = make_batch("branchy")
+    longest = int(batch.position_ids.max()) + 1
+    width = batch.num_tokens - 1
+    assert longest <= width < batch.num_tokens
+    with pytest.raises(UnsupportedModelError) as info:
+        tree_compile(tiny(BranchOnValueLM, width=width))(batch)
+    first = str(info.value).splitlines()[0]
+    assert "if x.sum() > 0:" in first and "slices buffer" not in first, first

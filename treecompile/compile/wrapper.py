@@ -44,8 +44,8 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.capture.drop_ins import class_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
-from treecompile.core.errors import (CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError, capture_error,
-                                     row_count_error)
+from treecompile.core.errors import (CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError, about_sizes,
+                                     capture_error, row_count_error)
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
@@ -482,7 +482,10 @@ class TreeCompiledModel(DelegatingModule):
         except (CaptureFailed, ConstantLength) as failed:
             kind = type(failed)
             error = failed.error if kind is CaptureFailed else failed
-            if not kinds[kind] or kind in self._extending:
+            # A capture that failed on a tensor's values, not on a size, is not retried with the
+            # buffers extended (a head dim in the range would be grown, and the retry fail on it).
+            if not kinds[kind] or kind in self._extending or (kind is CaptureFailed
+                                                               and not about_sizes(error, batch.num_tokens)):
                 raise error from None
             self._extending.add(kind)
             try:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "capture_error", "row_count_error",
+__all__ = ["TreeInputError", "TreeWarning", "UnsupportedModelError", "about_sizes", "capture_error", "row_count_error",
            "CaptureFailed", "unexpected_error", "unknown_choice"]
 
 
@@ -186,6 +186,17 @@ class CaptureFailed(Exception):
         self.error = error
 
 
+def about_sizes(error: BaseException, rows: int) -> bool:
+    """Whether a capture's ``error`` may come from a size (a slice, shape or index that the
+    packed row's length breaks), not from a tensor's values deciding the control flow
+    (``.tolist()``, ``.item()``, a branch on a tensor)."""
+    text = str(error).lower()
+    if any(w in text for w in ("values decide a size", "branches on a tensor's value", "data-dependent")):
+        return False
+    return re.search(rf"\b{rows}\b", text) is not None or any(
+        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index"))
+
+
 def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModelError,
                      short: list) -> UnsupportedModelError:
     """``error``, or, if the batch has more rows than its longest path, a refusal that says how
@@ -196,7 +207,8 @@ def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModel
     if type(error) is not UnsupportedModelError:
         return error
     first, _, rest = str(error).partition("\n")
-    if short:
+    about_length = about_sizes(error, rows)
+    if short and about_length:
         module, attr, size = short[0]
         name = next((f"{n}.{attr}" if n else attr for n, m in model.named_modules() if m is module), attr)
         return UnsupportedModelError(
@@ -206,9 +218,6 @@ def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModel
             f"  What to do: pack at most {size} rows per batch (treecompile.planning.partition with that capacity), or "
             f"enlarge the buffer.\n  The capture failed with: {first}"
         )
-    text = str(error).lower()
-    about_length = "values decide a size" not in text and (re.search(rf"\b{rows}\b", text) is not None or any(
-        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index")))
     if rows > longest and about_length:
         return UnsupportedModelError(
             f"{first}\n  The batch packs {rows} rows and its longest path has {longest} tokens: a check or slice by "
