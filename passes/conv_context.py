@@ -52,9 +52,11 @@ from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers the treecompile:: conv ops)
-from treecompile.passes._graph import (Emitter, PassContext, bind, describe, is_call, is_op,
+from treecompile.passes._graph import (Emitter, PassContext, bind, describe, emit, is_call, is_op,
                                       same_size, source_of, value)
 from treecompile.passes.first_row import rewrite_first_row_kept
+from treecompile.passes.rows.domain import op_key
+from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.rooted import rewrite_rooted_scans
 from treecompile.passes.scans import rewrite_scans
 from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, padded_rows
@@ -73,7 +75,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
 
     Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d``.
     """
-    _cut_before_transpose(gm, ctx)
+    _cut_at_conv(gm, ctx)
     _canonical_convs(gm, ctx)
     tables: dict[int, fx.Node] = {}
     rewrite_rooted_scans(gm, ctx)
@@ -157,33 +159,47 @@ def _canonical_convs(gm: fx.GraphModule, ctx: PassContext) -> None:
         ctx.count("depthwise_conv1d")
 
 
-def _cut_before_transpose(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """``conv1d(..).transpose(1, 2)[:, :S]`` (mamba2-minimal's spelling) becomes
-    ``conv1d(..)[..., :S].transpose(1, 2)``, the form the conv rewrites read: the same rows cut
-    before the transpose instead of after it (the same values for any cut of the rows)."""
+def _cut_at_conv(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """A cut of the rows made after a transpose and element-wise ops on a ``conv1d``'s output
+    (``conv1d(..).transpose(1, 2)[:, :S]``, mamba2-minimal's spelling; Mamba-2's
+    ``act(conv1d(..).transpose(1, 2))[:, :S]``) is made on the conv's output instead, the ops
+    after it: the form the conv rewrites read. Each op of the chain has one user and computes
+    each element from that element alone (or swaps the last two dims, once), so the kept rows
+    hold the same values whichever comes first."""
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is operator.getitem):
             continue
-        t = node.args[0]
-        if not (isinstance(t, fx.Node) and len(t.users) == 1 and _swaps_last_two(t)):
-            continue
-        conv = t.args[0]
-        cv = value(conv)
-        if not (isinstance(conv, fx.Node) and is_call(conv, _CONV1D) and isinstance(cv, torch.Tensor) and cv.dim() == 3):
+        chain, swapped, t = [], False, node.args[0]
+        while isinstance(t, fx.Node) and not is_call(t, _CONV1D) and len(t.users) == 1:
+            if _swaps_last_two(t) and not swapped:
+                swapped = True
+            elif not (op_key(t) in POINTWISE and [a for a in t.all_input_nodes if isinstance(value(a), torch.Tensor)]
+                      == [t.args[0]]):
+                break
+            chain.append(t)
+            t = t.args[0]
+        conv, cv = t, value(t)
+        if not (chain and isinstance(conv, fx.Node) and is_call(conv, _CONV1D) and len(conv.users) == 1
+                and isinstance(cv, torch.Tensor) and cv.dim() == 3):
             continue
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         index = index + (slice(None),) * (3 - len(index)) if Ellipsis not in index else index
-        if len(index) != 3 or index[0] != slice(None) or index[2] != slice(None):
+        if Ellipsis in index and len(index) == 2 and index[0] is Ellipsis:
+            index = (slice(None), slice(None), index[1])
+        rows, other = (index[1], index[2]) if swapped else (index[2], index[1])
+        if len(index) != 3 or index[0] != slice(None) or other != slice(None) or not isinstance(rows, slice):
             continue
-        if not isinstance(index[1], slice):  # any slice of the rows commutes with the transpose
-            continue
-        emit = Emitter(gm, ctx, node)
-        cut = emit.fn(operator.getitem, conv, (slice(None), slice(None), index[1]))
-        back = emit.method("transpose", cut, 1, 2)
-        ctx.created.difference_update((cut, back))  # judged as the model's own nodes
-        node.replace_all_uses_with(back)
+        # The model's own ops again, unmarked: the row rules judge them as they judged the chain.
+        out = emit(gm, ctx, node, "call_function", operator.getitem, (conv, (slice(None), slice(None), rows)),
+                   mark=False)
+        for op in reversed(chain):
+            out = emit(gm, ctx, node, op.op, op.target, (out, *op.args[1:]), dict(op.kwargs), mark=False)
+            out.meta.update({k: op.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
+                             if k in op.meta})
+        node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-        gm.graph.erase_node(t)
+        for op in chain:
+            gm.graph.erase_node(op)
 
 
 def _swaps_last_two(node: fx.Node) -> bool:

@@ -172,6 +172,10 @@ CASES: list[Case] = [
          reason="a bias over (query, key) pairs that is not built from the sequence index (a learned [S, S] table)"),
     Case("conv-slice-negative", "custom: depthwise conv1d(padding=K-1)[..., :-(K-1)] after attention",
          _custom(zc.CausalConvSliceLM)),
+    Case("conv-act-cut", "custom (Mamba-2's mamba_simple.py): silu(conv1d(x^T, padding=K-1)^T)[:, :T] (the cut after "
+         "the activation)", _custom(zc.ConvActCutLM)),
+    Case("conv-act-cut-future", "the same cut [:, K-1:] (each row reads the rows after it)",
+         _custom(zc.ConvActCutLM, cut_first=False), expect="refused", reason="is a convolution over the sequence"),
     Case("functional-conv", "custom: F.conv1d(x, w, b, padding=K-1, groups=C)[..., :-(K-1)], no nn.Conv1d module",
          _custom(zc.FunctionalConvLM)),
     Case("shift-tokens", "custom: x-transformers ShiftTokens((0, 1, 2)): F.pad(t, (0, 0, k, -k)) on feature slices",

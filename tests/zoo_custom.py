@@ -245,6 +245,22 @@ class CausalConvSliceAttn(_Attn):
         return x + self.conv(x.transpose(1, 2))[..., :-3].transpose(1, 2)
 
 
+class ConvActCutAttn(CausalConvSliceAttn):
+    """Mamba-2's spelling (mamba_simple.py): ``act(conv1d(x.transpose(1, 2)).transpose(1, 2))``
+    cut ``[:, :T, :]`` after the activation; ``cut_first=False`` cuts ``[:, 3:, :]`` (the last T
+    rows: each row reads the rows after it)."""
+
+    def __init__(self, cut_first: bool = True) -> None:
+        super().__init__()
+        self.cut_first = cut_first
+
+    def forward(self, x):
+        x = _Attn.forward(self, x)
+        t = x.shape[1]
+        y = F.silu(self.conv(x.transpose(1, 2)).transpose(1, 2))
+        return x + (y[:, :t, :] if self.cut_first else y[:, 3:, :])
+
+
 class _SdpaAttn(_Attn):
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -973,6 +989,7 @@ def _spelling(attn_cls):
 
 MultiQueryEinsumLM = _spelling(MultiQueryEinsumAttn)
 TransposedKeysLM = _spelling(TransposedKeysAttn)
+ConvActCutLM = _spelling(ConvActCutAttn)
 (BmmLM, BaddbmmLM, EinsumLM, TypeAsLM, ToDtypeLM, MaskedFillInfLM, SdpaTrilMaskLM, VmapMaskLM, VmapHeadsLM,
  InPlaceScoresLM, InPlaceBiasLM, CausalConvSliceLM, FunctionalConvLM, ShiftTokensLM, CatShiftLM, CropPadShiftLM) = (
     _spelling(c)

@@ -38,6 +38,11 @@ log_ndtr xlog1py sinc special_expit
 """.split()
 
 
+#: Op names that compute each element of their result from that element of their inputs
+#: alone (the element-wise ops and casts): such an op commutes with any cut of the rows.
+POINTWISE = frozenset(_POINTWISE) | {"truediv", "floordiv", "to", "type_as", "float", "double", "half", "bfloat16",
+                                     "clone", "contiguous"}
+
 #: Op names that compute each row of their result from that row of their inputs alone (the
 #: element-wise ops, Python's operators, casts, ``linear`` over the features, indexing): the
 #: rewrites that run such ops on more rows than the model did (`passes/rooted.py`,
