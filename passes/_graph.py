@@ -120,6 +120,17 @@ CATS = {torch.cat, torch.concat, torch.concatenate}
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
 
 
+def copy_node(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    """A copy of ``node`` (inserted where ``g`` inserts) reading ``env``'s copies of its inputs.
+    A ``type_as`` or ``to`` whose other tensor has no copy becomes ``.to(dtype)``: that tensor
+    lends only its dtype, and the copy does not keep it (the scores a bias is cast to) alive."""
+    if node.op == "call_method" and node.target in ("type_as", "to") and len(node.args) == 2 \
+            and isinstance(node.args[1], fx.Node) and node.args[1] not in env \
+            and isinstance(value(node), torch.Tensor):
+        return g.call_method("to", (env.get(node.args[0], node.args[0]), value(node).dtype))
+    return g.node_copy(node, lambda x: env.get(x, x))
+
+
 def is_call(node: fx.Node, functions: Iterable[Callable] = (), methods: Iterable[str] = ()) -> bool:
     """True if ``node`` calls one of ``functions`` or a tensor method named in ``methods``."""
     if node.op == "call_function":

@@ -22,7 +22,7 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
 
 #: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
 #: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
@@ -87,6 +87,20 @@ def value_inputs(n: fx.Node) -> list[fx.Node]:
         return n.all_input_nodes
     kept = [a for i, a in enumerate(n.args) if i not in skip]
     return _nodes((kept, n.kwargs))
+
+
+def value_ancestors(node: fx.Node) -> set[fx.Node]:
+    """The nodes ``node``'s values come from (`value_inputs`, transitively), itself excluded: not
+    those that lend only a dtype, device or shape (``bias.type_as(scores)`` does not read the
+    scores)."""
+    seen: set[fx.Node] = set()
+    stack = list(value_inputs(node))
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(value_inputs(n))
+    return seen
 
 
 def _nodes(a) -> list[fx.Node]:

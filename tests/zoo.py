@@ -285,6 +285,8 @@ CASES: list[Case] = [
          _custom(zc.AlibiLM), attention={"softmax_attention": 2}),
     Case("alibi-abs", "custom: x-transformers' symmetric ALiBi -|j - i| * slope (not linear in j), a bias of the "
          "distance beside the causal mask", _custom(zc.AbsAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("alibi-btlm", "custom (cerebras BTLM): -|j - i| * slope added after the causal where(), in place, "
+         "cast by bias.type_as(scores)", _custom(zc.BtlmAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("alibi-over-length", "custom: a bias (j - i) / T, linear in j but scaled by the row count",
          _custom(zc.LengthScaledAlibiLM), expect="refused",
          reason="an additive score bias computed from the sequence length"),

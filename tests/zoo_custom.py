@@ -1395,6 +1395,25 @@ class AbsAlibiAttn(AlibiAttn):
 AbsAlibiLM = _spelling(AbsAlibiAttn)
 
 
+class BtlmAlibiAttn(AlibiAttn):
+    """cerebras BTLM: the symmetric ALiBi ``-|j - i| * slope`` added after the causal
+    ``torch.where(tril, scores, finfo.min)``, in place and cast to the scores' dtype
+    (``attn_weights += position_bias.type_as(attn_weights)``): the cast's ``type_as`` reads the
+    scores for their dtype only."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        rel = torch.abs(torch.arange(t, device=q.device)[None, :] - torch.arange(t, device=q.device)[:, None])
+        position_bias = (self.slopes / -1.0)[:, None, None] * rel.unsqueeze(0).expand(HEADS, -1, -1)
+        att = torch.matmul(q, k.transpose(-1, -2)) * HD**-0.5
+        att = torch.where(self.causal[:, :, :t, :t].bool(), att, torch.finfo(att.dtype).min)
+        att += position_bias.type_as(att).unsqueeze(0)
+        return nn.functional.softmax(att, dim=-1) @ v
+
+
+BtlmAlibiLM = _spelling(BtlmAlibiAttn)
+
+
 class T5BiasAttn(_Attn):
     """T5-style relative position bias: a learned ``[buckets, H]`` table at ``bucket(i - j)``."""
 

@@ -36,8 +36,9 @@ import torch
 from torch import fx
 
 from treecompile.kernels.attention import pair_sum as _kernel  # noqa: F401  (registers treecompile::tree_pair_sum)
-from treecompile.passes._graph import PassContext, ancestors, bind, is_call, mutated_args, same_size, value
-from treecompile.passes._mask_eval import evaluate, reads_tokens
+from treecompile.passes._graph import (PassContext, ancestors, bind, copy_node, is_call, mutated_args, same_size,
+                                      value)
+from treecompile.passes._mask_eval import evaluate, reads_tokens, value_ancestors
 from treecompile.passes.rows.random import draws
 
 __all__ = ["is_fft_conv", "rewrite_fft_conv"]
@@ -193,9 +194,9 @@ def _emit(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, u: fx.Node, k: fx
 
     with g.inserting_before(node):
         env: dict[fx.Node, fx.Node] = {}
-        sub = ancestors(k) | {k}
+        sub = value_ancestors(k) | {k}  # what lends only a shape or dtype is read where it is
         for n in [n for n in gm.graph.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
-            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=n, rows=False)
+            env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
         kernel, signal = env.get(k, k), u
         for d in k_lead:
             kernel = ctx.mark(g.call_method("unsqueeze", (kernel, d)), like=node, rows=False)

@@ -35,9 +35,9 @@ from torch import fx
 from treecompile.core.advice import TreeWarning
 
 from treecompile.kernels.attention.flex_mods import register_mods
-from treecompile.passes._graph import (ARANGE, PassContext, ancestors, describe, is_call, location_of, mutated_args,
-                                      same_size, value)
-from treecompile.passes._mask_eval import evaluate, reads_tokens
+from treecompile.passes._graph import (ARANGE, PassContext, ancestors, copy_node, describe, is_call, location_of,
+                                      mutated_args, same_size, value)
+from treecompile.passes._mask_eval import evaluate, reads_tokens, value_ancestors
 from treecompile.passes.rows.random import draws
 
 __all__ = ["relative_bias_mods", "relative_table"]
@@ -79,7 +79,7 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
     through their difference; or why it is not one. Whether ``pair`` is that column at every
     distance is the caller's check (at the example length)."""
     bias = pair
-    anc = ancestors(bias) | {bias}
+    anc = value_ancestors(bias) | {bias}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     aranges = [n for n in anc if is_call(n, ARANGE)]
     if not aranges:
@@ -121,7 +121,7 @@ def relative_table(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.N
                 env[n] = _key_column(g, ctx, n, env, pairs)
                 ctx.mark(env[n], like=bias, rows=False)
                 continue
-            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=bias, rows=False)
+            env[n] = ctx.mark(copy_node(g, n, env), like=bias, rows=False)
             env[n].meta = dict(n.meta)
             env[n].meta.pop("example_value", None)
         column = env[bias]
@@ -137,7 +137,7 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
     or ``why`` where the pair reads a token, is built by writing in place or drawing at random,
     or is not, at both judged lengths, a function of the distance that does not change with the
     length."""
-    sub = ancestors(pair) | {pair}
+    sub = value_ancestors(pair) | {pair}
     if reads_tokens(ctx, pair) or any(mutated_args(n) or draws(n) for n in sub):
         return why
     s = value(ctx.input_ids).shape[-1]
@@ -165,7 +165,7 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
     env: dict[fx.Node, fx.Node] = {}
     with g.inserting_before(at):
         for n in [n for n in g.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
-            env[n] = ctx.mark(g.node_copy(n, lambda x: env.get(x, x)), like=n, rows=False)
+            env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
         lead = int(torch.Size(value(pair).shape[:-2]).numel()) if value(pair).dim() > 2 else 1
         picked = ctx.mark(g.call_method("select", (env[pair], -1, 0)), like=pair, rows=False)
         table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=pair, rows=False)
