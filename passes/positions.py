@@ -8,9 +8,9 @@ so every place where a model derives a position from the row index must read
 * ``torch.arange(c, S + c)`` (step 1): RoPE angles, learned absolute embeddings
   ``wpe(arange(T))``, 1-based counts. Replaced by ``positions + c`` (in the arange's
   dtype). Exact: entry ``j`` of the arange was used as row ``j``'s position plus ``c``.
-* ``table[:S]`` on one dim of a constant table (cached cos/sin, position embedding
-  weights, a table the call builds from constants: TinyLlama's rope cache over the block
-  size): row ``j`` of the slice was used for row ``j``, so it becomes
+* ``table[:S]`` (``cache[:, :, :S, ...]``, ``cache[..., :S, :]``) on one dim of a constant
+  table (cached cos/sin, position embedding weights, a table the call builds from constants:
+  TinyLlama's rope cache over the block size): row ``j`` of the slice was used for row ``j``, so it becomes
   ``table.index_select(dim, positions)``. Where the slice is only gathered by position
   (``cos[:S][position_ids]``, transformers 4.x Llama) it is still a table indexed by
   position: the gather reads the table itself (positions are below ``S``).
@@ -259,8 +259,10 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
     if not isinstance(tv, torch.Tensor):
         return None
     index = index if isinstance(index, tuple) else (index,)
-    if index and index[-1] is Ellipsis:  # cache[:, :, :T, ...]: the dims after it are whole
-        index = index[:-1]
+    if sum(i is Ellipsis for i in index) == 1:  # cache[..., :T, :], cache[:, :, :T, ...]: whole dims
+        at = index.index(Ellipsis)
+        whole = tv.dim() - sum(i is not None and i is not Ellipsis for i in index)
+        index = index[:at] + (slice(None),) * max(whole, 0) + index[at + 1:]
     new = [at for at, i in enumerate(index) if i is None]
     kept = [at for at, i in enumerate(index) if i is not None]  # the result dim of each table dim indexed
     index = tuple(i for i in index if i is not None)

@@ -307,6 +307,8 @@ CASES: list[Case] = [
          "masked centred conv1d", _custom(zc.FullCausalConvLM)),
     Case("rope-cache-4d-slice", "custom: rotary caches [1, 1, max_len, hd] sliced cache[:, :, :T, ...]",
          _custom(zc.FourDimRopeCacheLM)),
+    Case("rope-cache-ellipsis-slice", "custom (apple/corenet OpenELM): rotary caches [1, 1, max_len, hd] sliced "
+         "cache[..., k_len - q_len : k_len, :] and cache[..., :k_len, :]", _custom(zc.EllipsisRopeCacheLM)),
     Case("torch-decoder-layer-memory", "nn.TransformerDecoderLayer(tgt_is_causal=True) with a learned memory "
          "(cross-attention to keys without rows)", _custom(zc.TorchDecoderLayerLM),
          attention={"multihead_attention": 1, "memory_attention": 1}),

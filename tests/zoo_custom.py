@@ -2140,6 +2140,26 @@ class FourDimRopeCacheAttn(_SdpaAttn):
 FourDimRopeCacheLM = _spelling(FourDimRopeCacheAttn)
 
 
+class EllipsisRopeCacheAttn(FourDimRopeCacheAttn):
+    """apple/corenet's OpenELM rotary: the ``[1, 1, max_len, hd]`` caches sliced
+    ``cache[..., key_len - query_len : key_len, :]`` for the queries and ``cache[..., :key_len, :]``
+    for the keys."""
+
+    def attend(self, q, k, v):
+        q_len, k_len = q.shape[2], k.shape[2]
+
+        def rot(x, cos, sin):
+            x1, x2 = x[..., : HD // 2], x[..., HD // 2:]
+            return x * cos + torch.cat((-x2, x1), -1) * sin
+
+        q = rot(q, self.cos_cached[..., k_len - q_len: k_len, :], self.sin_cached[..., k_len - q_len: k_len, :])
+        k = rot(k, self.cos_cached[..., :k_len, :], self.sin_cached[..., :k_len, :])
+        return _SdpaAttn.attend(self, q, k, v)
+
+
+EllipsisRopeCacheLM = _spelling(EllipsisRopeCacheAttn)
+
+
 class FullCausalConvAttn(_SdpaAttn):
     """Causal convs that mix channels after attention: WaveNet-style dilated
     ``nn.Conv1d(C, C, 2, dilation=2, padding=2)[..., :-2]`` and a MADE / PixelCNN-style centred
