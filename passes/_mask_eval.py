@@ -22,7 +22,7 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "distance_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
 
 #: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
 #: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
@@ -135,13 +135,15 @@ def structural_causal(
     return _structural_causal_bias(ctx, mask, kind, heads)
 
 
-def _structural_causal_bias(ctx, mask, kind, heads):
+def _structural_causal_bias(ctx, mask, kind, heads, at_rows=None):
+    """`structural_causal`; with ``at_rows``, the pattern the mask lets through at that length
+    (or a reason), for `_same_pattern_shorter`."""
     if not isinstance(mask, fx.Node):
         return None, "not a tensor", None, False
     if depends_on_inputs(ctx, mask):
         return None, "computed from the inputs or parameters (a padding or data-dependent mask)", None, False
     m = None
-    rows = judged_length(ctx)
+    rows = judged_length(ctx) if at_rows is None else at_rows
     # A mask that cannot be built that long (a fixed-size buffer) is judged at the example length.
     if rows is not None:
         try:
@@ -149,6 +151,8 @@ def _structural_causal_bias(ctx, mask, kind, heads):
         except Exception:
             m = None
     if m is None:
+        if at_rows is not None:
+            return None, "not evaluable at another length", None, False
         m = evaluate(ctx, mask)
     if not isinstance(m, torch.Tensor):
         return None, "not a tensor", None, False
@@ -205,10 +209,36 @@ def _structural_causal_bias(ctx, mask, kind, heads):
             return None, f"of dtype {m.dtype}", None, False
     else:
         allowed = m.bool()
+    if at_rows is not None:
+        return allowed
     window, why = causal_pattern(allowed)
     if why:
         return None, why, None, False
+    why = _same_pattern_shorter(ctx, mask, kind, heads, allowed)
+    if why:
+        return None, why, None, False
     return window, None, slopes, True
+
+
+def _same_pattern_shorter(ctx, mask, kind, heads, allowed: torch.Tensor) -> str | None:
+    """Why the mask's pattern at half the judged length is not the top-left corner of
+    ``allowed`` (a window of ``T // 2``, say: per path it is the path's length that counts), or
+    None. A mask that cannot be built or judged at another length (it reads a tensor input of
+    the row count, as Hugging Face's masks read the attention mask) is left as judged."""
+    s = allowed.shape[-1]
+    r = max(2, s // 2)
+    saved = ctx.max_rows
+    try:
+        short = _structural_causal_bias(ctx, mask, kind, heads, at_rows=r)
+    except Exception:
+        return None
+    finally:
+        ctx.max_rows = saved
+    if not isinstance(short, torch.Tensor):  # not judged at the shorter length: as it was judged
+        return None
+    if short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]):
+        return "a mask whose pattern changes with the sequence length (per path it is the path's length)"
+    return None
 
 
 def causal_pattern(allowed: torch.Tensor) -> tuple[int | None, str | None]:
@@ -226,7 +256,25 @@ def causal_pattern(allowed: torch.Tensor) -> tuple[int | None, str | None]:
     idx = torch.arange(s, device=allowed.device)
     if window >= 1 and torch.equal(allowed, causal & (idx[:, None] - idx[None, :] < window)):
         return window, None
-    return None, "causal but not a plain causal or sliding-window pattern"
+    return None, NOT_PLAIN
+
+
+#: `causal_pattern`'s reason for a causal mask of another pattern (`distance_pattern` may read it).
+NOT_PLAIN = "causal but not a plain causal or sliding-window pattern"
+
+
+def distance_pattern(allowed: torch.Tensor) -> tuple[bool, ...] | None:
+    """Per distance ``d``, whether a causal ``allowed`` ``[S, S]`` lets a query see the key ``d``
+    before it, if that is all it depends on (``allowed[i, j] == allowed[i - j, 0]`` on and below
+    the diagonal, nothing above); else None."""
+    s = allowed.shape[-1]
+    if allowed.dim() != 2 or allowed.shape[0] != s or torch.any(allowed.triu(1)):
+        return None
+    i, j = torch.tril_indices(s, s)
+    col = allowed[:, 0]
+    if not torch.equal(allowed[i, j], col[i - j]):
+        return None
+    return tuple(bool(x) for x in col)
 
 
 # Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).

@@ -287,6 +287,17 @@ CASES: list[Case] = [
          "distance beside the causal mask", _custom(zc.AbsAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("alibi-btlm", "custom (cerebras BTLM): -|j - i| * slope added after the causal where(), in place, "
          "cast by bias.type_as(scores)", _custom(zc.BtlmAlibiLM), attention={"softmax_attention": 2, "relative_bias": 2}),
+    Case("strided-mask", "custom (OpenAI's Sparse Transformer, strided heads): q >= k and (q - k) % 3 == 0 from "
+         "two aranges, w * mask + -1e9 * (1 - mask): a mask_mod of the path distance",
+         _custom(zc.PatternMaskLM), attention={"softmax_attention": 2, "distance_mask": 2}),
+    Case("dilated-window-mask", "custom: masked_fill(~((q - k) % 2 == 0 & q - k < 6 & q >= k), -inf)",
+         _custom(zc.PatternMaskLM, pattern="dilated"), attention={"softmax_attention": 2, "distance_mask": 2}),
+    Case("chunked-arange-mask", "custom: the keys of the query's chunk of 4 (q // 4 == k // 4), by masked_fill",
+         _custom(zc.PatternMaskLM, pattern="chunked"), expect="refused",
+         reason="causal but not a plain causal or sliding-window pattern, nor a function of the distance alone"),
+    Case("half-length-mask", "custom: the keys less than T // 2 before the query (a window of the length)",
+         _custom(zc.PatternMaskLM, pattern="half"), expect="refused",
+         reason="a mask whose pattern changes with the sequence length"),
     Case("alibi-over-length", "custom: a bias (j - i) / T, linear in j but scaled by the row count",
          _custom(zc.LengthScaledAlibiLM), expect="refused",
          reason="an additive score bias computed from the sequence length"),

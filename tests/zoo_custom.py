@@ -1414,6 +1414,37 @@ class BtlmAlibiAttn(AlibiAttn):
 BtlmAlibiLM = _spelling(BtlmAlibiAttn)
 
 
+class PatternMaskAttn(_Attn):
+    """A causal mask of another pattern, built from two aranges: ``"strided"`` is OpenAI's Sparse
+    Transformer strided head (``q >= k`` and ``(q - k) % 3 == 0``, applied as
+    ``w * mask + -1e9 * (1 - mask)``), ``"dilated"`` a dilated window by ``masked_fill``
+    (``(q - k) % 2 == 0`` and ``q - k < 6``); ``"chunked"`` keeps the keys of the query's chunk of 4
+    (``q // 4 == k // 4``: a function of the positions, not of the distance) and ``"half"`` the
+    keys less than ``T // 2`` before (a pattern that changes with the length)."""
+
+    def __init__(self, pattern: str = "strided") -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        x = torch.arange(t, device=q.device).view(t, 1)
+        y = x.transpose(0, 1)
+        causal = x >= y
+        keep = {"strided": (x - y) % 3 == 0, "dilated": ((x - y) % 2 == 0) & (x - y < 6),
+                "chunked": x // 4 == y // 4, "half": x - y < t // 2}[self.pattern] & causal
+        w = torch.matmul(q, k.transpose(-1, -2)) * HD**-0.5
+        if self.pattern == "strided":
+            mask = keep.to(w.dtype).view(1, 1, t, t)
+            w = w * mask + -1e9 * (1 - mask)
+        else:
+            w = w.masked_fill(~keep, float("-inf"))
+        return F.softmax(w, dim=-1) @ v
+
+
+PatternMaskLM = _spelling(PatternMaskAttn)
+
+
 class T5BiasAttn(_Attn):
     """T5-style relative position bias: a learned ``[buckets, H]`` table at ``bucket(i - j)``."""
 

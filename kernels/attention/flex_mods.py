@@ -76,6 +76,23 @@ def chunk_mods(chunk: int) -> str:
     return _CHUNKS[chunk]
 
 
+_DISTANCES: dict[int, str] = {}
+
+
+def distance_mods(length: int) -> str:
+    """The key of a mask_mod keeping the keys at the distances a table allows (``tab[d]`` for
+    ``d = positions[q] - positions[kv]``, ``length`` entries): a causal mask of any pattern of
+    the distance (OpenAI's Sparse Transformer's strided heads, a dilated window), ANDed with
+    the tree rule."""
+    if length not in _DISTANCES:
+        def allowed_distance(b, h, q_idx, kv_idx, tab):
+            return tab[(q_idx - kv_idx).clamp(0, length - 1)]
+
+        allowed_distance.__name__ = f"distances{length}"
+        _DISTANCES[length] = register_mods(None, allowed_distance, 0, 1)
+    return _DISTANCES[length]
+
+
 def user_mods(key: str) -> UserMods:
     return _MODS[key]
 

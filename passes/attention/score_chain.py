@@ -412,12 +412,13 @@ def _in_place_edits(ctx: PassContext, chain: ScoreChain, cur: fx.Node, reader: f
         step(ctx, chain, u)
 
 
-def arithmetic_mask(ctx: PassContext, chain: ScoreChain) -> torch.Tensor | str | None:
+def arithmetic_mask(ctx: PassContext, chain: ScoreChain, rows: int | None = None) -> torch.Tensor | str | None:
     """The allowed pattern of masks written as arithmetic, ``scores * b - c`` or ``scores * b +
     a`` (a ``multiply`` term with ``subtract`` or ``additive`` ones), evaluated as a whole: True
     where the score passes (``b`` is 1, the sum of the other terms 0), False where it is blocked
     (that sum at most `BLOCKED`, ``b`` 0 or 1); a reason if another entry exists; None if the
-    chain has no ``multiply`` or ``subtract`` term (its other masks are judged one by one)."""
+    chain has no ``multiply`` or ``subtract`` term (its other masks are judged one by one).
+    ``rows``: evaluated at that length instead of the example's."""
     kinds = {k for k, _ in chain.masks}
     if not kinds & {"multiply", "subtract"}:
         return None
@@ -425,11 +426,11 @@ def arithmetic_mask(ctx: PassContext, chain: ScoreChain) -> torch.Tensor | str |
     try:
         for kind, m in chain.masks:
             if kind == "multiply":
-                b = b * evaluate(ctx, m).double()
+                b = b * evaluate(ctx, m, rows=rows).double()
             elif kind == "subtract":
-                c = c - evaluate(ctx, m).double()
+                c = c - evaluate(ctx, m, rows=rows).double()
             elif kind == "additive":
-                c = c + evaluate(ctx, m).double()
+                c = c + evaluate(ctx, m, rows=rows).double()
             else:
                 return f"a {kind} mask mixed with an arithmetic one"
     except Exception as e:  # an operand that cannot be evaluated alone

@@ -14,7 +14,9 @@ from torch import fx
 
 from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
                                       source_of, value)
-from treecompile.passes._mask_eval import PAIR_BIAS, causal_pattern, structural_causal
+from treecompile.kernels.attention.flex_mods import distance_mods
+from treecompile.passes._mask_eval import (BLOCKED, NOT_PLAIN, PAIR_BIAS, causal_pattern, distance_pattern, evaluate,
+                                          structural_causal)
 from treecompile.passes.attention.operands import (
     chain_end,
     drops_last_column,
@@ -85,8 +87,20 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         why, at_out = terms
         ctx.notes[m.out if at_out else node] = why
         return
-    window, alibi, relative = terms
+    window, alibi, relative, distances = terms
     mods, mod_buffers = None, []
+    if distances is not None:
+        if relative or alibi is not None:
+            ctx.notes[node] = "the attention mask is a pattern of the distance beside a learned pair bias or ALiBi"
+            return
+        mods = distance_mods(len(distances))
+        dev = value(node).device
+        with gm.graph.inserting_before(m.out):
+            table = ctx.mark(gm.graph.call_function(torch.tensor, (list(distances),), {"dtype": torch.bool,
+                                                                                       "device": dev}),
+                             like=m.out, rows=False)
+        table.meta["example_value"] = torch.tensor(list(distances), dtype=torch.bool, device=dev)
+        mod_buffers = [table]
     if relative:
         if alibi is not None or m.walk.softcap is not None:
             ctx.notes[node] = "the scores get a learned pair bias beside ALiBi or a soft-cap"
@@ -159,7 +173,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
                mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
         if mods is not None:
-            ctx.count("relative_bias")
+            ctx.count("distance_mask" if distances is not None else "relative_bias")
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
@@ -258,8 +272,15 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
     masks = [(kind, m) for kind, m in walk.masks if kind != "relative"]
     if relative and (arithmetic or len(relative) > 1):
         return "the scores get a learned pair bias beside another bias or an arithmetic mask", False
+    distances = None
     for kind, m in [] if arithmetic else masks:  # an arithmetic mask is judged as a whole, below
         w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
+        if why == NOT_PLAIN:
+            found = _distances(ctx, functools.partial(_allowed, ctx, kind, m))
+            if isinstance(found, str):
+                return f"the attention mask is {found}", False
+            distances = found if distances is None else tuple(a and b for a, b in zip(distances, found))
+            why, is_mask = None, True
         if why and why.startswith(PAIR_BIAS) and not relative:
             relative = [m]  # judged as a function of the distance, as a learned pair bias is
             continue
@@ -279,6 +300,14 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
         flat = allowed.reshape(-1, *allowed.shape[-2:])
         w, why = causal_pattern(flat[0]) if all(torch.equal(flat[0], f) for f in flat[1:]) else \
             (None, "different across batch or heads")
+        if why == NOT_PLAIN:
+            found = _distances(ctx, lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)))
+            if isinstance(found, str):
+                return f"the attention mask is {found}", False
+            distances = found if distances is None else tuple(a and b for a, b in zip(distances, found))
+            why = None
+        elif not why:
+            why = _changes_with_length(lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)), flat[0])
         if why:
             return f"the attention mask is {why}", False
         ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
@@ -287,4 +316,61 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
             window = w if window is None else min(window, w)
     if not causal:
         return bidirectional
-    return window, alibi, relative
+    if distances is not None and window is not None:  # the window is one more pattern of the distance
+        distances, window = tuple(a and d < window for d, a in enumerate(distances)), None
+    return window, alibi, relative, distances
+
+
+def _changes_with_length(allowed_at, allowed: torch.Tensor) -> str | None:
+    """Why the pattern ``allowed_at(rows)`` at half the length of ``allowed`` is not its top-left
+    corner (a window of ``T // 2``: per path it is the path's length that counts), or None (also
+    for a mask that cannot be evaluated at another length, judged as it was)."""
+    r = max(2, allowed.shape[-1] // 2)
+    try:
+        short = allowed_at(r)
+    except Exception:
+        return None
+    if not isinstance(short, torch.Tensor) or short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]):
+        return "a mask whose pattern changes with the sequence length (per path it is the path's length)"
+    return None
+
+
+def _one_pattern(allowed) -> torch.Tensor | None:
+    """The one ``[S, S]`` pattern of ``allowed`` (the same over its leading dims), or None."""
+    if not isinstance(allowed, torch.Tensor) or allowed.dim() < 2:
+        return None
+    flat = allowed.reshape(-1, *allowed.shape[-2:])
+    return flat[0] if all(torch.equal(flat[0], f) for f in flat[1:]) else None
+
+
+def _allowed(ctx: PassContext, kind: str, mask: fx.Node, rows: int | None) -> torch.Tensor | None:
+    """What a structural mask of ``kind`` lets through at ``rows`` rows (the example's if None),
+    or None for a mask that also adds a bias (its finite entries not all 0)."""
+    v = evaluate(ctx, mask, rows=rows)
+    if kind == "masked_fill":
+        allowed = ~v.bool()
+    elif v.is_floating_point():
+        blocked = v <= BLOCKED
+        if torch.any((v != 0) & ~blocked):
+            return None
+        allowed = ~blocked
+    else:
+        allowed = v.bool()
+    return _one_pattern(allowed)
+
+
+def _distances(ctx: PassContext, allowed_at) -> tuple[bool, ...] | str:
+    """The causal mask's pattern of the distance (`distance_pattern`) from ``allowed_at(rows)``,
+    the same on the shorter length's distances at half the example length; or why not."""
+    try:
+        long = allowed_at(None)
+        short = None if long is None else allowed_at(max(2, long.shape[-1] // 2))
+    except Exception as e:  # a mask that cannot be evaluated alone (or at another length)
+        return f"{NOT_PLAIN} that cannot be evaluated at another length ({type(e).__name__})"
+    found = [None if a is None else distance_pattern(a) for a in (long, short)]
+    if found[0] is None or found[1] is None:
+        return f"{NOT_PLAIN}, nor a function of the distance alone"
+    if found[0][: len(found[1])] != found[1]:
+        return f"{NOT_PLAIN} that changes with the sequence length"
+    ctx.max_rows = len(found[0]) if ctx.max_rows is None else min(ctx.max_rows, len(found[0]))
+    return found[0]
