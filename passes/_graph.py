@@ -44,9 +44,8 @@ class PassContext:
         counters: per pass function name, a Counter of rewrites by kind.
         pass_name: the name of the pass now running; :meth:`count` records under it.
         created: nodes the passes inserted (the verify pass trusts them).
-        off_rows: created nodes whose dims of the row count's size are not rows (a
-            convolution kernel or a relative table over distances): they get no row state, so
-            the first-call probe does not compare them as rows.
+        off_rows: created nodes whose dims of the row count's size are not rows (tables over
+            distances): no row state, so the first-call probe does not compare them as rows.
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
             root), when the model has recurrent or conv layers (else None).
@@ -99,8 +98,7 @@ class PassContext:
         self.counters.setdefault(self.pass_name, Counter())[kind] += n
 
     def mark(self, node: fx.Node, like: fx.Node | None = None, rows: bool = True) -> fx.Node:
-        """Records ``node`` as created by a pass, copying source info from ``like``; ``rows=False``:
-        its dims of the row count's size are not rows (`off_rows`)."""
+        """Records ``node`` as created by a pass (source info from ``like``; `off_rows` if not ``rows``)."""
         self.created.add(node)
         if not rows:
             self.off_rows.add(node)
@@ -118,17 +116,6 @@ MATMUL = {operator.matmul, torch.matmul, torch.bmm, torch.ops.aten.matmul.defaul
 PADS = {F.pad, torch._C._nn.pad, torch.constant_pad_nd}  # F.pad inlines to torch._C._nn.pad
 CATS = {torch.cat, torch.concat, torch.concatenate}
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
-
-
-def copy_node(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
-    """A copy of ``node`` (inserted where ``g`` inserts) reading ``env``'s copies of its inputs.
-    A ``type_as`` or ``to`` whose other tensor has no copy becomes ``.to(dtype)``: that tensor
-    lends only its dtype, and the copy does not keep it (the scores a bias is cast to) alive."""
-    if node.op == "call_method" and node.target in ("type_as", "to") and len(node.args) == 2 \
-            and isinstance(node.args[1], fx.Node) and node.args[1] not in env \
-            and isinstance(value(node), torch.Tensor):
-        return g.call_method("to", (env.get(node.args[0], node.args[0]), value(node).dtype))
-    return g.node_copy(node, lambda x: env.get(x, x))
 
 
 def is_call(node: fx.Node, functions: Iterable[Callable] = (), methods: Iterable[str] = ()) -> bool:

@@ -22,7 +22,7 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "distance_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "distance_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
 
 #: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
 #: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
@@ -101,6 +101,17 @@ def value_ancestors(node: fx.Node) -> set[fx.Node]:
             seen.add(n)
             stack.extend(value_inputs(n))
     return seen
+
+
+def copy_node(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    """A copy of ``node`` (inserted where ``g`` inserts) reading ``env``'s copies of its inputs.
+    A ``type_as`` or ``to`` whose other tensor has no copy becomes ``.to(dtype)``: that tensor
+    lends only its dtype, and the copy does not keep it (the scores a bias is cast to) alive."""
+    if node.op == "call_method" and node.target in ("type_as", "to") and len(node.args) == 2 \
+            and isinstance(node.args[1], fx.Node) and node.args[1] not in env \
+            and isinstance(value(node), torch.Tensor):
+        return g.call_method("to", (env.get(node.args[0], node.args[0]), value(node).dtype))
+    return g.node_copy(node, lambda x: env.get(x, x))
 
 
 def _nodes(a) -> list[fx.Node]:

@@ -301,6 +301,9 @@ CASES: list[Case] = [
     Case("alibi-over-length", "custom: a bias (j - i) / T, linear in j but scaled by the row count",
          _custom(zc.LengthScaledAlibiLM), expect="refused",
          reason="an additive score bias computed from the sequence length"),
+    Case("abs-bias-over-length", "custom: a bias -|j - i| * 4 / T, a function of the distance scaled by the row count",
+         _custom(zc.LengthScaledAbsLM), expect="refused",
+         reason="a bias over (query, key) pairs that changes with the sequence length"),
     Case("t5-bias", "custom: T5-style learned relative position bias (a table at clamp(i - j)), a score_mod on "
          "path distances", _custom(zc.T5BiasLM), attention={"softmax_attention": 2, "relative_bias": 2}),
     Case("t5-masked-bias", "Hugging Face T5's decoder: position_bias = compute_bias(..) + causal mask (finfo.min), "

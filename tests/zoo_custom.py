@@ -1887,6 +1887,22 @@ class LengthScaledAlibiAttn(_Attn):
 LengthScaledAlibiLM = _spelling(LengthScaledAlibiAttn)
 
 
+class LengthScaledAbsAttn(_Attn):
+    """A bias of the distance scaled by the row count, ``-|j - i| * 4 / T`` (not linear in ``j``:
+    judged as a function of the distance, whose table changes with the length)."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        pos = torch.arange(t, device=q.device)
+        bias = -torch.abs(pos[None, :] - pos[:, None]).to(q.dtype) * (4.0 / t)
+        att = q @ k.transpose(-2, -1) * HD**-0.5 + bias
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+LengthScaledAbsLM = _spelling(LengthScaledAbsAttn)
+
+
 # ----------------------------------------------------------------------- a model's own FlexAttention
 # score_mods and mask_mods as pytorch-labs/attention-gym writes them (mods/softcapping.py,
 # mods/alibi.py, masks/sliding_window.py, masks/document_mask.py), used in a decoder that builds

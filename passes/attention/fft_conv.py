@@ -36,9 +36,9 @@ import torch
 from torch import fx
 
 from treecompile.kernels.attention import pair_sum as _kernel  # noqa: F401  (registers treecompile::tree_pair_sum)
-from treecompile.passes._graph import (PassContext, ancestors, bind, copy_node, is_call, mutated_args, same_size,
+from treecompile.passes._graph import (PassContext, ancestors, bind, is_call, mutated_args, same_size,
                                       value)
-from treecompile.passes._mask_eval import evaluate, reads_tokens, value_ancestors
+from treecompile.passes._mask_eval import copy_node, evaluate, reads_tokens, value_ancestors
 from treecompile.passes.rows.random import draws
 
 __all__ = ["is_fft_conv", "rewrite_fft_conv"]

@@ -35,9 +35,9 @@ from torch import fx
 from treecompile.core.advice import TreeWarning
 
 from treecompile.kernels.attention.flex_mods import register_mods
-from treecompile.passes._graph import (ARANGE, PassContext, ancestors, copy_node, describe, is_call, location_of,
+from treecompile.passes._graph import (ARANGE, PassContext, ancestors, describe, is_call, location_of,
                                       mutated_args, same_size, value)
-from treecompile.passes._mask_eval import evaluate, reads_tokens, value_ancestors
+from treecompile.passes._mask_eval import copy_node, evaluate, reads_tokens, value_ancestors
 from treecompile.passes.rows.random import draws
 
 __all__ = ["relative_bias_mods", "relative_table"]
@@ -60,7 +60,7 @@ def relative_bias_mods(gm: fx.GraphModule, ctx: PassContext, bias: fx.Node, at: 
             table = ctx.mark(gm.graph.call_function(operator.mul, (table, scale)), like=bias, rows=False)
     if heads is not None and lead not in (1, heads):
         return f"a bias over (query, key) pairs with {lead} leading entries for {heads} heads"
-    why = _check(ctx, bias, table, scale)
+    why = _check(ctx, bias, table, scale) or _same_table_shorter(ctx, table)
     if why is not None:
         return why
     per_head = lead > 1
@@ -236,6 +236,25 @@ def _downstream_of(nodes) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.users)
     return seen
+
+
+def _same_table_shorter(ctx: PassContext, table: fx.Node) -> str | None:
+    """Why the table built at half the example length is not the first entries of the example's
+    (a bias scaled by ``1 / T``: per path it is the path's length), or None (also for a table
+    that cannot be built at another length, judged as it was)."""
+    s = value(ctx.input_ids).shape[-1]
+    if not isinstance(s, torch.SymInt):
+        return None
+    try:
+        long = evaluate(ctx, table).double()
+        short = evaluate(ctx, table, rows=max(2, int(s.node.hint) // 2)).double()
+    except Exception:
+        return None
+    n = short.shape[-1]
+    if long.shape[:-1] != short.shape[:-1] or long.shape[-1] < n or \
+            not torch.allclose(long[..., :n], short, rtol=1e-9, atol=1e-12):
+        return "a bias over (query, key) pairs that changes with the sequence length (per path it is the path's length)"
+    return None
 
 
 def _check(ctx: PassContext, bias: fx.Node, table: fx.Node, scale: float) -> str | None:

@@ -458,9 +458,9 @@ class TreeCompiledModel(DelegatingModule):
             self._compiled = self._build(device)
             self._first_record = len(self.compile_records)
         # Buffers sliced by the row count: shorter than the rows but as long as the longest path
-        # (nanoGPT's tril[:T, :T]) fail a capture; exactly as long (a cache an earlier call grew to
-        # this length) make Dynamo take the row count for their size. Each kind is extended for the
-        # call once a capture has failed so (then for every such batch); masks are judged no longer.
+        # (nanoGPT's tril[:T, :T]) fail a capture; exactly as long (a cache grown to this length)
+        # make Dynamo take the row count for their size. Each kind is extended for the call once
+        # a capture has failed so (then for every such batch); masks are judged no longer.
         kinds = {CaptureFailed: short_buffers(self._inner, batch.num_tokens, longest),
                  ConstantLength: short_buffers(self._inner, batch.num_tokens, longest, equal=True)}
 
@@ -482,10 +482,8 @@ class TreeCompiledModel(DelegatingModule):
         except (CaptureFailed, ConstantLength) as failed:
             kind = type(failed)
             error = failed.error if kind is CaptureFailed else failed
-            # A capture that failed on a tensor's values, not on a size, is not retried with the
-            # buffers extended (a head dim in the range would be grown, and the retry fail on it).
-            if not kinds[kind] or kind in self._extending or (kind is CaptureFailed
-                                                               and not about_sizes(error, batch.num_tokens)):
+            sized = kind is ConstantLength or about_sizes(error, batch.num_tokens)  # not on a tensor's values
+            if not kinds[kind] or kind in self._extending or not sized:
                 raise error from None
             self._extending.add(kind)
             try:
