@@ -22,7 +22,7 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "distance_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
 
 #: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
 #: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
@@ -286,6 +286,22 @@ def distance_pattern(allowed: torch.Tensor) -> tuple[bool, ...] | None:
     if not torch.equal(allowed[i, j], col[i - j]):
         return None
     return tuple(bool(x) for x in col)
+
+
+def chunk_pattern(allowed: torch.Tensor) -> int | None:
+    """The chunk ``c`` if a causal ``allowed`` ``[S, S]`` keeps exactly the keys at or before the
+    query in the query's chunk of ``c`` (``i // c == j // c``: Llama 4's chunked attention written
+    with two aranges), with at least two chunks; else None."""
+    s = allowed.shape[-1]
+    if allowed.dim() != 2 or allowed.shape[0] != s:
+        return None
+    cut = (~allowed[1:, 0]).nonzero()
+    if cut.numel() == 0:
+        return None
+    c = int(cut[0, 0]) + 1
+    idx = torch.arange(s, device=allowed.device)
+    chunked = (idx[:, None] >= idx[None, :]) & (idx[:, None] // c == idx[None, :] // c)
+    return c if torch.equal(allowed, chunked) else None
 
 
 # Ops that may take the sequence length as a size or bound (not as a value in the arithmetic).

@@ -292,9 +292,12 @@ CASES: list[Case] = [
          _custom(zc.PatternMaskLM), attention={"softmax_attention": 2, "distance_mask": 2}),
     Case("dilated-window-mask", "custom: masked_fill(~((q - k) % 2 == 0 & q - k < 6 & q >= k), -inf)",
          _custom(zc.PatternMaskLM, pattern="dilated"), attention={"softmax_attention": 2, "distance_mask": 2}),
-    Case("chunked-arange-mask", "custom: the keys of the query's chunk of 4 (q // 4 == k // 4), by masked_fill",
-         _custom(zc.PatternMaskLM, pattern="chunked"), expect="refused",
-         reason="causal but not a plain causal or sliding-window pattern, nor a function of the distance alone"),
+    Case("chunked-arange-mask", "custom: the keys of the query's chunk of 4 (q // 4 == k // 4), by masked_fill: "
+         "Llama 4's chunks of the path positions", _custom(zc.PatternMaskLM, pattern="chunked"),
+         attention={"softmax_attention": 2, "chunk_mask": 2}),
+    Case("fixed-pattern-mask", "custom (Sparse Transformer's fixed heads): the query's chunk of 4 and every chunk's "
+         "last key", _custom(zc.PatternMaskLM, pattern="fixed"), expect="refused",
+         reason="nor a function of the distance alone, nor chunks of the positions"),
     Case("half-length-mask", "custom: the keys less than T // 2 before the query (a window of the length)",
          _custom(zc.PatternMaskLM, pattern="half"), expect="refused",
          reason="a mask whose pattern changes with the sequence length"),

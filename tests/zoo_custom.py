@@ -1419,8 +1419,9 @@ class PatternMaskAttn(_Attn):
     Transformer strided head (``q >= k`` and ``(q - k) % 3 == 0``, applied as
     ``w * mask + -1e9 * (1 - mask)``), ``"dilated"`` a dilated window by ``masked_fill``
     (``(q - k) % 2 == 0`` and ``q - k < 6``); ``"chunked"`` keeps the keys of the query's chunk of 4
-    (``q // 4 == k // 4``: a function of the positions, not of the distance) and ``"half"`` the
-    keys less than ``T // 2`` before (a pattern that changes with the length)."""
+    (``q // 4 == k // 4``: Llama 4's chunks, a function of the positions), ``"fixed"`` the Sparse
+    Transformer's fixed heads (the query's chunk and every chunk's last key: neither) and ``"half"``
+    the keys less than ``T // 2`` before (a pattern that changes with the length)."""
 
     def __init__(self, pattern: str = "strided") -> None:
         super().__init__()
@@ -1432,7 +1433,8 @@ class PatternMaskAttn(_Attn):
         y = x.transpose(0, 1)
         causal = x >= y
         keep = {"strided": (x - y) % 3 == 0, "dilated": ((x - y) % 2 == 0) & (x - y < 6),
-                "chunked": x // 4 == y // 4, "half": x - y < t // 2}[self.pattern] & causal
+                "chunked": x // 4 == y // 4, "fixed": (x // 4 == y // 4) | (y % 4 == 3),
+                "half": x - y < t // 2}[self.pattern] & causal
         w = torch.matmul(q, k.transpose(-1, -2)) * HD**-0.5
         if self.pattern == "strided":
             mask = keep.to(w.dtype).view(1, 1, t, t)

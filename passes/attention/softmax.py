@@ -14,9 +14,9 @@ from torch import fx
 
 from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
                                       source_of, value)
-from treecompile.kernels.attention.flex_mods import distance_mods
-from treecompile.passes._mask_eval import (BLOCKED, NOT_PLAIN, PAIR_BIAS, causal_pattern, distance_pattern, evaluate,
-                                          structural_causal)
+from treecompile.kernels.attention.flex_mods import chunk_mods, distance_mods
+from treecompile.passes._mask_eval import (BLOCKED, NOT_PLAIN, PAIR_BIAS, causal_pattern, chunk_pattern,
+                                          distance_pattern, evaluate, structural_causal)
 from treecompile.passes.attention.operands import (
     chain_end,
     drops_last_column,
@@ -89,7 +89,12 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         return
     window, alibi, relative, distances = terms
     mods, mod_buffers = None, []
-    if distances is not None:
+    if isinstance(distances, int):  # the query's chunk of that many tokens
+        if relative or alibi is not None or window is not None:
+            ctx.notes[node] = "the attention mask keeps chunks beside a learned pair bias, ALiBi or a window"
+            return
+        mods = chunk_mods(distances)
+    elif distances is not None:
         if relative or alibi is not None:
             ctx.notes[node] = "the attention mask is a pattern of the distance beside a learned pair bias or ALiBi"
             return
@@ -173,7 +178,8 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
                mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
         if mods is not None:
-            ctx.count("distance_mask" if distances is not None else "relative_bias")
+            ctx.count("chunk_mask" if isinstance(distances, int) else "distance_mask" if distances is not None
+                      else "relative_bias")
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
@@ -279,7 +285,9 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
             found = _distances(ctx, functools.partial(_allowed, ctx, kind, m))
             if isinstance(found, str):
                 return f"the attention mask is {found}", False
-            distances = found if distances is None else tuple(a and b for a, b in zip(distances, found))
+            distances = _and(distances, found)
+            if isinstance(distances, str):
+                return f"the attention mask is {distances}", False
             why, is_mask = None, True
         if why and why.startswith(PAIR_BIAS) and not relative:
             relative = [m]  # judged as a function of the distance, as a learned pair bias is
@@ -304,7 +312,9 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
             found = _distances(ctx, lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)))
             if isinstance(found, str):
                 return f"the attention mask is {found}", False
-            distances = found if distances is None else tuple(a and b for a, b in zip(distances, found))
+            distances = _and(distances, found)
+            if isinstance(distances, str):
+                return f"the attention mask is {distances}", False
             why = None
         elif not why:
             why = _changes_with_length(lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)), flat[0])
@@ -316,7 +326,7 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
             window = w if window is None else min(window, w)
     if not causal:
         return bidirectional
-    if distances is not None and window is not None:  # the window is one more pattern of the distance
+    if isinstance(distances, tuple) and window is not None:  # the window is one more pattern of the distance
         distances, window = tuple(a and d < window for d, a in enumerate(distances)), None
     return window, alibi, relative, distances
 
@@ -359,18 +369,32 @@ def _allowed(ctx: PassContext, kind: str, mask: fx.Node, rows: int | None) -> to
     return _one_pattern(allowed)
 
 
-def _distances(ctx: PassContext, allowed_at) -> tuple[bool, ...] | str:
-    """The causal mask's pattern of the distance (`distance_pattern`) from ``allowed_at(rows)``,
-    the same on the shorter length's distances at half the example length; or why not."""
+def _and(a, b):
+    """Two masks' patterns ANDed: tables of the distance entry by entry; a chunk alone."""
+    if a is None:
+        return b
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return tuple(x and y for x, y in zip(a, b))
+    return "two masks, one of them keeping chunks"
+
+
+def _distances(ctx: PassContext, allowed_at) -> tuple[bool, ...] | int | str:
+    """The causal mask's pattern of the distance (`distance_pattern`), or the chunk whose keys it
+    keeps (`chunk_pattern`), from ``allowed_at(rows)``, the same at half the example length on the
+    shorter length's pairs; or why not."""
     try:
         long = allowed_at(None)
         short = None if long is None else allowed_at(max(2, long.shape[-1] // 2))
     except Exception as e:  # a mask that cannot be evaluated alone (or at another length)
         return f"{NOT_PLAIN} that cannot be evaluated at another length ({type(e).__name__})"
-    found = [None if a is None else distance_pattern(a) for a in (long, short)]
-    if found[0] is None or found[1] is None:
+    if long is None or short is None:
         return f"{NOT_PLAIN}, nor a function of the distance alone"
-    if found[0][: len(found[1])] != found[1]:
+    if not torch.equal(long[: short.shape[0], : short.shape[1]], short):
         return f"{NOT_PLAIN} that changes with the sequence length"
-    ctx.max_rows = len(found[0]) if ctx.max_rows is None else min(ctx.max_rows, len(found[0]))
-    return found[0]
+    ctx.max_rows = long.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, long.shape[-1])
+    found = distance_pattern(long)
+    if found is None:
+        found = chunk_pattern(long)
+    if found is None:
+        return f"{NOT_PLAIN}, nor a function of the distance alone, nor chunks of the positions"
+    return found
