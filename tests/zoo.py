@@ -295,6 +295,10 @@ CASES: list[Case] = [
     Case("chunked-arange-mask", "custom: the keys of the query's chunk of 4 (q // 4 == k // 4), by masked_fill: "
          "Llama 4's chunks of the path positions", _custom(zc.PatternMaskLM, pattern="chunked"),
          attention={"softmax_attention": 2, "chunk_mask": 2}),
+    Case("sdpa-strided-mask", "custom: SDPA with the boolean attn_mask (q - k) % 3 == 0 & q >= k",
+         _custom(zc.SdpaPatternMaskLM), attention={"sdpa": 2, "distance_mask": 2}),
+    Case("sdpa-chunked-mask", "custom: SDPA with the boolean attn_mask q // 4 == k // 4 & q >= k",
+         _custom(zc.SdpaPatternMaskLM, pattern="chunked"), attention={"sdpa": 2, "chunk_mask": 2}),
     Case("fixed-pattern-mask", "custom (Sparse Transformer's fixed heads): the query's chunk of 4 and every chunk's "
          "last key", _custom(zc.PatternMaskLM, pattern="fixed"), expect="refused",
          reason="nor a function of the distance alone, nor chunks of the positions"),

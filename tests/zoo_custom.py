@@ -1447,6 +1447,20 @@ class PatternMaskAttn(_Attn):
 PatternMaskLM = _spelling(PatternMaskAttn)
 
 
+class SdpaPatternMaskAttn(PatternMaskAttn):
+    """The same patterns as SDPA's boolean ``attn_mask``."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        x = torch.arange(t, device=q.device).view(t, 1)
+        y = x.transpose(0, 1)
+        keep = {"strided": (x - y) % 3 == 0, "chunked": x // 4 == y // 4}[self.pattern] & (x >= y)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+SdpaPatternMaskLM = _spelling(SdpaPatternMaskAttn)
+
+
 class T5BiasAttn(_Attn):
     """T5-style relative position bias: a learned ``[buckets, H]`` table at ``bucket(i - j)``."""
 

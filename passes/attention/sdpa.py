@@ -7,13 +7,15 @@ tokens, which ride in the kernel's product (`treecompile.passes.attention.token_
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 from torch import fx
 
 from treecompile.passes._graph import Emitter, PassContext, bind, is_call, row_dims, value
-from treecompile.passes._mask_eval import depends_on_inputs, structural_causal
+from treecompile.passes._mask_eval import NOT_PLAIN, depends_on_inputs, structural_causal
+from treecompile.passes.attention.patterns import allowed_at, mask_pattern, pattern_mods
 from treecompile.passes.attention.memory import memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.token_bias import (AND, masked_token_terms, split_key_masks, token_terms,
@@ -50,7 +52,7 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     if memory is not None and (terms or a["scale"] is not None and not isinstance(a["scale"], (int, float))):
         ctx.notes[node] = "attention over memory keys and the sequence's with a bias read from the tokens"
         return
-    alibi = None
+    alibi, mods, mod_buffers = None, None, []
     if terms and mask is None and not a["is_causal"]:
         ctx.notes[node] = "non-causal attention over the sequence (attn_mask is read from the tokens alone)"
         return
@@ -61,6 +63,13 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         window = None
     else:
         window, why, alibi, causal = structural_causal(ctx, mask, kind=kind, heads=heads_of(node))
+        if why == NOT_PLAIN:  # a pattern of the distance, or chunks (`patterns`)
+            pattern = mask_pattern(ctx, functools.partial(allowed_at, ctx, kind, mask))
+            found = pattern if isinstance(pattern, str) else pattern_mods(gm, ctx, node, pattern, beside=bool(terms))
+            if isinstance(found, str):
+                ctx.notes[node] = f"attn_mask is {found.removeprefix('the attention mask is ')}"
+                return
+            (mods, mod_buffers), why, causal = found, None, True
         if why:
             ctx.notes[node] = f"attn_mask is {why}"
             return
@@ -86,9 +95,14 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             return
         scale = scale if scale is not None else value(q).shape[-1] ** -0.5
         sinks, sink_values = memory_sinks(Emitter(gm, ctx, node), q, memory, float(scale))
+    if mods is not None and memory is not None:
+        ctx.notes[node] = "attention over memory keys and the sequence's with a mask of another pattern"
+        return
     if replace(gm, ctx, node, q, k, v, scale=scale, window=window, softcap=None, alibi=alibi, sinks=sinks,
-               sink_values=sink_values):
+               sink_values=sink_values, mods=mods, mod_buffers=mod_buffers):
         ctx.count("sdpa")
+        if mods is not None:
+            ctx.count("chunk_mask" if not mod_buffers else "distance_mask")
 
 
 def _token_parts(ctx: PassContext, mask, at: fx.Node) -> tuple:

@@ -14,9 +14,7 @@ from torch import fx
 
 from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
                                       source_of, value)
-from treecompile.kernels.attention.flex_mods import chunk_mods, distance_mods
-from treecompile.passes._mask_eval import (BLOCKED, NOT_PLAIN, PAIR_BIAS, causal_pattern, chunk_pattern,
-                                          distance_pattern, evaluate, structural_causal)
+from treecompile.passes._mask_eval import NOT_PLAIN, PAIR_BIAS, causal_pattern, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
     drops_last_column,
@@ -30,6 +28,8 @@ from treecompile.passes.attention.operands import (
 from treecompile.passes.attention.grouped import Grouped, combine, grouped_output, repeat_values
 from treecompile.passes.attention.head_mix import HeadMix, head_mix, mix_matrix, mixed_heads, mixed_values, unmix
 from treecompile.passes.attention.memory import Memory, memory_keys, memory_masks, memory_sinks
+from treecompile.passes.attention.patterns import (allowed_at, and_patterns, changes_with_length, mask_pattern,
+                                                   one_pattern, pattern_mods)
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
@@ -89,23 +89,13 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         return
     window, alibi, relative, distances = terms
     mods, mod_buffers = None, []
-    if isinstance(distances, int):  # the query's chunk of that many tokens
-        if relative or alibi is not None or window is not None:
-            ctx.notes[node] = "the attention mask keeps chunks beside a learned pair bias, ALiBi or a window"
+    if distances is not None:
+        found = pattern_mods(gm, ctx, m.out, distances, beside=bool(relative) or alibi is not None
+                             or isinstance(distances, int) and window is not None)
+        if isinstance(found, str):
+            ctx.notes[node] = found
             return
-        mods = chunk_mods(distances)
-    elif distances is not None:
-        if relative or alibi is not None:
-            ctx.notes[node] = "the attention mask is a pattern of the distance beside a learned pair bias or ALiBi"
-            return
-        mods = distance_mods(len(distances))
-        dev = value(node).device
-        with gm.graph.inserting_before(m.out):
-            table = ctx.mark(gm.graph.call_function(torch.tensor, (list(distances),), {"dtype": torch.bool,
-                                                                                       "device": dev}),
-                             like=m.out, rows=False)
-        table.meta["example_value"] = torch.tensor(list(distances), dtype=torch.bool, device=dev)
-        mod_buffers = [table]
+        mods, mod_buffers = found
     if relative:
         if alibi is not None or m.walk.softcap is not None:
             ctx.notes[node] = "the scores get a learned pair bias beside ALiBi or a soft-cap"
@@ -282,10 +272,10 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
     for kind, m in [] if arithmetic else masks:  # an arithmetic mask is judged as a whole, below
         w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
         if why == NOT_PLAIN:
-            found = _distances(ctx, functools.partial(_allowed, ctx, kind, m))
+            found = mask_pattern(ctx, functools.partial(allowed_at, ctx, kind, m))
             if isinstance(found, str):
                 return f"the attention mask is {found}", False
-            distances = _and(distances, found)
+            distances = and_patterns(distances, found)
             if isinstance(distances, str):
                 return f"the attention mask is {distances}", False
             why, is_mask = None, True
@@ -309,15 +299,15 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
         w, why = causal_pattern(flat[0]) if all(torch.equal(flat[0], f) for f in flat[1:]) else \
             (None, "different across batch or heads")
         if why == NOT_PLAIN:
-            found = _distances(ctx, lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)))
+            found = mask_pattern(ctx, lambda rows: one_pattern(arithmetic_mask(ctx, walk, rows)))
             if isinstance(found, str):
                 return f"the attention mask is {found}", False
-            distances = _and(distances, found)
+            distances = and_patterns(distances, found)
             if isinstance(distances, str):
                 return f"the attention mask is {distances}", False
             why = None
         elif not why:
-            why = _changes_with_length(lambda rows: _one_pattern(arithmetic_mask(ctx, walk, rows)), flat[0])
+            why = changes_with_length(lambda rows: one_pattern(arithmetic_mask(ctx, walk, rows)), flat[0])
         if why:
             return f"the attention mask is {why}", False
         ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
@@ -331,70 +321,3 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
     return window, alibi, relative, distances
 
 
-def _changes_with_length(allowed_at, allowed: torch.Tensor) -> str | None:
-    """Why the pattern ``allowed_at(rows)`` at half the length of ``allowed`` is not its top-left
-    corner (a window of ``T // 2``: per path it is the path's length that counts), or None (also
-    for a mask that cannot be evaluated at another length, judged as it was)."""
-    r = max(2, allowed.shape[-1] // 2)
-    try:
-        short = allowed_at(r)
-    except Exception:
-        return None
-    if not isinstance(short, torch.Tensor) or short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]):
-        return "a mask whose pattern changes with the sequence length (per path it is the path's length)"
-    return None
-
-
-def _one_pattern(allowed) -> torch.Tensor | None:
-    """The one ``[S, S]`` pattern of ``allowed`` (the same over its leading dims), or None."""
-    if not isinstance(allowed, torch.Tensor) or allowed.dim() < 2:
-        return None
-    flat = allowed.reshape(-1, *allowed.shape[-2:])
-    return flat[0] if all(torch.equal(flat[0], f) for f in flat[1:]) else None
-
-
-def _allowed(ctx: PassContext, kind: str, mask: fx.Node, rows: int | None) -> torch.Tensor | None:
-    """What a structural mask of ``kind`` lets through at ``rows`` rows (the example's if None),
-    or None for a mask that also adds a bias (its finite entries not all 0)."""
-    v = evaluate(ctx, mask, rows=rows)
-    if kind == "masked_fill":
-        allowed = ~v.bool()
-    elif v.is_floating_point():
-        blocked = v <= BLOCKED
-        if torch.any((v != 0) & ~blocked):
-            return None
-        allowed = ~blocked
-    else:
-        allowed = v.bool()
-    return _one_pattern(allowed)
-
-
-def _and(a, b):
-    """Two masks' patterns ANDed: tables of the distance entry by entry; a chunk alone."""
-    if a is None:
-        return b
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return tuple(x and y for x, y in zip(a, b))
-    return "two masks, one of them keeping chunks"
-
-
-def _distances(ctx: PassContext, allowed_at) -> tuple[bool, ...] | int | str:
-    """The causal mask's pattern of the distance (`distance_pattern`), or the chunk whose keys it
-    keeps (`chunk_pattern`), from ``allowed_at(rows)``, the same at half the example length on the
-    shorter length's pairs; or why not."""
-    try:
-        long = allowed_at(None)
-        short = None if long is None else allowed_at(max(2, long.shape[-1] // 2))
-    except Exception as e:  # a mask that cannot be evaluated alone (or at another length)
-        return f"{NOT_PLAIN} that cannot be evaluated at another length ({type(e).__name__})"
-    if long is None or short is None:
-        return f"{NOT_PLAIN}, nor a function of the distance alone"
-    if not torch.equal(long[: short.shape[0], : short.shape[1]], short):
-        return f"{NOT_PLAIN} that changes with the sequence length"
-    ctx.max_rows = long.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, long.shape[-1])
-    found = distance_pattern(long)
-    if found is None:
-        found = chunk_pattern(long)
-    if found is None:
-        return f"{NOT_PLAIN}, nor a function of the distance alone, nor chunks of the positions"
-    return found
