@@ -233,15 +233,13 @@ def prefix_attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def refuse_pair_sums(gm: fx.GraphModule, where: str, advice: str) -> None:
-    """Refuses attention without a softmax and convolutions by FFT (both
-    `treecompile.kernels.attention.pair_sum`), whose sum over a query's ancestors is not split
-    over ``where``."""
+    """Refuses attention without a softmax (`treecompile.kernels.attention.pair_sum`), whose sum
+    over a query's ancestors is not split over ``where``."""
     for n in gm.graph.nodes:
         if is_op(n, torch.ops.treecompile.tree_pair_sum):
             raise UnsupportedModelError(
-                f"treecompile: attention without a softmax (or a convolution by FFT) at {location_of(n)} is not run "
-                f"over {where} (its sum over a query's ancestors would miss those held elsewhere): {advice}.\n"
-                f"  at {source_of(n)}")
+                f"treecompile: attention without a softmax at {location_of(n)} is not run over {where} (its sum over "
+                f"a query's ancestors would miss those held elsewhere): {advice}.\n  at {source_of(n)}")
 
 
 def refuse_own_mods(calls: list[fx.Node], doing: str, kernel: str, advice: str) -> None:

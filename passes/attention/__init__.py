@@ -36,7 +36,7 @@ its operands read by `operands`, a learned pair bias turned into a score_mod by 
 `mha` (``F.multi_head_attention_forward``), `flex` (a model's own FlexAttention), `pair_sum`
 (attention without a softmax, ``(q @ k^T * D) @ v`` with a causal decay ``D``: its own kernel,
 `treecompile.kernels.attention.pair_sum`) and `fft_conv` (a long convolution by FFT, a sum over
-each token's ancestors on the same kernel).
+each token's ancestors: `treecompile.kernels.long_conv`).
 """
 
 from __future__ import annotations

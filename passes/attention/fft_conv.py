@@ -9,10 +9,9 @@ ancestors-or-self at path distances,
 
     y[q] = sum_{kv ancestor-or-self of q} k[c, positions[q] - positions[kv]] * u[c, kv]
 
-which is `treecompile.kernels.attention.pair_sum.tree_pair_sum` with one channel per head,
-unit queries and keys, ``u`` as the values and the kernel (a zero past its end) as the
-table. Its work is that of the tree's attention (each token times its path's length), its
-memory a block of queries at a time; the FFT's ``O(S log S)`` per path is not kept.
+which is `treecompile.kernels.long_conv.tree_long_conv`: each tree node's rows by one FFT
+convolution over its root path (the work of one path as long as that root path per node, the
+memory the channels times that length).
 
 The rule: the three transforms run along the last dim with one ``n``; their norms and the
 scalar factors on the two spectra multiply to 1 (``norm="forward"`` on the inverse with the
@@ -35,9 +34,9 @@ import sympy
 import torch
 from torch import fx
 
-from treecompile.kernels.attention import pair_sum as _kernel  # noqa: F401  (registers treecompile::tree_pair_sum)
-from treecompile.passes._graph import (PassContext, ancestors, bind, is_call, mutated_args, same_size,
-                                      value)
+from treecompile.kernels import long_conv as _kernel  # noqa: F401  (registers treecompile::tree_long_conv)
+from treecompile.passes._graph import (PassContext, ancestors, bind, describe, is_call, mutated_args, same_size,
+                                      source_of, value)
 from treecompile.passes._mask_eval import copy_node, evaluate, reads_tokens, value_ancestors
 from treecompile.passes.rows.random import draws
 
@@ -69,8 +68,6 @@ def rewrite_fft_conv(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
 
 
 def _rewrite(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> str | None:
-    if ctx.mask != "interval":
-        return "runs on the interval mask rule (tree_compile(mask='interval'))"
     inv = bind(node, _FFT_ARGS, {"n": None, "dim": -1, "norm": None})
     n = _size(inv["n"])
     if n is None or not _last(inv["input"], inv["dim"]) or inv["norm"] not in _INVERSE_SCALE:
@@ -112,6 +109,12 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> str | None:
     why = _kernel_why(ctx, k)
     if why is not None:
         return why
+    if ctx.node_table is None:
+        from treecompile.passes.conv_context import NeedsStructure
+
+        raise NeedsStructure(f"treecompile cannot make this model exact on a tree: {describe(node)} is a convolution "
+                             "by FFT, and this call has no path structure to run it along (a streamed or "
+                             f"context-parallel call).\n  at {source_of(node)}")
     _emit(gm, ctx, node, u, k, u_lead, k_lead, users, tuple(out.shape[:-1]), out.dtype)
     return None
 
@@ -202,17 +205,12 @@ def _emit(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, u: fx.Node, k: fx
             kernel = ctx.mark(g.call_method("unsqueeze", (kernel, d)), like=node, rows=False)
         for d in u_lead:
             signal = op("unsqueeze", signal, d)
-        signal = op("to", signal, dtype)
-        v = op("reshape", op("expand", signal, *lead, -1), 1, channels, -1, 1)
-        table = g.call_method("reshape", (g.call_method("expand", (g.call_method("to", (kernel, dtype)), *lead, -1)),
-                                          channels, -1))
-        table = g.call_function(torch.nn.functional.pad, (table, (0, 1)))  # a distance past the kernel reads 0
-        for t in (table, table.args[0], table.args[0].args[0], table.args[0].args[0].args[0]):
-            ctx.mark(t, like=node, rows=False)
-        unit = op(torch.ones_like, v, method=False)
-        summed = ctx.mark(g.call_function(torch.ops.treecompile.tree_pair_sum.default,
-                                          (unit, unit, v, table, ctx.positions, ctx.mask_buffers[0], 1.0)), like=node)
-        y = op("reshape", summed, *lead, -1)
+        signal = op("reshape", op("expand", op("to", signal, dtype), *lead, -1), channels, -1)
+        for step in (("to", dtype), ("expand", *lead, -1), ("reshape", channels, -1)):
+            kernel = ctx.mark(g.call_method(step[0], (kernel, *step[1:])), like=node, rows=False)
+        conv = ctx.mark(g.call_function(torch.ops.treecompile.tree_long_conv.default,
+                                        (signal, kernel, ctx.node_table)), like=node)
+        y = op("reshape", conv, *lead, -1)
     y.meta["example_value"] = value(users[0])
     for user in users:
         user.replace_all_uses_with(y)
