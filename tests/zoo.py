@@ -262,6 +262,9 @@ CASES: list[Case] = [
          _custom(zc.FlexSoftcapLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
     Case("flex-alibi", "attention-gym generate_alibi_bias: slopes in a captured tensor, (kv_idx - q_idx) * slope",
          _custom(zc.FlexAlibiLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
+    Case("flex-length-window", "a sliding-window mask_mod closing over the length (q - kv < T // 2) in the model's "
+         "own create_block_mask", _custom(zc.FlexLengthWindowLM), expect="refused",
+         reason="computed from the sequence length"),
     Case("flex-chunked", "a chunked causal mask_mod (Llama 4's chunks of 4 tokens) in the model's own "
          "create_block_mask", _custom(zc.FlexChunkedLM), reference=_dense_flex, attention={"flex_attention": 2, "flex_mods": 2}),
     Case("flex-learned-bias", "a learned [H, 16] relative-position bias read by the score_mod (its gradient through "

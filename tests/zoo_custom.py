@@ -2066,6 +2066,21 @@ class FlexHeadBidirectionalAttn(FlexPerHeadAttn):
         return head0_causal
 
 
+class FlexLengthWindowAttn(FlexModsAttn):
+    """A sliding-window mask_mod whose window closes over the sequence length (``q - kv < T // 2``):
+    per path the window is the path's, on the packed row it would be the row's."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+
+        def half_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < t // 2)
+
+        block_mask = create_block_mask(half_window, None, None, t, t, device=q.device)
+        return sys.modules[__name__].flex_attention(q, k, v, block_mask=block_mask)
+
+
+FlexLengthWindowLM = _spelling(FlexLengthWindowAttn)
 FlexSoftcapLM, FlexAlibiLM, FlexChunkedLM, FlexLearnedBiasLM, FlexPerHeadLM, FlexHeadBidirectionalLM = (
     _spelling(c) for c in (FlexSoftcapAttn, FlexAlibiAttn, FlexChunkedAttn, FlexLearnedBiasAttn, FlexPerHeadAttn,
                            FlexHeadBidirectionalAttn))

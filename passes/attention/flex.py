@@ -14,7 +14,7 @@ from treecompile.passes._graph import PassContext, same_size, value
 from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, reads_tokens
 from treecompile.passes.attention.replace import replace
 
-__all__ = ["rewrite_flex"]
+__all__ = ["reads_length", "rewrite_flex"]
 
 
 def rewrite_flex(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
@@ -89,6 +89,9 @@ def _mod_buffers_refusal(ctx: PassContext, buffers: list, what: str, *, paramete
     for b in buffers:
         if not isinstance(b, fx.Node):
             continue
+        if reads_length(ctx, b):
+            return (f"a {what} that reads {b.name}, computed from the sequence length (per path it is the path's "
+                    "length, on the tree the packed row's)")
         bv = value(b)
         if isinstance(bv, torch.Tensor) and any(same_size(d, ctx.seq_len) for d in bv.shape):
             return (f"a {what} that reads {b.name}, a tensor with one entry per token of the row (e.g. document ids): "
@@ -97,6 +100,23 @@ def _mod_buffers_refusal(ctx: PassContext, buffers: list, what: str, *, paramete
             return (f"a {what} that reads {b.name}, computed from the tokens"
                     + ("" if parameters else " or parameters") + ", not a structural tensor")
     return None
+
+
+def reads_length(ctx: PassContext, b: fx.Node) -> bool:
+    """Whether a value a model's mod closes over comes from the sequence length: a size of it
+    (``t // 2``), or a tensor that is not the same when the graph is built at half the example
+    length (one that cannot be built so is judged by its other checks)."""
+    bv = value(b)
+    if isinstance(bv, torch.SymInt):
+        return bool(bv.node.expr.free_symbols)
+    s = value(ctx.input_ids).shape[-1]
+    if not (isinstance(bv, torch.Tensor) and isinstance(s, torch.SymInt)):
+        return False
+    try:
+        long, short = evaluate(ctx, b), evaluate(ctx, b, rows=max(2, int(s.node.hint) // 2))
+    except Exception:
+        return False
+    return long.shape != short.shape or not torch.equal(long, short)
 
 
 def _returns_first_input(sub: fx.GraphModule) -> bool:
@@ -114,6 +134,10 @@ def _mask_mod_pattern(ctx: PassContext, mask_gm, buffers, heads: int = 1) -> tor
         return "a block mask whose mask_mod treecompile cannot see"
     if any(isinstance(b, fx.Node) and depends_on_inputs(ctx, b) is not False for b in buffers):
         return "a mask_mod that reads the tokens or parameters (e.g. document ids), not a structural mask"
+    length = next((b for b in buffers if isinstance(b, fx.Node) and reads_length(ctx, b)), None)
+    if length is not None:
+        return (f"a mask_mod that reads {length.name}, computed from the sequence length (per path it is the "
+                "path's length, on the tree the packed row's)")
     try:
         values = [evaluate(ctx, b) if isinstance(b, fx.Node) else b for b in buffers]
         s = int(ctx.seq_len.node.hint if isinstance(ctx.seq_len, torch.SymInt) else ctx.seq_len)
