@@ -46,7 +46,7 @@ _SPARSE = "(moe or next or bamba or gpt2)"
 CHECK_SECTIONS = [
     ("fused-head", "tests/gpu/test_gpu_fused_head.py", 120),
     ("blockmask", "tests/gpu/test_gpu_blockmask.py", 120),
-    ("custom-attention", "tests/gpu/test_gpu_custom_attention.py", 300),
+    ("custom-attention", "tests/gpu/test_gpu_custom_attention.py", 380),
     ("compile-behaviour", "tests/gpu/test_gpu_compile_behaviour.py", 420),
     ("stream-cp", "tests/gpu/test_gpu_stream_cp.py", 420),
     *((f"exactness-{short}-{part}", f"{_EXACT} -k {expr}", 420)

@@ -1,7 +1,7 @@
 """The zoo's hand-written spellings on CUDA (tests/zoo.py): what each rewrite hands the tree
 kernel there (a bias or mask read from the tokens as extra query and key features, maps combined across
 heads, a model's own FlexAttention mods on path positions, a learned relative bias table, `nn.MultiheadAttention`'s
-extra key, the pair sum, path scans) in float32, against per-path training in float32, within
+extra key, the pair sum, path scans, a mask of the distance, the long convolution by FFT) in float32, against per-path training in float32, within
 the budget of tests/gpu_exactness.py (1 + FP32_RATIO times the per-path run's own error against
 float64 on the CPU). The CPU suite checks the same models in float64 (tests/test_zoo.py)."""
 
@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 #: One case per kernel input the rewrites build (ids in tests/zoo.py).
 CASES = ["forgetting-transformer", "key-gate-bias-mqa", "key-padding-sdpa", "key-padding-fill", "encoder-layer-padding",
          "diff-transformer", "t5-bias", "flex-softcap", "mha-bias-kv-zero-attn", "retnet-learned-decay",
-         "cumsum-linear-attention", "talking-heads-both", "doge", "dbrx", "minimax"]
+         "cumsum-linear-attention", "talking-heads-both", "doge", "dbrx", "minimax",
+         # FlexAttention given a transposed key, the distance-table mask_mod, the long conv by FFT
+         # per tree node, MEGA's Toeplitz table beside it.
+         "gqa-keys-transposed", "strided-mask", "s4d", "mega"]
 
 
 def _paths(model: torch.nn.Module, trees) -> Measured:
