@@ -12,7 +12,7 @@ path (the node's ancestors' rows, then its own), so the work per node is that of
 long as its root path, and the memory ``C`` times that length. By induction over the nodes
 in preorder, every row gets the output its path gives it.
 
-The backward runs the nodes again with autograd (`treecompile.kernels.scans.rnn`'s way) and
+The backward runs the nodes again with autograd (`autograd_inside`) and
 returns the gradients of ``u`` and ``k``. The dense definition, a sum over each token's
 ancestors at path distances, is `tree_long_conv_reference`.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from treecompile.kernels.scans.rnn import _with_autograd
+from treecompile.kernels.scans.recurrence import autograd_inside
 
 __all__ = ["tree_long_conv", "tree_long_conv_reference"]
 
@@ -60,7 +60,7 @@ def _tree_long_conv_fake(u, k, node_table):
 @torch.library.custom_op("treecompile::tree_long_conv_backward", mutates_args=())
 def tree_long_conv_backward(grad: Tensor, u: Tensor, k: Tensor, node_table: Tensor) -> list[Tensor]:
     """``[d u, d k]`` of `tree_long_conv` (the nodes run again with autograd)."""
-    with _with_autograd(), torch.enable_grad():
+    with autograd_inside():
         lu, lk = u.detach().requires_grad_(True), k.detach().requires_grad_(True)
         du, dk = torch.autograd.grad(_run(lu, lk, node_table), (lu, lk), grad)
     return [du, dk]

@@ -22,7 +22,9 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal", "causal_pattern", "evaluate", "BLOCKED"]
+__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
+           "changes_with_length", "CHANGES", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal",
+           "causal_pattern", "evaluate", "BLOCKED"]
 
 #: A score at or below this is a masked one: its softmax weight ``exp(score - max)`` underflows
 #: to exactly 0 in every float dtype (float64 underflows below ``exp(-745)``) unless the scores
@@ -112,6 +114,27 @@ def copy_node(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
             and isinstance(value(node), torch.Tensor):
         return g.call_method("to", (env.get(node.args[0], node.args[0]), value(node).dtype))
     return g.node_copy(node, lambda x: env.get(x, x))
+
+
+def copy_values(ctx: PassContext, g: fx.Graph, node: fx.Node) -> fx.Node:
+    """A copy of what ``node``'s values come from (`value_ancestors`; placeholders and attributes
+    read where they are), inserted where ``g`` inserts: the pass's nodes, off the rows (a table
+    or kernel over distances, which the positions pass and the row rules leave alone)."""
+    sub = value_ancestors(node) | {node}
+    env: dict[fx.Node, fx.Node] = {}
+    for n in [n for n in g.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
+        env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
+    return env.get(node, node)
+
+
+def two_lengths(ctx: PassContext) -> tuple[int, int] | None:
+    """``(example, half)``: the example length and half of it (at least 2), at which a structural
+    value is built twice to see whether it changes with the length; None for a constant length."""
+    s = value(ctx.input_ids).shape[-1]
+    if not isinstance(s, torch.SymInt):
+        return None
+    example = int(s.node.hint)
+    return example, max(2, example // 2)
 
 
 def _nodes(a) -> list[fx.Node]:
@@ -232,24 +255,34 @@ def _structural_causal_bias(ctx, mask, kind, heads, at_rows=None):
 
 
 def _same_pattern_shorter(ctx, mask, kind, heads, allowed: torch.Tensor) -> str | None:
-    """Why the mask's pattern at half the judged length is not the top-left corner of
-    ``allowed`` (a window of ``T // 2``, say: per path it is the path's length that counts), or
-    None. A mask that cannot be built or judged at another length (it reads a tensor input of
-    the row count, as Hugging Face's masks read the attention mask) is left as judged."""
-    s = allowed.shape[-1]
-    r = max(2, s // 2)
+    """`changes_with_length` for a structural mask judged by `structural_causal`. A mask that
+    cannot be built or judged at another length (it reads a tensor input of the row count, as
+    Hugging Face's masks read the attention mask) is left as judged."""
     saved = ctx.max_rows
     try:
-        short = _structural_causal_bias(ctx, mask, kind, heads, at_rows=r)
-    except Exception:
-        return None
+        return changes_with_length(lambda r: _structural_causal_bias(ctx, mask, kind, heads, at_rows=r), allowed,
+                                   unjudged_ok=True)
     finally:
         ctx.max_rows = saved
-    if not isinstance(short, torch.Tensor):  # not judged at the shorter length: as it was judged
+
+
+#: Why a mask is refused whose pattern at half the length is not the corner of its pattern.
+CHANGES = "a mask whose pattern changes with the sequence length (per path it is the path's length)"
+
+
+def changes_with_length(allowed_at, allowed: torch.Tensor, unjudged_ok: bool = False) -> str | None:
+    """`CHANGES` if the pattern ``allowed_at(rows)`` at half the length of ``allowed`` is not its
+    top-left corner (a window of ``T // 2``: per path it is the path's length that counts), else
+    None; also None where ``allowed_at`` raises (a mask that cannot be built at another length,
+    judged as it was) or, with ``unjudged_ok``, gives no pattern there."""
+    r = max(2, allowed.shape[-1] // 2)
+    try:
+        short = allowed_at(r)
+    except Exception:
         return None
-    if short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]):
-        return "a mask whose pattern changes with the sequence length (per path it is the path's length)"
-    return None
+    if not isinstance(short, torch.Tensor):
+        return None if unjudged_ok else CHANGES
+    return CHANGES if short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]) else None
 
 
 def causal_pattern(allowed: torch.Tensor) -> tuple[int | None, str | None]:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from treecompile.kernels.scans.recurrence import autograd_inside
+
 __all__ = ["rnn", "tree_rnn", "VF_FOR_CAPTURE", "MODES"]
 
 #: ``_VF`` function -> (mode, number of state tensors).
@@ -50,16 +52,6 @@ def _run_tree(mode: str, x: Tensor, hx: list[Tensor], weights: list[Tensor], has
         outs.append(out)
         finals.append(final)
     return [torch.cat(outs, d)]
-
-
-def _with_autograd():
-    """The dispatcher state for running autograd inside an op's own implementation: an op's
-    kernel runs below autograd (the autograd keys excluded), so a recomputation there would
-    record nothing; this lifts that exclusion for the block."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"):
-        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def _shapes(mode: str, x: Tensor, hx: list[Tensor], weights: list[Tensor], bidirectional: bool,
@@ -105,7 +97,7 @@ def tree_rnn_backward(grad: Tensor, x: Tensor, hx: list[Tensor], weights: list[T
                       has_biases: bool, num_layers: int, batch_first: bool, node_table: Tensor) -> list[Tensor]:
     """Gradients of `tree_rnn`'s output: ``[d x, *d hx, *d weights]`` (the nodes run again with
     autograd)."""
-    with _with_autograd(), torch.enable_grad():
+    with autograd_inside():
         leaves = [t.detach().requires_grad_(True) for t in (x, *hx, *weights)]
         lx, lh, lw = leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):]
         out = _run_tree(mode, lx, lh, lw, has_biases, num_layers, batch_first, node_table)[0]

@@ -37,7 +37,7 @@ from torch import fx
 from treecompile.kernels import long_conv as _kernel  # noqa: F401  (registers treecompile::tree_long_conv)
 from treecompile.passes._graph import (PassContext, ancestors, bind, describe, is_call, mutated_args, same_size,
                                       source_of, value)
-from treecompile.passes._mask_eval import copy_node, evaluate, reads_tokens, value_ancestors
+from treecompile.passes._mask_eval import copy_values, evaluate, reads_tokens, two_lengths
 from treecompile.passes.rows.random import draws
 
 __all__ = ["is_fft_conv", "rewrite_fft_conv"]
@@ -135,7 +135,7 @@ def _scalars(x: fx.Node) -> tuple[fx.Node, sympy.Expr, list[int]] | str:
                 return "whose spectra are multiplied by zero"
             scale = scale / num if is_call(x, _DIV, ("div", "truediv")) else scale * num
             x = a
-        elif is_call(x, (torch.unsqueeze,), ("unsqueeze",)) and isinstance(x.args[1], int):
+        elif is_call(x, (torch.unsqueeze,), ("unsqueeze",)) and len(x.args) == 2 and isinstance(x.args[1], int):
             v = value(x)
             d = x.args[1] % v.dim()
             if d == v.dim() - 1:
@@ -170,12 +170,11 @@ def _kernel_why(ctx: PassContext, k: fx.Node) -> str | None:
     drawn = next((d for d in map(draws, sub) if d is not None), None)
     if drawn is not None:
         return f"whose kernel makes {drawn}"
-    s = value(ctx.input_ids).shape[-1]
-    if not isinstance(s, torch.SymInt):
+    lengths = two_lengths(ctx)
+    if lengths is None:
         return "at a constant sequence length"
-    example = int(s.node.hint)
     try:
-        long, short = (evaluate(ctx, k, rows=r).to(torch.float64) for r in (example, max(2, example // 2)))
+        long, short = (evaluate(ctx, k, rows=r).to(torch.float64) for r in lengths)
     except Exception as e:  # a kernel that cannot be built alone (or at another length)
         return f"whose kernel cannot be evaluated alone ({type(e).__name__})"
     m = short.shape[-1]
@@ -196,11 +195,7 @@ def _emit(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, u: fx.Node, k: fx
         return ctx.mark(made, like=node)
 
     with g.inserting_before(node):
-        env: dict[fx.Node, fx.Node] = {}
-        sub = value_ancestors(k) | {k}  # what lends only a shape or dtype is read where it is
-        for n in [n for n in gm.graph.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
-            env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
-        kernel, signal = env.get(k, k), u
+        kernel, signal = copy_values(ctx, g, k), u
         for d in k_lead:
             kernel = ctx.mark(g.call_method("unsqueeze", (kernel, d)), like=node, rows=False)
         for d in u_lead:

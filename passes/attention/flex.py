@@ -11,7 +11,7 @@ from torch import fx
 
 from treecompile.kernels.attention.flex_mods import register_mods
 from treecompile.passes._graph import PassContext, same_size, value
-from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, reads_tokens
+from treecompile.passes._mask_eval import causal_pattern, depends_on_inputs, evaluate, reads_tokens, two_lengths
 from treecompile.passes.attention.replace import replace
 
 __all__ = ["reads_length", "rewrite_flex"]
@@ -109,11 +109,11 @@ def reads_length(ctx: PassContext, b: fx.Node) -> bool:
     bv = value(b)
     if isinstance(bv, torch.SymInt):
         return bool(bv.node.expr.free_symbols)
-    s = value(ctx.input_ids).shape[-1]
-    if not (isinstance(bv, torch.Tensor) and isinstance(s, torch.SymInt)):
+    lengths = two_lengths(ctx)
+    if not isinstance(bv, torch.Tensor) or lengths is None:
         return False
     try:
-        long, short = evaluate(ctx, b), evaluate(ctx, b, rows=max(2, int(s.node.hint) // 2))
+        long, short = (evaluate(ctx, b, rows=r) for r in lengths)
     except Exception:
         return False
     return long.shape != short.shape or not torch.equal(long, short)

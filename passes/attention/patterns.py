@@ -26,37 +26,25 @@ from treecompile.kernels.attention.flex_mods import chunk_mods, distance_mods
 from treecompile.passes._graph import PassContext, value
 from treecompile.passes._mask_eval import BLOCKED, NOT_PLAIN, chunk_pattern, distance_pattern, evaluate
 
-__all__ = ["allowed_at", "and_patterns", "changes_with_length", "mask_pattern", "one_pattern", "pattern_mods"]
+__all__ = ["allowed_at", "mask_pattern", "one_pattern", "pattern_mods", "with_pattern"]
 
 
-def pattern_mods(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, found, beside: bool) -> tuple[str, list] | str:
-    """``(mods key, mod buffers)`` for a pattern `mask_pattern` found (a chunk or a table of the
-    distance, the table built in the graph before ``at``); or why not (``beside``: a learned pair
-    bias, ALiBi or, beside chunks, a window rides along, which the kernel does not combine)."""
+def pattern_mods(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, found,
+                 beside: bool) -> tuple[str, list, str] | str:
+    """``(mods key, mod buffers, counter)`` for a pattern `mask_pattern` found (a chunk or a table
+    of the distance, the table built in the graph before ``at``); or why not (``beside``: a
+    learned pair bias, ALiBi or, beside chunks, a window rides along, which the kernel does not
+    combine)."""
     if beside:
-        return "the attention mask is a pattern of the distance or chunks beside a learned pair bias, ALiBi or a window"
+        return "a pattern of the distance or chunks beside a learned pair bias, ALiBi or a window"
     if isinstance(found, int):  # the query's chunk of that many tokens
-        return chunk_mods(found), []
+        return chunk_mods(found), [], "chunk_mask"
     dev = value(at).device
     with gm.graph.inserting_before(at):
         table = ctx.mark(gm.graph.call_function(torch.tensor, (list(found),), {"dtype": torch.bool, "device": dev}),
                          like=at, rows=False)
     table.meta["example_value"] = torch.tensor(list(found), dtype=torch.bool, device=dev)
-    return distance_mods(len(found)), [table]
-
-
-def changes_with_length(allowed_at, allowed: torch.Tensor) -> str | None:
-    """Why the pattern ``allowed_at(rows)`` at half the length of ``allowed`` is not its top-left
-    corner (a window of ``T // 2``: per path it is the path's length that counts), or None (also
-    for a mask that cannot be evaluated at another length, judged as it was)."""
-    r = max(2, allowed.shape[-1] // 2)
-    try:
-        short = allowed_at(r)
-    except Exception:
-        return None
-    if not isinstance(short, torch.Tensor) or short.shape != (r, r) or not torch.equal(short, allowed[:r, :r]):
-        return "a mask whose pattern changes with the sequence length (per path it is the path's length)"
-    return None
+    return distance_mods(len(found)), [table], "distance_mask"
 
 
 def one_pattern(allowed) -> torch.Tensor | None:
@@ -83,12 +71,14 @@ def allowed_at(ctx: PassContext, kind: str, mask: fx.Node, rows: int | None) -> 
     return one_pattern(allowed)
 
 
-def and_patterns(a, b):
-    """Two masks' patterns ANDed: tables of the distance entry by entry; a chunk alone."""
-    if a is None:
-        return b
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return tuple(x and y for x, y in zip(a, b))
+def with_pattern(ctx: PassContext, found, allowed_at) -> tuple[bool, ...] | int | str:
+    """``found`` (the pattern of the masks judged so far, or None) ANDed with `mask_pattern`'s
+    of ``allowed_at``: tables of the distance entry by entry, a chunk alone; or why not."""
+    more = mask_pattern(ctx, allowed_at)
+    if isinstance(more, str) or found is None:
+        return more
+    if isinstance(found, tuple) and isinstance(more, tuple):
+        return tuple(x and y for x, y in zip(found, more))
     return "two masks, one of them keeping chunks"
 
 

@@ -33,11 +33,10 @@ import torch
 from torch import fx
 
 from treecompile.core.advice import TreeWarning
-
 from treecompile.kernels.attention.flex_mods import register_mods
 from treecompile.passes._graph import (ARANGE, PassContext, ancestors, describe, is_call, location_of,
                                       mutated_args, same_size, value)
-from treecompile.passes._mask_eval import copy_node, evaluate, reads_tokens, value_ancestors
+from treecompile.passes._mask_eval import copy_node, copy_values, evaluate, reads_tokens, two_lengths, value_ancestors
 from treecompile.passes.rows.random import draws
 
 __all__ = ["relative_bias_mods", "relative_table"]
@@ -140,12 +139,11 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
     sub = value_ancestors(pair) | {pair}
     if reads_tokens(ctx, pair) or any(mutated_args(n) or draws(n) for n in sub):
         return why
-    s = value(ctx.input_ids).shape[-1]
-    if not isinstance(s, torch.SymInt):
+    lengths = two_lengths(ctx)
+    if lengths is None:
         return why
-    example = int(s.node.hint)
     columns = []
-    for rows in (example, max(2, example // 2)):
+    for rows in lengths:
         try:
             full = evaluate(ctx, pair, rows=rows).to(torch.float64)
         except Exception:  # not evaluable alone or at another length
@@ -162,12 +160,10 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
     if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9):
         return why
     g = gm.graph
-    env: dict[fx.Node, fx.Node] = {}
     with g.inserting_before(at):
-        for n in [n for n in g.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
-            env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
+        copy = copy_values(ctx, g, pair)
         lead = int(torch.Size(value(pair).shape[:-2]).numel()) if value(pair).dim() > 2 else 1
-        picked = ctx.mark(g.call_method("select", (env[pair], -1, 0)), like=pair, rows=False)
+        picked = ctx.mark(g.call_method("select", (copy, -1, 0)), like=pair, rows=False)
         table = ctx.mark(g.call_method("reshape", (picked, lead, -1)), like=pair, rows=False)
     warnings.warn(f"treecompile: the relative table of {describe(pair)} at {location_of(pair)} is the key column of "
                   "the model's own construction of that [S, S] tensor, built for the whole packed row: S^2 memory",
@@ -242,12 +238,11 @@ def _same_table_shorter(ctx: PassContext, table: fx.Node) -> str | None:
     """Why the table built at half the example length is not the first entries of the example's
     (a bias scaled by ``1 / T``: per path it is the path's length), or None (also for a table
     that cannot be built at another length, judged as it was)."""
-    s = value(ctx.input_ids).shape[-1]
-    if not isinstance(s, torch.SymInt):
+    lengths = two_lengths(ctx)
+    if lengths is None:
         return None
     try:
-        long = evaluate(ctx, table).double()
-        short = evaluate(ctx, table, rows=max(2, int(s.node.hint) // 2)).double()
+        long, short = (evaluate(ctx, table, rows=r).double() for r in lengths)
     except Exception:
         return None
     n = short.shape[-1]

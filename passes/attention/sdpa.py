@@ -52,7 +52,7 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
     if memory is not None and (terms or a["scale"] is not None and not isinstance(a["scale"], (int, float))):
         ctx.notes[node] = "attention over memory keys and the sequence's with a bias read from the tokens"
         return
-    alibi, mods, mod_buffers = None, None, []
+    alibi, mods, mod_buffers, mods_kind = None, None, [], ""
     if terms and mask is None and not a["is_causal"]:
         ctx.notes[node] = "non-causal attention over the sequence (attn_mask is read from the tokens alone)"
         return
@@ -67,9 +67,9 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
             pattern = mask_pattern(ctx, functools.partial(allowed_at, ctx, kind, mask))
             found = pattern if isinstance(pattern, str) else pattern_mods(gm, ctx, node, pattern, beside=bool(terms))
             if isinstance(found, str):
-                ctx.notes[node] = f"attn_mask is {found.removeprefix('the attention mask is ')}"
+                ctx.notes[node] = f"attn_mask is {found}"
                 return
-            (mods, mod_buffers), why, causal = found, None, True
+            (mods, mod_buffers, mods_kind), why, causal = found, None, True
         if why:
             ctx.notes[node] = f"attn_mask is {why}"
             return
@@ -102,7 +102,7 @@ def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
                sink_values=sink_values, mods=mods, mod_buffers=mod_buffers):
         ctx.count("sdpa")
         if mods is not None:
-            ctx.count("chunk_mask" if not mod_buffers else "distance_mask")
+            ctx.count(mods_kind)
 
 
 def _token_parts(ctx: PassContext, mask, at: fx.Node) -> tuple:

@@ -14,7 +14,7 @@ from torch import fx
 
 from treecompile.passes._graph import (MATMUL, Emitter, PassContext, bind, describe, is_call, row_dims, same_size,
                                       source_of, value)
-from treecompile.passes._mask_eval import NOT_PLAIN, PAIR_BIAS, causal_pattern, structural_causal
+from treecompile.passes._mask_eval import NOT_PLAIN, PAIR_BIAS, causal_pattern, changes_with_length, structural_causal
 from treecompile.passes.attention.operands import (
     chain_end,
     drops_last_column,
@@ -28,8 +28,7 @@ from treecompile.passes.attention.operands import (
 from treecompile.passes.attention.grouped import Grouped, combine, grouped_output, repeat_values
 from treecompile.passes.attention.head_mix import HeadMix, head_mix, mix_matrix, mixed_heads, mixed_values, unmix
 from treecompile.passes.attention.memory import Memory, memory_keys, memory_masks, memory_sinks
-from treecompile.passes.attention.patterns import (allowed_at, and_patterns, changes_with_length, mask_pattern,
-                                                   one_pattern, pattern_mods)
+from treecompile.passes.attention.patterns import allowed_at, one_pattern, pattern_mods, with_pattern
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
@@ -88,14 +87,14 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         ctx.notes[m.out if at_out else node] = why
         return
     window, alibi, relative, distances = terms
-    mods, mod_buffers = None, []
+    mods, mod_buffers, mods_kind = None, [], "relative_bias"
     if distances is not None:
         found = pattern_mods(gm, ctx, m.out, distances, beside=bool(relative) or alibi is not None
                              or isinstance(distances, int) and window is not None)
         if isinstance(found, str):
-            ctx.notes[node] = found
+            ctx.notes[node] = f"the attention mask is {found}"
             return
-        mods, mod_buffers = found
+        mods, mod_buffers, mods_kind = found
     if relative:
         if alibi is not None or m.walk.softcap is not None:
             ctx.notes[node] = "the scores get a learned pair bias beside ALiBi or a soft-cap"
@@ -168,8 +167,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
                mod_buffers=mod_buffers):
         ctx.count("softmax_attention")
         if mods is not None:
-            ctx.count("chunk_mask" if isinstance(distances, int) else "distance_mask" if distances is not None
-                      else "relative_bias")
+            ctx.count(mods_kind)
 
 
 def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
@@ -272,10 +270,7 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
     for kind, m in [] if arithmetic else masks:  # an arithmetic mask is judged as a whole, below
         w, why, slopes, is_mask = structural_causal(ctx, m, kind=kind, heads=heads)
         if why == NOT_PLAIN:
-            found = mask_pattern(ctx, functools.partial(allowed_at, ctx, kind, m))
-            if isinstance(found, str):
-                return f"the attention mask is {found}", False
-            distances = and_patterns(distances, found)
+            distances = with_pattern(ctx, distances, functools.partial(allowed_at, ctx, kind, m))
             if isinstance(distances, str):
                 return f"the attention mask is {distances}", False
             why, is_mask = None, True
@@ -298,16 +293,14 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
         flat = allowed.reshape(-1, *allowed.shape[-2:])
         w, why = causal_pattern(flat[0]) if all(torch.equal(flat[0], f) for f in flat[1:]) else \
             (None, "different across batch or heads")
+        pattern_at = functools.partial(_arithmetic_pattern, ctx, walk)
         if why == NOT_PLAIN:
-            found = mask_pattern(ctx, lambda rows: one_pattern(arithmetic_mask(ctx, walk, rows)))
-            if isinstance(found, str):
-                return f"the attention mask is {found}", False
-            distances = and_patterns(distances, found)
+            distances = with_pattern(ctx, distances, pattern_at)
             if isinstance(distances, str):
                 return f"the attention mask is {distances}", False
             why = None
         elif not why:
-            why = changes_with_length(lambda rows: one_pattern(arithmetic_mask(ctx, walk, rows)), flat[0])
+            why = changes_with_length(pattern_at, flat[0])
         if why:
             return f"the attention mask is {why}", False
         ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
@@ -321,3 +314,6 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
     return window, alibi, relative, distances
 
 
+def _arithmetic_pattern(ctx: PassContext, walk: ScoreChain, rows: int | None) -> torch.Tensor | None:
+    """The one pattern the chain's arithmetic mask lets through at ``rows`` rows, or None."""
+    return one_pattern(arithmetic_mask(ctx, walk, rows))

@@ -47,9 +47,7 @@ POINTWISE = frozenset(_POINTWISE) | {"truediv", "floordiv", "to", "type_as", "fl
 #: element-wise ops, Python's operators, casts, ``linear`` over the features, indexing): the
 #: rewrites that run such ops on more rows than the model did (`passes/rooted.py`,
 #: `passes/first_row.py`) take only these, and the rules below judge them again after.
-ROW_LOCAL = frozenset(_POINTWISE) | {"add", "sub", "mul", "truediv", "floordiv", "neg", "pow", "where", "to",
-                                     "type_as", "float", "double", "half", "bfloat16", "clone", "contiguous",
-                                     "linear", "getitem"}
+ROW_LOCAL = POINTWISE | {"add", "sub", "mul", "neg", "pow", "where", "linear", "getitem"}
 
 
 @_register("pointwise", _POINTWISE)
