@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 )
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
+from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
@@ -153,6 +154,16 @@ CASES: list[zoo.Case] = [
     zoo.Case("mega-bias-from-start", "MEGA's Toeplitz bias over the vector's first 2T - 1 entries (its table "
              "changes with T)", _build(MegaLM, bias="from-start"), expect="refused",
              reason="a bias over (query, key) pairs that is not built from the sequence index"),
+    zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
+             "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
+             "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),
+    zoo.Case("mamba2-ssm-ref", "state-spaces/mamba mamba2.py slow path: mamba_chunk_scan_combined as its reference "
+             "(length padded to a multiple of the chunk, ssd_minimal_discrete's segsum over chunks), grouped B / C, "
+             "dt_bias and softplus in the kernel, z gated in the kernel", _build(MambaLM, version=2)),
+    zoo.Case("mamba2-ssm-ref-dlimit", "mamba2.py with D per head dim (D_has_hdim) and a dt_limit clamp",
+             _build(MambaLM, version=2, D_has_hdim=True, dt_limit=(0.01, 0.2))),
+    zoo.Case("mamba2-ssm-init-states", "mamba2_simple.py's learnable initial states [heads, headdim, state] repeated "
+             "over the batch into mamba_chunk_scan_combined", _build(MambaLM, version=2, learnable_init_states=True)),
     zoo.Case("s4d", "state-spaces/s4 s4d.py + example.py: Vandermonde kernel over arange(L) from a complex diagonal "
              "A, fft conv over n = 2L sliced [..., :L], D skip, Conv1d + GLU output", _build(S4DLM),
              attention={"fft_conv": 1}),

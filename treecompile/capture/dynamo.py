@@ -54,6 +54,12 @@ from treecompile.capture.drop_ins import (
     hf_mamba_inner_fn,
     hf_mamba_selective_scan,
 )
+from treecompile.capture.mamba_ssm_drop_ins import (
+    CHUNK_SCAN_PARAMS,
+    SELECTIVE_SCAN_PARAMS,
+    mamba_chunk_scan_combined,
+    selective_scan_fn,
+)
 from treecompile.capture.hf_interfaces import TreeMask, has_own_attention, hf_causal_attention, hf_experts
 from treecompile.passes import markers
 
@@ -70,7 +76,7 @@ HF_ATTENTION_NAME = "treecompile"
 
 
 #: Module-level sequence kernels of hybrid models (Hugging Face's, behind
-#: ``use_kernel_func_from_hub_with_fallback``, and flash-linear-attention's), by name: the
+#: ``use_kernel_func_from_hub_with_fallback``, flash-linear-attention's and mamba-ssm's), by name: the
 #: leading parameters a function of that name must take to be swapped, and its drop-in,
 #: which calls a treecompile custom op with the same linear-sequence semantics (one node
 #: per layer for the passes to find).
@@ -86,6 +92,10 @@ SEQUENCE_KERNELS = {
     "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
     "mamba_selective_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba_selective_scan),
     "mamba_inner_fn": (("xz", "conv1d_weight"), hf_mamba_inner_fn),
+    # mamba-ssm's own (custom models on mamba_ssm.modules, or copying its reference listings)
+    "selective_scan_fn": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
+    "selective_scan_ref": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
+    "mamba_chunk_scan_combined": (CHUNK_SCAN_PARAMS, mamba_chunk_scan_combined),
 }
 
 

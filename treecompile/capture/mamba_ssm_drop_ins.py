@@ -1,0 +1,128 @@
+"""Drop-ins for mamba-ssm's public scan kernels, by their names and parameters.
+
+Custom Mamba models (written on ``mamba_ssm.modules``, or copying its reference listings)
+call ``selective_scan_fn`` / ``selective_scan_ref`` (Mamba-1) and
+``mamba_chunk_scan_combined`` (Mamba-2; the reference listings pad the length to a multiple of
+the chunk and run ``ssd_minimal_discrete`` on the chunks). Neither the CUDA / Triton kernels nor
+a Python loop over the tokens can be captured as one graph of a tree, so
+`treecompile.capture.dynamo.SEQUENCE_KERNELS` swaps each, for one call, for a drop-in here
+that computes the same function with one treecompile scan op (one node per layer, which the
+SSM state pass runs along each path). The unmodified model (the per-path baseline, the probe's
+reference) keeps its own kernel.
+
+What each computes, from mamba-ssm (``ops/selective_scan_interface.py``,
+``ops/triton/ssd_combined.py``):
+
+- ``selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+  return_last_state=False)``: ``u, delta, z`` ``[b, d, l]``, ``A`` ``[d, n]``, ``B, C``
+  ``[b, n, l]``; ``delta += delta_bias``, ``softplus`` if asked; the scan
+  ``x_t = exp(delta_t A) x_{t-1} + delta_t B_t u_t``, ``y_t = C_t x_t``; ``+ u * D``,
+  ``* silu(z)``; the result in ``u``'s dtype. The reference computes in float32; the drop-in in
+  at least float32 (float64 stays float64).
+- ``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, ...)``: ``x, z``
+  ``[b, l, h, p]``, ``dt`` ``[b, l, h]``, ``A`` ``[h]``, ``B, C`` ``[b, l, g, n]`` (``g`` groups
+  shared by ``h / g`` heads), ``D`` ``[h]`` or ``[h, p]``; keywords ``dt_bias``,
+  ``dt_softplus``, ``dt_limit`` (a clamp only where it is not ``(0, inf)``),
+  ``initial_states`` ``[b, h, p, n]``, ``return_final_states``. The chunk size only changes
+  how the kernel sums. Arguments after ``z`` differ between mamba-ssm's versions and the
+  listings that copy it, so they are taken by keyword only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from treecompile.kernels.dtypes import compute_dtype
+from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
+from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
+
+__all__ = ["SELECTIVE_SCAN_PARAMS", "CHUNK_SCAN_PARAMS", "selective_scan_fn", "mamba_chunk_scan_combined"]
+
+Tensor = torch.Tensor
+
+#: mamba-ssm's ``selective_scan_fn`` / ``selective_scan_ref`` parameters, all of them: a function
+#: of that name is swapped only where it takes exactly these first.
+SELECTIVE_SCAN_PARAMS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state")
+#: ``mamba_chunk_scan_combined``'s parameters up to ``z`` (the same in every mamba-ssm version).
+CHUNK_SCAN_PARAMS = ("x", "dt", "A", "B", "C", "chunk_size", "D", "z")
+
+_CHUNK_KEYWORDS = {"dt_bias", "initial_states", "seq_idx", "cu_seqlens", "dt_softplus", "dt_limit",
+                   "return_final_states", "return_varlen_states"}
+
+
+def selective_scan_fn(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                      z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+                      return_last_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Drop-in for mamba-ssm's ``selective_scan_fn`` and ``selective_scan_ref`` (the module docstring
+    says what it computes). Complex ``A`` and time-invariant or grouped ``B`` / ``C`` are refused."""
+    if A.is_complex():
+        raise ValueError("treecompile's selective scan takes a real A; got a complex one")
+    if B.dim() != 3 or C.dim() != 3 or A.dim() != 2:
+        raise ValueError(f"treecompile's selective scan takes input-dependent B, C [batch, state, length] and A "
+                         f"[channels, state]; got B {tuple(B.shape)}, C {tuple(C.shape)}, A {tuple(A.shape)} "
+                         "(grouped or time-invariant B / C are not supported)")
+    dtype_in = u.dtype
+    ct = compute_dtype(torch.promote_types(dtype_in, A.dtype))
+    step = delta.to(ct)
+    if delta_bias is not None:
+        step = step + delta_bias.to(ct)[..., None]
+    if delta_softplus:
+        step = F.softplus(step)
+    x, step = u.to(ct).transpose(1, 2), step.transpose(1, 2)  # [b, l, d]
+    y, last = torch.ops.treecompile.selective_scan(step * x, step, A.to(ct), B.transpose(1, 2).to(ct),
+                                                   C.transpose(1, 2).to(ct), None)
+    y = y.transpose(1, 2)
+    if D is not None:
+        y = y + u.to(ct) * D.to(ct)[:, None]
+    if z is not None:
+        y = y * F.silu(z.to(ct))
+    y = y.to(dtype_in)
+    return (y, last) if return_last_state else y
+
+
+def mamba_chunk_scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                              D: Tensor | None = None, z: Tensor | None = None, *args: Any,
+                              **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """Drop-in for mamba-ssm's ``mamba_chunk_scan_combined`` (the module docstring says what it
+    computes): ``treecompile::ssd_scan`` with ``q = C``, ``k = B``, ``v = x``, ``g = dt * A``."""
+    if args:
+        raise ValueError("treecompile's drop-in for mamba_chunk_scan_combined takes the arguments after z by "
+                         f"keyword only (their order differs between mamba-ssm versions); got {len(args)} more "
+                         "positional")
+    unknown = sorted(set(kwargs) - _CHUNK_KEYWORDS)
+    if unknown:
+        raise ValueError(f"treecompile's drop-in for mamba_chunk_scan_combined does not know the argument(s) "
+                         f"{unknown}; it takes {sorted(_CHUNK_KEYWORDS)}")
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None or kwargs.get("return_varlen_states"):
+        raise ValueError("treecompile's Mamba2 scan keeps packed sequences apart itself: pass no seq_idx / "
+                         "cu_seqlens / return_varlen_states")
+    heads, groups = x.shape[2], B.shape[2]
+    if B.dim() != 4 or C.shape != B.shape or heads % groups or A.dim() != 1:
+        raise ValueError(f"treecompile's drop-in for mamba_chunk_scan_combined takes B, C [batch, length, groups, "
+                         f"state] with groups dividing the heads and A [heads]; got B {tuple(B.shape)}, "
+                         f"C {tuple(C.shape)}, A {tuple(A.shape)}")
+    ct = compute_dtype(x.dtype)
+    dt = dt.to(ct)
+    if kwargs.get("dt_bias") is not None:
+        dt = dt + kwargs["dt_bias"].to(ct)
+    if kwargs.get("dt_softplus"):
+        dt = F.softplus(dt)
+    low, high = kwargs.get("dt_limit", (0.0, math.inf))
+    if (low, high) != (0.0, math.inf):
+        dt = dt.clamp(min=low, max=high)
+    init = kwargs.get("initial_states")
+    init = None if init is None else init.transpose(-1, -2).to(ct)
+    xc = x.to(ct)
+    k = B.to(ct).repeat_interleave(heads // groups, dim=2)
+    q = C.to(ct).repeat_interleave(heads // groups, dim=2)
+    y, final = torch.ops.treecompile.ssd_scan(q, k, xc, dt * A.to(ct), dt, init)
+    if D is not None:
+        y = y + xc * (D.to(ct) if D.dim() == 2 else D.to(ct)[:, None])
+    if z is not None:
+        y = y * F.silu(z.to(ct))
+    y = y.to(x.dtype)
+    return (y, final.transpose(-1, -2)) if kwargs.get("return_final_states") else y
