@@ -206,6 +206,8 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
         first, last = min(order[w] for w in own), max(order[w] for w in own)
         if readers and all(order[r] > last for r in readers):
             read_after.add(placeholders.index(p))
+        elif readers and all(order[r] > first for r in readers) and _repeated_idempotent(own, p):
+            read_after.add(placeholders.index(p))  # each write leaves the value the last one leaves
         elif not all(order[r] < first for r in readers) and refusal is None:
             r = next(r for r in readers if order[r] > first)
             refusal = UnsupportedModelError(
@@ -233,6 +235,34 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
                         written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
                         names=labels, refusal=refusal, inputs=len(placeholders))
     return gm, state
+
+
+#: Ops ``f`` with ``f(f(x)) == f(x)`` (for the same arguments).
+_IDEMPOTENT = {"clamp", "clamp_min", "clamp_max", "clip", "abs", "relu", "floor", "ceil", "trunc", "round", "sign"}
+_SAME_VALUE = {"_get_data_attr", "detach", "clone", "contiguous"}
+
+
+def _repeated_idempotent(writes: list[fx.Node], p: fx.Node) -> bool:
+    """Whether ``writes`` (in order, all into ``p``) each set ``p`` to the same chain of idempotent
+    ops of ``p``'s value (``p.data = p.data.clamp(min=eps)`` in a module that each layer calls):
+    after the first of them, ``p`` holds the value the last one leaves."""
+    chains = []
+    for w in writes:
+        if op_name(w) not in ("set_", "copy_") or len(w.args) < 2 or w.args[0] is not p or w.kwargs:
+            return False
+        chain, x = [], w.args[1]
+        while isinstance(x, fx.Node) and x is not p and x.all_input_nodes and x.all_input_nodes[0] is not None:
+            name = op_name(x)
+            rest = [a for a in x.all_input_nodes[1:]]
+            if name not in _IDEMPOTENT | _SAME_VALUE or rest or x.op not in ("call_function", "call_method"):
+                return False
+            if name in _IDEMPOTENT:
+                chain.append((name, tuple(x.args[1:]), tuple(sorted(x.kwargs.items()))))
+            x = x.args[0]
+        if x is not p or not chain:
+            return False
+        chains.append(tuple(chain))
+    return len(set(chains)) == 1 and len(chains[0]) == 1
 
 
 def state_name(source: str) -> str:

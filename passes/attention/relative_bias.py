@@ -153,11 +153,11 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
         full = full.reshape(-1, rows, rows)
         i, j = torch.tril_indices(rows, rows)
         tol = 1e-9 if value(pair).dtype == torch.float64 else 1e-5
-        if not torch.allclose(full[:, i, j], full[:, i - j, 0], rtol=tol, atol=tol):
+        if not torch.allclose(full[:, i, j], full[:, i - j, 0], rtol=tol, atol=tol, equal_nan=True):
             return why
         columns.append(full[:, :, 0])
     long, short = columns
-    if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9):
+    if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9, equal_nan=True):
         return why
     g = gm.graph
     with g.inserting_before(at):
@@ -247,7 +247,7 @@ def _same_table_shorter(ctx: PassContext, table: fx.Node) -> str | None:
         return None
     n = short.shape[-1]
     if long.shape[:-1] != short.shape[:-1] or long.shape[-1] < n or \
-            not torch.allclose(long[..., :n], short, rtol=1e-9, atol=1e-12):
+            not torch.allclose(long[..., :n], short, rtol=1e-9, atol=1e-12, equal_nan=True):
         return "a bias over (query, key) pairs that changes with the sequence length (per path it is the path's length)"
     return None
 
@@ -266,6 +266,6 @@ def _check(ctx: PassContext, bias: fx.Node, table: fx.Node, scale: float) -> str
     i, j = torch.tril_indices(s, s)
     want = full[:, i, j]
     got = col[:, i - j].expand_as(want)
-    if not torch.allclose(got, want, rtol=tol, atol=tol):
+    if not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
         return "a bias over (query, key) pairs that is not a function of their distance"
     return None

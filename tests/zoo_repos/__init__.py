@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 )
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
+from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
 from zoo_repos.retention import RetNet
@@ -154,6 +155,14 @@ CASES: list[zoo.Case] = [
     zoo.Case("mega-bias-from-start", "MEGA's Toeplitz bias over the vector's first 2T - 1 entries (its table "
              "changes with T)", _build(MegaLM, bias="from-start"), expect="refused",
              reason="a bias over (query, key) pairs that is not built from the sequence index"),
+    zoo.Case("kerple-neox", "EleutherAI/gpt-neox ParallelKerpleLog shared by the layers: p.data / a.data clamped in "
+             "every layer's call, tril(arange(k)[:, None].repeat(1, k) + arange(0, -k, -1)) cached on the module, "
+             "-p * log(1 + a * diff) added to sequence-first baddbmm scores, tril(ones) < 0.5 masked_fill_",
+             lambda: kerple_params_above_eps(_build(NeoXKerpleLM)()),
+             attention={"softmax_attention": 2, "relative_bias": 2}),
+    zoo.Case("kerple-neox-shrink", "the shared rpe writing p.data = p.data * 0.5 in each layer (not idempotent: the "
+             "second layer reads another value)", _build(NeoXKerpleLM, shrink=True), expect="refused",
+             reason="after the model began writing it in place"),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),
