@@ -47,6 +47,7 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels.scans.table import SCANS, stream_selective_scan  # noqa: F401  (re-exported)
 from treecompile.kernels.attention import prefix_attention  # noqa: F401  (registers treecompile::prefix_tree_attention)
 from treecompile.kernels.attention import pair_sum  # noqa: F401  (registers treecompile::tree_pair_sum)
+from treecompile.kernels.attention.masks import dense_tree_mask
 from treecompile.kernels.attention.flex import AttentionSpec, _common_dtype, _with_sinks
 from treecompile.kernels.attention.prefix_flex import prefix_flex_hop
 from treecompile.passes._graph import PassContext, describe, is_op, location_of, source_of, value
@@ -233,13 +234,18 @@ def prefix_attention_calls(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def refuse_pair_sums(gm: fx.GraphModule, where: str, advice: str) -> None:
-    """Refuses attention without a softmax (`treecompile.kernels.attention.pair_sum`), whose sum
-    over a query's ancestors is not split over ``where``."""
+    """Refuses attention without a softmax (`treecompile.kernels.attention.pair_sum`) and attention
+    kept on dense ``[S, S]`` tensors (`treecompile.passes.attention.dense_pairs`), whose sums over a
+    query's ancestors are not split over ``where``."""
     for n in gm.graph.nodes:
         if is_op(n, torch.ops.treecompile.tree_pair_sum):
             raise UnsupportedModelError(
                 f"treecompile: attention without a softmax at {location_of(n)} is not run over {where} (its sum over "
                 f"a query's ancestors would miss those held elsewhere): {advice}.\n  at {source_of(n)}")
+        if n.op == "call_function" and n.target is dense_tree_mask:
+            raise UnsupportedModelError(
+                f"treecompile: attention computed on [S, S] tensors at {location_of(n)} is not run over {where} (its "
+                f"sums over a query's ancestors would miss those held elsewhere): {advice}.\n  at {source_of(n)}")
 
 
 def refuse_own_mods(calls: list[fx.Node], doing: str, kernel: str, advice: str) -> None:

@@ -103,16 +103,18 @@ def test_the_default_lowering_runs_the_kernel_and_its_backward():
 
 
 @pytest.mark.full
-def test_streaming_and_the_bitmask_rule_refuse_it_by_name():
+def test_streaming_refuses_it_by_name_and_the_bitmask_rule_keeps_it_dense():
     model = zoo.perturb(zc.QuadraticLinearLM().double().eval())
     batch = zoo.batches()[1][1]
     streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
     with pytest.raises(UnsupportedModelError, match=r"attention without a softmax at .* is not run over streamed"):
         streamed(batch)
+    # The pair sum kernel runs on the interval rule; under the bitmask rule the model's own
+    # [S, S] ops are kept dense (`dense_pairs`), exact with the dense tree mask of either rule.
     bitmask = tc.tree_compile(model, backend="eager", mask="bitmask")
-    bits = tc.pack([tc.TrajectoryTree.from_sequences(p) for p in FORESTS["branchy"]], path_bits=True, warn_por=False)
-    with pytest.raises(UnsupportedModelError, match=r"runs on the interval mask rule"):
-        bitmask(bits)
+    trees = [tc.TrajectoryTree.from_sequences(p) for p in FORESTS["branchy"]]
+    zoo.compare(model, bitmask, tc.pack(trees, path_bits=True, warn_por=False), trees)
+    assert dict(bitmask.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
 
 
 class _SymmetricDecayAttn(zc._Attn):
@@ -146,12 +148,21 @@ class _RowScaledOverLengthAttn(zc._Attn):
 
 
 @pytest.mark.parametrize("attn,why", [(_SymmetricDecayAttn, "not causal"),
-                                      (_PositionDecayAttn, "not a function of the distance"),
                                       (_RowScaledOverLengthAttn, "one that changes with the sequence length")])
 def test_a_factor_that_is_not_a_causal_function_of_the_distance_is_refused(attn, why):
     model = zoo.perturb(zc._spelling(attn)().double().eval())
     with pytest.raises(UnsupportedModelError, match=rf"attention without a softmax whose pair factor is {why}"):
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+
+
+def test_a_factor_of_the_query_position_is_kept_dense():
+    """``(i + 1) ** -1 * 0.9 ** (i - j)`` is not a function of the distance (no pair sum table), but
+    a function of the two path positions: the model's own [S, S] ops, kept dense, are exact."""
+    model = zoo.perturb(zc._spelling(_PositionDecayAttn)().double().eval())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
 
 
 class _WideningDecayAttn(zc._Attn):
@@ -169,7 +180,10 @@ class _WideningDecayAttn(zc._Attn):
 
 def test_a_factor_that_widens_the_scores_is_not_taken_for_a_pair_sum():
     """The kernel's result has the scores' heads; a factor that broadcasts the scores to more
-    dims would be dropped with its extra dim: left to the verify pass, which refuses it."""
+    dims would be dropped with its extra dim: not a pair sum. The model's own [S, S] ops, kept
+    dense (`dense_pairs`), compute it exactly."""
     model = zoo.perturb(zc._spelling(_WideningDecayAttn)().double().eval())
-    with pytest.raises(UnsupportedModelError, match=r"cannot make this model exact on a tree: node 'd' "):
-        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}

@@ -74,12 +74,14 @@ def test_a_bias_per_query_is_left_to_the_softmax():
     assert compiled.counters["rewrite_attention_pass"] == {"softmax_attention": 2}
 
 
-def test_a_bias_of_both_tokens_is_refused_by_name():
+def test_a_bias_of_both_tokens_is_computed_densely():
+    """Not a token bias (a term per query plus one per key) for the kernel's score_mod; the
+    model's own [S, S] ops, kept dense (`dense_pairs`), read both tokens of each pair exactly."""
     model = zoo._custom(zc._spelling(_PairGate))()
     compiled = tc.tree_compile(model, backend="eager")
-    _, batch, _ = zoo.batches()[0]
-    with pytest.raises(UnsupportedModelError, match="additive bias computed from parameters or the inputs"):
-        compiled(batch)
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
 
 
 class _SequenceSoftmaxGate(zc._GatedAttn):

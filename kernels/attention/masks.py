@@ -30,6 +30,7 @@ __all__ = [
     "bitmask_mask_mod",
     "tree_mask_mod",
     "bind_buffers",
+    "dense_tree_mask",
 ]
 
 #: ``mask_mod(b, h, q_idx, kv_idx, *buffers) -> bool`` tensor.
@@ -139,3 +140,11 @@ def bind_buffers(mask_mod: MaskMod, *buffers: torch.Tensor) -> Callable[..., tor
 
     bound.__name__ = f"{mask_mod.__name__}_s{buffers[0].shape[0]}" if buffers else mask_mod.__name__
     return bound
+
+
+def dense_tree_mask(kind: str, chunks: int, *buffers: torch.Tensor) -> torch.Tensor:
+    """The tree mask as a dense ``[S, S]`` bool tensor (query, key): ``S^2`` memory, for a model
+    that itself computes on ``[T, T]`` tensors beyond what a kernel takes
+    (`treecompile.passes.attention.dense_pairs`)."""
+    rows = torch.arange(buffers[0].shape[0], device=buffers[0].device)
+    return tree_mask_mod(kind, chunks=chunks)(0, 0, rows[:, None], rows[None, :], *buffers)

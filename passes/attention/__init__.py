@@ -36,7 +36,9 @@ its operands read by `operands`, a learned pair bias turned into a score_mod by 
 `mha` (``F.multi_head_attention_forward``), `flex` (a model's own FlexAttention), `pair_sum`
 (attention without a softmax, ``(q @ k^T * D) @ v`` with a causal decay ``D``: its own kernel,
 `treecompile.kernels.attention.pair_sum`) and `fft_conv` (a long convolution by FFT, a sum over
-each token's ancestors: `treecompile.kernels.long_conv`).
+each token's ancestors: `treecompile.kernels.long_conv`); last, `dense_pairs` keeps scores that a model
+works on beyond a mask and a softmax (CoPE's counted positions) as the model's own ``[S, S]`` ops,
+with its masks and tables read at path positions.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import SDPA, SOFTMAX, PassContext, is_call
+from treecompile.passes.attention.dense_pairs import is_pair_exit, rewrite_dense_pairs
 from treecompile.passes.attention.fft_conv import is_fft_conv, rewrite_fft_conv
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
@@ -91,6 +94,8 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("mixing", is_pair_product, rewrite_mixing),
     Spelling("pair_sum", is_pair_product, rewrite_pair_sum),
     Spelling("fft_conv", is_fft_conv, rewrite_fft_conv),
+    # Last: what no kernel spelling took, computed on [S, S] tensors beyond a mask and a softmax.
+    Spelling("dense_pairs", is_pair_exit, rewrite_dense_pairs),
 )
 
 

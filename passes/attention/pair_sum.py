@@ -79,12 +79,13 @@ class _Match:
     output: fx.Node | None = None
 
 
-def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> bool | None:
     """Replaces ``(chain(q @ k^T)) @ v`` (module docstring) with the tree pair sum; leaves a note
-    where the chain is such a product but its factor is not a causal function of the distance."""
+    where the chain is such a product but its factor is not a causal function of the distance, and
+    declines the node (False) for the spellings after it (`dense_pairs`) wherever it does not rewrite it."""
     m = _match(ctx, node)
     if m is None:
-        return
+        return False
     out = m.output
     with gm.graph.inserting_before(node):  # keys made with the sequence last (a permute): transposed back
         m.q, m.k, m.v = (ctx.mark(x(gm.graph), like=node) if callable(x) else x for x in (m.q, m.k, m.v))
@@ -92,25 +93,25 @@ def rewrite_pair_sum(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     dims = {t.dim() if t is not None else None for t in vals} | {value(node).dim()}
     if dims not in ({4}, {3}):
         ctx.notes[node] = "attention without a softmax over tensors that are not [B, H, S, D] (or [B * H, S, D])"
-        return
+        return False
     three_d = dims == {3}  # [B * H, S, D] with B = 1: the leading dim is the heads
     if three_d:
         vals = [t.unsqueeze(0) for t in vals]
     if ctx.mask != "interval":
         ctx.notes[node] = "attention without a softmax runs on the interval mask rule (tree_compile(mask='interval'))"
-        return
+        return False
     heads = vals[0].shape[1]
     if not isinstance(heads, int) or heads % vals[1].shape[1] or vals[1].shape[1] != vals[2].shape[1]:
         ctx.notes[node] = "attention without a softmax whose key and value heads do not divide the query heads"
-        return
+        return False
     judged = _judge(ctx, m.factors, m.masks, m.tril, heads)
     if isinstance(judged, str):
         ctx.notes[node] = f"attention without a softmax whose pair factor is {judged}"
-        return
+        return False
     tables = _tables(gm, ctx, judged, node, vals[0])
     if isinstance(tables, str):
         ctx.notes[node] = f"attention without a softmax whose pair factor is {tables}"
-        return
+        return False
     table, qtable = tables
     g = gm.graph
     dtype = vals[0].dtype

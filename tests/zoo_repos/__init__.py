@@ -37,6 +37,7 @@ from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4D
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
+from zoo_repos.pairs import CoPELM, StickBreakingLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
 from zoo_repos.gpt import (
@@ -163,6 +164,22 @@ CASES: list[zoo.Case] = [
     zoo.Case("kerple-neox-shrink", "the shared rpe writing p.data = p.data * 0.5 in each layer (not idempotent: the "
              "second layer reads another value)", _build(NeoXKerpleLM, shrink=True), expect="refused",
              reason="after the model began writing it in place"),
+    zoo.Case("cope", "Golovneva et al. 2024 CoPE listing: gates = sigmoid(masked logits), positions by "
+             "gates.flip(-1).cumsum(-1).flip(-1) clamped below T, position logits gathered at ceil / floor and "
+             "interpolated, added in place to bmm scores with mask.log() of tril(ones)", _build(CoPELM),
+             attention={"dense_pairs": 1}),
+    zoo.Case("cope-mask-after", "CoPE with the causal mask added after the counted positions (they count future "
+             "keys)", _build(CoPELM, mask_after=True), expect="refused", reason="it needs 0 there"),
+    zoo.Case("cope-query-softmax", "CoPE with its softmax over the queries", _build(CoPELM, query_softmax=True),
+             expect="refused", reason="runs over the queries, not the keys"),
+    zoo.Case("stickbreaking", "shawntan/stickbreaking-attention sb_ref.py: logsigmoid logits masked by ones.triu(0), "
+             "log(1 - beta) summed over the later keys by einsum('bhij,jk->bhik') with ones(T, T).tril(-1), "
+             "exp weights and the remainder to the query's own value", _build(StickBreakingLM),
+             attention={"dense_pairs": 1}),
+    zoo.Case("stickbreaking-current", "stick-breaking attending to the current token (mask ones.triu(1))",
+             _build(StickBreakingLM, attend_current=True), attention={"dense_pairs": 1}),
+    zoo.Case("stickbreaking-mask-late", "stick-breaking with log(1 - beta) masked only after the sum over later keys",
+             _build(StickBreakingLM, mask_late=True), expect="refused", reason="whose first is not 0 off the path"),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),

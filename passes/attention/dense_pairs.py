@@ -1,0 +1,456 @@
+"""Attention computed on ``[S, S]`` tensors beyond what a kernel takes, kept dense on the tree.
+
+Some models work on the ``[T, T]`` scores with more than a mask and a softmax: CoPE counts
+positions by a reverse cumulative sum of gates over the keys (``gates.flip(-1).cumsum(-1).flip(-1)``)
+and gathers position logits at those counts. No kernel spelling matches such a chain; this rule
+keeps the model's own ops on the packed row's ``[S, S]`` tensors and proves them exact.
+
+**The region.** The connected ``[.., S, S]`` nodes (query at dim -2, key at dim -1) around a
+product of scores with a row value, with their inputs (rows, the structural ``[S, S]`` tensors
+they read: masks and tables built from the indices, sizes and parameters, no token) and their
+exits (products with a row value, reductions over the keys).
+
+**The rewrite.** Each structural ``[S, S]`` input ``f(i, j)`` (a copy of the model's own
+construction at the row count) is read at the tokens' path positions, ``f(pos[q], pos[k])``,
+where ``k`` is on ``q``'s path (the tree mask, dense), and elsewhere takes its value on the
+future (``j > i``), which must be one constant, at two lengths, and the same corner at both (not
+a function of ``T``). Every other node stays as the model wrote it.
+
+**Why it is exact.** Call an entry ``(q, k)`` *visible* when ``k`` is on ``q``'s path (per path:
+``j <= i``) and *hidden* otherwise (per path: the future). At a visible entry each structural
+input is the path's value, a row input is the token's own (everything before is exact by
+induction), and an element-wise op keeps both. At hidden entries the structural inputs are the
+future's constants, so an element-wise op gives on the tree the value it gives on the future of
+each path; the rule tracks it (`_Hidden`): a constant where every input is one or the op's result
+does not depend on the others (``-inf + x``, ``0 * x`` for finite ``x``, checked by evaluating
+the op), else unknown. An op over the keys (a sum, a maximum, a softmax, a cumulative sum, a
+product with values or with another ``[S, S]``) must see the identity of its reduction (0, or
+-inf for max-like ones) at hidden entries: per path those are the future keys, which it then
+ignores, and on the tree the keys off the path, which it ignores too; what remains, in the
+packed order, is the path's keys in the path's order. A cumulative sum over the keys is exact at
+visible entries only (unknown at hidden ones), and a reversed one (``flip``, ``cumsum``,
+``flip``) sums the keys from ``k`` to ``q`` on the path. An op over the queries, one that moves
+entries, or one that reads the length as a value is refused; so is any op the rule does not name.
+Memory is ``S^2`` per tensor, as the model's own code costs on the packed row (a TreeWarning
+says so). Counter ``dense_pairs``.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from treecompile.core.advice import TreeWarning
+from treecompile.kernels.attention.masks import dense_tree_mask
+from treecompile.passes._graph import (MATMUL, PassContext, describe, is_call, location_of, mutated_args, same_size,
+                                      storage_of, value)
+from treecompile.passes._mask_eval import copy_values, evaluate, judged_length, reads_tokens
+from treecompile.passes.rows.domain import op_key, split_inplace
+from treecompile.passes.rows.elementwise import POINTWISE
+
+__all__ = ["is_pair_exit", "rewrite_dense_pairs"]
+
+#: Ops whose result keeps the last two dims as they are, entry by entry.
+_ELEMENTWISE = POINTWISE | {"add", "sub", "mul", "neg", "pow", "where", "masked_fill", "long", "int", "bool",
+                            "detach", "clone", "contiguous", "iadd", "isub", "imul", "itruediv"}
+_VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "view_as", "squeeze"}
+#: Reductions over the keys, and the identity each must see at hidden entries.
+_REDUCE = {"sum": 0.0, "amax": float("-inf"), "max": float("-inf"), "logsumexp": float("-inf")}
+#: Ops over the keys that keep ``[S, S]``: the identity, and the hidden value of the result.
+_KEYWISE = {"softmax": (float("-inf"), 0.0), "log_softmax": (float("-inf"), float("-inf")),
+            "cumsum": (0.0, None)}
+_SAMPLES = (-7.25, -0.5, 0.0, 0.75, 3.0, 1e5, -1e5)
+
+
+@dataclass(frozen=True)
+class _Hidden:
+    """What a region tensor holds at hidden entries: one constant (a 0-dim tensor), or unknown."""
+
+    const: torch.Tensor | None = None
+
+    def is_(self, x: float) -> bool:
+        return self.const is not None and bool(self.const.double() == x)
+
+
+_UNKNOWN = _Hidden()
+
+
+def is_pair_exit(node: fx.Node) -> bool:
+    """A ``matmul`` / ``bmm`` whose first operand is ``[.., S, S]``-shaped (square in its last two dims)."""
+    if not is_call(node, MATMUL, ("matmul", "bmm")):
+        return False
+    v = value(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and same_size(v.shape[-1], v.shape[-2])
+
+
+def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node) -> bool | None:
+    """Proves the region around ``exit_node`` exact and reads its structural inputs on the tree;
+    else leaves a note. False where the node is not a product of ``[S, S]`` scores."""
+    if exit_node in ctx.created or not exit_node.users or not _is_pair(exit_node.args[0], ctx):
+        return False  # made by a pass, or left dead by another spelling's rewrite
+    region = _region(ctx, exit_node.args[0])
+    if not isinstance(region, str) and not region[0]:
+        return False  # a product with a matrix that reads no token: not scores
+    why = (exit_node, region) if isinstance(region, str) else _prove(ctx, region)
+    if isinstance(why, tuple):
+        # Said after what an earlier spelling said about the region (the verify pass quotes the
+        # first noted node it refuses), else on the region's first [S, S] tensor (which it refuses).
+        at, reason = why
+        said = f"as [S, S] tensors, {describe(at)} at {location_of(at)} {reason}"
+        around = [exit_node] if isinstance(region, str) else [*region[0], *region[1], *region[2]]
+        order = {n: i for i, n in enumerate(exit_node.graph.nodes)}
+        noted = sorted((n for n in around if n in ctx.notes), key=order.get)
+        target = noted[0] if noted else exit_node if isinstance(region, str) else region[0][0]
+        ctx.notes[target] = f"{ctx.notes[target]}; {said}" if target in ctx.notes else said
+        return None
+    nodes, leaves, exits = region
+    _rewrite(gm, ctx, nodes, leaves, why, exit_node)
+    for n in nodes:
+        ctx.mark(n, rows=False)
+    for n in exits:
+        ctx.mark(n)
+    ctx.count("dense_pairs")
+    warnings.warn(f"treecompile: the attention at {location_of(exit_node)} computes on [S, S] tensors of the packed "
+                  "row beyond a kernel's reach; they are kept dense on the tree: S^2 memory per tensor",
+                  TreeWarning, stacklevel=2)
+    return None
+
+
+# ----------------------------------------------------------------------------- the region
+
+
+def _is_pair(x, ctx: PassContext) -> bool:
+    v = value(x) if isinstance(x, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and same_size(v.shape[-1], ctx.seq_len) \
+        and same_size(v.shape[-2], ctx.seq_len)
+
+
+def _region(ctx: PassContext, start: fx.Node) -> tuple[list, list, list] | str:
+    """``(token nodes, structural leaves, exits)`` of the ``[S, S]`` component around ``start``."""
+    seen, stack = set(), [start]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if not reads_tokens(ctx, n):
+            continue  # a structural leaf: its own inputs are its construction
+        stack.extend(a for a in n.all_input_nodes if _is_pair(a, ctx))
+        stack.extend(u for u in n.users if _is_pair(u, ctx))
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    token = sorted((n for n in seen if reads_tokens(ctx, n)), key=order.get)
+    leaves = sorted((n for n in seen if not reads_tokens(ctx, n)), key=order.get)
+    if any(n in ctx.created for n in seen):
+        return "is an [S, S] tensor another rewrite made"
+    exits = sorted({u for n in token for u in n.users if u not in seen}, key=order.get)
+    return token, leaves, exits
+
+
+def _prove(ctx: PassContext, region: tuple[list, list, list]) -> dict | tuple[fx.Node, str]:
+    """The hidden value of each structural leaf, or ``(node, why)`` the region is not exact there."""
+    token, leaves, exits = region
+    state: dict[fx.Node, _Hidden] = {}
+    for leaf in leaves:
+        found = _leaf_hidden(ctx, leaf)
+        if isinstance(found, str):
+            return leaf, f"is {found}"
+        state[leaf] = found
+    members = set(token) | set(leaves)
+    for n in token:
+        why = _step(ctx, n, state, members)
+        if why is not None:
+            return n, why
+    for e in exits:
+        why = _exit(ctx, e, state, members)
+        if why is not None:
+            return e, why
+    return {leaf: state[leaf] for leaf in leaves}
+
+
+def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
+    """A structural ``[S, S]`` input judged at two lengths: the same corner at both, and its
+    value on the future one constant (else unknown)."""
+    if mutated_args(leaf):
+        return "written in place"
+    if not isinstance(ctx.seq_len, torch.SymInt):
+        return "built at one length only (the sequence length is a constant)"
+    long = judged_length(ctx) or int(ctx.seq_len.node.hint)
+    short = max(2, long // 2)
+    source = leaf
+    while source.op == "call_method" and source.target in ("to", "type_as") and len(source.args) == 2 \
+            and isinstance(source.args[1], fx.Node):
+        source = source.args[0]  # ``table.to(scores)`` takes only the scores' dtype
+    dtype = value(leaf).dtype
+    try:
+        a, b = (evaluate(ctx, source, rows=r).to(dtype) for r in (long, short))
+    except Exception as e:  # not buildable at another length
+        return f"not buildable at another length ({type(e).__name__})"
+    if a.shape[-2:] != (long, long) or b.shape[-2:] != (short, short):
+        return "not [.., S, S] at another length"
+    ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
+    if not torch.equal(a[..., :short, :short].isnan(), b.isnan()) or \
+            not torch.equal(a[..., :short, :short].nan_to_num(), b.nan_to_num()):
+        return "a function of the sequence length (at half the length it is not the corner of the whole)"
+    upper = torch.ones(long, long, dtype=torch.bool).triu(1)
+    future = a[..., upper]
+    if future.numel() and not future.isnan().any() and bool((future == future.reshape(-1)[0]).all()):
+        return _Hidden(future.reshape(-1)[0].clone())
+    return _UNKNOWN
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def _sampled(n: fx.Node, state: dict, members: set) -> list[fx.Node]:
+    """The tensor inputs of ``n`` with no one hidden value: rows, and region tensors unknown there."""
+    return [a for a in n.all_input_nodes if isinstance(value(a), torch.Tensor)
+            and (a not in members or state[a].const is None)]
+
+
+def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> _Hidden:
+    """Runs ``n`` on 0-dim stand-ins: the region's tensors at their hidden constants, every other
+    tensor at sample values; a constant if every sample gives the same result."""
+    others = _sampled(n, state, members)
+    results = []
+    for i in range(len(_SAMPLES)):
+        env = {}
+        for j, a in enumerate(others):
+            v = value(a)
+            s = _SAMPLES[(i + 3 * j) % len(_SAMPLES)]
+            env[a] = torch.tensor(bool(s > 0) if v.dtype == torch.bool else s, dtype=v.dtype) \
+                if v.is_floating_point() or v.dtype == torch.bool else torch.tensor(int(s) % 5, dtype=v.dtype)
+        for a in n.all_input_nodes:
+            if a in members and a not in env:
+                env[a] = state[a].const.clone()
+        args = fx.node.map_arg(n.args, lambda x: env.get(x, x))
+        kwargs = fx.node.map_arg(n.kwargs, lambda x: env.get(x, x))
+        try:
+            out = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        except Exception:
+            return _UNKNOWN
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return _UNKNOWN
+        results.append(out.reshape(()))
+    first = results[0]
+    if all(r.dtype == first.dtype and (torch.equal(r, first) or (r.isnan() & first.isnan()).all()) for r in results):
+        return _Hidden(first.clone())
+    return _UNKNOWN
+
+
+def _last_dims_kept(n: fx.Node, ctx: PassContext) -> bool:
+    v, x = value(n), value(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    return isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor) and _is_pair(n, ctx) and _is_pair(n.args[0], ctx)
+
+
+def _reads_length(n: fx.Node, ctx: PassContext) -> bool:
+    """A non-tensor argument that is a symbolic size (the length as a value)."""
+    flat = []
+    fx.node.map_aggregate((n.args, n.kwargs), flat.append)
+    return any(isinstance(a, (torch.SymInt, torch.SymFloat)) for a in flat) or \
+        any(isinstance(a, fx.Node) and isinstance(value(a), (torch.SymInt, torch.SymFloat)) for a in flat)
+
+
+def _key_dim(n: fx.Node, nd: int, default=None) -> bool:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else default)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, nd - 1)
+
+
+def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
+    """Sets ``state[n]`` for a token ``[S, S]`` node; a reason where its op is not exact."""
+    if n in state:  # the cumulative sum and closing flip of a reversed sum, judged with its opening flip
+        return None
+    name, inplace = split_inplace(op_key(n))
+    nd = value(n).dim()
+    if n.op not in ("call_function", "call_method"):
+        return "is not an op the dense pair rule knows"
+    if name in _VIEWS or name in ("view", "reshape"):
+        if not _last_dims_kept(n, ctx):
+            return "moves the query or key dim"
+        state[n] = state.get(n.args[0], _UNKNOWN)
+        return None
+    if _reads_length(n, ctx):
+        return "reads the sequence length as a value"
+    if is_call(n, MATMUL, ("matmul", "bmm")) or is_call(n, (torch.baddbmm,), ("baddbmm",)) or \
+            is_call(n, (torch.einsum,)):
+        return _pair_product(ctx, n, state, members)
+    if name in _KEYWISE:
+        if not _key_dim(n, nd):
+            return "runs over the queries, not the keys"
+        identity, after = _KEYWISE[name]
+        if not state.get(n.args[0], _UNKNOWN).is_(identity):
+            return f"runs over the keys on entries it does not ignore off the path (it needs {identity} there)"
+        state[n] = _Hidden(torch.tensor(after, dtype=value(n).dtype)) if after is not None else _UNKNOWN
+        return None
+    if name == "flip":
+        return _reverse_cumsum(ctx, n, state, members, nd)
+    if name == "gather":
+        src, dim, index = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim"), \
+            n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
+        sv = value(src)
+        if src in members or dim not in (-1, nd - 1) or index not in members or sv.dim() != nd or \
+                not same_size(sv.shape[-2], ctx.seq_len) or same_size(sv.shape[-1], ctx.seq_len):
+            return "gathers other than each query row's own values at [S, S] indices"
+        state[n] = _UNKNOWN
+        return None
+    if name in _ELEMENTWISE:
+        for a in n.all_input_nodes:
+            v = value(a)
+            if a not in members and isinstance(v, torch.Tensor) and v.dim() >= 2 and \
+                    same_size(v.shape[-1], ctx.seq_len) and same_size(v.shape[-2], ctx.seq_len):
+                return "reads an [S, S] tensor outside the region"
+        state[n] = _evaluate_hidden(n, state, members)
+        if inplace or name in ("iadd", "isub", "imul", "itruediv"):
+            # Every tensor of the region sharing the written memory (the earlier names of these
+            # scores, views keeping the last two dims) holds the new values from here on.
+            written = storage_of(n.args[0])
+            for m in members:
+                if m is not n and written is not None and storage_of(m) == written and m in state:
+                    state[m] = state[n]
+        return None
+    return f"is {name or n.target}, an op on [S, S] tensors the dense pair rule does not know"
+
+
+def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
+    """``q @ k^T`` (two row values: a token's own entries, unknown off the path), ``baddbmm`` of
+    one, or ``a @ b`` of two ``[S, S]`` (keys of ``a`` meeting queries of ``b``)."""
+    if is_call(n, (torch.baddbmm,), ("baddbmm",)):
+        x, y = n.args[1], n.args[2]
+    elif is_call(n, (torch.einsum,)):
+        found = _einsum_product(n)
+        if found is None:
+            return "is an einsum that is not a product over one dim"
+        x, y, y_transposed = found
+        if y_transposed:  # ``...id,...jd->...ij``: scores of two row values
+            if x in members or y in members or not (same_size(value(x).shape[-2], ctx.seq_len)
+                                                    and same_size(value(y).shape[-2], ctx.seq_len)):
+                return "is an einsum of other than two row values into scores"
+            state[n] = _UNKNOWN
+            return None
+    else:
+        x, y = n.args[0], n.args[1]
+    if x in members and y in members:
+        if not state[x].is_(0.0):
+            return "multiplies [S, S] tensors whose first is not 0 off the path"
+        state[n] = _Hidden(torch.tensor(0.0, dtype=value(n).dtype)) if state[y].is_(0.0) else _UNKNOWN
+        return None
+    if x in members or y in members:
+        return "multiplies an [S, S] tensor with a row value"
+    xv, yv = value(x), value(y)
+    if not (same_size(xv.shape[-2], ctx.seq_len) and same_size(yv.shape[-1], ctx.seq_len)
+            and not same_size(xv.shape[-1], ctx.seq_len)):
+        return "is a product that is not scores of two row values"
+    state[n] = _UNKNOWN
+    return None
+
+
+def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
+    """``(x, y, transposed)`` for an einsum of two operands that is ``x @ y`` (``...ij,...jk->...ik``,
+    ``y``'s leading letters a suffix of ``x``'s) or ``x @ y^T`` (``...id,...jd->...ij``)."""
+    eq, ops = n.args[0], n.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if not isinstance(eq, str) or len(ops) != 2 or "->" not in eq or "." in eq:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    a, b = ins.split(",") if ins.count(",") == 1 else (None, None)
+    if a is None or len(a) < 2 or len(b) < 2 or len(out) < 2 or len(set(a)) != len(a) or len(set(b)) != len(b):
+        return None
+    lead = a[:-2]
+    if out != lead + a[-2] + b[-1] and out != lead + a[-2] + b[-2]:
+        return None
+    if not lead.endswith(b[:-2]):
+        return None
+    if out == lead + a[-2] + b[-1] and a[-1] == b[-2] and a[-1] not in out:
+        return ops[0], ops[1], False
+    if out == lead + a[-2] + b[-2] and a[-1] == b[-1] and a[-1] not in out and b[:-2] == lead:
+        return ops[0], ops[1], True
+    return None
+
+
+def _reverse_cumsum(ctx: PassContext, n: fx.Node, state: dict, members: set, nd: int) -> str | None:
+    """``x.flip(-1).cumsum(-1).flip(-1)``: at a visible entry, the sum over the path's keys from
+    ``k`` to ``q``; the first flip's hidden entries must be 0. The first flip stands for the
+    three (the other two judged with it)."""
+    def flips(m):
+        dims = m.args[1] if len(m.args) > 1 else m.kwargs.get("dims")
+        dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+        return split_inplace(op_key(m))[0] == "flip" and len(dims) == 1 and dims[0] in (-1, nd - 1)
+
+    if n in state:  # the closing flip, judged with the opening one
+        return None
+    users = list(n.users)
+    if not flips(n) or n.args[0] not in members or len(users) != 1:
+        return "reorders the keys other than as a reversed cumulative sum"
+    c = users[0]
+    if split_inplace(op_key(c))[0] != "cumsum" or not _key_dim(c, nd) or len(c.users) != 1:
+        return "reorders the keys other than as a reversed cumulative sum"
+    close = next(iter(c.users))
+    if not flips(close):
+        return "reorders the keys other than as a reversed cumulative sum"
+    if not state[n.args[0]].is_(0.0):
+        return "sums over the keys from the end entries it does not ignore off the path (it needs 0 there)"
+    state[n] = state[c] = state[close] = _UNKNOWN
+    return None
+
+
+def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None:
+    """A node leaving the region: a reduction over the keys, or a product with a row value."""
+    if e.op == "output":
+        return "returns an [S, S] tensor"
+    if _reads_length(e, ctx):
+        return "reads the sequence length as a value"
+    name = split_inplace(op_key(e))[0]
+    pair_args = [a for a in e.all_input_nodes if a in members]
+    product = _einsum_product(e) if is_call(e, (torch.einsum,)) else None
+    if product is not None and not product[2] and product[0] in members and product[1] not in members:
+        x, y = product[0], product[1]
+    elif is_call(e, MATMUL, ("matmul", "bmm")) and len(e.args) >= 2:
+        x, y = e.args[0], e.args[1]
+    else:
+        x = y = None
+    if x is not None and x in members and y not in members:
+        v = value(y)
+        if not (isinstance(v, torch.Tensor) and same_size(v.shape[-2], ctx.seq_len)):
+            return "multiplies the scores with other than a row value"
+        if not state[x].is_(0.0):
+            return "sums values over keys it does not ignore off the path (the weights are not 0 there)"
+        return None
+    if name in _REDUCE and len(pair_args) == 1 and e.args[0] in members:
+        if not _key_dim(e, value(e.args[0]).dim()):
+            return "reduces over other than the keys"
+        if not state[e.args[0]].is_(_REDUCE[name]):
+            return f"reduces over keys it does not ignore off the path (it needs {_REDUCE[name]} there)"
+        if name == "max" and any(not (u.target is operator.getitem and u.args[1] == 0) for u in e.users):
+            return "reads the index of a maximum over the keys (a packed row index)"
+        return None
+    return f"takes an [S, S] tensor out of the region ({name or e.target})"
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hidden: dict, at: fx.Node) -> None:
+    """Reads each structural leaf at path positions, its hidden value off the path."""
+    g = gm.graph
+    first = min(nodes, key=list(g.nodes).index)
+    with g.inserting_before(first):
+        anc = ctx.mark(g.call_function(dense_tree_mask, (ctx.mask, ctx.chunks, *ctx.mask_buffers)), like=at, rows=False)
+        pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
+        pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
+    for leaf in leaves:
+        order = {n: i for i, n in enumerate(g.nodes)}
+        with g.inserting_before(min((u for u in leaf.users if u in nodes), key=order.get)):
+            built = copy_values(ctx, g, leaf)
+            read = ctx.mark(g.call_function(operator.getitem, (built, (Ellipsis, pq, pk))), like=leaf, rows=False)
+            c = hidden[leaf].const
+            tree = read if c is None else ctx.mark(g.call_function(torch.where, (anc, read, c.item())), like=leaf,
+                                                   rows=False)
+        for u in list(leaf.users):
+            if u in nodes:
+                u.replace_input_with(leaf, tree)

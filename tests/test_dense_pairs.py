@@ -1,0 +1,110 @@
+"""Attention kept on dense ``[S, S]`` tensors (`treecompile.passes.attention.dense_pairs`).
+
+The zoo (``cope``, ``fixed-pattern-mask``, ``absolute-pair-bias``, ``in-place-bias``, ...) checks
+models the rule makes exact against per-path training; here the rule's refusals, one per way a
+chain of ``[S, S]`` ops stops being exact on a tree, the bitmask rule, and streaming.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+import zoo_custom as zc
+from zoo_repos.pairs import CoPELM
+
+import treecompile as tc
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.stream.options import StreamOptions
+
+
+# A shared prefix, a path ending inside another, a duplicate, a second tree.
+_BRANCHY = [[[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7, 9, 10, 11], [1, 2, 3, 4, 5, 6]], [[12, 13]]]
+
+
+def _refused(attn_cls, match):
+    model = zoo.perturb(zc._spelling(attn_cls)().double().eval())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=match):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class _MeanOverKeys(zc._Attn):
+    """Scores scaled by a mean over the keys: per path a mean over ``T`` keys, on the tree over ``S``."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.causal[:, :, :t, :t] == 0, 0.0)
+        att = att / (1 + att.abs().mean(-1, keepdim=True))
+        return att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
+
+
+class _ArgmaxKey(zc._Attn):
+    """The index of the largest score (a packed row index on the tree) used as a value."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        top, where = att.max(-1, keepdim=True)
+        return (att - top).softmax(-1) @ v + where.to(v.dtype) * 0.01
+
+
+class _OverLength(zc._Attn):
+    """Scores divided by the length: per path the path's length."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1)) / t
+        gate = torch.sigmoid(att).masked_fill(self.causal[:, :, :t, :t] == 0, 0.0).cumsum(-1)
+        return (att + gate).masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
+
+
+class _HalfWindow(zc._Attn):
+    """A window of ``T // 2`` keys built as a tensor (a function of the length) under a key cumsum."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        keep = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < t // 2)
+        att = q @ k.transpose(-2, -1)
+        counted = torch.sigmoid(att).masked_fill(~keep, 0.0).cumsum(-1)
+        return (att + counted).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+class _UnmaskedCumsum(zc._Attn):
+    """A cumulative sum over the keys of gates never masked (the future counts for the past)."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1)
+        att = att + F.logsigmoid(att).flip(-1).cumsum(-1).flip(-1)
+        return att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("attn,match", [
+    (_MeanOverKeys, r"takes an \[S, S\] tensor out of the region \(mean\)"),
+    (_ArgmaxKey, r"reads the index of a maximum over the keys"),
+    (_OverLength, r"reads the sequence length as a value"),
+    (_HalfWindow, r"a function of the sequence length"),
+    (_UnmaskedCumsum, r"sums over the keys from the end entries it does not ignore off the path"),
+])
+def test_what_is_not_exact_on_a_tree_is_refused_by_name(attn, match):
+    _refused(attn, match)
+
+
+def test_cope_runs_under_the_bitmask_rule():
+    model = zoo.perturb(CoPELM().double().eval())
+    compiled = tc.tree_compile(model, backend="eager", mask="bitmask")
+    trees = [tc.TrajectoryTree.from_sequences(p) for p in _BRANCHY]
+    zoo.compare(model, compiled, tc.pack(trees, path_bits=True, warn_por=False), trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 1}
+
+
+def test_streaming_refuses_it_by_name():
+    model = zoo.perturb(CoPELM().double().eval())
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"attention computed on \[S, S\] tensors at .* is not run over "
+                                                    r"streamed parts"):
+        streamed(zoo.batches()[1][1])

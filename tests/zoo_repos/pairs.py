@@ -1,0 +1,169 @@
+"""Attention whose scores are worked on as ``[T, T]`` tensors beyond a mask: Contextual Position
+Encoding (Golovneva et al. 2024, "Contextual Position Encoding: Learning to Count What's
+Important", the paper's listing of ``CoPE`` and ``SelfAttn``, as GitHub LMs copy it) in a small
+pre-LN GPT with the heads folded into the batch for ``bmm``; stick-breaking attention
+(shawntan/stickbreaking-attention, ``stickbreaking_attention/sb_ref.py``'s reference); and
+variants the dense pair rule must refuse.
+
+CoPE counts positions by gates: ``gates = sigmoid(logits)`` of the already masked logits (0 on
+the future), ``pos = gates.flip(-1).cumsum(-1).flip(-1)`` (for query ``i`` and key ``j``, the
+gates of the keys from ``j`` to ``i``) clamped to ``npos_max - 1``, and the logits of the two
+integer positions around it interpolated. ``npos_max`` is smaller than the sequence so the clamp
+is live. Variants: ``mask_after`` adds the causal mask only after CoPE (the reverse sum then
+counts future keys: not causal, and refused), ``query_softmax`` normalises over the queries.
+
+Stick-breaking weighs key ``j`` of query ``i`` by ``beta_ij`` times ``1 - beta_ik`` for every key
+``k`` between them: ``log_beta`` summed over the later keys by an einsum with
+``ones(T, T).tril(-1)``, the remainder ``1 - sum`` going to the query's own value. Its variant
+``mask_late`` masks ``log_beta`` only after that sum (the future keys' ``1 - beta`` would then
+weigh the past: refused).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo_repos.common import DIM, HEADS, LAYERS, VOCAB
+
+
+class CoPE(nn.Module):
+    def __init__(self, npos_max, head_dim):
+        super().__init__()
+        self.npos_max = npos_max
+        self.pos_emb = nn.parameter.Parameter(torch.zeros(1, head_dim, npos_max))
+
+    def forward(self, query, attn_logits):
+        # compute positions
+        gates = torch.sigmoid(attn_logits)
+        pos = gates.flip(-1).cumsum(dim=-1).flip(-1)
+        pos = pos.clamp(max=self.npos_max - 1)
+        # interpolate from integer positions
+        pos_ceil = pos.ceil().long()
+        pos_floor = pos.floor().long()
+        logits_int = torch.matmul(query, self.pos_emb)
+        logits_ceil = logits_int.gather(-1, pos_ceil)
+        logits_floor = logits_int.gather(-1, pos_floor)
+        w = pos - pos_floor
+        return logits_ceil * w + logits_floor * (1 - w)
+
+
+class SelfAttn(nn.Module):
+    def __init__(self, npos_max, head_dim, mask_after=False, query_softmax=False):
+        super().__init__()
+        self.cope = CoPE(npos_max, head_dim)
+        self.head_dim = head_dim
+        self.mask_after, self.query_softmax = mask_after, query_softmax
+
+    def forward(self, query, key, val, mask):
+        # q, k, v have dimensions batch x seq_len x head_dim
+        attn_logits = torch.bmm(query, key.transpose(-1, -2))
+        attn_logits = attn_logits / math.sqrt(self.head_dim)
+        if self.mask_after:
+            attn_logits += self.cope(query, attn_logits)
+            attn_logits += mask.log()
+        else:
+            attn_logits += mask.log()
+            attn_logits += self.cope(query, attn_logits)
+        attn = torch.softmax(attn_logits, dim=-2 if self.query_softmax else -1)
+        output = torch.bmm(attn, val)
+        return output
+
+
+class CoPEBlock(nn.Module):
+    def __init__(self, npos_max=6, **variant):
+        super().__init__()
+        self.hd = DIM // HEADS
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.attn = SelfAttn(npos_max, self.hd, **variant)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = [t.view(B, T, HEADS, self.hd).transpose(1, 2).reshape(B * HEADS, T, self.hd) for t in (q, k, v)]
+        mask = torch.tril(torch.ones(T, T, device=x.device, dtype=x.dtype))
+        y = self.attn(q, k, v, mask)
+        y = y.view(B, HEADS, T, self.hd).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class CoPELM(nn.Module):
+    def __init__(self, **variant):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(CoPEBlock(**variant) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def stickbreaking(q, k, v, mask, cum_weight, mask_late=False):
+    """Stick-breaking attention weights."""
+    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    original_dtype = logits.dtype
+    logits = logits.float() if original_dtype in (torch.float16, torch.bfloat16) else logits
+    log_z = F.logsigmoid(logits).masked_fill(mask, -1e5).to(original_dtype)
+    log_beta = F.logsigmoid(-logits)
+    log_beta = log_beta if mask_late else log_beta.masked_fill(mask, 0).to(original_dtype)
+    re_cum_log_beta = torch.einsum("bhij,jk->bhik", log_beta, cum_weight.to(log_beta))
+    if mask_late:
+        re_cum_log_beta = re_cum_log_beta.masked_fill(mask, 0)
+    log_att = log_z + re_cum_log_beta
+    att = log_att.exp()
+    return att @ v, 1 - att.sum(dim=-1)
+
+
+def sb_attention(q, k, v, length, attend_current=False, mask_late=False):
+    cm = torch.ones(length, length).tril(-1).to(q)
+    if attend_current:
+        mask = torch.ones(length, length).triu(1).to(q.device).bool()
+    else:
+        mask = torch.ones(length, length).triu(0).to(q.device).bool()
+    o, rem = stickbreaking(q, k, v, mask, cm, mask_late=mask_late)
+    return o + rem[..., None] * v
+
+
+class SBBlock(nn.Module):
+    def __init__(self, attend_current=False, mask_late=False):
+        super().__init__()
+        self.hd = DIM // HEADS
+        self.attend_current, self.mask_late = attend_current, mask_late
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln1(x)).split(C, dim=2)
+        q, k, v = [t.view(B, T, HEADS, self.hd).transpose(1, 2) for t in (q, k, v)]
+        y = sb_attention(q, k, v, T, attend_current=self.attend_current, mask_late=self.mask_late)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class StickBreakingLM(nn.Module):
+    def __init__(self, **variant):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(SBBlock(**variant) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
