@@ -64,6 +64,7 @@ _REDUCE = {"sum": 0.0, "amax": float("-inf"), "max": float("-inf"), "logsumexp":
 _KEYWISE = {"softmax": (float("-inf"), 0.0), "log_softmax": (float("-inf"), float("-inf")),
             "cumsum": (0.0, None)}
 _SAMPLES = (-7.25, -0.5, 0.0, 0.75, 3.0, 1e5, -1e5)
+_DIVISIONS = {"div", "truediv", "true_divide", "divide", "itruediv"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
     else leaves a note. False where the node is not a product of ``[S, S]`` scores."""
     if exit_node in ctx.created or not exit_node.users or not _is_pair(exit_node.args[0], ctx):
         return False  # made by a pass, or left dead by another spelling's rewrite
+    for n in [n for n in exit_node.graph.nodes if n.op == "call_function" and n.target is operator.getitem]:
+        _uncut_leading_row(gm, ctx, n)
     region = _region(ctx, exit_node.args[0])
     if not isinstance(region, str) and not region[0]:
         return False  # a product with a matrix that reads no token: not scores
@@ -202,6 +205,56 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
     return _UNKNOWN
 
 
+def _uncut_leading_row(gm: fx.GraphModule, ctx: PassContext, n: fx.Node) -> None:
+    """xLSTM's ``F = cat([0, c], -2)`` (``[.., S + 1, 1]``), ``R = F.repeat(.., S + 1)``,
+    ``(R - R^T)[..., 1:, 1:]``: entry ``(i, j)`` is ``F[i + 1] - F[j + 1] = c[i] - c[j]``, so the node
+    becomes ``c - c^T`` (an identity of tensors, whatever their values), an ``[S, S]`` op of rows."""
+    x, idx = n.args
+    if not isinstance(x, fx.Node) or not _is_pair(n, ctx) or not isinstance(idx, tuple) or len(idx) < 2:
+        return
+    full = slice(None, None, None)
+    if idx[-2:] != (slice(1, None, None), slice(1, None, None)) or any(i != full for i in idx[:-2]):
+        return
+    if not is_call(x, (operator.sub, torch.sub), ("sub",)) or len(x.args) != 2:
+        return
+    left, right = x.args
+    flipped = is_call(left, (), ("transpose",))
+    rep, tr = (right, left) if flipped else (left, right)
+    if not (is_call(tr, (), ("transpose",)) and tr.args[0] is rep and sorted(tr.args[1:]) in ([-2, -1],)):
+        return
+    if not is_call(rep, (), ("repeat",)) or not isinstance(rep.args[0], fx.Node):
+        return
+    reps = rep.args[1] if len(rep.args) == 2 and isinstance(rep.args[1], (tuple, list)) else rep.args[1:]
+    cat = rep.args[0]
+    if not all(r == 1 for r in reps[:-1]) or not is_call(cat, (torch.cat,)):
+        return
+    parts, dim = cat.args[0], cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and all(isinstance(p, fx.Node) for p in parts)):
+        return
+    zero, c = parts
+    cv, zv = value(c), value(zero)
+    if not (isinstance(cv, torch.Tensor) and isinstance(zv, torch.Tensor) and dim in (-2, cv.dim() - 2)
+            and cv.shape[-1] == 1 and same_size(cv.shape[-2], ctx.seq_len) and zv.shape[-2] == 1
+            and is_call(zero, (torch.zeros,), ("new_zeros",)) and not reads_tokens(ctx, zero)):
+        return
+    g = gm.graph
+    with g.inserting_before(n):
+        ct = g.call_method("transpose", (c, -2, -1))
+        with cv.fake_mode if hasattr(cv, "fake_mode") else _nothing():
+            ct.meta["example_value"] = cv.transpose(-2, -1)
+        d = g.call_function(operator.sub, (ct, c) if flipped else (c, ct))
+        d.meta = dict(n.meta)
+    n.replace_all_uses_with(d)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 # ----------------------------------------------------------------------------- the steps
 
 
@@ -215,12 +268,17 @@ def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> _Hidden:
     """Runs ``n`` on 0-dim stand-ins: the region's tensors at their hidden constants, every other
     tensor at sample values; a constant if every sample gives the same result."""
     others = _sampled(n, state, members)
+    # A divisor read from the rows is sampled away from 0: where a row's own divisor is 0 the
+    # unmodified model divides by it on the future as well (NaN there, and in its reductions).
+    name = split_inplace(op_key(n))[0]
+    divisor = n.args[1] if name in _DIVISIONS and len(n.args) > 1 else None
     results = []
     for i in range(len(_SAMPLES)):
         env = {}
         for j, a in enumerate(others):
             v = value(a)
             s = _SAMPLES[(i + 3 * j) % len(_SAMPLES)]
+            s = s if a is not divisor or s != 0.0 else 1.5
             env[a] = torch.tensor(bool(s > 0) if v.dtype == torch.bool else s, dtype=v.dtype) \
                 if v.is_floating_point() or v.dtype == torch.bool else torch.tensor(int(s) % 5, dtype=v.dtype)
         for a in n.all_input_nodes:

@@ -37,7 +37,7 @@ from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4D
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
-from zoo_repos.pairs import CoPELM, StickBreakingLM
+from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
 from zoo_repos.gpt import (
@@ -180,6 +180,13 @@ CASES: list[zoo.Case] = [
              _build(StickBreakingLM, attend_current=True), attention={"dense_pairs": 1}),
     zoo.Case("stickbreaking-mask-late", "stick-breaking with log(1 - beta) masked only after the sum over later keys",
              _build(StickBreakingLM, mask_late=True), expect="refused", reason="whose first is not 0 off the path"),
+    zoo.Case("xlstm-mlstm", "NX-AI/xlstm parallel_stabilized_simple: cumsum of log forget gates padded by a zero row, "
+             "repeated to [T + 1, T + 1] minus its transpose, cut [..., 1:, 1:], where(tril, ., -inf) plus input "
+             "gates, row-max stabilised, times the scores, normalised by max(|row sum|, exp(-max))", _build(MLSTMLM),
+             attention={"dense_pairs": 1}),
+    zoo.Case("xlstm-mlstm-global-max", "mLSTM stabilised by the maximum over the whole matrix (every query's keys)",
+             _build(MLSTMLM, stabilize_rowwise=False), expect="refused",
+             reason="takes an [S, S] tensor out of the region (view)"),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),

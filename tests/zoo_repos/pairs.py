@@ -2,8 +2,9 @@
 Encoding (Golovneva et al. 2024, "Contextual Position Encoding: Learning to Count What's
 Important", the paper's listing of ``CoPE`` and ``SelfAttn``, as GitHub LMs copy it) in a small
 pre-LN GPT with the heads folded into the batch for ``bmm``; stick-breaking attention
-(shawntan/stickbreaking-attention, ``stickbreaking_attention/sb_ref.py``'s reference); and
-variants the dense pair rule must refuse.
+(shawntan/stickbreaking-attention, ``stickbreaking_attention/sb_ref.py``'s reference); xLSTM's
+mLSTM in its parallel form (NX-AI/xlstm, ``xlstm/blocks/mlstm/backends.py``'s
+``parallel_stabilized_simple``); and variants the dense pair rule must refuse.
 
 CoPE counts positions by gates: ``gates = sigmoid(logits)`` of the already masked logits (0 on
 the future), ``pos = gates.flip(-1).cumsum(-1).flip(-1)`` (for query ``i`` and key ``j``, the
@@ -17,6 +18,12 @@ Stick-breaking weighs key ``j`` of query ``i`` by ``beta_ij`` times ``1 - beta_i
 ``ones(T, T).tril(-1)``, the remainder ``1 - sum`` going to the query's own value. Its variant
 ``mask_late`` masks ``log_beta`` only after that sum (the future keys' ``1 - beta`` would then
 weigh the past: refused).
+
+mLSTM's decay matrix is the cumulative log forget gates padded by a zero row, repeated into
+``[T + 1, T + 1]``, minus its transpose and cut ``[..., 1:, 1:]`` (``c_i - c_j``), kept below the
+diagonal by ``where(tril, ., -inf)``, plus the input gates; stabilised by its row maximum, times the
+scores, normalised by ``max(|row sum|, exp(-max))``. Its variant ``stabilize_rowwise=False`` takes
+the maximum over the whole matrix (every query's keys: refused).
 """
 
 from __future__ import annotations
@@ -159,6 +166,82 @@ class StickBreakingLM(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(SBBlock(**variant) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def parallel_stabilized_simple(queries, keys, values, igate_preact, fgate_preact, lower_triangular_matrix=None,
+                               stabilize_rowwise=True, eps=1e-6):
+    """The mLSTM cell in its parallel, stabilised form: queries, keys, values ``(B, NH, S, DH)``,
+    gate pre-activations ``(B, NH, S, 1)``."""
+    B, NH, S, DH = queries.shape
+    _dtype, _device = queries.dtype, queries.device
+    log_fgates = F.logsigmoid(fgate_preact)  # (B, NH, S, 1)
+    if lower_triangular_matrix is None or S < lower_triangular_matrix.size(-1):
+        ltr = torch.tril(torch.ones((S, S), dtype=torch.bool, device=_device))
+    else:
+        ltr = lower_triangular_matrix
+    log_fgates_cumsum = torch.cat([torch.zeros((B, NH, 1, 1), dtype=_dtype, device=_device),
+                                   torch.cumsum(log_fgates, dim=-2)], dim=-2)  # (B, NH, S+1, 1)
+    rep_log_fgates_cumsum = log_fgates_cumsum.repeat(1, 1, 1, S + 1)  # (B, NH, S+1, S+1)
+    _log_fg_matrix = rep_log_fgates_cumsum - rep_log_fgates_cumsum.transpose(-2, -1)  # (B, NH, S+1, S+1)
+    log_fg_matrix = torch.where(ltr, _log_fg_matrix[:, :, 1:, 1:], -float("inf"))  # (B, NH, S, S)
+    log_D_matrix = log_fg_matrix + igate_preact.transpose(-2, -1)  # (B, NH, S, S)
+    if stabilize_rowwise:
+        max_log_D, _ = torch.max(log_D_matrix, dim=-1, keepdim=True)  # (B, NH, S, 1)
+    else:
+        max_log_D = torch.max(log_D_matrix.view(B, NH, -1), dim=-1, keepdim=True)[0].unsqueeze(-1)
+    log_D_matrix_stabilized = log_D_matrix - max_log_D  # (B, NH, S, S)
+    D_matrix = torch.exp(log_D_matrix_stabilized)  # (B, NH, S, S)
+    keys_scaled = keys / math.sqrt(DH)
+    qk_matrix = queries @ keys_scaled.transpose(-2, -1)  # (B, NH, S, S)
+    C_matrix = qk_matrix * D_matrix  # (B, NH, S, S)
+    normalizer = torch.maximum(C_matrix.sum(dim=-1, keepdim=True).abs(), torch.exp(-max_log_D))  # (B, NH, S, 1)
+    C_matrix_normalized = C_matrix / (normalizer + eps)
+    return C_matrix_normalized @ values  # (B, NH, S, DH)
+
+
+class MLSTMBlock(nn.Module):
+    """mLSTM layer cut down: q / k / v projections, input and forget gates from their concatenation
+    (per head), the parallel cell, a per-head group norm, a learnable skip and a SiLU output gate."""
+
+    def __init__(self, stabilize_rowwise=True):
+        super().__init__()
+        self.hd = DIM // HEADS
+        self.stabilize_rowwise = stabilize_rowwise
+        self.ln = nn.LayerNorm(DIM)
+        self.q, self.k, self.v = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.igate, self.fgate = nn.Linear(3 * DIM, HEADS), nn.Linear(3 * DIM, HEADS)
+        self.outnorm = nn.GroupNorm(HEADS, DIM)
+        self.skip = nn.Parameter(torch.ones(DIM))
+        self.z = nn.Linear(DIM, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        B, S, C = x.shape
+        h = self.ln(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        gate_in = torch.cat([q, k, v], dim=-1)
+        ig = self.igate(gate_in).transpose(-1, -2).unsqueeze(-1)  # (B, NH, S, 1)
+        fg = self.fgate(gate_in).transpose(-1, -2).unsqueeze(-1)
+        q, k, v = [t.view(B, S, HEADS, self.hd).transpose(1, 2) for t in (q, k, v)]
+        y = parallel_stabilized_simple(q, k, v, ig, fg, stabilize_rowwise=self.stabilize_rowwise)
+        y = y.transpose(1, 2).reshape(B * S, C)
+        y = self.outnorm(y).view(B, S, C) + self.skip * h
+        return x + self.proj(y * F.silu(self.z(h)))
+
+
+class MLSTMLM(nn.Module):
+    def __init__(self, **variant):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(MLSTMBlock(**variant) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
