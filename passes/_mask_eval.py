@@ -8,6 +8,8 @@ attention pass rewrites an attention only under a mask judged here.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import fx
 
@@ -22,7 +24,7 @@ from treecompile.passes._graph import (
     value,
 )
 
-__all__ = ["depends_on_inputs", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
+__all__ = ["depends_on_inputs", "moved_parameters", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
            "changes_with_length", "CHANGES", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal",
            "causal_pattern", "evaluate", "BLOCKED"]
 
@@ -66,6 +68,27 @@ _SHAPE_SOURCES = {"type_as": (1,), "to": (1,), "new_zeros": (0,), "new_ones": (0
                   "new_full": (0,), "new_tensor": (0,), "zeros_like": (0,), "ones_like": (0,), "empty_like": (0,),
                   "full_like": (0,), "size": (0,), "dim": (0,), "numel": (0,), "expand_as": (1,), "view_as": (1,),
                   "reshape_as": (1,)}
+
+
+@contextlib.contextmanager
+def moved_parameters(ctx: PassContext):
+    """Evaluations (`evaluate`) inside see every parameter moved (scaled and shifted at random):
+    what holds for the example's parameters only (a learned value that is 0 now, not after a
+    step) shows as different."""
+    saved = ctx.example_inputs
+    g = torch.Generator().manual_seed(0)
+    moved = []
+    for x in saved:
+        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
+            noise = torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
+            moved.append((x.detach() * 1.7 + 0.3 + noise).requires_grad_())
+        else:
+            moved.append(x)
+    ctx.example_inputs = moved
+    try:
+        yield
+    finally:
+        ctx.example_inputs = saved
 
 
 def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:

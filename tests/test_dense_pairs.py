@@ -83,6 +83,30 @@ class _UnmaskedCumsum(zc._Attn):
         return att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
 
 
+class _LearnedLeak(zc._Attn):
+    """Causal weights whose future is a learned value, zero at the start (causal now, not after a
+    step): ``where(tril, 1, leak)`` times the scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.leak = torch.nn.Parameter(torch.zeros(()))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        keep = torch.where(self.causal[:, :, :t, :t] == 1, torch.ones((), dtype=q.dtype), self.leak)
+        return (torch.sigmoid(q @ k.transpose(-2, -1)) * keep) @ v
+
+
+def test_a_future_value_read_from_a_parameter_is_not_taken_for_a_constant():
+    model = zoo.perturb(zc._spelling(_LearnedLeak)().double().eval())
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _LearnedLeak):
+                m.leak.zero_()
+    with pytest.raises(UnsupportedModelError, match=r"sums values over keys it does not ignore off the path"):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+
+
 @pytest.mark.parametrize("attn,match", [
     (_MeanOverKeys, r"takes an \[S, S\] tensor out of the region \(mean\)"),
     (_ArgmaxKey, r"reads the index of a maximum over the keys"),

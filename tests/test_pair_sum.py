@@ -187,3 +187,28 @@ def test_a_factor_that_widens_the_scores_is_not_taken_for_a_pair_sum():
     for _, batch, trees in zoo.batches():
         zoo.compare(model, compiled, batch, trees)
     assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+
+
+class _LearnedLeakAttn(zc._Attn):
+    """Causal weights whose future is a learned value, zero at the start: ``where(tril, 1, leak)``
+    times the scores. Per path the future keys count as soon as ``leak`` moves (and ``leak`` has
+    a gradient from the start)."""
+
+    def __init__(self):
+        super().__init__()
+        self.leak = torch.nn.Parameter(torch.zeros(()))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        keep = torch.where(self.causal[:, :, :t, :t] == 1, torch.ones((), dtype=q.dtype), self.leak)
+        return (q @ k.transpose(-2, -1) * keep) @ v
+
+
+def test_a_factor_causal_only_for_the_present_parameters_is_refused():
+    model = zoo.perturb(zc._spelling(_LearnedLeakAttn)().double().eval())
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _LearnedLeakAttn):
+                m.leak.zero_()
+    with pytest.raises(UnsupportedModelError, match=r"not causal for other values of its parameters"):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])

@@ -48,7 +48,8 @@ from treecompile.core.advice import TreeWarning
 from treecompile.kernels.attention.masks import dense_tree_mask
 from treecompile.passes._graph import (MATMUL, PassContext, describe, is_call, location_of, mutated_args, same_size,
                                       storage_of, value)
-from treecompile.passes._mask_eval import copy_values, evaluate, judged_length, reads_tokens
+from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
+                                          moved_parameters, reads_tokens)
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 
@@ -200,9 +201,25 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
         return "a function of the sequence length (at half the length it is not the corner of the whole)"
     upper = torch.ones(long, long, dtype=torch.bool).triu(1)
     future = a[..., upper]
-    if future.numel() and not future.isnan().any() and bool((future == future.reshape(-1)[0]).all()):
-        return _Hidden(future.reshape(-1)[0].clone())
-    return _UNKNOWN
+    if not future.numel() or future.isnan().any() or not bool((future == future.reshape(-1)[0]).all()):
+        return _UNKNOWN
+    c = future.reshape(-1)[0].clone()
+    if depends_on_inputs(ctx, source) and not _same_with_other_parameters(ctx, source, long, upper, c):
+        return _UNKNOWN  # a learned value on the future (zero now, not after a step): not a constant
+    return _Hidden(c)
+
+
+def _same_with_other_parameters(ctx: PassContext, node: fx.Node, rows: int, upper: torch.Tensor,
+                                c: torch.Tensor) -> bool:
+    """Whether ``node``, built with every parameter moved, still holds ``c`` on the future: its
+    value there does not come from a parameter."""
+    try:
+        with moved_parameters(ctx):
+            other = evaluate(ctx, node, rows=rows)
+    except Exception:
+        return False
+    future = other.to(c.dtype)[..., upper]
+    return not future.isnan().any() and bool((future == c).all())
 
 
 def _uncut_leading_row(gm: fx.GraphModule, ctx: PassContext, n: fx.Node) -> None:

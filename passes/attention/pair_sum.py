@@ -17,7 +17,8 @@ denominator the kernel computes over the query's keys).
 The walk from the product with ``v`` back to ``q @ k^T`` takes constant scales, pair factors
 (a tensor that reads no token: built from the indices, a buffer, a parameter), masks filled
 with 0, ``tril`` and casts. The factors together must be, at the example length and at a
-shorter one, zero above the diagonal (causal) and a function of ``i - j`` below it that does
+shorter one, zero above the diagonal (causal; with the parameters moved too, so that a learned
+value that is 0 now is not taken for a mask) and a function of ``i - j`` below it that does
 not change with the length (``1 / T`` would: per path ``T`` is the path's length). A constant
 factor below the diagonal (linear attention) is a one-entry table; one that varies with the
 distance is the model's own subgraph with the key index replaced by 0
@@ -38,7 +39,7 @@ from torch import fx
 
 from treecompile.kernels.attention import pair_sum as _kernel  # noqa: F401  (registers treecompile::tree_pair_sum)
 from treecompile.passes._graph import MATMUL, PassContext, bind, is_call, same_size, value
-from treecompile.passes._mask_eval import evaluate, reads_tokens
+from treecompile.passes._mask_eval import depends_on_inputs, evaluate, moved_parameters, reads_tokens
 from treecompile.passes.attention.operands import output_operands, scores_operands, single_user
 from treecompile.passes.attention.relative_bias import relative_table
 from treecompile.passes.attention.score_chain import is_scalar
@@ -320,6 +321,14 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
             return f"{full.shape[0]} tables for {heads} heads"
         if torch.count_nonzero(full.triu(1)):
             return "not causal (a key after its query gets a nonzero factor)"
+        if rows == example and any(depends_on_inputs(ctx, f) for f in factors):
+            try:  # zero above the diagonal whatever the parameters (not a learned value that is 0 now)
+                with moved_parameters(ctx):
+                    moved = _product(ctx, factors, masks, tril, rows)
+            except Exception as e:
+                return f"not evaluable alone ({type(e).__name__})"
+            if torch.count_nonzero(moved.reshape(-1, rows, rows).triu(1)):
+                return "not causal for other values of its parameters (a key after its query gets a learned factor)"
         i, j = torch.tril_indices(rows, rows)
         col = full[:, :, 0]
         tol = 1e-9 if full.dtype == torch.float64 else 1e-5
