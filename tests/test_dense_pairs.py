@@ -132,3 +132,17 @@ def test_streaming_refuses_it_by_name():
     with pytest.raises(UnsupportedModelError, match=r"attention computed on \[S, S\] tensors at .* is not run over "
                                                     r"streamed parts"):
         streamed(zoo.batches()[1][1])
+
+
+def test_a_learned_table_of_zeros_is_not_taken_for_a_function_of_the_distance():
+    """A learned ``[T, T]`` bias that starts at zero is a function of ``i - j`` only until its
+    first step: it is judged with its parameters moved, and kept dense (absolute positions)."""
+    model = zoo.perturb(zc.InPlaceBiasLM().double().eval())
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, zc.InPlaceBiasAttn):
+                m.bias.zero_()
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}

@@ -20,12 +20,14 @@ Toeplitz trick: a learned vector padded, tiled and cut into ``[T, T]``) has no i
 to find. Its table is the key column of the model's own construction, copied (the pass's nodes,
 so that no row rule judges its moves): ``[S, S]`` on the packed row, as the model builds it per
 path, said in a warning. It is taken only where the pair, evaluated at the example length and at
-half of it, is below the diagonal the column at the distance, and the column does not change
-with the length.
+half of it (and with its parameters moved, so that a learned table of zeros is not taken for
+one), is below the diagonal the column at the distance, and the column does not change with
+the length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 
@@ -36,7 +38,8 @@ from treecompile.core.advice import TreeWarning
 from treecompile.kernels.attention.flex_mods import register_mods
 from treecompile.passes._graph import (ARANGE, PassContext, ancestors, describe, is_call, location_of,
                                       mutated_args, same_size, value)
-from treecompile.passes._mask_eval import copy_node, copy_values, evaluate, reads_tokens, two_lengths, value_ancestors
+from treecompile.passes._mask_eval import (copy_node, copy_values, depends_on_inputs, evaluate, moved_parameters,
+                                          reads_tokens, two_lengths, value_ancestors)
 from treecompile.passes.rows.random import draws
 
 __all__ = ["relative_bias_mods", "relative_table"]
@@ -143,9 +146,13 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
     if lengths is None:
         return why
     columns = []
-    for rows in lengths:
+    # A learned table that is a function of the distance only for its present values (zeros at
+    # the start) is judged again with its parameters moved.
+    judged = [(r, False) for r in lengths] + ([(lengths[0], True)] if depends_on_inputs(ctx, pair) else [])
+    for rows, moved in judged:
         try:
-            full = evaluate(ctx, pair, rows=rows).to(torch.float64)
+            with moved_parameters(ctx) if moved else contextlib.nullcontext():
+                full = evaluate(ctx, pair, rows=rows).to(torch.float64)
         except Exception:  # not evaluable alone or at another length
             return why
         if full.dim() < 2 or full.shape[-1] != rows or full.shape[-2] != rows:
@@ -155,7 +162,8 @@ def _own_column(gm: fx.GraphModule, ctx: PassContext, pair: fx.Node, at: fx.Node
         tol = 1e-9 if value(pair).dtype == torch.float64 else 1e-5
         if not torch.allclose(full[:, i, j], full[:, i - j, 0], rtol=tol, atol=tol, equal_nan=True):
             return why
-        columns.append(full[:, :, 0])
+        if not moved:
+            columns.append(full[:, :, 0])
     long, short = columns
     if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9, equal_nan=True):
         return why
