@@ -212,3 +212,24 @@ def test_a_factor_causal_only_for_the_present_parameters_is_refused():
                 m.leak.zero_()
     with pytest.raises(UnsupportedModelError, match=r"not causal for other values of its parameters"):
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+
+
+class _LearnedScaleAttn(zc._Attn):
+    """Linear attention with a learned factor per head (ones at the start): constant over the
+    distances, but not a constant: it must keep its gradient and follow its steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.ones(zc.HEADS))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * self.g.view(1, -1, 1, 1)
+        return att.masked_fill(self.causal[:, :, :t, :t] == 0, 0.0) @ v
+
+
+def test_a_learned_factor_constant_over_the_distances_is_not_baked():
+    model = zoo.perturb(zc._spelling(_LearnedScaleAttn)().double().eval())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)

@@ -348,8 +348,8 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
     if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9):
         return "one that changes with the sequence length (per path the length is the path's)"
     columns = {rows: col for rows, col in zip((example, max(2, example // 2)), tables)}
-    if torch.all(long == long[:, :1]):
-        return long[:, :1].tolist(), None, columns
+    if torch.all(long == long[:, :1]) and not any(depends_on_inputs(ctx, f) for f in factors):
+        return long[:, :1].tolist(), None, columns  # constants (a learned factor is not baked: it moves)
     varying = [f for f in factors if _varies(ctx, f, example)]
     if len(varying) != 1 or any(f is not varying[0] for f in factors):
         return "built from several tensors (one factor varying with the distance, and causal masks, are read)"
