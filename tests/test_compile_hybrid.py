@@ -108,11 +108,11 @@ def _close(got, ref, what):
 
 
 KINDS = {"gated_delta_rule": naive.gated_delta_rule_reference, "ssd_scan": naive.ssd_scan_reference,
-         "kimi_delta_rule": naive.channel_delta_rule_reference}
+         "kimi_delta_rule": naive.channel_delta_rule_reference, "gla_scan": naive.gla_scan_reference}
 
 
 def _inputs(kind: str, b: int, s: int, **kw):
-    return _gdn_inputs(b, s, channel=kind == "kimi_delta_rule", **kw)
+    return _gdn_inputs(b, s, channel=kind in ("kimi_delta_rule", "gla_scan"), **kw)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

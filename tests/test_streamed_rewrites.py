@@ -60,3 +60,17 @@ def test_kimi_delta_attention_streams_exactly():
         compare_with_paths(model, compiled, batch, trees, tol="hf")
     assert compiled._stream.stats.parts > 1
     assert compiled.counters["route_ssm_state_pass"] == {"kimi_delta_rule": 1}
+
+
+@pytest.mark.full
+def test_gated_linear_attention_streams_exactly():
+    """fla's GLA (a decay per key channel, no delta rule) streamed: each part's tree scan starts
+    from the states of earlier parts."""
+    from zoo_repos.gla import GLALM
+
+    model = zoo.perturb(GLALM(mode="naive").double().eval())
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4, mode="keep"))
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert compiled._stream.stats.parts > 1
+    assert compiled.counters["route_ssm_state_pass"] == {"gla_scan": 1}

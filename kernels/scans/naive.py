@@ -5,7 +5,8 @@ check by eye, used by the tests as the ground truth the fast kernels beside them
   :mod:`treecompile.kernels.scans.recurrence`, token by token (O(S) sequential steps), and its
   two forms, `gated_delta_rule_reference` (Gated DeltaNet, :mod:`treecompile.kernels.scans.gdn`)
   and `ssd_scan_reference` (Mamba2's SSD, :mod:`treecompile.kernels.scans.mamba2`); with a gate
-  per key channel, `channel_delta_rule_reference` (Kimi Delta Attention, :mod:`treecompile.kernels.scans.kda`).
+  per key channel, `channel_delta_rule_reference` (Kimi Delta Attention, :mod:`treecompile.kernels.scans.kda`)
+  and `gla_scan_reference` (Gated Linear Attention, :mod:`treecompile.kernels.scans.gla`).
 * `selective_scan_reference`: Mamba's selective scan
   (:mod:`treecompile.kernels.scans.selective_scan`), token by token.
 * `path_cumsum_reference`: the running sum along each row's root path
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["channel_delta_rule_reference", "gated_delta_rule_reference", "path_cumsum_reference", "path_scan_reference", "recurrence_reference",
+__all__ = ["channel_delta_rule_reference", "gated_delta_rule_reference", "gla_scan_reference", "path_cumsum_reference", "path_scan_reference", "recurrence_reference",
            "selective_scan_reference", "ssd_scan_reference"]
 
 Tensor = torch.Tensor
@@ -55,6 +56,14 @@ def channel_delta_rule_reference(
     """Kimi Delta Attention (the delta rule with ``g`` ``[B, S, H, Dk]``, a decay per key
     channel), token by token: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
     return recurrence_reference(q, k, v, g, beta, initial_state, delta=True)
+
+
+def gla_scan_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Gated Linear Attention (the plain form with ``g`` ``[B, S, H, Dk]``, a decay per key
+    channel), token by token: ``(out [B, S, H, Dv], final [B, H, Dk, Dv])``."""
+    return recurrence_reference(q, k, v, g, beta, initial_state, delta=False)
 
 
 def ssd_scan_reference(

@@ -88,9 +88,7 @@ def chunked_recurrence(
     system; the plain form has ``U = beta * V``.
     """
     if g.dim() == k.dim():
-        if not delta:
-            raise ValueError("a gate per key channel is taken by the delta form only")
-        return _chunked_channel_delta(q, k, v, g, beta, initial_state, chunk)
+        return _chunked_channel(q, k, v, g, beta, initial_state, chunk, delta=delta)
     b, s, h, dk = k.shape
     dv = v.shape[-1]
     state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
@@ -126,12 +124,12 @@ def chunked_recurrence(
     return out, state
 
 
-def _chunked_channel_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                           chunk: int) -> tuple[Tensor, Tensor]:
-    """The delta form with a decay per key channel (Kimi Delta Attention: ``g`` ``[B, S, H, Dk]``,
-    ``S <- diag(exp(g_t)) S``), ``chunk`` tokens per step. As `chunked_recurrence` with ``b_i``
-    a vector: ``A_ij = beta_i sum_d k_i[d] exp(b_i - b_j)[d] k_j[d]`` and the read
-    ``sum_d q_i[d] exp(b_i - b_j)[d] k_j[d]``, one ``[C, C, Dk]`` decay per chunk and head."""
+def _chunked_channel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                     chunk: int, *, delta: bool) -> tuple[Tensor, Tensor]:
+    """A decay per key channel (``g`` ``[B, S, H, Dk]``, ``S <- diag(exp(g_t)) S``): the delta form
+    (Kimi Delta Attention) or the plain one (Gated Linear Attention), ``chunk`` tokens per step.
+    As `chunked_recurrence` with ``b_i`` a vector: ``A_ij = beta_i sum_d k_i[d] exp(b_i - b_j)[d] k_j[d]``
+    and the read ``sum_d q_i[d] exp(b_i - b_j)[d] k_j[d]``, one ``[C, C, Dk]`` decay per chunk and head."""
     b, s, h, dk = k.shape
     dv = v.shape[-1]
     state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
@@ -152,9 +150,12 @@ def _chunked_channel_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         seg = gc[..., :, None, :].expand(*gc.shape[:-1], chunk, dk).masked_fill(~strict, 0.0).cumsum(-3)
         decay = seg.masked_fill(~causal, float("-inf")).exp()  # [B, H, C, C, Dk]
         start = cum.exp()  # exp(b_i)
-        a = (bc[..., :, None] * (kc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1)).tril(-1)
-        rhs = bc[..., None] * (vc - (kc * start) @ state)
-        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        if delta:
+            a = (bc[..., :, None] * (kc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1)).tril(-1)
+            rhs = bc[..., None] * (vc - (kc * start) @ state)
+            u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        else:
+            u = bc[..., None] * vc
         outs.append((qc * start) @ state + (qc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1) @ u)
         tail = seg[..., -1, :, :].exp()  # exp(b_C - b_j) [B, H, C, Dk]
         state = cum[..., -1, :].exp()[..., :, None] * state + (kc * tail).transpose(-1, -2) @ u

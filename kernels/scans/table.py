@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from treecompile.kernels.scans import gdn as _gdn  # noqa: F401  (registers the treecompile:: GDN ops)
+from treecompile.kernels.scans import gla as _gla  # noqa: F401  (registers the treecompile:: GLA ops)
 from treecompile.kernels.scans import kda as _kda  # noqa: F401  (registers the treecompile:: KDA ops)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers the treecompile:: selective-scan ops)
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers the treecompile:: SSD ops)
@@ -95,6 +96,7 @@ def _selective_state(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> 
 SCANS: dict[str, ScanKind] = {
     "gated_delta_rule": ScanKind(4, _qkv_state),
     "kimi_delta_rule": ScanKind(4, _qkv_state),
+    "gla_scan": ScanKind(4, _qkv_state),
     "ssd_scan": ScanKind(4, _qkv_state),
     "selective_scan": ScanKind(3, _selective_state, stream_selective_scan),
 }

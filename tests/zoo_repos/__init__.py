@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 )
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
+from zoo_repos.gla import GLALM
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
@@ -187,6 +188,13 @@ CASES: list[zoo.Case] = [
     zoo.Case("xlstm-mlstm-global-max", "mLSTM stabilised by the maximum over the whole matrix (every query's keys)",
              _build(MLSTMLM, stabilize_rowwise=False), expect="refused",
              reason="takes an [S, S] tensor out of the region (view)"),
+    zoo.Case("fla-gla-naive", "flash-linear-attention fla/layers/gla.py with fla/ops/gla/naive.py's "
+             "naive_recurrent_gla (a loop over the tokens), low-rank gk_proj, logsigmoid / 16, gated RMSNorm",
+             _build(GLALM, mode="naive")),
+    zoo.Case("fla-gla-chunk", "the GLA layer calling chunk_gla(q, k, v, g=..., scale=None, ...) by fla's name",
+             _build(GLALM, mode="chunk")),
+    zoo.Case("fla-gla-gv", "fused_recurrent_gla with a decay on the values (gv)", _build(GLALM, mode="gv"),
+             expect="refused", reason="gv (a decay per value channel) is not supported"),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),

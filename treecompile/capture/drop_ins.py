@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from treecompile.kernels import conv as _conv  # noqa: F401  (registers treecompile::causal_conv1d)
 from treecompile.kernels.scans import gdn as _gdn  # noqa: F401  (registers treecompile::gated_delta_rule)
+from treecompile.kernels.scans import gla as _gla  # noqa: F401  (registers treecompile::gla_scan)
 from treecompile.kernels.scans import kda as _kda  # noqa: F401  (registers treecompile::kimi_delta_rule)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
@@ -32,7 +33,8 @@ from treecompile.kernels.dtypes import compute_dtype
 
 __all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward",
            "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
-           "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule",
+           "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "fla_chunk_gla", "fla_fused_recurrent_gla",
+           "fla_naive_recurrent_gla",
            "hf_mamba2_chunk_scan", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
            "hf_mamba_inner_fn"]
 
@@ -135,6 +137,48 @@ def _gated_delta_rule(query, key, value, g, beta, scale, initial_state, output_f
     op = torch.ops.treecompile.kimi_delta_rule if g.dim() == key.dim() else torch.ops.treecompile.gated_delta_rule
     out, final = op(query, key, value, g, beta, initial_state)
     return out.to(dtype), (final if output_final_state else None)
+
+
+# --------------------------------------------------------------------------- Gated Linear Attention
+
+
+def fla_chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = None,
+                  initial_state: Tensor | None = None, output_final_state: bool = False,
+                  **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's ``chunk_gla`` / ``fused_chunk_gla``: ``q, k, g``
+    ``[B, T, H, K]`` (``g`` the log decay per key channel), ``v`` ``[B, T, H, V]``, ``scale``
+    ``K^-0.5`` by default, the initial and final state ``[B, H, K, V]``. Returns ``o`` and the
+    final state (None unless asked for)."""
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("offsets") is not None:
+        raise ValueError("treecompile's GLA scan keeps packed sequences apart itself: pass no cu_seqlens")
+    if kwargs.get("head_first") or kwargs.get("reverse"):
+        raise ValueError("treecompile's GLA scan takes [B, T, H, D] inputs in order: head_first=True and "
+                         "reverse=True are not supported")
+    if g is None or g.shape != k.shape:
+        raise ValueError("treecompile's GLA scan takes a log decay per key channel, g [B, T, H, K]")
+    dtype = q.dtype
+    ct = compute_dtype(dtype)
+    q, k, v, g = (x.to(ct) for x in (q, k, v, g))
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    out, final = torch.ops.treecompile.gla_scan(q, k, v, g, torch.ones_like(g[..., 0]), initial_state)
+    return out.to(dtype), (final if output_final_state else None)
+
+
+def fla_fused_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Tensor | None = None, gv: Tensor | None = None,
+                            scale: float | None = None, initial_state: Tensor | None = None,
+                            output_final_state: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's ``fused_recurrent_gla`` (a decay on the keys only)."""
+    if gv is not None:
+        raise ValueError("treecompile's GLA scan decays per key channel: gv (a decay per value channel) is not "
+                         "supported")
+    return fla_chunk_gla(q, k, v, gk, scale, initial_state, output_final_state, **kwargs)
+
+
+def fla_naive_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None = None,
+                            output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's reference ``naive_recurrent_gla`` (its loop over the
+    tokens, ``scale = K^-0.5``)."""
+    return fla_chunk_gla(q, k, v, gk, None, initial_state, output_final_state)
 
 
 # --------------------------------------------------------------------------- Mamba2's SSD

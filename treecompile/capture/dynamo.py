@@ -47,6 +47,9 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import grouped_mm as _grouped_mm_op  # noqa: F401  (registers treecompile::grouped_mm)
 from treecompile.capture.drop_ins import (
     fla_chunk_gated_delta_rule,
+    fla_chunk_gla,
+    fla_fused_recurrent_gla,
+    fla_naive_recurrent_gla,
     hf_causal_conv1d_fn,
     hf_chunk_gated_delta_rule,
     hf_mamba2_chunk_scan,
@@ -85,6 +88,10 @@ SEQUENCE_KERNELS = {
     "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "chunk_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
     "fused_recurrent_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
+    "chunk_gla": (("q", "k", "v", "g", "scale"), fla_chunk_gla),
+    "fused_chunk_gla": (("q", "k", "v", "g", "scale"), fla_chunk_gla),
+    "fused_recurrent_gla": (("q", "k", "v", "gk", "gv", "scale"), fla_fused_recurrent_gla),
+    "naive_recurrent_gla": (("q", "k", "v", "gk", "initial_state", "output_final_state"), fla_naive_recurrent_gla),
     "chunk_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "recurrent_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
