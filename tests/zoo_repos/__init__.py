@@ -35,6 +35,7 @@ from zoo_repos.attention import (
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
 from zoo_repos.gla import GLALM
+from zoo_repos.hawk import HawkLM
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mega import MegaLM
@@ -195,6 +196,9 @@ CASES: list[zoo.Case] = [
              _build(GLALM, mode="chunk")),
     zoo.Case("fla-gla-gv", "fused_recurrent_gla with a decay on the values (gv)", _build(GLALM, mode="gv"),
              expect="refused", reason="gv (a decay per value channel) is not supported"),
+    zoo.Case("recurrentgemma-hawk", "google-deepmind/recurrentgemma torch port: RG-LRU with BlockDiagonalLinear gates, "
+             "SqrtBoundDerivative autograd.Function, reset = segment_pos == 0, rnn_scan's loop over the tokens "
+             "(its Conv1D loop left out: nn.Conv1d), soft-capped tied logits", _build(HawkLM)),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),

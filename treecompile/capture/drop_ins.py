@@ -34,7 +34,7 @@ from treecompile.kernels.dtypes import compute_dtype
 __all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward",
            "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
            "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "fla_chunk_gla", "fla_fused_recurrent_gla",
-           "fla_naive_recurrent_gla",
+           "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan",
            "hf_mamba2_chunk_scan", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
            "hf_mamba_inner_fn"]
 
@@ -179,6 +179,30 @@ def fla_naive_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial
     """Drop-in for flash-linear-attention's reference ``naive_recurrent_gla`` (its loop over the
     tokens, ``scale = K^-0.5``)."""
     return fla_chunk_gla(q, k, v, gk, None, initial_state, output_final_state)
+
+
+# --------------------------------------------------------------------------- a diagonal linear RNN
+
+
+def recurrentgemma_rnn_scan(x: Tensor, a: Tensor, reset: Tensor, h0: Tensor | None = None,
+                            acc_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Drop-in for google-deepmind/recurrentgemma's ``rnn_scan`` (its torch port's loop over the
+    tokens): ``h_t = (a_t * ~reset_t) * h_{t-1} + x_t`` per channel in ``acc_dtype``, ``x, a``
+    ``[B, T, D]``, ``reset`` ``[B, T]`` (or ``[B, T, 1]``), ``h0`` ``[B, D]``; returns ``(y, h_T)``,
+    ``y`` in ``x``'s dtype. Each channel is a head of ``treecompile::ssd_scan`` with a state of
+    one: ``g = log a`` (``-inf`` where the state resets), ``k = q = beta = 1``, ``v = x``."""
+    if x.dim() != 3 or a.shape != x.shape:
+        raise ValueError(f"treecompile's drop-in for rnn_scan takes x and a [batch, length, channels]; got "
+                         f"x {tuple(x.shape)}, a {tuple(a.shape)}")
+    ct = compute_dtype(torch.promote_types(acc_dtype, x.dtype))
+    keep = ~reset[..., None] if reset.dim() == x.dim() - 1 else ~reset
+    keep = keep.expand(x.shape)
+    # log of a where kept (of 1 where reset, then -inf): no gradient through log(0) at a reset.
+    g = torch.where(keep, torch.log(torch.where(keep, a.to(ct), 1.0)), float("-inf"))
+    ones = torch.ones_like(g)
+    init = None if h0 is None else h0.to(ct)[..., None, None]
+    y, final = torch.ops.treecompile.ssd_scan(ones[..., None], ones[..., None], x.to(ct)[..., None], g, ones, init)
+    return y[..., 0].to(x.dtype), final[..., 0, 0].to(acc_dtype)
 
 
 # --------------------------------------------------------------------------- Mamba2's SSD

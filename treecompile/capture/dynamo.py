@@ -56,6 +56,7 @@ from treecompile.capture.drop_ins import (
     hf_mamba2_split_conv1d_scan_combined,
     hf_mamba_inner_fn,
     hf_mamba_selective_scan,
+    recurrentgemma_rnn_scan,
 )
 from treecompile.capture.mamba_ssm_drop_ins import (
     CHUNK_SCAN_PARAMS,
@@ -92,6 +93,7 @@ SEQUENCE_KERNELS = {
     "fused_chunk_gla": (("q", "k", "v", "g", "scale"), fla_chunk_gla),
     "fused_recurrent_gla": (("q", "k", "v", "gk", "gv", "scale"), fla_fused_recurrent_gla),
     "naive_recurrent_gla": (("q", "k", "v", "gk", "initial_state", "output_final_state"), fla_naive_recurrent_gla),
+    "rnn_scan": (("x", "a", "reset", "h0", "acc_dtype"), recurrentgemma_rnn_scan),
     "chunk_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "recurrent_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),

@@ -1,8 +1,9 @@
-"""mamba-ssm's kernels and treecompile's drop-ins for them compute the same function.
+"""Scan kernels known by name and treecompile's drop-ins for them compute the same function.
 
-The references are mamba-ssm's own listings (tests/zoo_repos/mamba_ssm.py: ``selective_scan_ref``'s
-token loop, ``ssd_minimal_discrete`` over padded chunks); the drop-ins run one scan op. Compared
-in float64, forward and every input's gradient, with each optional argument.
+The references are the repositories' own listings: mamba-ssm's (tests/zoo_repos/mamba_ssm.py:
+``selective_scan_ref``'s token loop, ``ssd_minimal_discrete`` over padded chunks) and
+recurrentgemma's ``rnn_scan`` (tests/zoo_repos/hawk.py); the drop-ins run one scan op. Compared in
+float64, forward and every input's gradient, with each optional argument.
 """
 
 from __future__ import annotations
@@ -125,3 +126,24 @@ def test_only_mamba_ssm_signatures_are_swapped():
     finally:
         del sys.modules[module.__name__]
     assert found == {"selective_scan_ref"}
+
+
+@pytest.mark.parametrize("with_h0", [False, True], ids=["zero-state", "initial-state"])
+@pytest.mark.parametrize("reset_dims", [2, 3], ids=["reset-bt", "reset-bt1"])
+def test_rnn_scan_matches_recurrentgemma_loop(with_h0, reset_dims):
+    """recurrentgemma's ``rnn_scan`` (a loop over the tokens) and its drop-in, with resets inside
+    the sequence (a gradient through neither ``log 0`` nor ``-inf``)."""
+    from zoo_repos.hawk import rnn_scan
+
+    from treecompile.capture.drop_ins import recurrentgemma_rnn_scan
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 5, generator=g).requires_grad_()
+    a = torch.rand(2, 9, 5, generator=g).clamp(min=0.05).requires_grad_()
+    reset = torch.zeros(2, 9, dtype=torch.bool)
+    reset[:, 0] = reset[0, 4] = reset[1, 7] = True
+    h0 = torch.randn(2, 5, generator=g).requires_grad_() if with_h0 else None
+    r = reset if reset_dims == 2 else reset[..., None]
+    ours = recurrentgemma_rnn_scan(x, a, r, h0, acc_dtype=torch.float64)
+    theirs = rnn_scan(x, a, reset, h0, acc_dtype=torch.float64)
+    _close(ours, theirs, [x, a, h0], "rnn_scan")
