@@ -253,6 +253,9 @@ _INPLACE_OPERATORS = {
 }
 
 
+_PURE_OPERATORS = (operator.and_, operator.or_, operator.not_, operator.is_)
+
+
 def mutated_args(node: fx.Node) -> list[fx.Node]:
     """The graph values whose memory ``node`` writes in place ([] for a pure op).
 
@@ -264,7 +267,9 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     first = node.args[0] if node.args else None
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    inplace_name = isinstance(name, str) and name.endswith("_") and not name.startswith("__") and name != "_"
+    # ``operator.and_`` / ``or_`` / ``not_`` / ``is_`` are pure: their underscore only avoids a keyword.
+    inplace_name = isinstance(name, str) and name.endswith("_") and not name.startswith("__") and name != "_" \
+        and node.target not in _PURE_OPERATORS
     if node.op == "call_method":
         if inplace_name or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
             out.append(first)

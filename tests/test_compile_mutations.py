@@ -359,3 +359,16 @@ def test_a_write_into_the_logits_or_the_heads_input_is_kept(form, lm_head):
     for name in ("branchy", "forest"):
         batch, trees = make_batch(name)
         compare_with_paths(model, compiled, batch, trees, tol="pure")
+
+
+def test_python_operators_spelled_with_an_underscore_write_nothing():
+    """``a & b`` is recorded as ``operator.and_``: pure, though its name ends in an underscore (a
+    mask buffer ``&`` a key gate was taken for a write into the buffer, and refused)."""
+    import operator
+
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    nodes = [g.call_function(f, (a, b)) for f in (operator.and_, operator.or_, operator.is_)]
+    nodes.append(g.call_function(operator.not_, (a,)))
+    nodes.append(g.call_function(operator.iand, (a, b)))
+    assert [bool(mutated_args(n)) for n in nodes] == [False, False, False, False, True]
