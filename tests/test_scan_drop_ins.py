@@ -15,7 +15,7 @@ from zoo_repos import mamba_ssm as ref
 from treecompile.capture import dynamo
 from treecompile.capture.mamba_ssm_drop_ins import mamba_chunk_scan_combined, selective_scan_fn
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64
 
 
 def _close(ours, theirs, inputs, what):
@@ -34,9 +34,9 @@ def _close(ours, theirs, inputs, what):
 
 def _selective_inputs(b=2, d=6, n=4, length=11):
     g = torch.Generator().manual_seed(1)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
     u, delta, z = r(b, d, length), r(b, d, length) * 0.5, r(b, d, length)
-    A = -torch.rand(d, n, generator=g) - 0.2
+    A = -torch.rand(d, n, generator=g, dtype=F64) - 0.2
     B, C, D, bias = r(b, n, length), r(b, n, length), r(d), r(d) * 0.1
     return [t.requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
 
@@ -56,9 +56,9 @@ def test_selective_scan_matches_reference(kwargs):
 
 def _chunk_inputs(b=2, length=13, h=4, p=3, g=2, n=5):
     gen = torch.Generator().manual_seed(2)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     x, dt, z = r(b, length, h, p), r(b, length, h), r(b, length, h, p)
-    A = -torch.rand(h, generator=gen) - 0.5
+    A = -torch.rand(h, generator=gen, dtype=F64) - 0.5
     B, C = r(b, length, g, n), r(b, length, g, n)
     return [t.requires_grad_() for t in (x, dt, A, B, C, z, r(h) * 0.1, r(h), r(h, p), r(b, h, p, n))]
 
@@ -138,11 +138,11 @@ def test_rnn_scan_matches_recurrentgemma_loop(with_h0, reset_dims):
     from treecompile.capture.drop_ins import recurrentgemma_rnn_scan
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 9, 5, generator=g).requires_grad_()
-    a = torch.rand(2, 9, 5, generator=g).clamp(min=0.05).requires_grad_()
+    x = torch.randn(2, 9, 5, generator=g, dtype=F64).requires_grad_()
+    a = torch.rand(2, 9, 5, generator=g, dtype=F64).clamp(min=0.05).requires_grad_()
     reset = torch.zeros(2, 9, dtype=torch.bool)
     reset[:, 0] = reset[0, 4] = reset[1, 7] = True
-    h0 = torch.randn(2, 5, generator=g).requires_grad_() if with_h0 else None
+    h0 = torch.randn(2, 5, generator=g, dtype=F64).requires_grad_() if with_h0 else None
     r = reset if reset_dims == 2 else reset[..., None]
     ours = recurrentgemma_rnn_scan(x, a, r, h0, acc_dtype=torch.float64)
     theirs = rnn_scan(x, a, reset, h0, acc_dtype=torch.float64)
