@@ -607,6 +607,9 @@ CASES: list[Case] = [
          hf=True, build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
                             built_in_float64=True)),
+    Case("openai-gpt", "GPT-1: its tril buffer cut to the scores as w * b + -1e4 * (1 - b), plus the attention mask "
+         "the model is handed (an arithmetic mask that cannot be built at another length)", hf=True,
+         build=_hf("OpenAIGPTConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
     Case("recurrent-gemma", "RecurrentGemma: RG-LRU recurrence", hf=True,
          build=_hf("RecurrentGemmaConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=1, num_attention_heads=4, lru_width=32, attention_window_size=8,

@@ -300,7 +300,9 @@ def _judge_masks(ctx: PassContext, node: fx.Node, walk: ScoreChain) -> tuple:
                 return f"the attention mask is {distances}", False
             why = None
         elif not why:
-            why = changes_with_length(pattern_at, flat[0])
+            # A mask that reads an input of the row count (Hugging Face's attention mask beside
+            # GPT-1's buffer) cannot be built at another length: judged as it is, as a structural one.
+            why = changes_with_length(pattern_at, flat[0], unjudged_ok=True)
         if why:
             return f"the attention mask is {why}", False
         ctx.max_rows = flat.shape[-1] if ctx.max_rows is None else min(ctx.max_rows, flat.shape[-1])
