@@ -607,6 +607,12 @@ CASES: list[Case] = [
          hf=True, build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
                             built_in_float64=True)),
+    Case("longcat-flash", "LongCat-Flash: MLA, MoE with zero-compute (identity) experts beside the routed ones, its "
+         "experts a loop over the experts hit (a drop-in)", hf=True,
+         build=_hf("LongcatFlashConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+                   qk_nope_head_dim=4, v_head_dim=8, head_dim=4, n_routed_experts=4, zero_expert_num=2,
+                   num_experts_per_tok=2, expert_ffn_hidden_size=16, ffn_hidden_size=64, max_position_embeddings=64)),
     Case("openai-gpt", "GPT-1: its tril buffer cut to the scores as w * b + -1e4 * (1 - b), plus the attention mask "
          "the model is handed (an arithmetic mask that cannot be built at another length)", hf=True,
          build=_hf("OpenAIGPTConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)),

@@ -31,7 +31,7 @@ from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers 
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 from treecompile.kernels.dtypes import compute_dtype
 
-__all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "jetmoe_gating_forward",
+__all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "longcat_experts_forward", "jetmoe_gating_forward",
            "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
            "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule", "fla_chunk_gla", "fla_fused_recurrent_gla",
            "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan",
@@ -347,6 +347,33 @@ def dbrx_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k
     return torch.ops.treecompile.experts_end(out).view(batch, -1, dim)
 
 
+def longcat_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """Drop-in for ``LongcatFlashExperts.forward``, which loops over the experts a batch hits: the
+    routed experts by grouped products between the experts markers (as `dbrx_experts_forward`),
+    the zero-compute experts (indices from ``num_routed_experts`` on) as the token itself; each
+    (token, expert) pair weighted by its routing weight and added to its token's row in the
+    experts' order, as the loop adds them: token-wise."""
+    from treecompile.kernels import grouped_mm as _grouped_mm  # noqa: F401  (registers treecompile::grouped_mm)
+
+    dim, routed = self.hidden_size, self.num_routed_experts
+    h, idx, w = torch.ops.treecompile.experts_begin(hidden_states.reshape(-1, dim), top_k_index, top_k_weights)
+    k = idx.shape[-1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k
+    x = h[tokens]
+    if routed > 0 and self.gate_up_proj is not None:
+        offs = F.one_hot(flat, self.total_experts).sum(0)[:routed].cumsum(0)
+        gate, up = torch.ops.treecompile.grouped_mm(x, self.gate_up_proj[:routed].transpose(1, 2), offs).chunk(2, -1)
+        y = torch.ops.treecompile.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs)
+        y = torch.where((flat[order] < routed)[:, None], y, x)  # the zero-compute experts: the token itself
+    else:
+        y = x
+    y = y * w.reshape(-1)[order, None]
+    out = torch.zeros_like(h).index_add(0, tokens, y.to(h.dtype))
+    return torch.ops.treecompile.experts_end(out).view(hidden_states.shape)
+
+
 def _by_expert(idx: Tensor, experts: int) -> tuple[Tensor, Tensor]:
     """``(order, offs)``: the ``T * k`` (token, slot) pairs sorted by expert (stable: each token's
     pairs in the experts' order) and the end of each expert's group."""
@@ -497,6 +524,15 @@ CLASS_DROP_INS = {
          "states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]",
          "next_states.index_add_(0, token_idx, states)"),
         dbrx_experts_forward),
+    ("transformers.models.longcat_flash.modeling_longcat_flash", "LongcatFlashExperts"): (
+        ("gate_up_proj", "down_proj", "num_routed_experts", "total_experts", "act_fn", "hidden_size"),
+        ("expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)",
+         "current_hidden_states = self.identity_expert(current_state)",
+         "gate, up = F.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
+         "current_hidden_states = F.linear(current_hidden_states, self.down_proj[expert_idx])",
+         "current_hidden_states = current_hidden_states * top_k_weights[token_idx, selection_idx, None]",
+         "final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(hidden_states.dtype))"),
+        longcat_experts_forward),
     ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeMoE"): (
         ("router", "input_linear", "output_linear", "activation", "bias", "input_size"),
         ("_, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)",
