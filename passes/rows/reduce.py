@@ -75,7 +75,7 @@ def _reg_along(names: str, *args, **kwargs) -> None:
 
 
 _reg_along("sum nansum mean nanmean amax amin logsumexp count_nonzero any all argmax argmin std var prod", _REDUCE)
-_reg_along("norm vector_norm", _REDUCE, dim_at=(2, "dim"))  # (input, p / ord, dim)
+_reg_along("norm vector_norm linalg_vector_norm", _REDUCE, dim_at=(2, "dim"))  # (input, p / ord, dim)
 _reg_along("var_mean std_mean aminmax", _REDUCE, results=2)
 _reg_along("median nanmedian", _REDUCE, results=2)
 _reg_along("mode", _REDUCE, default=-1, results=2)

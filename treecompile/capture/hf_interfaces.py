@@ -100,8 +100,19 @@ def hf_causal_attention(
             "training; call model.eval() or set the attention dropout to 0"
         )
     if not getattr(module, "is_causal", True):
+        if attention_mask is None and not any(isinstance(d, torch.SymInt) for d in (query.shape[-2], key.shape[-2])):
+            # Over a fixed axis, not the tokens (Inkling 2's attention over the blocks' states at each
+            # token): token-local, computed as Hugging Face's eager attention computes it.
+            return _token_local_attention(query, key, value, scaling)
         raise UnsupportedModelError(f"{name}: non-causal attention cannot be trained on a tree")
     sinks = None
+    bias = kwargs.get("position_bias")
+    extra = {k for k, v in kwargs.items() if isinstance(v, Tensor) and k not in _IGNORED_HF_KWARGS} - {
+        "position_bias", "sinks", "s_aux"}
+    if isinstance(bias, Tensor) and not extra:
+        sink = kwargs.get("sinks", kwargs.get("s_aux"))
+        return _with_pair_bias(module, query, key, value, attention_mask, scaling, sliding_window, softcap, bias,
+                               sink)
     for key_name, val in kwargs.items():
         if key_name in _IGNORED_HF_KWARGS or val is None:
             continue
@@ -119,6 +130,56 @@ def hf_causal_attention(
     out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks,
                                                  chunk)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _token_local_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> tuple[Tensor, None]:
+    """Unmasked attention over a fixed-size axis (dim -2 of ``[B, X, L, D]``), as HF's eager attention:
+    the row rules judge it (each token's row alone when the tokens are in ``X``)."""
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def _with_pair_bias(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any,
+                    scaling: float | None, window: int | None, softcap: float | None, bias: Tensor,
+                    sink: Tensor | None) -> tuple[Tensor, None]:
+    """A call with a ``position_bias`` ``[B, H, S, S]`` the model computed (Inkling's relative logits
+    read from the tokens): Hugging Face's eager attention written out (scores, soft-cap, the bias,
+    the causal or sliding-window mask as a structural ``[S, S]`` tensor, a softmax in at least
+    float32; a sink logit, per head ``[H]`` or per query ``[B, H, S, 1]``, as one more term of each
+    softmax denominator), so that the attention pass keeps it on dense ``[S, S]`` tensors with the
+    mask read on the tree (`treecompile.passes.attention.dense_pairs`, which proves the bias exact
+    or refuses it)."""
+    name = type(module).__name__
+    window = _window_from_mask(name, mask, window)
+    if isinstance(mask, TreeMask) and mask.kind == "chunked":
+        raise UnsupportedModelError(f"{name}: a position_bias beside a chunked attention mask is not supported")
+    _check_kept_by_the_model(module, softcap, None)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    rows = torch.arange(query.shape[2], device=query.device)
+    allowed = rows[:, None] >= rows[None, :]
+    if window is not None:
+        allowed = allowed & (rows[:, None] - rows[None, :] < window)
+    scores = scores.masked_fill(~allowed, float("-inf")).to(torch.promote_types(scores.dtype, torch.float32))
+    if sink is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = (sink.view(1, -1, 1, 1) if sink.dim() == 1 else sink).to(scores.dtype)
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = torch.exp(scores - top)
+        probs = weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    return torch.matmul(probs.to(query.dtype), value).transpose(1, 2).contiguous(), None
 
 
 def _check_kept_by_the_model(module: torch.nn.Module, softcap: float | None, sinks: Tensor | None) -> None:
