@@ -246,13 +246,10 @@ def describe(node: fx.Node) -> str:
 # ----------------------------------------------------------------------------- mutations
 
 # ``x += y`` on a tensor is recorded as ``operator.iadd`` (an in-place op on ``x``).
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-    operator.imatmul,
-}
-
-
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+                      operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul}
+# ``operator.and_`` / ``or_`` / ``not_`` / ``is_`` are pure: their underscore only avoids a keyword.
 _PURE_OPERATORS = (operator.and_, operator.or_, operator.not_, operator.is_)
 
 
@@ -267,16 +264,14 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     first = node.args[0] if node.args else None
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    # ``operator.and_`` / ``or_`` / ``not_`` / ``is_`` are pure: their underscore only avoids a keyword.
     inplace_name = isinstance(name, str) and name.endswith("_") and not name.startswith("__") and name != "_" \
         and node.target not in _PURE_OPERATORS
     if node.op == "call_method":
         if inplace_name or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
             out.append(first)
     elif node.op == "call_function":
-        if node.target is operator.setitem or node.target in _INPLACE_OPERATORS or inplace_name:
-            out.append(first)
-        elif node.kwargs.get("inplace") is True:
+        if node.target is operator.setitem or node.target in _INPLACE_OPERATORS or inplace_name \
+                or node.kwargs.get("inplace") is True:
             out.append(first)
         schema = getattr(node.target, "_schema", None)
         if schema is not None and getattr(schema, "is_mutable", False):

@@ -13,7 +13,7 @@ import torch
 from zoo_repos import mamba_ssm as ref
 
 from treecompile.capture import dynamo
-from treecompile.capture.mamba_ssm_drop_ins import mamba_chunk_scan_combined, selective_scan_fn
+from treecompile.capture.library_drop_ins import mamba_chunk_scan_combined, selective_scan_fn
 
 F64 = torch.float64
 
@@ -135,7 +135,7 @@ def test_rnn_scan_matches_recurrentgemma_loop(with_h0, reset_dims):
     the sequence (a gradient through neither ``log 0`` nor ``-inf``)."""
     from zoo_repos.hawk import rnn_scan
 
-    from treecompile.capture.drop_ins import recurrentgemma_rnn_scan
+    from treecompile.capture.library_drop_ins import recurrentgemma_rnn_scan
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 9, 5, generator=g, dtype=F64).requires_grad_()

@@ -11,7 +11,7 @@ The plain form of :mod:`treecompile.kernels.scans.recurrence` with ``g`` ``[B, S
 registers ``treecompile::gla_scan(q, k, v, g, beta, initial_state)``,
 ``treecompile::tree_gla_scan(..., node_table, scan_kernel)`` and their backward.
 flash-linear-attention's ``chunk_gla`` / ``fused_chunk_gla`` / ``fused_recurrent_gla`` /
-``naive_recurrent_gla`` are swapped for drop-ins calling it (:mod:`treecompile.capture.drop_ins`);
+``naive_recurrent_gla`` are swapped for drop-ins calling it (:mod:`treecompile.capture.library_drop_ins`);
 the loop token by token is `recurrence_reference` in :mod:`treecompile.kernels.scans.naive`
 (``delta=False`` with a gate per key channel).
 """

@@ -45,25 +45,7 @@ from torch import nn
 
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.kernels import grouped_mm as _grouped_mm_op  # noqa: F401  (registers treecompile::grouped_mm)
-from treecompile.capture.drop_ins import (
-    fla_chunk_gated_delta_rule,
-    fla_chunk_gla,
-    fla_fused_recurrent_gla,
-    fla_naive_recurrent_gla,
-    hf_causal_conv1d_fn,
-    hf_chunk_gated_delta_rule,
-    hf_mamba2_chunk_scan,
-    hf_mamba2_split_conv1d_scan_combined,
-    hf_mamba_inner_fn,
-    hf_mamba_selective_scan,
-    recurrentgemma_rnn_scan,
-)
-from treecompile.capture.mamba_ssm_drop_ins import (
-    CHUNK_SCAN_PARAMS,
-    SELECTIVE_SCAN_PARAMS,
-    mamba_chunk_scan_combined,
-    selective_scan_fn,
-)
+from treecompile.capture.kernel_table import SEQUENCE_KERNELS
 from treecompile.capture.hf_interfaces import TreeMask, has_own_attention, hf_causal_attention, hf_experts
 from treecompile.passes import markers
 
@@ -77,37 +59,6 @@ __all__ = [
 
 #: Name under which the Hugging Face attention and experts interfaces route to the tree markers.
 HF_ATTENTION_NAME = "treecompile"
-
-
-#: Module-level sequence kernels of hybrid models (Hugging Face's, behind
-#: ``use_kernel_func_from_hub_with_fallback``, flash-linear-attention's and mamba-ssm's), by name: the
-#: leading parameters a function of that name must take to be swapped, and its drop-in,
-#: which calls a treecompile custom op with the same linear-sequence semantics (one node
-#: per layer for the passes to find).
-SEQUENCE_KERNELS = {
-    "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "chunk_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
-    "fused_recurrent_gated_delta_rule": (("q", "k", "v", "g", "beta"), fla_chunk_gated_delta_rule),
-    "chunk_gla": (("q", "k", "v", "g", "scale"), fla_chunk_gla),
-    "fused_chunk_gla": (("q", "k", "v", "g", "scale"), fla_chunk_gla),
-    "fused_recurrent_gla": (("q", "k", "v", "gk", "gv", "scale"), fla_fused_recurrent_gla),
-    "naive_recurrent_gla": (("q", "k", "v", "gk", "initial_state", "output_final_state"), fla_naive_recurrent_gla),
-    "rnn_scan": (("x", "a", "reset", "h0", "acc_dtype"), recurrentgemma_rnn_scan),
-    "chunk_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "recurrent_kimi_delta_attention": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
-    "causal_conv1d_fn": (("hidden_states", "weight", "bias", "activation"), hf_causal_conv1d_fn),
-    "mamba2_chunk_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba2_chunk_scan),
-    "mamba2_split_conv1d_scan_combined": (("zxbcdt", "conv1d_weight"), hf_mamba2_split_conv1d_scan_combined),
-    "mamba_selective_scan": (("hidden_states", "dt", "A", "B", "C"), hf_mamba_selective_scan),
-    "mamba_inner_fn": (("xz", "conv1d_weight"), hf_mamba_inner_fn),
-    # mamba-ssm's own (custom models on mamba_ssm.modules, or copying its reference listings)
-    "selective_scan_fn": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
-    "selective_scan_ref": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
-    "mamba_chunk_scan_combined": (CHUNK_SCAN_PARAMS, mamba_chunk_scan_combined),
-}
-
-
 
 
 # masking_utils builder -> the kind of mask it builds. Builders not named here are refused when called.

@@ -1,11 +1,12 @@
-"""Drop-ins for mamba-ssm's public scan kernels, by their names and parameters.
+"""Drop-ins for other libraries' public scan kernels, by their names and parameters: mamba-ssm's,
+flash-linear-attention's Gated Linear Attention, recurrentgemma's ``rnn_scan``.
 
 Custom Mamba models (written on ``mamba_ssm.modules``, or copying its reference listings)
 call ``selective_scan_fn`` / ``selective_scan_ref`` (Mamba-1) and
 ``mamba_chunk_scan_combined`` (Mamba-2; the reference listings pad the length to a multiple of
 the chunk and run ``ssd_minimal_discrete`` on the chunks). Neither the CUDA / Triton kernels nor
 a Python loop over the tokens can be captured as one graph of a tree, so
-`treecompile.capture.dynamo.SEQUENCE_KERNELS` swaps each, for one call, for a drop-in here
+`treecompile.capture.kernel_table.SEQUENCE_KERNELS` swaps each, for one call, for a drop-in here
 that computes the same function with one treecompile scan op (one node per layer, which the
 SSM state pass runs along each path). The unmodified model (the per-path baseline, the probe's
 reference) keeps its own kernel.
@@ -37,10 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from treecompile.kernels.dtypes import compute_dtype
+from treecompile.kernels.scans import gla as _gla  # noqa: F401  (registers treecompile::gla_scan)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 
-__all__ = ["SELECTIVE_SCAN_PARAMS", "CHUNK_SCAN_PARAMS", "selective_scan_fn", "mamba_chunk_scan_combined"]
+__all__ = ["SELECTIVE_SCAN_PARAMS", "CHUNK_SCAN_PARAMS", "selective_scan_fn", "mamba_chunk_scan_combined",
+           "fla_chunk_gla", "fla_fused_recurrent_gla", "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan"]
 
 Tensor = torch.Tensor
 
@@ -126,3 +129,69 @@ def mamba_chunk_scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Te
         y = y * F.silu(z.to(ct))
     y = y.to(x.dtype)
     return (y, final.transpose(-1, -2)) if kwargs.get("return_final_states") else y
+
+
+# --------------------------------------------------------------------------- Gated Linear Attention
+
+
+def fla_chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = None,
+                  initial_state: Tensor | None = None, output_final_state: bool = False,
+                  **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's ``chunk_gla`` / ``fused_chunk_gla``: ``q, k, g``
+    ``[B, T, H, K]`` (``g`` the log decay per key channel), ``v`` ``[B, T, H, V]``, ``scale``
+    ``K^-0.5`` by default, the initial and final state ``[B, H, K, V]``. Returns ``o`` and the
+    final state (None unless asked for)."""
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("offsets") is not None:
+        raise ValueError("treecompile's GLA scan keeps packed sequences apart itself: pass no cu_seqlens")
+    if kwargs.get("head_first") or kwargs.get("reverse"):
+        raise ValueError("treecompile's GLA scan takes [B, T, H, D] inputs in order: head_first=True and "
+                         "reverse=True are not supported")
+    if g is None or g.shape != k.shape:
+        raise ValueError("treecompile's GLA scan takes a log decay per key channel, g [B, T, H, K]")
+    dtype = q.dtype
+    ct = compute_dtype(dtype)
+    q, k, v, g = (x.to(ct) for x in (q, k, v, g))
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    out, final = torch.ops.treecompile.gla_scan(q, k, v, g, torch.ones_like(g[..., 0]), initial_state)
+    return out.to(dtype), (final if output_final_state else None)
+
+
+def fla_fused_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Tensor | None = None, gv: Tensor | None = None,
+                            scale: float | None = None, initial_state: Tensor | None = None,
+                            output_final_state: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's ``fused_recurrent_gla`` (a decay on the keys only)."""
+    if gv is not None:
+        raise ValueError("treecompile's GLA scan decays per key channel: gv (a decay per value channel) is not "
+                         "supported")
+    return fla_chunk_gla(q, k, v, gk, scale, initial_state, output_final_state, **kwargs)
+
+
+def fla_naive_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None = None,
+                            output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Drop-in for flash-linear-attention's reference ``naive_recurrent_gla`` (its loop over the
+    tokens, ``scale = K^-0.5``)."""
+    return fla_chunk_gla(q, k, v, gk, None, initial_state, output_final_state)
+
+
+# --------------------------------------------------------------------------- a diagonal linear RNN
+
+
+def recurrentgemma_rnn_scan(x: Tensor, a: Tensor, reset: Tensor, h0: Tensor | None = None,
+                            acc_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Drop-in for google-deepmind/recurrentgemma's ``rnn_scan`` (its torch port's loop over the
+    tokens): ``h_t = (a_t * ~reset_t) * h_{t-1} + x_t`` per channel in ``acc_dtype``, ``x, a``
+    ``[B, T, D]``, ``reset`` ``[B, T]`` (or ``[B, T, 1]``), ``h0`` ``[B, D]``; returns ``(y, h_T)``,
+    ``y`` in ``x``'s dtype. Each channel is a head of ``treecompile::ssd_scan`` with a state of
+    one: ``g = log a`` (``-inf`` where the state resets), ``k = q = beta = 1``, ``v = x``."""
+    if x.dim() != 3 or a.shape != x.shape:
+        raise ValueError(f"treecompile's drop-in for rnn_scan takes x and a [batch, length, channels]; got "
+                         f"x {tuple(x.shape)}, a {tuple(a.shape)}")
+    ct = compute_dtype(torch.promote_types(acc_dtype, x.dtype))
+    keep = ~reset[..., None] if reset.dim() == x.dim() - 1 else ~reset
+    keep = keep.expand(x.shape)
+    # log of a where kept (of 1 where reset, then -inf): no gradient through log(0) at a reset.
+    g = torch.where(keep, torch.log(torch.where(keep, a.to(ct), 1.0)), float("-inf"))
+    ones = torch.ones_like(g)
+    init = None if h0 is None else h0.to(ct)[..., None, None]
+    y, final = torch.ops.treecompile.ssd_scan(ones[..., None], ones[..., None], x.to(ct)[..., None], g, ones, init)
+    return y[..., 0].to(x.dtype), final[..., 0, 0].to(acc_dtype)
