@@ -612,7 +612,8 @@ CASES: list[Case] = [
          build=_hf("LongcatFlashConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_layers=2,
                    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
                    qk_nope_head_dim=4, v_head_dim=8, head_dim=4, n_routed_experts=4, zero_expert_num=2,
-                   num_experts_per_tok=2, expert_ffn_hidden_size=16, ffn_hidden_size=64, max_position_embeddings=64)),
+                   num_experts_per_tok=2, moe_topk=2, expert_ffn_hidden_size=16, ffn_hidden_size=64,
+                   max_position_embeddings=64)),
     Case("inkling", "Inkling: a relative position bias read from the tokens (relative logits gathered at the "
          "distance, zero past rel_extent) handed to attention as position_bias, log-scaled queries and bias, "
          "hybrid sliding layers, MoE", hf=True,
@@ -621,7 +622,7 @@ CASES: list[Case] = [
                    swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4, d_rel=4, rel_extent=4,
                    log_scaling_n_floor=4, max_position_embeddings=64, intermediate_size=64, moe_intermediate_size=16,
                    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, pad_token_id=0, bos_token_id=0,
-                   eos_token_id=0)),
+                   eos_token_id=0), since=(5, 24)),
     Case("inkling2", "Inkling 2: the relative bias beside a sink logit per query token, and an attention over the "
          "blocks' states at each token (not over the tokens)", hf=True,
          build=_hf("Inkling2TextConfig", common=False, vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=32,
@@ -629,7 +630,7 @@ CASES: list[Case] = [
                    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4,
                    d_rel=4, rel_extent=4, log_scaling_n_floor=4, max_position_embeddings=64, moe_intermediate_size=16,
                    n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1, pad_token_id=0,
-                   bos_token_id=0, eos_token_id=0, use_cache=False)),
+                   bos_token_id=0, eos_token_id=0, use_cache=False), since=(5, 24)),
     Case("openai-gpt", "GPT-1: its tril buffer cut to the scores as w * b + -1e4 * (1 - b), plus the attention mask "
          "the model is handed (an arithmetic mask that cannot be built at another length)", hf=True,
          build=_hf("OpenAIGPTConfig", common=False, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
