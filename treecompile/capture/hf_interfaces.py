@@ -155,6 +155,8 @@ def _with_pair_bias(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     mask read on the tree (`treecompile.passes.attention.dense_pairs`, which proves the bias exact
     or refuses it)."""
     name = type(module).__name__
+    if query.shape[2] != key.shape[2] or bias.shape[-2:] != (query.shape[2], key.shape[2]):
+        raise UnsupportedModelError(f"{name}: a position_bias over other than the (query, key) pairs of one sequence")
     window = _window_from_mask(name, mask, window)
     if isinstance(mask, TreeMask) and mask.kind == "chunked":
         raise UnsupportedModelError(f"{name}: a position_bias beside a chunked attention mask is not supported")
