@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import zoo
 import zoo_custom as zc
+from test_pair_sum import _LearnedLeakAttn
 from zoo_repos.pairs import CoPELM
 
 import treecompile as tc
@@ -83,13 +84,9 @@ class _UnmaskedCumsum(zc._Attn):
         return att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
 
 
-class _LearnedLeak(zc._Attn):
+class _LearnedLeak(_LearnedLeakAttn):
     """Causal weights whose future is a learned value, zero at the start (causal now, not after a
-    step): ``where(tril, 1, leak)`` times the scores."""
-
-    def __init__(self):
-        super().__init__()
-        self.leak = torch.nn.Parameter(torch.zeros(()))
+    step): ``where(tril, 1, leak)`` times the sigmoid of the scores (not a pair sum)."""
 
     def attend(self, q, k, v):
         t = q.shape[2]

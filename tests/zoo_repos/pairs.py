@@ -101,21 +101,6 @@ class CoPEBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class CoPELM(nn.Module):
-    def __init__(self, **variant):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(CoPEBlock(**variant) for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx):
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
 def stickbreaking(q, k, v, mask, cum_weight, mask_late=False):
     """Stick-breaking attention weights."""
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -159,21 +144,6 @@ class SBBlock(nn.Module):
         y = sb_attention(q, k, v, T, attend_current=self.attend_current, mask_late=self.mask_late)
         x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         return x + self.mlp(self.ln2(x))
-
-
-class StickBreakingLM(nn.Module):
-    def __init__(self, **variant):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(SBBlock(**variant) for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx):
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def parallel_stabilized_simple(queries, keys, values, igate_preact, fgate_preact, lower_triangular_matrix=None,
@@ -237,11 +207,15 @@ class MLSTMBlock(nn.Module):
         return x + self.proj(y * F.silu(self.z(h)))
 
 
-class MLSTMLM(nn.Module):
+class _BlocksLM(nn.Module):
+    """Embedding, the blocks, a final LayerNorm and an untied head: the small GPT each spelling sits in."""
+
+    block_cls: type = nn.Module
+
     def __init__(self, **variant):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(MLSTMBlock(**variant) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(self.block_cls(**variant) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -250,3 +224,8 @@ class MLSTMLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+CoPELM = type("CoPELM", (_BlocksLM,), {"block_cls": CoPEBlock})
+StickBreakingLM = type("StickBreakingLM", (_BlocksLM,), {"block_cls": SBBlock})
+MLSTMLM = type("MLSTMLM", (_BlocksLM,), {"block_cls": MLSTMBlock})
