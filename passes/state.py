@@ -243,26 +243,28 @@ _SAME_VALUE = {"_get_data_attr", "detach", "clone", "contiguous"}
 
 
 def _repeated_idempotent(writes: list[fx.Node], p: fx.Node) -> bool:
-    """Whether ``writes`` (in order, all into ``p``) each set ``p`` to the same chain of idempotent
-    ops of ``p``'s value (``p.data = p.data.clamp(min=eps)`` in a module that each layer calls):
-    after the first of them, ``p`` holds the value the last one leaves."""
-    chains = []
+    """Whether ``writes`` (in order, all into ``p``) each set ``p`` to one and the same idempotent op
+    of ``p``'s own value (``p.data = p.data.clamp(min=eps)`` in a module that each layer calls):
+    after the first of them, ``p`` holds the value the last one leaves. (One op: a chain of two
+    idempotent ops is not idempotent in general.)"""
+    ops = set()
     for w in writes:
         if op_name(w) not in ("set_", "copy_") or len(w.args) < 2 or w.args[0] is not p or w.kwargs:
             return False
-        chain, x = [], w.args[1]
-        while isinstance(x, fx.Node) and x is not p and x.all_input_nodes and x.all_input_nodes[0] is not None:
+        found, x = [], w.args[1]
+        while isinstance(x, fx.Node) and x is not p:
             name = op_name(x)
-            rest = [a for a in x.all_input_nodes[1:]]
-            if name not in _IDEMPOTENT | _SAME_VALUE or rest or x.op not in ("call_function", "call_method"):
+            # the op reads one tensor, ``x``'s first argument; its other arguments are constants
+            if x.op not in ("call_function", "call_method") or name not in _IDEMPOTENT | _SAME_VALUE \
+                    or x.all_input_nodes != [x.args[0]]:
                 return False
             if name in _IDEMPOTENT:
-                chain.append((name, tuple(x.args[1:]), tuple(sorted(x.kwargs.items()))))
+                found.append((name, tuple(x.args[1:]), tuple(sorted(x.kwargs.items()))))
             x = x.args[0]
-        if x is not p or not chain:
+        if x is not p or len(found) != 1:
             return False
-        chains.append(tuple(chain))
-    return len(set(chains)) == 1 and len(chains[0]) == 1
+        ops.add(found[0])
+    return len(ops) == 1
 
 
 def state_name(source: str) -> str:

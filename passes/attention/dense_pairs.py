@@ -37,6 +37,7 @@ says so). Counter ``dense_pairs``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ __all__ = ["is_pair_exit", "rewrite_dense_pairs"]
 #: Ops whose result keeps the last two dims as they are, entry by entry.
 _ELEMENTWISE = POINTWISE | {"add", "sub", "mul", "neg", "pow", "where", "masked_fill", "long", "int", "bool",
                             "detach", "clone", "contiguous", "iadd", "isub", "imul", "itruediv"}
-_VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "view_as", "squeeze"}
+_VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "view_as", "squeeze"}  # keeping the last two dims
 #: Reductions over the keys, and the identity each must see at hidden entries.
 _REDUCE = {"sum": 0.0, "amax": float("-inf"), "max": float("-inf"), "logsumexp": float("-inf")}
 #: Ops over the keys that keep ``[S, S]``: the identity, and the hidden value of the result.
@@ -94,9 +95,7 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
     else leaves a note. False where the node is not a product of ``[S, S]`` scores."""
     if exit_node in ctx.created or not exit_node.users or not _is_pair(exit_node.args[0], ctx):
         return False  # made by a pass, or left dead by another spelling's rewrite
-    for n in [n for n in exit_node.graph.nodes if n.op == "call_function" and n.target is operator.getitem]:
-        _uncut_leading_row(gm, ctx, n)
-    region = _region(ctx, exit_node.args[0])
+    region = _region(gm, ctx, exit_node.args[0])
     if not isinstance(region, str) and not region[0]:
         return False  # a product with a matrix that reads no token: not scores
     why = (exit_node, region) if isinstance(region, str) else _prove(ctx, region)
@@ -133,13 +132,14 @@ def _is_pair(x, ctx: PassContext) -> bool:
         and same_size(v.shape[-2], ctx.seq_len)
 
 
-def _region(ctx: PassContext, start: fx.Node) -> tuple[list, list, list] | str:
+def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list, list, list] | str:
     """``(token nodes, structural leaves, exits)`` of the ``[S, S]`` component around ``start``."""
     seen, stack = set(), [start]
     while stack:
         n = stack.pop()
         if n in seen:
             continue
+        n = _uncut_leading_row(gm, ctx, n) or n
         seen.add(n)
         if not reads_tokens(ctx, n):
             continue  # a structural leaf: its own inputs are its construction
@@ -222,54 +222,49 @@ def _same_with_other_parameters(ctx: PassContext, node: fx.Node, rows: int, uppe
     return not future.isnan().any() and bool((future == c).all())
 
 
-def _uncut_leading_row(gm: fx.GraphModule, ctx: PassContext, n: fx.Node) -> None:
+def _uncut_leading_row(gm: fx.GraphModule, ctx: PassContext, n: fx.Node) -> fx.Node | None:
     """xLSTM's ``F = cat([0, c], -2)`` (``[.., S + 1, 1]``), ``R = F.repeat(.., S + 1)``,
     ``(R - R^T)[..., 1:, 1:]``: entry ``(i, j)`` is ``F[i + 1] - F[j + 1] = c[i] - c[j]``, so the node
     becomes ``c - c^T`` (an identity of tensors, whatever their values), an ``[S, S]`` op of rows."""
+    if not (n.op == "call_function" and n.target is operator.getitem):
+        return None
     x, idx = n.args
     if not isinstance(x, fx.Node) or not _is_pair(n, ctx) or not isinstance(idx, tuple) or len(idx) < 2:
-        return
+        return None
     full = slice(None, None, None)
     if idx[-2:] != (slice(1, None, None), slice(1, None, None)) or any(i != full for i in idx[:-2]):
-        return
+        return None
     if not is_call(x, (operator.sub, torch.sub), ("sub",)) or len(x.args) != 2:
-        return
+        return None
     left, right = x.args
     flipped = is_call(left, (), ("transpose",))
     rep, tr = (right, left) if flipped else (left, right)
     if not (is_call(tr, (), ("transpose",)) and tr.args[0] is rep and sorted(tr.args[1:]) in ([-2, -1],)):
-        return
+        return None
     if not is_call(rep, (), ("repeat",)) or not isinstance(rep.args[0], fx.Node):
-        return
+        return None
     reps = rep.args[1] if len(rep.args) == 2 and isinstance(rep.args[1], (tuple, list)) else rep.args[1:]
     cat = rep.args[0]
     if not all(r == 1 for r in reps[:-1]) or not is_call(cat, (torch.cat,)):
-        return
+        return None
     parts, dim = cat.args[0], cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
     if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and all(isinstance(p, fx.Node) for p in parts)):
-        return
+        return None
     zero, c = parts
     cv, zv = value(c), value(zero)
     if not (isinstance(cv, torch.Tensor) and isinstance(zv, torch.Tensor) and dim in (-2, cv.dim() - 2)
             and cv.shape[-1] == 1 and same_size(cv.shape[-2], ctx.seq_len) and zv.shape[-2] == 1
             and is_call(zero, (torch.zeros,), ("new_zeros",)) and not reads_tokens(ctx, zero)):
-        return
+        return None
     g = gm.graph
     with g.inserting_before(n):
         ct = g.call_method("transpose", (c, -2, -1))
-        with cv.fake_mode if hasattr(cv, "fake_mode") else _nothing():
+        with cv.fake_mode if hasattr(cv, "fake_mode") else contextlib.nullcontext():
             ct.meta["example_value"] = cv.transpose(-2, -1)
         d = g.call_function(operator.sub, (ct, c) if flipped else (c, ct))
         d.meta = dict(n.meta)
     n.replace_all_uses_with(d)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return d
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -316,11 +311,6 @@ def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> _Hidden:
     return _UNKNOWN
 
 
-def _last_dims_kept(n: fx.Node, ctx: PassContext) -> bool:
-    v, x = value(n), value(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    return isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor) and _is_pair(n, ctx) and _is_pair(n.args[0], ctx)
-
-
 def _reads_length(n: fx.Node, ctx: PassContext) -> bool:
     """A non-tensor argument that is a symbolic size (the length as a value)."""
     flat = []
@@ -344,8 +334,8 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     nd = value(n).dim()
     if n.op not in ("call_function", "call_method"):
         return "is not an op the dense pair rule knows"
-    if name in _VIEWS or name in ("view", "reshape"):
-        if not _last_dims_kept(n, ctx):
+    if name in _VIEWS:
+        if not (_is_pair(n, ctx) and _is_pair(n.args[0], ctx)):
             return "moves the query or key dim"
         state[n] = state.get(n.args[0], _UNKNOWN)
         return None
@@ -514,8 +504,12 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
     """Reads each structural leaf at path positions, its hidden value off the path."""
     g = gm.graph
     first = min(nodes, key=list(g.nodes).index)
+    # One dense tree mask per graph (built before the first region's nodes, so every later region can read it).
+    anc = next((n for n in g.nodes if n.op == "call_function" and n.target is dense_tree_mask), None)
     with g.inserting_before(first):
-        anc = ctx.mark(g.call_function(dense_tree_mask, (ctx.mask, ctx.chunks, *ctx.mask_buffers)), like=at, rows=False)
+        if anc is None:
+            anc = ctx.mark(g.call_function(dense_tree_mask, (ctx.mask, ctx.chunks, *ctx.mask_buffers)), like=at,
+                           rows=False)
         pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
         pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
     for leaf in leaves:

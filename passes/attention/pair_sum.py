@@ -309,6 +309,7 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
     s = value(ctx.input_ids).shape[-1]
     example = int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
     tables = []
+    learned = any(depends_on_inputs(ctx, f) for f in factors)
     for rows in (example, max(2, example // 2)):
         try:
             full = _product(ctx, factors, masks, tril, rows)
@@ -321,7 +322,7 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
             return f"{full.shape[0]} tables for {heads} heads"
         if torch.count_nonzero(full.triu(1)):
             return "not causal (a key after its query gets a nonzero factor)"
-        if rows == example and any(depends_on_inputs(ctx, f) for f in factors):
+        if rows == example and learned:
             try:  # zero above the diagonal whatever the parameters (not a learned value that is 0 now)
                 with moved_parameters(ctx):
                     moved = _product(ctx, factors, masks, tril, rows)
@@ -348,7 +349,7 @@ def _judge(ctx: PassContext, factors: list, masks: list, tril: bool, heads: int)
     if not torch.allclose(long[:, : short.shape[1]], short, rtol=1e-9, atol=1e-9):
         return "one that changes with the sequence length (per path the length is the path's)"
     columns = {rows: col for rows, col in zip((example, max(2, example // 2)), tables)}
-    if torch.all(long == long[:, :1]) and not any(depends_on_inputs(ctx, f) for f in factors):
+    if torch.all(long == long[:, :1]) and not learned:
         return long[:, :1].tolist(), None, columns  # constants (a learned factor is not baked: it moves)
     varying = [f for f in factors if _varies(ctx, f, example)]
     if len(varying) != 1 or any(f is not varying[0] for f in factors):

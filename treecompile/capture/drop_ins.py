@@ -33,7 +33,7 @@ from treecompile.kernels.dtypes import compute_dtype
 __all__ = ["zaya_cca_forward", "minimax_lightning_forward", "dbrx_experts_forward", "longcat_experts_forward", "jetmoe_gating_forward",
            "jetmoe_moe_forward", "jetmoe_moa_map", "jetmoe_moa_reduce", "class_swaps", "hf_causal_conv1d_fn",
            "hf_chunk_gated_delta_rule", "fla_chunk_gated_delta_rule",
-           "hf_mamba2_chunk_scan", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
+           "hf_mamba2_chunk_scan", "mamba2_ssd", "hf_mamba2_split_conv1d_scan_combined", "hf_mamba_selective_scan",
            "hf_mamba_inner_fn"]
 
 Tensor = torch.Tensor
@@ -167,21 +167,30 @@ def hf_mamba2_chunk_scan(
     if kwargs.get("z") is not None:
         raise ValueError("treecompile's Mamba2 scan does not gate inside the kernel: pass z=None")
     ct = compute_dtype(hidden_states.dtype)
-    heads = hidden_states.shape[2]
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
         dt = F.softplus(dt)
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).to(ct)
-    x = hidden_states.to(ct)
-    groups = B.shape[2]
+    y, final = mamba2_ssd(hidden_states, dt, A, B, C, D, initial_states)
+    return (y, final) if return_final_states else y
+
+
+def mamba2_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+               initial_states: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Mamba-2's scan from its discretised step ``dt`` (bias, softplus and limits applied; the
+    compute dtype is ``dt``'s): ``x`` ``[b, l, h, p]``, ``B, C`` ``[b, l, g, n]`` (``g`` groups
+    shared by ``h / g`` heads), ``D`` ``[h]`` or ``[h, p]``, states ``[b, h, p, n]``. Returns
+    ``(y, final state)`` in the compute dtype, the scan being ``treecompile::ssd_scan``."""
+    ct, heads, groups = dt.dtype, x.shape[2], B.shape[2]
+    x = x.to(ct)
     k = B.to(ct).repeat_interleave(heads // groups, dim=2)
     q = C.to(ct).repeat_interleave(heads // groups, dim=2)
     init = None if initial_states is None else initial_states.transpose(-1, -2).to(ct)
     y, final = torch.ops.treecompile.ssd_scan(q, k, x, dt * A.to(ct), dt, init)
     if D is not None:
-        y = y + D.to(ct)[:, None] * x
-    return (y, final.transpose(-1, -2)) if return_final_states else y
+        y = y + (D.to(ct) if D.dim() == 2 else D.to(ct)[:, None]) * x
+    return y, final.transpose(-1, -2)
 
 
 def hf_mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> None:

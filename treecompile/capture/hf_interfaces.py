@@ -135,13 +135,19 @@ def hf_causal_attention(
 def _token_local_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> tuple[Tensor, None]:
     """Unmasked attention over a fixed-size axis (dim -2 of ``[B, X, L, D]``), as HF's eager attention:
     the row rules judge it (each token's row alone when the tokens are in ``X``)."""
+    scores, value = _eager_scores(query, key, value, scaling)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def _eager_scores(query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> tuple[Tensor, Tensor]:
+    """Hugging Face's eager attention's scores ``q k^T * scale`` (keys and values repeated over the
+    query heads they serve), and the values so repeated."""
     if key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    return torch.matmul(query, key.transpose(2, 3)) * scale, value
 
 
 def _with_pair_bias(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any,
@@ -161,11 +167,7 @@ def _with_pair_bias(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     if isinstance(mask, TreeMask) and mask.kind == "chunked":
         raise UnsupportedModelError(f"{name}: a position_bias beside a chunked attention mask is not supported")
     _check_kept_by_the_model(module, softcap, None)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    if key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores, value = _eager_scores(query, key, value, scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + bias

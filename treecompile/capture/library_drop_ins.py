@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from treecompile.capture.drop_ins import mamba2_ssd
 from treecompile.kernels.dtypes import compute_dtype
 from treecompile.kernels.scans import gla as _gla  # noqa: F401  (registers treecompile::gla_scan)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
@@ -117,18 +118,11 @@ def mamba_chunk_scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Te
     low, high = kwargs.get("dt_limit", (0.0, math.inf))
     if (low, high) != (0.0, math.inf):
         dt = dt.clamp(min=low, max=high)
-    init = kwargs.get("initial_states")
-    init = None if init is None else init.transpose(-1, -2).to(ct)
-    xc = x.to(ct)
-    k = B.to(ct).repeat_interleave(heads // groups, dim=2)
-    q = C.to(ct).repeat_interleave(heads // groups, dim=2)
-    y, final = torch.ops.treecompile.ssd_scan(q, k, xc, dt * A.to(ct), dt, init)
-    if D is not None:
-        y = y + xc * (D.to(ct) if D.dim() == 2 else D.to(ct)[:, None])
+    y, final = mamba2_ssd(x, dt, A, B, C, D, kwargs.get("initial_states"))
     if z is not None:
         y = y * F.silu(z.to(ct))
     y = y.to(x.dtype)
-    return (y, final.transpose(-1, -2)) if kwargs.get("return_final_states") else y
+    return (y, final) if kwargs.get("return_final_states") else y
 
 
 # --------------------------------------------------------------------------- Gated Linear Attention
