@@ -88,3 +88,15 @@ def test_a_model_whose_code_reads_its_mask_is_captured_with_its_own_mask(stream)
     assert model.config._attn_implementation == "eager"
     if not stream:
         assert compiled.counters["rewrite_attention_pass"]["softmax_attention"] == 2
+
+
+def test_a_position_bias_over_other_pairs_than_one_sequences_is_refused():
+    """A ``position_bias`` is written out over one sequence's (query, key) pairs: keys of another
+    length (a cache, cross attention), or a bias of another shape, are refused by name."""
+    from treecompile.capture.hf_interfaces import hf_causal_attention
+
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 7, 8)
+    with pytest.raises(UnsupportedModelError, match="position_bias over other than the"):
+        hf_causal_attention(torch.nn.Module(), q, k, k, None, position_bias=torch.zeros(1, 4, 5, 7))
+    with pytest.raises(UnsupportedModelError, match="position_bias over other than the"):
+        hf_causal_attention(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 4, 5, 4))
