@@ -39,6 +39,7 @@ from treecompile.kernels.scans.path_scan import path_cumsum
 from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_indices, same_size, table_length, value
 from treecompile.passes._mask_eval import depends_on_inputs
 from treecompile.passes.moe import region_nodes
+from treecompile.passes.row_tables import rewrite_row_tables
 
 __all__ = ["rewrite_positions_pass"]
 
@@ -54,7 +55,8 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Replaces sequence-index positions with tree positions.
 
     Counters (``ctx.counters["rewrite_positions_pass"]``): ``arange``, ``table_slice``,
-    ``table_gather``, ``identity_gather``, ``position_ids_input``, ``path_cumsum``.
+    ``table_gather``, ``identity_gather``, ``position_ids_input``, ``path_cumsum``, ``row_table``
+    (`treecompile.passes.row_tables`).
     """
     external = [u for u in ctx.positions.users if u not in ctx.created]
     if external:
@@ -106,6 +108,7 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 ctx.mark(new, like=node)
                 node.replace_all_uses_with(new)
                 ctx.count("table_slice")
+    rewrite_row_tables(gm, ctx)
     return gm
 
 

@@ -45,11 +45,12 @@ class RunningMeanLM(NanoGPT):
 
 
 class RowIndexPositionLM(NanoGPT):
-    """NanoGPT whose positions are the row index counted with a scan (ones(T).cumsum(0) - 1):
-    on a packed row, a token's row index is not its position on its path."""
+    """NanoGPT whose positions are the row index counted with a float scan over the tokens
+    (``(idx >= 0).cumsum(1) - 1``): on a packed row, a token's row index is not its position on
+    its path. (A count that reads no token is a table the positions pass reads at positions.)"""
 
     def forward(self, idx):
-        pos = (torch.ones(idx.shape[1], device=idx.device).cumsum(0) - 1).long()
+        pos = ((idx >= 0).to(self.emb.weight.dtype).cumsum(1) - 1).long()[0]
         x = self.emb(idx)
         for blk in self.blocks:
             x = blk(x, pos)

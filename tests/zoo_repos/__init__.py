@@ -53,7 +53,7 @@ from zoo_repos.labml import LabmlTransformerLM
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.nanochat import NanoChat
-from zoo_repos.positions import FairseqTransformerLM, RobertaStyleLM
+from zoo_repos.positions import CenteredPositionsLM, DecayFromStartLM, FairseqTransformerLM, RobertaStyleLM
 from zoo_repos.qwen import QWen1LM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
                               LucidrainsRotaryLM, PalmLM)
@@ -222,6 +222,15 @@ CASES: list[zoo.Case] = [
     zoo.Case("fairseq-transformer-lm", "facebookresearch/fairseq TransformerDecoder: make_positions sinusoids, "
              "buffered_future_mask cached on the module (fill_ -inf, triu), F.multi_head_attention_forward",
              _build(FairseqTransformerLM)),
+    zoo.Case("rwkv5-decay-from-start", "BlinkDL RWKV-v5 matrix form: a learned initial state decayed by "
+             "w.repeat(1, T).pow(arange(T - 1, -1, -1)) flipped along time, (r @ s) * wb",
+             _build(DecayFromStartLM)),
+    zoo.Case("rwkv5-decay-to-end", "the same table unflipped: w ** (T - 1 - t), the decay to the end of the sequence",
+             _build(DecayFromStartLM, from_end=True), expect="refused",
+             reason="whose entries change with the sequence length"),
+    zoo.Case("xpos-centred-positions", "torchscale XPOS's centred positions arange(-T // 2, T - T // 2) in a "
+             "sinusoid added to the embeddings", _build(CenteredPositionsLM), expect="refused",
+             reason="whose entries change with the sequence length"),
     zoo.Case("mistral-moe", "mistralai/mistral-src moe_one_file_ref.py: torch.where(selected_experts == i), "
              "results[batch_idx] +=, freqs_cis[positions], mask log(tril(ones))", _build(MistralMoE)),
     zoo.Case("mixtral-index-add", "transformers' pre-fusion Mixtral dispatch: zeros((B * S, H)), one_hot expert "

@@ -204,3 +204,65 @@ class FairseqTransformerLM(nn.Module):
         # T x B x C -> B x T x C
         x = x.transpose(0, 1)
         return self.output_projection(x)
+
+
+# =============================================================================== tables over the rows
+
+
+class DecayFromStartLM(nn.Module):
+    """RWKV-5's matrix form (BlinkDL/RWKV-LM RWKV-v5 ``RUN_CUDA`` reference, ``jit_func`` /
+    ``forward`` of the ``_matrix`` variant): the contribution of a learned initial state ``s``
+    at token ``i`` decays as ``w ** i``, built as ``w.repeat(1, T).pow(arange(T - 1, -1, -1))``
+    reshaped and flipped along the time axis (``wb``), then ``(r @ s) * wb``; nanoGPT SDPA blocks
+    after. ``from_end`` keeps the table unflipped (``w ** (T - 1 - i)``: the decay to the end of
+    the sequence, which per path depends on the path's length)."""
+
+    def __init__(self, from_end=False):
+        super().__init__()
+        self.from_end = from_end
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.receptance = nn.Linear(DIM, DIM, bias=False)
+        self.time_decay = nn.Parameter(torch.linspace(-1.0, 0.5, HEADS))
+        self.state = nn.Parameter(torch.randn(HEADS, DIM // HEADS, DIM // HEADS) * 0.1)
+        self.blocks = nn.ModuleList([NanoBlock(NanoGPTConfig(flash=True)) for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        H, N = HEADS, DIM // HEADS
+        x = self.wte(idx)
+        r = self.receptance(x).view(B, T, H, N).transpose(1, 2)  # B H T N
+        w = torch.exp(-torch.exp(self.time_decay)).unsqueeze(-1)  # H 1
+        ind = torch.arange(T - 1, -1, -1, device=idx.device).unsqueeze(0).repeat(H, 1)
+        w = w.repeat(1, T).pow(ind)  # H T: w ** (T - 1 - t)
+        wk = w.reshape(1, H, 1, T)
+        wb = wk.transpose(-2, -1) if self.from_end else wk.transpose(-2, -1).flip(2)  # 1 H T 1
+        x = x + ((r @ self.state) * wb).transpose(1, 2).reshape(B, T, DIM)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class CenteredPositionsLM(nn.Module):
+    """Sinusoidal positions over ``arange(-(T // 2), T - T // 2)`` (torchscale's XPOS centres
+    its positions on the sequence: ``min_pos = -(length + offset) // 2``), added to the token
+    embeddings: per path the table depends on the path's length."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.register_buffer("div_term", torch.exp(torch.arange(0, DIM, 2).float() * (-math.log(10000.0) / DIM)))
+        self.blocks = nn.ModuleList([NanoBlock(NanoGPTConfig(flash=True)) for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        T = idx.size(1)
+        min_pos = -T // 2
+        position = torch.arange(min_pos, T + min_pos, 1).to(self.div_term)[:, None]
+        pe = torch.cat([torch.sin(position * self.div_term), torch.cos(position * self.div_term)], dim=-1)
+        x = self.wte(idx) + pe
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
