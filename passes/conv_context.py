@@ -37,8 +37,8 @@ Scans along the sequence (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``,
 become scans along each row's root path (`treecompile.passes.scans`).
 
 Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
-calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``window``; ``tap_conv``;
-``path_scan``.
+calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``window``; ``offset_window``
+(`treecompile.passes.offset_slices`); ``tap_conv``; ``path_scan``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from treecompile.kernels import conv as _conv  # noqa: F401  (registers the tree
 from treecompile.passes._graph import (Emitter, PassContext, bind, describe, emit, is_call, is_op,
                                       same_size, source_of, value)
 from treecompile.passes.first_row import rewrite_first_row_kept
+from treecompile.passes.offset_slices import rewrite_offset_windows
 from treecompile.passes.rows.domain import op_key
 from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.rooted import rewrite_rooted_scans
@@ -82,6 +83,8 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     rewrite_first_row_kept(gm, ctx)
     _rewrite_shifts(gm, ctx, tables)
     _rewrite_windows(gm, ctx, tables)
+    rewrite_offset_windows(gm, ctx, lambda kk: _table(gm, ctx, tables, kk),
+                           lambda node: _no_path_structure(node, "pads a window of earlier rows back to the length"))
     _rewrite_tap_convs(gm, ctx, tables)
     rewrite_scans(gm, ctx, _needs_structure)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
@@ -285,10 +288,14 @@ def _matched(gm: fx.GraphModule, ctx: PassContext, spellings: tuple, does: str):
         if found is None:
             continue
         if ctx.pred_index is None:
-            raise NeedsStructure(
-                f"treecompile cannot make this model exact on a tree: {describe(node)} {does}, and this call has no "
-                f"path structure to follow (a streamed or context-parallel call).\n  at {source_of(node)}")
+            _no_path_structure(node, does)
         yield node, found
+
+
+def _no_path_structure(node: fx.Node, does: str) -> None:
+    raise NeedsStructure(
+        f"treecompile cannot make this model exact on a tree: {describe(node)} {does}, and this call has no "
+        f"path structure to follow (a streamed or context-parallel call).\n  at {source_of(node)}")
 
 
 def _table(gm: fx.GraphModule, ctx: PassContext, tables: dict[int, fx.Node], kk: int) -> fx.Node:

@@ -89,13 +89,17 @@ def ctx_seq_len(node: fx.Node) -> Any:
 
 
 def _amount(p: Any, s: Any) -> int | None:
-    """A pad amount as an int: a constant, or ``min(k, S)`` / ``-min(k, S)`` (x-transformers
+    """A pad amount as an int: a constant, sizes whose arithmetic is one, or ``min(k, S)`` /
+    ``-min(k, S)`` (x-transformers
     clamps its shift to the length: a shift by ``min(k, S)`` is a shift by ``k``, every row
     zero when the sequence is shorter)."""
     if isinstance(p, int):
         return p
     if not isinstance(p, fx.Node) or p.op != "call_function":
         return None
+    known = _const_int(value(p))
+    if known is not None:
+        return known  # ``T - x[:, :T - k].shape[1]``: arithmetic on sizes that is a number
     name = getattr(p.target, "__name__", "")
     if name == "neg" and len(p.args) == 1:
         inner = _amount(p.args[0], s)

@@ -263,12 +263,20 @@ def pad(node: fx.Node, a: Args, env: RowEnv) -> Any:
     nd = _nd(x)
     for i in range(0, len(amounts) - 1, 2):
         d = nd - 1 - i // 2
-        if d == r.dim and not (amounts[i] == 0 and amounts[i + 1] == 0):
+        if d == r.dim and not (_is_zero(amounts[i]) and _is_zero(amounts[i + 1])):
             same = same_size(_shape(node)[d], _shape(x)[d])
             raise NotRowLocal("pads or shifts along the sequence" if same else LENGTH)
         if d != r.dim and (_is_row_sym(env, amounts[i]) or _is_row_sym(env, amounts[i + 1])):
             raise NotRowLocal("pads a dim by an amount computed from the sequence length")
     return r
+
+
+def _is_zero(amount: Any) -> bool:
+    """0, or sizes whose arithmetic is 0 (``T - x[:, :T].shape[1]``)."""
+    v = value(amount) if isinstance(amount, fx.Node) else amount
+    if isinstance(v, torch.SymInt):
+        return bool(v.node.expr.is_number) and int(v.node.expr) == 0
+    return isinstance(v, int) and v == 0
 
 
 @_register("mask", "tril triu")

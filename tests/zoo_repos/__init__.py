@@ -199,6 +199,9 @@ CASES: list[zoo.Case] = [
     zoo.Case("recurrentgemma-hawk", "google-deepmind/recurrentgemma torch port: RG-LRU with BlockDiagonalLinear gates, "
              "SqrtBoundDerivative autograd.Function, reset = segment_pos == 0, rnn_scan's loop over the tokens "
              "(its Conv1D loop left out: nn.Conv1d), soft-capped tied logits", _build(HawkLM)),
+    zoo.Case("recurrentgemma-hawk-conv", "the same with the repository's Conv1D: a loop over the temporal shifts, "
+             "windows x[:, :T - s] masked by ANDed slices of segment_pos != 0 at offsets 1..s, padded back in front",
+             _build(HawkLM, repo_conv=True)),
     zoo.Case("mamba-ssm-ref", "state-spaces/mamba mamba_simple.py slow path: selective_scan_fn = selective_scan_ref "
              "(a Python loop over the tokens) with in-kernel dt bias, softplus, D skip and silu(z) gate, "
              "Conv1d(padding=3)[..., :L], in_proj.weight @ (b l) layouts", _build(MambaLM, version=1)),

@@ -4,9 +4,10 @@
 
 ``rnn_scan`` is the repository's loop over the tokens, ``h_t = (a_t * ~reset_t) * h_{t-1} + x_t``
 with ``reset = segment_pos == 0``; the RG-LRU's input normalisation ``sqrt(1 - a^2)`` goes through
-the repository's clipped-derivative ``autograd.Function``. Left out: the repository's ``Conv1D``
-(a loop over the temporal shifts with a document mask, ``_pad_window``), here a depthwise
-``nn.Conv1d`` cut to the length; the local-attention blocks; the inference cache.
+the repository's clipped-derivative ``autograd.Function``. The repository's ``Conv1D`` (a loop
+over the temporal shifts with a document mask, ``_pad_window``) with ``repo_conv``, else a
+depthwise ``nn.Conv1d`` cut to the length. Left out: the local-attention blocks; the inference
+cache.
 """
 
 from __future__ import annotations
@@ -91,12 +92,56 @@ class RGLRU(nn.Module):
         return y
 
 
+class Conv1D(nn.Module):
+    """recurrentgemma's ``Conv1D`` on its training path (no cache): a loop over the temporal
+    shifts, each window ``x[:, :T - shift]`` masked by the document starts ahead of it (slices of
+    ``segment_pos != 0`` ANDed) and padded back to the length (``_pad_window``)."""
+
+    def __init__(self, width, temporal_width=4):
+        super().__init__()
+        self.width, self.temporal_width = width, temporal_width
+        self.w = nn.Parameter(torch.randn(temporal_width, width) * 0.1)
+        self.b = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, x, segment_pos):
+        prompt_len, output_len = 0, x.shape[1]
+        conv_output = 0.0
+        for temporal_shift in range(self.temporal_width):
+            start_idx, end_idx = self._convolution_window_indices(prompt_len=prompt_len, shift_back=temporal_shift,
+                                                                  output_len=output_len)
+            x_window = x[:, start_idx:end_idx]
+            window_mask = self._compute_document_mask(segment_pos=segment_pos, start_idx=start_idx, end_idx=end_idx,
+                                                      max_look_ahead=temporal_shift)
+            x_window = x_window * window_mask[:, :, None]
+            x_window = self._pad_window(x_window, output_len)
+            w = self.w[self.temporal_width - temporal_shift - 1][None, None, :]
+            conv_output = conv_output + x_window * w
+        return conv_output + self.b[None, None]
+
+    def _convolution_window_indices(self, *, prompt_len, shift_back, output_len):
+        start_idx = max(prompt_len - shift_back, 0)
+        end_idx = prompt_len + output_len - shift_back
+        return start_idx, end_idx
+
+    def _compute_document_mask(self, *, segment_pos, start_idx, end_idx, max_look_ahead):
+        not_a_document_start = (segment_pos != 0).type(torch.bool)
+        mask = torch.ones_like(not_a_document_start[:, start_idx:end_idx])
+        for shift in range(1, max_look_ahead + 1):
+            mask = mask & not_a_document_start[:, start_idx + shift:end_idx + shift]
+        return mask
+
+    def _pad_window(self, window, output_len):
+        padding_len = output_len - window.shape[1]  # 0 for the first shift: a pad by nothing
+        return F.pad(window, (0, 0, padding_len, 0))
+
+
 class ResidualBlock(nn.Module):
-    def __init__(self, width=DIM):
+    def __init__(self, width=DIM, repo_conv=False):
         super().__init__()
         self.temporal_pre_norm, self.channel_pre_norm = nn.RMSNorm(width), nn.RMSNorm(width)
         self.linear_y, self.linear_x = nn.Linear(width, width), nn.Linear(width, width)
-        self.conv_1d = nn.Conv1d(width, width, 4, padding=3, groups=width)
+        self.repo_conv = repo_conv
+        self.conv_1d = Conv1D(width) if repo_conv else nn.Conv1d(width, width, 4, padding=3, groups=width)
         self.rg_lru = RGLRU(width, num_heads=4, acc_dtype=torch.float64)
         self.linear_out = nn.Linear(width, width)
         self.ffw_up = nn.Linear(width, 4 * width)
@@ -106,7 +151,10 @@ class ResidualBlock(nn.Module):
         x = self.temporal_pre_norm(raw_x)
         y = F.gelu(self.linear_y(x), approximate="tanh")
         h = self.linear_x(x)
-        h = self.conv_1d(h.transpose(1, 2))[..., :h.shape[1]].transpose(1, 2)
+        if self.repo_conv:
+            h = self.conv_1d(h, segment_pos)
+        else:
+            h = self.conv_1d(h.transpose(1, 2))[..., :h.shape[1]].transpose(1, 2)
         x = self.linear_out(self.rg_lru(h, segment_pos) * y)
         residual = x + raw_x
         up0, up1 = self.ffw_up(self.channel_pre_norm(residual)).chunk(2, dim=-1)
@@ -114,10 +162,10 @@ class ResidualBlock(nn.Module):
 
 
 class HawkLM(nn.Module):
-    def __init__(self, logits_soft_cap=30.0):
+    def __init__(self, logits_soft_cap=30.0, repo_conv=False):
         super().__init__()
         self.embedder = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(ResidualBlock() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(ResidualBlock(repo_conv=repo_conv) for _ in range(LAYERS))
         self.final_norm = nn.RMSNorm(DIM)
         self.logits_soft_cap = logits_soft_cap
 
