@@ -96,6 +96,16 @@ def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
     return _reaches(ctx, node, parameters=False)
 
 
+def token_readers(ctx: PassContext, graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of ``graph`` whose values depend on the token ids (`reads_tokens` of each, in
+    one pass over the graph in its order)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n is ctx.input_ids or any(a in out for a in value_inputs(n)):
+            out.add(n)
+    return out
+
+
 def shape_sources(n: fx.Node) -> list[fx.Node]:
     """The tensor inputs of ``n`` that lend it only their dtype, device or shape (see
     `depends_on_inputs`)."""

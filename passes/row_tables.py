@@ -28,7 +28,7 @@ from torch import fx
 
 from treecompile.passes._graph import ARANGE, PassContext, describe, is_call, mutated_args, same_size, value
 from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
-                                          moved_parameters, reads_tokens, value_ancestors)
+                                          moved_parameters, token_readers, value_ancestors)
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 
@@ -45,8 +45,9 @@ def rewrite_row_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Reads each table over the rows that does not change with the length at path positions."""
     if not (isinstance(ctx.seq_len, torch.SymInt) and ctx.seq_len.node.hint is not None):
         return
+    tokens = token_readers(ctx, gm.graph)
     for node in list(gm.graph.nodes):
-        dim = _candidate(node, ctx)
+        dim = _candidate(node, ctx, tokens)
         if dim is None:
             continue
         if not _same_entries_at_two_lengths(ctx, node, dim):
@@ -58,7 +59,7 @@ def rewrite_row_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
                     ctx.notes[n] = said
             continue
         g = gm.graph
-        readers = [u for u in node.users if u not in ctx.created and reads_tokens(ctx, u)]
+        readers = [u for u in node.users if u not in ctx.created and u in tokens]
         order = {n: i for i, n in enumerate(g.nodes)}
         with g.inserting_before(min(readers, key=order.get)):
             built = copy_values(ctx, g, node)
@@ -69,18 +70,18 @@ def rewrite_row_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
         ctx.count("row_table")
 
 
-def _candidate(node: fx.Node, ctx: PassContext) -> int | None:
+def _candidate(node: fx.Node, ctx: PassContext, tokens: set[fx.Node]) -> int | None:
     """The rows' dim of ``node`` if it is a table over the rows built from the row index and
-    read by token ops element-wise only, else None."""
+    read by token ops element-wise only (``tokens``: the nodes that read the tokens), else None."""
     if node.op not in ("call_function", "call_method") or node in ctx.created or mutated_args(node):
         return None
     v = value(node)
     if not isinstance(v, torch.Tensor):
         return None
     dims = [d for d in range(v.dim()) if same_size(v.shape[d], ctx.seq_len)]
-    if len(dims) != 1 or reads_tokens(ctx, node):
+    if len(dims) != 1 or node in tokens:
         return None
-    readers = [u for u in node.users if u not in ctx.created and reads_tokens(ctx, u)]
+    readers = [u for u in node.users if u not in ctx.created and u in tokens]
     if not readers or any(split_inplace(op_key(u))[0] not in _ELEMENTWISE or node in mutated_args(u)
                           for u in readers):
         return None

@@ -296,7 +296,7 @@ STREAMED_CASES = {
     # Six layers, 8 rows a part: the end of a part's backward holds every new parameter
     # gradient and each prefix key and value gradient twice (the attention's, and the prefix
     # leaves' copies); counting them once predicts 0.02% under the measured peak.
-    "qwen3-deep": ((48, 32, 16), [("recompute", 8)]),
+    "qwen3-deep": ((24, 16, 8), [("recompute", 8)]),
 }
 
 
