@@ -38,7 +38,8 @@ become scans along each row's root path (`treecompile.passes.scans`).
 
 Counters (``ctx.counters["rewrite_conv_context_pass"]``): ``causal_conv1d`` (rewritten conv
 calls), of which ``depthwise_conv1d`` were plain convs; ``shift``; ``window``; ``offset_window``
-(`treecompile.passes.offset_slices`); ``tap_conv``; ``path_scan``.
+(`treecompile.passes.offset_slices`); ``path_jump`` (`treecompile.passes.path_jumps`); ``tap_conv``;
+``path_scan``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from treecompile.passes._graph import (Emitter, PassContext, bind, describe, emi
                                       same_size, source_of, value)
 from treecompile.passes.first_row import rewrite_first_row_kept
 from treecompile.passes.offset_slices import rewrite_offset_windows
+from treecompile.passes.path_jumps import rewrite_path_jumps
 from treecompile.passes.rows.domain import op_key
 from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.rooted import rewrite_rooted_scans
@@ -85,6 +87,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _rewrite_windows(gm, ctx, tables)
     rewrite_offset_windows(gm, ctx, lambda kk: _table(gm, ctx, tables, kk),
                            lambda node: _no_path_structure(node, "pads a window of earlier rows back to the length"))
+    rewrite_path_jumps(gm, ctx, lambda node: _no_path_structure(node, "is a step of an associative scan"))
     _rewrite_tap_convs(gm, ctx, tables)
     rewrite_scans(gm, ctx, _needs_structure)
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]

@@ -96,6 +96,8 @@ _REFUSED = {
     "treecompile::tree_inputs": "is the tree input marker, which must have been removed",
     "treecompile::causal_conv1d": "is a sequence kernel (causal conv or recurrent scan) over the packed row that was "
                                   "not rewritten",
+    "treecompile::row_earlier": "is a step of an associative scan along the packed row that was not rewritten",
+    "treecompile::row_has_earlier": "is a step of an associative scan along the packed row that was not rewritten",
     "multi_head_attention_forward": "is nn.MultiheadAttention over the packed rows, not rewritten to the tree "
                                     "attention",
     "cross_entropy": "computes a loss over the rows inside the model (a reduction along the sequence)",

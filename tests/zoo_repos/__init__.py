@@ -34,6 +34,7 @@ from zoo_repos.attention import (
 )
 from zoo_repos.common import HEADS, VOCAB
 from zoo_repos.convs import H3LM, HyenaFFTLM, HyenaShortConvLM, RWKVShiftLM, S4DLM
+from zoo_repos.gateloop import GateLoopLM
 from zoo_repos.gla import GLALM
 from zoo_repos.hawk import HawkLM
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
@@ -199,6 +200,11 @@ CASES: list[zoo.Case] = [
     zoo.Case("recurrentgemma-hawk", "google-deepmind/recurrentgemma torch port: RG-LRU with BlockDiagonalLinear gates, "
              "SqrtBoundDerivative autograd.Function, reset = segment_pos == 0, rnn_scan's loop over the tokens "
              "(its Conv1D loop left out: nn.Conv1d), soft-capped tied logits", _build(HawkLM)),
+    zoo.Case("gateloop", "lucidrains/gateloop-transformer: a complex data-controlled transition (torch.polar), "
+             "kv = einsum(k, v) + 0.j scanned by the repository's associative_scan (JAX's ported: a recursion over "
+             "elem[:, :-1:2] / elem[:, 1::2], cat and _interleave)", _build(GateLoopLM)),
+    zoo.Case("gateloop-reversed", "the same scan run from the end (the elements flipped, scanned, flipped back)",
+             _build(GateLoopLM, reverse=True), expect="refused", reason="flip"),
     zoo.Case("recurrentgemma-hawk-conv", "the same with the repository's Conv1D: a loop over the temporal shifts, "
              "windows x[:, :T - s] masked by ANDed slices of segment_pos != 0 at offsets 1..s, padded back in front",
              _build(HawkLM, repo_conv=True)),

@@ -364,12 +364,17 @@ def sequence_kernels(model: nn.Module) -> list[tuple[Any, str, Any]]:
         if module is not None:
             for name, (params, replacement) in SEQUENCE_KERNELS.items():
                 if (module.__name__, name) not in found and _takes(getattr(module, name, None), params):
-                    found[(module.__name__, name)] = (module, name, replacement)
+                    found[(module.__name__, name)] = (module, name, _for(replacement, getattr(module, name)))
         for attr, fn in vars(m).items():
             params, replacement = SEQUENCE_KERNELS.get(getattr(fn, "__name__", None), (None, None))
             if inspect.isfunction(fn) and params is not None and _takes(fn, params):
-                found[(id(m), attr)] = (m, attr, replacement)
-    return list(found.values())
+                found[(id(m), attr)] = (m, attr, _for(replacement, fn))
+    return [k for k in found.values() if k[2] is not None]
+
+
+def _for(replacement: Any, original: Any) -> Any:
+    """The drop-in for ``original`` (built for it where the table's entry is ``per_original``)."""
+    return replacement(original) if getattr(replacement, "per_original", False) else replacement
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from treecompile.capture.drop_ins import (
 from treecompile.capture.library_drop_ins import (
     CHUNK_SCAN_PARAMS,
     SELECTIVE_SCAN_PARAMS,
+    associative_scan_for,
     fla_chunk_gla,
     fla_fused_recurrent_gla,
     fla_naive_recurrent_gla,
@@ -35,7 +36,8 @@ __all__ = ["SEQUENCE_KERNELS"]
 #: ``use_kernel_func_from_hub_with_fallback``, flash-linear-attention's and mamba-ssm's), by name: the
 #: leading parameters a function of that name must take to be swapped, and its drop-in,
 #: which calls a treecompile custom op with the same linear-sequence semantics (one node
-#: per layer for the passes to find).
+#: per layer for the passes to find). A drop-in marked ``per_original`` is built for the function
+#: it replaces, or None where that function is not what its name says.
 SEQUENCE_KERNELS = {
     "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
     "torch_recurrent_gated_delta_rule": (("query", "key", "value", "g", "beta"), hf_chunk_gated_delta_rule),
@@ -57,4 +59,6 @@ SEQUENCE_KERNELS = {
     "selective_scan_fn": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
     "selective_scan_ref": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
     "mamba_chunk_scan_combined": (CHUNK_SCAN_PARAMS, mamba_chunk_scan_combined),
+    # JAX's lax.associative_scan ported by hand (S5, GateLoop)
+    "associative_scan": (("operator", "elems"), associative_scan_for),
 }

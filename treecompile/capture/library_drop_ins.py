@@ -31,6 +31,7 @@ What each computes, from mamba-ssm (``ops/selective_scan_interface.py``,
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -39,12 +40,14 @@ import torch.nn.functional as F
 
 from treecompile.capture.drop_ins import mamba2_ssd
 from treecompile.kernels.dtypes import compute_dtype
+from treecompile.kernels.scans import associative as _assoc  # registers treecompile::row_earlier
 from treecompile.kernels.scans import gla as _gla  # noqa: F401  (registers treecompile::gla_scan)
 from treecompile.kernels.scans import mamba as _mamba  # noqa: F401  (registers treecompile::selective_scan)
 from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (registers treecompile::ssd_scan)
 
 __all__ = ["SELECTIVE_SCAN_PARAMS", "CHUNK_SCAN_PARAMS", "selective_scan_fn", "mamba_chunk_scan_combined",
-           "fla_chunk_gla", "fla_fused_recurrent_gla", "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan"]
+           "fla_chunk_gla", "fla_fused_recurrent_gla", "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan",
+           "associative_scan", "associative_scan_for"]
 
 Tensor = torch.Tensor
 
@@ -189,3 +192,72 @@ def recurrentgemma_rnn_scan(x: Tensor, a: Tensor, reset: Tensor, h0: Tensor | No
     init = None if h0 is None else h0.to(ct)[..., None, None]
     y, final = torch.ops.treecompile.ssd_scan(ones[..., None], ones[..., None], x.to(ct)[..., None], g, ones, init)
     return y[..., 0].to(x.dtype), final[..., 0, 0].to(acc_dtype)
+
+
+def associative_scan_for(original) -> Any:
+    """The drop-in for a hand-ported ``associative_scan(operator, elems, ...)`` (JAX's
+    ``lax.associative_scan``: S5's, GateLoop's recursive odd/even scans), or None where
+    ``original`` is not such a scan. Ports differ in their axis (a parameter, or fixed at 1), so
+    ``original`` is run first, eagerly, on small tensors with a linear-recurrence operator (not
+    commutative) at two lengths, odd and even: it is swapped only where it is the inclusive scan
+    along one axis (the one its ``axis`` parameter names, else the one it matches), and the
+    drop-in scans that axis."""
+    takes_axis = "axis" in inspect.signature(original).parameters
+    g = torch.Generator().manual_seed(0)
+
+    def op(a, b):
+        return a[0] * b[0], b[0] * a[1] + b[1]
+
+    def matches(axis: int, n: int) -> bool:
+        shape = [3, 2, 2]
+        shape[axis] = n
+        elems = (torch.rand(shape, generator=g, dtype=torch.float64) + 0.5,
+                 torch.randn(shape, generator=g, dtype=torch.float64))
+        try:
+            with torch.no_grad():
+                got = original(op, elems, axis=axis) if takes_axis else original(op, elems)
+            want = _assoc.associative_scan_reference(lambda a, b: list(op(a, b)), list(elems), axis)
+            return all(torch.allclose(x, y, rtol=1e-12, atol=1e-12) for x, y in zip(got, want))
+        except Exception:
+            return False
+
+    axes = [a for a in range(3) if matches(a, 5) and matches(a, 8)]
+    if takes_axis and (0 not in axes or 1 not in axes) or not takes_axis and len(axes) != 1:
+        return None
+    fixed = None if takes_axis else axes[0]
+
+    def drop_in(operator, elems, axis: int = 0, reverse: bool = False):
+        return associative_scan(operator, elems, axis if fixed is None else fixed, reverse)
+
+    return drop_in
+
+
+def associative_scan(operator, elems, axis: int, reverse: bool = False):
+    """The inclusive scan of ``operator(earlier, later)`` over ``elems`` (a tensor, or a tuple or
+    list of them) along ``axis``, by pointer jumping in `treecompile.kernels.scans.associative.JUMPS`
+    steps of ``treecompile::row_earlier`` / ``row_has_earlier``, which the path jumps pass runs
+    over each row's ancestors (`associative_scan_for` picks ``axis``). ``reverse=True`` (a scan
+    from the end) has no tree meaning and is refused."""
+    from treecompile.core.errors import UnsupportedModelError
+
+    if reverse:
+        raise UnsupportedModelError("associative_scan(reverse=True) folds each token with the tokens after it")
+    single = isinstance(elems, Tensor)
+    xs = [elems] if single else list(elems)
+    dim = axis % xs[0].dim() if xs and isinstance(xs[0], Tensor) else axis
+    if not xs or not all(isinstance(x, Tensor) and 0 <= dim < x.dim() for x in xs):
+        raise UnsupportedModelError("treecompile's drop-in for associative_scan takes a tensor or a tuple or list "
+                                    f"of tensors with a dim {axis}")
+    torch._check(xs[0].shape[dim] < 2 ** _assoc.JUMPS)
+    shapes = [[-1 if d == dim else 1 for d in range(x.dim())] for x in xs]
+    for hop in range(_assoc.JUMPS):
+        earlier = [torch.ops.treecompile.row_earlier(x, dim, hop) for x in xs]
+        has = torch.ops.treecompile.row_has_earlier(xs[0], dim, hop)
+        combined = operator(earlier[0] if single else type(elems)(earlier), xs[0] if single else type(elems)(xs))
+        combined = [combined] if single else list(combined)
+        xs = [torch.where(has.view(shape), c, x) for c, x, shape in zip(combined, xs, shapes)]
+    return xs[0] if single else type(elems)(xs)
+
+
+#: Built for each function it replaces (`treecompile.capture.dynamo.sequence_kernels`).
+associative_scan_for.per_original = True

@@ -1,0 +1,86 @@
+"""Hand-ported associative scans (JAX's ``lax.associative_scan``) swapped for the path scan by
+pointer jumping (`treecompile.capture.library_drop_ins.associative_scan_for`,
+`treecompile.kernels.scans.associative`, `treecompile.passes.path_jumps`).
+
+The zoo checks GateLoop (``gateloop``) against per-path training; here the drop-in on a plain row,
+which functions it takes for a scan, and a scan it refuses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from torch import nn
+from zoo_repos import gateloop
+
+import treecompile as tc
+from treecompile.capture.library_drop_ins import associative_scan_for
+from treecompile.core.errors import UnsupportedModelError
+from treecompile.kernels.scans.associative import associative_scan_reference
+
+
+def _matrix_op(a, b):
+    """Composition of affine maps ``x -> A x + c``: associative, not commutative."""
+    (a_mat, a_off), (b_mat, b_off) = a, b
+    return b_mat @ a_mat, (b_mat @ a_off[..., None])[..., 0] + b_off
+
+
+def _with_axis(operator, elems, axis=0, reverse=False):
+    """A port with an ``axis`` parameter: the loop, along ``axis``."""
+    return associative_scan_reference(lambda a, b: list(operator(a, b)), list(elems), axis)
+
+
+def _not_a_scan(operator, elems):
+    return elems
+
+
+def _exclusive(operator, elems):
+    """Each row folded with the rows before it, not itself."""
+    out = associative_scan_reference(lambda a, b: list(operator(a, b)), list(elems), 1)
+    return [torch.cat([e[:, :1], o[:, :-1]], 1) for e, o in zip(elems, out)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16])
+def test_the_drop_in_on_a_plain_row_is_the_scan(n):
+    g = torch.Generator().manual_seed(n)
+    mats = torch.randn(3, n, 2, 2, generator=g, dtype=torch.float64)
+    offs = torch.randn(3, n, 2, generator=g, dtype=torch.float64)
+    drop_in = associative_scan_for(gateloop.associative_scan)
+    got = drop_in(_matrix_op, (mats, offs))
+    want = associative_scan_reference(lambda a, b: list(_matrix_op(a, b)), [mats, offs], 1)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_a_function_is_swapped_only_where_it_is_an_inclusive_scan():
+    assert associative_scan_for(gateloop.associative_scan) is not None  # axis 1, fixed
+    assert associative_scan_for(_with_axis) is not None  # the axis it is called with
+    assert associative_scan_for(_not_a_scan) is None
+    assert associative_scan_for(_exclusive) is None
+
+
+class _ReversedScan(nn.Module):
+    """``associative_scan(op, elems, axis=1, reverse=True)``: a scan from the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(zoo.VOCAB, 8)
+        self.head = nn.Linear(8, zoo.VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        _, y = associative_scan(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), axis=1,
+                                reverse=True)
+        return self.head(y)
+
+
+def associative_scan(operator, elems, axis=0, reverse=False):
+    out = _with_axis(operator, [e.flip(axis) for e in elems] if reverse else elems, axis)
+    return [o.flip(axis) for o in out] if reverse else out
+
+
+def test_a_scan_from_the_end_is_refused_by_name():
+    model = zoo.perturb(_ReversedScan().double().eval())
+    with pytest.raises(UnsupportedModelError, match=r"reverse=True"):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
