@@ -207,3 +207,20 @@ def test_a_capture_failing_on_a_value_names_its_line_not_a_buffer():
         tree_compile(tiny(BranchOnValueLM, width=width))(batch)
     first = str(info.value).splitlines()[0]
     assert "if x.sum() > 0:" in first and "slices buffer" not in first, first
+
+
+def test_a_module_backward_hook_is_refused_by_name_at_wrap_time():
+    """fairseq's LinearizedConvolution clears an inference cache in a hook registered by
+    register_backward_hook: refused naming the module and the hook, the model left as it was."""
+    model = _EmbedHeadLM()
+
+    def _clear_linearized_weight(module, grad_input, grad_output):
+        return None
+
+    model.head.register_backward_hook(_clear_linearized_weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=r"module 'head' \(Linear\) has a backward hook registered by "
+                                                    r"register_backward_hook \(.*_clear_linearized_weight\)"):
+        tree_compile(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert len(model.head._backward_hooks) == 1

@@ -8,7 +8,7 @@ from torch import nn
 
 from treecompile.capture.dynamo import is_hf_model
 
-__all__ = ["EXPECTED", "check_model", "check_sharded", "fsdp1_unit"]
+__all__ = ["EXPECTED", "check_model", "check_sharded", "fsdp1_unit", "refuse_backward_hooks"]
 
 EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCausalLM, or an nn.Module "
             "mapping token ids [1, S] to logits [1, S, vocab]")
@@ -44,6 +44,25 @@ def check_model(model: Any) -> None:
             "(torch.distributed.fsdp.fully_shard, treecompile.distributed.data_parallel.wrap_fsdp), whose units tree_compile "
             "runs unsharded for each call, or train with DDP (treecompile.distributed.data_parallel.wrap_ddp)"
         )
+
+
+def refuse_backward_hooks(model: nn.Module) -> None:
+    """Raises `UnsupportedModelError` naming a module with a backward hook registered by
+    ``register_backward_hook`` (fairseq's ``LinearizedConvolution`` clears a cache in one): torch
+    calls such a hook from the autograd node of the module's output, which one captured graph has
+    not, and on a tree it would see the packed row's gradients, not each path's."""
+    from treecompile.core.errors import UnsupportedModelError
+
+    for name, m in model.named_modules():
+        hooks = [h for h in getattr(m, "_backward_hooks", {}).values()]
+        if hooks and getattr(m, "_is_full_backward_hook", None) is False:
+            what = getattr(hooks[0], "__qualname__", None) or getattr(hooks[0], "__name__", None) or repr(hooks[0])
+            raise UnsupportedModelError(
+                f"treecompile cannot make this model exact on a tree: module {name or 'the model'!r} "
+                f"({type(m).__name__}) has a backward hook registered by register_backward_hook ({what}): torch "
+                "calls it from the autograd node of the module's output, which one captured graph does not have, "
+                "and on a tree it would see the packed row's gradients, not each path's. Remove the hook for "
+                "training (m._backward_hooks.clear()) if it only serves inference.")
 
 
 def fsdp1_unit(model: nn.Module) -> str | None:
