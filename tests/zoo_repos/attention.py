@@ -311,9 +311,11 @@ class LinspacePosLM(nn.Module):
         self.ln_f = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
+    def positions(self, T, device):
+        return torch.linspace(0, T - 1, T, device=device, dtype=self.div_term.dtype)
+
     def forward(self, idx):
-        T = idx.size(1)
-        position = torch.linspace(0, T - 1, T, device=idx.device, dtype=self.div_term.dtype)[:, None]
+        position = self.positions(idx.size(1), idx.device)[:, None]
         pe = torch.cat([torch.sin(position * self.div_term), torch.cos(position * self.div_term)], dim=-1)
         x = self.wte(idx) + pe
         for b in self.blocks:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torch.onnx.operators  # noqa: F401  (fairseq's shape_as_tensor)
 from torch import nn
 
+from zoo_repos.attention import LinspacePosLM
 from zoo_repos.common import CTX, DIM, HEADS, LAYERS, VOCAB
 from zoo_repos.gpt import NanoBlock, NanoGPTConfig
 
@@ -244,25 +245,11 @@ class DecayFromStartLM(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class CenteredPositionsLM(nn.Module):
+class CenteredPositionsLM(LinspacePosLM):
     """Sinusoidal positions over ``arange(-(T // 2), T - T // 2)`` (torchscale's XPOS centres
     its positions on the sequence: ``min_pos = -(length + offset) // 2``), added to the token
     embeddings: per path the table depends on the path's length."""
 
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.register_buffer("div_term", torch.exp(torch.arange(0, DIM, 2).float() * (-math.log(10000.0) / DIM)))
-        self.blocks = nn.ModuleList([NanoBlock(NanoGPTConfig(flash=True)) for _ in range(LAYERS)])
-        self.ln_f = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx):
-        T = idx.size(1)
+    def positions(self, T, device):
         min_pos = -T // 2
-        position = torch.arange(min_pos, T + min_pos, 1).to(self.div_term)[:, None]
-        pe = torch.cat([torch.sin(position * self.div_term), torch.cos(position * self.div_term)], dim=-1)
-        x = self.wte(idx) + pe
-        for b in self.blocks:
-            x = b(x)
-        return self.lm_head(self.ln_f(x))
+        return torch.arange(min_pos, T + min_pos, 1, device=device).to(self.div_term)

@@ -16,7 +16,8 @@ EXPECTED = ("tree_compile expects a causal language model: a Hugging Face *ForCa
 
 def check_model(model: Any) -> None:
     """Raises ``TypeError`` for what is not a causal LM ``tree_compile`` can wrap (FSDP1
-    included; FSDP2 units are run unsharded for each call, `treecompile.distributed.unsharded`)."""
+    included; FSDP2 units are run unsharded for each call, `treecompile.distributed.unsharded`),
+    `UnsupportedModelError` for a module backward hook (`refuse_backward_hooks`)."""
     expected = EXPECTED
     if not isinstance(model, nn.Module):
         raise TypeError(f"{expected}; got {type(model).__name__} {model!r:.60}")
@@ -44,6 +45,7 @@ def check_model(model: Any) -> None:
             "(torch.distributed.fsdp.fully_shard, treecompile.distributed.data_parallel.wrap_fsdp), whose units tree_compile "
             "runs unsharded for each call, or train with DDP (treecompile.distributed.data_parallel.wrap_ddp)"
         )
+    refuse_backward_hooks(model)
 
 
 def refuse_backward_hooks(model: nn.Module) -> None:

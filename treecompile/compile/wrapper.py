@@ -54,7 +54,7 @@ from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, make_b
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
-from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded, refuse_backward_hooks
+from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.compile.options import BACKENDS, MASKS, OUTPUTS, Verify, checked_options
 from treecompile.distributed.unsharded import fsdp_call_of
 from treecompile.compile.probe import ProbeRefused, ProbeReport, probe_hook, probe_new_graphs
@@ -157,7 +157,6 @@ def tree_compile(
     if isinstance(model, TreeCompiledModel):
         raise TypeError(f"{EXPECTED}; got a model that is already tree-compiled (pass its .model)")
     check_model(model)
-    refuse_backward_hooks(model)
     verify = checked_options(mask=mask, backend=backend, outputs=outputs, temperature=temperature,
                              scan_kernel=scan_kernel, dropout=dropout, verify=verify)
     passes = passes_for(lm_head, disable_passes=disable_passes)
