@@ -17,62 +17,58 @@ import treecompile as tc
 from treecompile.core.errors import UnsupportedModelError
 
 
-class _CountedRope(NanoGPT):
-    """RoPE at ``ones(T).cumsum(0) - 1`` (a count along the rows for ``arange(T)``)."""
+class _Embedded(NanoGPT):
+    """NanoGPT (one layer) whose embeddings and positions are ``embed(idx)``: ``(x, pos)``."""
+
+    def __init__(self):
+        super().__init__(layers=1)
 
     def forward(self, idx):
-        pos = torch.ones(idx.shape[1], dtype=self.emb.weight.dtype, device=idx.device).cumsum(0) - 1
-        x = self.emb(idx)
+        x, pos = self.embed(idx)
         for blk in self.blocks:
             x = blk(x, pos)
         return self.head(self.norm(x))
 
 
-class _LearnedTable(NanoGPT):
+class _CountedRope(_Embedded):
+    """RoPE at ``ones(T).cumsum(0) - 1`` (a count along the rows for ``arange(T)``)."""
+
+    def embed(self, idx):
+        return self.emb(idx), torch.ones(idx.shape[1], dtype=self.emb.weight.dtype, device=idx.device).cumsum(0) - 1
+
+
+class _LearnedTable(_Embedded):
     """Learned absolute positions looked up at ``arange(T - 1, -1, -1).flip(0)``."""
 
     def __init__(self):
-        super().__init__(layers=1)
+        super().__init__()
         self.wpe = nn.Embedding(64, self.emb.embedding_dim)
 
-    def forward(self, idx):
+    def embed(self, idx):
         rows = torch.arange(idx.shape[1] - 1, -1, -1, device=idx.device).flip(0)
-        x = self.emb(idx) + self.wpe(rows)
-        for blk in self.blocks:
-            x = blk(x, rows)
-        return self.head(self.norm(x))
+        return self.emb(idx) + self.wpe(rows), rows
 
 
-class _LearnedEndDecay(NanoGPT):
+class _LearnedEndDecay(_Embedded):
     """A gate ``exp(-rate * (T - 1 - t))`` toward the end of the sequence: per path its entries
     depend on the path's length, unless ``rate`` is 0 (as it is at initialisation)."""
 
     def __init__(self):
-        super().__init__(layers=1)
+        super().__init__()
         self.rate = nn.Parameter(torch.zeros(()))
 
-    def forward(self, idx):
+    def embed(self, idx):
         to_end = torch.arange(idx.shape[1] - 1, -1, -1, device=idx.device).to(self.emb.weight.dtype)
-        x = self.emb(idx) * torch.exp(-self.rate * to_end)[:, None]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        for blk in self.blocks:
-            x = blk(x, pos)
-        return self.head(self.norm(x))
+        return self.emb(idx) * torch.exp(-self.rate * to_end)[:, None], torch.arange(idx.shape[1], device=idx.device)
 
 
-class _TableAsIndex(NanoGPT):
+class _TableAsIndex(_Embedded):
     """The rows read in reverse (``x[:, arange(T - 1, -1, -1)]``): an index over the rows, not a table."""
 
-    def __init__(self):
-        super().__init__(layers=1)
-
-    def forward(self, idx):
+    def embed(self, idx):
         x = self.emb(idx)
         x = x + 0.5 * x[:, torch.arange(idx.shape[1] - 1, -1, -1, device=idx.device)]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        for blk in self.blocks:
-            x = blk(x, pos)
-        return self.head(self.norm(x))
+        return x, torch.arange(idx.shape[1], device=idx.device)
 
 
 def _build(cls):
