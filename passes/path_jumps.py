@@ -7,6 +7,7 @@ the ``2**hop``-th ancestor. Each op becomes a gather of that ancestor (``pred_in
 ``2**h``-th ancestor, -1 past the root) and a test that it exists. The scan's step at row ``r``
 then combines the fold of the ``2**hop`` rows before ``r`` on its path with the fold of the
 ``2**hop`` rows ending at ``r``: after the steps, the fold of the path up to ``r``, as per path.
+A scan over a dim that is not the tokens' (a fixed size) is the step along that dim, spelled out.
 Counter ``path_jump`` of ``rewrite_conv_context_pass``.
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.scans import associative as _assoc  # noqa: F401  (registers the ops)
-from treecompile.passes._graph import PassContext, is_op, value
+from treecompile.passes._graph import PassContext, is_op, same_size, value
 
 __all__ = ["rewrite_path_jumps"]
 
@@ -28,6 +29,9 @@ def rewrite_path_jumps(gm: fx.GraphModule, ctx: PassContext, no_structure: Calla
     """Replaces each scan step along the row by the same step along the row's path."""
     ops = torch.ops.treecompile
     nodes = [n for n in gm.graph.nodes if is_op(n, ops.row_earlier) or is_op(n, ops.row_has_earlier)]
+    for n in [n for n in nodes if not same_size(value(n.args[0]).shape[n.args[1]], ctx.seq_len)]:
+        _along_a_fixed_axis(gm.graph, ctx, n)
+        nodes.remove(n)
     if not nodes:
         return
     if ctx.pred_index is None:
@@ -70,3 +74,23 @@ def rewrite_path_jumps(gm: fx.GraphModule, ctx: PassContext, no_structure: Calla
         n.replace_all_uses_with(new)
         g.erase_node(n)
         ctx.count("path_jump")
+
+
+def _along_a_fixed_axis(g: fx.Graph, ctx: PassContext, n: fx.Node) -> None:
+    """A scan step over a dim that is not the tokens' (a fixed size): the step along that dim, as
+    the op's own definition, spelled out (``arange`` over the fixed size)."""
+    x, dim, hop = n.args
+    size = value(x).shape[dim]
+    with g.inserting_before(n):
+        src = ctx.mark(g.call_function(operator.sub, (ctx.mark(g.call_function(
+            torch.arange, (size,), {"device": value(x).device}), like=n), 1 << hop)), like=n)
+        if is_op(n, torch.ops.treecompile.row_earlier):
+            own = ctx.mark(g.call_function(torch.arange, (size,), {"device": value(x).device}), like=n)
+            rows = ctx.mark(g.call_function(torch.where, (ctx.mark(g.call_method("lt", (src, 0)), like=n), own, src)),
+                            like=n)
+            new = ctx.mark(g.call_function(torch.index_select, (x, dim, rows)), like=n)
+        else:
+            new = ctx.mark(g.call_method("ge", (src, 0)), like=n)
+    new.meta["example_value"] = value(n)
+    n.replace_all_uses_with(new)
+    g.erase_node(n)

@@ -84,3 +84,21 @@ def test_a_scan_from_the_end_is_refused_by_name():
     model = zoo.perturb(_ReversedScan().double().eval())
     with pytest.raises(UnsupportedModelError, match=r"reverse=True"):
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+
+
+class _ScanOverChannels(nn.Module):
+    """An associative scan over the channels of each token (a fixed axis, not the tokens')."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(zoo.VOCAB, 8)
+        self.head = nn.Linear(8, zoo.VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        _, y = associative_scan(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), axis=2)
+        return self.head(y)
+
+
+def test_a_scan_over_a_fixed_axis_is_that_axis_scan():
+    zoo.run(zoo.Case("channel-scan", _ScanOverChannels.__doc__, lambda: zoo.perturb(_ScanOverChannels().double())))
