@@ -230,8 +230,7 @@ class TreeCompiledModel(DelegatingModule):
         # Read once, here: the router auxiliary loss the model adds to its loss (from
         # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
         self._router_aux = router_aux_of(model) if self._is_hf else None
-        # Sequence kernels swapped for treecompile ops during each call (hybrid models).
-        scans = sequence_kernels(model)
+        scans = sequence_kernels(model)  # swapped for treecompile ops during each call (hybrid models)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
         self._kernels = scans + class_swaps(model)  # (classes a capture cannot follow, likewise)
@@ -585,10 +584,11 @@ class TreeCompiledModel(DelegatingModule):
         return compile_named(tree_forward, "tree_forward", backend)
 
     def _inputs(self, batch: TreeBatch) -> tuple:
-        """The compiled function's arguments for one batch (`tree_call_inputs`); the path
-        structure for a model with sequence kernels or conv modules, and once a capture found a
-        shift or a functional conv along the sequence (`NeedsStructure`)."""
-        inputs, self._state.layout, self._state.chunks = tree_call_inputs(batch, self.mask, self._structure)
+        """The compiled function's arguments for one batch (`tree_call_inputs`); the path structure for
+        a model with sequence kernels or conv modules, one of its own code (it may shift the sequence,
+        seen only in its graph: not captured twice), and one a capture found shifting (`NeedsStructure`)."""
+        paths = self._structure or not self._is_hf
+        inputs, self._state.layout, self._state.chunks = tree_call_inputs(batch, self.mask, paths)
         return inputs.args()
 
 
