@@ -60,8 +60,8 @@ def test_a_function_is_swapped_only_where_it_is_an_inclusive_scan():
     assert associative_scan_for(_exclusive) is None
 
 
-class _ReversedScan(nn.Module):
-    """``associative_scan(op, elems, axis=1, reverse=True)``: a scan from the end."""
+class _Scanned(nn.Module):
+    """Embeddings, ``scan(x)``, a head."""
 
     def __init__(self):
         super().__init__()
@@ -70,9 +70,15 @@ class _ReversedScan(nn.Module):
 
     def forward(self, idx):
         x = self.emb(idx)
-        _, y = associative_scan(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), axis=1,
-                                reverse=True)
+        _, y = self.scan(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x))
         return self.head(y)
+
+
+class _ReversedScan(_Scanned):
+    """``associative_scan(op, elems, axis=1, reverse=True)``: a scan from the end."""
+
+    def scan(self, op, elems):
+        return associative_scan(op, elems, axis=1, reverse=True)
 
 
 def associative_scan(operator, elems, axis=0, reverse=False):
@@ -86,18 +92,11 @@ def test_a_scan_from_the_end_is_refused_by_name():
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
 
 
-class _ScanOverChannels(nn.Module):
+class _ScanOverChannels(_Scanned):
     """An associative scan over the channels of each token (a fixed axis, not the tokens')."""
 
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(zoo.VOCAB, 8)
-        self.head = nn.Linear(8, zoo.VOCAB)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        _, y = associative_scan(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), axis=2)
-        return self.head(y)
+    def scan(self, op, elems):
+        return associative_scan(op, elems, axis=2)
 
 
 def test_a_scan_over_a_fixed_axis_is_that_axis_scan():
