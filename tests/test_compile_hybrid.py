@@ -10,8 +10,7 @@ DeltaNet; Bamba, Mamba2, FalconH1, NemotronH, Zamba2 and GraniteMoeHybrid with M
 Mamba, FalconMamba, Jamba and Zamba with Mamba's selective scan; LFM2, LFM2-MoE and LFM3 with
 gated short convs only) against the unmodified model run on each path alone (HF's own
 fallbacks): loss, log-probs and every gradient. Families whose sequence mixing has no tree
-form (Kimi Delta Attention in Kimi-Linear and Bailing-Hybrid; Qwen4-Exp's n-gram embeddings;
-RecurrentGemma's and xLSTM's token loops; RWKV's time shift), and the Mamba2 and Mamba
+form (Qwen4-Exp's n-gram embeddings; RecurrentGemma's and xLSTM's token loops), and the Mamba2 and Mamba
 families on transformers before 5.15 (their scans written inside the mixer), are refused,
 naming the op.
 
@@ -901,11 +900,6 @@ def _recurrent_gemma():
     )
 
 
-def _rwkv():
-    return transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, context_length=64,
-                                   intermediate_size=64)
-
-
 def _xlstm():
     return transformers.xLSTMConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2, mode="train", chunk_size=1,
@@ -920,8 +914,6 @@ REFUSED = {
     # Recurrences written as Python loops over the tokens: Dynamo makes the length a constant.
     "recurrent_gemma": (_recurrent_gemma, _TOKEN_LOOP),
     "xlstm": (_xlstm, _TOKEN_LOOP),
-    # RWKV's WKV recurrence is a Python loop over the tokens (its time shift alone is exact).
-    "rwkv": (_rwkv, _TOKEN_LOOP),
 }
 
 

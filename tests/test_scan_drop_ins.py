@@ -147,3 +147,24 @@ def test_rnn_scan_matches_recurrentgemma_loop(with_h0, reset_dims):
     ours = recurrentgemma_rnn_scan(x, a, r, h0, acc_dtype=torch.float64)
     theirs = rnn_scan(x, a, reset, h0, acc_dtype=torch.float64)
     _close(ours, theirs, [x, a, h0], "rnn_scan")
+
+
+def test_rwkv_wkv_matches_the_transformers_loop(monkeypatch):
+    """RWKV-4's WKV by one scan op equals transformers' own CPU loop (its running maximum kept),
+    float64 forward and gradients (the loop's float32 casts made float64, as the zoo does); a
+    state carried between calls is refused."""
+    from testing import FLOAT64_TORCH, float_keeping_float64
+
+    modeling = pytest.importorskip("transformers.models.rwkv.modeling_rwkv")
+    monkeypatch.setattr(modeling, "torch", FLOAT64_TORCH)
+    monkeypatch.setattr(torch.Tensor, "float", float_keeping_float64)
+    from treecompile.capture.library_drop_ins import hf_rwkv_linear_attention
+    from treecompile.core.errors import UnsupportedModelError
+
+    g = torch.Generator().manual_seed(3)
+    decay, first = torch.randn(8, generator=g, dtype=F64), torch.randn(8, generator=g, dtype=F64)
+    key, value = torch.randn(2, 9, 8, generator=g, dtype=F64) * 3, torch.randn(2, 9, 8, generator=g, dtype=F64)
+    inputs = [t.requires_grad_() for t in (decay, first, key, value)]
+    _close(hf_rwkv_linear_attention(*inputs)[0], modeling.rwkv_linear_attention_cpu(*inputs)[0], inputs, "wkv")
+    with pytest.raises(UnsupportedModelError, match="state carried between calls"):
+        hf_rwkv_linear_attention(*inputs, return_state=True)

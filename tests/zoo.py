@@ -638,6 +638,10 @@ CASES: list[Case] = [
          build=_hf("RecurrentGemmaConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=1, num_attention_heads=4, lru_width=32, attention_window_size=8,
                    block_types=["recurrent"]), expect="refused", reason="sequence length a constant"),
+    Case("rwkv", "RWKV-4: token shift (ZeroPad2d), WKV by rwkv_linear_attention (its CPU loop over the tokens, "
+         "stabilised by a running maximum)", hf=True,
+         build=_hf("RwkvConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                   attention_hidden_size=32, intermediate_size=64, context_length=64, rescale_every=0)),
 ]
 
 BY_ID = {c.id: c for c in CASES}

@@ -25,12 +25,15 @@ from treecompile.capture.library_drop_ins import (
     fla_chunk_gla,
     fla_fused_recurrent_gla,
     fla_naive_recurrent_gla,
+    hf_rwkv_linear_attention,
     mamba_chunk_scan_combined,
     recurrentgemma_rnn_scan,
     selective_scan_fn,
 )
 
 __all__ = ["SEQUENCE_KERNELS"]
+
+_RWKV_PARAMS = ("time_decay", "time_first", "key", "value", "state", "return_state")
 
 #: Module-level sequence kernels of hybrid models (Hugging Face's, behind
 #: ``use_kernel_func_from_hub_with_fallback``, flash-linear-attention's and mamba-ssm's), by name: the
@@ -59,6 +62,8 @@ SEQUENCE_KERNELS = {
     "selective_scan_fn": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
     "selective_scan_ref": (SELECTIVE_SCAN_PARAMS, selective_scan_fn),
     "mamba_chunk_scan_combined": (CHUNK_SCAN_PARAMS, mamba_chunk_scan_combined),
+    "rwkv_linear_attention": (_RWKV_PARAMS, hf_rwkv_linear_attention),
+    "rwkv_linear_attention_cpu": (_RWKV_PARAMS, hf_rwkv_linear_attention),
     # JAX's lax.associative_scan ported by hand (S5, GateLoop)
     "associative_scan": (("operator", "elems"), associative_scan_for),
 }

@@ -47,7 +47,7 @@ from treecompile.kernels.scans import mamba2 as _mamba2  # noqa: F401  (register
 
 __all__ = ["SELECTIVE_SCAN_PARAMS", "CHUNK_SCAN_PARAMS", "selective_scan_fn", "mamba_chunk_scan_combined",
            "fla_chunk_gla", "fla_fused_recurrent_gla", "fla_naive_recurrent_gla", "recurrentgemma_rnn_scan",
-           "associative_scan", "associative_scan_for"]
+           "associative_scan", "associative_scan_for", "hf_rwkv_linear_attention"]
 
 Tensor = torch.Tensor
 
@@ -192,6 +192,35 @@ def recurrentgemma_rnn_scan(x: Tensor, a: Tensor, reset: Tensor, h0: Tensor | No
     init = None if h0 is None else h0.to(ct)[..., None, None]
     y, final = torch.ops.treecompile.ssd_scan(ones[..., None], ones[..., None], x.to(ct)[..., None], g, ones, init)
     return y[..., 0].to(x.dtype), final[..., 0, 0].to(acc_dtype)
+
+
+def hf_rwkv_linear_attention(time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor,
+                             state: Any = None, return_state: bool = False) -> tuple[Tensor, None]:
+    """Drop-in for Hugging Face RWKV-4's ``rwkv_linear_attention`` (its CUDA kernel or its CPU loop
+    over the tokens): with ``w = -exp(time_decay)`` and ``u = time_first`` per channel,
+    ``wkv_t = (a_{t-1} + e^{u + k_t} v_t) / (b_{t-1} + e^{u + k_t})`` where
+    ``a_t = e^w a_{t-1} + e^{k_t} v_t`` and ``b_t = e^w b_{t-1} + e^{k_t}``. Both sums are one
+    ``treecompile::ssd_scan`` (a head per channel, a state of one, two values); ``a_{t-1}`` is
+    the scan shifted by one row, which the conv context pass reads at the parent. The loop keeps
+    a running maximum so that ``e^k`` never overflows: the drop-in computes the same quotient
+    without it, in at least float32 as the loop does (keys above about 88 overflow float32 to inf:
+    an error, not a silent difference). A state carried in or returned (generation) is refused."""
+    from treecompile.core.errors import UnsupportedModelError
+
+    if state is not None or return_state:
+        raise UnsupportedModelError("rwkv_linear_attention with a state carried between calls (generation) has no "
+                                    "tree meaning")
+    ct = compute_dtype(torch.promote_types(key.dtype, torch.float32))
+    k, v = key.to(ct), value.to(ct)
+    ek = torch.exp(k)
+    g = (-torch.exp(time_decay.to(ct))).expand(k.shape)
+    ones = torch.ones_like(k)
+    sums, _ = torch.ops.treecompile.ssd_scan(ones[..., None], ones[..., None], torch.stack([ek * v, ek], -1), g,
+                                             ones, None)
+    before = torch.cat([torch.zeros_like(sums[:, :1]), sums[:, :-1]], dim=1)  # a_{t-1}, b_{t-1}
+    now = torch.exp(time_first.to(ct) + k)
+    out = (before[..., 0] + now * v) / (before[..., 1] + now)
+    return out.to(key.dtype), None
 
 
 def associative_scan_for(original) -> Any:
