@@ -101,3 +101,20 @@ class _ScanOverChannels(_Scanned):
 
 def test_a_scan_over_a_fixed_axis_is_that_axis_scan():
     zoo.run(zoo.Case("channel-scan", _ScanOverChannels.__doc__, lambda: zoo.perturb(_ScanOverChannels().double())))
+
+
+def _jax_order(fn, elems, reverse=False, axis=0):
+    """JAX's own signature: ``reverse`` before ``axis``."""
+    return associative_scan(fn, elems, axis=axis, reverse=reverse)
+
+
+def test_the_original_parameters_bind_the_call():
+    """JAX's order binds a positional ``True`` to ``reverse`` (refused), not to the axis."""
+    drop_in = associative_scan_for(_jax_order)
+    assert drop_in is not None
+    x = torch.randn(1, 5, 2, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError, match=r"reverse=True"):
+        drop_in(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), True, 1)
+    out = drop_in(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), False, 1)
+    want = associative_scan_reference(lambda a, b: [a[0] * b[0], b[0] * a[1] + b[1]], [torch.sigmoid(x), x], 1)
+    torch.testing.assert_close(out[1], want[1], rtol=1e-12, atol=1e-12)

@@ -231,7 +231,12 @@ def associative_scan_for(original) -> Any:
     commutative) at two lengths, odd and even: it is swapped only where it is the inclusive scan
     along one axis (the one its ``axis`` parameter names, else the one it matches), and the
     drop-in scans that axis."""
-    takes_axis = "axis" in inspect.signature(original).parameters
+    params = inspect.signature(original).parameters
+    names = list(params)
+    if len(names) < 2 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        return None
+    defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+    takes_axis = "axis" in params
     g = torch.Generator().manual_seed(0)
 
     def op(a, b):
@@ -255,8 +260,18 @@ def associative_scan_for(original) -> Any:
         return None
     fixed = None if takes_axis else axes[0]
 
-    def drop_in(operator, elems, axis: int = 0, reverse: bool = False):
-        return associative_scan(operator, elems, axis if fixed is None else fixed, reverse)
+    def drop_in(*args, **kwargs):
+        # The arguments by the original's own parameters (JAX's order is fn, elems, reverse, axis).
+        bound = {**defaults, **dict(zip(names, args)), **kwargs}
+        unknown = {n: v for n, v in bound.items() if n not in (*names[:2], "axis", "reverse") and v is not
+                   defaults.get(n, object())}
+        if unknown:
+            from treecompile.core.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"associative_scan called with {sorted(unknown)}, which treecompile's drop-in "
+                                        "does not take")
+        axis = bound.get("axis", 0) if fixed is None else fixed
+        return associative_scan(bound[names[0]], bound[names[1]], axis, bound.get("reverse", False))
 
     return drop_in
 
