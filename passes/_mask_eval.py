@@ -96,6 +96,13 @@ def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
     return _reaches(ctx, node, parameters=False)
 
 
+def equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same entries, NaN where the other has NaN (a structural
+    table judged at two lengths: ``-inf`` and NaN entries are values like any other)."""
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(a.masked_fill(na, 0), b.masked_fill(nb, 0))
+
+
 def token_readers(ctx: PassContext, graph: fx.Graph) -> set[fx.Node]:
     """The nodes of ``graph`` whose values depend on the token ids (`reads_tokens` of each, in
     one pass over the graph in its order)."""

@@ -62,7 +62,7 @@ from treecompile.passes.rows.domain import op_key
 from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.rooted import rewrite_rooted_scans
 from treecompile.passes.scans import rewrite_scans
-from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, padded_rows
+from treecompile.passes.shifts import REPLICATE, SHIFT_SPELLINGS, WINDOW_SPELLINGS, padded_rows, row_ids
 
 __all__ = ["rewrite_conv_context_pass", "NeedsStructure"]
 
@@ -86,6 +86,8 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     _rewrite_shifts(gm, ctx, tables)
     _rewrite_windows(gm, ctx, tables)
     rewrite_offset_windows(gm, ctx, lambda kk: _table(gm, ctx, tables, kk),
+                           lambda x, dim, k, like: _ancestor_gather(gm, ctx, x, dim, _table(gm, ctx, tables, k + 1), k,
+                                                                    like, fill=REPLICATE),
                            lambda node: _no_path_structure(node, "pads a window of earlier rows back to the length"))
     rewrite_path_jumps(gm, ctx, lambda node: _no_path_structure(node, "is a step of an associative scan"))
     _rewrite_tap_convs(gm, ctx, tables)
@@ -472,8 +474,7 @@ def _ancestor_gather(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, dim: int,
 
     if fill == REPLICATE:
         # Row r's j-th ancestor where it has one, else the farthest it has (r itself at a root).
-        rows = node("call_function", operator.sub, node("call_method", "cumsum", node(
-            "call_function", torch.ones_like, ctx.pred_index), 0), 1)
+        rows = row_ids(g, ctx, like)
         for j in range(1, k + 1):
             anc = node("call_function", torch.select, table, 1, j - 1)
             rows = node("call_function", torch.where, node("call_method", "lt", anc, 0), rows, anc)

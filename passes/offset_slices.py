@@ -10,25 +10,25 @@ of the result reads ``x`` at ``t - k`` and the mask at ``t - k + s``: the path's
 fill) whose window is computed, element-wise, from slices ``y[.., a : S - k + a, ..]`` of
 full-length tensors (``0 <= a <= k``), from tensors without a row dim, and from ``ones_like``-style
 tensors shaped like the window: each slice becomes ``y``'s ``(k - a)``-th ancestor on the path
-(the row itself where the path is shorter), the element-wise ops run on all ``S`` rows, and the
+(the farthest it has where the path is shorter), the element-wise ops run on all ``S`` rows, and the
 rows whose path has fewer than ``k`` earlier tokens take the pad's fill. Per path, row ``t >= k``
 of the padded window is the ops on rows ``t - k + a`` of each input, the rows ``k - a`` steps back,
 and rows ``t < k`` the fill: the same. A window read by anything else, an op the rule does not
-name (a reduction, a view that is not an added dim), a slice at another offset, or a write into a
-slice (which would write the full tensor) is left alone: the verify pass refuses the pad.
+name (a reduction, a view that is not an added dim, a write), a slice at another offset, or a
+slice of a tensor the graph writes anywhere (the gather reads it where it is cut) is left alone:
+the verify pass refuses the pad.
 Counter ``offset_window`` of ``rewrite_conv_context_pass``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, is_call, mutated_args, same_size, value
+from treecompile.passes._graph import PassContext, emit, is_call, mutated_args, same_size, storage_of, value
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.shifts import _const_int, _cut_along, _pad_pairs
@@ -41,28 +41,31 @@ _LIKE = {"ones_like", "zeros_like", "full_like"}
 
 
 def rewrite_offset_windows(gm: fx.GraphModule, ctx: PassContext, table_for: Callable[[int], fx.Node],
-                           needs_structure: Callable[[fx.Node], None]) -> None:
+                           read_back: Callable[..., fx.Node], needs_structure: Callable[[fx.Node], None]) -> None:
     """Rewrites each padded window of offset slices (see the module doc). ``table_for(kk)``: the
-    ancestor table of ``kk - 1`` columns; ``needs_structure(node)`` raises where the call has no
-    path structure."""
+    ancestor table of ``kk - 1`` columns; ``read_back(x, dim, k, like)``: ``x`` with each row
+    replaced by its ``k``-th ancestor's (the farthest it has where the path is shorter), inserted
+    where the graph inserts; ``needs_structure(node)`` raises where the call has no path structure."""
+    written = {storage_of(t) for n in gm.graph.nodes for t in mutated_args(n)}  # memory the graph writes
     for pad in list(gm.graph.nodes):
         if pad.graph is not gm.graph or pad in ctx.created:
             continue
-        found = _match(pad, ctx)
+        found = _match(pad, ctx, written)
         if found is None:
             continue
         if ctx.pred_index is None:
             needs_structure(pad)
-        _rewrite(gm, ctx, pad, *found, table_for)
+        _rewrite(gm, ctx, pad, *found, table_for, read_back)
         ctx.count("offset_window")
 
 
 # ----------------------------------------------------------------------------- the match
 
 
-def _match(pad: fx.Node, ctx: PassContext):
+def _match(pad: fx.Node, ctx: PassContext, written: set):
     """``(dim, k, fill, region, leaves)`` for a padded window of offset slices, else None.
-    ``region``: the window's nodes (graph order); ``leaves``: ``(slice node, y, dim, a)``."""
+    ``region``: the window's nodes (graph order); ``leaves``: ``(slice node, y, dim, a)``;
+    ``written``: the memory the graph writes."""
     pairs_fill = _pad_pairs(pad)
     if pairs_fill is None:
         return None
@@ -90,7 +93,7 @@ def _match(pad: fx.Node, ctx: PassContext):
         nv = value(n)
         if not isinstance(nv, torch.Tensor) or rd >= nv.dim() or not same_size(nv.shape[rd], short):
             return None
-        offset = _offset_slice(n, rd, short, k, ctx)
+        offset = _offset_slice(n, rd, k, ctx)
         if offset is not None:
             leaves.append((n, n.args[0], rd, offset))
             region[n] = rd
@@ -101,20 +104,16 @@ def _match(pad: fx.Node, ctx: PassContext):
         region[n] = rd
         stack.extend(inputs)
     slices = {leaf[0] for leaf in leaves}
-    for n in region:
-        users = [u for u in n.users if u is not pad and u not in region]
-        if n not in slices and users:
-            return None  # the window read elsewhere: its rows would change length under that reader
-        if n in slices and any(n in mutated_args(u) for u in n.users):
-            return None  # a write into the slice writes the full tensor
-    if not leaves:
-        return None
+    if any(n not in slices and any(u is not pad and u not in region for u in n.users) for n in region):
+        return None  # the window read elsewhere: its rows would change length under that reader
+    if not leaves or any(storage_of(y) is None or storage_of(y) in written for _, y, _, _ in leaves):
+        return None  # a slice reads the tensor when the window's ops run, the gather where it is cut
     order = {n: i for i, n in enumerate(pad.graph.nodes)}
     inner = sorted((n for n in region if n not in slices), key=order.get)
     return dim, k, fill, inner, leaves
 
 
-def _offset_slice(n: fx.Node, rd: int, short: Any, k: int, ctx: PassContext) -> int | None:
+def _offset_slice(n: fx.Node, rd: int, k: int, ctx: PassContext) -> int | None:
     """``a`` if ``n`` is ``y[.., a : S - k + a, ..]`` on ``rd`` of a full-length ``y`` (``0 <= a <= k``)."""
     if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)):
         return None
@@ -147,9 +146,7 @@ def _inputs(n: fx.Node, rd: int, short: Any, ctx: PassContext) -> list[tuple] | 
     if name not in _ELEMENTWISE:
         return None
     if inplace or name in ("iadd", "isub", "imul", "itruediv"):
-        written = n.args[0]
-        if not isinstance(written, fx.Node) or _offset_slice(written, rd, short, 10 ** 9, ctx) is not None:
-            return None
+        return None  # a write (into a slice, it would write the full tensor)
     out = []
     for a in n.all_input_nodes:
         av = value(a)
@@ -202,61 +199,27 @@ def _source_dim(n: fx.Node, rd: int, src_dims: int) -> int | None:
 
 
 def _rewrite(gm: fx.GraphModule, ctx: PassContext, pad: fx.Node, dim: int, k: int, fill: Any, inner: list,
-             leaves: list, table_for: Callable[[int], fx.Node]) -> None:
+             leaves: list, table_for: Callable[[int], fx.Node], read_back: Callable[..., fx.Node]) -> None:
     g = gm.graph
-    table = table_for(k + 1)
-    order = {n: i for i, n in enumerate(g.nodes)}
-
-    def mark(n: fx.Node, example: Any = None) -> fx.Node:
-        ctx.mark(n, like=pad)
-        if example is not None:
-            n.meta["example_value"] = example
-        return n
-
-    with g.inserting_before(min((leaf[0] for leaf in leaves), key=order.get)):
-        ids = _row_ids(g, ctx, mark)
+    full_rows: dict[fx.Node, fx.Node] = {}
     for leaf, y, rd, a in leaves:
-        back = k - a
-        if back == 0:
-            full = y
-        else:
-            # The row ``back`` steps back on the path, or the row itself where the path is
-            # shorter (a real row's values: nothing that rows above the root would make NaN;
-            # those rows take the pad's fill below).
-            with g.inserting_before(leaf):
-                anc = mark(g.call_function(torch.select, (table, 1, back - 1)))
-                rows = mark(g.call_function(torch.where, (mark(g.call_method("lt", (anc, 0))), ids, anc)))
-                full = mark(g.call_function(torch.index_select, (y, rd, rows)), value(y))
-        for u in list(leaf.users):
-            if u in inner or u is pad:
-                u.replace_input_with(leaf, full)
+        # The row ``k - a`` steps back on the path; where the path is shorter, a real row (nothing
+        # that rows above the root would make NaN), and those rows take the pad's fill below.
+        with g.inserting_before(leaf):
+            full_rows[leaf] = y if a == k else read_back(y, rd, k - a, pad)
+    # The window's ops again on the full rows (their example values computed anew), judged by the
+    # verify pass as the model's own; the window itself is left to the dead-code elimination.
     for n in inner:
-        _refresh(n)
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: full_rows.get(a, a))
+        full_rows[n] = emit(gm, ctx, n, n.op, n.target, args, kwargs, mark=False)
+    window = full_rows.get(pad.args[0], pad.args[0])
     with g.inserting_before(pad):
-        missing = mark(g.call_method("lt", (mark(g.call_function(torch.select, (table, 1, k - 1))), 0)))
+        ancestor = ctx.mark(g.call_function(torch.select, (table_for(k + 1), 1, k - 1)), like=pad)
         shape = [1] * value(pad).dim()
         shape[dim] = -1
-        missing = mark(g.call_method("view", (missing, shape)))
-        new = mark(g.call_method("masked_fill", (pad.args[0], missing, fill)), value(pad))
+        missing = ctx.mark(g.call_method("view", (ctx.mark(g.call_method("lt", (ancestor, 0)), like=pad), shape)),
+                           like=pad)
+        new = ctx.mark(g.call_method("masked_fill", (window, missing, fill)), like=pad)
+    new.meta["example_value"] = value(pad)
     pad.replace_all_uses_with(new)
     g.erase_node(pad)
-
-
-def _row_ids(g: fx.Graph, ctx: PassContext, mark) -> fx.Node:
-    """The packed row ids ``0 .. S - 1`` (``cumsum`` of ones like ``pred_index``)."""
-    ones = mark(g.call_function(torch.ones_like, (ctx.pred_index,)))
-    return mark(g.call_function(operator.sub, (mark(g.call_method("cumsum", (ones, 0))), 1)))
-
-
-def _refresh(n: fx.Node) -> None:
-    """Recomputes ``n``'s example value from its (now full-length) inputs."""
-    old = value(n)
-    mode = getattr(old, "fake_mode", None)
-    args = fx.node.map_arg(n.args, lambda a: value(a))
-    kwargs = fx.node.map_arg(n.kwargs, lambda a: value(a))
-    with mode if mode is not None else contextlib.nullcontext():
-        if n.op == "call_method":
-            new = getattr(args[0], n.target)(*args[1:], **kwargs)
-        else:
-            new = n.target(*args, **kwargs)
-    n.meta["example_value"] = new

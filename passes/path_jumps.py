@@ -21,6 +21,7 @@ from torch import fx
 
 from treecompile.kernels.scans import associative as _assoc  # noqa: F401  (registers the ops)
 from treecompile.passes._graph import PassContext, is_op, same_size, value
+from treecompile.passes.shifts import row_ids
 
 __all__ = ["rewrite_path_jumps"]
 
@@ -28,69 +29,46 @@ __all__ = ["rewrite_path_jumps"]
 def rewrite_path_jumps(gm: fx.GraphModule, ctx: PassContext, no_structure: Callable[[fx.Node], None]) -> None:
     """Replaces each scan step along the row by the same step along the row's path."""
     ops = torch.ops.treecompile
-    nodes = [n for n in gm.graph.nodes if is_op(n, ops.row_earlier) or is_op(n, ops.row_has_earlier)]
-    for n in [n for n in nodes if not same_size(value(n.args[0]).shape[n.args[1]], ctx.seq_len)]:
-        _along_a_fixed_axis(gm.graph, ctx, n)
-        nodes.remove(n)
-    if not nodes:
+    g = gm.graph
+    nodes = [n for n in g.nodes if is_op(n, ops.row_earlier) or is_op(n, ops.row_has_earlier)]
+    along_rows = [n for n in nodes if same_size(value(n.args[0]).shape[n.args[1]], ctx.seq_len)]
+    for n in nodes:
+        if n not in along_rows:  # a fixed axis: the step along it, as the op defines it
+            x, dim, hop = n.args
+            with g.inserting_before(n):
+                own = ctx.mark(g.call_function(torch.arange, (value(x).shape[dim],), {"device": value(x).device}),
+                               like=n)
+                src = ctx.mark(g.call_function(operator.sub, (own, 1 << hop)), like=n)
+            _replace(g, ctx, n, src, own)
+    if not along_rows:
         return
     if ctx.pred_index is None:
-        no_structure(nodes[0])
-    g = gm.graph
-    first = next(n for n in g.nodes if n.op != "placeholder")
-    jumps: dict[int, fx.Node] = {}
-
-    def mark(n: fx.Node, like: fx.Node) -> fx.Node:
-        return ctx.mark(n, like=like)
-
-    with g.inserting_before(first):
-        ids = mark(g.call_function(operator.sub, (mark(g.call_method("cumsum", (
-            mark(g.call_function(torch.ones_like, (ctx.pred_index,)), nodes[0]), 0)), nodes[0]), 1)), nodes[0])
-
-        def jump(hop: int) -> fx.Node:
-            if hop not in jumps:
-                if hop == 0:
-                    jumps[0] = ctx.pred_index
-                else:
-                    half = jump(hop - 1)
-                    hopped = mark(g.call_function(torch.index_select, (
-                        half, 0, mark(g.call_method("clamp", (half,), {"min": 0}), nodes[0]))), nodes[0])
-                    jumps[hop] = mark(g.call_method("masked_fill", (
-                        hopped, mark(g.call_method("lt", (half, 0)), nodes[0]), -1)), nodes[0])
-            return jumps[hop]
-
-        for n in nodes:
-            jump(n.args[2])
-    for n in nodes:
-        x, dim, hop = n.args
-        with g.inserting_before(n):
-            if is_op(n, ops.row_earlier):
-                rows = mark(g.call_function(torch.where, (mark(g.call_method("lt", (jumps[hop], 0)), n), ids,
-                                                          jumps[hop])), n)
-                new = mark(g.call_function(torch.index_select, (x, dim, rows)), n)
-            else:
-                new = mark(g.call_method("ge", (jumps[hop], 0)), n)
-        new.meta["example_value"] = value(n)
-        n.replace_all_uses_with(new)
-        g.erase_node(n)
+        no_structure(along_rows[0])
+    jumps: dict[int, fx.Node] = {0: ctx.pred_index}
+    with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+        ids = row_ids(g, ctx, along_rows[0])
+        for hop in range(1, 1 + max(n.args[2] for n in along_rows)):
+            half = jumps[hop - 1]  # the 2**(hop - 1)-th ancestor, -1 past the root
+            hopped = g.call_function(torch.index_select, (half, 0, g.call_method("clamp", (half,), {"min": 0})))
+            jumps[hop] = g.call_method("masked_fill", (hopped, g.call_method("lt", (half, 0)), -1))
+            for made in (hopped.args[2], hopped, jumps[hop].args[1], jumps[hop]):
+                ctx.mark(made, like=along_rows[0])
+    for n in along_rows:
+        _replace(g, ctx, n, jumps[n.args[2]], ids)
         ctx.count("path_jump")
 
 
-def _along_a_fixed_axis(g: fx.Graph, ctx: PassContext, n: fx.Node) -> None:
-    """A scan step over a dim that is not the tokens' (a fixed size): the step along that dim, as
-    the op's own definition, spelled out (``arange`` over the fixed size)."""
-    x, dim, hop = n.args
-    size = value(x).shape[dim]
+def _replace(g: fx.Graph, ctx: PassContext, n: fx.Node, src: fx.Node, own: fx.Node) -> None:
+    """``n`` (a ``row_earlier`` or ``row_has_earlier``) as a gather of rows ``src`` (-1 where there
+    is none: the row itself, ``own``) or the test that ``src`` exists."""
+    x, dim, _ = n.args
     with g.inserting_before(n):
-        src = ctx.mark(g.call_function(operator.sub, (ctx.mark(g.call_function(
-            torch.arange, (size,), {"device": value(x).device}), like=n), 1 << hop)), like=n)
+        missing = ctx.mark(g.call_method("lt", (src, 0)), like=n)
         if is_op(n, torch.ops.treecompile.row_earlier):
-            own = ctx.mark(g.call_function(torch.arange, (size,), {"device": value(x).device}), like=n)
-            rows = ctx.mark(g.call_function(torch.where, (ctx.mark(g.call_method("lt", (src, 0)), like=n), own, src)),
-                            like=n)
+            rows = ctx.mark(g.call_function(torch.where, (missing, own, src)), like=n)
             new = ctx.mark(g.call_function(torch.index_select, (x, dim, rows)), like=n)
         else:
-            new = ctx.mark(g.call_method("ge", (src, 0)), like=n)
+            new = ctx.mark(g.call_method("logical_not", (missing,)), like=n)
     new.meta["example_value"] = value(n)
     n.replace_all_uses_with(new)
     g.erase_node(n)

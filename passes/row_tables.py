@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import ARANGE, PassContext, describe, is_call, mutated_args, same_size, value
-from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
+from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
                                           moved_parameters, token_readers, value_ancestors)
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
@@ -50,10 +50,9 @@ def rewrite_row_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
         dim = _candidate(node, ctx, tokens)
         if dim is None:
             continue
-        if not _same_entries_at_two_lengths(ctx, node, dim):
-            said = (f"builds {describe(node)}, a table over the rows whose entries change with the sequence length "
-                    "(built at half the length it is not the first half), so a token's entry depends on its path's "
-                    "length")
+        why = _changes_with_length(ctx, node, dim)
+        if why is not None:
+            said = f"builds {describe(node)}, a table over the rows {why}"
             for n in value_ancestors(node):
                 if _row_index(n, ctx) and n not in ctx.notes:
                     ctx.notes[n] = said
@@ -100,30 +99,32 @@ def _row_index(n: fx.Node, ctx: PassContext) -> bool:
         (is_call(n, ARANGE) or split_inplace(op_key(n))[0] in _COUNTS)
 
 
-def _same_entries_at_two_lengths(ctx: PassContext, node: fx.Node, dim: int) -> bool:
-    """Whether ``node`` built at half the judged length is the first half of it built at the
-    judged length, with the example parameters and with them moved."""
+def _changes_with_length(ctx: PassContext, node: fx.Node, dim: int) -> str | None:
+    """None where ``node`` built at half the judged length is the first half of it built at the
+    judged length, with the example parameters and with them moved; else why it is not read as a
+    table of positions."""
     long = judged_length(ctx) or int(ctx.seq_len.node.hint)
     short = max(2, long // 2)
     if short >= long:
-        return False
+        return "that cannot be judged at this length (too short to build at half of it)"
 
-    def agree() -> bool:
+    def disagree() -> str | None:
         try:
             a, b = (evaluate(ctx, node, rows=r) for r in (long, short))
-        except Exception:  # not buildable at another length (a tensor input of the row count)
-            return False
+        except Exception as e:  # not buildable at another length (a tensor input of the row count)
+            return f"that cannot be built at another length ({type(e).__name__})"
         if a.shape[dim] != long or b.shape[dim] != short or a.dim() != b.dim() or \
                 any(x != y for i, (x, y) in enumerate(zip(a.shape, b.shape)) if i != dim):
-            return False
-        head = a.narrow(dim, 0, short)
-        return torch.equal(head.isnan(), b.isnan()) and torch.equal(head.nan_to_num(), b.nan_to_num())
+            return "whose other dims change with the sequence length"
+        if not equal_with_nans(a.narrow(dim, 0, short), b):
+            return ("whose entries change with the sequence length (built at half the length it is not the first "
+                    "half), so a token's entry depends on its path's length")
+        return None
 
-    if not agree():
-        return False
-    if depends_on_inputs(ctx, node):
+    why = disagree()
+    if why is None and depends_on_inputs(ctx, node):
         with moved_parameters(ctx):
-            if not agree():
-                return False
-    ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
-    return True
+            why = disagree()
+    if why is None:
+        ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
+    return why

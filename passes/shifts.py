@@ -19,7 +19,7 @@ from torch import fx
 
 from treecompile.passes._graph import ARANGE, CATS, PADS, PassContext, bind, is_call, mutated_args, same_size, value
 
-__all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill", "padded_rows"]
+__all__ = ["SHIFT_SPELLINGS", "WINDOW_SPELLINGS", "Shift", "Window", "REPLICATE", "pad_fill", "padded_rows", "row_ids"]
 
 #: `Shift.fill` of a shift whose rows above the root read the path's first row.
 REPLICATE = "replicate"
@@ -52,6 +52,13 @@ def _row_dim(x: Any, ctx: PassContext) -> list[int]:
     xv = value(x)
     return [d for d in range(xv.dim()) if same_size(xv.shape[d], ctx.seq_len)] if isinstance(xv, torch.Tensor) else []
 
+
+def row_ids(g: fx.Graph, ctx: PassContext, like: fx.Node) -> fx.Node:
+    """The packed row ids ``0 .. S - 1`` (``ones_like(pred_index).cumsum(0) - 1``), inserted where
+    ``g`` inserts, marked like ``like``."""
+    ones = ctx.mark(g.call_function(torch.ones_like, (ctx.pred_index,)), like=like)
+    return ctx.mark(g.call_function(operator.sub, (ctx.mark(g.call_method("cumsum", (ones, 0)), like=like), 1)),
+                    like=like)
 
 def pad_fill(node: fx.Node) -> Any:
     """What a ``pad`` node writes into the rows it adds: a number (``mode="constant"``),

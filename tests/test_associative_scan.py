@@ -118,3 +118,28 @@ def test_the_original_parameters_bind_the_call():
     out = drop_in(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (torch.sigmoid(x), x), False, 1)
     want = associative_scan_reference(lambda a, b: [a[0] * b[0], b[0] * a[1] + b[1]], [torch.sigmoid(x), x], 1)
     torch.testing.assert_close(out[1], want[1], rtol=1e-12, atol=1e-12)
+
+
+def _positive_axes_only(operator, elems, axis=0, reverse=False):
+    """A port whose ``axis`` must be positive (a negative one scans the wrong dim)."""
+    return _with_axis(operator, elems, axis if axis >= 0 else 0)
+
+
+def test_a_call_on_an_axis_the_original_failed_is_refused():
+    drop_in = associative_scan_for(_positive_axes_only)
+    x = torch.randn(1, 5, 2, dtype=torch.float64)
+    op = lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1])  # noqa: E731
+    drop_in(op, (torch.sigmoid(x), x), axis=1)
+    with pytest.raises(UnsupportedModelError, match=r"axis=-2, where the function was not checked"):
+        drop_in(op, (torch.sigmoid(x), x), axis=-2)
+    assert associative_scan_for(len) is None  # a builtin: no signature to bind
+
+
+@pytest.mark.parametrize("hop", [0, 2])
+def test_a_step_along_the_row_has_its_gradient(hop):
+    from treecompile.kernels.scans.associative import row_earlier
+
+    x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: row_earlier(t, 1, hop), (x,))
+    want = torch.cat([x[:, : min(1 << hop, 6)], x[:, : max(6 - (1 << hop), 0)]], 1)
+    torch.testing.assert_close(row_earlier(x, 1, hop), want)

@@ -31,16 +31,20 @@ JUMPS = 20
 
 
 def _sources(s: int, hop: int, device) -> Tensor:
-    rows = torch.arange(s, device=device)
-    return rows - (1 << hop)
+    """Row ``r - 2**hop`` of each row ``r`` (negative where there is none)."""
+    return torch.arange(s, device=device) - (1 << hop)
+
+
+def _read(s: int, hop: int, device) -> Tensor:
+    """The row each row reads: ``r - 2**hop``, or ``r`` itself where there is none."""
+    src = _sources(s, hop, device)
+    return torch.where(src < 0, src + (1 << hop), src)
 
 
 @torch.library.custom_op("treecompile::row_earlier", mutates_args=())
 def row_earlier(x: Tensor, dim: int, hop: int) -> Tensor:
     """``x`` with row ``r`` along ``dim`` replaced by row ``r - 2**hop`` (itself where none)."""
-    src = _sources(x.shape[dim], hop, x.device)
-    own = torch.arange(x.shape[dim], device=x.device)
-    return x.index_select(dim, torch.where(src < 0, own, src)).contiguous()
+    return x.index_select(dim, _read(x.shape[dim], hop, x.device)).contiguous()
 
 
 @row_earlier.register_fake
@@ -54,10 +58,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    src = _sources(ctx.size, ctx.hop, grad.device)
-    own = torch.arange(ctx.size, device=grad.device)
-    index = torch.where(src < 0, own, src)
-    return torch.zeros_like(grad).index_add_(ctx.dim, index, grad), None, None
+    return torch.zeros_like(grad).index_add_(ctx.dim, _read(ctx.size, ctx.hop, grad.device), grad), None, None
 
 
 row_earlier.register_autograd(_backward, setup_context=_setup)

@@ -49,7 +49,7 @@ from treecompile.core.advice import TreeWarning
 from treecompile.kernels.attention.masks import dense_tree_mask
 from treecompile.passes._graph import (MATMUL, PassContext, describe, is_call, location_of, mutated_args, same_size,
                                       storage_of, value)
-from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
+from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
                                           moved_parameters, reads_tokens)
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
@@ -196,8 +196,7 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
     if a.shape[-2:] != (long, long) or b.shape[-2:] != (short, short):
         return "not [.., S, S] at another length"
     ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
-    if not torch.equal(a[..., :short, :short].isnan(), b.isnan()) or \
-            not torch.equal(a[..., :short, :short].nan_to_num(), b.nan_to_num()):
+    if not equal_with_nans(a[..., :short, :short], b):
         return "a function of the sequence length (at half the length it is not the corner of the whole)"
     upper = torch.ones(long, long, dtype=torch.bool).triu(1)
     future = a[..., upper]

@@ -229,9 +229,13 @@ def associative_scan_for(original) -> Any:
     ``original`` is not such a scan. Ports differ in their axis (a parameter, or fixed at 1), so
     ``original`` is run first, eagerly, on small tensors with a linear-recurrence operator (not
     commutative) at two lengths, odd and even: it is swapped only where it is the inclusive scan
-    along one axis (the one its ``axis`` parameter names, else the one it matches), and the
-    drop-in scans that axis."""
-    params = inspect.signature(original).parameters
+    along the axis its ``axis`` parameter names (each axis of three dims, either sign, checked; a
+    call with an axis that failed is refused), or along the one axis it scans; the drop-in scans
+    that axis, its arguments bound by the original's own parameters."""
+    try:
+        params = inspect.signature(original).parameters
+    except (TypeError, ValueError):  # not a Python function (a builtin, a class without a signature)
+        return None
     names = list(params)
     if len(names) < 2 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
         return None
@@ -255,8 +259,10 @@ def associative_scan_for(original) -> Any:
         except Exception:
             return False
 
-    axes = [a for a in range(3) if matches(a, 5) and matches(a, 8)]
-    if takes_axis and (0 not in axes or 1 not in axes) or not takes_axis and len(axes) != 1:
+    # Where the original takes an axis, the axes it scans right (a call with another is refused);
+    # where it does not, the one axis it scans.
+    axes = [a for a in ((0, 1, 2, -1, -2, -3) if takes_axis else (0, 1, 2)) if matches(a, 5) and matches(a, 8)]
+    if not axes or not takes_axis and len(axes) != 1:
         return None
     fixed = None if takes_axis else axes[0]
 
@@ -265,12 +271,13 @@ def associative_scan_for(original) -> Any:
         bound = {**defaults, **dict(zip(names, args)), **kwargs}
         unknown = {n: v for n, v in bound.items() if n not in (*names[:2], "axis", "reverse") and v is not
                    defaults.get(n, object())}
-        if unknown:
+        axis = bound.get("axis", 0) if fixed is None else fixed
+        if unknown or axis not in axes:
             from treecompile.core.errors import UnsupportedModelError
 
-            raise UnsupportedModelError(f"associative_scan called with {sorted(unknown)}, which treecompile's drop-in "
-                                        "does not take")
-        axis = bound.get("axis", 0) if fixed is None else fixed
+            what = sorted(unknown) if unknown else f"axis={axis}, where the function was not checked to scan"
+            raise UnsupportedModelError(f"associative_scan called with {what}, which treecompile's drop-in does not "
+                                        "take")
         return associative_scan(bound[names[0]], bound[names[1]], axis, bound.get("reverse", False))
 
     return drop_in
