@@ -482,7 +482,9 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
     switches = _autograd_switches()
     try:
         with torch.no_grad():
-            return fx.GraphModule(owner, sub)(*inputs)
+            # `forward`, not the module's call: that one prints the failing line to stderr before
+            # raising, and a failure here is an answer (the value cannot be built this way).
+            return fx.GraphModule(owner, sub).forward(*inputs)
     finally:
         # A failure inside a torch.func transform must leave neither its levels open nor the
         # switches it sets (saved-tensor hooks off, ...) set.
