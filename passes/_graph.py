@@ -44,8 +44,9 @@ class PassContext:
         counters: per pass function name, a Counter of rewrites by kind.
         pass_name: the name of the pass now running; :meth:`count` records under it.
         created: nodes the passes inserted (the verify pass trusts them).
-        off_rows: created nodes whose dims of the row count's size are not rows (tables over
-            distances): no row state, so the first-call probe does not compare them as rows.
+        off_rows: nodes whose dims of the row count's size are not rows (a pass's tables over
+            distances; a model's table over ``arange(S)`` read only at positions): no row state,
+            so the first-call probe does not compare them as rows.
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
             root), when the model has recurrent or conv layers (else None).
@@ -592,9 +593,15 @@ def emit(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, op: str, target: Any
         ctx.mark(n, like=at)
     else:
         n.meta.update({k: at.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in at.meta})
-    vals = torch.fx.node.map_arg((args, kwargs), value)
+    return recompute_value(n, fake)
+
+
+def recompute_value(n: fx.Node, fake: Any = None) -> fx.Node:
+    """``n`` with its example value computed again from its arguments' (on fake tensors where
+    they are fake; ``fake``: the fake mode where none is), after an argument was replaced."""
+    vals = torch.fx.node.map_arg((n.args, n.kwargs), value)
     fake = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), fake)
     with fake if fake is not None else contextlib.nullcontext():
         a, k = vals
-        n.meta["example_value"] = target(*a, **k) if op == "call_function" else getattr(a[0], target)(*a[1:], **k)
+        n.meta["example_value"] = n.target(*a, **k) if n.op == "call_function" else getattr(a[0], n.target)(*a[1:], **k)
     return n

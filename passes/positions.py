@@ -36,10 +36,11 @@ import torch
 from torch import fx
 
 from treecompile.kernels.scans.path_scan import path_cumsum
-from treecompile.passes._graph import ARANGE, PassContext, bind, is_call, row_indices, same_size, table_length, value
-from treecompile.passes._mask_eval import depends_on_inputs
+from treecompile.passes._graph import (ARANGE, PassContext, bind, is_call, mutated_args, recompute_value, row_indices,
+                                       same_size, table_length, value)
+from treecompile.passes._mask_eval import depends_on_inputs, token_readers
 from treecompile.passes.moe import region_nodes
-from treecompile.passes.row_tables import rewrite_row_tables
+from treecompile.passes.row_tables import changes_with_length, rewrite_row_tables
 
 __all__ = ["rewrite_positions_pass"]
 
@@ -70,7 +71,12 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         # An arange used as an index along the rows is a row index, not a position (the
         # verify pass accepts it only as the identity).
         as_row_index = any(any(i is node for i, _ in row_indices(u, ctx.seq_len)) for u in node.users)
-        if offset is not None and not _feeds_comparison(node) and not as_row_index:
+        table = _table_read_by_position(node, ctx) if offset == 0 and not _feeds_comparison(node) and \
+            not as_row_index else None
+        if table:
+            ctx.off_rows.update(table)  # a table over positions: no rows
+            ctx.count("table_gather")
+        elif offset is not None and not _feeds_comparison(node) and not as_row_index:
             dtype = value(node).dtype
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_method("to", (ctx.positions,), {"dtype": dtype})
@@ -98,6 +104,13 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 # and the positions are below S: the gather reads the table itself.
                 for u in list(node.users):
                     u.replace_input_with(node, node.args[0])
+                    # A cast of the slice is now a cast of the whole table.
+                    stack = [u]
+                    while stack:
+                        n = stack.pop()
+                        if n.op == "call_method" and n.target in _TABLE_CASTS:
+                            recompute_value(n)
+                            stack.extend(n.users)
                 ctx.count("table_gather")
             elif dim is not None:
                 with gm.graph.inserting_before(node):
@@ -116,10 +129,19 @@ _INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "to", "long", "int", "
 
 
 def _index_source(index: Any) -> Any:
-    """``index`` without the views and casts around it."""
-    while isinstance(index, fx.Node) and index.op == "call_method" and index.target in _INDEX_VIEWS:
+    """``index`` without the views and casts around it (``x[None]`` among them)."""
+    while isinstance(index, fx.Node) and (index.op == "call_method" and index.target in _INDEX_VIEWS
+                                          or _only_new_dims(index)):
         index = index.args[0]
     return index
+
+
+def _only_new_dims(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x[None]`` / ``x[None, :]`` / ``x[..., None]``: new dims of size 1 only."""
+    if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return None in index and all(i is None or i is Ellipsis or i == slice(None) for i in index)
 
 
 def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:
@@ -138,6 +160,36 @@ def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:
                 uses.append((u, n))
     return all(u.op == "call_function" and u.target is operator.getitem and u.args[0] is n
                and _index_source(u.args[1]) is ctx.positions for u, n in uses)
+
+
+def _table_read_by_position(arange: fx.Node, ctx: PassContext) -> set[fx.Node] | None:
+    """The nodes computed from ``arange`` where it builds tables over the rows that the model reads only as
+    ``table[position_ids]`` on dim 0, each reading no token and writing nothing, with entry ``t``
+    the same at every length (`treecompile.passes.row_tables.changes_with_length`):
+    transformers 4.x registers its rotary cache again over ``arange(T)`` for a sequence longer
+    than the cache, then gathers it at the ``position_ids`` it is given. The tree positions are
+    below the row count, so the table over ``arange(S)`` is read as it is. Else None."""
+    tables: set[fx.Node] = set()
+    seen, stack = {arange}, [arange]
+    while stack:
+        n = stack.pop()
+        if mutated_args(n):
+            return None
+        for u in n.users:
+            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is n and \
+                    _index_source(u.args[1]) is ctx.positions:
+                tables.add(n)
+            elif u.op == "output":
+                return None
+            elif u not in seen:
+                seen.add(u)
+                stack.append(u)
+    if not tables:
+        return None
+    tokens = token_readers(ctx, arange.graph)
+    ok = all(t not in tokens and isinstance(value(t), torch.Tensor) and value(t).dim() >= 1
+             and same_size(value(t).shape[0], ctx.seq_len) and changes_with_length(ctx, t, 0) is None for t in tables)
+    return seen if ok else None
 
 
 def _drop_identity_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -32,7 +32,7 @@ from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 
-__all__ = ["rewrite_row_tables"]
+__all__ = ["changes_with_length", "rewrite_row_tables"]
 
 #: Ops through which a token reads a table entry by entry (the table broadcast against the rows).
 _ELEMENTWISE = POINTWISE | {"add", "sub", "mul", "neg", "pow", "where", "masked_fill", "iadd", "isub", "imul",
@@ -50,7 +50,7 @@ def rewrite_row_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
         dim = _candidate(node, ctx, tokens)
         if dim is None:
             continue
-        why = _changes_with_length(ctx, node, dim)
+        why = changes_with_length(ctx, node, dim)
         if why is not None:
             said = f"builds {describe(node)}, a table over the rows {why}"
             for n in value_ancestors(node):
@@ -99,7 +99,7 @@ def _row_index(n: fx.Node, ctx: PassContext) -> bool:
         (is_call(n, ARANGE) or split_inplace(op_key(n))[0] in _COUNTS)
 
 
-def _changes_with_length(ctx: PassContext, node: fx.Node, dim: int) -> str | None:
+def changes_with_length(ctx: PassContext, node: fx.Node, dim: int) -> str | None:
     """None where ``node`` built at half the judged length is the first half of it built at the
     judged length, with the example parameters and with them moved; else why it is not read as a
     table of positions."""

@@ -71,6 +71,37 @@ class _TableAsIndex(_Embedded):
         return x, torch.arange(idx.shape[1], device=idx.device)
 
 
+class _GatheredTable(_Embedded):
+    """A sinusoid table built over ``arange(T)`` each call and gathered at the ``position_ids``
+    the model is given (transformers 4.x's rotary cache registered again for a longer
+    sequence, then ``cos[position_ids]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.freqs = nn.Parameter(torch.linspace(0.1, 1.0, self.emb.embedding_dim))
+
+    def table(self, T, device):
+        return torch.sin(torch.arange(T, device=device).to(self.freqs.dtype)[:, None] * self.freqs)
+
+    def forward(self, idx, position_ids=None):
+        T = idx.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=idx.device)[None]
+        x = self.emb(idx) + self.table(T, idx.device)[position_ids.view(-1, T)]
+        pos = torch.arange(T, device=idx.device)
+        for blk in self.blocks:
+            x = blk(x, pos)
+        return self.head(self.norm(x))
+
+
+class _GatheredEndTable(_GatheredTable):
+    """The same gather of a table whose entry ``t`` is ``T - 1 - t`` (its distance to the end):
+    per path, the path's length."""
+
+    def table(self, T, device):
+        return torch.sin((T - 1 - torch.arange(T, device=device)).to(self.freqs.dtype)[:, None] * self.freqs)
+
+
 def _build(cls):
     def build():
         torch.manual_seed(0)
@@ -85,6 +116,15 @@ def test_a_table_over_the_rows_by_another_spelling_is_read_at_path_positions(cls
     compiled = tc.tree_compile(_build(cls)(), backend="eager")
     compiled(zoo.batches()[0][1])
     assert compiled.counters["rewrite_positions_pass"]["row_table"] >= 1
+
+
+def test_a_table_over_the_rows_gathered_at_the_given_position_ids_is_read_as_it_is():
+    zoo.run(zoo.Case("gathered", _GatheredTable.__doc__, _build(_GatheredTable)))
+    compiled = tc.tree_compile(_build(_GatheredTable)(), backend="eager")
+    compiled(zoo.batches()[0][1])
+    assert compiled.counters["rewrite_positions_pass"]["table_gather"] >= 1
+    with pytest.raises(UnsupportedModelError, match="arange"):
+        tc.tree_compile(_build(_GatheredEndTable)(), backend="eager")(zoo.batches()[0][1])
 
 
 def test_a_table_that_holds_for_the_present_parameters_only_is_refused():

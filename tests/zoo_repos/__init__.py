@@ -56,8 +56,8 @@ from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.nanochat import NanoChat
 from zoo_repos.positions import CenteredPositionsLM, DecayFromStartLM, FairseqTransformerLM, RobertaStyleLM
 from zoo_repos.qwen import QWen1LM
-from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, LucidrainsLegacyRotaryEmbedding,
-                              LucidrainsRotaryLM, PalmLM)
+from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, Llama436PositionIdsLM,
+                              LucidrainsLegacyRotaryEmbedding, LucidrainsRotaryLM, PalmLM)
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
 
 
@@ -284,6 +284,8 @@ CASES: list[zoo.Case] = [
     zoo.Case("llama-4.36-rope-cache", "transformers 4.36 LlamaRotaryEmbedding: cos/sin cached for 16 positions, "
              "registered again longer when a sequence is longer (the tree's rows are), cos[position_ids]",
              _build(Llama436LM)),
+    zoo.Case("llama-4.36-position-ids", "transformers 4.36 LlamaModel given position_ids (the tree's positions, as "
+             "[1, S]): cos_cached[:seq_len] gathered at position_ids.view(-1, seq_length)", _build(Llama436PositionIdsLM)),
     zoo.Case("rotary-embedding-torch-cache", "lucidrains/rotary-embedding-torch: freqs written in place into the "
              "cached_freqs buffer (length in a Python int), read back by the next, shorter call",
              _build(LucidrainsRotaryLM)),

@@ -141,6 +141,29 @@ class Llama436LM(nn.Module):
         return self.lm_head(self.norm(hidden_states))
 
 
+class Llama436PositionIdsLM(Llama436LM):
+    """``Llama436LM`` taking ``position_ids`` as transformers v4.36.2 ``LlamaModel.forward`` does
+    (``position_ids.view(-1, seq_length).long()`` when given, ``arange`` otherwise): the rotary
+    table sliced to the length, ``cos_cached[:seq_len]``, is then gathered at the given ids."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        seq_length = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(0, seq_length, dtype=torch.long, device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).view(-1, seq_length)
+        else:
+            position_ids = position_ids.view(-1, seq_length).long()
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            residual = hidden_states
+            hidden_states = layer["self_attn"](layer["input_layernorm"](hidden_states), position_ids)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            h = layer["post_attention_layernorm"](hidden_states)
+            hidden_states = residual + layer["down_proj"](F.silu(layer["gate_proj"](h)) * layer["up_proj"](h))
+        return self.lm_head(self.norm(hidden_states))
+
+
 # =============================================================================== rotary-embedding-torch
 
 
