@@ -127,9 +127,45 @@ class _FactorOfTheRow(zc._Attn):
         return att.softmax(-1) @ v
 
 
+class _MaxShift(zc._Attn):
+    """The masked scores shifted by their row maximum, ``torch.max(att, -1, keepdim=True)[0]``
+    (not detached): a constant per query, which the softmax cancels."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1) * zc.HD**-0.5).masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        return (att - torch.max(att, -1, keepdim=True)[0]).softmax(-1) @ v
+
+
+class _ShiftBeforeCap(zc._Attn):
+    """The row maximum taken off before a soft-cap: ``tanh`` does not commute with the shift."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = q @ k.transpose(-2, -1) * zc.HD**-0.5
+        att = 5 * torch.tanh((att - att.amax(-1, keepdim=True).detach()) / 5)
+        return att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf")).softmax(-1) @ v
+
+
+class _ShiftOverQueries(zc._Attn):
+    """A maximum over the queries (``amax(-2)``) taken off: not a constant per query."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1) * zc.HD**-0.5).masked_fill(self.causal[:, :, :t, :t] == 0, -1e4)
+        return (att - att.amax(-2, keepdim=True).detach()).softmax(-1) @ v
+
+
+def test_scores_shifted_by_their_row_maximum_are_the_softmax_s_own():
+    # PaLM-pytorch's detached `amax` is the zoo's `palm-lazy-buffers`; here `max(...)[0]`, kept in the graph.
+    zoo.run(zoo.Case("max-shift", _MaxShift.__doc__, zoo._custom(zc._spelling(_MaxShift))))
+
+
 @pytest.mark.parametrize("attn,why", [
     (_FactorAfterMask, "a mask or bias before a tensor factor on the scores"),
     (_FactorOfTheRow, "the attention scores are also used by node 'amax'"),
+    (_ShiftBeforeCap, "the scores are shifted by their maximum before a soft-cap"),
+    (_ShiftOverQueries, "the attention scores are also used by node 'amax'"),
 ])
 def test_a_factor_that_would_scale_a_mask_or_reads_the_row_is_refused(attn, why):
     model = zoo._custom(zc._spelling(attn))()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx
@@ -245,12 +246,43 @@ def _sum_parts(x) -> list:
 
 def _sub(ctx, chain, cur):
     a, b = cur.args[:2]
+    shift = _row_max(a, b)
+    if shift is not None:
+        # scores - scores.amax(-1, keepdim=True).detach() (lucidrains' "stable softmax"): a
+        # constant per query, which the softmax cancels exactly, as it does its own maximum.
+        if chain.softcap is not None or chain.head_mix is not None:
+            raise StopWalk("the scores are shifted by their maximum before a soft-cap or a mix of the heads")
+        chain.nodes.extend(shift)
+        return a
     if isinstance(a, fx.Node) and _structural(ctx, b):
         _mask(ctx, chain, "subtract", b)
         return a
     if isinstance(a, fx.Node) and _token_bias(ctx, chain, b, -1.0, cur):
         return a
     raise StopWalk("")
+
+
+def _row_max(a: Any, b: Any) -> list[fx.Node] | None:
+    """The nodes of ``b`` if it is the maximum of ``a`` over its last dim, kept (``a.amax(-1,
+    keepdim=True)``, ``a.max(-1, keepdim=True)[0]``), detached or not; else None."""
+    nodes = []
+    while isinstance(b, fx.Node) and is_call(b, (torch.detach,), ("detach",)):
+        nodes.append(b)
+        b = b.args[0]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and isinstance(value(a), torch.Tensor)):
+        return None
+    if b.op == "call_function" and b.target is operator.getitem and b.args[1] == 0 and \
+            isinstance(b.args[0], fx.Node) and is_call(b.args[0], (torch.max,), ("max",)):
+        nodes.append(b)
+        b = b.args[0]
+    elif not is_call(b, (torch.amax,), ("amax",)):
+        return None
+    args = bind(b, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    dim = args["dim"][0] if isinstance(args["dim"], (tuple, list)) and len(args["dim"]) == 1 else args["dim"]
+    last = value(a).dim() - 1
+    if args["input"] is not a or args["keepdim"] is not True or not isinstance(dim, int) or dim % (last + 1) != last:
+        return None
+    return nodes + [b]
 
 
 def _where(ctx, chain, cur):

@@ -292,9 +292,10 @@ class LucidrainsRotaryLM(nn.Module):
 class PalmBlock(nn.Module):
     """lucidrains/PaLM-pytorch ``ParallelTransformerBlock``: attention and feed-forward in
     parallel from one fused projection, multi-query attention (one key and value head, einsum
-    ``b h i d, b j d``), and the causal mask and rotary table cached lazily: registered as
-    buffers (None at first) at the length of the call, sliced ``[:n]`` by later calls no
-    longer than that."""
+    ``b h i d, b j d``), the scores shifted by their detached row maximum before the softmax
+    (``sim - sim.amax(dim=-1, keepdim=True).detach()``), and the causal mask and rotary table
+    cached lazily: registered as buffers (None at first) at the length of the call, sliced
+    ``[:n]`` by later calls no longer than that."""
 
     def __init__(self):
         super().__init__()
@@ -337,6 +338,7 @@ class PalmBlock(nn.Module):
         q, k = self.rotate(positions, q), self.rotate(positions, k)
         sim = torch.einsum("b h i d, b j d -> b h i j", q * HD ** -0.5, k)
         sim = sim.masked_fill(self.get_mask(n, device), -torch.finfo(sim.dtype).max)
+        sim = sim - sim.amax(dim=-1, keepdim=True).detach()
         out = torch.einsum("b h i j, b j d -> b h i d", sim.softmax(dim=-1), v)
         gate, y = ff.chunk(2, dim=-1)
         return x + self.attn_out(out.transpose(1, 2).reshape(x.shape)) + self.ff_out(F.silu(gate) * y)
