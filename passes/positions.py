@@ -141,7 +141,8 @@ def _only_new_dims(node: fx.Node) -> bool:
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
         return False
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return None in index and all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    return any(i is None for i in index) and \
+        all(i is None or i is Ellipsis or isinstance(i, slice) and i == slice(None) for i in index)
 
 
 def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:

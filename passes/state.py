@@ -249,7 +249,9 @@ def _repeated_idempotent(writes: list[fx.Node], p: fx.Node) -> bool:
     idempotent ops is not idempotent in general.)"""
     ops = set()
     for w in writes:
-        if op_name(w) not in ("set_", "copy_") or len(w.args) < 2 or w.args[0] is not p or w.kwargs:
+        # ``p.data = v``: ``set_`` (torch 2.13), ``aten.shallow_copy_data_`` (2.14 on).
+        if op_name(w) not in ("set_", "copy_", "shallow_copy_data_") or len(w.args) < 2 or w.args[0] is not p \
+                or w.kwargs:
             return False
         found, x = [], w.args[1]
         while isinstance(x, fx.Node) and x is not p:

@@ -160,16 +160,20 @@ def _where_length_became_constant(ctx: PassContext, s) -> str | None:
 
 def _whole_path(place: str) -> str:
     """``path:line in function`` with the path Dynamo cut on the left made whole again: the one
-    loaded module file (or linecache entry) it ends with; as it is when none or several do."""
+    loaded module file (or linecache entry) it ends with, else the file it names in the working
+    directory; as it is when none or several do."""
     import re
     import sys
 
     m = re.match(r"(\S+)(:\d+ in \S+)$", place)
-    if m is None or os.path.exists(m.group(1)):
+    if m is None or os.path.isabs(m.group(1)):
         return place
     files = {getattr(mod, "__file__", None) for mod in list(sys.modules.values())} | set(linecache.cache)
     found = [f for f in files if isinstance(f, str) and f.endswith(m.group(1))]
-    return found[0] + m.group(2) if len(found) == 1 else place
+    if len(found) == 1:
+        return found[0] + m.group(2)
+    # Relative to the working directory (torch 2.14 cuts the path so).
+    return os.path.abspath(m.group(1)) + m.group(2) if os.path.exists(m.group(1)) else place
 
 
 def _own_source(loc: str) -> bool:
