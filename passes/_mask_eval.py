@@ -13,16 +13,8 @@ import contextlib
 import torch
 from torch import fx
 
-from treecompile.passes._graph import (
-    PassContext,
-    ancestors,
-    describe,
-    functorch_state_nodes,
-    mutated_args,
-    storage_of,
-    uses_functorch_levels,
-    value,
-)
+from treecompile.passes._functorch_ops import functorch_state_nodes, uses_functorch_levels
+from treecompile.passes._graph import PassContext, ancestors, describe, mutated_args, storage_of, value
 
 __all__ = ["depends_on_inputs", "moved_parameters", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
            "changes_with_length", "CHANGES", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal",

@@ -226,7 +226,7 @@ def test_a_pass_that_drops_an_in_place_op_is_an_error():
 
 
 def _functorch_calls(gm):
-    from treecompile.passes._graph import FUNCTORCH_LEVEL_OPS, FUNCTORCH_STATE
+    from treecompile.passes._functorch_ops import FUNCTORCH_LEVEL_OPS, FUNCTORCH_STATE
 
     return [n.target.__name__ for n in gm.graph.nodes
             if n.op == "call_function" and n.target in FUNCTORCH_STATE | FUNCTORCH_LEVEL_OPS]
