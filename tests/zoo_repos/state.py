@@ -130,6 +130,9 @@ class Llama436LM(nn.Module):
     def forward(self, input_ids):
         seq_length = input_ids.shape[1]
         position_ids = torch.arange(0, seq_length, dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        return self.decode(input_ids, position_ids)
+
+    def decode(self, input_ids, position_ids):
         hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
             residual = hidden_states
@@ -153,15 +156,7 @@ class Llama436PositionIdsLM(Llama436LM):
             position_ids = position_ids.unsqueeze(0).view(-1, seq_length)
         else:
             position_ids = position_ids.view(-1, seq_length).long()
-        hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            residual = hidden_states
-            hidden_states = layer["self_attn"](layer["input_layernorm"](hidden_states), position_ids)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            h = layer["post_attention_layernorm"](hidden_states)
-            hidden_states = residual + layer["down_proj"](F.silu(layer["gate_proj"](h)) * layer["up_proj"](h))
-        return self.lm_head(self.norm(hidden_states))
+        return self.decode(input_ids, position_ids)
 
 
 # =============================================================================== rotary-embedding-torch
