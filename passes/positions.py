@@ -159,8 +159,14 @@ def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:
                 stack.append(u)
             else:
                 uses.append((u, n))
-    return all(u.op == "call_function" and u.target is operator.getitem and u.args[0] is n
-               and _index_source(u.args[1]) is ctx.positions for u, n in uses)
+    return all(_gathers_at_positions(u, n, ctx) for u, n in uses)
+
+
+def _gathers_at_positions(u: fx.Node, table: fx.Node, ctx: PassContext) -> bool:
+    """Whether ``u`` is ``table[positions]``: a gather on dim 0 by the tree positions the model is
+    given (through views, casts and ``[None]``)."""
+    return u.op == "call_function" and u.target is operator.getitem and u.args[0] is table and \
+        _index_source(u.args[1]) is ctx.positions
 
 
 def _table_read_by_position(arange: fx.Node, ctx: PassContext) -> set[fx.Node] | None:
@@ -177,8 +183,7 @@ def _table_read_by_position(arange: fx.Node, ctx: PassContext) -> set[fx.Node] |
         if mutated_args(n):
             return None
         for u in n.users:
-            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is n and \
-                    _index_source(u.args[1]) is ctx.positions:
+            if _gathers_at_positions(u, n, ctx):
                 tables.add(n)
             elif u.op == "output":
                 return None

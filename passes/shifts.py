@@ -60,6 +60,7 @@ def row_ids(g: fx.Graph, ctx: PassContext, like: fx.Node) -> fx.Node:
     return ctx.mark(g.call_function(operator.sub, (ctx.mark(g.call_method("cumsum", (ones, 0)), like=like), 1)),
                     like=like)
 
+
 def pad_fill(node: fx.Node) -> Any:
     """What a ``pad`` node writes into the rows it adds: a number (``mode="constant"``),
     `REPLICATE`, or None (reflecting or circular padding, which read rows from the far side)."""
