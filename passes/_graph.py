@@ -113,6 +113,9 @@ class PassContext:
 
 # Every spelling Dynamo records for the ops the passes look for.
 SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+#: Its arguments in order, and their defaults (for `bind`).
+SDPA_ARGS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 SOFTMAX = {torch.softmax, F.softmax, torch.ops.aten._softmax.default, torch.ops.aten.softmax.int}
 MATMUL = {operator.matmul, torch.matmul, torch.bmm, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}
 PADS = {F.pad, torch._C._nn.pad, torch.constant_pad_nd}  # F.pad inlines to torch._C._nn.pad

@@ -102,6 +102,14 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
                num_key_value_heads=2, max_position_embeddings=64)
 
 
+#: A tiny DeepSeek sparse-attention config: MLA, 4 experts, an indexer keeping 4 keys per query
+#: with 8 index heads (scores that tie at the 4th key are rare).
+_DSA = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8, n_shared_experts=1, index_topk=4, index_head_dim=8, index_n_heads=8, head_dim=4,
+            num_key_value_heads=4)
+
+
 def _hf(config_name: str, model_name: str = "AutoModelForCausalLM", common: bool = True, built_in_float64=False,
         **kw):
     """``built_in_float64``: the model built with float64 as the default dtype, for one whose
@@ -580,13 +588,19 @@ CASES: list[Case] = [
                    num_experts_per_tok=1, router_hidden_size=16, cca_time0=2, cca_time1=3, attention_bias=True,
                    pad_token_id=0, bos_token_id=0, eos_token_id=0),
          attention={"hf_interface": 2}),
-    Case("deepseek-v32", "DeepSeek-V3.2: sparse attention whose indexer reads the attention mask", hf=True,
-         since=(5, 11),
-         build=_hf("DeepseekV32Config", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                   n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
-                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1, index_topk=4,
-                   index_head_dim=8, index_n_heads=2, head_dim=4, num_hidden_layers=1),
-         expect="refused", reason="the model's own code reads the attention mask built by"),
+    # DeepSeek sparse attention: an indexer scores every key per query from the causal mask it
+    # reads, keeps the top 4, and the attention's mask keeps those: dense [S, S] on the tree.
+    Case("deepseek-v32", "DeepSeek-V3.2: sparse attention, an indexer choosing each query's top-k keys", hf=True,
+         since=(5, 11), build=_hf("DeepseekV32Config", **_DSA, num_hidden_layers=1),
+         attention={"dense_pairs": 2}),
+    Case("glm-moe-dsa", "GLM-MoE-DSA: sparse attention whose second layer reuses the first's chosen keys", hf=True,
+         build=_hf("GlmMoeDsaConfig", **_DSA, indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"]),
+         attention={"dense_pairs": 3}),
+    # One index head with a ReLU: many keys score 0, and which tied key torch.topk keeps changes
+    # with the row's length (per path too); a batch where a query's choice is such a tie is refused.
+    Case("deepseek-v32-ties", "DeepSeek-V3.2 with one index head: tied scores at the k-th key", hf=True,
+         since=(5, 11), build=_hf("DeepseekV32Config", **{**_DSA, "index_n_heads": 1}, num_hidden_layers=1),
+         expect="refused", reason="are a choice among tied scores"),
     # Doge's own code reads the causal mask it is handed (its dynamic mask adds a gate per key to
     # it): captured with Hugging Face's own mask, the gate rides in the tree kernel's product.
     # Before transformers 5.18 it let SDPA skip that mask, so its SDPA attention saw later tokens.

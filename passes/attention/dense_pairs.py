@@ -21,7 +21,7 @@ a function of ``T``). Every other node stays as the model wrote it.
 input is the path's value, a row input is the token's own (everything before is exact by
 induction), and an element-wise op keeps both. At hidden entries the structural inputs are the
 future's constants, so an element-wise op gives on the tree the value it gives on the future of
-each path; the rule tracks it (`_Hidden`): a constant where every input is one or the op's result
+each path; the rule tracks it (`Hidden`): a constant where every input is one or the op's result
 does not depend on the others (``-inf + x``, ``0 * x`` for finite ``x``, checked by evaluating
 the op), else unknown. An op over the keys (a sum, a maximum, a softmax, a cumulative sum, a
 product with values or with another ``[S, S]``) must see the identity of its reduction (0, or
@@ -40,17 +40,18 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from treecompile.core.advice import TreeWarning
 from treecompile.kernels.attention.masks import dense_tree_mask
-from treecompile.passes._graph import (MATMUL, PassContext, describe, is_call, location_of, mutated_args, same_size,
-                                      storage_of, value)
+from treecompile.passes._graph import (MATMUL, SDPA, SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call,
+                                      location_of, mutated_args, same_size, value)
 from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
                                           moved_parameters, reads_tokens)
+from treecompile.passes.attention.pair_state import UNKNOWN, Hidden, fill_value, is_pair, query_dim, written
+from treecompile.passes.attention.top_keys import rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 
@@ -69,33 +70,31 @@ _SAMPLES = (-7.25, -0.5, 0.0, 0.75, 3.0, 1e5, -1e5)
 _DIVISIONS = {"div", "truediv", "true_divide", "divide", "itruediv"}
 
 
-@dataclass(frozen=True)
-class _Hidden:
-    """What a region tensor holds at hidden entries: one constant (a 0-dim tensor), or unknown."""
-
-    const: torch.Tensor | None = None
-
-    def is_(self, x: float) -> bool:
-        return self.const is not None and bool(self.const.double() == x)
-
-
-_UNKNOWN = _Hidden()
-
-
 def is_pair_exit(node: fx.Node) -> bool:
-    """A ``matmul`` / ``bmm`` whose first operand is ``[.., S, S]``-shaped (square in its last two dims)."""
-    if not is_call(node, MATMUL, ("matmul", "bmm")):
-        return False
-    v = value(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    """A ``matmul`` / ``bmm`` whose first operand is ``[.., S, S]``-shaped (square in its last two
+    dims), ``scaled_dot_product_attention`` with such an ``attn_mask``, or a ``topk`` over the last
+    dim of one (a sparse-attention indexer choosing keys)."""
+    x = _pair_operand(node)
+    v = value(x) if isinstance(x, fx.Node) else None
     return isinstance(v, torch.Tensor) and v.dim() >= 2 and same_size(v.shape[-1], v.shape[-2])
+
+
+def _pair_operand(node: fx.Node) -> fx.Node | None:
+    """The operand of an exit that is the region's ``[S, S]`` tensor."""
+    if is_call(node, MATMUL, ("matmul", "bmm")) or is_call(node, (torch.topk,), ("topk",)):
+        return node.args[0] if node.args else None
+    if is_call(node, SDPA):
+        return bind(node, SDPA_ARGS, SDPA_DEFAULTS)["attn_mask"]
+    return None
 
 
 def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node) -> bool | None:
     """Proves the region around ``exit_node`` exact and reads its structural inputs on the tree;
     else leaves a note. False where the node is not a product of ``[S, S]`` scores."""
-    if exit_node in ctx.created or not exit_node.users or not _is_pair(exit_node.args[0], ctx):
+    start = _pair_operand(exit_node)
+    if exit_node in ctx.created or not exit_node.users or not is_pair(start, ctx):
         return False  # made by a pass, or left dead by another spelling's rewrite
-    region = _region(gm, ctx, exit_node.args[0])
+    region = _region(gm, ctx, start)
     if not isinstance(region, str) and not region[0]:
         return False  # a product with a matrix that reads no token: not scores
     why = (exit_node, region) if isinstance(region, str) else _prove(ctx, region)
@@ -111,11 +110,15 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
         ctx.notes[target] = f"{ctx.notes[target]}; {said}" if target in ctx.notes else said
         return None
     nodes, leaves, exits = region
-    _rewrite(gm, ctx, nodes, leaves, why, exit_node)
+    anc = _rewrite(gm, ctx, nodes, leaves, why, exit_node)
     for n in nodes:
         ctx.mark(n, rows=False)
     for n in exits:
-        ctx.mark(n)
+        if is_call(n, (torch.topk,), ("topk",)):
+            rewrite_top_keys(gm, ctx, n, why[n.args[0]].const, anc)
+        else:
+            ctx.mark(n)
+        ctx.notes.pop(n, None)  # what another spelling said of it (SDPA: "not provably causal")
     ctx.count("dense_pairs")
     warnings.warn(f"treecompile: the attention at {location_of(exit_node)} computes on [S, S] tensors of the packed "
                   "row beyond a kernel's reach; they are kept dense on the tree: S^2 memory per tensor",
@@ -124,12 +127,6 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
 
 
 # ----------------------------------------------------------------------------- the region
-
-
-def _is_pair(x, ctx: PassContext) -> bool:
-    v = value(x) if isinstance(x, fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.dim() >= 2 and same_size(v.shape[-1], ctx.seq_len) \
-        and same_size(v.shape[-2], ctx.seq_len)
 
 
 def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list, list, list] | str:
@@ -143,8 +140,8 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
         seen.add(n)
         if not reads_tokens(ctx, n):
             continue  # a structural leaf: its own inputs are its construction
-        stack.extend(a for a in n.all_input_nodes if _is_pair(a, ctx))
-        stack.extend(u for u in n.users if _is_pair(u, ctx))
+        stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx))
+        stack.extend(u for u in n.users if is_pair(u, ctx))
     order = {n: i for i, n in enumerate(start.graph.nodes)}
     token = sorted((n for n in seen if reads_tokens(ctx, n)), key=order.get)
     leaves = sorted((n for n in seen if not reads_tokens(ctx, n)), key=order.get)
@@ -157,7 +154,7 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
 def _prove(ctx: PassContext, region: tuple[list, list, list]) -> dict | tuple[fx.Node, str]:
     """The hidden value of each structural leaf, or ``(node, why)`` the region is not exact there."""
     token, leaves, exits = region
-    state: dict[fx.Node, _Hidden] = {}
+    state: dict[fx.Node, Hidden] = {}
     for leaf in leaves:
         found = _leaf_hidden(ctx, leaf)
         if isinstance(found, str):
@@ -172,14 +169,17 @@ def _prove(ctx: PassContext, region: tuple[list, list, list]) -> dict | tuple[fx
         why = _exit(ctx, e, state, members)
         if why is not None:
             return e, why
-    return {leaf: state[leaf] for leaf in leaves}
+    return state
 
 
-def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
+def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> Hidden | str:
     """A structural ``[S, S]`` input judged at two lengths: the same corner at both, and its
-    value on the future one constant (else unknown)."""
+    value on the future one constant (else unknown). A constant fill is that constant."""
     if mutated_args(leaf):
         return "written in place"
+    fill = fill_value(leaf)
+    if fill is not None:
+        return Hidden(fill)
     if not isinstance(ctx.seq_len, torch.SymInt):
         return "built at one length only (the sequence length is a constant)"
     long = judged_length(ctx) or int(ctx.seq_len.node.hint)
@@ -201,11 +201,11 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> _Hidden | str:
     upper = torch.ones(long, long, dtype=torch.bool).triu(1)
     future = a[..., upper]
     if not future.numel() or future.isnan().any() or not bool((future == future.reshape(-1)[0]).all()):
-        return _UNKNOWN
+        return UNKNOWN
     c = future.reshape(-1)[0].clone()
     if depends_on_inputs(ctx, source) and not _same_with_other_parameters(ctx, source, long, upper, c):
-        return _UNKNOWN  # a learned value on the future (zero now, not after a step): not a constant
-    return _Hidden(c)
+        return UNKNOWN  # a learned value on the future (zero now, not after a step): not a constant
+    return Hidden(c)
 
 
 def _same_with_other_parameters(ctx: PassContext, node: fx.Node, rows: int, upper: torch.Tensor,
@@ -228,7 +228,7 @@ def _uncut_leading_row(gm: fx.GraphModule, ctx: PassContext, n: fx.Node) -> fx.N
     if not (n.op == "call_function" and n.target is operator.getitem):
         return None
     x, idx = n.args
-    if not isinstance(x, fx.Node) or not _is_pair(n, ctx) or not isinstance(idx, tuple) or len(idx) < 2:
+    if not isinstance(x, fx.Node) or not is_pair(n, ctx) or not isinstance(idx, tuple) or len(idx) < 2:
         return None
     full = slice(None, None, None)
     if idx[-2:] != (slice(1, None, None), slice(1, None, None)) or any(i != full for i in idx[:-2]):
@@ -275,7 +275,7 @@ def _sampled(n: fx.Node, state: dict, members: set) -> list[fx.Node]:
             and (a not in members or state[a].const is None)]
 
 
-def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> _Hidden:
+def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> Hidden:
     """Runs ``n`` on 0-dim stand-ins: the region's tensors at their hidden constants, every other
     tensor at sample values; a constant if every sample gives the same result."""
     others = _sampled(n, state, members)
@@ -300,14 +300,14 @@ def _evaluate_hidden(n: fx.Node, state: dict, members: set) -> _Hidden:
         try:
             out = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
         except Exception:
-            return _UNKNOWN
+            return UNKNOWN
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
-            return _UNKNOWN
+            return UNKNOWN
         results.append(out.reshape(()))
     first = results[0]
     if all(r.dtype == first.dtype and (torch.equal(r, first) or (r.isnan() & first.isnan()).all()) for r in results):
-        return _Hidden(first.clone())
-    return _UNKNOWN
+        return Hidden(first.clone())
+    return UNKNOWN
 
 
 def _reads_length(n: fx.Node, ctx: PassContext) -> bool:
@@ -333,10 +333,10 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     nd = value(n).dim()
     if n.op not in ("call_function", "call_method"):
         return "is not an op the dense pair rule knows"
-    if name in _VIEWS:
-        if not (_is_pair(n, ctx) and _is_pair(n.args[0], ctx)):
+    if name in _VIEWS or n.target is operator.getitem and _new_dims_only(n.args[1]):
+        if not (is_pair(n, ctx) and is_pair(n.args[0], ctx)):
             return "moves the query or key dim"
-        state[n] = state.get(n.args[0], _UNKNOWN)
+        state[n] = state.get(n.args[0], UNKNOWN)
         return None
     if _reads_length(n, ctx):
         return "reads the sequence length as a value"
@@ -347,12 +347,17 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
         if not _key_dim(n, nd):
             return "runs over the queries, not the keys"
         identity, after = _KEYWISE[name]
-        if not state.get(n.args[0], _UNKNOWN).is_(identity):
+        if not state.get(n.args[0], UNKNOWN).is_(identity):
             return f"runs over the keys on entries it does not ignore off the path (it needs {identity} there)"
-        state[n] = _Hidden(torch.tensor(after, dtype=value(n).dtype)) if after is not None else _UNKNOWN
+        state[n] = Hidden(torch.tensor(after, dtype=value(n).dtype)) if after is not None else UNKNOWN
         return None
     if name == "flip":
         return _reverse_cumsum(ctx, n, state, members, nd)
+    if name == "scatter":
+        why = scatter_keys(ctx, n, state, members, nd)
+        if why is None and inplace:
+            written(n, state, members)
+        return why
     if name == "gather":
         src, dim, index = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim"), \
             n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
@@ -360,7 +365,7 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
         if src in members or dim not in (-1, nd - 1) or index not in members or sv.dim() != nd or \
                 not same_size(sv.shape[-2], ctx.seq_len) or same_size(sv.shape[-1], ctx.seq_len):
             return "gathers other than each query row's own values at [S, S] indices"
-        state[n] = _UNKNOWN
+        state[n] = UNKNOWN
         return None
     if name in _ELEMENTWISE:
         for a in n.all_input_nodes:
@@ -370,14 +375,15 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
                 return "reads an [S, S] tensor outside the region"
         state[n] = _evaluate_hidden(n, state, members)
         if inplace or name in ("iadd", "isub", "imul", "itruediv"):
-            # Every tensor of the region sharing the written memory (the earlier names of these
-            # scores, views keeping the last two dims) holds the new values from here on.
-            written = storage_of(n.args[0])
-            for m in members:
-                if m is not n and written is not None and storage_of(m) == written and m in state:
-                    state[m] = state[n]
+            written(n, state, members)
         return None
     return f"is {name or n.target}, an op on [S, S] tensors the dense pair rule does not know"
+
+
+def _new_dims_only(index) -> bool:
+    """``x[:, None]``: an index that only adds dims of size 1 (whole slices, ``None``, ``...``)."""
+    index = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in index)
 
 
 def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
@@ -394,23 +400,46 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
             if x in members or y in members or not (same_size(value(x).shape[-2], ctx.seq_len)
                                                     and same_size(value(y).shape[-2], ctx.seq_len)):
                 return "is an einsum of other than two row values into scores"
-            state[n] = _UNKNOWN
+            state[n] = UNKNOWN
             return None
     else:
         x, y = n.args[0], n.args[1]
     if x in members and y in members:
         if not state[x].is_(0.0):
             return "multiplies [S, S] tensors whose first is not 0 off the path"
-        state[n] = _Hidden(torch.tensor(0.0, dtype=value(n).dtype)) if state[y].is_(0.0) else _UNKNOWN
+        state[n] = Hidden(torch.tensor(0.0, dtype=value(n).dtype)) if state[y].is_(0.0) else UNKNOWN
+        return None
+    if y in members and x not in members and _weights_per_query(ctx, n, x, y):
+        state[n] = UNKNOWN
         return None
     if x in members or y in members:
         return "multiplies an [S, S] tensor with a row value"
     xv, yv = value(x), value(y)
     if not (same_size(xv.shape[-2], ctx.seq_len) and same_size(yv.shape[-1], ctx.seq_len)
-            and not same_size(xv.shape[-1], ctx.seq_len)):
+            and not same_size(xv.shape[-1], ctx.seq_len)) and not _scores_per_head(ctx, n, xv, yv):
         return "is a product that is not scores of two row values"
-    state[n] = _UNKNOWN
+    state[n] = UNKNOWN
     return None
+
+
+def _only_s_at(ctx: PassContext, v: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether ``v``'s dims of the sequence length are exactly ``dims`` (negative)."""
+    return {d - v.dim() for d in range(v.dim()) if same_size(v.shape[d], ctx.seq_len)} == set(dims)
+
+
+def _scores_per_head(ctx: PassContext, n: fx.Node, xv: torch.Tensor, yv: torch.Tensor) -> bool:
+    """``q [.., S, h, d] @ k^T [.., 1, d, S]`` (DeepSeek-V3.2's indexer): ``[.., S, h, S]``, the
+    scores of query row ``s`` and head ``h`` with key row ``t``."""
+    return (xv.dim() >= 3 and yv.dim() >= 3 and _only_s_at(ctx, xv, (-3,)) and _only_s_at(ctx, yv, (-1,))
+            and yv.shape[-3] == 1 and query_dim(n, ctx) == -3)
+
+
+def _weights_per_query(ctx: PassContext, n: fx.Node, x: fx.Node, y: fx.Node) -> bool:
+    """``w [.., S, m, h] @ scores [.., S, h, S]``: each query's own weights summing its scores
+    over a dim that is neither the queries nor the keys (the indexer's heads)."""
+    xv, yv = value(x), value(y)
+    return (isinstance(xv, torch.Tensor) and xv.dim() >= 3 and query_dim(y, ctx) == -3
+            and _only_s_at(ctx, xv, (-3,)) and query_dim(n, ctx) == -3)
 
 
 def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
@@ -459,7 +488,7 @@ def _reverse_cumsum(ctx: PassContext, n: fx.Node, state: dict, members: set, nd:
         return "reorders the keys other than as a reversed cumulative sum"
     if not state[n.args[0]].is_(0.0):
         return "sums over the keys from the end entries it does not ignore off the path (it needs 0 there)"
-    state[n] = state[c] = state[close] = _UNKNOWN
+    state[n] = state[c] = state[close] = UNKNOWN
     return None
 
 
@@ -467,9 +496,11 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
     """A node leaving the region: a reduction over the keys, or a product with a row value."""
     if e.op == "output":
         return "returns an [S, S] tensor"
+    name = split_inplace(op_key(e))[0]
+    if name == "topk":  # its number of keys may be min(c, S)
+        return top_keys_exit(ctx, e, state, members)
     if _reads_length(e, ctx):
         return "reads the sequence length as a value"
-    name = split_inplace(op_key(e))[0]
     pair_args = [a for a in e.all_input_nodes if a in members]
     product = _einsum_product(e) if is_call(e, (torch.einsum,)) else None
     if product is not None and not product[2] and product[0] in members and product[1] not in members:
@@ -485,6 +516,8 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
         if not state[x].is_(0.0):
             return "sums values over keys it does not ignore off the path (the weights are not 0 there)"
         return None
+    if is_call(e, SDPA):
+        return sdpa_exit(ctx, e, state, members)
     if name in _REDUCE and len(pair_args) == 1 and e.args[0] in members:
         if not _key_dim(e, value(e.args[0]).dim()):
             return "reduces over other than the keys"
@@ -512,6 +545,9 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
         pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
     for leaf in leaves:
+        if fill_value(leaf) is not None:
+            ctx.mark(leaf, rows=False)  # one value everywhere: at any position the same
+            continue
         order = {n: i for i, n in enumerate(g.nodes)}
         with g.inserting_before(min((u for u in leaf.users if u in nodes), key=order.get)):
             built = copy_values(ctx, g, leaf)
@@ -522,3 +558,5 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         for u in list(leaf.users):
             if u in nodes:
                 u.replace_input_with(leaf, tree)
+    return anc
+

@@ -13,9 +13,10 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import Emitter, PassContext, bind, is_call, row_dims, value
-from treecompile.passes._mask_eval import NOT_PLAIN, depends_on_inputs, structural_causal
+from treecompile.passes._graph import SDPA_ARGS, SDPA_DEFAULTS, Emitter, PassContext, bind, is_call, row_dims, value
+from treecompile.passes._mask_eval import NOT_PLAIN, depends_on_inputs, reads_tokens, structural_causal
 from treecompile.passes.attention.patterns import allowed_at, mask_pattern, pattern_mods
+from treecompile.passes.attention.dense_pairs import is_pair_exit
 from treecompile.passes.attention.memory import memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.token_bias import (AND, masked_token_terms, split_key_masks, token_terms,
@@ -24,12 +25,22 @@ from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_sdpa"]
 
-_SDPA_ARGS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
-    a = bind(node, _SDPA_ARGS, _SDPA_DEFAULTS)
+def rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> bool | None:
+    """Rewrites a causal call (or notes why not); False where it is not, and its ``attn_mask`` is
+    an ``[S, S]`` tensor read from the tokens, which the dense pair rule judges next (a sparse
+    attention's chosen keys)."""
+    _rewrite_sdpa(gm, ctx, node)
+    mask = bind(node, SDPA_ARGS, SDPA_DEFAULTS)["attn_mask"]
+    if node in ctx.notes and node not in ctx.created and isinstance(mask, fx.Node) and reads_tokens(ctx, mask) \
+            and is_pair_exit(node):
+        return False
+    return None
+
+
+def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+    a = bind(node, SDPA_ARGS, SDPA_DEFAULTS)
     if a["dropout_p"]:
         raise attention_dropout(node, a["dropout_p"], "dropout_p=0")
     if not row_dims(a["query"], ctx.seq_len, "seq"):

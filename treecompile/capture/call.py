@@ -5,6 +5,7 @@ settings it runs under (`DYNAMO_CONFIG`) and the device it runs on (`device_of`)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 import warnings
@@ -19,7 +20,7 @@ from torch import nn
 from treecompile.passes import markers
 from treecompile.core.reference import logits_of
 
-__all__ = ["AttentionRoute", "CallSetup", "TreeOutput", "DYNAMO_CONFIG", "device_of", "gathered_entropy", "run_head",
+__all__ = ["AttentionRoute", "CallSetup", "TreeOutput", "DYNAMO_CONFIG", "call_settings", "device_of", "gathered_entropy", "run_head",
            "compile_named",
            "argument_names",
            "call_under_setup"]
@@ -92,6 +93,16 @@ DYNAMO_CONFIG = {
                                                    warnings.warn}}.items()
     if k in torch._dynamo.config._config
 }
+
+
+@contextlib.contextmanager
+def call_settings():
+    """What every compiled call runs under: no duck shaping (S, M and R must not be assumed equal
+    because they once were), `DYNAMO_CONFIG`, and the grad mode it found, restored also after an
+    error raised between the graph's own switches (a batch refused inside a model's no_grad region)."""
+    with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG), \
+            torch.set_grad_enabled(torch.is_grad_enabled()):
+        yield
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -284,7 +295,7 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
 
     hf = hf_interfaces(setup.model, setup.route.routes) if setup.is_hf else contextlib.nullcontext()
     with hf, swapped_kernels([*setup.kernels, *setup.route.mask_swaps, *TORCH_SWAPS]):
-        with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
+        with call_settings():
             try:
                 return compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:

@@ -40,7 +40,7 @@ from torch import fx
 
 from treecompile.compile.graph_inputs import GRAPH_ARGS
 from treecompile.core.batch import TreeBatch, pack
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.errors import BatchRefused, UnsupportedModelError
 from treecompile.core.tree import TrajectoryTree
 from treecompile.passes._graph import MATMUL
 
@@ -212,6 +212,9 @@ def probe_record(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> None:
         return
     try:
         wrapper.probed.append(probe_graph(wrapper, record, batch))
+    except BatchRefused as e:  # the forest hit what the model leaves to chance; the call's batch may not
+        wrapper.probed.append(ProbeReport(rows=0, edited_rows_compared=0, alone_rows_compared=0,
+                                          skipped=[f"the probe forest: {str(e).splitlines()[0]}"]))
     except UnsupportedModelError:
         raise
     except Exception as e:

@@ -26,7 +26,7 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import (DYNAMO_CONFIG, AttentionRoute, CallSetup, TreeOutput, argument_names,
+from treecompile.capture.call import (AttentionRoute, CallSetup, TreeOutput, argument_names, call_settings,
                                       compile_failure, compile_named, device_of, failed_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
@@ -44,8 +44,8 @@ from treecompile.capture.dynamo import (
 )
 from treecompile.capture.drop_ins import class_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
-from treecompile.core.errors import (CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError, about_sizes,
-                                     capture_error, row_count_error)
+from treecompile.core.errors import (BatchRefused, CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError,
+                                     about_sizes, capture_error, row_count_error)
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
@@ -406,8 +406,9 @@ class TreeCompiledModel(DelegatingModule):
                 try:
                     return self._forward(batch)
                 except UnsupportedModelError as e:  # first what kept it off the markers, then why
-                    e.args = (f"{str(read).partition(chr(10))[0]}\n  Captured with Hugging Face's own causal mask "
-                              f"instead, it is refused: {e}",)
+                    if not isinstance(e, BatchRefused):  # (the model runs with its own mask; not this batch)
+                        e.args = (f"{str(read).partition(chr(10))[0]}\n  Captured with Hugging Face's own causal "
+                                  f"mask instead, it is refused: {e}",)
                     raise
         except ProbeRefused as e:
             self._refused = e  # its graph stays cached and would not be probed again
@@ -508,11 +509,10 @@ class TreeCompiledModel(DelegatingModule):
     def _call(self, args: tuple, extend: list, rows: int, longest: int) -> tuple:
         """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
         self._state.judge_cap = min((size for _, _, size in extend), default=0)
-        # No duck shaping: S, M and R must not be assumed equal because they once were.
         hf = hf_interfaces(self._inner, self._route.routes) if self._is_hf else contextlib.nullcontext()
         with hf, swapped_kernels([*self._kernels, *self._route.mask_swaps, *TORCH_SWAPS]), \
                 extended_buffers(extend, rows):
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG):
+            with call_settings():
                 try:
                     return self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:

@@ -171,6 +171,12 @@ def unexpected_error(exc: BaseException, stage: str) -> UnsupportedModelError:
     )
 
 
+class BatchRefused(UnsupportedModelError):
+    """A supported model refused on one batch, whose result the model itself leaves to chance
+    (top-k scores that tie: which tied key ``torch.topk`` keeps changes with the row's length).
+    Other batches run; the first-call probe skips a forest that hits it."""
+
+
 class ConstantLength(UnsupportedModelError):
     """The captured graph holds the row count as a constant. The wrapper captures once more
     with the buffers exactly as long as the row extended (a lazily grown cache that an earlier
