@@ -69,6 +69,30 @@ def test_the_marker_refuses_a_mask_tensor_built_by_the_model():
         _window_from_mask("Attn", torch.zeros(1, 1, 4, 4), None)
 
 
+@pytest.mark.parametrize("impl,mask,causal", [
+    ("sdpa", TreeMask("causal", "create_causal_mask"), True),
+    ("eager", TreeMask("sliding", "create_sliding_window_causal_mask", 4), True),
+    (None, TreeMask("causal", "create_causal_mask"), True),  # Hugging Face's default: eager
+    ("flash_attention_2", TreeMask("causal", "create_causal_mask"), False),  # flash reads is_causal, not the mask
+    ("sdpa", TreeMask("bidirectional", "create_bidirectional_mask"), False),
+])
+def test_a_module_marked_not_causal_is_causal_by_a_causal_mask_its_implementation_reads(impl, mask, causal):
+    """BigBird-Pegasus's decoder self-attention leaves ``is_causal`` False (the zoo's ``bigbird-pegasus``)."""
+    from types import SimpleNamespace
+
+    from treecompile.capture.hf_interfaces import hf_causal_attention
+
+    module = torch.nn.Module()
+    module.is_causal, module.config = False, SimpleNamespace(treecompile_routed_from=impl)
+    q = torch.zeros(1, 2, 3, 4)
+    if causal:
+        out, _ = hf_causal_attention(module, q, q, q, mask)
+        assert out.shape == (1, 3, 2, 4)
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"non-causal attention cannot be trained on a tree"):
+            hf_causal_attention(module, q, q, q, mask)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_model_whose_code_reads_its_mask_is_captured_with_its_own_mask(stream):
     """Doge adds a gate per key to the causal mask it is handed: reading a TreeMask, the first

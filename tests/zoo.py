@@ -514,6 +514,13 @@ CASES: list[Case] = [
     Case("biogpt", "BioGPT: learned positions", hf=True,
          build=_hf("BioGptConfig", common=False, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)),
+    # Its decoder self-attention leaves is_causal unset: causal by the mask it is handed.
+    Case("bigbird-pegasus", "BigBird-Pegasus decoder: causal by its mask (is_causal left False)", hf=True,
+         build=_hf("BigBirdPegasusConfig", "BigBirdPegasusForCausalLM", common=False, vocab_size=VOCAB, d_model=32,
+                   decoder_layers=2, decoder_ffn_dim=64, decoder_attention_heads=4, encoder_layers=1,
+                   encoder_ffn_dim=64, encoder_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                   bos_token_id=0, eos_token_id=0, decoder_start_token_id=0),
+         attention={"hf_interface": 2}),
     Case("gpt2-16-positions", "GPT-2 with 16 positions, on a tree of 35 rows whose paths fit", hf=True,
          build=_hf("GPT2Config", common=False, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16,
                    bos_token_id=0, eos_token_id=0)),

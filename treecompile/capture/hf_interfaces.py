@@ -99,7 +99,7 @@ def hf_causal_attention(
             f"{name}: attention dropout {dropout} is random per call and cannot match per-path "
             "training; call model.eval() or set the attention dropout to 0"
         )
-    if not getattr(module, "is_causal", True):
+    if not getattr(module, "is_causal", True) and not _causal_by_its_mask(module, attention_mask):
         if attention_mask is None and not any(isinstance(d, torch.SymInt) for d in (query.shape[-2], key.shape[-2])):
             # Over a fixed axis, not the tokens (Inkling 2's attention over the blocks' states at each
             # token): token-local, computed as Hugging Face's eager attention computes it.
@@ -130,6 +130,20 @@ def hf_causal_attention(
     out = torch.ops.treecompile.causal_attention(query, key, value, float(scale), sliding_window, softcap, sinks,
                                                  chunk)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: The attention implementations whose result follows the mask they are handed, not the module's
+#: ``is_causal`` (flash attention takes ``is_causal`` instead of a causal mask).
+_MASK_DRIVEN = {"eager", "sdpa", "flex_attention"}
+
+
+def _causal_by_its_mask(module: torch.nn.Module, mask: Any) -> bool:
+    """A module marked ``is_causal=False`` that its causal mask makes causal: BigBird-Pegasus's
+    decoder self-attention leaves ``is_causal`` unset and is causal by the mask
+    ``create_causal_mask`` builds, under every implementation that reads the mask."""
+    config = getattr(module, "config", None)
+    impl = getattr(config, "treecompile_routed_from", None) or "eager"  # what the model was configured with
+    return isinstance(mask, TreeMask) and mask.kind in ("causal", "sliding", "chunked") and impl in _MASK_DRIVEN
 
 
 def _token_local_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> tuple[Tensor, None]:
