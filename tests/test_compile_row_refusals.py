@@ -225,3 +225,41 @@ def test_an_autograd_function_that_mixes_rows_is_refused_and_a_token_wise_one_is
         tc.tree_compile(tiny(_with_mix("autograd-running-mean", lambda x, idx: _RunningMean.apply(x))))(batch)
     model = tiny(_with_mix("autograd-token-wise", lambda x, idx: _Scale.apply(x)))
     compare_with_paths(model, tc.tree_compile(model, backend="eager"), batch, trees, tol="pure")
+
+
+class LanguageAdapters(NanoGPT):
+    """X-MOD's language adapters: each batch entry goes through the adapter its language picks,
+    chosen with a boolean mask over the batch (``x[lang == i]``: whole rows of one entry)."""
+
+    def __init__(self, length_chooses: bool = False) -> None:
+        super().__init__()
+        self.adapters = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.register_buffer("lang", torch.tensor([1]))
+        self.length_chooses = length_chooses
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.emb(idx)
+        lang = self.lang.expand(idx.shape[0])
+        if self.length_chooses:  # a language read from the length: a path alone picks another adapter
+            lang = torch.where(torch.full_like(lang, idx.shape[1]) > 9, 1 - lang, lang)
+        adapted = torch.zeros_like(x)
+        for i, adapter in enumerate(self.adapters):
+            chosen = lang == i
+            adapted[chosen] = adapter(x[chosen])
+        x = x + adapted
+        for blk in self.blocks:
+            x = blk(x, pos)
+        return self.head(self.norm(x))
+
+
+def test_entries_of_the_batch_chosen_by_a_mask_are_whole_rows():
+    import zoo
+
+    batch, trees = make_batch("branchy")
+    model = zoo.perturb(tiny(LanguageAdapters))
+    compare_with_paths(model, tc.tree_compile(model), batch, trees, tol="pure")
+    refused = zoo.perturb(tiny(LanguageAdapters, length_chooses=True))
+    with pytest.raises(UnsupportedModelError, match=r"selects along the batch with a mask computed from the sequence "
+                                                    r"length"):
+        tc.tree_compile(refused)(batch)

@@ -75,7 +75,9 @@ FAMILIES: dict[str, str] = {
     "getitem": "slices and integers on other dims; on the rows only the full slice; a tensor index on the rows must "
                "hold row ids (`arange(S)`, or the ids `nonzero` returns, giving a selection); a table read at rows' "
                "values (`table[ids]`) gives rows; a bound computed from the length on another dim is refused "
-               "unless the dim comes out whole (`[:T]` of a dim of size 1)",
+               "unless the dim comes out whole (`[:T]` of a dim of size 1); a boolean mask over dims before the rows "
+               "(X-MOD's `x[lang == i]` over the batch) chooses whole rows, its count no count of rows, unless its "
+               "values read a size of the sequence",
     "select": "another dim; one row by its index is refused",
     "narrow": "the identity on the rows' dim; another dim with bounds free of the length",
     "setitem": "the written values' rows must be the rows of the region written",

@@ -246,6 +246,9 @@ class RowEnv:
         self.selections: dict[Any, Any] = {}
         #: Rows a ``torch.vmap`` maps over, by its level: hidden inside, back at its end.
         self.hidden: dict[Any, Rows] = {}
+        #: Unbacked counts that are not rows: entries a mask chose along dims before the rows
+        #: (``x[lang_mask]`` over the batch), each a count of the mask's entries.
+        self.other_counts: set = set()
 
     def state(self, a: Any) -> Any:
         """The state of an argument: a node's, a tuple of states for a list, else None."""
@@ -275,7 +278,7 @@ class RowEnv:
             syms = size.node.expr.free_symbols
         except AttributeError:
             return set()
-        return {x for x in syms if x in self.s_syms or str(x).startswith("u")}
+        return {x for x in syms if x in self.s_syms or str(x).startswith("u") and x not in self.other_counts}
 
     def by_size(self, node: fx.Node) -> Any:
         """A state from sizes alone: the first dim of size S (or a selection's count)."""

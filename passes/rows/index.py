@@ -189,7 +189,36 @@ def _masked(env: RowEnv, r: Rows | None, rm: Rows | None, dims: list[int], mask:
         return _selection(env, mask, start, count)
     if rm is not None:
         raise NotRowLocal("selects with a mask over the rows entries of a tensor without rows")
+    if r is not None and max(dims) < r.dim and count is not None:
+        _count_of_other_entries(env, mask, count)
     return None
+
+
+def _count_of_other_entries(env: RowEnv, mask: fx.Node, count: Any) -> None:
+    """``x[mask]`` with a mask over dims before the rows (X-MOD's language adapters choose batch
+    entries, whole rows each): the count of its entries is not a count of rows, provided the
+    mask's values read no size of the sequence (else a path alone would choose other entries)."""
+    if _reads_sequence_size(env, mask):
+        raise NotRowLocal("selects along the batch with a mask computed from the sequence length")
+    env.other_counts |= {x for x in getattr(count, "free_symbols", set()) if str(x).startswith("u")}
+
+
+def _reads_sequence_size(env: RowEnv, node: fx.Node) -> bool:
+    """Whether a value upstream of ``node`` takes a size mentioning the sequence length."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        flat: list = []
+        fx.node.map_aggregate((n.args, n.kwargs), flat.append)
+        for a in flat:
+            v = value(a) if isinstance(a, fx.Node) else a
+            if isinstance(v, (torch.SymInt, torch.SymFloat)) and env.is_row_size(v):
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _selection(env: RowEnv, key: fx.Node, dim: int, count: Any = None) -> Rows:
