@@ -16,7 +16,7 @@ from test_pair_sum import _LearnedLeakAttn
 from zoo_repos.pairs import CoPELM
 
 import treecompile as tc
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.errors import BatchRefused, UnsupportedModelError
 from treecompile.stream.options import StreamOptions
 
 
@@ -143,3 +143,83 @@ def test_a_learned_table_of_zeros_is_not_taken_for_a_function_of_the_distance():
     for _, batch, trees in zoo.batches():
         zoo.compare(model, compiled, batch, trees)
     assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+
+
+class _MinMasked(zc._Attn):
+    """Scores plus a gate of themselves (no kernel spelling), the future filled with the dtype's
+    most negative number (Hugging Face's convention) rather than ``-inf``; ``strict``: the
+    diagonal blocked too, so the first query sees no key."""
+
+    strict = False
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        allowed = i[:, None] > i[None, :] if self.strict else i[:, None] >= i[None, :]
+        att = q @ k.transpose(-2, -1)
+        att = (att + torch.sigmoid(att)).masked_fill(~allowed, torch.finfo(att.dtype).min)
+        return att.softmax(-1) @ v
+
+
+class _MinMaskedStrict(_MinMasked):
+    strict = True
+
+
+def test_a_softmax_over_keys_blocked_by_the_lowest_number_is_exact_where_each_query_sees_a_key():
+    model = zoo.perturb(zc._spelling(_MinMasked)().double().eval())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+    # The first query of every path sees no key: per path its softmax weighs the path's T keys
+    # alike, on the tree the S keys of the packed row: that batch is refused.
+    strict = zoo.perturb(zc._spelling(_MinMaskedStrict)().double().eval())
+    with pytest.raises(BatchRefused, match=r"quer(y|ies) at test_dense_pairs.py:\d+ sees? no key above the mask's "
+                                           r"blocked"):
+        tc.tree_compile(strict, backend="eager")(zoo.batches()[0][1])
+    assert torch.is_grad_enabled()
+
+
+def test_the_check_of_blocked_keys_passes_a_row_that_sees_one():
+    from treecompile.passes.attention.pair_state import sees_a_key
+
+    lowest = torch.finfo(torch.float64).min
+    visible = torch.tensor([[True, False], [True, True]])
+    scores = torch.tensor([[0.5, lowest], [lowest, 2.0]], dtype=torch.float64)
+    assert sees_a_key(scores, visible, lowest, "m.py:1").item() == 0.0
+    with pytest.raises(BatchRefused, match=r"1 query at m.py:1 sees no key"):
+        sees_a_key(torch.tensor([[lowest, 1.0], [lowest, 2.0]], dtype=torch.float64), visible, lowest, "m.py:1")
+
+
+class _SinkColumn(zc._Attn):
+    """gpt-oss's eager attention around scores no kernel spelling takes: a learned sink logit per
+    head as one more key column, the row maximum subtracted, the column dropped after the softmax."""
+
+    keep = slice(None, -1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(zc.HEADS))
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        att = q @ k.transpose(-2, -1)
+        att = (att + torch.sigmoid(att)).masked_fill(i[:, None] < i[None, :], torch.finfo(att.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, t, -1)
+        combined = torch.cat([att, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        return combined.softmax(-1)[..., self.keep] @ v
+
+
+class _SinkFirst(_SinkColumn):
+    keep = slice(1, None)  # drops the first key instead of the sink
+
+
+def test_a_sink_column_beside_the_scores_is_every_querys_own():
+    model = zoo.perturb(zc._spelling(_SinkColumn)().double().eval())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+    _refused(_SinkFirst, r"reads a sink column's scores other than dropping the column")

@@ -600,6 +600,11 @@ CASES: list[Case] = [
     Case("deepseek-v32", "DeepSeek-V3.2: sparse attention, an indexer choosing each query's top-k keys", hf=True,
          since=(5, 11), build=_hf("DeepseekV32Config", **_DSA, num_hidden_layers=1),
          attention={"dense_pairs": 2}),
+    # Eager: the chosen keys' mask is the causal float mask filled with the dtype's lowest number,
+    # added to the scores before a softmax (exact where each query sees a key: checked per batch).
+    Case("deepseek-v32-eager", "DeepSeek-V3.2 with eager attention: a float mask of the chosen keys", hf=True,
+         since=(5, 11), build=_hf("DeepseekV32Config", **_DSA, num_hidden_layers=1, attn_implementation="eager"),
+         attention={"dense_pairs": 2}),
     Case("glm-moe-dsa", "GLM-MoE-DSA: sparse attention whose second layer reuses the first's chosen keys", hf=True,
          build=_hf("GlmMoeDsaConfig", **_DSA, indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"]),
          attention={"dense_pairs": 3}),

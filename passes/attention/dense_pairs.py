@@ -50,7 +50,10 @@ from treecompile.passes._graph import (MATMUL, SDPA, SDPA_ARGS, SDPA_DEFAULTS, P
                                       location_of, mutated_args, same_size, value)
 from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
                                           moved_parameters, reads_tokens)
-from treecompile.passes.attention.pair_state import UNKNOWN, Hidden, fill_value, is_pair, query_dim, written
+from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, is_pair,
+                                                    with_sink, written)
+from treecompile.passes.attention.pair_layouts import (head_mix, new_dims_only, scores_per_head, sink_column,
+                                                      weights_per_query)
 from treecompile.passes.attention.top_keys import rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
@@ -59,7 +62,8 @@ __all__ = ["is_pair_exit", "rewrite_dense_pairs"]
 
 #: Ops whose result keeps the last two dims as they are, entry by entry.
 _ELEMENTWISE = POINTWISE | {"add", "sub", "mul", "neg", "pow", "where", "masked_fill", "long", "int", "bool",
-                            "detach", "clone", "contiguous", "iadd", "isub", "imul", "itruediv"}
+                            "detach", "clone", "contiguous", "iadd", "isub", "imul", "itruediv", "to", "type",
+                            "type_as", "float", "double", "half", "bfloat16"}
 _VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "view_as", "squeeze"}  # keeping the last two dims
 #: Reductions over the keys, and the identity each must see at hidden entries.
 _REDUCE = {"sum": 0.0, "amax": float("-inf"), "max": float("-inf"), "logsumexp": float("-inf")}
@@ -83,6 +87,9 @@ def _pair_operand(node: fx.Node) -> fx.Node | None:
     """The operand of an exit that is the region's ``[S, S]`` tensor."""
     if is_call(node, MATMUL, ("matmul", "bmm")) or is_call(node, (torch.topk,), ("topk",)):
         return node.args[0] if node.args else None
+    if is_call(node, (torch.einsum,)):  # ``bhij,bhjd->bhid``: the scores first
+        found = _einsum_product(node)
+        return found[0] if found is not None and not found[2] else None
     if is_call(node, SDPA):
         return bind(node, SDPA_ARGS, SDPA_DEFAULTS)["attn_mask"]
     return None
@@ -111,6 +118,8 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
         return None
     nodes, leaves, exits = region
     anc = _rewrite(gm, ctx, nodes, leaves, why, exit_node)
+    for node, hidden in why.get(GUARDS, []):
+        guard(gm, ctx, node, hidden, anc)
     for n in nodes:
         ctx.mark(n, rows=False)
     for n in exits:
@@ -333,7 +342,7 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     nd = value(n).dim()
     if n.op not in ("call_function", "call_method"):
         return "is not an op the dense pair rule knows"
-    if name in _VIEWS or n.target is operator.getitem and _new_dims_only(n.args[1]):
+    if name in _VIEWS or n.target is operator.getitem and new_dims_only(n.args[1]):
         if not (is_pair(n, ctx) and is_pair(n.args[0], ctx)):
             return "moves the query or key dim"
         state[n] = state.get(n.args[0], UNKNOWN)
@@ -347,9 +356,23 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
         if not _key_dim(n, nd):
             return "runs over the queries, not the keys"
         identity, after = _KEYWISE[name]
-        if not state.get(n.args[0], UNKNOWN).is_(identity):
+        how = blocking(state.get(n.args[0], UNKNOWN), identity)
+        if how is None:
             return f"runs over the keys on entries it does not ignore off the path (it needs {identity} there)"
+        if how == "guarded":  # a finite blocked value: exact where the row sees a key (checked per batch)
+            state.setdefault(GUARDS, []).append((n, float(state[n.args[0]].const)))
+            after = after if name == "softmax" else None
         state[n] = Hidden(torch.tensor(after, dtype=value(n).dtype)) if after is not None else UNKNOWN
+        return None
+    if name == "conv2d":
+        return head_mix(ctx, n, state, members)
+    if name == "cat" or n.target is operator.getitem and with_sink(n.args[0], ctx):
+        return sink_column(ctx, n, state, members)
+    if name == "dropout":  # Hugging Face's eager attention: p=0 outside training, the identity
+        a = bind(n, ["input", "p", "training", "inplace"], {"p": 0.5, "training": True, "inplace": False})
+        if a["p"] and a["training"]:
+            return "is dropout on [S, S] tensors, random per call (per path it draws other numbers)"
+        state[n] = state.get(a["input"], UNKNOWN)
         return None
     if name == "flip":
         return _reverse_cumsum(ctx, n, state, members, nd)
@@ -380,12 +403,6 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     return f"is {name or n.target}, an op on [S, S] tensors the dense pair rule does not know"
 
 
-def _new_dims_only(index) -> bool:
-    """``x[:, None]``: an index that only adds dims of size 1 (whole slices, ``None``, ``...``)."""
-    index = index if isinstance(index, tuple) else (index,)
-    return all(i is None or i is Ellipsis or i == slice(None) for i in index)
-
-
 def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
     """``q @ k^T`` (two row values: a token's own entries, unknown off the path), ``baddbmm`` of
     one, or ``a @ b`` of two ``[S, S]`` (keys of ``a`` meeting queries of ``b``)."""
@@ -409,37 +426,17 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
             return "multiplies [S, S] tensors whose first is not 0 off the path"
         state[n] = Hidden(torch.tensor(0.0, dtype=value(n).dtype)) if state[y].is_(0.0) else UNKNOWN
         return None
-    if y in members and x not in members and _weights_per_query(ctx, n, x, y):
+    if y in members and x not in members and weights_per_query(ctx, n, x, y):
         state[n] = UNKNOWN
         return None
     if x in members or y in members:
         return "multiplies an [S, S] tensor with a row value"
     xv, yv = value(x), value(y)
     if not (same_size(xv.shape[-2], ctx.seq_len) and same_size(yv.shape[-1], ctx.seq_len)
-            and not same_size(xv.shape[-1], ctx.seq_len)) and not _scores_per_head(ctx, n, xv, yv):
+            and not same_size(xv.shape[-1], ctx.seq_len)) and not scores_per_head(ctx, n, xv, yv):
         return "is a product that is not scores of two row values"
     state[n] = UNKNOWN
     return None
-
-
-def _only_s_at(ctx: PassContext, v: torch.Tensor, dims: tuple[int, ...]) -> bool:
-    """Whether ``v``'s dims of the sequence length are exactly ``dims`` (negative)."""
-    return {d - v.dim() for d in range(v.dim()) if same_size(v.shape[d], ctx.seq_len)} == set(dims)
-
-
-def _scores_per_head(ctx: PassContext, n: fx.Node, xv: torch.Tensor, yv: torch.Tensor) -> bool:
-    """``q [.., S, h, d] @ k^T [.., 1, d, S]`` (DeepSeek-V3.2's indexer): ``[.., S, h, S]``, the
-    scores of query row ``s`` and head ``h`` with key row ``t``."""
-    return (xv.dim() >= 3 and yv.dim() >= 3 and _only_s_at(ctx, xv, (-3,)) and _only_s_at(ctx, yv, (-1,))
-            and yv.shape[-3] == 1 and query_dim(n, ctx) == -3)
-
-
-def _weights_per_query(ctx: PassContext, n: fx.Node, x: fx.Node, y: fx.Node) -> bool:
-    """``w [.., S, m, h] @ scores [.., S, h, S]``: each query's own weights summing its scores
-    over a dim that is neither the queries nor the keys (the indexer's heads)."""
-    xv, yv = value(x), value(y)
-    return (isinstance(xv, torch.Tensor) and xv.dim() >= 3 and query_dim(y, ctx) == -3
-            and _only_s_at(ctx, xv, (-3,)) and query_dim(n, ctx) == -3)
 
 
 def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
@@ -521,8 +518,11 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
     if name in _REDUCE and len(pair_args) == 1 and e.args[0] in members:
         if not _key_dim(e, value(e.args[0]).dim()):
             return "reduces over other than the keys"
-        if not state[e.args[0]].is_(_REDUCE[name]):
+        how = blocking(state[e.args[0]], _REDUCE[name])
+        if how is None:
             return f"reduces over keys it does not ignore off the path (it needs {_REDUCE[name]} there)"
+        if how == "guarded":
+            state.setdefault(GUARDS, []).append((e, float(state[e.args[0]].const)))
         if name == "max" and any(not (u.target is operator.getitem and u.args[1] == 0) for u in e.users):
             return "reads the index of a maximum over the keys (a packed row index)"
         return None

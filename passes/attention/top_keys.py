@@ -33,8 +33,8 @@ from torch import fx
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call, is_op,
                                       location_of, same_size, value)
-from treecompile.passes._mask_eval import BLOCKED
-from treecompile.passes.attention.pair_state import FILL_ARGS, FILLS, INDEX_CASTS, UNKNOWN, query_dim
+from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, GUARDS, INDEX_CASTS, UNKNOWN, blocking,
+                                                    query_dim)
 from treecompile.passes.rows.domain import op_key, split_inplace
 
 __all__ = ["tree_top_keys", "ambiguous_queries", "scatter_keys", "chosen_keys", "selected_keys", "top_keys_exit",
@@ -178,10 +178,14 @@ def sdpa_exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | 
     if not all(same_size(value(a[r]).shape[-2], ctx.seq_len) for r in ("query", "key", "value")):
         return "is scaled_dot_product_attention over other than the sequence's rows"
     hidden = state[mask].const
-    blocked = hidden is not None and (bool(hidden == False) if hidden.dtype == torch.bool  # noqa: E712
-                                      else bool(hidden <= BLOCKED))
-    if not blocked:
+    if hidden is not None and hidden.dtype == torch.bool:
+        how = "exact" if not bool(hidden) else None
+    else:
+        how = blocking(state[mask], float("-inf"))
+    if how is None:
         return "attends over keys it does not block off the path (its mask needs False or -inf there)"
+    if how == "guarded":  # a finite blocked value: exact where the row sees a key (checked per batch)
+        state.setdefault(GUARDS, []).append((e, float(hidden)))
     return None
 
 

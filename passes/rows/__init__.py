@@ -95,6 +95,9 @@ FAMILIES: dict[str, str] = {
                    "rows (without a dim: every dim, refused with rows)",
     "norm": "statistics over dims that are not the rows (`layer_norm`, `rms_norm` over the last dims; group and "
             "instance norm only with the rows as samples; batch norm only in evaluation with running statistics)",
+    "recurrent cell": "one step of `gru_cell`, `lstm_cell`, `rnn_tanh_cell`, `rnn_relu_cell` over a batch of rows: "
+                      "each row with its own state (the rows on the batch dim of the input and the states), the "
+                      "weights without rows",
     "contraction": "`matmul`, `einsum`, `linear` ... as an einsum: every operand's rows on one letter, kept in the "
                    "result; contracting it or two row letters (an [S, S] product) is refused",
     "attention": "`scaled_dot_product_attention` left in the graph: rows as a batch dim or only the queries; over "

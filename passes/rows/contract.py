@@ -108,6 +108,21 @@ def bilinear(node: fx.Node, a: Args, env: RowEnv) -> Any:
     return combine([rows, _right_aligned(env, bias, _nd(node)) if _is_tensor(bias) else None])
 
 
+@_register("recurrent cell", "gru_cell lstm_cell rnn_tanh_cell rnn_relu_cell")
+def rnn_cell(node: fx.Node, a: Args, env: RowEnv) -> Any:
+    """One step of a recurrent cell over a batch of rows (x-transformers' GRU gating applies
+    ``nn.GRUCell`` to the flattened tokens): each row with its own state, its weights shared."""
+    hx = a.get(1, "hx")
+    states = [a.first, *(hx if isinstance(hx, (list, tuple)) else [hx])]
+    rows = [_data_rows(env, t) for t in states if _is_tensor(t)]
+    if any(_is_tensor(w) and _data_rows(env, w) is not None for w in a.args[2:]):
+        raise NotRowLocal("runs a recurrent cell whose weights have rows")
+    out = combine([r for r in rows if r is not None])
+    if out is not None and out.dim != 0:
+        raise NotRowLocal("runs a recurrent cell with the rows on other than its batch dim")
+    return (out, out) if _name(node) == "lstm_cell" else out
+
+
 @_register("contraction", "einsum")
 def einsum(node: fx.Node, a: Args, env: RowEnv) -> Any:
     eq = a.args[0]

@@ -58,6 +58,7 @@ from zoo_repos.positions import CenteredPositionsLM, DecayFromStartLM, FairseqTr
 from zoo_repos.qwen import QWen1LM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, Llama436PositionIdsLM,
                               LucidrainsLegacyRotaryEmbedding, LucidrainsRotaryLM, PalmLM)
+from zoo_repos.xtalking import XTalkingDecoder
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
 
 
@@ -133,6 +134,10 @@ CASES: list[zoo.Case] = [
     zoo.Case("x-transformers-rotary", "x-transformers Decoder(rotary_pos_emb=True) without xPos: rotary of half the "
              "head dim (the unused t.max() still computed), einsum attention, triu(j - i + 1) mask",
              _build(XTransformerDecoder, rotary_xpos=False)),
+    zoo.Case("x-transformers-talking-heads", "x-transformers Decoder(attn_talking_heads=True, residual_attn=True, "
+             "gate_residual=True): 1 x 1 Conv2d over the heads before and after the softmax, each layer's scores plus "
+             "the previous layer's (RealFormer), GRUCell residual gates; kept on dense [S, S] tensors",
+             _build(XTalkingDecoder, depth=2), attention={"dense_pairs": 1}),
     zoo.Case("olmo", "allenai/OLMo olmo/model.py, called without a mask: RoPE cached in a dict, SwiGLU, SDPA "
              "is_causal, tied head", _build(OLMo)),
     zoo.Case("olmo-scale-logits", "OLMo with scale_logits: the logits scaled in place (logits.mul_) after the tied "
