@@ -149,10 +149,12 @@ def copy_node(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
 
 
 def copy_values(ctx: PassContext, g: fx.Graph, node: fx.Node) -> fx.Node:
-    """A copy of what ``node``'s values come from (`value_ancestors`; placeholders and attributes
-    read where they are), inserted where ``g`` inserts: the pass's nodes, off the rows (a table
-    or kernel over distances, which the positions pass and the row rules leave alone)."""
+    """A copy of what ``node``'s values come from (`value_ancestors`, and the in-place writes into
+    it before it is read, as `evaluate` runs them; placeholders and attributes read where they
+    are), inserted where ``g`` inserts: the pass's nodes, off the rows (a table or kernel over
+    distances, which the positions pass and the row rules leave alone)."""
     sub = value_ancestors(node) | {node}
+    sub |= _writes_before_read(node, sub, fresh_only=True)  # ``m = zeros(T, T); m[tril] = 1``: written too
     env: dict[fx.Node, fx.Node] = {}
     for n in [n for n in g.nodes if n in sub and n.op not in ("placeholder", "get_attr")]:
         env[n] = ctx.mark(copy_node(g, n, env), like=n, rows=False)
@@ -486,11 +488,18 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
             _set_autograd_switches(*switches)
 
 
-def _writes_before_read(node: fx.Node, needed: set[fx.Node]) -> set[fx.Node]:
+def written_from_tokens(ctx: PassContext, node: fx.Node) -> bool:
+    """Whether an in-place write into ``node`` before it is read (`evaluate` runs them) takes
+    values read from the token ids: then ``node``'s values do, whatever its own inputs."""
+    return any(reads_tokens(ctx, w) for w in _writes_before_read(node, ancestors(node) | {node}))
+
+
+def _writes_before_read(node: fx.Node, needed: set[fx.Node], fresh_only: bool = False) -> set[fx.Node]:
     """The in-place writes into the memory of ``needed`` made before ``node`` is read
     (``mask = ones(T, T).triu(1); mask.masked_fill_(mask.bool(), -inf)``), with what they read:
     the mask's value includes them. A read that only feeds such a write (``mask.bool()``
-    above) is part of the write."""
+    above) is part of the write. ``fresh_only``: not those writing an input, a parameter or a
+    buffer (a copy reads those where they are, after the writes)."""
     stores = {storage_of(n) for n in needed} - {None}
     writers = [n for n in node.graph.nodes if n not in needed and mutated_args(n)
                and {storage_of(t) for t in mutated_args(n)} & stores]
@@ -500,8 +509,11 @@ def _writes_before_read(node: fx.Node, needed: set[fx.Node]) -> set[fx.Node]:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     reads = [order[u] for u in node.users if u not in writers and u not in feeding]
     until = min(reads, default=len(order))
+    external = {storage_of(n) for n in node.graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
     writes: set[fx.Node] = set()
     for w in writers:
+        if fresh_only and {storage_of(t) for t in mutated_args(w)} & external:
+            continue
         if order[w] < until:
             writes |= ancestors(w) | {w}
     return writes

@@ -104,7 +104,19 @@ def test_a_future_value_read_from_a_parameter_is_not_taken_for_a_constant():
         tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
 
 
+class _WrittenFromTokens(zc._Attn):
+    """A mask built in place with values read from the tokens (per query: its own scale)."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        keep = torch.zeros(t, t, dtype=q.dtype, device=q.device)
+        keep.add_((i[:, None] >= i[None, :]).to(q.dtype) * torch.sigmoid(q[0, 0, :, :1]))
+        return (torch.sigmoid(q @ k.transpose(-2, -1)) * keep) @ v
+
+
 @pytest.mark.parametrize("attn,match", [
+    (_WrittenFromTokens, r"written in place with values read from the tokens"),
     (_MeanOverKeys, r"takes an \[S, S\] tensor out of the region \(mean\)"),
     (_ArgmaxKey, r"reads the index of a maximum over the keys"),
     (_OverLength, r"reads the sequence length as a value"),
@@ -223,3 +235,22 @@ def test_a_sink_column_beside_the_scores_is_every_querys_own():
         zoo.compare(model, compiled, batch, trees)
     assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
     _refused(_SinkFirst, r"reads a sink column's scores other than dropping the column")
+
+
+class _FilledThenWritten(zc._Attn):
+    """Weights over the keys from a mask built in place in a fill (``zeros(T, T)``, then the causal
+    entries set to 1): not one value any more, so read at path positions like any mask."""
+
+    def attend(self, q, k, v):
+        t = q.shape[2]
+        i = torch.arange(t, device=q.device)
+        keep = torch.zeros(t, t, dtype=q.dtype, device=q.device)
+        keep[i[:, None] >= i[None, :]] = 1.0
+        return (torch.sigmoid(q @ k.transpose(-2, -1)) * keep) @ v
+
+
+def test_a_fill_written_in_place_is_read_as_a_mask():
+    model = zoo.perturb(zc._spelling(_FilledThenWritten)().double().eval())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)

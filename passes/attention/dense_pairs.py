@@ -49,9 +49,9 @@ from treecompile.kernels.attention.masks import dense_tree_mask
 from treecompile.passes._graph import (MATMUL, SDPA, SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call,
                                       location_of, mutated_args, same_size, value)
 from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
-                                          moved_parameters, reads_tokens)
-from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, is_pair,
-                                                    with_sink, written)
+                                          moved_parameters, reads_tokens, written_from_tokens)
+from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, guarded,
+                                                    is_pair, with_sink, written)
 from treecompile.passes.attention.pair_layouts import (head_mix, new_dims_only, scores_per_head, sink_column,
                                                       weights_per_query)
 from treecompile.passes.attention.top_keys import rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
@@ -118,8 +118,8 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
         return None
     nodes, leaves, exits = region
     anc = _rewrite(gm, ctx, nodes, leaves, why, exit_node)
-    for node, hidden in why.get(GUARDS, []):
-        guard(gm, ctx, node, hidden, anc)
+    for node, hidden, qdim, sink in why.get(GUARDS, []):
+        guard(gm, ctx, node, hidden, qdim, sink, anc)
     for n in nodes:
         ctx.mark(n, rows=False)
     for n in exits:
@@ -186,6 +186,8 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> Hidden | str:
     value on the future one constant (else unknown). A constant fill is that constant."""
     if mutated_args(leaf):
         return "written in place"
+    if written_from_tokens(ctx, leaf):
+        return "written in place with values read from the tokens"
     fill = fill_value(leaf)
     if fill is not None:
         return Hidden(fill)
@@ -360,7 +362,7 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
         if how is None:
             return f"runs over the keys on entries it does not ignore off the path (it needs {identity} there)"
         if how == "guarded":  # a finite blocked value: exact where the row sees a key (checked per batch)
-            state.setdefault(GUARDS, []).append((n, float(state[n.args[0]].const)))
+            guarded(state, n, n.args[0], ctx)
             after = after if name == "softmax" else None
         state[n] = Hidden(torch.tensor(after, dtype=value(n).dtype)) if after is not None else UNKNOWN
         return None
@@ -522,7 +524,7 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
         if how is None:
             return f"reduces over keys it does not ignore off the path (it needs {_REDUCE[name]} there)"
         if how == "guarded":
-            state.setdefault(GUARDS, []).append((e, float(state[e.args[0]].const)))
+            guarded(state, e, e.args[0], ctx)
         if name == "max" and any(not (u.target is operator.getitem and u.args[1] == 0) for u in e.users):
             return "reads the index of a maximum over the keys (a packed row index)"
         return None

@@ -22,12 +22,12 @@ from torch import fx
 
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA, SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, is_call, location_of,
-                                      same_size, storage_of, value)
+                                      mutated_args, same_size, storage_of, value)
 from treecompile.passes._mask_eval import BLOCKED
 from treecompile.passes.rows.domain import op_key
 
 __all__ = ["Hidden", "UNKNOWN", "query_dim", "is_pair", "FILLS", "FILL_ARGS", "fill_value", "written", "INDEX_CASTS",
-           "blocking", "GUARDS", "sees_a_key", "guard", "with_sink"]
+           "blocking", "GUARDS", "sees_a_key", "guarded", "guard", "with_sink"]
 
 #: Where a region's state lists the ``(node, argument)`` pairs whose argument's blocked entries are
 #: finite: each gets a `sees_a_key` check before it.
@@ -79,7 +79,11 @@ FILL_ARGS = {"new_full": 2, "full_like": 1, "full": 1}
 
 
 def fill_value(n: fx.Node) -> torch.Tensor | None:
-    """The one value a constant fill holds (a 0-dim tensor of its dtype), else None."""
+    """The one value a constant fill holds (a 0-dim tensor of its dtype), else None; None also for
+    one some op writes in place (``m = zeros(S, S); m[...] = 1``: not one value any more)."""
+    target = storage_of(n)
+    if target is None or any(storage_of(t) == target for m in n.graph.nodes for t in mutated_args(m)):
+        return None
     name = op_key(n) if n.op in ("call_function", "call_method") else None
     if name in FILL_ARGS:
         at = FILL_ARGS[name]
@@ -146,15 +150,22 @@ def _no_gradient(ctx, grad):
 sees_a_key.register_autograd(_no_gradient, setup_context=lambda ctx, inputs, output: None)
 
 
-def guard(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, hidden: float, anc: fx.Node) -> None:
+def guarded(state: dict, node: fx.Node, operand: fx.Node, ctx: PassContext) -> None:
+    """Lists ``node`` for `guard`: its ``operand``'s blocked value and layout, as the proof saw them."""
+    entry = (node, float(state[operand].const), query_dim(operand, ctx), with_sink(operand, ctx))
+    state.setdefault(GUARDS, []).append(entry)
+
+
+def guard(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, hidden: float, qdim: int, sink: bool,
+          anc: fx.Node) -> None:
     """``node``'s operand over the keys (its scores, or SDPA's mask) plus `sees_a_key`'s 0."""
     sdpa = is_call(node, SDPA)
     x = bind(node, SDPA_ARGS, SDPA_DEFAULTS)["attn_mask"] if sdpa else node.args[0]
     g = gm.graph
     with g.inserting_before(node):
-        visible = anc if query_dim(x, ctx) == -2 else \
+        visible = anc if qdim == -2 else \
             ctx.mark(g.call_method("unsqueeze", (anc, 1)), like=node, rows=False)  # [S, 1, S] for [.., S, h, S]
-        if with_sink(x, ctx):  # the sink's column is every query's own
+        if sink:  # the sink's column is every query's own
             visible = ctx.mark(g.call_function(torch.nn.functional.pad, (visible, (0, 1)), {"value": True}),
                                like=node, rows=False)
         zero = ctx.mark(g.call_function(torch.ops.treecompile.sees_a_key.default,

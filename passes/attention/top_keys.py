@@ -33,7 +33,7 @@ from torch import fx
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call, is_op,
                                       location_of, same_size, value)
-from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, GUARDS, INDEX_CASTS, UNKNOWN, blocking,
+from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, INDEX_CASTS, UNKNOWN, blocking, guarded,
                                                     query_dim)
 from treecompile.passes.rows.domain import op_key, split_inplace
 
@@ -185,7 +185,7 @@ def sdpa_exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | 
     if how is None:
         return "attends over keys it does not block off the path (its mask needs False or -inf there)"
     if how == "guarded":  # a finite blocked value: exact where the row sees a key (checked per batch)
-        state.setdefault(GUARDS, []).append((e, float(hidden)))
+        guarded(state, e, mask, ctx)
     return None
 
 
