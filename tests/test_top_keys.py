@@ -77,13 +77,32 @@ class _SparseAttn(zc._Attn):
         return x + self.mlp(self.ln2(x))
 
 
-def _model():
+class _SparseAttnEinsum(_SparseAttn):
+    """The indexer as DeepSeek's reference writes it: ``einsum("bshd,btd->bsht")`` scores per head,
+    ``einsum("bsht,bsh->bst")`` summing them with each query's weights."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.heads(x)
+        h = self.ln(x)
+        causal = self.causal[0, 0, :t, :t].bool()
+        scores = torch.einsum("bshd,btd->bsht", self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h)).relu()
+        index = torch.einsum("bsht,bsh->bst", scores, self.iw(h)).masked_fill(~causal, float("-inf"))
+        top = index.topk(min(self.TOPK, t), dim=-1).indices
+        keep = torch.zeros(b, t, t, dtype=torch.bool).scatter(-1, top, True) & causal
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, zc.DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+def _model(attn=_SparseAttn):
     torch.manual_seed(0)
-    return zoo.perturb(zc._spelling(_SparseAttn)().double().eval())
+    return zoo.perturb(zc._spelling(attn)().double().eval())
 
 
-def test_a_sparse_attention_written_by_hand_equals_per_path_training():
-    model = _model()
+@pytest.mark.parametrize("attn", [_SparseAttn, _SparseAttnEinsum], ids=["matmul", "einsum"])
+def test_a_sparse_attention_written_by_hand_equals_per_path_training(attn):
+    model = _model(attn)
     compiled = tc.tree_compile(model, backend="eager")
     for _, batch, trees in zoo.batches():
         zoo.compare(model, compiled, batch, trees)

@@ -52,8 +52,8 @@ from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal
                                           moved_parameters, reads_tokens, written_from_tokens)
 from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, guarded,
                                                     is_pair, with_sink, written)
-from treecompile.passes.attention.pair_layouts import (head_mix, new_dims_only, scores_per_head, sink_column,
-                                                      weights_per_query)
+from treecompile.passes.attention.pair_layouts import (einsum_per_head, head_mix, new_dims_only, scores_per_head,
+                                                      sink_column, weights_per_query)
 from treecompile.passes.attention.top_keys import rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
@@ -413,7 +413,7 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
     elif is_call(n, (torch.einsum,)):
         found = _einsum_product(n)
         if found is None:
-            return "is an einsum that is not a product over one dim"
+            return einsum_per_head(ctx, n, state, members)
         x, y, y_transposed = found
         if y_transposed:  # ``...id,...jd->...ij``: scores of two row values
             if x in members or y in members or not (same_size(value(x).shape[-2], ctx.seq_len)

@@ -14,7 +14,7 @@ from treecompile.passes._graph import PassContext, bind, same_size, value
 from treecompile.passes._mask_eval import reads_tokens
 from treecompile.passes.attention.pair_state import UNKNOWN, is_pair, query_dim, with_sink
 
-__all__ = ["scores_per_head", "weights_per_query", "head_mix", "sink_column", "new_dims_only"]
+__all__ = ["scores_per_head", "weights_per_query", "einsum_per_head", "head_mix", "sink_column", "new_dims_only"]
 
 
 def scores_per_head(ctx: PassContext, n: fx.Node, xv: torch.Tensor, yv: torch.Tensor) -> bool:
@@ -76,3 +76,34 @@ def new_dims_only(index) -> bool:
     """``x[:, None]``: an index that only adds dims of size 1 (whole slices, ``None``, ``...``)."""
     index = index if isinstance(index, tuple) else (index,)
     return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+
+
+def einsum_per_head(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
+    """The sparse-attention indexer as DeepSeek's reference writes it: ``einsum("bshd,btd->bsht", q,
+    k)`` (scores of two row values, one query letter and one key letter, the key's last) and
+    ``einsum("bsht,bsh->bst", scores, w)`` (each query's own weights summing its scores over a
+    letter that is neither the query nor the key)."""
+    eq, ops = n.args[0], n.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+        return "is an einsum that is not a product over one dim"
+    ins, out = eq.replace(" ", "").split("->")
+    specs = ins.split(",")
+    if len(specs) != 2 or any(len(sp) != value(o).dim() or len(set(sp)) != len(sp) for sp, o in zip(specs, ops)):
+        return "is an einsum that is not a product over one dim"
+    seq = [{c for c, d in zip(sp, value(o).shape) if same_size(d, ctx.seq_len)} for sp, o in zip(specs, ops)]
+    contracted = (set(specs[0]) | set(specs[1])) - set(out)
+    qdim = query_dim(n, ctx)
+    if qdim is None or contracted & (seq[0] | seq[1]) or not out or out[-1] not in seq[0] | seq[1]:
+        return "is an einsum over [S, S] tensors other than scores per query and key"
+    key, query = out[-1], out[qdim]
+    x, y = ops
+    if x not in members and y not in members and seq == [{query}, {key}] and query != key:
+        state[n] = UNKNOWN  # scores of two row values
+        return None
+    if x in members and y not in members and seq[1] == {query} and query_dim(x, ctx) is not None \
+            and specs[0][query_dim(x, ctx)] == query and specs[0][-1] == key:
+        state[n] = UNKNOWN  # each query's weights over the heads
+        return None
+    return "is an einsum over [S, S] tensors other than scores per query and key"
