@@ -87,7 +87,7 @@ def scatter_keys(ctx: PassContext, n: fx.Node, state: dict, members: set, nd: in
     a = bind(n, ["input", "dim", "index", "value"], {})
     src, dim, index, mark = a.get("input"), a.get("dim"), a.get("index"), a.get("value", a.get("src"))
     if src not in members or dim not in (-1, nd - 1) or not isinstance(mark, (bool, int, float)) or \
-            index in members or chosen_keys(index) is None:
+            index in members or chosen_keys(index) is None or "reduce" in n.kwargs or len(n.args) > 4:
         return "writes into an [S, S] tensor other than marking the keys a top-k over the keys chose"
     iv, sv = value(index), value(src)
     if tuple(iv.shape[:-1]) != tuple(sv.shape[:-1]):
@@ -133,8 +133,9 @@ def top_keys_exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> st
     S)`` keeps as many visible keys as the path's ``min(c, T)`` does: every one when ``T <= c``."""
     a = bind(e, ["input", "k", "dim", "largest", "sorted"], {"dim": -1, "largest": True, "sorted": True})
     x, k = a["input"], a["k"]
-    if x not in members or a["dim"] not in (-1, value(x).dim() - 1) or a["largest"] is not True:
-        return "chooses over other than the largest scores over the keys"
+    if x not in members or a["dim"] not in (-1, value(x).dim() - 1) or a["largest"] is not True or \
+            query_dim(x, ctx) != -2:
+        return "chooses over other than the largest scores over the keys of [.., S, S] scores"
     if not (isinstance(k, int) or _capped_by_length(ctx, k)):
         return "chooses a number of keys that reads the sequence length"
     hidden = state[x].const
