@@ -95,12 +95,34 @@ class _SparseAttnEinsum(_SparseAttn):
         return x + self.mlp(self.ln2(x))
 
 
+class _SparseAttnReference(_SparseAttn):
+    """DeepSeek-V3.2's reference (``inference/model.py``): the chosen keys' mask built in place,
+    ``torch.full(.., -inf).scatter_(-1, topk_indices, 0)``, plus the causal mask, added to the
+    scores before a softmax."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.heads(x)
+        h = self.ln(x)
+        mask = torch.where(self.causal[0, 0, :t, :t].bool(), 0.0, float("-inf")).to(x.dtype)
+        scores = torch.einsum("bshd,btd->bsht", self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h)).relu()
+        index = torch.einsum("bsht,bsh->bst", scores, self.iw(h)) + mask
+        top = index.topk(min(self.TOPK, t), dim=-1)[1]
+        index_mask = torch.full((b, t, t), float("-inf"), dtype=x.dtype)
+        index_mask.scatter_(-1, top, 0)
+        att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + (index_mask + mask).unsqueeze(1)
+        y = att.softmax(-1) @ v
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, zc.DIM))
+        return x + self.mlp(self.ln2(x))
+
+
 def _model(attn=_SparseAttn):
     torch.manual_seed(0)
     return zoo.perturb(zc._spelling(attn)().double().eval())
 
 
-@pytest.mark.parametrize("attn", [_SparseAttn, _SparseAttnEinsum], ids=["matmul", "einsum"])
+@pytest.mark.parametrize("attn", [_SparseAttn, _SparseAttnEinsum, _SparseAttnReference],
+                         ids=["matmul", "einsum", "reference"])
 def test_a_sparse_attention_written_by_hand_equals_per_path_training(attn):
     model = _model(attn)
     compiled = tc.tree_compile(model, backend="eager")

@@ -54,7 +54,7 @@ from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, bl
                                                     is_pair, with_sink, written)
 from treecompile.passes.attention.pair_layouts import (einsum_per_head, head_mix, new_dims_only, scores_per_head,
                                                       sink_column, weights_per_query)
-from treecompile.passes.attention.top_keys import rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
+from treecompile.passes.attention.top_keys import marked_fill, rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 
@@ -147,17 +147,23 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
             continue
         n = _uncut_leading_row(gm, ctx, n) or n
         seen.add(n)
-        if not reads_tokens(ctx, n):
+        if not _reads_tokens(ctx, n):
             continue  # a structural leaf: its own inputs are its construction
         stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx))
         stack.extend(u for u in n.users if is_pair(u, ctx))
     order = {n: i for i, n in enumerate(start.graph.nodes)}
-    token = sorted((n for n in seen if reads_tokens(ctx, n)), key=order.get)
-    leaves = sorted((n for n in seen if not reads_tokens(ctx, n)), key=order.get)
+    token = sorted((n for n in seen if _reads_tokens(ctx, n)), key=order.get)
+    leaves = sorted((n for n in seen if not _reads_tokens(ctx, n)), key=order.get)
     if any(n in ctx.created for n in seen):
         return "is an [S, S] tensor another rewrite made"
     exits = sorted({u for n in token for u in n.users if u not in seen}, key=order.get)
     return token, leaves, exits
+
+
+def _reads_tokens(ctx: PassContext, n: fx.Node) -> bool:
+    """Whether ``n``'s values come from the tokens, also through what was written in place into
+    the memory it reads (a fill marked at chosen keys is a leaf: `marked_fill`)."""
+    return reads_tokens(ctx, n) or written_from_tokens(ctx, n) and marked_fill(n) is None
 
 
 def _prove(ctx: PassContext, region: tuple[list, list, list]) -> dict | tuple[fx.Node, str]:
@@ -186,6 +192,9 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> Hidden | str:
     value on the future one constant (else unknown). A constant fill is that constant."""
     if mutated_args(leaf):
         return "written in place"
+    marked = marked_fill(leaf)
+    if marked is not None:
+        return marked[0]
     if written_from_tokens(ctx, leaf):
         return "written in place with values read from the tokens"
     fill = fill_value(leaf)
@@ -344,6 +353,8 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     nd = value(n).dim()
     if n.op not in ("call_function", "call_method"):
         return "is not an op the dense pair rule knows"
+    if fill_value(n, written=True) is not None:  # a fill among the tokens' nodes: written from them
+        return "is written in place with values read from the tokens"
     if name in _VIEWS or n.target is operator.getitem and new_dims_only(n.args[1]):
         if not (is_pair(n, ctx) and is_pair(n.args[0], ctx)):
             return "moves the query or key dim"
@@ -547,8 +558,10 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
         pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
     for leaf in leaves:
-        if fill_value(leaf) is not None:
-            ctx.mark(leaf, rows=False)  # one value everywhere: at any position the same
+        marked = marked_fill(leaf)
+        if fill_value(leaf) is not None or marked is not None:
+            for n in [leaf, *(marked[1] if marked else [])]:
+                ctx.mark(n, rows=False)  # one value, or the path's chosen keys marked in it: as it is
             continue
         order = {n: i for i, n in enumerate(g.nodes)}
         with g.inserting_before(min((u for u in leaf.users if u in nodes), key=order.get)):

@@ -27,7 +27,7 @@ from treecompile.passes._mask_eval import BLOCKED
 from treecompile.passes.rows.domain import op_key
 
 __all__ = ["Hidden", "UNKNOWN", "query_dim", "is_pair", "FILLS", "FILL_ARGS", "fill_value", "written", "INDEX_CASTS",
-           "blocking", "GUARDS", "sees_a_key", "guarded", "guard", "with_sink"]
+           "blocking", "GUARDS", "sees_a_key", "guarded", "guard", "with_sink", "writers_of"]
 
 #: Where a region's state lists the ``(node, argument)`` pairs whose argument's blocked entries are
 #: finite: each gets a `sees_a_key` check before it.
@@ -78,11 +78,11 @@ FILLS = {"new_ones": 1, "new_zeros": 0, "ones_like": 1, "zeros_like": 0, "ones":
 FILL_ARGS = {"new_full": 2, "full_like": 1, "full": 1}
 
 
-def fill_value(n: fx.Node) -> torch.Tensor | None:
+def fill_value(n: fx.Node, written: bool = False) -> torch.Tensor | None:
     """The one value a constant fill holds (a 0-dim tensor of its dtype), else None; None also for
-    one some op writes in place (``m = zeros(S, S); m[...] = 1``: not one value any more)."""
-    target = storage_of(n)
-    if target is None or any(storage_of(t) == target for m in n.graph.nodes for t in mutated_args(m)):
+    one some op writes in place (``m = zeros(S, S); m[...] = 1``: not one value any more), unless
+    ``written`` (the value it was filled with)."""
+    if not written and writers_of(n) != []:
         return None
     name = op_key(n) if n.op in ("call_function", "call_method") else None
     if name in FILL_ARGS:
@@ -94,6 +94,14 @@ def fill_value(n: fx.Node) -> torch.Tensor | None:
     if not isinstance(c, (bool, int, float)) or not isinstance(v, torch.Tensor):
         return None
     return torch.tensor(c, dtype=v.dtype)
+
+
+def writers_of(n: fx.Node) -> list[fx.Node] | None:
+    """The nodes writing ``n``'s memory in place (None: memory of unknown origin)."""
+    target = storage_of(n)
+    if target is None:
+        return None
+    return [m for m in n.graph.nodes if any(storage_of(t) == target for t in mutated_args(m))]
 
 
 def written(n: fx.Node, state: dict, members: set) -> None:

@@ -33,12 +33,12 @@ from torch import fx
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call, is_op,
                                       location_of, same_size, value)
-from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, INDEX_CASTS, UNKNOWN, blocking, guarded,
-                                                    query_dim)
+from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, INDEX_CASTS, UNKNOWN, Hidden, blocking,
+                                                    fill_value, guarded, query_dim, writers_of)
 from treecompile.passes.rows.domain import op_key, split_inplace
 
-__all__ = ["tree_top_keys", "ambiguous_queries", "scatter_keys", "chosen_keys", "selected_keys", "top_keys_exit",
-           "sdpa_exit", "rewrite_top_keys"]
+__all__ = ["tree_top_keys", "ambiguous_queries", "scatter_keys", "marked_fill", "chosen_keys", "selected_keys",
+           "top_keys_exit", "sdpa_exit", "rewrite_top_keys"]
 
 Tensor = torch.Tensor
 
@@ -96,6 +96,26 @@ def scatter_keys(ctx: PassContext, n: fx.Node, state: dict, members: set, nd: in
     same = before.const is not None and bool(before.const == torch.tensor(mark, dtype=before.const.dtype))
     state[n] = before if same else UNKNOWN
     return None
+
+
+def marked_fill(leaf: fx.Node) -> tuple | None:
+    """``(hidden value, writers)`` of a constant fill whose every in-place write marks chosen keys
+    (``torch.full(.., -inf).scatter_(-1, idx, 0)``, DeepSeek's reference): at visible entries the
+    fill, or the mark at the path's chosen keys; off the path the fill, or the mark where a key off
+    the path was chosen (unknown unless the two are one value). Else None."""
+    fill, writers = fill_value(leaf, written=True), writers_of(leaf)
+    if fill is None or not writers:
+        return None
+    for w in writers:
+        a = bind(w, ["input", "dim", "index", "value"], {})
+        name, inplace = split_inplace(op_key(w))
+        if not (name == "scatter" and inplace and a.get("input") is leaf and a.get("dim") in (-1, value(leaf).dim() - 1)
+                and isinstance(a.get("value"), (bool, int, float)) and chosen_keys(a.get("index")) is not None
+                and "reduce" not in w.kwargs and len(w.args) <= 4):
+            return None
+    marks = {bool(torch.tensor(bind(w, ["input", "dim", "index", "value"], {})["value"], dtype=fill.dtype) == fill)
+             for w in writers}
+    return (Hidden(fill) if marks == {True} else UNKNOWN), writers
 
 
 def chosen_keys(index: fx.Node) -> fx.Node | None:
