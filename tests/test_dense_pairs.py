@@ -157,6 +157,16 @@ def test_a_learned_table_of_zeros_is_not_taken_for_a_function_of_the_distance():
     assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
 
 
+def _gated_scores(q, k, strict=False):
+    """Scores plus a gate of themselves (no kernel spelling takes them), the future (and with
+    ``strict`` the diagonal) filled with the dtype's most negative number."""
+    t = q.shape[2]
+    i = torch.arange(t, device=q.device)
+    allowed = i[:, None] > i[None, :] if strict else i[:, None] >= i[None, :]
+    att = q @ k.transpose(-2, -1)
+    return (att + torch.sigmoid(att)).masked_fill(~allowed, torch.finfo(att.dtype).min)
+
+
 class _MinMasked(zc._Attn):
     """Scores plus a gate of themselves (no kernel spelling), the future filled with the dtype's
     most negative number (Hugging Face's convention) rather than ``-inf``; ``strict``: the
@@ -165,24 +175,24 @@ class _MinMasked(zc._Attn):
     strict = False
 
     def attend(self, q, k, v):
-        t = q.shape[2]
-        i = torch.arange(t, device=q.device)
-        allowed = i[:, None] > i[None, :] if self.strict else i[:, None] >= i[None, :]
-        att = q @ k.transpose(-2, -1)
-        att = (att + torch.sigmoid(att)).masked_fill(~allowed, torch.finfo(att.dtype).min)
-        return att.softmax(-1) @ v
+        return _gated_scores(q, k, strict=self.strict).softmax(-1) @ v
 
 
 class _MinMaskedStrict(_MinMasked):
     strict = True
 
 
-def test_a_softmax_over_keys_blocked_by_the_lowest_number_is_exact_where_each_query_sees_a_key():
-    model = zoo.perturb(zc._spelling(_MinMasked)().double().eval())
+def _exact(attn_cls, regions: int = 2) -> None:
+    """The model of ``attn_cls`` blocks equals per-path training on both trees, one dense region a block."""
+    model = zoo.perturb(zc._spelling(attn_cls)().double().eval())
     compiled = tc.tree_compile(model, backend="eager")
     for _, batch, trees in zoo.batches():
         zoo.compare(model, compiled, batch, trees)
-    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": regions}
+
+
+def test_a_softmax_over_keys_blocked_by_the_lowest_number_is_exact_where_each_query_sees_a_key():
+    _exact(_MinMasked)
     # The first query of every path sees no key: per path its softmax weighs the path's T keys
     # alike, on the tree the S keys of the packed row: that batch is refused.
     strict = zoo.perturb(zc._spelling(_MinMaskedStrict)().double().eval())
@@ -214,11 +224,8 @@ class _SinkColumn(zc._Attn):
         self.sinks = torch.nn.Parameter(torch.randn(zc.HEADS))
 
     def attend(self, q, k, v):
-        t = q.shape[2]
-        i = torch.arange(t, device=q.device)
-        att = q @ k.transpose(-2, -1)
-        att = (att + torch.sigmoid(att)).masked_fill(i[:, None] < i[None, :], torch.finfo(att.dtype).min)
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, t, -1)
+        att = _gated_scores(q, k)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
         combined = torch.cat([att, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         return combined.softmax(-1)[..., self.keep] @ v
@@ -229,11 +236,7 @@ class _SinkFirst(_SinkColumn):
 
 
 def test_a_sink_column_beside_the_scores_is_every_querys_own():
-    model = zoo.perturb(zc._spelling(_SinkColumn)().double().eval())
-    compiled = tc.tree_compile(model, backend="eager")
-    for _, batch, trees in zoo.batches():
-        zoo.compare(model, compiled, batch, trees)
-    assert dict(compiled.counters["rewrite_attention_pass"]) == {"dense_pairs": 2}
+    _exact(_SinkColumn)
     _refused(_SinkFirst, r"reads a sink column's scores other than dropping the column")
 
 
@@ -250,7 +253,4 @@ class _FilledThenWritten(zc._Attn):
 
 
 def test_a_fill_written_in_place_is_read_as_a_mask():
-    model = zoo.perturb(zc._spelling(_FilledThenWritten)().double().eval())
-    compiled = tc.tree_compile(model, backend="eager")
-    for _, batch, trees in zoo.batches():
-        zoo.compare(model, compiled, batch, trees)
+    _exact(_FilledThenWritten)

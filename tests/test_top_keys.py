@@ -60,17 +60,19 @@ class _SparseAttn(zc._Attn):
         self.ik = nn.Linear(zc.DIM, 8)
         self.iw = nn.Linear(zc.DIM, self.INDEX_HEADS)
 
+    def index(self, h, causal):
+        """The indexer's scores ``[b, t, t]``, hidden off the causal keys."""
+        b, t, _ = h.shape
+        scores = torch.matmul(self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h).transpose(-1, -2).unsqueeze(1))
+        index = torch.matmul(self.iw(h).unsqueeze(-2), scores.relu()).squeeze(-2)
+        return index.masked_fill(~causal, float("-inf"))
+
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = self.heads(x)
-        h = self.ln(x)
         causal = self.causal[0, 0, :t, :t].bool()
         with torch.no_grad():  # the indexer gets no gradient from the loss (as in Hugging Face's)
-            scores = torch.matmul(self.iq(h).view(b, t, self.INDEX_HEADS, 8),
-                                  self.ik(h).transpose(-1, -2).unsqueeze(1))
-            index = torch.matmul(self.iw(h).unsqueeze(-2), scores.relu()).squeeze(-2)  # [b, t, t]
-            index = index.masked_fill(~causal, float("-inf"))
-            top = index.topk(min(self.TOPK, t), dim=-1).indices
+            top = self.index(self.ln(x), causal).topk(min(self.TOPK, t), dim=-1).indices
         keep = torch.zeros(b, t, t, dtype=torch.bool).scatter(-1, top, True) & causal
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
         x = x + self.o(y.transpose(1, 2).reshape(b, t, zc.DIM))
@@ -81,18 +83,10 @@ class _SparseAttnEinsum(_SparseAttn):
     """The indexer as DeepSeek's reference writes it: ``einsum("bshd,btd->bsht")`` scores per head,
     ``einsum("bsht,bsh->bst")`` summing them with each query's weights."""
 
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.heads(x)
-        h = self.ln(x)
-        causal = self.causal[0, 0, :t, :t].bool()
+    def index(self, h, causal):
+        b, t, _ = h.shape
         scores = torch.einsum("bshd,btd->bsht", self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h)).relu()
-        index = torch.einsum("bsht,bsh->bst", scores, self.iw(h)).masked_fill(~causal, float("-inf"))
-        top = index.topk(min(self.TOPK, t), dim=-1).indices
-        keep = torch.zeros(b, t, t, dtype=torch.bool).scatter(-1, top, True) & causal
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
-        x = x + self.o(y.transpose(1, 2).reshape(b, t, zc.DIM))
-        return x + self.mlp(self.ln2(x))
+        return torch.einsum("bsht,bsh->bst", scores, self.iw(h)).masked_fill(~causal, float("-inf"))
 
 
 class _SparseAttnReference(_SparseAttn):
@@ -150,29 +144,16 @@ class _ChosenKeysRead(_SparseAttn):
     """The chosen keys' indices added to the output: packed row indices on the tree."""
 
     def forward(self, x):
-        b, t, _ = x.shape
-        h = self.ln(x)
-        scores = torch.matmul(self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h).transpose(-1, -2).unsqueeze(1))
-        index = torch.matmul(self.iw(h).unsqueeze(-2), scores.relu()).squeeze(-2)
-        index = index.masked_fill(~self.causal[0, 0, :t, :t].bool(), float("-inf"))
-        top = index.topk(min(self.TOPK, t), dim=-1).indices
+        t = x.shape[1]
+        top = self.index(self.ln(x), self.causal[0, 0, :t, :t].bool()).topk(min(self.TOPK, t), dim=-1).indices
         return x + top.sum(-1, keepdim=True).to(x.dtype)
 
 
 class _UnmaskedIndexer(_SparseAttn):
     """Top-k over scores the future is not hidden from."""
 
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.heads(x)
-        h = self.ln(x)
-        scores = torch.matmul(self.iq(h).view(b, t, self.INDEX_HEADS, 8), self.ik(h).transpose(-1, -2).unsqueeze(1))
-        index = torch.matmul(self.iw(h).unsqueeze(-2), scores.relu()).squeeze(-2)
-        top = index.topk(min(self.TOPK, t), dim=-1).indices
-        causal = self.causal[0, 0, :t, :t].bool()
-        keep = torch.zeros(b, t, t, dtype=torch.bool).scatter(-1, top, True) & causal
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
-        return x + self.o(y.transpose(1, 2).reshape(b, t, zc.DIM))
+    def index(self, h, causal):
+        return super().index(h, torch.ones_like(causal))
 
 
 @pytest.mark.parametrize("attn,match", [

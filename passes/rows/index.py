@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from treecompile.passes._graph import ARANGE, is_call, mutated_args, same_size, storage_of, value
+from treecompile.passes._graph import ARANGE, ancestors, is_call, mutated_args, same_size, storage_of, value
 from treecompile.passes.rows.domain import (
     _LOOKUP,
     _TABLE_SLICE,
@@ -205,19 +205,12 @@ def _count_of_other_entries(env: RowEnv, mask: fx.Node, count: Any) -> None:
 
 def _reads_sequence_size(env: RowEnv, node: fx.Node) -> bool:
     """Whether a value upstream of ``node`` takes a size mentioning the sequence length."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in ancestors(node) | {node}:
         flat: list = []
         fx.node.map_aggregate((n.args, n.kwargs), flat.append)
-        for a in flat:
-            v = value(a) if isinstance(a, fx.Node) else a
-            if isinstance(v, (torch.SymInt, torch.SymFloat)) and env.is_row_size(v):
-                return True
-        stack.extend(n.all_input_nodes)
+        if any(isinstance(v, (torch.SymInt, torch.SymFloat)) and env.is_row_size(v)
+               for v in (value(a) if isinstance(a, fx.Node) else a for a in flat)):
+            return True
     return False
 
 
