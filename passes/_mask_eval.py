@@ -489,9 +489,10 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
 
 
 def written_from_tokens(ctx: PassContext, node: fx.Node) -> bool:
-    """Whether an in-place write into ``node`` before it is read (`evaluate` runs them) takes
-    values read from the token ids: then ``node``'s values do, whatever its own inputs."""
-    return any(reads_tokens(ctx, w) for w in _writes_before_read(node, ancestors(node) | {node}))
+    """Whether an in-place write into the memory ``node``'s values come from, before it is read
+    (`evaluate` runs them), takes values read from the token ids: then ``node``'s values do,
+    whatever its own inputs (a size it takes from a tensor written so does not count)."""
+    return any(reads_tokens(ctx, w) for w in _writes_before_read(node, value_ancestors(node) | {node}))
 
 
 def _writes_before_read(node: fx.Node, needed: set[fx.Node], fresh_only: bool = False) -> set[fx.Node]:

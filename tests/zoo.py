@@ -612,6 +612,14 @@ CASES: list[Case] = [
          attention={"dense_pairs": 3},
          before=((5, 17), {"expect": "refused", "reason": "the model's own code reads the attention mask built by",
                            "attention": None})),
+    # Hunyuan-V4: the indexer's chosen keys in a mask sized by the keys (a tensor the model writes
+    # in place), eager attention with a sink column and the row maximum subtracted.
+    Case("hy-v4", "Hunyuan-V4: sparse attention with sinks (a sink column beside the scores), eager", hf=True,
+         since=(5, 24), build=_hf("HYV4Config", **{**_DSA, "index_n_heads": 16}, hc_mult=4,
+                                   layer_types=["indexed_attention", "indexed_attention"],
+                                   mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"], pad_token_id=0,
+                                   bos_token_id=0, eos_token_id=0),
+         attention={"dense_pairs": 4}),
     # One index head with a ReLU: many keys score 0, and which tied key torch.topk keeps changes
     # with the row's length (per path too); a batch where a query's choice is such a tie is refused.
     Case("deepseek-v32-ties", "DeepSeek-V3.2 with one index head: tied scores at the k-th key", hf=True,
