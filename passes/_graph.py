@@ -24,7 +24,8 @@ from torch import fx
 from treecompile.kernels.attention.flex import BlockLayout
 from treecompile.passes._functorch_ops import STATE_SWITCHES, functorch_state_nodes, uses_functorch_levels
 
-__all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors", "table_length"]
+__all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors", "table_length",
+           "new_dims_only"]
 
 
 @dataclass
@@ -536,6 +537,13 @@ def emit(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, op: str, target: Any
     else:
         n.meta.update({k: at.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in at.meta})
     return recompute_value(n, fake)
+
+
+def new_dims_only(index: Any) -> bool:
+    """Whether a ``getitem`` index only adds dims of size 1 (``x[:, None]``): whole slices,
+    ``None`` and ``...``."""
+    index = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, slice) and i == slice(None) for i in index)
 
 
 def recompute_value(n: fx.Node, fake: Any = None) -> fx.Node:

@@ -36,8 +36,8 @@ import torch
 from torch import fx
 
 from treecompile.kernels.scans.path_scan import path_cumsum
-from treecompile.passes._graph import (ARANGE, PassContext, bind, is_call, mutated_args, recompute_value, row_indices,
-                                       same_size, table_length, value)
+from treecompile.passes._graph import (ARANGE, PassContext, bind, is_call, mutated_args, new_dims_only, recompute_value,
+                                       row_indices, same_size, table_length, value)
 from treecompile.passes._mask_eval import depends_on_inputs, token_readers
 from treecompile.passes.moe import region_nodes
 from treecompile.passes.row_tables import changes_with_length, rewrite_row_tables
@@ -141,8 +141,7 @@ def _only_new_dims(node: fx.Node) -> bool:
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
         return False
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return any(i is None for i in index) and \
-        all(i is None or i is Ellipsis or isinstance(i, slice) and i == slice(None) for i in index)
+    return any(i is None for i in index) and new_dims_only(index)
 
 
 def _only_gathered_by_position(table: fx.Node, ctx: PassContext) -> bool:

@@ -36,8 +36,9 @@ def _rows(*rows):
 ])
 def test_a_choice_is_ambiguous_exactly_where_tied_scores_meet_at_the_kth_key(scores, visible, k, tied):
     vis = torch.tensor(visible, dtype=torch.bool)[None].expand(1, len(visible))
-    got = ambiguous_queries(_rows(scores), k, -INF, vis)
+    chosen, got = ambiguous_queries(_rows(scores), k, -INF, vis)
     assert got.tolist() == [tied]
+    assert sorted(chosen[0].tolist()) == sorted(_rows(scores).topk(min(k, len(scores))).indices[0].tolist()) or tied
 
 
 def test_a_tie_refuses_the_batch_naming_the_line():

@@ -10,11 +10,11 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import PassContext, bind, same_size, value
+from treecompile.passes._graph import PassContext, bind, new_dims_only, same_size, value
 from treecompile.passes._mask_eval import reads_tokens
 from treecompile.passes.attention.pair_state import UNKNOWN, is_pair, query_dim, with_sink
 
-__all__ = ["scores_per_head", "weights_per_query", "einsum_per_head", "head_mix", "sink_column", "new_dims_only"]
+__all__ = ["scores_per_head", "weights_per_query", "einsum_per_head", "head_mix", "sink_column"]
 
 
 def scores_per_head(ctx: PassContext, n: fx.Node, xv: torch.Tensor, yv: torch.Tensor) -> bool:
@@ -70,12 +70,6 @@ def sink_column(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str 
         return "concatenates [S, S] tensors other than with a sink column of parameters after the keys"
     state[n] = state[parts[0]]
     return None
-
-
-def new_dims_only(index) -> bool:
-    """``x[:, None]``: an index that only adds dims of size 1 (whole slices, ``None``, ``...``)."""
-    index = index if isinstance(index, tuple) else (index,)
-    return all(i is None or i is Ellipsis or i == slice(None) for i in index)
 
 
 def einsum_per_head(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:

@@ -43,24 +43,26 @@ __all__ = ["tree_top_keys", "ambiguous_queries", "scatter_keys", "marked_fill", 
 Tensor = torch.Tensor
 
 
-def ambiguous_queries(scores: Tensor, k: int, hidden: float, visible: Tensor) -> Tensor:
-    """Per query (``scores``' dims but the last), whether its top-``k`` keys among the visible
-    ones (``visible``: ``[S, S]`` bool, True on its path) depend on how ties are broken."""
+def ambiguous_queries(scores: Tensor, k: int, hidden: float, visible: Tensor) -> tuple[Tensor, Tensor]:
+    """``(the top-k keys' indices, per query whether they depend on how ties are broken)``: per
+    query (``scores``' dims but the last), among the visible keys (``visible``: ``[S, S]`` bool,
+    True on its path). One ``topk`` of ``k + 1`` keys gives both."""
     n = scores.shape[-1]
     if k >= n:
-        return torch.zeros(scores.shape[:-1], dtype=torch.bool, device=scores.device)
-    best = scores.topk(k + 1, dim=-1).values
-    kth, after = best[..., k - 1], best[..., k]
+        return scores.topk(k, dim=-1).indices, torch.zeros(scores.shape[:-1], dtype=torch.bool, device=scores.device)
+    best = scores.topk(k + 1, dim=-1)  # sorted: its first k are the top k
+    kth, after = best.values[..., k - 1], best.values[..., k]
     tied = (kth == after) & (after > hidden)
     low_visible = (visible & (scores <= hidden)).any(-1)
-    return tied | ((kth <= hidden) & low_visible)
+    return best.indices[..., :k], tied | ((kth <= hidden) & low_visible)
 
 
 @torch.library.custom_op("treecompile::tree_top_keys", mutates_args=())
 def tree_top_keys(scores: Tensor, k: int, hidden: float, visible: Tensor, where: str) -> Tensor:
     """``scores.topk(k, dim=-1).indices`` (int64), refusing a tie (module docstring); ``where``
     names the model's line in the refusal."""
-    found = int(ambiguous_queries(scores, k, hidden, visible).sum())
+    chosen, ambiguous = ambiguous_queries(scores, k, hidden, visible)
+    found = int(ambiguous.sum())
     if found:
         queries = "1 query" if found == 1 else f"{found} queries"
         raise BatchRefused(
@@ -68,7 +70,7 @@ def tree_top_keys(scores: Tensor, k: int, hidden: float, visible: Tensor, where:
             f"{where} are a choice among tied scores, which torch.topk breaks in an order that changes with the "
             "row's length (a path run alone may keep another of the tied keys)"
         )
-    return scores.topk(k, dim=-1).indices
+    return chosen.contiguous()
 
 
 @tree_top_keys.register_fake
