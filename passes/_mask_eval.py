@@ -36,10 +36,14 @@ def depends_on_inputs(ctx: PassContext, node: fx.Node) -> bool:
     return _reaches(ctx, node, parameters=True)
 
 
-def _reaches(ctx: PassContext, node: fx.Node, parameters: bool) -> bool:
+def _reaches(ctx: PassContext, node: fx.Node, parameters: bool, writes: bool = True) -> bool:
     """Whether ``node``'s values come from the token ids (or, with ``parameters``, a tensor
-    that requires grad), through the inputs that give values (`value_inputs`)."""
+    that requires grad), through the inputs that give values (`value_inputs`) and, with
+    ``writes``, through every in-place write into the memory of ``node`` or of what it comes
+    from (``mask = zeros(T, T).triu(1); mask.masked_fill_(ids == pad, -inf)`` reads the
+    tokens), wherever the write stands in the graph."""
     stack, seen = [node], set()
+    writers: dict[int, list[fx.Node]] | None = None
     while stack:
         n = stack.pop()
         if n in seen:
@@ -52,7 +56,21 @@ def _reaches(ctx: PassContext, node: fx.Node, parameters: bool) -> bool:
             if isinstance(v, torch.Tensor) and v.requires_grad:
                 return True
         stack.extend(value_inputs(n))
+        if writes and (store := storage_of(n)) is not None:
+            writers = _writers(n.graph) if writers is None else writers
+            stack.extend(writers.get(store, ()))
     return False
+
+
+def _writers(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """The nodes of ``graph`` that write in place, by the memory they write (`storage_of`)."""
+    out: dict[int, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            for t in mutated_args(n):
+                if (store := storage_of(t)) is not None:
+                    out.setdefault(store, []).append(n)
+    return out
 
 
 #: Methods (and functions) whose tensor arguments at these positions give only dtype, device or shape.
@@ -83,9 +101,10 @@ def moved_parameters(ctx: PassContext):
         ctx.example_inputs = saved
 
 
-def reads_tokens(ctx: PassContext, node: fx.Node) -> bool:
-    """Whether ``node``'s values depend on the token ids (through values, not shapes)."""
-    return _reaches(ctx, node, parameters=False)
+def reads_tokens(ctx: PassContext, node: fx.Node, writes: bool = True) -> bool:
+    """Whether ``node``'s values depend on the token ids (through values, not shapes), also
+    through what is written in place into its memory (not with ``writes=False``)."""
+    return _reaches(ctx, node, parameters=False, writes=writes)
 
 
 def equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,11 +116,15 @@ def equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def token_readers(ctx: PassContext, graph: fx.Graph) -> set[fx.Node]:
     """The nodes of ``graph`` whose values depend on the token ids (`reads_tokens` of each, in
-    one pass over the graph in its order)."""
+    one pass over the graph in its order): a read of memory that a write reading the tokens
+    wrote before it counts."""
     out: set[fx.Node] = set()
+    written: set[int] = set()  # memory a write that reads the tokens has written so far
     for n in graph.nodes:
-        if n is ctx.input_ids or any(a in out for a in value_inputs(n)):
+        if n is ctx.input_ids or any(a in out or storage_of(a) in written for a in value_inputs(n)):
             out.add(n)
+            if n.op in ("call_function", "call_method"):
+                written |= {storage_of(t) for t in mutated_args(n)} - {None}
     return out
 
 

@@ -372,3 +372,58 @@ def test_python_operators_spelled_with_an_underscore_write_nothing():
     nodes.append(g.call_function(operator.not_, (a,)))
     nodes.append(g.call_function(operator.iand, (a, b)))
     assert [bool(mutated_args(n)) for n in nodes] == [False, False, False, False, True]
+
+
+class _PaddedMaskLM(nn.Module):
+    """SDPA under a causal float mask that the model then writes in place: with the keys at a
+    padding token blocked (``ids == PAD``, read from the tokens), or with structural values only."""
+
+    PAD = 22
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.emb, self.head = nn.Embedding(32, DIM), nn.Linear(DIM, 32)
+        self.qkv, self.o = nn.ModuleList(nn.Linear(DIM, 3 * DIM) for _ in range(2)), nn.ModuleList(
+            nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        mask = torch.full((t, t), float("-inf"), dtype=self.emb.weight.dtype).triu(1)[None, None].repeat(b, 1, 1, 1)
+        if self.form == "masked_fill_":
+            mask.masked_fill_((ids == self.PAD)[:, None, None, :], float("-inf"))
+        elif self.form == "setitem":
+            mask[(ids == self.PAD)[:, None, None, :].expand_as(mask)] = float("-inf")
+        else:  # structural: the diagonal written again with its own value
+            mask[..., torch.arange(t), torch.arange(t)] = 0.0
+        x = self.emb(ids)
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(x).view(b, t, 3, 2, DIM // 2).permute(2, 0, 3, 1, 4)
+            x = x + o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, DIM))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("form", ["masked_fill_", "setitem", "structural"])
+def test_a_mask_written_in_place_from_the_tokens_is_not_judged_by_the_first_batch(form):
+    """The first batch holds no padding token, so the mask it builds is plainly causal; the
+    second blocks the key of a padding token in the middle of a path. A mask's values include
+    what is written into it in place: read from the tokens, the mask is not structural (was
+    rewritten to the tree mask from the first batch's values, and the second batch's loss
+    silently differed from per-path training)."""
+    import zoo
+
+    from treecompile.core.errors import UnsupportedModelError
+
+    model = zoo.perturb(_PaddedMaskLM(form).double())
+    compiled = tc.tree_compile(model, backend="eager")
+    forests = [[[1, 2, 3, 4], [1, 2, 5], [1, 7, 8, 9, 10, 11]],
+               [[3, 4, 5, 6, 22, 22], [3, 4, 9, 22, 10, 11], [3, 12, 13]]]
+    for paths in forests:
+        trees = [tc.TrajectoryTree.from_sequences(paths)]
+        batch = tc.pack(trees, warn_por=False)
+        if form == "structural":
+            zoo.compare(model, compiled, batch, trees)
+        else:
+            with pytest.raises(UnsupportedModelError, match=r"^treecompile cannot make this model exact on a tree: "
+                               r"node 'scaled_dot_product_attention' .*attn_mask is computed from the inputs"):
+                compiled(batch)

@@ -163,7 +163,7 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
 def _reads_tokens(ctx: PassContext, n: fx.Node) -> bool:
     """Whether ``n``'s values come from the tokens, also through what was written in place into
     the memory it reads (a fill marked at chosen keys is a leaf: `marked_fill`)."""
-    return reads_tokens(ctx, n) or written_from_tokens(ctx, n) and marked_fill(n) is None
+    return reads_tokens(ctx, n, writes=False) or written_from_tokens(ctx, n) and marked_fill(n) is None
 
 
 def _prove(ctx: PassContext, region: tuple[list, list, list]) -> dict | tuple[fx.Node, str]:
