@@ -69,6 +69,9 @@ class PassContext:
             of :data:`treecompile.kernels.scans.recurrence.SCAN_KERNELS`.
         row_states: per node, where its rows are (:class:`treecompile.passes.rows.Rows`), as
             the verify pass proved them; the first-call probe compares those rows.
+        state: the tensors the model writes in place and how the call computes them
+            (:class:`treecompile.passes.state.StateWrites`), or None: a value judged by
+            evaluation reads what the call writes (`treecompile.passes._mask_eval.evaluate`).
     """
 
     mask: str
@@ -93,6 +96,7 @@ class PassContext:
     dropout: str = "refuse"
     pass_name: str = ""
     row_states: dict[fx.Node, Any] = field(default_factory=dict)
+    state: Any = None
 
     def count(self, kind: str, n: int = 1) -> None:
         """Adds ``n`` rewrites of ``kind`` to the running pass's counter."""

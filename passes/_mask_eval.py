@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from treecompile.passes._functorch_ops import functorch_state_nodes, uses_functorch_levels
-from treecompile.passes._graph import PassContext, ancestors, describe, mutated_args, storage_of, value
+from treecompile.passes._graph import PassContext, ancestors, describe, location_of, mutated_args, storage_of, value
 
 __all__ = ["depends_on_inputs", "moved_parameters", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
            "changes_with_length", "CHANGES", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal",
@@ -482,6 +482,75 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
             raise ValueError("the mask reads a tensor input of the row count; it is judged at the example length")
         else:
             env[p] = ex
+    state = getattr(ctx, "state", None)
+    written = [i for i, p in enumerate(placeholders) if state is not None and i in state.written and p in needed]
+    if written:
+        return _evaluate_with_state(ctx, node, needed, placeholders, env, written)
+    return _run_subgraph(node, needed, placeholders, env)
+
+
+def _evaluate_with_state(ctx: PassContext, node: fx.Node, needed: set[fx.Node], placeholders: list[fx.Node],
+                         env: dict[fx.Node, object], written: list[int]) -> torch.Tensor:
+    """`evaluate` of a value that reads a tensor the model writes in place (`PassContext.state`):
+    it reads what the call writes (the state graph run on copies, at the length evaluated),
+    and is judged only if it is the same whatever the tensor held before the call and whatever
+    the parameters are (else it changes from call to call: refused, naming the tensor)."""
+    from treecompile.core.errors import UnsupportedModelError
+
+    state = ctx.state
+    where = f"{describe(node)} at {location_of(node)}"
+    args = [env[p] for p in placeholders]
+    # A parameter the model writes in place (``p.data = p.data.clamp(min=eps)``) is judged as
+    # parameters are (the passes' own rules ask that a judgement hold for any of their values).
+    buffers = [i for i in written if not (isinstance(args[i], torch.Tensor) and args[i].requires_grad)]
+    for i in buffers:
+        if i not in state.read_after:
+            raise UnsupportedModelError(
+                f"treecompile cannot make this model exact on a tree: {where} is judged from "
+                f"{state.written_name(i)} as it was before the call, and the model writes it at every call: what is "
+                "judged from it now would not hold at the next call.")
+    main, _, _ = state.prepare(args)
+    results = [_run_subgraph(node, needed, placeholders, {**env, **{placeholders[i]: main[i] for i in written}})]
+    if buffers:
+        moved, _, _ = state.prepare(_moved_state_inputs(args, state.written))
+        results.append(_run_subgraph(node, needed, placeholders, {
+            **env, **{placeholders[i]: moved[i] if i in buffers else main[i] for i in written}}))
+    else:
+        results.append(results[0])
+    same = all(isinstance(r, torch.Tensor) for r in results) and results[0].shape == results[1].shape \
+        and equal_with_nans(results[0], results[1])
+    if not same:
+        names = ", ".join(state.written_name(i) for i in written)
+        raise UnsupportedModelError(
+            f"treecompile cannot make this model exact on a tree: {where} is judged from {names}, which the model "
+            "writes at every call from values that change (what it held before, or a parameter): what is judged "
+            "from it now would not hold at the next call.")
+    return results[0]
+
+
+def _moved_state_inputs(args: list, written: tuple[int, ...]) -> list:
+    """``args`` with every tensor the model writes holding other values (NaN, or other integers)
+    and every parameter moved: what the state graph computes from them shows what it reads."""
+    out = list(args)
+    g = torch.Generator().manual_seed(0)
+    for i, x in enumerate(args):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if i in written:
+            if x.is_floating_point() or x.is_complex():
+                out[i] = torch.full_like(x, float("nan"))
+            elif x.dtype == torch.bool:
+                out[i] = ~x
+            else:
+                out[i] = x * 3 + 7
+        elif x.requires_grad and x.is_floating_point():
+            out[i] = (x.detach() * 1.7 + 0.3 + torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype))
+    return out
+
+
+def _run_subgraph(node: fx.Node, needed: set[fx.Node], placeholders: list[fx.Node],
+                  env: dict[fx.Node, object]) -> torch.Tensor:
+    """Runs the nodes of ``needed`` (``node`` last) on ``env``'s placeholder values."""
     sub = fx.Graph()
     remap: dict[fx.Node, fx.Node] = {}
     inputs = []

@@ -383,6 +383,7 @@ def make_backend(
         except Exception as e:
             raise _pass_failure("separate_state", e) from e
         ctx = _context(gm, example_inputs, mask, call_state.layout, call_state.chunks)
+        ctx.state = state
         ctx.probe_rows = call_state.probe_rows
         ctx.judge_cap = call_state.judge_cap
         ctx.scan_kernel = scan_kernel

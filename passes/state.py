@@ -115,6 +115,11 @@ class StateWrites:
                 main[i] = t
         return main, values, new
 
+    def written_name(self, index: int) -> str:
+        """What the graph input at ``index`` (one of `written`) is in the model."""
+        at = len(self.outputs) + self.written.index(index)
+        return self.names[at] if at < len(self.names) and self.names[at] else "a tensor the model holds"
+
     def commit(self, args: Sequence[Any], new: Sequence[torch.Tensor]) -> None:
         """Writes the written copies back into the model's tensors."""
         with torch.no_grad():

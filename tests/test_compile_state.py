@@ -183,3 +183,59 @@ def test_a_call_the_probe_refuses_writes_no_state(monkeypatch):
     _assert_same(before, _snapshot(model))
     assert int(model.steps) == 0 and model.num_calls == 0
     zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+class StateMaskLM(nn.Module):
+    """Eager attention under a mask the model keeps in a buffer: ``written``: the causal mask
+    written into a preallocated buffer and read back in the same call; ``counter``: a window
+    that widens with a step counter the model advances at every call; ``from_weights``: a
+    window written into a buffer from a parameter's (detached) value."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.wte, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.register_buffer("cached", torch.zeros(64, 64))
+        self.register_buffer("step", torch.tensor(1))
+        self.register_buffer("window", torch.tensor(1))
+        self.width = nn.Parameter(torch.tensor(2.5))
+
+    def forward(self, idx):
+        b, t = idx.shape
+        i = torch.arange(t, device=idx.device)
+        causal = i[:, None] >= i[None, :]
+        if self.kind == "written":
+            self.cached[:t, :t] = causal.to(self.cached.dtype)
+            keep = self.cached[:t, :t] > 0
+        elif self.kind == "counter":
+            self.step += 1
+            keep = causal & (i[:, None] - i[None, :] < self.step.clamp(max=4))
+        else:
+            self.window.copy_(self.width.detach().abs().ceil().long())
+            keep = causal & (i[:, None] - i[None, :] < self.window)
+        x = self.wte(idx)
+        q, k, v = (z.view(b, t, HEADS, HD).transpose(1, 2) for z in self.qkv(x).split(DIM, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) / HD ** 0.5
+        y = scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, DIM)))
+
+
+def test_a_mask_written_into_a_buffer_and_read_back_is_judged_as_the_call_writes_it():
+    """The mask is judged from what the call writes, not from the buffer as it was before the
+    call (zeros at the first call: judged to let no key through, silently wrong)."""
+    zoo.run(zoo.Case("state-mask", "written and read back", lambda: _build(StateMaskLM, kind="written")))
+
+
+@pytest.mark.parametrize("kind, named", [("counter", "model.step"), ("from_weights", "model.window")])
+def test_a_mask_judged_from_state_that_changes_at_every_call_is_refused_by_name(kind, named):
+    """A value judged once, at the first call, from state the model writes at every call
+    from what changes (its own earlier value, a parameter) would be stale at the next."""
+    model = _build(StateMaskLM, kind=kind)
+    before, twin = _snapshot(model), copy.deepcopy(model)
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(model, backend="eager")(_batches()[0])
+    first = str(info.value).splitlines()[0]
+    assert named in first and "would not hold at the next call" in first and "test_compile_state.py:" in first, first
+    _assert_same(before, _snapshot(model))
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
