@@ -72,6 +72,9 @@ class PassContext:
         state: the tensors the model writes in place and how the call computes them
             (:class:`treecompile.passes.state.StateWrites`), or None: a value judged by
             evaluation reads what the call writes (`treecompile.passes._mask_eval.evaluate`).
+        judged: the indices of the graph inputs an evaluation read (what is judged holds
+            for their values at the compile; the backend guards the model's tensors among
+            them, see `treecompile.passes.pipeline.JudgedInputChanged`).
     """
 
     mask: str
@@ -97,6 +100,7 @@ class PassContext:
     pass_name: str = ""
     row_states: dict[fx.Node, Any] = field(default_factory=dict)
     state: Any = None
+    judged: set[int] = field(default_factory=set)
 
     def count(self, kind: str, n: int = 1) -> None:
         """Adds ``n`` rewrites of ``kind`` to the running pass's counter."""

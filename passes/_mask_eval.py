@@ -471,6 +471,7 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
         for state in functorch_state_nodes(node.graph.nodes):
             needed |= ancestors(state) | {state}
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+    ctx.judged |= {i for i, p in enumerate(placeholders) if p in needed}
     env: dict[fx.Node, object] = {}
     length = ctx.seq_len.node.expr if rows is not None else None
     for p, ex in zip(placeholders, ctx.example_inputs):
@@ -482,7 +483,7 @@ def evaluate(ctx: PassContext, node: fx.Node, rows: int | None = None) -> torch.
             raise ValueError("the mask reads a tensor input of the row count; it is judged at the example length")
         else:
             env[p] = ex
-    state = getattr(ctx, "state", None)
+    state = ctx.state
     written = [i for i, p in enumerate(placeholders) if state is not None and i in state.written and p in needed]
     if written:
         return _evaluate_with_state(ctx, node, needed, placeholders, env, written)

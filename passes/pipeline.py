@@ -34,10 +34,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from treecompile.kernels.attention.flex import BlockLayout
@@ -53,13 +55,14 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.passes.state import StateWrites, run_with_state, separate_state
+from treecompile.passes.state import StateWrites, is_batch, run_with_state, separate_state, state_name
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
 
 __all__ = [
     "streamed", "context_parallel", "streamed_context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "CallState", "make_backend", "run_passes",
+    "JudgedInputChanged",
 ]
 
 log = logging.getLogger("treecompile.passes")
@@ -395,12 +398,56 @@ def make_backend(
         record = CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows, row_states=ctx.row_states,
                                created=frozenset(n.name for n in ctx.created), state=state)
         records.append(record)
+        guards = _judged_guards(ctx, example_inputs, sources, arguments, state)
         if not keep_inputs:
-            return run_with_state(lower(gm, example_inputs), state)
+            return run_with_state(_guarded(lower(gm, example_inputs), guards), state)
         record.sources, record.probe_graph = sources, _copy(gm)
-        return _recording(lower(gm, example_inputs), record, state, before_commit)
+        return _recording(_guarded(lower(gm, example_inputs), guards), record, state, before_commit)
 
     return treecompile_backend
+
+
+class JudgedInputChanged(UnsupportedModelError):
+    """A tensor of the model whose values the passes judged (a mask buffer, ALiBi slopes, a
+    window kept as a tensor) is another tensor, or was written in place, since the graph was
+    compiled: what was judged may not hold. The whole-tree wrapper compiles again and judges
+    anew; elsewhere the call is refused with this message."""
+
+
+#: ``(index, name, the tensor, its version, its data pointer)`` of a judged graph input.
+_Guard = tuple[int, str, "weakref.ref", int, int]
+
+
+def _judged_guards(ctx: PassContext, example_inputs, sources, arguments, state: StateWrites | None) -> list[_Guard]:
+    """The model's tensors among the graph inputs an evaluation read (`PassContext.judged`): not
+    the batch (new at every call), not parameters (a judgement must hold for any of their values),
+    not tensors the graph writes (judged on what the call writes, `_mask_eval.evaluate`)."""
+    written = set(state.written) if state is not None else set()
+    out = []
+    for i in sorted(ctx.judged):
+        x = example_inputs[i] if i < len(example_inputs) else None
+        if isinstance(x, torch.Tensor) and not x.requires_grad and i not in written and i < len(sources) \
+                and not is_batch(sources[i], arguments):
+            out.append((i, state_name(sources[i]), weakref.ref(x), x._version, x.data_ptr()))
+    return out
+
+
+def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
+    """``fn``, raising `JudgedInputChanged` before it runs if a judged input is not the tensor,
+    or not at the version, it was at the compile."""
+    if not guards:
+        return fn
+
+    def run(*args):
+        for i, name, ref, version, ptr in guards:
+            x = args[i]
+            if x is not ref() or x._version != version or x.data_ptr() != ptr:
+                raise JudgedInputChanged(
+                    f"treecompile: {name} changed since the graph that reads it was compiled, and the passes judged "
+                    "its values (a mask, a bias, a table built from it): the graph must be compiled again.")
+        return fn(*args)
+
+    return run
 
 
 def _source_name(node: fx.Node) -> str:

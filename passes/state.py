@@ -50,7 +50,7 @@ from treecompile.passes._graph import describe, location_of, mutated_args, op_na
 from treecompile.passes._mask_eval import shape_sources
 from treecompile.passes.markers import is_marker
 
-__all__ = ["StateWrites", "separate_state", "state_name"]
+__all__ = ["StateWrites", "is_batch", "separate_state", "state_name"]
 
 #: Ops whose result is a view of their first argument (a read of it happens at their users).
 _VIEW_OPS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem", "__getitem__",
@@ -184,7 +184,7 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    batch = {p for p, s in zip(placeholders, sources) if _root(s) in arguments or not s}
+    batch = {p for p, s in zip(placeholders, sources) if is_batch(s, arguments)}
     batch_tensors = {p for p, x in zip(placeholders, example_inputs) if p in batch and isinstance(x, torch.Tensor)}
     held = {storage_of(p): p for p in placeholders if p not in batch and storage_of(p) is not None}
     output = graph.output_node()
@@ -292,6 +292,12 @@ def _unmark_returns(graph: fx.Graph) -> set[fx.Node]:
             graph.erase_node(n)
             returned.add(x)
     return returned
+
+
+def is_batch(source: str, arguments: Sequence[str]) -> bool:
+    """Whether a graph input with Dynamo's ``source`` comes from the compiled function's
+    ``arguments`` (the batch, new at every call), not from the model's state."""
+    return _root(source) in arguments or not source
 
 
 def _root(source: str) -> str:

@@ -275,7 +275,7 @@ def test_a_mask_evaluation_failing_inside_a_transform_closes_the_levels_it_opene
 
     with gm.graph.inserting_after(anchor):
         failing = gm.graph.call_function(fails, (anchor,))
-    ctx = SimpleNamespace(seq_len=None, example_inputs=[torch.randn(3, 4)])
+    ctx = SimpleNamespace(seq_len=None, example_inputs=[torch.randn(3, 4)], judged=set(), state=None)
     assert torch._C._functorch.maybe_current_level() is None
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
     with pytest.raises(ValueError, match="fails inside the transform"):

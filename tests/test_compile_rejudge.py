@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,4 +60,62 @@ def test_a_window_wider_than_the_first_batch_is_found_on_a_longer_path():
     assert compiled.compile_records[-1].max_rows >= 2 * 100
     # A batch within the proven length runs on the same graph.
     compare_with_paths(model, compiled, tc.pack([short]), [short], tol="pure")
+    assert len(compiled.compile_records) == 2
+
+
+class BufferJudgedLM(nn.Module):
+    """Eager attention under a mask or bias built from a buffer the user may set between steps:
+    a sliding window kept as a tensor (``window``), or ALiBi slopes (``slopes``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.qkv = nn.ModuleList(nn.Linear(DIM, 3 * DIM) for _ in range(2))
+        self.o = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.register_buffer("window", torch.tensor(100))
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        i = torch.arange(t, device=idx.device)
+        if self.kind == "window":
+            keep = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+            bias = torch.zeros(t, t, dtype=self.emb.weight.dtype).masked_fill(~keep, float("-inf"))
+        else:
+            bias = -(i[:, None] - i[None, :]).clamp(min=0)[None] * self.slopes[:, None, None]
+            bias = bias.masked_fill(i[:, None] < i[None, :], float("-inf"))
+        x = self.emb(idx)
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(x).view(b, t, 3, 2, DIM // 2).permute(2, 0, 3, 1, 4)
+            a = ((q @ k.transpose(-2, -1)) / (DIM // 2) ** 0.5 + bias).softmax(-1) @ v
+            x = x + o(a.transpose(1, 2).reshape(b, t, DIM))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind, change", [
+    ("window", "in place"), ("slopes", "in place"), ("window", "a new tensor"),
+])
+def test_a_buffer_set_between_steps_is_judged_again(kind, change):
+    """The passes judge a mask or bias from the buffer's values (a window of 100 lets every key
+    through; slopes become the score terms); set to other values between two steps, the buffer
+    makes the graph compile again, judged anew (the first graph trained on: loss 1% to 3% off)."""
+    import zoo
+
+    model = zoo.perturb(BufferJudgedLM(kind).double())
+    compiled = tc.tree_compile(model, backend="eager")
+    forests = [[[1, 2, 3, 4, 5, 6], [1, 2, 5], [1, 7, 8, 9, 10, 11]], [[3, 4, 5, 6, 2, 2], [3, 4, 9, 2, 10, 11]]]
+    for step, paths in enumerate(forests):
+        if step == 1:
+            with torch.no_grad():
+                if change == "in place":
+                    model.window.fill_(2)
+                    model.slopes.mul_(3)
+                else:
+                    model.window = torch.tensor(2)
+        trees = [tc.TrajectoryTree.from_sequences(paths)]
+        zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)
+    assert len(compiled.compile_records) == 2
+    trees = [tc.TrajectoryTree.from_sequences(forests[0])]
+    zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)  # unchanged since: no third compile
     assert len(compiled.compile_records) == 2

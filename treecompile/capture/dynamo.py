@@ -423,14 +423,30 @@ def extended_buffers(short: list[tuple[nn.Module, str, int]], rows: int):
             buf = module._buffers[name]
             grown_to = target if target > size else 2 * target
             shape = [grown_to if d == size else d for d in buf.shape]
-            grown = buf.new_zeros(shape)
-            grown[tuple(slice(0, d) for d in buf.shape)] = buf
+            grown = _grown(buf, shape)
             saved.append((module, name, buf))
             module._buffers[name] = grown
         yield
     finally:
         for module, name, buf in saved:
             module._buffers[name] = buf
+
+
+#: Per buffer, its extension: ``(buffer version, data pointer, shape, extension, its version)``.
+_GROWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _grown(buf: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``buf`` extended to ``shape`` with zeros; the same tensor as the last call's while neither
+    was written (the compiled graph guards the tensors whose values its passes judged, see
+    `treecompile.passes.pipeline.JudgedInputChanged`: a new one every call would compile again)."""
+    kept = _GROWN.get(buf)
+    if kept is not None and kept[:3] == (buf._version, buf.data_ptr(), tuple(shape)) and kept[3]._version == kept[4]:
+        return kept[3]
+    grown = buf.new_zeros(shape)
+    grown[tuple(slice(0, d) for d in buf.shape)] = buf
+    _GROWN[buf] = (buf._version, buf.data_ptr(), tuple(shape), grown, grown._version)
+    return grown
 
 
 _LINSPACE = torch.linspace

@@ -50,7 +50,7 @@ from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_labe
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
-from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, make_backend, passes_for
+from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, JudgedInputChanged, make_backend, passes_for
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
@@ -478,6 +478,12 @@ class TreeCompiledModel(DelegatingModule):
                 self._structure = True
                 self._compiled = self._build(device)
                 args = self._inputs(batch)
+                out = self._call(args, extend(), rows, longest)
+            except JudgedInputChanged:
+                # A tensor of the model whose values the passes judged changed since (a window
+                # or slopes set between steps): compile again, judging its values now.
+                self._compiled = self._build(device)
+                self._first_record = len(self.compile_records)
                 out = self._call(args, extend(), rows, longest)
         except (CaptureFailed, ConstantLength) as failed:
             kind = type(failed)
