@@ -66,7 +66,7 @@ FAMILIES: dict[str, str] = {
               "holds the same value in every row",
     "repeat_interleave": "along the rows, each row's copies sit together (inner stride times the repeats)",
     "broadcast_tensors": "as element-wise broadcasting",
-    "cat": "along another dim, the parts' rows line up; along the rows it changes the length: refused",
+    "cat": "along another dim, the parts' rows line up; along the rows it changes the length: refused (one part: a copy)",
     "stack": "a new dim shifts the rows; the parts' rows line up",
     "split": "along another dim each piece keeps the rows; along the rows: refused",
     "unfold": "windows along another dim; along the rows: refused",

@@ -200,6 +200,8 @@ def cat(node: fx.Node, a: Args, env: RowEnv) -> Any:
     nd = _nd(node)
     d = _dim(a.get(1, "dim", 0), nd)
     rows = [_data_rows(env, p) for p in parts if _is_tensor(p) and _nd(p) == nd]
+    if len(parts) == 1 and len(rows) == 1:
+        return rows[0]  # one part: a copy (mistral-inference's positions, cat of one sequence's arange)
     if any(r is not None and r.dim == d for r in rows):
         raise NotRowLocal(LENGTH)
     return combine(rows)

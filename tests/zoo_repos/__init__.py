@@ -54,7 +54,8 @@ from zoo_repos.labml import LabmlTransformerLM
 from zoo_repos.litgpt import LitGPT
 from zoo_repos.llama import Llama1Reference, MistralMoE, Rope2TLM, TitanLlama3
 from zoo_repos.nanochat import NanoChat
-from zoo_repos.positions import CenteredPositionsLM, DecayFromStartLM, FairseqTransformerLM, RobertaStyleLM
+from zoo_repos.positions import (CenteredPositionsLM, DecayFromStartLM, FairseqTransformerLM, PackedSeqlensLM,
+                                 RobertaStyleLM)
 from zoo_repos.qwen import QWen1LM
 from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, Llama436PositionIdsLM,
                               LucidrainsLegacyRotaryEmbedding, LucidrainsRotaryLM, PalmLM)
@@ -245,6 +246,8 @@ CASES: list[zoo.Case] = [
     zoo.Case("xpos-centred-positions", "torchscale XPOS's centred positions arange(-T // 2, T - T // 2) in a "
              "sinusoid added to the embeddings", _build(CenteredPositionsLM), expect="refused",
              reason="whose entries change with the sequence length"),
+    zoo.Case("mistral-inference-seqlens", "mistralai/mistral-inference: positions cat([arange(0, seqlen) for seqlen "
+             "in seqlens]) over the packed batch gathering a learned table", _build(PackedSeqlensLM)),
     zoo.Case("mistral-moe", "mistralai/mistral-src moe_one_file_ref.py: torch.where(selected_experts == i), "
              "results[batch_idx] +=, freqs_cis[positions], mask log(tril(ones))", _build(MistralMoE)),
     zoo.Case("mixtral-index-add", "transformers' pre-fusion Mixtral dispatch: zeros((B * S, H)), one_hot expert "

@@ -253,3 +253,26 @@ class CenteredPositionsLM(LinspacePosLM):
     def positions(self, T, device):
         min_pos = -T // 2
         return torch.arange(min_pos, T + min_pos, 1, device=device).to(self.div_term)
+
+
+class PackedSeqlensLM(nn.Module):
+    """mistralai/mistral-inference ``SimpleInputMetadata.from_seqlens``: the batch flattened to
+    one packed row, positions ``cat([arange(0, seqlen) for seqlen in seqlens])`` (one part for
+    one sequence) gathering a learned table; nanoGPT blocks after."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CTX, DIM)
+        cfg = NanoGPTConfig(block_size=CTX, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=DIM, dropout=0.0)
+        self.blocks = nn.ModuleList(NanoBlock(cfg) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids):
+        b, t = input_ids.shape
+        seqlens = [t] * b
+        positions = torch.cat([torch.arange(0, seqlen) for seqlen in seqlens]).to(device=input_ids.device)
+        x = self.tok(input_ids.reshape(-1)) + self.pos(positions)
+        x = x.view(b, t, DIM)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
