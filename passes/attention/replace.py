@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.attention.flex import AttentionSpec, tree_attention_fn
-from treecompile.passes._graph import row_dims, value
+from treecompile.passes._graph import recompute_value, row_dims, value
 
 __all__ = ["replace", "heads_of"]
 
@@ -113,9 +113,51 @@ def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post
             new = ctx.mark(gm.graph.call_method("to", (new, value(output).dtype)), like=output)
         if post is not None:
             new = ctx.mark(post(gm.graph, new), like=output)
+        new = _laid_out_like(gm, ctx, new, output)
     new.meta["example_value"] = value(output)
     output.replace_all_uses_with(new)
     return True
+
+
+def _laid_out_like(gm: fx.GraphModule, ctx: PassContext, new: fx.Node, output: fx.Node) -> fx.Node:
+    """``new`` in the memory layout of the attention output it replaces: code after an attention
+    may ``view`` its output, which works only in the layout the model's own kernel gave it (CPU
+    SDPA on transposed inputs returns ``[B, H, S, D]`` laid out as ``[B, S, H, D]``:
+    mistral-inference's ``out.transpose(1, 2).view(S, H * D)``)."""
+    want = value(output)
+    if not isinstance(want, torch.Tensor) or want.dim() == 0:
+        return new
+    hint = _stride_hints(want)
+    have = _computed(new)
+    if have is not None and have.shape == want.shape and _stride_hints(have) == hint:
+        return new  # the same layout already
+    order = sorted(range(want.dim()), key=lambda d: (-hint[d], d))
+    if order == list(range(want.dim())):
+        return ctx.mark(gm.graph.call_method("contiguous", (new,)), like=output)
+    inverse = [order.index(d) for d in range(want.dim())]
+    x = ctx.mark(gm.graph.call_method("permute", (new, *order)), like=output)
+    x = ctx.mark(gm.graph.call_method("contiguous", (x,)), like=output)
+    return ctx.mark(gm.graph.call_method("permute", (x, *inverse)), like=output)
+
+
+def _stride_hints(t: torch.Tensor) -> list[int]:
+    return [int(x.node.hint) if isinstance(x, torch.SymInt) else int(x) for x in t.stride()]
+
+
+def _computed(node: fx.Node) -> torch.Tensor | None:
+    """The example value of ``node``, a chain of ops over the new attention call (each on its
+    first argument), computed on fake tensors; None where it cannot be."""
+    chain = []
+    while isinstance(node, fx.Node) and "example_value" not in node.meta:
+        chain.append(node)
+        node = node.args[0] if node.args else None
+    try:
+        for n in reversed(chain):
+            recompute_value(n)
+    except Exception:
+        return None
+    v = value(chain[0]) if chain else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def heads_of(node: fx.Node) -> int | None:

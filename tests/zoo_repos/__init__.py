@@ -247,7 +247,8 @@ CASES: list[zoo.Case] = [
              "sinusoid added to the embeddings", _build(CenteredPositionsLM), expect="refused",
              reason="whose entries change with the sequence length"),
     zoo.Case("mistral-inference-seqlens", "mistralai/mistral-inference: positions cat([arange(0, seqlen) for seqlen "
-             "in seqlens]) over the packed batch gathering a learned table", _build(PackedSeqlensLM)),
+             "in seqlens]) over the packed batch gathering a learned table; SDPA in xformers' (1, S, H, D) layout, "
+             "its output's transpose viewed as [S, H * D]", _build(PackedSeqlensLM)),
     zoo.Case("mistral-moe", "mistralai/mistral-src moe_one_file_ref.py: torch.where(selected_experts == i), "
              "results[batch_idx] +=, freqs_cis[positions], mask log(tril(ones))", _build(MistralMoE)),
     zoo.Case("mixtral-index-add", "transformers' pre-fusion Mixtral dispatch: zeros((B * S, H)), one_hot expert "

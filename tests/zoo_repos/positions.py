@@ -255,24 +255,42 @@ class CenteredPositionsLM(LinspacePosLM):
         return torch.arange(min_pos, T + min_pos, 1, device=device).to(self.div_term)
 
 
+class _XformersLayoutAttention(nn.Module):
+    """mistral-inference's attention: q, k, v as ``[S, H, D]`` of the packed row, xformers'
+    ``(B=1, S, H, D)`` layout, SDPA on the transposes, ``out.transpose(1, 2).view(S, H * D)``
+    (a view that works in the layout CPU SDPA gives its output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv, self.wo = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.norm, self.mlp = nn.LayerNorm(DIM), nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.SiLU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x):
+        seqlen_sum = x.shape[0]
+        q, k, v = (t.view(seqlen_sum, HEADS, DIM // HEADS) for t in self.wqkv(self.norm(x)).split(DIM, dim=-1))
+        q, k, v = q[None, ...], k[None, ...], v[None, ...]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.wo(out.transpose(1, 2).view(seqlen_sum, DIM))
+        return x + self.mlp(x)
+
+
 class PackedSeqlensLM(nn.Module):
     """mistralai/mistral-inference ``SimpleInputMetadata.from_seqlens``: the batch flattened to
     one packed row, positions ``cat([arange(0, seqlen) for seqlen in seqlens])`` (one part for
-    one sequence) gathering a learned table; nanoGPT blocks after."""
+    one sequence) gathering a learned table, and its attention's layout (`_XformersLayoutAttention`)."""
 
     def __init__(self):
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CTX, DIM)
-        cfg = NanoGPTConfig(block_size=CTX, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=DIM, dropout=0.0)
-        self.blocks = nn.ModuleList(NanoBlock(cfg) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(_XformersLayoutAttention() for _ in range(LAYERS))
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, input_ids):
         b, t = input_ids.shape
+        assert b == 1, "one packed row (seqlens of one sequence)"
         seqlens = [t] * b
         positions = torch.cat([torch.arange(0, seqlen) for seqlen in seqlens]).to(device=input_ids.device)
         x = self.tok(input_ids.reshape(-1)) + self.pos(positions)
-        x = x.view(b, t, DIM)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x)[None]
