@@ -136,6 +136,13 @@ def output_operands(out: fx.Node, layout: str | None):
     if spec is None:
         return None
     a, b, res = spec
+    found = _einsum_output(a, b, res, out.args[1], out.args[2])
+    # The values may come first (TransformerLens: ``einsum('bkhd,bhqk->bqhd', v, pattern)``).
+    return found if found is not None else _einsum_output(b, a, res, out.args[2], out.args[1])
+
+
+def _einsum_output(a: str, b: str, res: str, probs: fx.Node, values: fx.Node):
+    """`output_operands` of ``einsum('a,b->res', probs, values)``, or None."""
     contracted = [c for c in a if c in b and c not in res]
     if len(a) < 2 or len(contracted) != 1 or contracted[0] != a[-1]:
         return None
@@ -146,7 +153,7 @@ def output_operands(out: fx.Node, layout: str | None):
         return None
     canon = batch + ql + dl[0]
     post = None if res == canon else (lambda g, x: g.call_function(torch.einsum, (f"{canon}->{res}", x)))
-    return out.args[1], _arrange(b, batch + kl + dl[0], out.args[2]), post
+    return probs, _arrange(b, batch + kl + dl[0], values), post
 
 
 def forward_chain(softmax: fx.Node, out: fx.Node) -> list[fx.Node]:

@@ -23,7 +23,7 @@ from torch import nn
 from zoo import perturb
 
 from zoo_repos.alibi import AlibiFairseqLM
-from zoo_repos.attention import (
+from zoo_repos.attention import (TransformerLensLM, 
     MHALM,
     DiffShiftLM,
     FinfoBiasBufferLM,
@@ -246,6 +246,9 @@ CASES: list[zoo.Case] = [
     zoo.Case("xpos-centred-positions", "torchscale XPOS's centred positions arange(-T // 2, T - T // 2) in a "
              "sinusoid added to the embeddings", _build(CenteredPositionsLM), expect="refused",
              reason="whose entries change with the sequence length"),
+    zoo.Case("transformerlens", "TransformerLens: einsum('bqhd,bkhd->bhqk') scores, where(mask[:q, :k], scores, "
+             "IGNORE) with tril and -inf buffers, the values first in einsum('bkhd,bhqk->bqhd', v, pattern), "
+             "W_pos[:T]", _build(TransformerLensLM), attention={"softmax_attention": 1}),
     zoo.Case("mistral-inference-seqlens", "mistralai/mistral-inference: positions cat([arange(0, seqlen) for seqlen "
              "in seqlens]) over the packed batch gathering a learned table; SDPA in xformers' (1, S, H, D) layout, "
              "its output's transpose viewed as [S, H * D]", _build(PackedSeqlensLM)),

@@ -446,3 +446,51 @@ class GptOssReference(nn.Module):
             x = block(x)
             x = x + mlp(x)
         return self.unembedding(self.norm(x))[None]
+
+
+class TransformerLensAttention(nn.Module):
+    """TransformerLens ``Attention``: ``W_Q``/``W_K``/``W_V`` as ``[heads, d_model, d_head]``
+    parameters applied by ``einsum('bpm,hmd->bphd')``, scores ``einsum('bqhd,bkhd->bhqk', q, k)``,
+    ``torch.where(self.mask[:q, :k], scores, self.IGNORE)`` with a ``tril`` buffer and an ``-inf``
+    buffer, softmax, and the values first in ``einsum('bkhd,bhqk->bqhd', v, pattern)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.randn(HEADS, DIM, HD) / DIM ** 0.5) for _ in range(3))
+        self.W_O = nn.Parameter(torch.randn(HEADS, HD, DIM) / HD ** 0.5)
+        self.b_Q, self.b_K, self.b_V = (nn.Parameter(torch.zeros(HEADS, HD)) for _ in range(3))
+        self.b_O = nn.Parameter(torch.zeros(DIM))
+        self.register_buffer("mask", torch.tril(torch.ones((CTX, CTX)).bool()))
+        self.register_buffer("IGNORE", torch.tensor(-torch.inf))
+
+    def forward(self, x):
+        q = torch.einsum("bpm,hmd->bphd", x, self.W_Q) + self.b_Q
+        k = torch.einsum("bpm,hmd->bphd", x, self.W_K) + self.b_K
+        v = torch.einsum("bpm,hmd->bphd", x, self.W_V) + self.b_V
+        attn_scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / HD ** 0.5
+        q_len, k_len = attn_scores.size(-2), attn_scores.size(-1)
+        attn_scores = torch.where(self.mask[k_len - q_len:k_len, :k_len], attn_scores, self.IGNORE)
+        pattern = F.softmax(attn_scores, dim=-1)
+        z = torch.einsum("bkhd,bhqk->bqhd", v, pattern)
+        return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
+
+
+class TransformerLensLM(nn.Module):
+    """TransformerLens ``HookedTransformer`` (hooks left out): embed plus a learned ``pos_embed``
+    sliced to the length, pre-LN blocks of `TransformerLensAttention` and a GELU MLP, unembed."""
+
+    def __init__(self):
+        super().__init__()
+        self.W_E, self.W_pos = nn.Parameter(torch.randn(VOCAB, DIM) * 0.1), nn.Parameter(torch.randn(CTX, DIM) * 0.1)
+        self.ln1, self.ln2 = (nn.ModuleList(nn.LayerNorm(DIM) for _ in range(LAYERS)) for _ in range(2))
+        self.attn = nn.ModuleList(TransformerLensAttention() for _ in range(LAYERS))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+                                 for _ in range(LAYERS))
+        self.W_U = nn.Parameter(torch.randn(DIM, VOCAB) * 0.1)
+
+    def forward(self, tokens):
+        x = self.W_E[tokens] + self.W_pos[:tokens.size(-1)][None]
+        for ln1, attn, ln2, mlp in zip(self.ln1, self.attn, self.ln2, self.mlp):
+            x = x + attn(ln1(x))
+            x = x + mlp(ln2(x))
+        return x @ self.W_U
