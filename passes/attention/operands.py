@@ -26,6 +26,30 @@ def single_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
+def nan_guard(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(where, isnan)`` if ``node``'s only readers are ``where(isnan(node), zeros_like(node) or 0,
+    node)`` (TransformerLens zeroes the NaN a softmax over no visible key gives); else None. On a
+    tree the attention kernel gives such a query 0 itself, so the guard changes nothing there."""
+    isnans = [u for u in node.users if is_call(u, (torch.isnan,), ("isnan",)) and u.args[0] is node]
+    wheres = [u for u in node.users if is_call(u, (torch.where,), ("where",)) and len(u.args) == 3]
+    zeros = [u for u in node.users if is_call(u, (torch.zeros_like,), ("new_zeros",)) and u.args[0] is node]
+    if len(isnans) != 1 or len(wheres) != 1 or set(node.users) != {*isnans, *wheres, *zeros}:
+        return None
+    where = wheres[0]
+    cond, other, kept = where.args
+    fill = value(other) if isinstance(other, fx.Node) else other
+    zero = (other in zeros if isinstance(other, fx.Node) else fill == 0) and len(zeros) <= 1
+    if cond is not isnans[0] or kept is not node or not zero or len(isnans[0].users) != 1:
+        return None
+    return where, isnans[0]
+
+
+def next_op(node: fx.Node) -> fx.Node | None:
+    """The one op that reads ``node`` (`single_user`), passing over a `nan_guard`."""
+    guard = nan_guard(node)
+    return single_user(node) if guard is None else guard[0]
+
+
 def sink_column(ctx: PassContext, cat: fx.Node) -> fx.Node | None:
     """``sink`` if ``cat`` is ``torch.cat([scores, sink], dim=-1)`` with ``sink`` ``[.., S, 1]``."""
     if not is_call(cat, (torch.cat,), ()):
@@ -157,12 +181,17 @@ def _einsum_output(a: str, b: str, res: str, probs: fx.Node, values: fx.Node):
 
 
 def forward_chain(softmax: fx.Node, out: fx.Node) -> list[fx.Node]:
-    """The single-user nodes from the softmax to the ``probs @ v`` node, excluded."""
-    nodes, cur = [], single_user(softmax)
-    while cur is not None and cur is not out:
+    """The single-user nodes from the softmax to the ``probs @ v`` node, excluded (with what a
+    `nan_guard` on the way reads)."""
+    nodes, cur = [], softmax
+    while True:
+        guard = nan_guard(cur)
+        if guard is not None:
+            nodes.extend(u for u in cur.users if u is not guard[0])  # the isnan (and zeros_like) it reads
+        cur = next_op(cur)
+        if cur is None or cur is out:
+            return nodes
         nodes.append(cur)
-        cur = single_user(cur)
-    return nodes
 
 
 def outside_use(chain: list[fx.Node], out: fx.Node) -> fx.Node | None:
@@ -183,7 +212,7 @@ def outside_use(chain: list[fx.Node], out: fx.Node) -> fx.Node | None:
 def chain_end(softmax: fx.Node, matmul: fx.Node) -> fx.Node:
     cur = softmax
     while True:
-        nxt = single_user(cur)
+        nxt = next_op(cur)
         if nxt is None or nxt is matmul:
             return cur
         cur = nxt

@@ -247,7 +247,8 @@ CASES: list[zoo.Case] = [
              "sinusoid added to the embeddings", _build(CenteredPositionsLM), expect="refused",
              reason="whose entries change with the sequence length"),
     zoo.Case("transformerlens", "TransformerLens: einsum('bqhd,bkhd->bhqk') scores, where(mask[:q, :k], scores, "
-             "IGNORE) with tril and -inf buffers, the values first in einsum('bkhd,bhqk->bqhd', v, pattern), "
+             "IGNORE) with tril and -inf buffers, where(isnan(pattern), 0, pattern), the values first in "
+             "einsum('bkhd,bhqk->bqhd', v, pattern), "
              "W_pos[:T]", _build(TransformerLensLM), attention={"softmax_attention": 1}),
     zoo.Case("mistral-inference-seqlens", "mistralai/mistral-inference: positions cat([arange(0, seqlen) for seqlen "
              "in seqlens]) over the packed batch gathering a learned table; SDPA in xformers' (1, S, H, D) layout, "

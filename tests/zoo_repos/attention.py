@@ -452,7 +452,8 @@ class TransformerLensAttention(nn.Module):
     """TransformerLens ``Attention``: ``W_Q``/``W_K``/``W_V`` as ``[heads, d_model, d_head]``
     parameters applied by ``einsum('bpm,hmd->bphd')``, scores ``einsum('bqhd,bkhd->bhqk', q, k)``,
     ``torch.where(self.mask[:q, :k], scores, self.IGNORE)`` with a ``tril`` buffer and an ``-inf``
-    buffer, softmax, and the values first in ``einsum('bkhd,bhqk->bqhd', v, pattern)``."""
+    buffer, softmax, its NaN zeroed (``where(isnan(pattern), zeros_like(pattern), pattern)``), and
+    the values first in ``einsum('bkhd,bhqk->bqhd', v, pattern)``."""
 
     def __init__(self):
         super().__init__()
@@ -471,6 +472,7 @@ class TransformerLensAttention(nn.Module):
         q_len, k_len = attn_scores.size(-2), attn_scores.size(-1)
         attn_scores = torch.where(self.mask[k_len - q_len:k_len, :k_len], attn_scores, self.IGNORE)
         pattern = F.softmax(attn_scores, dim=-1)
+        pattern = torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
         z = torch.einsum("bkhd,bhqk->bqhd", v, pattern)
         return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
 
