@@ -38,6 +38,7 @@ probe, which runs the main graph on batches of its own, never touches the model'
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ class StateWrites:
     names: list[str] = field(default_factory=list)
     refusal: UnsupportedModelError | None = None
     inputs: int | None = None
+    held: tuple[tuple[int, Any], ...] = ()  # (index, weak reference) of the model's tensors it does not write
 
     def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
         """Runs the state graph on copies of the tensors it writes.
@@ -94,6 +96,12 @@ class StateWrites:
             place and read after the write is its copy), the state values for Dynamo, and the
             written copies (`commit` writes them back).
         """
+        if self.inputs is not None and len(args) > self.inputs and self.held \
+                and all(args[i] is ref() for i, ref in self.held):
+            # Dynamo passes a buffer the graph does not read after the graph's own inputs (seen
+            # with a counter written in place beside an unused buffer): the model's tensors are
+            # where the graph had them, so the graph's inputs are the first ones.
+            args = args[:self.inputs]
         if self.inputs is not None and len(args) != self.inputs:
             # Seen with a buffer registered as None and registered again in forward beside
             # other buffers: Dynamo's call does not match the graph it captured, so which
@@ -238,7 +246,9 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     labels += [_pretty(sources[placeholders.index(p)]) for p in written]
     state = StateWrites(graph=state_gm, outputs=tuple(kept), size=len(outs),
                         written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
-                        names=labels, refusal=refusal, inputs=len(placeholders))
+                        names=labels, refusal=refusal, inputs=len(placeholders),
+                        held=tuple((i, weakref.ref(x)) for i, (p, x) in enumerate(zip(placeholders, example_inputs))
+                                   if p not in batch and p not in written and isinstance(x, torch.Tensor)))
     return gm, state
 
 

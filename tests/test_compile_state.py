@@ -239,3 +239,40 @@ def test_a_mask_judged_from_state_that_changes_at_every_call_is_refused_by_name(
     assert named in first and "would not hold at the next call" in first and "test_compile_state.py:" in first, first
     _assert_same(before, _snapshot(model))
     zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+class WarmupCountingLM(CountingLM):
+    """CountingLM that scales its embeddings by a warm-up factor read from the counter after it
+    advances, beside a buffer the forward never reads (Dynamo then hands the compiled graph that
+    buffer after its own inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("unused", torch.zeros(3))
+        self.advance = True  # False: the per-path reference, at the counter's value of the tree call
+
+    def forward(self, idx):
+        if self.advance:
+            self.steps += 1
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = (self.wte(idx) + self.wpe(pos)) * (1 + self.steps.to(self.wte.weight.dtype) / 100)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_counter_beside_an_unread_buffer_runs_and_advances_once_per_call():
+    """Refused before ("got N + 1 inputs for the N it was captured with"); now each call equals
+    per-path training at the counter's value in that call, and the counter advances once."""
+    from treecompile.core.reference import per_path_loss
+
+    model = _build(WarmupCountingLM)
+    compiled = tc.tree_compile(model, backend="eager")
+    for i, (_, batch, trees) in enumerate(zoo.batches()):
+        out = compiled(batch)
+        assert int(model.steps) == i + 1
+        twin = copy.deepcopy(model)
+        twin.advance = False
+        ref = per_path_loss(twin, trees)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+    assert int(model.steps) == 2
