@@ -27,8 +27,9 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import ARANGE, PassContext, describe, is_call, mutated_args, same_size, value
-from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
+from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
                                           moved_parameters, token_readers, value_ancestors)
+from treecompile.passes._subgraph_run import equal_with_nans
 from treecompile.passes.rows.domain import op_key, split_inplace
 from treecompile.passes.rows.elementwise import POINTWISE
 

@@ -48,8 +48,9 @@ from treecompile.core.advice import TreeWarning
 from treecompile.kernels.attention.masks import dense_tree_mask
 from treecompile.passes._graph import (MATMUL, SDPA, SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call,
                                       location_of, mutated_args, new_dims_only, same_size, value)
-from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, equal_with_nans, evaluate, judged_length,
+from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evaluate, judged_length,
                                           moved_parameters, reads_tokens, written_from_tokens)
+from treecompile.passes._subgraph_run import equal_with_nans
 from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, guarded,
                                                     is_pair, with_sink, written)
 from treecompile.passes.attention.pair_layouts import (einsum_per_head, head_mix, scores_per_head, sink_column,

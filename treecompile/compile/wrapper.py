@@ -439,14 +439,12 @@ class TreeCompiledModel(DelegatingModule):
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)
         rows = batch.num_tokens
-        # Torch specialises a size-1 dimension as a constant (a recompile, and the sequence axis
-        # blurred with the batch axis): at least 2 rows, and for one target, predicting row or
-        # node a two-token padding tree whose target weighs 0 (`TreeBatch.padded`).
+        # Torch specialises a size-1 dimension as a constant (a recompile, the sequence axis blurred with
+        # the batch axis): at least 2 rows, and for one target, row or node a zero-weight padding tree.
         longest = batch.longest_path()[0]  # from the batch's check: no read of the device
         if self._proven_rows is not None and longest > self._proven_rows:
-            # The compiled graph rests on a judgement made at a shorter length (the model's own
-            # mask evaluated at the example length): compile again, judging at twice this
-            # path's length so that growing batches recompile O(log) times.
+            # The graph rests on a judgement made at a shorter length (the model's own mask evaluated
+            # there): compile again, judging at twice this length (O(log) recompiles as batches grow).
             self._compiled, self._proven_rows = None, None
             self._state.probe_rows = 2 * longest
         dest, predicting, _ = batch.head_index()
@@ -471,19 +469,15 @@ class TreeCompiledModel(DelegatingModule):
         try:
             try:
                 out = self._call(args, extend(), rows, longest)
-            except NeedsStructure:
-                if self._structure:
-                    raise
-                # A shift or a functional conv along the sequence: capture again with the paths.
-                self._structure = True
-                self._compiled = self._build(device)
+            except (NeedsStructure, JudgedInputChanged) as again:
+                # A shift or a functional conv along the sequence: capture again with the paths. A
+                # tensor whose values the passes judged changed (a window set between steps): judge anew.
+                if isinstance(again, NeedsStructure):
+                    if self._structure:
+                        raise
+                    self._structure = True
+                self._compiled, self._first_record = self._build(device), len(self.compile_records)
                 args = self._inputs(batch)
-                out = self._call(args, extend(), rows, longest)
-            except JudgedInputChanged:
-                # A tensor of the model whose values the passes judged changed since (a window
-                # or slopes set between steps): compile again, judging its values now.
-                self._compiled = self._build(device)
-                self._first_record = len(self.compile_records)
                 out = self._call(args, extend(), rows, longest)
         except (CaptureFailed, ConstantLength) as failed:
             kind = type(failed)
