@@ -428,8 +428,16 @@ def _judged_guards(ctx: PassContext, example_inputs, sources, arguments, state: 
         x = example_inputs[i] if i < len(example_inputs) else None
         if isinstance(x, torch.Tensor) and not x.requires_grad and i not in written and i < len(sources) \
                 and not is_batch(sources[i], arguments):
-            out.append((i, state_name(sources[i]), weakref.ref(x), x._version, x.data_ptr()))
+            out.append((i, state_name(sources[i]), weakref.ref(x), _version(x), x.data_ptr()))
     return out
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s version counter (-1 for a tensor made under ``torch.inference_mode``, which has none)."""
+    try:
+        return x._version
+    except RuntimeError:
+        return -1
 
 
 def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
@@ -441,7 +449,7 @@ def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
     def run(*args):
         for i, name, ref, version, ptr in guards:
             x = args[i]
-            if x is not ref() or x._version != version or x.data_ptr() != ptr:
+            if x is not ref() or _version(x) != version or x.data_ptr() != ptr:
                 raise JudgedInputChanged(
                     f"treecompile: {name} changed since the graph that reads it was compiled, and the passes judged "
                     "its values (a mask, a bias, a table built from it): the graph must be compiled again.")

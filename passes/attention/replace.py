@@ -133,11 +133,16 @@ def _laid_out_like(gm: fx.GraphModule, ctx: PassContext, new: fx.Node, output: f
         return new  # the same layout already
     order = sorted(range(want.dim()), key=lambda d: (-hint[d], d))
     if order == list(range(want.dim())):
-        return ctx.mark(gm.graph.call_method("contiguous", (new,)), like=output)
+        x = ctx.mark(gm.graph.call_method("contiguous", (new,)), like=output)
+        return recompute_value(x) if have is not None else x
     inverse = [order.index(d) for d in range(want.dim())]
     x = ctx.mark(gm.graph.call_method("permute", (new, *order)), like=output)
     x = ctx.mark(gm.graph.call_method("contiguous", (x,)), like=output)
-    return ctx.mark(gm.graph.call_method("permute", (x, *inverse)), like=output)
+    x = ctx.mark(gm.graph.call_method("permute", (x, *inverse)), like=output)
+    if have is not None:  # the example values of the copy, where the call's could be computed
+        for n in (x.args[0].args[0], x.args[0], x):
+            recompute_value(n)
+    return x
 
 
 def _stride_hints(t: torch.Tensor) -> list[int]:

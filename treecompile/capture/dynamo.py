@@ -440,12 +440,18 @@ def _grown(buf: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """``buf`` extended to ``shape`` with zeros; the same tensor as the last call's while neither
     was written (the compiled graph guards the tensors whose values its passes judged, see
     `treecompile.passes.pipeline.JudgedInputChanged`: a new one every call would compile again)."""
+    try:
+        version = buf._version
+    except RuntimeError:  # a tensor made under torch.inference_mode has no version: extended anew
+        version = None
     kept = _GROWN.get(buf)
-    if kept is not None and kept[:3] == (buf._version, buf.data_ptr(), tuple(shape)) and kept[3]._version == kept[4]:
+    if version is not None and kept is not None and kept[:3] == (version, buf.data_ptr(), tuple(shape)) \
+            and kept[3]._version == kept[4]:
         return kept[3]
     grown = buf.new_zeros(shape)
     grown[tuple(slice(0, d) for d in buf.shape)] = buf
-    _GROWN[buf] = (buf._version, buf.data_ptr(), tuple(shape), grown, grown._version)
+    if version is not None:
+        _GROWN[buf] = (version, buf.data_ptr(), tuple(shape), grown, grown._version)
     return grown
 
 
