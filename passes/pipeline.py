@@ -410,8 +410,8 @@ def make_backend(
 class JudgedInputChanged(UnsupportedModelError):
     """A tensor of the model whose values the passes judged (a mask buffer, ALiBi slopes, a
     window kept as a tensor) is another tensor, or was written in place, since the graph was
-    compiled: what was judged may not hold. The whole-tree wrapper compiles again and judges
-    anew; elsewhere the call is refused with this message."""
+    compiled: what was judged may not hold. The whole-tree wrapper and the streamed runner
+    compile again and judge anew; elsewhere the call is refused with this message."""
 
 
 #: ``(index, name, the tensor, its version, its data pointer)`` of a judged graph input.

@@ -119,3 +119,20 @@ def test_a_buffer_set_between_steps_is_judged_again(kind, change):
     trees = [tc.TrajectoryTree.from_sequences(forests[0])]
     zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)  # unchanged since: no third compile
     assert len(compiled.compile_records) == 2
+
+
+def test_a_buffer_set_between_steps_is_judged_again_when_streamed():
+    """The same, over the streamed runner (parts of at most 8 rows): its part graph compiles again."""
+    import zoo
+
+    from treecompile.stream.options import StreamOptions
+
+    model = zoo.perturb(BufferJudgedLM("window").double())
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
+    forests = [[[1, 2, 3, 4, 5, 6], [1, 2, 5], [1, 7, 8, 9, 10, 11]], [[3, 4, 5, 6, 2, 2], [3, 4, 9, 2, 10, 11]]]
+    for step, paths in enumerate(forests):
+        if step == 1:
+            with torch.no_grad():
+                model.window.fill_(2)
+        trees = [tc.TrajectoryTree.from_sequences(paths)]
+        zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)

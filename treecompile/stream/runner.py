@@ -15,7 +15,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
-from treecompile.passes.pipeline import CallState, Pipeline, streamed
+from treecompile.passes.pipeline import CallState, JudgedInputChanged, Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
 from treecompile.stream.plan import (StreamChoice, StreamOptions, StreamPlan, StreamStats, choose_stream, plan_stream,
@@ -69,6 +69,7 @@ class StreamRunner:
         self.options = options
         self.stats: StreamStats | None = None
         self._compiled = None
+        self._rejudging = False  # compiling again after `JudgedInputChanged`, once per part
         self._shapes: KVLayout | None = None  # the stack's slots, learnt from the graph
         self._remembered = False  # whether `_shapes` went into `_LEARNT` (once checked by a call)
         self._state = CallState()  # the part's layout, read when its graph compiles
@@ -337,6 +338,16 @@ class StreamRunner:
                 # The graph's layers are not the guessed ones: build with what it reported.
                 self._build(device, e)
                 return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad, keep)
+            except JudgedInputChanged:
+                if self._rejudging:
+                    raise
+                # A tensor whose values the passes judged changed (a window set between steps): judge anew.
+                self._rejudging = True
+                try:
+                    self._build(device, self._shapes)
+                    return self._forward_part(data, plan, j, entries, device, with_graph, aux_grad, keep)
+                finally:
+                    self._rejudging = False
             if not self._remembered:
                 _remember_layout(self.setup.model, self._shapes)
                 self._remembered = True
