@@ -25,7 +25,7 @@ from treecompile.kernels.attention.flex import BlockLayout
 from treecompile.passes._functorch_ops import STATE_SWITCHES, functorch_state_nodes, uses_functorch_levels
 
 __all__ = ["PassContext", "Emitter", "emit", "is_call", "is_op", "value", "row_dims", "is_row_size", "source_of", "location_of", "describe", "bind", "ancestors", "table_length",
-           "new_dims_only"]
+           "new_dims_only", "version_of", "writers_of", "inputs_by_memory"]
 
 
 @dataclass
@@ -302,6 +302,14 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     return flat
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by in-place writes); None under ``torch.inference_mode``."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def storage_of(node: Any) -> int | None:
     """An id of the memory the node's tensor lives in (views share it), or None if unknown."""
     v = value(node)
@@ -311,6 +319,33 @@ def storage_of(node: Any) -> int | None:
         return v.untyped_storage()._cdata
     except Exception:  # a tensor without storage (sparse, nested): unknown
         return None
+
+
+def inputs_by_memory(graph: fx.Graph) -> dict[int | None, list[fx.Node]]:
+    """The graph's inputs (placeholders and attributes) by the memory they hold (`storage_of`)."""
+    out: dict[int | None, list[fx.Node]] = {}
+    for x in (*graph.find_nodes(op="placeholder"), *graph.find_nodes(op="get_attr")):
+        out.setdefault(storage_of(x), []).append(x)
+    return out
+
+
+def writers_of(node: fx.Node, inputs: dict[int | None, list[fx.Node]] | None = None) -> list[fx.Node] | None:
+    """The nodes that write ``node``'s memory in place (None: memory of unknown origin). Memory is
+    shared only along an op's edge (a view) or by aliasing graph inputs (``inputs``: `inputs_by_memory`):
+    the search follows edges between nodes in that memory from those, not the whole graph."""
+    store = storage_of(node)
+    if store is None:
+        return None
+    inputs = inputs_by_memory(node.graph) if inputs is None else inputs
+    alias = {node, *inputs.get(store, ())}  # the nodes in this memory, grown along edges
+    todo = list(alias)
+    while todo:
+        m = todo.pop()
+        for a in (*m.all_input_nodes, *m.users):
+            if a not in alias and storage_of(a) == store:
+                alias.add(a)
+                todo.append(a)
+    return [u for u in {u: None for m in alias for u in m.users} if any(storage_of(t) == store for t in mutated_args(u))]
 
 
 #: Ops whose result is new memory (nothing else aliases it when it is made).

@@ -14,8 +14,9 @@ import torch
 from torch import fx
 
 from treecompile.passes._functorch_ops import functorch_state_nodes, uses_functorch_levels
-from treecompile.passes._graph import PassContext, ancestors, describe, mutated_args, storage_of, value
-from treecompile.passes._subgraph_run import evaluate_with_state, run_subgraph
+from treecompile.passes._graph import (PassContext, ancestors, describe, inputs_by_memory, mutated_args, storage_of,
+                                      value, writers_of)
+from treecompile.passes._subgraph_run import evaluate_with_state, moved, run_subgraph
 
 __all__ = ["depends_on_inputs", "moved_parameters", "value_inputs", "value_ancestors", "copy_node", "copy_values", "two_lengths",
            "changes_with_length", "CHANGES", "distance_pattern", "chunk_pattern", "NOT_PLAIN", "structural_causal",
@@ -44,7 +45,8 @@ def _reaches(ctx: PassContext, node: fx.Node, parameters: bool, writes: bool = T
     from (``mask = zeros(T, T).triu(1); mask.masked_fill_(ids == pad, -inf)`` reads the
     tokens), wherever the write stands in the graph."""
     stack, seen = [node], set()
-    writers: dict[int, list[fx.Node]] | None = None
+    writers: dict[int, list[fx.Node]] = {}
+    inputs: dict | None = None  # the graph inputs by their memory, once needed
     while stack:
         n = stack.pop()
         if n in seen:
@@ -58,20 +60,11 @@ def _reaches(ctx: PassContext, node: fx.Node, parameters: bool, writes: bool = T
                 return True
         stack.extend(value_inputs(n))
         if writes and (store := storage_of(n)) is not None:
-            writers = _writers(n.graph) if writers is None else writers
-            stack.extend(writers.get(store, ()))
+            if store not in writers:
+                inputs = inputs_by_memory(n.graph) if inputs is None else inputs
+                writers[store] = writers_of(n, inputs)
+            stack.extend(writers[store])
     return False
-
-
-def _writers(graph: fx.Graph) -> dict[int, list[fx.Node]]:
-    """The nodes of ``graph`` that write in place, by the memory they write (`storage_of`)."""
-    out: dict[int, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if n.op in ("call_function", "call_method"):
-            for t in mutated_args(n):
-                if (store := storage_of(t)) is not None:
-                    out.setdefault(store, []).append(n)
-    return out
 
 
 #: Methods (and functions) whose tensor arguments at these positions give only dtype, device or shape.
@@ -88,14 +81,13 @@ def moved_parameters(ctx: PassContext):
     step) shows as different."""
     saved = ctx.example_inputs
     g = torch.Generator().manual_seed(0)
-    moved = []
+    out = []
     for x in saved:
         if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
-            noise = torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
-            moved.append((x.detach() * 1.7 + 0.3 + noise).requires_grad_())
+            out.append(moved(x, g).requires_grad_())
         else:
-            moved.append(x)
-    ctx.example_inputs = moved
+            out.append(x)
+    ctx.example_inputs = out
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ from torch import fx
 
 from treecompile.passes._graph import PassContext, describe, location_of
 
-__all__ = ["equal_with_nans", "evaluate_with_state", "run_subgraph"]
+__all__ = ["equal_with_nans", "evaluate_with_state", "moved", "run_subgraph"]
 
 
 def equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,8 +78,14 @@ def _moved_state_inputs(args: list, written: tuple[int, ...]) -> list:
             else:
                 out[i] = x * 3 + 7
         elif x.requires_grad and x.is_floating_point():
-            out[i] = (x.detach() * 1.7 + 0.3 + torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype))
+            out[i] = moved(x, g)
     return out
+
+
+def moved(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A parameter's values scaled and shifted at random (a judgement that holds for the example's
+    parameters only shows as different on them), without its gradient."""
+    return x.detach() * 1.7 + 0.3 + torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
 
 
 def run_subgraph(node: fx.Node, needed: set[fx.Node], placeholders: list[fx.Node],

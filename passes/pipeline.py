@@ -46,7 +46,7 @@ from treecompile.kernels.attention.flex import BlockLayout
 from treecompile.kernels.attention.masks import MASK_KINDS
 from treecompile.core.errors import UnsupportedModelError, unknown_choice
 from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
-                                      value)
+                                      value, version_of)
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -415,7 +415,7 @@ class JudgedInputChanged(UnsupportedModelError):
 
 
 #: ``(index, name, the tensor, its version, its data pointer)`` of a judged graph input.
-_Guard = tuple[int, str, "weakref.ref", int, int]
+_Guard = tuple[int, str, "weakref.ref", "int | None", int]
 
 
 def _judged_guards(ctx: PassContext, example_inputs, sources, arguments, state: StateWrites | None) -> list[_Guard]:
@@ -428,16 +428,8 @@ def _judged_guards(ctx: PassContext, example_inputs, sources, arguments, state: 
         x = example_inputs[i] if i < len(example_inputs) else None
         if isinstance(x, torch.Tensor) and not x.requires_grad and i not in written and i < len(sources) \
                 and not is_batch(sources[i], arguments):
-            out.append((i, state_name(sources[i]), weakref.ref(x), _version(x), x.data_ptr()))
+            out.append((i, state_name(sources[i]), weakref.ref(x), version_of(x), x.data_ptr()))
     return out
-
-
-def _version(x: torch.Tensor) -> int:
-    """``x``'s version counter (-1 for a tensor made under ``torch.inference_mode``, which has none)."""
-    try:
-        return x._version
-    except RuntimeError:
-        return -1
 
 
 def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
@@ -449,7 +441,7 @@ def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
     def run(*args):
         for i, name, ref, version, ptr in guards:
             x = args[i]
-            if x is not ref() or _version(x) != version or x.data_ptr() != ptr:
+            if x is not ref() or version_of(x) != version or x.data_ptr() != ptr:
                 raise JudgedInputChanged(
                     f"treecompile: {name} changed since the graph that reads it was compiled, and the passes judged "
                     "its values (a mask, a bias, a table built from it): the graph must be compiled again.")

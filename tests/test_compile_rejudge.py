@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from test_compile_models import compare_with_paths, rope
+from test_compile_models import ManualGPT, compare_with_paths, rope
 
 import treecompile as tc
 
@@ -136,3 +136,28 @@ def test_a_buffer_set_between_steps_is_judged_again_when_streamed():
                 model.window.fill_(2)
         trees = [tc.TrajectoryTree.from_sequences(paths)]
         zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)
+
+
+def test_a_buffer_extended_for_the_call_and_one_made_in_inference_mode_compile_once():
+    """The guard on judged tensors does not compile again at every call: a ``tril`` buffer
+    shorter than the packed row is extended once while it is unchanged (a new extension per call
+    would be a new tensor each time), and a buffer made under ``torch.inference_mode`` (no version
+    counter) is guarded by its identity and memory."""
+    import zoo
+
+    paths = [[1 + i, 2 + i, 3, 4, 5, 6, 7, 8, 9] for i in range(3)]  # 27 rows, paths of 9
+    trees = [tc.TrajectoryTree.from_sequences(paths)]
+    batch = tc.pack(trees, warn_por=False)
+    model = zoo.perturb(ManualGPT(block_size=16).double())
+    compiled = tc.tree_compile(model, backend="eager")
+    for _ in range(3):
+        zoo.compare(model, compiled, batch, trees)
+    assert len(compiled.compile_records) == 1, len(compiled.compile_records)
+
+    model = zoo.perturb(BufferJudgedLM("window").double())
+    with torch.inference_mode():
+        model.window = torch.tensor(3)
+    compiled = tc.tree_compile(model, backend="eager")
+    for _ in range(2):
+        zoo.compare(model, compiled, batch, trees)
+    assert len(compiled.compile_records) == 1, len(compiled.compile_records)

@@ -29,19 +29,18 @@ def single_user(node: fx.Node) -> fx.Node | None:
 def nan_guard(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(where, isnan)`` if ``node``'s only readers are ``where(isnan(node), zeros_like(node) or 0,
     node)`` (TransformerLens zeroes the NaN a softmax over no visible key gives); else None. On a
-    tree the attention kernel gives such a query 0 itself, so the guard changes nothing there."""
+    tree the attention kernel gives such a query 0 itself, so the guard changes nothing there
+    (NaN scores, which it would also hide, stay NaN on the tree: a NaN loss, not a silent one)."""
     isnans = [u for u in node.users if is_call(u, (torch.isnan,), ("isnan",)) and u.args[0] is node]
     wheres = [u for u in node.users if is_call(u, (torch.where,), ("where",)) and len(u.args) == 3]
     zeros = [u for u in node.users if is_call(u, (torch.zeros_like,), ("new_zeros",)) and u.args[0] is node]
     if len(isnans) != 1 or len(wheres) != 1 or set(node.users) != {*isnans, *wheres, *zeros}:
         return None
-    where = wheres[0]
-    cond, other, kept = where.args
-    fill = value(other) if isinstance(other, fx.Node) else other
-    zero = (other in zeros if isinstance(other, fx.Node) else fill == 0) and len(zeros) <= 1
+    cond, other, kept = wheres[0].args
+    zero = other in zeros if isinstance(other, fx.Node) else other == 0
     if cond is not isnans[0] or kept is not node or not zero or len(isnans[0].users) != 1:
         return None
-    return where, isnans[0]
+    return wheres[0], isnans[0]
 
 
 def next_op(node: fx.Node) -> fx.Node | None:

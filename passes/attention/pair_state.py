@@ -22,12 +22,12 @@ from torch import fx
 
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA, SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, is_call, location_of,
-                                      mutated_args, same_size, storage_of, value)
+                                      same_size, storage_of, value, writers_of)
 from treecompile.passes._mask_eval import BLOCKED
 from treecompile.passes.rows.domain import op_key
 
 __all__ = ["Hidden", "UNKNOWN", "query_dim", "is_pair", "FILLS", "FILL_ARGS", "fill_value", "written", "INDEX_CASTS",
-           "blocking", "GUARDS", "sees_a_key", "guarded", "guard", "with_sink", "writers_of"]
+           "blocking", "GUARDS", "sees_a_key", "guarded", "guard", "with_sink"]
 
 #: Where a region's state lists the ``(node, argument)`` pairs whose argument's blocked entries are
 #: finite: each gets a `sees_a_key` check before it.
@@ -94,14 +94,6 @@ def fill_value(n: fx.Node, written: bool = False) -> torch.Tensor | None:
     if not isinstance(c, (bool, int, float)) or not isinstance(v, torch.Tensor):
         return None
     return torch.tensor(c, dtype=v.dtype)
-
-
-def writers_of(n: fx.Node) -> list[fx.Node] | None:
-    """The nodes writing ``n``'s memory in place (None: memory of unknown origin)."""
-    target = storage_of(n)
-    if target is None:
-        return None
-    return [m for m in n.graph.nodes if any(storage_of(t) == target for t in mutated_args(m))]
 
 
 def written(n: fx.Node, state: dict, members: set) -> None:

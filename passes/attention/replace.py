@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from treecompile.kernels.attention.flex import AttentionSpec, tree_attention_fn
-from treecompile.passes._graph import recompute_value, row_dims, value
+from treecompile.passes._graph import PassContext, recompute_value, row_dims, value
 
 __all__ = ["replace", "heads_of"]
 

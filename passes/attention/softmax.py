@@ -230,14 +230,13 @@ def _match(ctx: PassContext, node: fx.Node) -> _Match | None:
 def _output_product(ctx: PassContext, node: fx.Node, sink: fx.Node | None) -> tuple[fx.Node | None, HeadMix | None]:
     """Forward from the softmax: [drop the sink column] -> [dropout(p=0) | cast | view | a mix
     of the heads (talking heads, once)] -> @ v; ``(the product, the mix or None)``."""
-    out, mix = next_op(node), None
+    prev, out, mix = node, next_op(node), None
     if sink is not None:
         if out is None or not drops_last_column(out):
             return None, None
-        out = single_user(out)
+        prev, out = out, single_user(out)
     while out is not None:
-        if out.args and isinstance(out.args[-1], fx.Node) and (guard := nan_guard(out.args[-1])) is not None \
-                and guard[0] is out:
+        if (guard := nan_guard(prev)) is not None and guard[0] is out:
             pass  # where(isnan(p), 0, p): p itself (see `nan_guard`)
         elif is_call(out, (torch.nn.functional.dropout, torch.reshape), _CASTS + _VIEWS):
             if is_call(out, (torch.nn.functional.dropout,)):
@@ -248,7 +247,7 @@ def _output_product(ctx: PassContext, node: fx.Node, sink: fx.Node | None) -> tu
             mix = found[1]
         else:
             break
-        out = next_op(out)
+        prev, out = out, next_op(out)
     if out is None or not (is_call(out, MATMUL, ("matmul", "bmm")) or is_call(out, (torch.einsum,))):
         return None, None
     return out, mix

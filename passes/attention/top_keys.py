@@ -32,9 +32,9 @@ from torch import fx
 
 from treecompile.core.errors import BatchRefused
 from treecompile.passes._graph import (SDPA_ARGS, SDPA_DEFAULTS, PassContext, bind, describe, is_call, is_op,
-                                      location_of, same_size, value)
+                                      location_of, same_size, value, writers_of)
 from treecompile.passes.attention.pair_state import (FILL_ARGS, FILLS, INDEX_CASTS, UNKNOWN, Hidden, blocking,
-                                                    fill_value, guarded, query_dim, writers_of)
+                                                    fill_value, guarded, query_dim)
 from treecompile.passes.rows.domain import op_key, split_inplace
 
 __all__ = ["tree_top_keys", "ambiguous_queries", "scatter_keys", "marked_fill", "chosen_keys", "selected_keys",

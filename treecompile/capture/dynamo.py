@@ -48,6 +48,7 @@ from treecompile.kernels import grouped_mm as _grouped_mm_op  # noqa: F401  (reg
 from treecompile.capture.kernel_table import SEQUENCE_KERNELS
 from treecompile.capture.hf_interfaces import TreeMask, has_own_attention, hf_causal_attention, hf_experts
 from treecompile.passes import markers
+from treecompile.passes._graph import version_of
 
 if TYPE_CHECKING:
     from treecompile.capture.router_aux import RouterAux
@@ -432,26 +433,23 @@ def extended_buffers(short: list[tuple[nn.Module, str, int]], rows: int):
             module._buffers[name] = buf
 
 
-#: Per buffer, its extension: ``(buffer version, data pointer, shape, extension, its version)``.
-_GROWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per buffer (by id, while it lives): ``(buffer version, data pointer, shape, extension, its version)``.
+_GROWN: dict[int, tuple] = {}
 
 
 def _grown(buf: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """``buf`` extended to ``shape`` with zeros; the same tensor as the last call's while neither
     was written (the compiled graph guards the tensors whose values its passes judged, see
     `treecompile.passes.pipeline.JudgedInputChanged`: a new one every call would compile again)."""
-    try:
-        version = buf._version
-    except RuntimeError:  # a tensor made under torch.inference_mode has no version: extended anew
-        version = None
-    kept = _GROWN.get(buf)
-    if version is not None and kept is not None and kept[:3] == (version, buf.data_ptr(), tuple(shape)) \
-            and kept[3]._version == kept[4]:
+    key = (version_of(buf), buf.data_ptr(), tuple(shape))  # no version under torch.inference_mode
+    kept = _GROWN.get(id(buf))
+    if kept is not None and kept[:3] == key and kept[3]._version == kept[4]:
         return kept[3]
     grown = buf.new_zeros(shape)
     grown[tuple(slice(0, d) for d in buf.shape)] = buf
-    if version is not None:
-        _GROWN[buf] = (version, buf.data_ptr(), tuple(shape), grown, grown._version)
+    if kept is None:  # (a tensor's == is elementwise: no WeakKeyDictionary)
+        weakref.finalize(buf, _GROWN.pop, id(buf), None)
+    _GROWN[id(buf)] = (*key, grown, grown._version)
     return grown
 
 
