@@ -43,6 +43,7 @@ from zoo_repos.mega import MegaLM
 from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
+from zoo_repos.whisper import WhisperTextDecoder
 from zoo_repos.gpt import (
     MinGPT,
     ModdedNanoGPT,
@@ -250,6 +251,9 @@ CASES: list[zoo.Case] = [
              "IGNORE) with tril and -inf buffers, where(isnan(pattern), 0, pattern), the values first in "
              "einsum('bkhd,bhqk->bqhd', v, pattern), "
              "W_pos[:T]", _build(TransformerLensLM), attention={"softmax_attention": 1}),
+    zoo.Case("whisper-decoder", "openai/whisper: scaled_dot_product_attention imported by name at module level, "
+             "is_causal=mask is not None and n_ctx > 1, positional_embedding[offset : offset + T]",
+             _build(WhisperTextDecoder)),
     zoo.Case("mistral-inference-seqlens", "mistralai/mistral-inference: positions cat([arange(0, seqlen) for seqlen "
              "in seqlens]) over the packed batch gathering a learned table; SDPA in xformers' (1, S, H, D) layout, "
              "its output's transpose viewed as [S, H * D]", _build(PackedSeqlensLM)),

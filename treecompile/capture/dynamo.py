@@ -514,6 +514,24 @@ def _torch_swaps() -> list[tuple[Any, str, Any]]:
 TORCH_SWAPS: list[tuple[Any, str, Any]] = _torch_swaps()
 
 
+def imported_torch_swaps(model: nn.Module) -> list[tuple[Any, str, Any]]:
+    """`TORCH_SWAPS` for the names the modules defining the model's classes imported from
+    torch (openai/whisper's ``from torch.nn.functional import scaled_dot_product_attention``):
+    ``(module, name, drop-in)`` for each global bound to a function `TORCH_SWAPS` swaps, which
+    swapping it in torch's own namespace does not reach. Modules (``_VF``) are left alone."""
+    originals = {id(getattr(owner, name)): drop_in for owner, name, drop_in in TORCH_SWAPS
+                 if callable(getattr(owner, name)) and not inspect.ismodule(getattr(owner, name))}
+    found: dict[tuple[str, str], tuple[Any, str, Any]] = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is None or module.__name__.startswith("torch."):
+            continue
+        for name, fn in list(vars(module).items()):
+            if id(fn) in originals and (module.__name__, name) not in found:
+                found[(module.__name__, name)] = (module, name, originals[id(fn)])
+    return list(found.values())
+
+
 def plain_experts(model: nn.Module) -> None:
     """Sets HF's ``eager`` experts on a model copy: the per-path reference runs it uncompiled,
     and HF's ``grouped_mm`` has no float64 kernel on CPU (the tree side routes the experts

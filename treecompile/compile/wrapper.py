@@ -30,6 +30,7 @@ from treecompile.capture.call import (AttentionRoute, CallSetup, TreeOutput, arg
                                       compile_failure, compile_named, device_of, failed_capture, run_head)
 from treecompile.capture.dynamo import (
     TORCH_SWAPS,
+    imported_torch_swaps,
     call_kwargs,
     eager_mask_skips,
     extended_buffers,
@@ -233,7 +234,8 @@ class TreeCompiledModel(DelegatingModule):
         scans = sequence_kernels(model)  # swapped for treecompile ops during each call (hybrid models)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
-        self._kernels = scans + class_swaps(model)  # (classes a capture cannot follow, likewise)
+        # (classes a capture cannot follow, and torch functions the model's modules imported by name, likewise)
+        self._kernels = scans + class_swaps(model) + imported_torch_swaps(model)
         self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
