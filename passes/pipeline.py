@@ -55,7 +55,7 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.passes.state import StateWrites, is_batch, run_with_state, separate_state, state_name
+from treecompile.passes.state import StateWrites, is_batch, run_with_state, separate_state, state_name, touches_state
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import verify_graph_pass
@@ -392,7 +392,14 @@ def make_backend(
         ctx.scan_kernel = scan_kernel
         ctx.dropout = dropout
         in_place = sum(1 for n in gm.graph.nodes if mutated_args(n))
-        gm = run_passes(gm, ctx, passes)
+        try:
+            gm = run_passes(gm, ctx, passes)
+        except UnsupportedModelError as e:
+            # An op refused in the main graph that writes into the state the call keeps (a KV
+            # cache written by slices of the length and read back) is refused naming that state.
+            if state is not None and state.refusal is not None and touches_state(getattr(e, "node", None), state):
+                raise state.refusal from None
+            raise
         if state is not None and state.refusal is not None:
             raise state.refusal
         record = CompileRecord(ctx.counters, gm, str(ctx.seq_len), in_place, ctx.max_rows, row_states=ctx.row_states,

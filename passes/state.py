@@ -51,7 +51,7 @@ from treecompile.passes._graph import describe, location_of, mutated_args, op_na
 from treecompile.passes._mask_eval import shape_sources
 from treecompile.passes.markers import is_marker
 
-__all__ = ["StateWrites", "is_batch", "separate_state", "state_name"]
+__all__ = ["touches_state", "StateWrites", "is_batch", "separate_state", "state_name"]
 
 #: Ops whose result is a view of their first argument (a read of it happens at their users).
 _VIEW_OPS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem", "__getitem__",
@@ -369,15 +369,31 @@ def _batch_read_refusal(state_nodes: set[fx.Node], sinks: list, batch_tensors: s
         node = sink
     else:
         what = names.get(sink.name, "an attribute, dict entry or global")
-        how = f"keeps {what} after the call, set from {describe(sink)} at {location_of(sink)}"
-        node = sink
-    return UnsupportedModelError(
+        # A kept tensor the call writes in place (a KV cache: `cache[:, :T] = k`) is named where it is written.
+        into = next((n for n in sink.graph.nodes if n in state_nodes and n is not sink
+                     and any(storage_of(t) == storage_of(sink) is not None for t in mutated_args(n))
+                     and _slice(list(state_nodes), [n], exclude=set()) & batch_tensors), None)
+        node = into or sink
+        how = (f"keeps {what} after the call, written in place by {describe(into)} at {location_of(into)}"
+               if into is not None else f"keeps {what} after the call, set from {describe(sink)} at {location_of(sink)}")
+    err = UnsupportedModelError(
         f"treecompile cannot make this model exact on a tree: the model {how}, a value computed from the batch's "
         "tokens: on a tree it would hold values of the packed tree (rows of several paths), not what per-path "
         f"training stores, and the next call or the model run on its own would read them.\n  at {source_of(node)}\n"
         "State a model keeps between calls may depend on its parameters, buffers and the sequence length only "
-        "(a rotary table, a step counter); keep statistics of the activations out of the forward in training."
+        "(a rotary table, a step counter); in training, leave a KV cache out (write keys and values to it only "
+        "when generating) and keep statistics of the activations out of the forward."
     )
+    err.memory = frozenset({storage_of(sink), *(storage_of(t) for n in writes for t in mutated_args(n))} - {None})
+    return err
+
+
+def touches_state(node: fx.Node | None, state: StateWrites) -> bool:
+    """Whether ``node`` (an op the main graph's checks refused) writes into the memory of the
+    state whose write `StateWrites.refusal` refuses (an op that only reads it is refused for
+    what it does with it: a mask over document ids the model also keeps)."""
+    memory = getattr(state.refusal, "memory", frozenset())
+    return node is not None and any(storage_of(t) in memory for t in mutated_args(node))
 
 
 def _state_graph(gm: fx.GraphModule, nodes: list[fx.Node], state_nodes: set[fx.Node], values: list,

@@ -70,13 +70,15 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node, why = (noted or violations)[0]
         note = ctx.notes.get(node)
         extra = f" ({note})" if note else ""
-        raise UnsupportedModelError(
+        err = UnsupportedModelError(
             f"treecompile cannot make this model exact on a tree: {describe(node)} at {location_of(node)} "
             f"{why}{extra}.\n"
             f"  at {source_of(node)}\n"
             "Every op that mixes tokens along the sequence must be rewritten to follow the tree; "
             "see passes/README.md for what is supported."
         )
+        err.node = node  # the backend names the state instead where this op writes it
+        raise err
     return gm
 
 

@@ -128,6 +128,7 @@ class KeepsActivationsLM(nn.Module):
         self.qkv, self.proj, self.head = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB)
         self.register_buffer("running_mean", torch.zeros(DIM))
         self.last_keys = None
+        self.cache_k = torch.zeros(2, 64, HEADS, HD)  # meta-llama's KV cache: a plain attribute, float32
 
     def forward(self, idx):
         b, t = idx.shape
@@ -135,6 +136,10 @@ class KeepsActivationsLM(nn.Module):
         q, k, v = (z.view(b, t, HEADS, HD).transpose(1, 2) for z in self.qkv(x).split(DIM, -1))
         if self.what == "keys":
             self.last_keys = k.detach()
+        elif self.what == "kv-cache":  # meta-llama/llama3 model.py, start_pos = 0
+            self.cache_k = self.cache_k.to(k)
+            self.cache_k[:b, 0:t] = k.transpose(1, 2)
+            k = self.cache_k[:b, :t].transpose(1, 2)
         else:
             with torch.no_grad():
                 self.running_mean.mul_(0.9).add_(0.1 * x[0, -1])
@@ -142,8 +147,11 @@ class KeepsActivationsLM(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, DIM)))
 
 
-@pytest.mark.parametrize("what, named", [("keys", "model.last_keys"), ("running", "model.running_mean")])
+@pytest.mark.parametrize("what, named", [("keys", "model.last_keys"), ("running", "model.running_mean"),
+                                         ("kv-cache", "model.cache_k after the call, written in place by node 'setitem'")])
 def test_state_computed_from_the_tokens_is_refused_by_name_and_leaves_the_model_unchanged(what, named):
+    """A KV cache the forward writes and reads back is named where it is written (before the
+    check of the main graph, which would name the slice by the sequence length)."""
     model = _build(KeepsActivationsLM, what=what)
     before, twin = _snapshot(model), copy.deepcopy(model)
     with pytest.raises(UnsupportedModelError) as info:
