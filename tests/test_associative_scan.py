@@ -143,3 +143,42 @@ def test_a_step_along_the_row_has_its_gradient(hop):
     assert torch.autograd.gradcheck(lambda t: row_earlier(t, 1, hop), (x,))
     want = torch.cat([x[:, : min(1 << hop, 6)], x[:, : max(6 - (1 << hop), 0)]], 1)
     torch.testing.assert_close(row_earlier(x, 1, hop), want)
+
+
+def _loop_scan(A, X):
+    """``H_t = A_t * H_{t-1} + X_t`` along dim 1, by a loop."""
+    h, out = torch.zeros_like(X[:, 0]), []
+    for t in range(X.shape[1]):
+        h = A[:, t] * h + X[:, t]
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+def _exclusive_linear(A, X):
+    """The scan of the tokens before each token only."""
+    h = _loop_scan(A, X)
+    return torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+
+
+def _positive_decay_only(A, X):
+    """Right where ``A > 0`` (a scan written with log A); NaN elsewhere."""
+    return torch.where(A > 0, _loop_scan(A.abs(), X), torch.nan)
+
+
+def test_a_parallel_scan_is_swapped_only_where_it_is_the_linear_recurrence():
+    """mamba.py's ``pscan(A, X)`` (tests/zoo_repos/mambapy.py, exact in the zoo) and a loop are the
+    recurrence at every sign of A; an exclusive scan, one right only for positive A, or the
+    identity are not, and are left to the checks of the graph."""
+    from zoo_repos.mambapy import pscan
+
+    from treecompile.capture.library_drop_ins import parallel_scan_for
+
+    for scan in (pscan, _loop_scan):
+        drop_in = parallel_scan_for(scan)
+        assert drop_in is not None
+        g = torch.Generator().manual_seed(3)
+        A = torch.rand(2, 13, 3, 4, generator=g, dtype=torch.float64) * 2 - 1
+        X = torch.randn(2, 13, 3, 4, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(drop_in(A, X), _loop_scan(A, X), rtol=1e-12, atol=1e-12)
+    for not_it in (_exclusive_linear, _positive_decay_only, lambda A, X: X):
+        assert parallel_scan_for(not_it) is None

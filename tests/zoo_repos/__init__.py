@@ -39,6 +39,7 @@ from zoo_repos.gla import GLALM
 from zoo_repos.hawk import HawkLM
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
+from zoo_repos.mambapy import MambaPyLM
 from zoo_repos.mega import MegaLM
 from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
 from zoo_repos.retention import RetNet
@@ -251,6 +252,8 @@ CASES: list[zoo.Case] = [
              "IGNORE) with tril and -inf buffers, where(isnan(pattern), 0, pattern), the values first in "
              "einsum('bkhd,bhqk->bqhd', v, pattern), "
              "W_pos[:T]", _build(TransformerLensLM), attention={"softmax_attention": 1}),
+    zoo.Case("mambapy-pscan", "alxndrTL/mamba.py: pscan = PScan.apply, a Blelloch scan written in place on views "
+             "of a power-of-two padded copy, with its own backward; conv1d(..)[:, :, :L]", _build(MambaPyLM)),
     zoo.Case("whisper-decoder", "openai/whisper: scaled_dot_product_attention imported by name at module level, "
              "is_causal=mask is not None and n_ctx > 1, positional_embedding[offset : offset + T]",
              _build(WhisperTextDecoder)),

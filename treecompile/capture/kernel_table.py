@@ -27,6 +27,7 @@ from treecompile.capture.library_drop_ins import (
     fla_naive_recurrent_gla,
     hf_rwkv_linear_attention,
     mamba_chunk_scan_combined,
+    parallel_scan_for,
     recurrentgemma_rnn_scan,
     selective_scan_fn,
 )
@@ -66,4 +67,6 @@ SEQUENCE_KERNELS = {
     "rwkv_linear_attention_cpu": (_RWKV_PARAMS, hf_rwkv_linear_attention),
     # JAX's lax.associative_scan ported by hand (S5, GateLoop)
     "associative_scan": ((), associative_scan_for),  # any signature: associative_scan_for runs it first
+    # alxndrTL/mamba.py's Blelloch scan (pscan = PScan.apply), likewise run first
+    "pscan": ((), parallel_scan_for),
 }

@@ -312,3 +312,47 @@ def associative_scan(operator, elems, axis: int, reverse: bool = False):
 
 #: Built for each function it replaces (`treecompile.capture.dynamo.sequence_kernels`).
 associative_scan_for.per_original = True
+
+
+def _linear(earlier, later):
+    """The linear recurrence ``h_t = a_t * h_{t-1} + x_t`` as an associative operator on ``(a, x)``."""
+    return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+
+
+def parallel_scan_for(original) -> Any:
+    """The drop-in for a parallel scan of the linear recurrence ``H_t = A_t * H_{t-1} + X_t`` along
+    dim 1 of ``A, X`` ``[B, L, ...]`` called as ``original(A, X)`` (alxndrTL/mamba.py's Blelloch
+    ``pscan = PScan.apply``, an autograd Function whose sweeps write views in place), or None
+    where ``original`` is not that scan. ``original`` is run first, eagerly, at an odd and a
+    power-of-two length on signed ``A``; the drop-in is `associative_scan` of `_linear` along
+    dim 1 (the gradient is autograd's, not the original's hand-written backward)."""
+    g = torch.Generator().manual_seed(0)
+
+    def matches(n: int) -> bool:
+        a = torch.rand(2, n, 3, 2, generator=g, dtype=torch.float64) * 2 - 1
+        x = torch.randn(2, n, 3, 2, generator=g, dtype=torch.float64)
+        want, h = torch.empty_like(x), torch.zeros_like(x[:, 0])
+        for t in range(n):
+            h = a[:, t] * h + x[:, t]
+            want[:, t] = h
+        try:
+            with torch.no_grad():
+                got = original(a.clone(), x.clone())
+            return isinstance(got, Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-10,
+                                                                                          atol=1e-12)
+        except Exception:
+            return False
+
+    if not (matches(5) and matches(8)):
+        return None
+
+    def drop_in(A_in: Tensor, X_in: Tensor) -> Tensor:
+        if A_in.shape != X_in.shape or A_in.dim() < 2:
+            raise ValueError(f"treecompile's drop-in for a parallel scan takes A and X of one shape [B, L, ...]; got "
+                             f"A {tuple(A_in.shape)}, X {tuple(X_in.shape)}")
+        return associative_scan(_linear, (A_in, X_in), 1)[1]
+
+    return drop_in
+
+
+parallel_scan_for.per_original = True
