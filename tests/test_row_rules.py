@@ -231,7 +231,8 @@ CASES = [
     ("vmap-over-features", lambda x: torch.vmap(lambda c: c * 2, in_dims=2, out_dims=2)(x), 1),
     # subgraphs and the unknown
     ("autograd-function", lambda xg: _Cumsum.apply(xg), r"torch\.autograd\.Function whose body has .*cumsum"),
-    ("unknown-op", lambda x: torch.histc(x, bins=4), r"no row rule of treecompile covers"),
+    ("unknown-op", lambda x: torch.renorm(x, 2, 1, 1.0), r"no row rule of treecompile covers"),
+    ("histogram-of-rows", lambda x: torch.histc(x, bins=4), r"counts values over the sequence \(histc\)"),
     ("unknown-op-without-rows", lambda x, w: x + torch.histc(w, bins=8)[:8], 1),
     ("loss-inside", lambda x, ids: F.cross_entropy(x[0], ids[0]) + x, r"computes a loss over the rows"),
     # one step of a recurrent cell over the rows as its batch (x-transformers' GRU gating)

@@ -20,11 +20,13 @@ as it sees a row: nothing is assumed safe because no list of dangers names it.
 | :mod:`.contract` | products, attention, lookups, convolutions, pooling |
 | :mod:`.create` | new tensors, ``arange``, ops refused by name |
 | :mod:`.random` | dropout and random draws (and whether a call draws) |
+| :mod:`.grouped` | tokens grouped by a key: sort-based expert dispatch (``argsort``, ``histc``, ``split``) |
 
 ``passes/README.md`` lists the rules in one table (`rule_table`, checked by the tests).
 """
 
 from treecompile.passes.rows import contract, create, elementwise, index, random, reduce, shape  # noqa: F401 (the table)
+from treecompile.passes.rows import grouped
 from treecompile.passes.rows.domain import (
     IDS,
     ONE_ROW,
@@ -37,6 +39,8 @@ from treecompile.passes.rows.domain import (
     op_key,
 )
 from treecompile.passes.rows.walk import row_family, row_states
+
+grouped.register()
 
 __all__ = ["Rows", "IDS", "TABLE", "NotRowLocal", "RowEnv", "row_states", "row_family", "op_key", "RULES", "Rule",
            "ONE_ROW", "FAMILIES", "rule_table"]
@@ -83,13 +87,20 @@ FAMILIES: dict[str, str] = {
     "setitem": "the written values' rows must be the rows of the region written",
     "mutation": "`index_put_`: as `setitem`",
     "index_select": "the rows picked by row ids; a table (without rows) read at rows' values gives rows",
-    "gather": "along another dim, index and input have the same rows; along the rows refused",
+    "gather": "along another dim, index and input have the same rows; along the rows only with an index of row ids "
+              "(each entry the id of its own row, `ids.reshape(-1, 1).expand(-1, D)`): each entry reads its row",
     "scatter": "into the rows' dim only at row ids with the values of those rows; along another dim index, source "
                "and target have the same rows",
     "masked_select": "a 1-D row mask over 1-D rows: a selection",
     "nonzero": "the ids of non-zero entries of a row tensor: a selection of rows (row ids in its row column, data in "
                "the others); a mask computed again by the same element-wise op from the same tensors, with no write "
                "between, is the same selection (`y[idx == i] = f(x[idx == i])`)",
+    "grouped": "`argsort` of every (token, slot) key, the indices of a top-k or argmax over `E` groups, is a grouped "
+               "selection whose values are flat ids (`// k` gives the token's row id); `histc` / `bincount` with one bin "
+               "per group counts it (the counts are sizes only: `.item()` of one, never a value); `split` at those "
+               "counts in order gives one piece per group, `cat` of every piece in order the selection again, zeros "
+               "of `length - sum(counts)` rows are none; `vstack` is `cat` along dim 0; any other `argsort` is a sort along "
+               "a dim",
     "index": "`where(cond)` is `nonzero`; `where(c, x, y)` is element-wise",
     "along a dim": "reductions, scans, sorts, softmaxes, flips, rolls, differences, FFTs along dims that are not the "
                    "rows (without a dim: every dim, refused with rows)",

@@ -25,6 +25,7 @@ from treecompile.passes.rows.domain import (
     expr,
     iter_nodes,
 )
+from treecompile.passes.rows.grouped import empty_rows
 from treecompile.passes.ssm_state import SCAN_OPS
 
 
@@ -37,22 +38,22 @@ def like(node: fx.Node, a: Args, env: RowEnv) -> Any:
 
 @_register("creation", "zeros ones empty empty_strided empty_permuted", sizes=("all",))
 def creation(node: fx.Node, a: Args, env: RowEnv) -> Any:
-    return _created_rows(node, env)
+    return empty_rows(node, env) or _created_rows(node, env)
 
 
 @_register("creation", "full", sizes=(0, "size"))
 def full(node: fx.Node, a: Args, env: RowEnv) -> Any:
-    return _created_rows(node, env)
+    return empty_rows(node, env) or _created_rows(node, env)
 
 
 @_register("creation", "new_zeros new_ones new_empty new_empty_strided", sizes="*")
 def new_tensor(node: fx.Node, a: Args, env: RowEnv) -> Any:
-    return _created_rows(node, env)
+    return empty_rows(node, env) or _created_rows(node, env)
 
 
 @_register("creation", "new_full", sizes=(1, "size"))
 def new_full(node: fx.Node, a: Args, env: RowEnv) -> Any:
-    return _created_rows(node, env)
+    return empty_rows(node, env) or _created_rows(node, env)
 
 
 @_register("creation", "arange", sizes="rule")

@@ -47,6 +47,7 @@ from treecompile.passes.rows.domain import (
 from treecompile.passes.rows.elementwise import (
     pointwise,
 )
+from treecompile.passes.rows.grouped import counts_entry, indexes_by_flat_ids, same_count
 
 
 def _full(env: RowEnv, sl: slice, size: Any) -> bool:
@@ -56,7 +57,8 @@ def _full(env: RowEnv, sl: slice, size: Any) -> bool:
         return False
     if start not in (None, 0) and not (_sym_or_int(start) and same_size(-start, size)):
         return False
-    return stop is None or _sym_or_int(stop) and (same_size(stop, size) or isinstance(stop, int) and stop >= 2**62)
+    return stop is None or _sym_or_int(stop) and (same_size(stop, size) or isinstance(stop, int) and stop >= 2**62
+                                                  or same_count(env, stop, size))
 
 
 def _sym_or_int(x: Any) -> bool:
@@ -141,7 +143,8 @@ def indexed(x: Any, index: Any, env: RowEnv, out_shape: tuple | None = None) -> 
             continue
         if r is not None and r.dim in dims:
             rows_indexed = True
-            if ri is None or ri.ids != IDS or not same_expr(r.inner, 1) or not _whole_dim(r, shape):
+            by_ids = ri is not None and ri.ids == IDS and same_expr(r.inner, 1) and _whole_dim(r, shape)
+            if not (by_ids or indexes_by_flat_ids(r, ri, shape)):
                 raise NotRowLocal(_gather_reason(it, env))
             states.append(ri.data().at(ri.dim + start + block_nd - _nd(it)))
             continue
@@ -291,6 +294,9 @@ def getitem(node: fx.Node, a: Args, env: RowEnv) -> Any:
         if isinstance(st, tuple) and isinstance(index, (int, slice)):
             return st[index]
         return None
+    entry = counts_entry(env, node, x, index)
+    if entry is not None:
+        return entry
     column = _ids_column(env, x, index)
     if column is not ...:
         return column
@@ -403,6 +409,10 @@ def gather(node: fx.Node, a: Args, env: RowEnv) -> Any:
     rx, ri = _data_rows(env, x), env.rows(index)
     nd = _nd(x)
     d = _dim(d, nd) if d is not None else None
+    if rx is not None and d is not None and rx.dim == d and ri is not None and ri.ids == IDS and ri.dim == d \
+            and same_expr(rx.inner, 1) and _whole_dim(rx, _shape(x)):
+        # Each entry of the index holds the row id of its own row: out[i, ..] = x[id(i), ..], row id(i)'s data.
+        return ri.data()
     if rx is not None and (d is None or rx.dim == d):
         raise NotRowLocal(_gather_reason(index, env))
     if ri is not None and ri.ids is not None:

@@ -9,6 +9,7 @@ import sympy
 import torch
 from torch import fx
 from treecompile.passes._graph import same_size, value
+from treecompile.passes.rows.grouped import grouped_cat, grouped_split
 from treecompile.passes.rows.domain import (
     IDS,
     LENGTH,
@@ -199,6 +200,9 @@ def cat(node: fx.Node, a: Args, env: RowEnv) -> Any:
     parts = a.get(0, "tensors")
     nd = _nd(node)
     d = _dim(a.get(1, "dim", 0), nd)
+    grouped = grouped_cat(node, [p for p in parts if _is_tensor(p)], d, env)
+    if grouped is not None:
+        return grouped
     rows = [_data_rows(env, p) for p in parts if _is_tensor(p) and _nd(p) == nd]
     if len(parts) == 1 and len(rows) == 1:
         return rows[0]  # one part: a copy (mistral-inference's positions, cat of one sequence's arange)
@@ -219,8 +223,14 @@ def stack(node: fx.Node, a: Args, env: RowEnv) -> Any:
     return combine(rows)
 
 
-@_register("split", "split split_with_sizes chunk tensor_split unbind unsafe_split unsafe_chunk")
+@_register("split", "split split_with_sizes chunk tensor_split unbind unsafe_split unsafe_chunk", sizes="rule")
 def split(node: fx.Node, a: Args, env: RowEnv) -> Any:
+    pieces = grouped_split(node, a, env)
+    if pieces is not None:
+        return pieces
+    from treecompile.passes.rows.walk import _check_values
+
+    _check_values(node, a, None, env)  # the sizes of any other split are values like any other
     x = a.first
     r = env.rows(x)
     out = value(node)

@@ -40,6 +40,7 @@ from zoo_repos.hawk import HawkLM
 from zoo_repos.kerple import NeoXKerpleLM, kerple_params_above_eps
 from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mambapy import MambaPyLM
+from zoo_repos.titan_moe import TitanMoELM
 from zoo_repos.mega import MegaLM
 from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
 from zoo_repos.retention import RetNet
@@ -252,6 +253,11 @@ CASES: list[zoo.Case] = [
              "IGNORE) with tril and -inf buffers, where(isnan(pattern), 0, pattern), the values first in "
              "einsum('bkhd,bhqk->bqhd', v, pattern), "
              "W_pos[:T]", _build(TransformerLensLM), attention={"softmax_attention": 1}),
+    zoo.Case("torchtitan-moe-sorted", "pytorch/torchtitan moe.py without its tokens_per_expert counter: argsort(stable) of "
+             "the expert indices, histc counts as split sizes, gather / cat / vstack / scatter_add",
+             _build(TitanMoELM, count_tokens=False)),
+    zoo.Case("torchtitan-moe", "pytorch/torchtitan moe.py: as torchtitan-moe-sorted, with tokens_per_expert.add_(histc) in "
+             "every forward", _build(TitanMoELM), expect="refused", reason="tokens_per_expert"),
     zoo.Case("mambapy-pscan", "alxndrTL/mamba.py: pscan = PScan.apply, a Blelloch scan written in place on views "
              "of a power-of-two padded copy, with its own backward; conv1d(..)[:, :, :L]", _build(MambaPyLM)),
     zoo.Case("whisper-decoder", "openai/whisper: scaled_dot_product_attention imported by name at module level, "
