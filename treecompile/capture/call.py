@@ -291,7 +291,8 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
     reaches the caller as itself, not wrapped by Dynamo."""
     import contextlib
 
-    from treecompile.capture.dynamo import TORCH_SWAPS, hf_interfaces, swapped_kernels
+    from treecompile.capture.dynamo import hf_interfaces, swapped_kernels
+    from treecompile.capture.torch_swaps import TORCH_SWAPS
 
     hf = hf_interfaces(setup.model, setup.route.routes) if setup.is_hf else contextlib.nullcontext()
     with hf, swapped_kernels([*setup.kernels, *setup.route.mask_swaps, *TORCH_SWAPS]):

@@ -29,8 +29,6 @@ from treecompile.core.batch import TreeBatch
 from treecompile.capture.call import (AttentionRoute, CallSetup, TreeOutput, argument_names, call_settings,
                                       compile_failure, compile_named, device_of, failed_capture, run_head)
 from treecompile.capture.dynamo import (
-    TORCH_SWAPS,
-    imported_torch_swaps,
     call_kwargs,
     eager_mask_skips,
     extended_buffers,
@@ -44,6 +42,7 @@ from treecompile.capture.dynamo import (
     swapped_kernels,
 )
 from treecompile.capture.drop_ins import class_swaps
+from treecompile.capture.torch_swaps import TORCH_SWAPS, imported_torch_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import (BatchRefused, CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError,
                                      about_sizes, capture_error, row_count_error)
@@ -234,8 +233,7 @@ class TreeCompiledModel(DelegatingModule):
         scans = sequence_kernels(model)  # swapped for treecompile ops during each call (hybrid models)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
         self._structure = bool(scans) or any(isinstance(m, nn.Conv1d) for m in model.modules())
-        # (classes a capture cannot follow, and torch functions the model's modules imported by name, likewise)
-        self._kernels = scans + class_swaps(model) + imported_torch_swaps(model)
+        self._kernels = scans + class_swaps(model) + imported_torch_swaps(model)  # classes, torch names: likewise
         self._call_kwargs = call_kwargs(model, self._is_hf, self._router_aux)
         self._compiled = None
         self._first_record = 0
