@@ -54,6 +54,9 @@ class PassContext:
             root), when the model has recurrent or conv layers (else None).
         node_table: the ``[N, 3]`` CPU placeholder of (start row, end row, parent node) per
             tree node, when the model has recurrent or conv layers (else None).
+        path_count: the ``[S]`` placeholder of the number of paths through each row, with
+            ``pred_index`` in a whole-tree call (else None): the weights of a counter the model
+            keeps (`treecompile.passes.counters`).
         max_rows: the longest path for which what the passes judged from example values
             holds (a structural mask evaluated at the example length S shows its pattern for
             sequences up to S only); None if nothing was judged that way. The wrapper
@@ -92,6 +95,7 @@ class PassContext:
     notes: dict[fx.Node, str] = field(default_factory=dict)
     pred_index: fx.Node | None = None
     node_table: fx.Node | None = None
+    path_count: fx.Node | None = None
     max_rows: int | None = None
     probe_rows: int = 0
     judge_cap: int = 0

@@ -76,8 +76,10 @@ def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
     for t in seq_tensors:
         torch._check(t.shape[0] == s)
     if structure:
-        pred_index, _node_table = structure
+        pred_index, _node_table, *path_count = structure  # path_count in a whole-tree call
         torch._check(pred_index.shape[0] == s)
+        for t in path_count:
+            torch._check(t.shape[0] == s)
     return torch.empty_like(input_ids)
 
 

@@ -534,4 +534,5 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
         created=wrapper_nodes,
         pred_index=structure[0] if structure else None,
         node_table=structure[1] if structure else None,
+        path_count=structure[2] if len(structure) > 2 else None,
     )

@@ -33,6 +33,14 @@ writes; then the main graph; then the call's checks (the first-call probe); only
 the copies written back into the model's tensors and the Python-side values handed to
 Dynamo to replay. A call that fails or is refused leaves the model as it was, and the
 probe, which runs the main graph on batches of its own, never touches the model's state.
+
+One kind of state computed from the tokens has a per-path meaning: a **counter**,
+``buffer.add_(inc)`` where nothing else reads the buffer (torchtitan's MoE adds each call's
+tokens per expert to ``tokens_per_expert``). Per-path training adds every path's increment,
+a sum over the paths' tokens; on the tree each token is one row, counted once per path
+through it. The increment stays in the main graph, which returns it as an extra result;
+`treecompile.passes.counters` weights it by ``path_count`` (or refuses it), and the commit
+adds it to the buffer.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.passes._graph import describe, location_of, mutated_args, op_name, source_of, storage_of
+from treecompile.passes._graph import describe, location_of, mutated_args, op_name, source_of, storage_of, value
 from treecompile.passes._mask_eval import shape_sources
 from treecompile.passes.markers import is_marker
 
@@ -87,6 +95,8 @@ class StateWrites:
     refusal: UnsupportedModelError | None = None
     inputs: int | None = None
     held: tuple[tuple[int, Any], ...] = ()  # (index, weak reference) of the model's tensors it does not write
+    counters: tuple[int, ...] = ()  # graph inputs the main graph's last len(counters) results are added to
+    counter_names: list[str] = field(default_factory=list)  # what each of `counters` is in the model
 
     def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
         """Runs the state graph on copies of the tensors it writes.
@@ -128,11 +138,18 @@ class StateWrites:
         at = len(self.outputs) + self.written.index(index)
         return self.names[at] if at < len(self.names) and self.names[at] else "a tensor the model holds"
 
-    def commit(self, args: Sequence[Any], new: Sequence[torch.Tensor]) -> None:
-        """Writes the written copies back into the model's tensors."""
+    def commit(self, args: Sequence[Any], new: Sequence[torch.Tensor], added: Sequence[torch.Tensor] = ()) -> None:
+        """Writes the written copies back into the model's tensors, and adds each counter's increment."""
         with torch.no_grad():
             for i, t in zip(self.written, new):
                 args[i].copy_(t)
+            for i, t in zip(self.counters, added):
+                args[i].add_(t)
+
+    def split(self, results: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        """The main graph's results: ``(the call's own, the counters' increments)``."""
+        n = len(self.counters)
+        return (results[:-n], results[-n:]) if n else (results, ())
 
     def merge(self, results: Sequence[Any], values: Sequence[Any]) -> tuple:
         """The captured graph's output: the main graph's results and the state values, each
@@ -161,10 +178,10 @@ def run_with_state(fn: Callable, state: StateWrites | None, before_commit: Calla
 
     def run(*args):
         main, values, new = state.prepare(args)
-        results = fn(*main)
+        results, added = state.split(fn(*main))
         if before_commit is not None:
             before_commit()
-        state.commit(args, new)
+        state.commit(args, new, added)
         return state.merge(results, values)
 
     return run
@@ -201,6 +218,9 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     writes = [n for n in nodes if any(storage_of(t) in held for t in mutated_args(n))]
     if not kept and not writes:
         return gm, None
+    counters = [w for w in writes if _counter(w, held, nodes, batch_tensors)]
+    counted = tuple(placeholders.index(w.args[0]) for w in counters)
+    writes = [w for w in writes if w not in counters]
     names = _side_effect_names()
     written = sorted({held[storage_of(t)] for n in writes for t in mutated_args(n) if storage_of(t) in held},
                      key=order.__getitem__)
@@ -234,13 +254,15 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
         state_gm = _state_graph(gm, nodes, state_nodes, [outs[i] for i in kept], written)
     except UnsupportedModelError as e:
         state_gm, refusal = None, refusal or e
-    # The main graph: the call's results only, without the writes into the model's tensors.
-    for w in reversed(writes):
+    # The main graph: the call's results only, without the writes into the model's tensors;
+    # then each counter's increment (added to the model's tensor at the commit).
+    increments = tuple(w.args[1] for w in counters)
+    for w in reversed(sorted([*writes, *counters], key=order.__getitem__)):
         w.replace_all_uses_with(mutated_args(w)[0])
         graph.erase_node(w)
     graph.erase_node(output)
     rest = tuple(a for i, a in enumerate(outs) if i not in kept)
-    graph.output(rest)
+    graph.output(rest + increments)
     gm.recompile()
     labels = [names.get(getattr(outs[i], "name", ""), f"a value the model keeps (output {i})") for i in kept]
     labels += [_pretty(sources[placeholders.index(p)]) for p in written]
@@ -248,8 +270,28 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
                         written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
                         names=labels, refusal=refusal, inputs=len(placeholders),
                         held=tuple((i, weakref.ref(x)) for i, (p, x) in enumerate(zip(placeholders, example_inputs))
-                                   if p not in batch and p not in written and isinstance(x, torch.Tensor)))
+                                   if p not in batch and p not in written and isinstance(x, torch.Tensor)),
+                        counters=counted)
+    state.counter_names = [_pretty(sources[i]) for i in state.counters]
     return gm, state
+
+
+def _counter(w: fx.Node, held: dict, nodes: list[fx.Node], batch_tensors: set[fx.Node]) -> bool:
+    """Whether ``w`` is ``buffer.add_(inc)`` into a model tensor that nothing else reads or
+    writes, of an increment of the buffer's shape computed from the batch (a counter)."""
+    if op_name(w) not in ("add_", "iadd") or len(w.args) != 2 or w.kwargs:
+        return False
+    target, inc = w.args
+    if not isinstance(target, fx.Node) or target.op != "placeholder" or held.get(storage_of(target)) is not target:
+        return False
+    tv, iv = value(target), value(inc) if isinstance(inc, fx.Node) else None
+    if not isinstance(iv, torch.Tensor) or iv.shape != tv.shape or iv.requires_grad:
+        return False
+    s = storage_of(target)
+    if any(n is not w and (any(storage_of(i) == s for i in n.all_input_nodes) or
+                           any(storage_of(t) == s for t in mutated_args(n))) for n in nodes):
+        return False
+    return bool(_slice(nodes, [inc], exclude=set()) & batch_tensors)
 
 
 #: Ops ``f`` with ``f(f(x)) == f(x)`` (for the same arguments).

@@ -39,6 +39,7 @@ from treecompile.passes._graph import (
     value,
 )
 from treecompile.passes._mask_eval import depends_on_inputs
+from treecompile.passes.counters import counter_refusal, weight_counters
 from treecompile.passes.rows import ONE_ROW, row_states
 from treecompile.passes.rows.random import draws, random_refusal
 
@@ -68,6 +69,9 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # violation in graph order, which is often just mask-building feeding it.
         noted = [(n, w) for n, w in violations if n in ctx.notes]
         node, why = (noted or violations)[0]
+        counted = counter_refusal(gm, ctx, node, why)
+        if counted is not None:
+            raise counted
         note = ctx.notes.get(node)
         extra = f" ({note})" if note else ""
         err = UnsupportedModelError(
@@ -79,6 +83,7 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         )
         err.node = node  # the backend names the state instead where this op writes it
         raise err
+    weight_counters(gm, ctx, env)
     return gm
 
 

@@ -284,3 +284,66 @@ def test_a_counter_beside_an_unread_buffer_runs_and_advances_once_per_call():
         ref = per_path_loss(twin, trees)
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
     assert int(model.steps) == 2
+
+
+def test_a_counter_of_tokens_per_expert_adds_what_per_path_training_adds():
+    """torchtitan's ``tokens_per_expert.add_(histc(top-k indices))``: after each tree call the
+    buffer holds what running the model on every path alone adds (a token shared by n paths
+    counted n times), for two batches of different sizes; the first-call probe adds nothing."""
+    from test_compile_models import TREES, make_batch
+    from zoo_repos.titan_moe import TitanMoELM
+
+    model = _build(TitanMoELM)
+    twin = copy.deepcopy(model)
+    compiled = tc.tree_compile(model, backend="eager")
+    for name in ("branchy", "forest"):
+        batch, _ = make_batch(name)
+        compiled(batch)
+        with torch.no_grad():
+            for tree in TREES[name]:
+                for path in tree:
+                    twin(torch.tensor([path]))
+        counts = {n: b for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
+        assert counts and all(b.sum() > 0 for b in counts.values())
+        for n, b in counts.items():
+            assert torch.equal(b, twin.get_buffer(n)), (name, n, b, twin.get_buffer(n))
+
+
+class RowSumCounterLM(nn.Module):
+    """A counter whose increment is a sum over the rows of the activations (no histogram)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.register_buffer("seen", torch.zeros(DIM))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        with torch.no_grad():
+            self.seen.add_(x.detach().sum(dim=(0, 1)))
+        return self.head(x)
+
+
+def test_a_counter_that_is_not_a_histogram_of_groups_is_refused_by_name():
+    model = _build(RowSumCounterLM)
+    before, twin = _snapshot(model), copy.deepcopy(model)
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(model, backend="eager")(_batches()[0])
+    first = str(info.value).splitlines()[0]
+    assert "model.seen" in first, first
+    _assert_same(before, _snapshot(model))
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+def test_a_counter_in_a_streamed_call_is_refused_by_name():
+    from zoo_repos.titan_moe import TitanMoELM
+
+    from treecompile.stream.options import StreamOptions
+
+    model = _build(TitanMoELM)
+    before = _snapshot(model)
+    with pytest.raises(UnsupportedModelError) as info:
+        tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))(_batches()[0])
+    first = str(info.value).splitlines()[0]
+    assert "tokens_per_expert" in first and "no path counts" in first, first
+    _assert_same(before, _snapshot(model))

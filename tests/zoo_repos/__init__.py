@@ -257,7 +257,7 @@ CASES: list[zoo.Case] = [
              "the expert indices, histc counts as split sizes, gather / cat / vstack / scatter_add",
              _build(TitanMoELM, count_tokens=False)),
     zoo.Case("torchtitan-moe", "pytorch/torchtitan moe.py: as torchtitan-moe-sorted, with tokens_per_expert.add_(histc) in "
-             "every forward", _build(TitanMoELM), expect="refused", reason="tokens_per_expert"),
+             "every forward", _build(TitanMoELM)),
     zoo.Case("mambapy-pscan", "alxndrTL/mamba.py: pscan = PScan.apply, a Blelloch scan written in place on views "
              "of a power-of-two padded copy, with its own backward; conv1d(..)[:, :, :L]", _build(MambaPyLM)),
     zoo.Case("whisper-decoder", "openai/whisper: scaled_dot_product_attention imported by name at module level, "
