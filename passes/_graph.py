@@ -51,12 +51,9 @@ class PassContext:
             so the first-call probe does not compare them as rows.
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
-            root), when the model has recurrent or conv layers (else None).
-        node_table: the ``[N, 3]`` CPU placeholder of (start row, end row, parent node) per
-            tree node, when the model has recurrent or conv layers (else None).
-        path_count: the ``[S]`` placeholder of the number of paths through each row, with
-            ``pred_index`` in a whole-tree call (else None): the weights of a counter the model
-            keeps (`treecompile.passes.counters`).
+            root), when the call passes the path structure (else None); with it the ``[N, 3]``
+            CPU ``node_table`` (start row, end row, parent node per tree node) and, in a
+            whole-tree call, ``path_count``, the paths through each row (`passes.counters`).
         max_rows: the longest path for which what the passes judged from example values
             holds (a structural mask evaluated at the example length S shows its pattern for
             sequences up to S only); None if nothing was judged that way. The wrapper
