@@ -60,9 +60,8 @@ class PassContext:
             recompiles for a batch with a longer path.
         probe_rows: the length at which to judge such things when it exceeds the example
             length (the wrapper asks for twice the longest path it has seen), or 0.
-        judge_cap: when the wrapper extended a buffer the model slices by the row count past
-            its size for the call (`treecompile.compile.wrapper.extended_buffers`), that size: masks
-            are judged at most this long (the extension holds no pattern), or 0.
+        judge_cap: the size of a buffer the wrapper extended for the call (the model slices it
+            by the row count past its size): masks are judged at most this long, or 0.
         dropout: ``"refuse"``: a random op in the graph (dropout in training mode) is refused;
             ``"shared"``: accepted, one draw per tree row (see ``tree_compile(dropout=...)``).
         scan_kernel: the scan kernel the tree forms of recurrent layers run with, a name
