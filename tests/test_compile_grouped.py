@@ -50,7 +50,7 @@ class SortedMoELM(nn.Module):
         scores = top.view(-1)[order]
         rows = (order // K).reshape(-1, 1).expand(-1, DIM)
         routed = torch.gather(x, 0, rows)
-        sizes = counts.tolist()
+        sizes = (counts * 1 if v == "computed-counts" else counts).tolist()
         if v == "sizes-reversed":
             sizes = sizes[::-1]
         pieces = torch.split(routed[: sum(sizes)], sizes[:E], dim=0)
@@ -85,6 +85,7 @@ def test_sorted_dispatch_matches_per_path_training():
     ("histc-bins", "histc"),
     ("other-keys", "at sizes other than the counts of its own 4 groups in order"),
     ("count-as-value", "a count of rows chosen by the data"),
+    ("computed-counts", "takes one row of the sequence by its index"),
 ])
 def test_a_dispatch_step_that_mixes_tokens_is_refused_by_name(variant, named):
     batch, _ = make_batch("branchy")

@@ -192,6 +192,12 @@ def counts_entry(env: RowEnv, node: fx.Node, x: Any, index: Any) -> GroupCount |
     g = index[0] if isinstance(index, tuple) and len(index) == 1 else index
     if not isinstance(g, int) or isinstance(g, bool) or _nd(x) != 1:
         return None
+    src = x
+    while isinstance(src, fx.Node) and op_key(src) in _CASTS and isinstance(src.args[0], fx.Node) and \
+            (op_key(src) not in ("to", "type") or _dtype_only(src)):
+        src = src.args[0]
+    if op_key(src) not in ("histc", "bincount"):
+        return None  # counts computed with (scaled, shifted ...) are counts no longer
     if not node.users or any(op_key(u) != "item" for u in node.users):
         return None
     return GroupCount(r.key[1], g % int(r.count))
