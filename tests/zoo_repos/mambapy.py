@@ -67,14 +67,8 @@ class PScan(torch.autograd.Function):
     def forward(ctx, A_in, X_in):
         """A_in, X_in: (B, L, D, N); returns H: (B, L, D, N)."""
         L = X_in.size(1)
-        if L == npo2(L):  # cloning is required because of the in-place ops
-            A = A_in.clone()
-            X = X_in.clone()
-        else:
-            A = pad_npo2(A_in)
-            X = pad_npo2(X_in)
-        A = A.transpose(2, 1)
-        X = X.transpose(2, 1)
+        # cloning is required because of the in-place ops (mamba.py writes the if/else out per tensor)
+        A, X = ((t.clone() if L == npo2(L) else pad_npo2(t)).transpose(2, 1) for t in (A_in, X_in))
         PScan.pscan(A, X)
         ctx.save_for_backward(A_in, X)
         return X.transpose(2, 1)[:, :L]
