@@ -397,8 +397,9 @@ def make_backend(
         except UnsupportedModelError as e:
             # An op refused in the main graph that writes into the state the call keeps (a KV
             # cache written by slices of the length and read back) is refused naming that state.
-            if state is not None and state.refusal is not None and touches_state(getattr(e, "node", None), state):
-                raise state.refusal from None
+            named = touches_state(getattr(e, "node", None), state) if state is not None else None
+            if named is not None:
+                raise named from None
             raise
         if state is not None and state.refusal is not None:
             raise state.refusal

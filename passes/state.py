@@ -398,12 +398,19 @@ def _batch_read_refusal(state_nodes: set[fx.Node], sinks: list, batch_tensors: s
                         held: dict, names: dict[str, str], sources: Sequence[str], placeholders: list
                         ) -> UnsupportedModelError | None:
     """The refusal of a state write computed from a batch tensor, naming what is written and
-    where; None if every state write reads the model's state and the batch's sizes only."""
+    where (the first in graph order); None if every state write reads the model's state and the
+    batch's sizes only. It carries, by memory, the refusal of each such write (`touches_state`)."""
     if not state_nodes & batch_tensors:
         return None
-    for sink in sinks:
-        if _slice(list(state_nodes), [sink], exclude=set()) & batch_tensors:
-            break
+    errors = [_sink_refusal(sink, state_nodes, batch_tensors, writes, held, names, sources, placeholders)
+              for sink in sinks if _slice(list(state_nodes), [sink], exclude=set()) & batch_tensors]
+    first = errors[0]
+    first.by_memory = {m: e for e in reversed(errors) for m in e.memory}
+    return first
+
+
+def _sink_refusal(sink: fx.Node, state_nodes: set[fx.Node], batch_tensors: set[fx.Node], writes: list, held: dict,
+                  names: dict[str, str], sources: Sequence[str], placeholders: list) -> UnsupportedModelError:
     if sink in writes:
         target = next(t for t in mutated_args(sink) if storage_of(t) in held)
         what = _pretty(sources[placeholders.index(held[storage_of(target)])])
@@ -426,16 +433,18 @@ def _batch_read_refusal(state_nodes: set[fx.Node], sinks: list, batch_tensors: s
         "(a rotary table, a step counter); in training, leave a KV cache out (write keys and values to it only "
         "when generating) and keep statistics of the activations out of the forward."
     )
-    err.memory = frozenset({storage_of(sink), *(storage_of(t) for n in writes for t in mutated_args(n))} - {None})
+    err.memory = frozenset({storage_of(sink), *(storage_of(t) for t in mutated_args(sink))} - {None})
     return err
 
 
-def touches_state(node: fx.Node | None, state: StateWrites) -> bool:
-    """Whether ``node`` (an op the main graph's checks refused) writes into the memory of the
-    state whose write `StateWrites.refusal` refuses (an op that only reads it is refused for
-    what it does with it: a mask over document ids the model also keeps)."""
-    memory = getattr(state.refusal, "memory", frozenset())
-    return node is not None and any(storage_of(t) in memory for t in mutated_args(node))
+def touches_state(node: fx.Node | None, state: StateWrites) -> UnsupportedModelError | None:
+    """The refusal of the state ``node`` (an op the main graph's checks refused) writes into, when
+    `StateWrites.refusal` refuses that state; else None (an op that only reads such state is
+    refused for what it does with it: a mask over document ids the model also keeps)."""
+    by = getattr(state.refusal, "by_memory", {})
+    if node is None:
+        return None
+    return next((by[storage_of(t)] for t in mutated_args(node) if storage_of(t) in by), None)
 
 
 def _state_graph(gm: fx.GraphModule, nodes: list[fx.Node], state_nodes: set[fx.Node], values: list,

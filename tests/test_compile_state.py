@@ -128,7 +128,8 @@ class KeepsActivationsLM(nn.Module):
         self.qkv, self.proj, self.head = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB)
         self.register_buffer("running_mean", torch.zeros(DIM))
         self.last_keys = None
-        self.cache_k = torch.zeros(2, 64, HEADS, HD)  # meta-llama's KV cache: a plain attribute, float32
+        self.cache_k = torch.zeros(2, 64, HEADS, HD)  # meta-llama's KV cache: plain attributes, float32
+        self.cache_v = torch.zeros(2, 64, HEADS, HD)
 
     def forward(self, idx):
         b, t = idx.shape
@@ -138,8 +139,10 @@ class KeepsActivationsLM(nn.Module):
             self.last_keys = k.detach()
         elif self.what == "kv-cache":  # meta-llama/llama3 model.py, start_pos = 0
             self.cache_k = self.cache_k.to(k)
+            self.cache_v = self.cache_v.to(v)
             self.cache_k[:b, 0:t] = k.transpose(1, 2)
-            k = self.cache_k[:b, :t].transpose(1, 2)
+            self.cache_v[:b, 0:t] = v.transpose(1, 2)
+            k, v = self.cache_k[:b, :t].transpose(1, 2), self.cache_v[:b, :t].transpose(1, 2)
         else:
             with torch.no_grad():
                 self.running_mean.mul_(0.9).add_(0.1 * x[0, -1])
