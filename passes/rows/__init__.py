@@ -95,12 +95,12 @@ FAMILIES: dict[str, str] = {
     "nonzero": "the ids of non-zero entries of a row tensor: a selection of rows (row ids in its row column, data in "
                "the others); a mask computed again by the same element-wise op from the same tensors, with no write "
                "between, is the same selection (`y[idx == i] = f(x[idx == i])`)",
-    "grouped": "`argsort` of every (token, slot) key, the indices of a top-k or argmax over `E` groups, is a grouped "
+    "grouped": "`argsort` (or `sort`: the keys and the ids) of every (token, slot) key, the indices of a top-k or argmax over `E` groups, is a grouped "
                "selection whose values are flat ids (`// k` gives the token's row id); `histc` / `bincount` with one bin "
                "per group counts it (the counts are sizes only: `.item()` of one, never a value); `split` at those "
                "counts in order gives one piece per group, `cat` of every piece in order the selection again, zeros "
-               "of `length - sum(counts)` rows are none; `vstack` is `cat` along dim 0; any other `argsort` is a sort along "
-               "a dim",
+               "of `length - sum(counts)` rows are none; `vstack` is `cat` along dim 0; any other `argsort` or `sort` is a "
+               "sort along a dim",
     "index": "`where(cond)` is `nonzero`; `where(c, x, y)` is element-wise",
     "along a dim": "reductions, scans, sorts, softmaxes, flips, rolls, differences, FFTs along dims that are not the "
                    "rows (without a dim: every dim, refused with rows)",

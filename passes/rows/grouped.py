@@ -39,7 +39,7 @@ from treecompile.passes.rows.domain import IDS, RULES, Args, NotRowLocal, RowEnv
 
 __all__ = ["COUNTS", "EMPTY", "FlatIds", "GroupCount", "grouped_cat", "grouped_split", "group_count_item",
            "counts_entry", "flat_ids_floor_divide", "indexes_by_flat_ids", "zero_rows", "same_count", "empty_rows",
-           "vstack", "register"]
+           "vstack", "register", "sort"]
 
 #: `Rows.key` of a histogram of group keys: its dim is the groups, not rows, but it counts rows.
 COUNTS = "counts"
@@ -160,6 +160,15 @@ def argsort(node: fx.Node, a: Args, env: RowEnv, fallback) -> Any:
     _groups(env)
     env._sorted[node] = base
     return Rows(0, count=groups.entries, key=node, ids=FlatIds(env.rows(x).inner))
+
+
+def sort(node: fx.Node, a: Args, env: RowEnv, fallback) -> Any:
+    """``keys.sort()`` of every keyed entry: ``(the keys in group order, their flat ids)``, the
+    selection's data and ids (ScatterMoE's ``flat_expert_idxs.sort()``), ascending only."""
+    ids = argsort(node, a, env, lambda *_: None)
+    if ids is None:
+        return fallback(node, a, env)
+    return dataclasses.replace(ids, ids=None), ids
 
 
 def histogram(node: fx.Node, a: Args, env: RowEnv) -> Any:
@@ -323,8 +332,9 @@ def register() -> None:
     """Puts the rules in `RULES`: ``argsort`` falls back to its rule along a dim."""
     from treecompile.passes.rows.domain import Rule
 
-    along = RULES["argsort"]
+    along, sorting = RULES["argsort"], RULES["sort"]
     RULES["argsort"] = Rule(lambda n, a, env: argsort(n, a, env, along.infer), "grouped", along.sizes)
+    RULES["sort"] = Rule(lambda n, a, env: sort(n, a, env, sorting.infer), "grouped", sorting.sizes)
     for name in ("histc", "bincount"):
         RULES[name] = Rule(histogram, "grouped")
     for name in ("vstack", "row_stack"):
