@@ -249,6 +249,11 @@ class RowEnv:
         #: Unbacked counts that are not rows: entries a mask chose along dims before the rows
         #: (``x[lang_mask]`` over the batch), each a count of the mask's entries.
         self.other_counts: set = set()
+        #: Sort-based grouping (`treecompile.passes.rows.grouped`): what is known of each key
+        #: tensor's groups, the group of each count's symbol, and the key tensor of each sort.
+        self.groups: dict = {}
+        self.group_syms: dict = {}
+        self.sorted: dict = {}
 
     def state(self, a: Any) -> Any:
         """The state of an argument: a node's, a tuple of states for a list, else None."""

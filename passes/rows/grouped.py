@@ -72,14 +72,6 @@ class _Groups:
     symbols: dict[int, sympy.Symbol] = dataclasses.field(default_factory=dict)  # group -> its count's symbol
 
 
-def _groups(env: RowEnv) -> dict[fx.Node, _Groups]:
-    if not hasattr(env, "_groups"):
-        env._groups = {}
-        env._group_syms = {}
-        env._sorted = {}
-    return env._groups
-
-
 # --------------------------------------------------------------------------- the keys
 
 _FLATTEN = {"view", "reshape", "flatten", "ravel", "_unsafe_view"}
@@ -142,7 +134,7 @@ def _whole_keys(x: Any, env: RowEnv) -> tuple[fx.Node, _Groups] | None:
     if found is None or r is None or r.dim != 0 or r.key is not None or r.ids is not None or r.uniform:
         return None
     base, size = found
-    groups = _groups(env).setdefault(base, _Groups(size))
+    groups = env.groups.setdefault(base, _Groups(size))
     groups.entries = expr(_shape(x)[0])
     return base, groups
 
@@ -157,8 +149,7 @@ def argsort(node: fx.Node, a: Args, env: RowEnv, fallback) -> Any:
     if keys is None or _dim(a.get(1, "dim", -1), 1) != 0 or descending is not False:
         return fallback(node, a, env)
     base, groups = keys
-    _groups(env)
-    env._sorted[node] = base
+    env.sorted[node] = base
     return Rows(0, count=groups.entries, key=node, ids=FlatIds(env.rows(x).inner))
 
 
@@ -218,8 +209,8 @@ def group_count_item(node: fx.Node, env: RowEnv, st: GroupCount) -> None:
     sym = v.node.expr if isinstance(v, torch.SymInt) else None
     if not isinstance(sym, sympy.Symbol):
         raise NotRowLocal("reads a group's count on the host as something other than a size")
-    _groups(env)[st.base].symbols[st.group] = sym
-    env._group_syms[sym] = (st.base, st.group)
+    env.groups[st.base].symbols[st.group] = sym
+    env.group_syms[sym] = (st.base, st.group)
 
 
 def flat_ids_floor_divide(env: RowEnv, a: Args) -> Rows | None:
@@ -245,7 +236,7 @@ def indexes_by_flat_ids(r: Rows, ri: Rows | None, shape: tuple) -> bool:
 def _sizes(env: RowEnv) -> list[tuple[Any, list[sympy.Symbol]]]:
     """For each key tensor whose every group count is known: (entries, the count symbols)."""
     out = []
-    for g in _groups(env).values():
+    for g in env.groups.values():
         if g.entries is not None and len(g.symbols) == g.size:
             out.append((g.entries, [g.symbols[i] for i in range(g.size)]))
     return out
@@ -254,7 +245,7 @@ def _sizes(env: RowEnv) -> list[tuple[Any, list[sympy.Symbol]]]:
 def same_count(env: RowEnv, a: Any, b: Any) -> bool:
     """Whether sizes ``a`` and ``b`` are equal given that each key tensor's group counts sum to
     its number of entries."""
-    if not hasattr(env, "_groups"):
+    if not env.groups:
         return False
     try:
         diff = expr(a) - expr(b)
@@ -275,12 +266,12 @@ def grouped_split(node: fx.Node, a: Args, env: RowEnv) -> tuple | None:
     x = a.first
     r = env.rows(x)
     sizes = a.get(1, "split_size_or_sections", a.kwargs.get("split_size", a.kwargs.get("split_sizes")))
-    if r is None or not hasattr(env, "_sorted") or r.key not in env._sorted or not isinstance(sizes, (list, tuple)):
+    if r is None or r.key not in env.sorted or not isinstance(sizes, (list, tuple)):
         return None
     d = _dim(a.get(2, "dim", 0), _nd(x))
-    base = env._sorted[r.key]
-    groups = _groups(env)[base]
-    want = [env._group_syms.get(value(s).node.expr) if isinstance(s, fx.Node) and isinstance(value(s), torch.SymInt)
+    base = env.sorted[r.key]
+    groups = env.groups[base]
+    want = [env.group_syms.get(value(s).node.expr) if isinstance(s, fx.Node) and isinstance(value(s), torch.SymInt)
             else None for s in sizes]
     if r.dim != d or r.ids is not None:
         return None
@@ -303,9 +294,9 @@ def grouped_cat(node: fx.Node, parts: list, d: int, env: RowEnv) -> Rows | None:
     if not all(isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], int) for k in keys):
         return None
     sel = keys[0][0]
-    if not hasattr(env, "_sorted") or sel not in env._sorted:
+    if sel not in env.sorted:
         return None
-    if keys != [(sel, g) for g in range(_groups(env)[env._sorted[sel]].size)]:
+    if keys != [(sel, g) for g in range(env.groups[env.sorted[sel]].size)]:
         raise NotRowLocal("joins the pieces of a sort by groups other than all of them in order")
     return Rows(d, count=expr(_shape(node)[d]), key=sel)
 
