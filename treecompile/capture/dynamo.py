@@ -340,9 +340,13 @@ def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
 
 
 def _takes(fn: Any, params: tuple[str, ...]) -> bool:
-    """Whether ``fn`` is callable with ``params`` as its leading parameters."""
+    """Whether ``fn`` is callable with ``params`` as its leading parameters (any callable for
+    none: an entry that runs the function first to judge it, whose signature torch >= 2.14 may
+    not expose, as for an autograd Function's ``apply``)."""
     if not callable(fn):
         return False
+    if not params:
+        return True
     try:
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
