@@ -17,14 +17,12 @@ import torch
 from torch import fx
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.passes._graph import PassContext, _add_upstream, describe, location_of, op_name, source_of, value
+from treecompile.passes._graph import PassContext, _add_upstream, describe, location_of, source_of, value
 from treecompile.passes.rows import Rows, RowEnv
 from treecompile.passes.rows.domain import expr, same_expr
-from treecompile.passes.rows.grouped import COUNTS
+from treecompile.passes.rows.grouped import COUNTS, histogram_behind
 
 __all__ = ["weight_counters", "counter_refusal"]
-
-_CASTS = {"to", "float", "double", "long", "int", "type"}
 
 
 def weight_counters(gm: fx.GraphModule, ctx: PassContext, env: RowEnv) -> None:
@@ -65,11 +63,9 @@ def counter_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, why: st
 
 
 def _weighted(gm: fx.GraphModule, ctx: PassContext, env: RowEnv, inc: fx.Node, name: str) -> fx.Node:
-    h = inc
-    while isinstance(h, fx.Node) and op_name(h) in _CASTS and isinstance(h.args[0], fx.Node):
-        h = h.args[0]
-    st = env.states.get(h) if isinstance(h, fx.Node) else None
-    flat = h.args[0] if isinstance(h, fx.Node) and h.args else None
+    h = histogram_behind(inc)
+    st = env.states.get(h) if h is not None else None
+    flat = h.args[0] if h is not None and h.args else None
     rf = env.rows(flat) if isinstance(flat, fx.Node) else None
     shape = value(flat).shape if isinstance(flat, fx.Node) and isinstance(value(flat), torch.Tensor) else None
     counted = (isinstance(st, Rows) and isinstance(st.key, tuple) and st.key[0] == COUNTS and rf is not None

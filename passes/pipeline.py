@@ -58,7 +58,7 @@ from treecompile.passes.ssm_state import route_ssm_state_pass
 from treecompile.passes.state import StateWrites, is_batch, run_with_state, separate_state, state_name, touches_state
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
-from treecompile.passes.verify import verify_graph_pass
+from treecompile.passes.verify import RowsMixed, verify_graph_pass
 
 __all__ = [
     "streamed", "context_parallel", "streamed_context_parallel", "PASSES", "LM_HEAD_PASSES", "Pipeline", "passes_for", "LOWERINGS", "CompileRecord", "CallState", "make_backend", "run_passes",
@@ -397,7 +397,7 @@ def make_backend(
         except UnsupportedModelError as e:
             # An op refused in the main graph that writes into the state the call keeps (a KV
             # cache written by slices of the length and read back) is refused naming that state.
-            named = touches_state(getattr(e, "node", None), state) if state is not None else None
+            named = touches_state(e.node, state) if state is not None and isinstance(e, RowsMixed) else None
             if named is not None:
                 raise named from None
             raise

@@ -97,6 +97,7 @@ class StateWrites:
     held: tuple[tuple[int, Any], ...] = ()  # (index, weak reference) of the model's tensors it does not write
     counters: tuple[int, ...] = ()  # graph inputs the main graph's last len(counters) results are added to
     counter_names: list[str] = field(default_factory=list)  # what each of `counters` is in the model
+    refused_writes: dict = field(default_factory=dict)  # memory -> refusal of a write computed from the batch
 
     def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
         """Runs the state graph on copies of the tensors it writes.
@@ -226,7 +227,8 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
                      key=order.__getitem__)
     sinks = [outs[i] for i in kept if isinstance(outs[i], fx.Node)] + writes
     state_nodes = _slice(nodes, sinks, exclude=set())
-    refusal = _batch_read_refusal(state_nodes, sinks, batch_tensors, writes, held, names, sources, placeholders)
+    refused = _batch_read_refusals(state_nodes, sinks, batch_tensors, writes, held, names, sources, placeholders)
+    refusal = next(iter(refused.values()), None)
 
     # The main graph's reads of each written tensor: all after its writes, or all before.
     main_nodes = _slice(nodes, [n for n in nodes if n in returned], exclude=set(writes))
@@ -271,7 +273,7 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
                         names=labels, refusal=refusal, inputs=len(placeholders),
                         held=tuple((i, weakref.ref(x)) for i, (p, x) in enumerate(zip(placeholders, example_inputs))
                                    if p not in batch and p not in written and isinstance(x, torch.Tensor)),
-                        counters=counted)
+                        counters=counted, refused_writes=refused)
     state.counter_names = [_pretty(sources[i]) for i in state.counters]
     return gm, state
 
@@ -394,23 +396,27 @@ def _slice(nodes: list[fx.Node], sinks: Sequence[Any], exclude: set[fx.Node]) ->
     return live
 
 
-def _batch_read_refusal(state_nodes: set[fx.Node], sinks: list, batch_tensors: set[fx.Node], writes: list,
-                        held: dict, names: dict[str, str], sources: Sequence[str], placeholders: list
-                        ) -> UnsupportedModelError | None:
-    """The refusal of a state write computed from a batch tensor, naming what is written and
-    where (the first in graph order); None if every state write reads the model's state and the
-    batch's sizes only. It carries, by memory, the refusal of each such write (`touches_state`)."""
+def _batch_read_refusals(state_nodes: set[fx.Node], sinks: list, batch_tensors: set[fx.Node], writes: list,
+                         held: dict, names: dict[str, str], sources: Sequence[str], placeholders: list
+                         ) -> dict[int, UnsupportedModelError]:
+    """The refusal of each state write computed from a batch tensor, naming what is written and
+    where, by the memory it writes (the first sink's first); empty if every state write reads the
+    model's state and the batch's sizes only."""
     if not state_nodes & batch_tensors:
-        return None
-    errors = [_sink_refusal(sink, state_nodes, batch_tensors, writes, held, names, sources, placeholders)
-              for sink in sinks if _slice(list(state_nodes), [sink], exclude=set()) & batch_tensors]
-    first = errors[0]
-    first.by_memory = {m: e for e in reversed(errors) for m in e.memory}
-    return first
+        return {}
+    out: dict[int, UnsupportedModelError] = {}
+    for sink in sinks:
+        if _slice(list(state_nodes), [sink], exclude=set()) & batch_tensors:
+            err, memory = _sink_refusal(sink, state_nodes, batch_tensors, writes, held, names, sources, placeholders)
+            for m in memory:
+                out.setdefault(m, err)
+    return out
 
 
 def _sink_refusal(sink: fx.Node, state_nodes: set[fx.Node], batch_tensors: set[fx.Node], writes: list, held: dict,
-                  names: dict[str, str], sources: Sequence[str], placeholders: list) -> UnsupportedModelError:
+                  names: dict[str, str], sources: Sequence[str], placeholders: list
+                  ) -> tuple[UnsupportedModelError, frozenset]:
+    """The refusal of one state write computed from the batch, and the memory it writes."""
     if sink in writes:
         target = next(t for t in mutated_args(sink) if storage_of(t) in held)
         what = _pretty(sources[placeholders.index(held[storage_of(target)])])
@@ -433,17 +439,14 @@ def _sink_refusal(sink: fx.Node, state_nodes: set[fx.Node], batch_tensors: set[f
         "(a rotary table, a step counter); in training, leave a KV cache out (write keys and values to it only "
         "when generating) and keep statistics of the activations out of the forward."
     )
-    err.memory = frozenset({storage_of(sink), *(storage_of(t) for t in mutated_args(sink))} - {None})
-    return err
+    return err, frozenset({storage_of(sink), *(storage_of(t) for t in mutated_args(sink))} - {None})
 
 
-def touches_state(node: fx.Node | None, state: StateWrites) -> UnsupportedModelError | None:
+def touches_state(node: fx.Node, state: StateWrites) -> UnsupportedModelError | None:
     """The refusal of the state ``node`` (an op the main graph's checks refused) writes into, when
-    `StateWrites.refusal` refuses that state; else None (an op that only reads such state is
-    refused for what it does with it: a mask over document ids the model also keeps)."""
-    by = getattr(state.refusal, "by_memory", {})
-    if node is None:
-        return None
+    that state is refused (`StateWrites.refused_writes`); else None (an op that only reads such
+    state is refused for what it does with it: a mask over document ids the model also keeps)."""
+    by = state.refused_writes
     return next((by[storage_of(t)] for t in mutated_args(node) if storage_of(t) in by), None)
 
 

@@ -43,7 +43,16 @@ from treecompile.passes.counters import counter_refusal, weight_counters
 from treecompile.passes.rows import ONE_ROW, row_states
 from treecompile.passes.rows.random import draws, random_refusal
 
-__all__ = ["verify_graph_pass"]
+__all__ = ["verify_graph_pass", "RowsMixed"]
+
+
+class RowsMixed(UnsupportedModelError):
+    """The verify pass's refusal of an op that mixes rows; ``node`` is that op (the backend names
+    the state the model keeps instead, where the op writes it: `treecompile.passes.state.touches_state`)."""
+
+    def __init__(self, message: str, node: fx.Node) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -74,15 +83,12 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise counted
         note = ctx.notes.get(node)
         extra = f" ({note})" if note else ""
-        err = UnsupportedModelError(
+        raise RowsMixed(
             f"treecompile cannot make this model exact on a tree: {describe(node)} at {location_of(node)} "
             f"{why}{extra}.\n"
             f"  at {source_of(node)}\n"
             "Every op that mixes tokens along the sequence must be rewritten to follow the tree; "
-            "see passes/README.md for what is supported."
-        )
-        err.node = node  # the backend names the state instead where this op writes it
-        raise err
+            "see passes/README.md for what is supported.", node)
     weight_counters(gm, ctx, env)
     return gm
 

@@ -182,3 +182,27 @@ def test_a_parallel_scan_is_swapped_only_where_it_is_the_linear_recurrence():
         torch.testing.assert_close(drop_in(A, X), _loop_scan(A, X), rtol=1e-12, atol=1e-12)
     for not_it in (_exclusive_linear, _positive_decay_only, lambda A, X: X):
         assert parallel_scan_for(not_it) is None
+
+
+class _NoSignature:
+    """A scan whose signature cannot be read (torch >= 2.14's ``PScan.apply`` shows none)."""
+
+    @property
+    def __signature__(self):
+        raise ValueError("no signature found")
+
+    def __call__(self, A, X):
+        return _loop_scan(A, X)
+
+
+def test_a_scan_judged_by_running_it_is_looked_up_whatever_its_signature_shows():
+    import inspect
+
+    from treecompile.capture.dynamo import _takes
+    from treecompile.capture.library_drop_ins import parallel_scan_for
+
+    scan = _NoSignature()
+    with pytest.raises(ValueError):
+        inspect.signature(scan)
+    assert _takes(scan, ()) and parallel_scan_for(scan) is not None
+    assert not _takes(scan, ("A", "X"))  # an entry that names parameters still needs to see them

@@ -55,12 +55,6 @@ def pointwise(node: fx.Node, a: Args, env: RowEnv) -> Any:
     """Element-wise with broadcasting: each result element reads the same element of each
     input, so the inputs' rows must be the same rows at the same (right-aligned) dim."""
     nd = _nd(node)
-    if op_is(node, "floor_divide") or op_is(node, "div") and a.kwargs.get("rounding_mode") == "floor":
-        from treecompile.passes.rows.grouped import flat_ids_floor_divide
-
-        ids = flat_ids_floor_divide(env, a)
-        if ids is not None:
-            return ids
     return combine([_right_aligned(env, x, nd) for x in iter_nodes((a.args, a.kwargs)) if _is_tensor(x)])
 
 

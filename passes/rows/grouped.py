@@ -38,8 +38,8 @@ from treecompile.passes._graph import value
 from treecompile.passes.rows.domain import IDS, RULES, Args, NotRowLocal, RowEnv, Rows, _dim, _nd, _shape, expr, op_key, same_expr
 
 __all__ = ["COUNTS", "EMPTY", "FlatIds", "GroupCount", "grouped_cat", "grouped_split", "group_count_item",
-           "counts_entry", "flat_ids_floor_divide", "indexes_by_flat_ids", "zero_rows", "same_count", "empty_rows",
-           "vstack", "register", "sort"]
+           "counts_entry", "floor_divide", "indexes_by_flat_ids", "zero_rows", "same_count", "empty_rows",
+           "vstack", "register", "sort", "histogram_behind"]
 
 #: `Rows.key` of a histogram of group keys: its dim is the groups, not rows, but it counts rows.
 COUNTS = "counts"
@@ -184,6 +184,16 @@ def histogram(node: fx.Node, a: Args, env: RowEnv) -> Any:
     return Rows(0, count=sympy.Integer(groups.size), key=(COUNTS, base))
 
 
+def histogram_behind(x: Any) -> fx.Node | None:
+    """The ``histc`` / ``bincount`` node ``x`` is, behind casts to another dtype; None if ``x`` is
+    anything else (counts computed with)."""
+    src = x
+    while isinstance(src, fx.Node) and op_key(src) in _CASTS and src.args and isinstance(src.args[0], fx.Node) \
+            and (op_key(src) not in ("to", "type") or _dtype_only(src)):
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and op_key(src) in ("histc", "bincount") else None
+
+
 def counts_entry(env: RowEnv, node: fx.Node, x: Any, index: Any) -> GroupCount | None:
     """``counts[g]`` read only by ``.item()`` (a group's size), or None."""
     r = env.rows(x)
@@ -192,11 +202,7 @@ def counts_entry(env: RowEnv, node: fx.Node, x: Any, index: Any) -> GroupCount |
     g = index[0] if isinstance(index, tuple) and len(index) == 1 else index
     if not isinstance(g, int) or isinstance(g, bool) or _nd(x) != 1:
         return None
-    src = x
-    while isinstance(src, fx.Node) and op_key(src) in _CASTS and isinstance(src.args[0], fx.Node) and \
-            (op_key(src) not in ("to", "type") or _dtype_only(src)):
-        src = src.args[0]
-    if op_key(src) not in ("histc", "bincount"):
+    if histogram_behind(x) is None:
         return None  # counts computed with (scaled, shifted ...) are counts no longer
     if not node.users or any(op_key(u) != "item" for u in node.users):
         return None
@@ -213,12 +219,14 @@ def group_count_item(node: fx.Node, env: RowEnv, st: GroupCount) -> None:
     env.group_syms[sym] = (st.base, st.group)
 
 
-def flat_ids_floor_divide(env: RowEnv, a: Args) -> Rows | None:
-    """``flat_ids // k`` with ``k`` the flattening's inner size: each entry's token row id."""
+def floor_divide(node: fx.Node, a: Args, env: RowEnv, fallback) -> Any:
+    """``flat_ids // k`` with ``k`` the flattening's inner size: each entry's token row id; any
+    other division is element-wise (``fallback``)."""
     x, k = a.args[0], a.args[1] if len(a.args) > 1 else a.kwargs.get("other")
-    r = env.rows(x)
-    if r is None or not isinstance(r.ids, FlatIds):
-        return None
+    r = env.rows(x) if isinstance(x, fx.Node) else None
+    floor = op_key(node) == "floor_divide" or a.kwargs.get("rounding_mode") == "floor"
+    if r is None or not isinstance(r.ids, FlatIds) or not floor:
+        return fallback(node, a, env)
     kv = value(k) if isinstance(k, fx.Node) else k
     if not isinstance(kv, (int, torch.SymInt)) or isinstance(kv, bool) or not same_expr(expr(kv), r.ids.inner):
         raise NotRowLocal("computes with the flat ids of a sort other than dividing them by the slots per row")
@@ -268,18 +276,17 @@ def grouped_split(node: fx.Node, a: Args, env: RowEnv) -> tuple | None:
     sizes = a.get(1, "split_size_or_sections", a.kwargs.get("split_size", a.kwargs.get("split_sizes")))
     if r is None or r.key not in env.sorted or not isinstance(sizes, (list, tuple)):
         return None
-    d = _dim(a.get(2, "dim", 0), _nd(x))
+    if r.dim != _dim(a.get(2, "dim", 0), _nd(x)) or r.ids is not None:
+        return None
     base = env.sorted[r.key]
     groups = env.groups[base]
     want = [env.group_syms.get(value(s).node.expr) if isinstance(s, fx.Node) and isinstance(value(s), torch.SymInt)
             else None for s in sizes]
-    if r.dim != d or r.ids is not None:
-        return None
     if want != [(base, g) for g in range(groups.size)]:
         raise NotRowLocal(f"splits the rows of a sort at sizes other than the counts of its own {groups.size} groups "
                           "in order (a piece would hold tokens of another group)")
     out = value(node)
-    return tuple(Rows(d, count=expr(piece.shape[d]), key=(r.key, g)) for g, piece in enumerate(out))
+    return tuple(Rows(r.dim, count=expr(piece.shape[r.dim]), key=(r.key, g)) for g, piece in enumerate(out))
 
 
 def grouped_cat(node: fx.Node, parts: list, d: int, env: RowEnv) -> Rows | None:
@@ -320,10 +327,13 @@ def vstack(node: fx.Node, a: Args, env: RowEnv) -> Any:
 
 
 def register() -> None:
-    """Puts the rules in `RULES`: ``argsort`` falls back to its rule along a dim."""
+    """Puts the rules in `RULES`: ``argsort`` / ``sort`` fall back to their rule along a dim, a division
+    not of flat ids to the element-wise rule."""
     from treecompile.passes.rows.domain import Rule
 
-    along, sorting = RULES["argsort"], RULES["sort"]
+    along, sorting, divide = RULES["argsort"], RULES["sort"], RULES["floor_divide"]
+    for name in ("floor_divide", "div", "divide"):
+        RULES[name] = Rule(lambda n, a, env: floor_divide(n, a, env, divide.infer), "pointwise", divide.sizes)
     RULES["argsort"] = Rule(lambda n, a, env: argsort(n, a, env, along.infer), "grouped", along.sizes)
     RULES["sort"] = Rule(lambda n, a, env: sort(n, a, env, sorting.infer), "grouped", sorting.sizes)
     for name in ("histc", "bincount"):

@@ -109,14 +109,15 @@ def infer(node: fx.Node, env: RowEnv) -> Any:
     if node.op == "call_function" and node.kwargs.get("inplace") is True:
         inplace = True
     rule = RULES.get(name) or RULES.get(base)
-    counted = [a for a in iter_nodes((node.args, node.kwargs)) if isinstance(env.states.get(a), GroupCount)]
+    inputs = list(iter_nodes((node.args, node.kwargs)))
+    counted = [a for a in inputs if isinstance(env.states.get(a), GroupCount)]
     if counted:  # a group's count (a histogram of the rows' keys) is a size, never a value
         if name == "item" and len(counted) == 1:
             group_count_item(node, env, env.states[counted[0]])
             return None
         raise NotRowLocal("uses a group's count of rows (a histogram of top-k indices over the rows) as a value: it "
                           "counts the tokens of every path at once")
-    carried = [a for a in iter_nodes((node.args, node.kwargs)) if _has_rows(env.states.get(a))]
+    carried = [a for a in inputs if _has_rows(env.states.get(a))]
     if rule is None or rule.sizes != "rule":
         _check_values(node, args, rule, env)
     if rule is None:

@@ -86,12 +86,9 @@ def imported_torch_swaps(model: nn.Module) -> list[tuple[Any, str, Any]]:
     swapping it in torch's own namespace does not reach. Modules (``_VF``) are left alone."""
     originals = {id(getattr(owner, name)): drop_in for owner, name, drop_in in TORCH_SWAPS
                  if callable(getattr(owner, name)) and not inspect.ismodule(getattr(owner, name))}
-    found: dict[tuple[str, str], tuple[Any, str, Any]] = {}
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        if module is None or module.__name__.startswith("torch."):
-            continue
-        for name, fn in list(vars(module).items()):
-            if id(fn) in originals and (module.__name__, name) not in found:
-                found[(module.__name__, name)] = (module, name, originals[id(fn)])
-    return list(found.values())
+    modules = {type(m).__module__ for m in model.modules()}
+    found = []
+    for module in (sys.modules.get(name) for name in sorted(modules) if not name.startswith("torch.")):
+        if module is not None:
+            found += [(module, name, originals[id(fn)]) for name, fn in list(vars(module).items()) if id(fn) in originals]
+    return found
