@@ -52,8 +52,8 @@ class PassContext:
         notes: per node, why a pass left it alone (quoted by the verify pass).
         pred_index: the ``[S]`` placeholder of each row's predecessor on its path (-1 at a
             root), when the call passes the path structure (else None); with it the ``[N, 3]``
-            CPU ``node_table`` (start row, end row, parent node per tree node) and, in a
-            whole-tree call, ``path_count``, the paths through each row (`passes.counters`).
+            CPU ``node_table`` (start row, end row, parent node per tree node).
+        path_count: the ``[S]`` placeholder of the paths through each row (`passes.counters`).
         max_rows: the longest path for which what the passes judged from example values
             holds (a structural mask evaluated at the example length S shows its pattern for
             sequences up to S only); None if nothing was judged that way. The wrapper

@@ -76,9 +76,8 @@ def _weighted(gm: fx.GraphModule, ctx: PassContext, env: RowEnv, inc: fx.Node, n
     if not counted:
         raise _refusal(name, where, "its increment is not a count of the groups of top-k indices over the rows "
                                     "(treecompile weights only such a histogram by the paths through each row)")
-    if ctx.path_count is None:
-        raise _refusal(name, where, "this call has no path counts (a streamed or context-parallel call, or a "
-                                    "Hugging Face model without sequence kernels)")
+    if ctx.path_count is None:  # every call's marker carries them (passes/markers.py)
+        raise _refusal(name, where, "this call has no path counts")
     g = gm.graph
     k, groups = int(rf.inner), int(st.count)
     weights = ctx.path_count if k == 1 else ctx.mark(g.call_function(torch.repeat_interleave, (ctx.path_count, k)),

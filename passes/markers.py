@@ -1,13 +1,15 @@
 """Custom ops that mark, in a captured graph, what the passes must find.
 
-* ``treecompile::tree_inputs(input_ids, seq_tensors, other_tensors, structure)`` returns a
+* ``treecompile::tree_inputs(input_ids, seq_tensors, other_tensors, structure, path_count)`` returns a
   copy of ``input_ids``. The wrapper routes the ids through it so that the tree tensors
   (positions, mask buffers, BlockMask tensors) become real inputs of the Dynamo graph:
   Dynamo drops inputs nothing uses, and a graph input cannot be added afterwards. Its
   fake implementation ties every ``seq_tensors`` length to S with ``torch._check``, so
   with dynamic shapes they share S's symbol. ``structure`` is empty, or, for a model with
   recurrent or conv layers, ``[pred_index [S], node_table [N, 3]]`` (the node table on the
-  CPU; the conv context and SSM state passes read them). The pipeline removes it first.
+  CPU; the conv context and SSM state passes read them). ``path_count`` ``[S]`` is the number
+  of paths through each row (0 on padding rows), which weights a counter the model keeps
+  (`treecompile.passes.counters`). The pipeline removes it first.
 * ``treecompile::causal_attention(q, k, v, scale, window, softcap, sinks, chunk)`` is what
   `treecompile.capture.hf_interfaces.hf_causal_attention` emits for Hugging Face attention-interface calls: one
   opaque node carrying the call's semantics (scale, sliding window, soft-capping, attention
@@ -64,22 +66,21 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("treecompile::tree_inputs", mutates_args=())
 def tree_inputs(
-    input_ids: Tensor, seq_tensors: list[Tensor], other_tensors: list[Tensor], structure: list[Tensor]
+    input_ids: Tensor, seq_tensors: list[Tensor], other_tensors: list[Tensor], structure: list[Tensor],
+    path_count: Tensor,
 ) -> Tensor:
     """Identity on ``input_ids`` ``[B, S]``; makes the tree tensors graph inputs."""
     return input_ids.clone()
 
 
 @tree_inputs.register_fake
-def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure):
+def _tree_inputs_fake(input_ids, seq_tensors, other_tensors, structure, path_count):
     s = input_ids.shape[-1]
-    for t in seq_tensors:
+    for t in [*seq_tensors, path_count]:
         torch._check(t.shape[0] == s)
     if structure:
-        pred_index, _node_table, *path_count = structure  # path_count in a whole-tree call
+        pred_index, _node_table = structure
         torch._check(pred_index.shape[0] == s)
-        for t in path_count:
-            torch._check(t.shape[0] == s)
     return torch.empty_like(input_ids)
 
 

@@ -503,7 +503,7 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
             "the model was probably split by a graph break"
         )
     marker = markers[0]
-    ids, seq_tensors, other, structure = marker.args
+    ids, seq_tensors, other, structure, path_count = marker.args
     positions, *mask_buffers = seq_tensors
     if len(mask_buffers) != len(MASK_KINDS[mask]):
         raise RuntimeError(f"treecompile: the marker carries {len(mask_buffers)} mask tensors for mask={mask!r}")
@@ -535,5 +535,5 @@ def _context(gm: fx.GraphModule, example_inputs, mask: str, layout: BlockLayout,
         created=wrapper_nodes,
         pred_index=structure[0] if structure else None,
         node_table=structure[1] if structure else None,
-        path_count=structure[2] if len(structure) > 2 else None,
+        path_count=path_count,
     )

@@ -57,6 +57,8 @@ from torch import fx
 from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import describe, location_of, mutated_args, op_name, source_of, storage_of, value
 from treecompile.passes._mask_eval import shape_sources
+from treecompile.passes.held_writes import (UNNAMED, at_length, holding, length_inputs, note_filled,
+                                           repeated_idempotent, self_updates)
 from treecompile.passes.markers import is_marker
 
 __all__ = ["touches_state", "StateWrites", "is_batch", "separate_state", "state_name"]
@@ -98,9 +100,13 @@ class StateWrites:
     counters: tuple[int, ...] = ()  # graph inputs the main graph's last len(counters) results are added to
     counter_names: list[str] = field(default_factory=list)  # what each of `counters` is in the model
     refused_writes: dict = field(default_factory=dict)  # memory -> refusal of a write computed from the batch
+    self_updates: list[str] = field(default_factory=list)  # what it writes from the value it replaces (held_writes)
+    lengths: tuple = ()  # (input, its dims of the sequence's length, or None for the length itself) the state reads
+    other_sizes: list[str] = field(default_factory=list)  # batch sizes besides the length the state reads
 
-    def prepare(self, args: Sequence[Any]) -> tuple[list, list, list]:
-        """Runs the state graph on copies of the tensors it writes.
+    def prepare(self, args: Sequence[Any], length: int | None = None) -> tuple[list, list, list]:
+        """Runs the state graph on copies of the tensors it writes; with ``length``, as for a
+        sequence of that length (`treecompile.passes.held_writes.at_length`).
 
         Returns:
             ``(main_args, values, written)``: the main graph's arguments (a tensor written in
@@ -123,7 +129,7 @@ class StateWrites:
                 f"{len(args)} inputs for the {self.inputs} it was captured with, so the tensors it writes cannot be "
                 "matched to the model's (a buffer registered as None in __init__ and registered again in forward "
                 "does this: register it with a tensor in __init__, or keep it as a plain attribute).")
-        fresh = list(args)
+        fresh = list(args) if length is None else at_length(args, self.lengths, length)
         for i in self.written:
             fresh[i] = args[i].clone()
         out = self.graph(*fresh)
@@ -144,6 +150,8 @@ class StateWrites:
         with torch.no_grad():
             for i, t in zip(self.written, new):
                 args[i].copy_(t)
+                if i in self.read_after and self.lengths:  # filled for the sequence's length, read back
+                    note_filled(args[i])
             for i, t in zip(self.counters, added):
                 args[i].add_(t)
 
@@ -167,9 +175,13 @@ def run_with_state(fn: Callable, state: StateWrites | None, before_commit: Calla
                    ) -> Callable:
     """The captured graph's callable from ``fn``, the lowered main graph: the state graph,
     then ``fn``, then ``before_commit()`` (the call's checks; it raises to refuse), then the
-    state written back (see the module)."""
+    state written back (see the module), or held back until the call of several graphs that
+    runs it has succeeded (`treecompile.passes.held_writes`)."""
     if state is None:
         def run_plain(*args):
+            held = holding()
+            if held is not None:
+                held.check_reads(args)
             out = fn(*args)
             if before_commit is not None:
                 before_commit()
@@ -178,11 +190,18 @@ def run_with_state(fn: Callable, state: StateWrites | None, before_commit: Calla
         return run_plain
 
     def run(*args):
-        main, values, new = state.prepare(args)
+        held = holding()  # a streamed call writes once, when it has succeeded
+        if held is not None:
+            held.check(state)
+            held.check_reads([a for i, a in enumerate(args) if i not in state.written])
+        main, values, new = state.prepare(args, None if held is None else held.length)
         results, added = state.split(fn(*main))
         if before_commit is not None:
             before_commit()
-        state.commit(args, new, added)
+        if held is None:
+            state.commit(args, new, added)
+        else:
+            held.hold(state, args, new, added)
         return state.merge(results, values)
 
     return run
@@ -241,7 +260,7 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
         first, last = min(order[w] for w in own), max(order[w] for w in own)
         if readers and all(order[r] > last for r in readers):
             read_after.add(placeholders.index(p))
-        elif readers and all(order[r] > first for r in readers) and _repeated_idempotent(own, p):
+        elif readers and all(order[r] > first for r in readers) and repeated_idempotent(own, p):
             read_after.add(placeholders.index(p))  # each write leaves the value the last one leaves
         elif not all(order[r] < first for r in readers) and refusal is None:
             r = next(r for r in readers if order[r] > first)
@@ -256,6 +275,10 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
         state_gm = _state_graph(gm, nodes, state_nodes, [outs[i] for i in kept], written)
     except UnsupportedModelError as e:
         state_gm, refusal = None, refusal or e
+    labels = [names.get(getattr(outs[i], "name", "")) or names.get(_symbol_key(outs[i]) or "")
+              or f"{UNNAMED} (output {i})" for i in kept]
+    labels += [_pretty(sources[placeholders.index(p)]) for p in written]
+    updates = self_updates(placeholders, [_pretty(s) for s in sources], [outs[i] for i in kept], labels, written, writes)
     # The main graph: the call's results only, without the writes into the model's tensors;
     # then each counter's increment (added to the model's tensor at the commit).
     increments = tuple(w.args[1] for w in counters)
@@ -266,8 +289,6 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     rest = tuple(a for i, a in enumerate(outs) if i not in kept)
     graph.output(rest + increments)
     gm.recompile()
-    labels = [names.get(getattr(outs[i], "name", ""), f"a value the model keeps (output {i})") for i in kept]
-    labels += [_pretty(sources[placeholders.index(p)]) for p in written]
     state = StateWrites(graph=state_gm, outputs=tuple(kept), size=len(outs),
                         written=tuple(placeholders.index(p) for p in written), read_after=frozenset(read_after),
                         names=labels, refusal=refusal, inputs=len(placeholders),
@@ -275,6 +296,8 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
                                    if p not in batch and p not in written and isinstance(x, torch.Tensor)),
                         counters=counted, refused_writes=refused)
     state.counter_names = [_pretty(sources[i]) for i in state.counters]
+    state.self_updates = updates
+    state.lengths, state.other_sizes = length_inputs(placeholders, sources, batch, state_nodes)
     return gm, state
 
 
@@ -294,38 +317,6 @@ def _counter(w: fx.Node, held: dict, nodes: list[fx.Node], batch_tensors: set[fx
                            any(storage_of(t) == s for t in mutated_args(n))) for n in nodes):
         return False
     return bool(_slice(nodes, [inc], exclude=set()) & batch_tensors)
-
-
-#: Ops ``f`` with ``f(f(x)) == f(x)`` (for the same arguments).
-_IDEMPOTENT = {"clamp", "clamp_min", "clamp_max", "clip", "abs", "relu", "floor", "ceil", "trunc", "round", "sign"}
-_SAME_VALUE = {"_get_data_attr", "detach", "clone", "contiguous"}
-
-
-def _repeated_idempotent(writes: list[fx.Node], p: fx.Node) -> bool:
-    """Whether ``writes`` (in order, all into ``p``) each set ``p`` to one and the same idempotent op
-    of ``p``'s own value (``p.data = p.data.clamp(min=eps)`` in a module that each layer calls):
-    after the first of them, ``p`` holds the value the last one leaves. (One op: a chain of two
-    idempotent ops is not idempotent in general.)"""
-    ops = set()
-    for w in writes:
-        # ``p.data = v``: ``set_`` (torch 2.13), ``aten.shallow_copy_data_`` (2.14 on).
-        if op_name(w) not in ("set_", "copy_", "shallow_copy_data_") or len(w.args) < 2 or w.args[0] is not p \
-                or w.kwargs:
-            return False
-        found, x = [], w.args[1]
-        while isinstance(x, fx.Node) and x is not p:
-            name = op_name(x)
-            # the op reads one tensor, ``x``'s first argument; its other arguments are constants
-            if x.op not in ("call_function", "call_method") or name not in _IDEMPOTENT | _SAME_VALUE \
-                    or x.all_input_nodes != [x.args[0]]:
-                return False
-            if name in _IDEMPOTENT:
-                found.append((name, tuple(x.args[1:]), tuple(sorted(x.kwargs.items()))))
-            x = x.args[0]
-        if x is not p or len(found) != 1:
-            return False
-        ops.add(found[0])
-    return len(ops) == 1
 
 
 def state_name(source: str) -> str:
@@ -510,6 +501,14 @@ def _name(source: Any) -> str:
     return name() if callable(name) else name  # a method before torch 2.12
 
 
+def _symbol_key(node: Any) -> str | None:
+    """``"sym:<expression>"`` for a node whose value is a symbolic Python number, else None."""
+    v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"sym:{v.node.expr}"
+    return None
+
+
 def _side_effect_names() -> dict[str, str]:
     """``{node name: "model.rope.cos_cached"}`` for the values Dynamo writes back after the
     call, read from the trace being compiled; empty where this torch does not show them (the
@@ -530,6 +529,9 @@ def _side_effect_names() -> dict[str, str]:
             node = None
         if isinstance(node, fx.Node):
             found.setdefault(node.name, where)
+            sym = _symbol_key(node)
+            if sym is not None:  # a size may reach the output as another node of the same symbol
+                found.setdefault(sym, where)
             return
         items = value.__dict__.get("items") if hasattr(value, "__dict__") else None
         if isinstance(items, (list, tuple)):  # a tuple or list of values

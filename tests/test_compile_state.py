@@ -289,19 +289,27 @@ def test_a_counter_beside_an_unread_buffer_runs_and_advances_once_per_call():
     assert int(model.steps) == 2
 
 
-def test_a_counter_of_tokens_per_expert_adds_what_per_path_training_adds():
+@pytest.mark.parametrize("stream", [None, "keep", "recompute"])
+def test_a_counter_of_tokens_per_expert_adds_what_per_path_training_adds(stream):
     """torchtitan's ``tokens_per_expert.add_(histc(top-k indices))``: after each tree call the
     buffer holds what running the model on every path alone adds (a token shared by n paths
-    counted n times), for two batches of different sizes; the first-call probe adds nothing."""
+    counted n times), for two batches of different sizes; the first-call probe adds nothing.
+    Streamed, each part adds its rows once, though a part runs twice (recompute mode's
+    forward and backward runs)."""
     from test_compile_models import TREES, make_batch
     from zoo_repos.titan_moe import TitanMoELM
 
+    from treecompile.stream.options import StreamOptions
+
     model = _build(TitanMoELM)
     twin = copy.deepcopy(model)
-    compiled = tc.tree_compile(model, backend="eager")
+    options = StreamOptions(budget_rows=4, mode=stream) if stream else None
+    compiled = tc.tree_compile(model, backend="eager", stream=options)
     for name in ("branchy", "forest"):
         batch, _ = make_batch(name)
-        compiled(batch)
+        compiled(batch).loss.backward()
+        if stream:
+            assert compiled._stream.stats.parts > 2, compiled._stream.stats
         with torch.no_grad():
             for tree in TREES[name]:
                 for path in tree:
@@ -338,15 +346,91 @@ def test_a_counter_that_is_not_a_histogram_of_groups_is_refused_by_name():
     zoo.assert_unchanged(model, twin, lengths=(11, 5))
 
 
-def test_a_counter_in_a_streamed_call_is_refused_by_name():
-    from zoo_repos.titan_moe import TitanMoELM
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+@pytest.mark.parametrize("cls", [WarmupCountingLM, CountingLM])
+def test_a_streamed_call_reads_the_state_from_before_it_and_leaves_one_calls_state(cls, mode):
+    """Streamed over several parts (recompute mode runs some twice), every part reads the state
+    the model had before the call: a warm-up factor read from a counter the call advances
+    (``self.steps += 1``; with ``self.num_calls += 1``, unread; each advanced once per part
+    before). After each call the counters advanced once."""
+    from treecompile.core.reference import per_path_loss
+    from treecompile.stream.options import StreamOptions
+
+    model = _build(cls)
+    twin = copy.deepcopy(model)
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4, mode=mode))
+    chain = [1 + (i * 7) % (VOCAB - 1) for i in range(20)]
+    deep = [tc.TrajectoryTree.from_sequences([chain, chain[:12] + [5, 6, 7]])]
+    for i, (_, batch, trees) in enumerate([*zoo.batches(), ("deep", tc.pack(deep), deep)]):
+        ref_model = copy.deepcopy(model)
+        if cls is WarmupCountingLM:  # per path at the counter's value after this call's advance
+            ref_model.steps += 1
+            ref_model.advance = False
+        ref = per_path_loss(ref_model, trees)
+        out = compiled(batch)
+        out.loss.backward()
+        assert compiled._stream.stats.parts > 2, compiled._stream.stats
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12)
+        if cls is WarmupCountingLM:
+            assert int(model.steps) == i + 1
+        if cls is CountingLM:
+            assert int(model.steps) == model.num_calls == i + 1, (int(model.steps), model.num_calls)
+    if cls is CountingLM:  # (WarmupCountingLM's logits follow the counter by design)
+        zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+def test_a_table_filled_in_place_and_read_back_is_refused_in_a_streamed_call():
+    """``if T > self.filled: self.table[:T] = ...; x + self.table[:T]``: a part decides whether to
+    fill at its own row count, shorter than its rows' positions, and read rows the model never
+    filled (silently wrong before, once a part after a short first part read past it). Refused
+    naming the table, on the first streamed call and after a whole-tree call filled it; the
+    model as it was after each refusal."""
+    from zoo_repos.state import FilledTableLM
 
     from treecompile.stream.options import StreamOptions
 
-    model = _build(TitanMoELM)
+    model = _build(FilledTableLM)
+    twin = copy.deepcopy(model)
+    chain = [1 + (i * 7) % (VOCAB - 1) for i in range(20)]
+    deep = tc.pack([tc.TrajectoryTree.from_sequences([chain, chain[:12] + [5, 6, 7]])])
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))
+    for _ in range(2):
+        before = _snapshot(model)
+        with pytest.raises(UnsupportedModelError) as info:
+            streamed(deep)
+        first = str(info.value).splitlines()[0]
+        assert first.startswith("treecompile cannot stream this model: it fills model.table in place"), first
+        _assert_same(before, _snapshot(model))
+        tc.tree_compile(model, backend="eager")(_batches()[0])  # fills the table for 11 rows
+        assert model.filled > 0
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+class DictCounterLM(nn.Module):
+    """Counts its calls in a dict entry it replaces: ``self.stats["calls"] = self.stats["calls"] + 1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.block = zoo_repos.state._SdpaBlock()
+        self.stats = {"calls": torch.zeros((), dtype=torch.long)}
+
+    def forward(self, idx):
+        self.stats["calls"] = self.stats["calls"] + 1
+        return self.head(self.block(self.emb(idx)))
+
+
+def test_a_value_set_outside_the_modules_from_its_old_value_is_refused_in_a_streamed_call():
+    """A dict entry set from its own value: a streamed call cannot set it back after a part, so
+    it is refused naming the entry before any part runs; a whole-tree call counts once."""
+    from treecompile.stream.options import StreamOptions
+
+    model = _build(DictCounterLM)
     before = _snapshot(model)
     with pytest.raises(UnsupportedModelError) as info:
-        tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))(_batches()[0])
+        tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=4))(_batches()[0])
     first = str(info.value).splitlines()[0]
-    assert "tokens_per_expert" in first and "no path counts" in first, first
+    assert first.startswith("treecompile cannot stream this model: the model sets model.stats"), first
     _assert_same(before, _snapshot(model))
+    tc.tree_compile(model, backend="eager")(_batches()[0])
+    assert int(model.stats["calls"]) == 1

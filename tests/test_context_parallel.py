@@ -94,6 +94,7 @@ def _worker(rank, world, init_file, out_dir):
             if family == LOGPROB_FAMILY and world == 2:
                 results["logprob_loss"] = _logprob_loss_run(model, compiled)
         if world == 2:
+            results["counter"] = _counter_run()
             results["memory"] = _measured_peak(rank)
             results["streamed_memory"] = _measured_streamed_peak(rank)
         else:
@@ -239,6 +240,23 @@ def _fsdp_step():
         runs.append((dp, loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, streamed))
     stream_cp._all_gather_rows = real
     return runs
+
+
+def _counter_model():
+    import zoo
+    from zoo_repos.titan_moe import TitanMoELM
+
+    torch.manual_seed(0)
+    return zoo.perturb(TitanMoELM().double().eval())
+
+
+def _counter_run():
+    """torchtitan's ``tokens_per_expert`` counter after one CP call on the short tree: each
+    rank's buffer adds the paths through its own rows (the sum over the group is what per-path
+    training adds; torchtitan sums the buffers over its mesh before reading them)."""
+    model = _counter_model()
+    tree_compile(model, cp=dist.group.WORLD, backend="eager")(pack(_trees()[0], warn_por=False))
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
 
 
 def _measured_peak(rank):
@@ -389,6 +407,15 @@ def test_context_parallel_step_equals_per_path_training_on_every_rank(world):
         # blocks (measured +8.5% and +26% on the 2 ranks).
         for r, got in enumerate(ranks):
             measured, predicted = got["memory"]
+            # Per-path training's counts, summed over the ranks' buffers; each rank counted some.
+            if r == 0:
+                twin = _counter_model()
+                with torch.no_grad():
+                    for path in _trees()[0].sequences():
+                        twin(torch.tensor([path]))
+                for name, want in ((n, b) for n, b in twin.named_buffers() if n.endswith("tokens_per_expert")):
+                    parts = [g["counter"][name] for g in ranks]
+                    assert all(p.sum() > 0 for p in parts) and torch.equal(sum(parts), want), (name, parts, want)
             assert 0 <= predicted / measured - 1 <= 0.3, (r, measured, predicted)
             # Streamed under CP: the streamed prediction's bound (tests/test_budget.py), each
             # rank's share of the parts (measured +11% and +12%).

@@ -30,10 +30,11 @@ class GraphInputs:
         positions: each row's position on its path ``[S]``.
         mask_buffers: the mask rule's tensors (``subtree_end``; or the tree ids and path bits).
         block_tensors: the BlockMask's tables (`split_block_mask`).
-        structure: the path structure (``pred_index``, the CPU node table and ``path_count``), or empty.
+        structure: the path structure (``pred_index`` and the CPU node table), or empty.
         rows, slot, target, dest: the head's indices (`TreeBatch.head_index`).
         weight: each target's loss weight.
-        path_count: how many paths pass through each row.
+        path_count: how many paths pass through each row (the weights of a counter the model keeps,
+            `treecompile.passes.counters`).
     """
 
     ids: torch.Tensor
@@ -63,8 +64,8 @@ def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[Grap
     Args:
         batch: the (padded, on-device) batch.
         mask: ``"interval"`` or ``"bitmask"``.
-        structure: pass the path structure (``pred_index``, the CPU node table and ``path_count``),
-            which the conv context, SSM state and counter passes read.
+        structure: pass the path structure (``pred_index`` and the CPU node table),
+            which the conv context and SSM state passes read.
 
     Every size that follows the batch (rows, targets, predicting rows, nodes, blocks) is
     marked dynamic, so that one graph serves every batch.
@@ -89,8 +90,7 @@ def tree_call_inputs(batch: TreeBatch, mask: str, structure: bool) -> tuple[Grap
     target = batch.input_ids[dest]
     ids = batch.input_ids[None]
     # The node table lives on the CPU: the scan ops read it on the host, without a device sync.
-    # With the paths through each row: the weights of a counter the model keeps (passes/counters.py).
-    paths = [batch.pred_index, batch.node_table(), batch.path_count] if structure else []
+    paths = [batch.pred_index, batch.node_table()] if structure else []
     # S, the number of targets M and of predicting rows R vary per batch: one graph for all.
     for t, d in [(ids, 1), (batch.position_ids, 0), (rows, 0), (slot, 0), (target, 0), (dest, 0),
                  (batch.target_weight, 0), (batch.path_count, 0), *[(b, 0) for b in buffers],

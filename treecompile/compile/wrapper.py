@@ -566,7 +566,7 @@ class TreeCompiledModel(DelegatingModule):
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
                          path_count):
             ids = torch.ops.treecompile.tree_inputs(
-                ids, [positions, *mask_buffers], list(block_tensors), list(structure)
+                ids, [positions, *mask_buffers], list(block_tensors), list(structure), path_count
             )
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)

@@ -40,6 +40,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.kernels.collectives.cp_gather import padded_send, register_group
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
+from treecompile.passes.held_writes import held_state_writes
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import CallState, Pipeline, context_parallel
 from treecompile.distributed.cp_split import CPSplit, RowWork, split_for_cp
@@ -151,7 +152,8 @@ class CPRunner:
 
         def cp_forward(ids, positions, sub_local, block_tensors, structure, rows, slot, target, dest, weight,
                        path_count, cp_meta):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure),
+                                                    path_count)
             ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)
@@ -244,7 +246,10 @@ class CPRunner:
         named = [(n, p) for n, p in w.model.named_parameters() if p.requires_grad] if grad else []
         params = [p for _, p in named]
         router = w.router_aux
-        with torch.set_grad_enabled(grad):
+        # The state the graph keeps, computed for the whole tree's length (the rank's rows are
+        # fewer than their positions): passes/held_writes.py.
+        with torch.set_grad_enabled(grad), held_state_writes(w.model, batch.num_tokens, several=False) as held, \
+                held.run():
             loss, lp, stats, ent = self._call(args)
         m = dest.shape[0]
         dest = to_device(dest, device)

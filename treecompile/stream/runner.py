@@ -4,6 +4,7 @@ loss's backward (see `treecompile.stream.options`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
+from treecompile.passes.held_writes import held_state_writes, holding
 from treecompile.passes.pipeline import CallState, JudgedInputChanged, Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
@@ -142,7 +144,8 @@ class StreamRunner:
 
         def stream_forward(ids, positions, sub_local, block_tensors, rows, slot, target, dest, weight, path_count,
                            structure, prefix, conv, states, kv_meta, cp_meta):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure))
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, sub_local], list(block_tensors), list(structure),
+                                                    path_count)
             ids = torch.ops.treecompile.stream_inputs(ids, list(prefix), list(conv), list(states), list(kv_meta))
             if cp_meta:  # a part split over a CP group (`treecompile.distributed.stream_cp`): the exchange's data
                 ids = torch.ops.treecompile.cp_inputs(ids, list(cp_meta))
@@ -167,7 +170,9 @@ class StreamRunner:
         return streamed(pipeline, StreamGraph())
 
     def _call(self, args: tuple) -> tuple:
-        return call_under_setup(self.setup, self._compiled, args, passing=(KVLayout,))
+        held = holding()  # what Dynamo sets on the model after the run waits for the call's end
+        with held.run() if held is not None else contextlib.nullcontext():
+            return call_under_setup(self.setup, self._compiled, args, passing=(KVLayout,))
 
     # ------------------------------------------------------------------ run
 
@@ -180,7 +185,9 @@ class StreamRunner:
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
-        with Unsharded(w.model) as unsharded:  # an FSDP2 model runs unsharded (treecompile.distributed.unsharded)
+        # An FSDP2 model runs unsharded (treecompile.distributed.unsharded); the state the part
+        # graphs write reaches the model once, when every part has run (passes/held_writes.py).
+        with Unsharded(w.model) as unsharded, held_state_writes(w.model, batch.num_tokens):
             result, first_rows, names, streamed = self._step(batch, plan, mode, device, grad)
         wanted = set(names)
         params = [p for n, p in w.model.named_parameters() if n in wanted]
@@ -311,6 +318,9 @@ class StreamRunner:
         for its backward, whose kept values are on the stack already)."""
         inputs, dest, extra = self._part_inputs(data, plan, j)
         inputs = [to_device(x, device) for x in inputs]
+        held = holding()
+        if held is not None:  # the part's first run adds its rows to the counters
+            held.part(j)
         block_tensors, self._state.layout = split_block_mask(interval_block_mask(inputs[2], BLOCK_SIZE, min_blocks=2))
         guessed = False
         if self._shapes is None:
