@@ -83,10 +83,9 @@ class HeldWrites:
         set it back."""
         if state.other_sizes:
             raise UnsupportedModelError(
-                f"treecompile cannot stream this model: the state it keeps ({', '.join(state.names)}) is computed "
-                f"from {', '.join(state.other_sizes)}, a size of the batch other than its length, which a streamed "
-                "call's parts do not share.\nCall without stream= (the whole tree in one call), or keep it out of "
-                "the forward in training.")
+                f"treecompile cannot {self._how}: the state it keeps ({', '.join(state.names)}) is computed from "
+                f"{', '.join(state.other_sizes)}, a size of the batch other than its length, which {self._runs} does "
+                f"not share.\n{self._instead}, or keep it out of the forward in training.")
         if state.read_after and state.lengths:  # filled for the sequence's length (a counter is not)
             self._refuse_filled(", ".join(state.written_name(i) for i in sorted(state.read_after)))
         lost = [name for name in dict.fromkeys(state.self_updates) if self.several and not self._on_a_module(name)]
@@ -105,13 +104,24 @@ class HeldWrites:
                 name = next((f"model.{n}" for n, b in self.model.named_buffers() if b is a), "a tensor of the model")
                 self._refuse_filled(name)
 
-    @staticmethod
-    def _refuse_filled(name: str) -> None:
+    def _refuse_filled(self, name: str) -> None:
         raise UnsupportedModelError(
-            f"treecompile cannot stream this model: it fills {name} in place and reads it back (a table filled "
-            "up to the longest sequence seen), and a streamed call's part decides whether to fill it at its own "
-            "row count, which is shorter than its rows' positions: it would read rows the model never filled.\n"
-            "Call without stream= (the whole tree in one call), or fill the table for every position in __init__.")
+            f"treecompile cannot {self._how}: it fills {name} in place and reads it back (a table filled up to "
+            f"the longest sequence seen), and {self._runs} decides whether to fill it at its own row count, which "
+            f"is shorter than its rows' positions: it would read rows the model never filled.\n{self._instead}, "
+            "or fill the table for every position in __init__.")
+
+    @property
+    def _how(self) -> str:
+        return "stream this model" if self.several else "run this model over a CP group"
+
+    @property
+    def _runs(self) -> str:
+        return "each streamed part" if self.several else "each rank, which runs some of the rows,"
+
+    @property
+    def _instead(self) -> str:
+        return "Call without stream= (the whole tree in one call)" if self.several else "Call without cp="
 
     def hold(self, state: Any, args: Sequence[Any], new: Sequence[Any], added: Sequence[Any]) -> None:
         """Keeps what one run would write into the model's tensors: the written tensors of the
