@@ -66,7 +66,7 @@ class HeldWrites:
 
     def __init__(self, model: nn.Module, length: int, several: bool = True) -> None:
         self.model, self.length, self.several = model, length, several
-        self._first_bindings: dict | None = None
+        self._first_bindings: list | None = None
         self._first_writes: tuple[Any, Sequence[Any], Sequence[Any]] | None = None
         self._increments: list[tuple[Any, Sequence[Any], Sequence[Any]]] = []
         self._part: Any = None
@@ -141,10 +141,9 @@ class HeldWrites:
         try:
             yield
         finally:
-            now = _bindings(self.model)
+            undone = _restore(before)
             if self._first_bindings is None and sys.exc_info()[0] is None:
-                self._first_bindings = _changes(before, now)
-            _restore(before, now)
+                self._first_bindings = undone
 
     def commit(self) -> None:
         if self._first_writes is not None:
@@ -152,7 +151,7 @@ class HeldWrites:
             state.commit(args, new)
         for state, args, added in self._increments:
             state.commit(args, (), added)
-        for (_, key), (space, v) in (self._first_bindings or {}).items():
+        for space, key, v in self._first_bindings or ():
             if v is _MISSING:
                 space.pop(key, None)
             else:
@@ -169,30 +168,34 @@ class HeldWrites:
         return m.group(2) in vars(owner) or m.group(2) in owner._buffers
 
 
-def _bindings(model: nn.Module) -> dict:
-    """``{(namespace, key): value}``: every module's attributes and buffers, by identity."""
-    out = {}
+def _bindings(model: nn.Module) -> list[tuple[dict, dict]]:
+    """``[(namespace, a copy of it)]``: every module's attributes and buffers."""
+    out = []
     for m in model.modules():
-        for space in (vars(m), m._buffers):
-            for k, v in space.items():
-                out[id(space), k] = (space, v)
+        out.append((m.__dict__, m.__dict__.copy()))
+        out.append((m._buffers, m._buffers.copy()))
     return out
 
 
-def _changes(before: dict, now: dict) -> dict:
-    """``{(id(namespace), key): (namespace, new value or _MISSING)}`` where ``now`` binds another object."""
-    out = {key: (space, v) for key, (space, v) in now.items() if key not in before or before[key][1] is not v}
-    out.update({key: (space, _MISSING) for key, (space, _) in before.items() if key not in now})
+def _changed(space: dict, old: dict) -> list[tuple[str, Any]]:
+    """``[(key, value now or _MISSING)]`` where ``space`` binds another object than ``old``."""
+    out = [(k, v) for k, v in space.items() if old.get(k, _MISSING) is not v]
+    if len(space) - len(out) != len(old):  # a key removed
+        out += [(k, _MISSING) for k in old if k not in space]
     return out
 
 
-def _restore(before: dict, now: dict) -> None:
-    for key, (space, v) in before.items():
-        if space.get(key[1], _MISSING) is not v:
-            space[key[1]] = v
-    for key, (space, _) in now.items():
-        if key not in before:
-            space.pop(key[1], None)
+def _restore(snapshot: list[tuple[dict, dict]]) -> list[tuple[dict, str, Any]]:
+    """Sets every namespace back to its copy; returns what it undid, ``[(namespace, key, value)]``."""
+    undone = []
+    for space, old in snapshot:
+        for k, v in _changed(space, old):
+            undone.append((space, k, v))
+            if k in old:
+                space[k] = old[k]
+            else:
+                del space[k]
+    return undone
 
 
 def note_filled(t: torch.Tensor) -> None:
