@@ -218,7 +218,13 @@ def holding() -> HeldWrites | None:
 def held_state_writes(model: nn.Module, length: int, several: bool = True) -> Iterator[HeldWrites]:
     """One state per call for the compiled runs inside (see the module), computed for a sequence
     of ``length`` rows; written on success. ``several=False``: a call that runs one graph once
-    on some of the rows (a CP rank's), which needs the length but sets nothing twice."""
+    on some of the rows (a CP rank's), which needs the length but sets nothing twice. Inside
+    another (two calls of one step, `treecompile.stream.runner.stream_logprob_loss`), the
+    outer one holds the runs of both."""
+    outer = holding()
+    if outer is not None:
+        yield outer
+        return
     held = HeldWrites(model, length, several)
     token = _HOLDING.set(held)
     try:

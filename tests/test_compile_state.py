@@ -434,3 +434,30 @@ def test_a_value_set_outside_the_modules_from_its_old_value_is_refused_in_a_stre
     _assert_same(before, _snapshot(model))
     tc.tree_compile(model, backend="eager")(_batches()[0])
     assert int(model.stats["calls"]) == 1
+
+
+@pytest.mark.parametrize("budget", [4, 100])
+def test_a_loss_of_the_logprobs_makes_two_calls_and_one_step_of_state(budget):
+    """`stream_logprob_loss` calls the model twice for one step (log-probabilities without grad,
+    then their objective's gradient as weights): the counters a model keeps (``self.steps += 1``,
+    ``self.num_calls += 1``, torchtitan's ``tokens_per_expert``) advance once per step, streamed
+    (budget 4) or in one call (budget 100)."""
+    from test_compile_models import TREES, make_batch
+    from zoo_repos.titan_moe import TitanMoELM
+
+    from treecompile.stream.options import StreamOptions, stream_logprob_loss
+
+    counting, titan = _build(CountingLM), _build(TitanMoELM)
+    twin = copy.deepcopy(titan)
+    batch, _ = make_batch("branchy")
+    for model in (counting, titan):
+        compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=budget))
+        stream_logprob_loss(compiled, batch, lambda lp: (lp ** 2).sum()).loss.backward()
+    assert int(counting.steps) == counting.num_calls == 1, (int(counting.steps), counting.num_calls)
+    with torch.no_grad():
+        for tree in TREES["branchy"]:
+            for path in tree:
+                twin(torch.tensor([path]))
+    for n, b in titan.named_buffers():
+        if n.endswith("tokens_per_expert"):
+            assert b.sum() > 0 and torch.equal(b, twin.get_buffer(n)), (n, b, twin.get_buffer(n))

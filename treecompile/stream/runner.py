@@ -507,13 +507,16 @@ def stream_logprob_loss(
 
     from treecompile.capture.call import TreeOutput
 
-    with torch.no_grad():
-        lp = compiled(batch).logprobs.detach()
-    lp.requires_grad_(True)
-    value = loss_fn(lp)
-    (g,) = torch.autograd.grad(value, lp)
-    weight = torch.where(batch.pred_index.to(g.device) >= 0, -g, torch.zeros_like(g)).to(torch.float64)
-    out = compiled(dataclasses.replace(batch, target_weight=weight.to(batch.target_weight.device)))
+    # Two calls, one training step: the second reads the state the model had before the first,
+    # and the model's state advances once (passes/held_writes.py).
+    with held_state_writes(compiled._inner, batch.num_tokens):
+        with torch.no_grad():
+            lp = compiled(batch).logprobs.detach()
+        lp.requires_grad_(True)
+        value = loss_fn(lp)
+        (g,) = torch.autograd.grad(value, lp)
+        weight = torch.where(batch.pred_index.to(g.device) >= 0, -g, torch.zeros_like(g)).to(torch.float64)
+        out = compiled(dataclasses.replace(batch, target_weight=weight.to(batch.target_weight.device)))
     return TreeOutput(loss=value.detach() + (out.loss - out.loss.detach()), logprobs=lp.detach())
 
 
