@@ -49,7 +49,7 @@ from treecompile.core.errors import UnsupportedModelError
 from treecompile.passes._graph import _add_upstream, mutated_args, op_name, storage_of, value
 
 __all__ = ["HeldWrites", "held_state_writes", "holding", "self_updates", "repeated_idempotent", "UNNAMED",
-           "length_inputs", "at_length", "note_filled", "is_filled"]
+           "length_inputs", "at_length", "note_filled", "is_filled", "held_run"]
 
 #: What a value Dynamo writes back is called where this torch does not say.
 UNNAMED = "a value the model keeps"
@@ -212,6 +212,12 @@ def is_filled(t: torch.Tensor) -> bool:
 def holding() -> HeldWrites | None:
     """The running call's `HeldWrites`, or None outside `held_state_writes`."""
     return _HOLDING.get()
+
+
+def held_run() -> contextlib.AbstractContextManager:
+    """`HeldWrites.run` of the running call, around one compiled run (nothing outside one)."""
+    held = holding()
+    return held.run() if held is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ from treecompile.core.errors import (BatchRefused, CaptureFailed, ConstantLength
                                      about_sizes, capture_error, row_count_error)
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
 from treecompile.passes import markers  # (also registers the treecompile:: ops)
-from treecompile.passes.held_writes import holding
+from treecompile.passes.held_writes import held_run
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
 from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, JudgedInputChanged, make_backend, passes_for
@@ -511,10 +511,9 @@ class TreeCompiledModel(DelegatingModule):
         """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
         self._state.judge_cap = min((size for _, _, size in extend), default=0)
         hf = hf_interfaces(self._inner, self._route.routes) if self._is_hf else contextlib.nullcontext()
-        held = holding()  # inside a call of several graphs (stream_logprob_loss): one state for all
         with hf, swapped_kernels([*self._kernels, *self._route.mask_swaps, *TORCH_SWAPS]), \
                 extended_buffers(extend, rows):
-            with call_settings(), held.run() if held is not None else contextlib.nullcontext():
+            with call_settings(), held_run():  # one state for a step of two calls (stream_logprob_loss)
                 try:
                     return self._compiled(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -567,9 +566,8 @@ class TreeCompiledModel(DelegatingModule):
 
         def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
                          path_count):
-            ids = torch.ops.treecompile.tree_inputs(
-                ids, [positions, *mask_buffers], list(block_tensors), list(structure), path_count
-            )
+            ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors),
+                                                    list(structure), path_count)
             out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
                                                     dest, weight, temperature, want_entropy)
             aux = None

@@ -4,7 +4,6 @@ loss's backward (see `treecompile.stream.options`)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.capture.call import CallSetup, argument_names, call_under_setup, compile_named, run_head
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
-from treecompile.passes.held_writes import held_state_writes, holding
+from treecompile.passes.held_writes import held_run, held_state_writes, holding
 from treecompile.passes.pipeline import CallState, JudgedInputChanged, Pipeline, streamed
 from treecompile.passes.stream import KVLayout, StreamGraph, stack_layout
 from treecompile.stream.parts import BatchArrays
@@ -170,8 +169,7 @@ class StreamRunner:
         return streamed(pipeline, StreamGraph())
 
     def _call(self, args: tuple) -> tuple:
-        held = holding()  # what Dynamo sets on the model after the run waits for the call's end
-        with held.run() if held is not None else contextlib.nullcontext():
+        with held_run():  # what Dynamo sets on the model after the run waits for the call's end
             return call_under_setup(self.setup, self._compiled, args, passing=(KVLayout,))
 
     # ------------------------------------------------------------------ run
