@@ -46,7 +46,7 @@ import torch
 from torch import fx, nn
 
 from treecompile.core.errors import UnsupportedModelError
-from treecompile.passes._graph import _add_upstream, mutated_args, op_name, storage_of, value
+from treecompile.passes._graph import _add_upstream, op_name, value
 
 __all__ = ["HeldWrites", "held_state_writes", "holding", "self_updates", "repeated_idempotent", "UNNAMED",
            "length_inputs", "at_length", "note_filled", "is_filled", "held_run"]
@@ -295,21 +295,16 @@ def _same(a: Any, b: Any) -> bool:
 
 # ----------------------------------------------------------------------------- repeatable writes
 
-#: In-place ops that set what they write to a value of their other arguments.
-_OVERWRITES = {"setitem", "__setitem__", "copy_", "fill_", "zero_", "masked_fill_", "index_fill_", "index_copy_",
-               "set_", "shallow_copy_data_"}
-
-
-def self_updates(placeholders: list[fx.Node], names: list[str], outputs: list[Any], labels: list[str],
-                 written: list[fx.Node], writes: list[fx.Node]) -> list[str]:
-    """The state the graph writes from the value it replaces, by name (see the module).
+def self_updates(placeholders: list[fx.Node], names: list[str], outputs: list[Any], labels: list[str]) -> list[str]:
+    """The values Dynamo writes back that read the value they replace, by name (see the module).
+    A tensor the graph writes in place needs no such check: its value is held back and written
+    once (`HeldWrites.hold`).
 
     Args:
         placeholders: the graph's placeholders; ``names`` what each is in the model.
         outputs: the values Dynamo writes back after the call; ``labels`` what each is in the
             model, or a placeholder text where this torch does not say (then it counts as one:
             what it replaces is not known).
-        written: the model's tensors the graph writes in place; ``writes`` the ops that write them.
     """
     found = []
     for out, label in zip(outputs, labels):
@@ -318,20 +313,7 @@ def self_updates(placeholders: list[fx.Node], names: list[str], outputs: list[An
         read = {names[placeholders.index(p)] for p in _add_upstream([out], set()) if p.op == "placeholder"}
         if label in read or label.startswith(UNNAMED):
             found.append(label)
-    for p, label in zip(written, labels[len(outputs):]):
-        s = storage_of(p)
-        own = [w for w in writes if any(storage_of(t) == s for t in mutated_args(w))]
-        if not all(_overwrites(w, s) for w in own) and not repeated_idempotent(own, p):
-            found.append(label)
     return found
-
-
-def _overwrites(w: fx.Node, storage: Any) -> bool:
-    """Whether ``w`` sets what it writes to a value that does not read ``storage``."""
-    if op_name(w) not in _OVERWRITES or w.kwargs:
-        return False
-    values = [a for a in w.args[1:] if isinstance(a, fx.Node)]
-    return not any(storage_of(n) == storage for n in _add_upstream(values, set()))
 
 
 #: Ops ``f`` with ``f(f(x)) == f(x)`` (for the same arguments).

@@ -278,7 +278,7 @@ def separate_state(gm: fx.GraphModule, example_inputs: Sequence[Any], sources: S
     labels = [names.get(getattr(outs[i], "name", "")) or names.get(_symbol_key(outs[i]) or "")
               or f"{UNNAMED} (output {i})" for i in kept]
     labels += [_pretty(sources[placeholders.index(p)]) for p in written]
-    updates = self_updates(placeholders, [_pretty(s) for s in sources], [outs[i] for i in kept], labels, written, writes)
+    updates = self_updates(placeholders, [_pretty(s) for s in sources], [outs[i] for i in kept], labels)
     # The main graph: the call's results only, without the writes into the model's tensors;
     # then each counter's increment (added to the model's tensor at the commit).
     increments = tuple(w.args[1] for w in counters)

@@ -512,3 +512,41 @@ def test_the_batch_check_waits_on_the_first_call_and_on_the_cpu(monkeypatch):
         for _ in range(3):
             cp.CPRunner.check(runner, None, torch.device(device))
     assert waits == [("cuda", True), ("cuda", False), ("cuda", False), ("cpu", True), ("cpu", True), ("cpu", True)]
+
+
+@pytest.mark.full
+def test_state_a_cp_call_keeps_is_one_calls_and_a_table_filled_for_the_length_is_refused(one_rank):
+    """Through the CP runner (one rank here): torchtitan's ``tokens_per_expert`` counter adds what
+    per-path training adds, a counter (``self.steps += 1``, ``self.num_calls += 1``) advances once
+    per call, and a buffer filled in place for the length and read back is refused naming it (a
+    rank's rows are fewer than their positions), the model as it was."""
+    import copy
+
+    import zoo
+    from zoo_repos.state import CountingLM, FilledTableLM
+
+    from treecompile.core.reference import per_path_loss
+
+    titan, counting, filled = _counter_model(), zoo.perturb(CountingLM().double()), zoo.perturb(FilledTableLM().double())
+    twin = copy.deepcopy(titan)
+    tree = _trees()[0]
+    batch = pack(tree, warn_por=False)
+    tree_compile(titan, cp=one_rank, backend="eager")(batch)
+    with torch.no_grad():
+        for path in tree.sequences():
+            twin(torch.tensor([path]))
+    for n, b in titan.named_buffers():
+        if n.endswith("tokens_per_expert"):
+            assert b.sum() > 0 and torch.equal(b, twin.get_buffer(n)), (n, b, twin.get_buffer(n))
+    compiled = tree_compile(counting, cp=one_rank, backend="eager")
+    for i in range(2):
+        ref = per_path_loss(copy.deepcopy(counting), [tree])
+        torch.testing.assert_close(compiled(batch).loss, ref.loss, rtol=1e-12, atol=1e-12)
+        assert int(counting.steps) == counting.num_calls == i + 1
+    before = copy.deepcopy(filled)
+    with pytest.raises(UnsupportedModelError) as info:
+        tree_compile(filled, cp=one_rank, backend="eager")(batch)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("treecompile cannot run this model over a CP group: it fills model.table in place"), first
+    assert filled.filled == 0 and torch.equal(filled.table, before.table)
+    zoo.assert_unchanged(filled, before, lengths=(11, 5))

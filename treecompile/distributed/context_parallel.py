@@ -40,7 +40,7 @@ from treecompile.core.batch import TreeBatch, on_host, to_device
 from treecompile.kernels.collectives.cp_gather import padded_send, register_group
 from treecompile.kernels.attention.flex import BLOCK_SIZE, interval_block_mask, split_block_mask
 from treecompile.passes import markers
-from treecompile.passes.held_writes import held_state_writes
+from treecompile.passes.held_writes import held_run, held_state_writes
 from treecompile.passes.cp import CPGraph
 from treecompile.passes.pipeline import CallState, Pipeline, context_parallel
 from treecompile.distributed.cp_split import CPSplit, RowWork, split_for_cp
@@ -248,8 +248,7 @@ class CPRunner:
         router = w.router_aux
         # The state the graph keeps, computed for the whole tree's length (the rank's rows are
         # fewer than their positions): passes/held_writes.py.
-        with torch.set_grad_enabled(grad), held_state_writes(w.model, batch.num_tokens, several=False) as held, \
-                held.run():
+        with torch.set_grad_enabled(grad), held_state_writes(w.model, batch.num_tokens, several=False), held_run():
             loss, lp, stats, ent = self._call(args)
         m = dest.shape[0]
         dest = to_device(dest, device)
