@@ -369,6 +369,22 @@ class LazyTableAttn(_SdpaAttn):
         return x + self.mlp(self.ln2(x))
 
 
+class LengthBranchLM(_LM):
+    """A Python branch on the sequence length that changes the arithmetic without reading the
+    length as a value (``if T > 8: x = x * 0.5``): per-path training decides it at each path's
+    length, a packed row at its own."""
+
+    block_cls = BmmAttn
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        if idx.shape[1] > 8:
+            x = x * 0.5
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
 class LazyRopeCacheLM(_LM):
     """TinyLlama / lit-gpt: ``if self.rope_cache is None: self.rope_cache = build_rope_cache(block_size)``
     on the first call (a tuple on the module, over the block size, not the sequence), then

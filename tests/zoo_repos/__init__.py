@@ -60,7 +60,7 @@ from zoo_repos.nanochat import NanoChat
 from zoo_repos.positions import (CenteredPositionsLM, DecayFromStartLM, FairseqTransformerLM, PackedSeqlensLM,
                                  RobertaStyleLM)
 from zoo_repos.qwen import QWen1LM
-from zoo_repos.state import (CountingLM, FilledTableLM, Llama436LM, Llama436PositionIdsLM,
+from zoo_repos.state import (CountingLM, FilledTableLM, Llama436DynamicNTKLM, Llama436LM, Llama436PositionIdsLM,
                               LucidrainsLegacyRotaryEmbedding, LucidrainsRotaryLM, PalmLM)
 from zoo_repos.xtalking import XTalkingDecoder
 from zoo_repos.xtransformers_olmo import OLMo, OlmoConfig, OlmoTrainerCall, XTransformerDecoder
@@ -310,6 +310,9 @@ CASES: list[zoo.Case] = [
     zoo.Case("llama-4.36-rope-cache", "transformers 4.36 LlamaRotaryEmbedding: cos/sin cached for 16 positions, "
              "registered again longer when a sequence is longer (the tree's rows are), cos[position_ids]",
              _build(Llama436LM)),
+    zoo.Case("llama-4.36-dynamic-ntk", "transformers 4.36 LlamaDynamicNTKScalingRotaryEmbedding: a sequence longer "
+             "than 16 positions rebuilds the tables with a base scaled by its length", _build(Llama436DynamicNTKLM),
+             expect="refused", reason="uses the sequence length as a value"),
     zoo.Case("llama-4.36-position-ids", "transformers 4.36 LlamaModel given position_ids (the tree's positions, as "
              "[1, S]): cos_cached[:seq_len] gathered at position_ids.view(-1, seq_length)", _build(Llama436PositionIdsLM)),
     zoo.Case("rotary-embedding-torch-cache", "lucidrains/rotary-embedding-torch: freqs written in place into the "

@@ -144,6 +144,48 @@ class Llama436LM(nn.Module):
         return self.lm_head(self.norm(hidden_states))
 
 
+class Llama436DynamicNTKRotaryEmbedding(Llama436RotaryEmbedding):
+    """transformers v4.36.2 ``LlamaDynamicNTKScalingRotaryEmbedding`` (``rope_scaling={"type":
+    "dynamic"}``): a sequence longer than ``max_position_embeddings`` rebuilds the tables with a
+    base scaled by its length, so the table a position reads depends on the length of the
+    sequence it is in."""
+
+    def __init__(self, dim, max_position_embeddings=2048, base=10000, device=None, scaling_factor=2.0):
+        self.scaling_factor = scaling_factor
+        super().__init__(dim, max_position_embeddings, base, device)
+
+    def _set_cos_sin_cache(self, seq_len, device, dtype):
+        self.max_seq_len_cached = seq_len
+
+        if seq_len > self.max_position_embeddings:
+            base = self.base * (
+                (self.scaling_factor * seq_len / self.max_position_embeddings) - (self.scaling_factor - 1)
+            ) ** (self.dim / (self.dim - 2))
+            inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2).float().to(device) / self.dim))
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+        t = torch.arange(self.max_seq_len_cached, device=device, dtype=self.inv_freq.dtype)
+
+        freqs = torch.outer(t, self.inv_freq)
+        # Different from paper, but it uses a different permutation in order to obtain the same calculation
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cached", emb.sin().to(dtype), persistent=False)
+
+
+class Llama436DynamicNTKLM(Llama436LM):
+    """``Llama436LM`` with the dynamic-NTK rotary tables (16 positions): every path of the zoo's
+    trees is shorter than 16 tokens (per-path training never rescales), while the second tree
+    packs 26 rows, whose call takes the rescaling branch and computes the base from the packed
+    length (refused: the length used as a value)."""
+
+    def __init__(self, max_position_embeddings=16):
+        super().__init__(max_position_embeddings)
+        for layer in self.layers:
+            layer["self_attn"].rotary_emb = Llama436DynamicNTKRotaryEmbedding(
+                HD, max_position_embeddings=max_position_embeddings)
+
+
 class Llama436PositionIdsLM(Llama436LM):
     """``Llama436LM`` taking ``position_ids`` as transformers v4.36.2 ``LlamaModel.forward`` does
     (``position_ids.view(-1, seq_length).long()`` when given, ``arange`` otherwise): the rotary
