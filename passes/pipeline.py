@@ -50,6 +50,7 @@ from treecompile.passes._graph import (PassContext, describe, eliminate_dead_cod
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
+from treecompile.passes.length_branches import checked_lengths, length_branches
 from treecompile.passes.lm_head import fuse_lm_head_pass, gather_logits_pass
 from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
@@ -228,6 +229,8 @@ class CompileRecord:
         row_states: where each node's rows are, as the verify pass proved them.
         created: the names of the nodes the passes inserted.
         state: the state the graph writes (`treecompile.passes.state`), or None.
+        length_branches: the model's Python branches on the row count the graph holds
+            (`treecompile.passes.length_branches`), evaluated at every call's path lengths.
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
@@ -241,6 +244,7 @@ class CompileRecord:
     row_states: dict | None = None
     created: frozenset = frozenset()
     state: StateWrites | None = None
+    length_branches: list = field(default_factory=list)
 
 
 def run_passes(
@@ -321,12 +325,16 @@ class CallState:
         chunks: the path-bit chunks of ``mask="bitmask"`` (0 otherwise).
         probe_rows: the length at which to judge structural masks (``PassContext.probe_rows``).
         judge_cap: see ``PassContext.judge_cap``.
+        path_lengths: ``() -> `` the distinct path lengths of the call's batch
+            (`TreeBatch.path_lengths`), read before a compiled run of a graph that holds a
+            Python branch of the model on its row count (`treecompile.passes.length_branches`).
     """
 
     layout: BlockLayout | None = None
     chunks: int = 0
     probe_rows: int = 0
     judge_cap: int = 0
+    path_lengths: Callable[[], tuple[int, ...]] = tuple
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[CallState]:
@@ -407,10 +415,20 @@ def make_backend(
                                created=frozenset(n.name for n in ctx.created), state=state)
         records.append(record)
         guards = _judged_guards(ctx, example_inputs, sources, arguments, state)
+        # A graph that writes state may hold a cache rebuilt for its length (`seq_len !=
+        # self.seq_len_cached`), whose two sides compute the same table: not judged (the state
+        # is computed for the batch's length, `treecompile.passes.held_writes`).
+        record.length_branches = length_branches(example_inputs, ctx.seq_len) if state is None else []
+
+        def path_lengths():
+            return call_state.path_lengths()
+
         if not keep_inputs:
-            return run_with_state(_guarded(lower(gm, example_inputs), guards), state)
+            return checked_lengths(run_with_state(_guarded(lower(gm, example_inputs), guards), state),
+                                   record.length_branches, path_lengths)
         record.sources, record.probe_graph = sources, _copy(gm)
-        return _recording(_guarded(lower(gm, example_inputs), guards), record, state, before_commit)
+        return checked_lengths(_recording(_guarded(lower(gm, example_inputs), guards), record, state, before_commit),
+                               record.length_branches, path_lengths)
 
     return treecompile_backend
 

@@ -407,7 +407,8 @@ def test_a_table_filled_in_place_and_read_back_is_refused_in_a_streamed_call():
 
 
 @pytest.mark.xfail(strict=True, reason="a part decides `T > self.filled` at its row count; a table the model "
-                   "filled in eager calls before tree_compile is read past what it filled (silently wrong)")
+                   "filled in eager calls before tree_compile is read past what it filled (a LengthBranchWarning, "
+                   "not a refusal)")
 def test_a_table_filled_before_the_wrap_is_read_only_where_it_was_filled_in_a_streamed_call():
     """``FilledTableLM`` run eagerly on 12 tokens (its table filled for 12 positions), then a
     streamed call over parts of 4 rows of a 20-token chain: a part does not take the fill branch

@@ -374,7 +374,7 @@ class LengthBranchLM(_LM):
     length as a value (``if T > 8: x = x * 0.5``): per-path training decides it at each path's
     length, a packed row at its own."""
 
-    block_cls = BmmAttn
+    block_cls = _SdpaAttn
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)

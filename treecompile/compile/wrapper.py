@@ -454,8 +454,7 @@ class TreeCompiledModel(DelegatingModule):
         args = self._inputs(batch)
         compiled_before = len(self.compile_records)
         if self._compiled is None:
-            self._compiled = self._build(device)
-            self._first_record = len(self.compile_records)
+            self._compiled, self._first_record = self._build(device), len(self.compile_records)
         # Buffers sliced by the row count: shorter than the rows but as long as the longest path
         # (nanoGPT's tril[:T, :T]) fail a capture; exactly as long (a cache grown to this length)
         # make Dynamo take the row count for their size. Each kind is extended for the call once
@@ -467,6 +466,7 @@ class TreeCompiledModel(DelegatingModule):
             return [b for kind, found in kinds.items() if kind in self._extending for b in found]
 
         self._call_batch = batch if self.verify.probes else None
+        self._state.path_lengths = batch.path_lengths  # read once per run of a graph with a length branch
         try:
             try:
                 out = self._call(args, extend(), rows, longest)

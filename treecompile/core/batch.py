@@ -220,6 +220,14 @@ class TreeBatch:
         j = int(pos.argmax())
         return int(pos[j]) + 1, int(self.tree_ids[j])
 
+    def path_lengths(self) -> tuple[int, ...]:
+        """The distinct lengths in tokens of the paths with a target (two tokens or more),
+        ascending (read from the batch's tensors)."""
+        ends = self.path_node.cpu()
+        ends = ends[ends >= 0]
+        lengths = self.position_ids.cpu()[self.node_end.cpu()[ends] - 1] + 1
+        return tuple(int(n) for n in torch.unique(lengths) if n >= 2)
+
     def padded(self, num_tokens: int, *, target: bool = False) -> TreeBatch:
         """A copy with rows appended up to ``num_tokens``, each a one-token tree of weight 0.
 

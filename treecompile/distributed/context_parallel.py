@@ -29,6 +29,7 @@ the group (`treecompile.distributed.stream_cp`).
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -214,6 +215,7 @@ class CPRunner:
         w = self.setup
         device = device_of(w.model)
         batch = on_host(batch)
+        self._state.path_lengths = functools.cache(batch.path_lengths)  # judged at every path
         if not checked:
             self.check(batch, device)
         rows = batch.num_tokens

@@ -4,6 +4,7 @@ loss's backward (see `treecompile.stream.options`)."""
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,6 +181,7 @@ class StreamRunner:
         w = self.setup
         device = _device_of(w.model)
         batch = on_host(batch)
+        self._state.path_lengths = functools.cache(batch.path_lengths)  # every part judged at every path
         choice = self.choose(batch)
         plan, mode = choice.plan, choice.mode
         grad = torch.is_grad_enabled()
