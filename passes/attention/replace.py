@@ -70,13 +70,15 @@ def replace(gm, ctx, node, q, k, v, *, scale, window, softcap, output=None, post
     with gm.graph.inserting_before(output):
         args = []
         for x, t in zip((q, k, v), vals):
+            # Each operand with its example value: later passes read the heads and head dim of
+            # the keys and values (the streaming KV stack's shapes).
             if t.dtype != dtype:
-                x = ctx.mark(gm.graph.call_method("to", (x, dtype)), like=output)
+                x = recompute_value(ctx.mark(gm.graph.call_method("to", (x, dtype)), like=output))
             if t.dim() == 3:  # [B * H, S, D] or [B, S, D] with B = 1: the leading dim is the heads
-                x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
+                x = recompute_value(ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output))
             elif folded:
-                x = ctx.mark(gm.graph.call_method("flatten", (x, 0, 1)), like=output)
-                x = ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output)
+                x = recompute_value(ctx.mark(gm.graph.call_method("flatten", (x, 0, 1)), like=output))
+                x = recompute_value(ctx.mark(gm.graph.call_method("unsqueeze", (x, 0)), like=output))
             args.append(x)
     q, k, v = args
     if folded:  # the sinks (``[H_kv, q_mult, S]``) and sink values fold like q
