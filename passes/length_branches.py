@@ -68,7 +68,12 @@ class LengthBranch:
     where: str
 
     def holds_at(self, length: int) -> bool:
-        return bool(self.expr.xreplace({self.symbol: sympy.Integer(length)}))
+        """Whether the guard holds at ``length``; one that does not evaluate to a truth value
+        (a function sympy keeps unevaluated) counts as holding: no warning, as before."""
+        try:
+            return bool(self.expr.xreplace({self.symbol: sympy.Integer(length)}))
+        except TypeError:
+            return True
 
 
 def _is_model_branch(guard) -> str | None:
