@@ -28,6 +28,7 @@ Python number the model keeps, made a symbol once it changed).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from treecompile.core.advice import TreeWarning
 __all__ = ["LengthBranch", "LengthBranchWarning", "checked_lengths", "length_branches"]
 
 
+@functools.cache
 def _own_code_dirs() -> tuple[str, ...]:
     """treecompile's own folders (the package, its passes and kernels): a branch there is the
     call's, not the model's."""
@@ -128,10 +130,14 @@ def checked_lengths(fn: Callable, branches: list[LengthBranch], lengths: Callabl
         return fn
     lines = {b.where for b in branches}
     warned: set[str] = set()  # once per line (a line of several layers may give several guards)
+    judged: list = [None]  # the lengths judged last: a streamed call's parts share its batch's
 
     def run(*args):
         if len(warned) < len(lines):
             paths = lengths()
+            if paths is judged[0]:
+                return fn(*args)
+            judged[0] = paths
             for branch in branches:
                 other = [n for n in paths if not branch.holds_at(n)] if branch.where not in warned else []
                 if other:

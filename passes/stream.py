@@ -410,20 +410,20 @@ def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContex
 ANCESTOR_READS = ("shift", "window", "tap_conv", "first_row", "rooted_scan", "path_jump", "offset_window", "path_scan")
 
 
-def refuse_ancestor_reads(gm: fx.GraphModule, ctx: PassContext) -> None:
+def refuse_ancestor_reads(ctx: PassContext) -> None:
     """Refuses a part graph holding a rewrite of `ANCESTOR_READS`, naming the first model op
     whose rewrite reads ``pred_index``."""
     done = ctx.counters.get("rewrite_conv_context_pass", {})
     found = [k for k in ANCESTOR_READS if done.get(k)]
     if not found or ctx.pred_index is None:
         return
-    seen, stack, at = set(), list(ctx.pred_index.users), None
-    while stack and at is None:
-        n = stack.pop(0)
+    seen, queue, at = set(), list(ctx.pred_index.users), None
+    while queue and at is None:
+        n = queue.pop(0)
         if n not in seen:
             seen.add(n)
             at = n if "stack_trace" in n.meta else None
-            stack.extend(n.users)
+            queue.extend(n.users)
     where = f" at {location_of(at)}" if at is not None else ""
     raise UnsupportedModelError(
         f"treecompile cannot stream this model: an op{where} reads earlier rows of each path ({', '.join(found)}), "
@@ -434,7 +434,7 @@ def refuse_ancestor_reads(gm: fx.GraphModule, ctx: PassContext) -> None:
 def route_stream_state_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Conv context and scan states come from the stack; the part's K/V, conv inputs and state
     readouts become the ``stream_outputs`` marker's values (or `KVLayout` names every layer's shapes)."""
-    refuse_ancestor_reads(gm, ctx)
+    refuse_ancestor_reads(ctx)
     convs, scans = _conv_calls(gm), _scan_calls(gm)
     conv_shapes, state_shapes = _conv_shapes(convs), _state_shapes(scans)
     given_conv = [(int(value(c).shape[1]), value(c).dtype) for c in state.conv]

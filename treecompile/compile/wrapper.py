@@ -494,7 +494,7 @@ class TreeCompiledModel(DelegatingModule):
                     raise error from None  # the first refusal names where the length became constant
                 raise again.error if isinstance(again, CaptureFailed) else again from None
         finally:
-            self._call_batch = None
+            self._call_batch, self._state.path_lengths = None, tuple  # the batch is not kept past the call
         loss, logprobs, aux, entropy = out
         bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
         self._proven_rows = min(bounds) if bounds else None
