@@ -10,16 +10,18 @@ decides at its own row count, shorter than its rows' positions.
 
 Most such branches choose between two spellings of the same function (nanochat's
 ``if window >= T: causal SDPA else a windowed mask``, H3's ``if k.size(-1) < L: pad k``), and
-the graph's side is then exact for every path; some do not. No rule tells them apart yet, so a
-batch whose paths go the other way is **warned about**, naming the line, once per graph and
-line (`LengthBranchWarning`); ``verify=True`` checks the first call against per-path
-training.
+the graph's side is then exact for every path; some do not. After a call whose batch has a path
+on the other side of a line, the wrapper runs a copy of the unmodified model on such a path and
+compares (`treecompile.compile.length_check`): the line is settled where they agree, the batch
+(and every later one with a path on that side) refused where they do not, and warned about
+(`LengthBranchWarning`) where no copy can run; once per graph and line (`BranchVerdicts`).
 
 `length_branches` finds, at capture, the guards Dynamo added for a Python branch of the model
 (a guard made where Dynamo turns a symbolic value into a Python one, ``evaluate_expr``, at a
 line outside treecompile), over the graph's row count alone; `checked_lengths` wraps the
 compiled graph so that each call, before it runs, evaluates them at the length of every path
-of the batch (``CallState.path_lengths``). Guards an op adds for itself (a slice clamped to a
+of the batch (``CallState.path_lengths``), noting the lines to judge after the call and
+raising a line's refusal. Guards an op adds for itself (a slice clamped to a
 table's size, a contiguity test) are not branches of the model and are not judged. Not judged:
 a graph that writes state (a cache rebuilt for a new length, computed for the batch's length:
 `treecompile.passes.held_writes`), and a branch whose guard also reads another symbol (a
@@ -32,14 +34,14 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
 
 from treecompile.core.advice import TreeWarning
 
-__all__ = ["LengthBranch", "LengthBranchWarning", "checked_lengths", "length_branches"]
+__all__ = ["BranchVerdicts", "LengthBranch", "LengthBranchWarning", "checked_lengths", "length_branches"]
 
 
 @functools.cache
@@ -123,33 +125,63 @@ def length_branches(example_inputs, seq_len) -> list[LengthBranch]:
     return out
 
 
-def checked_lengths(fn: Callable, branches: list[LengthBranch], lengths: Callable[[], tuple[int, ...]]) -> Callable:
-    """``fn``, warning before it runs, once per line of ``branches``, where a path length of
-    ``lengths()`` takes another branch than the graph."""
+@dataclass
+class BranchVerdicts:
+    """What is known, per line, of the branches of one graph (`CompileRecord.branch_verdicts`).
+
+    Attributes:
+        same: lines whose other side was checked against the unmodified model on a path that
+            takes it, and computes the same there.
+        warned: lines warned about (a call that could not check them).
+        refused: per line, the refusal of a batch with a path on the other side (it computes
+            otherwise there), raised before the graph runs.
+        pending: ``(branch, lengths)`` the running call's paths took the other way for, judged
+            after the call (`treecompile.compile.length_check`) and cleared.
+    """
+
+    same: set[str] = field(default_factory=set)
+    warned: set[str] = field(default_factory=set)
+    refused: dict[str, Exception] = field(default_factory=dict)
+    pending: list[tuple[LengthBranch, tuple[int, ...]]] = field(default_factory=list)
+
+    def settled(self, where: str) -> bool:
+        return where in self.same or where in self.warned
+
+    def warn(self, branch: LengthBranch, other: tuple[int, ...], why: str, stacklevel: int = 2) -> None:
+        """The warning for a line that could not be checked (``why``), once."""
+        self.warned.add(branch.where)
+        warnings.warn(
+            f"treecompile: a Python branch of the model on the sequence length at {branch.where} goes the other way "
+            f"for a path of {other[0]} tokens than for the packed row; the result equals per-path training for such "
+            f"paths only if both sides of the branch compute the same, which was not checked: {why}.\n"
+            f"  The graph holds the branch its row count {branch.symbol} takes ({branch.expr}); {len(other)} of the "
+            "batch's path lengths decide otherwise. tree_compile(verify=True) checks the first call against per-path "
+            "training.",
+            LengthBranchWarning, stacklevel=stacklevel + 1)
+
+
+def checked_lengths(fn: Callable, branches: list[LengthBranch], lengths: Callable[[], tuple[int, ...]],
+                    verdicts: BranchVerdicts) -> Callable:
+    """``fn``, noting in ``verdicts.pending`` before it runs each line of ``branches`` that a path
+    length of ``lengths()`` takes the other way for (once per batch: a streamed call's parts
+    share their batch's lengths), and raising the line's refusal there if it has one."""
     if not branches:
         return fn
-    lines = {b.where for b in branches}
-    warned: set[str] = set()  # once per line (a line of several layers may give several guards)
-    judged: list = [None]  # the lengths judged last: a streamed call's parts share its batch's
+    judged: list = [None]  # the lengths judged last
 
     def run(*args):
-        if len(warned) < len(lines):
+        if not all(verdicts.settled(b.where) for b in branches):
             paths = lengths()
-            if paths is judged[0]:
-                return fn(*args)
-            judged[0] = paths
-            for branch in branches:
-                other = [n for n in paths if not branch.holds_at(n)] if branch.where not in warned else []
-                if other:
-                    warned.add(branch.where)
-                    warnings.warn(
-                        f"treecompile: a Python branch of the model on the sequence length at {branch.where} goes "
-                        f"the other way for a path of {other[0]} tokens than for the packed row; the result equals "
-                        "per-path training for such paths only if both sides of the branch compute the same.\n"
-                        f"  The graph holds the branch its row count {branch.symbol} takes ({branch.expr}); "
-                        f"{len(other)} of the batch's path lengths decide otherwise. tree_compile(verify=True) "
-                        "checks the first call against per-path training.",
-                        LengthBranchWarning, stacklevel=2)
+            if paths is not judged[0]:
+                judged[0] = paths
+                for branch in branches:
+                    other = () if verdicts.settled(branch.where) else tuple(n for n in paths if not branch.holds_at(n))
+                    if not other:
+                        continue
+                    refusal = verdicts.refused.get(branch.where)
+                    if refusal is not None:
+                        raise type(refusal)(*refusal.args)
+                    verdicts.pending.append((branch, other))
         return fn(*args)
 
     return run

@@ -50,7 +50,7 @@ from treecompile.passes._graph import (PassContext, describe, eliminate_dead_cod
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
-from treecompile.passes.length_branches import checked_lengths, length_branches
+from treecompile.passes.length_branches import BranchVerdicts, checked_lengths, length_branches
 from treecompile.passes.lm_head import fuse_lm_head_pass, gather_logits_pass
 from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
@@ -231,6 +231,7 @@ class CompileRecord:
         state: the state the graph writes (`treecompile.passes.state`), or None.
         length_branches: the model's Python branches on the row count the graph holds
             (`treecompile.passes.length_branches`), evaluated at every call's path lengths.
+        branch_verdicts: what is known of each of them (`BranchVerdicts`).
     """
 
     counters: dict[str, Counter] = field(default_factory=dict)
@@ -245,6 +246,7 @@ class CompileRecord:
     created: frozenset = frozenset()
     state: StateWrites | None = None
     length_branches: list = field(default_factory=list)
+    branch_verdicts: BranchVerdicts = field(default_factory=BranchVerdicts)
 
 
 def run_passes(
@@ -425,10 +427,10 @@ def make_backend(
 
         if not keep_inputs:
             return checked_lengths(run_with_state(_guarded(lower(gm, example_inputs), guards), state),
-                                   record.length_branches, path_lengths)
+                                   record.length_branches, path_lengths, record.branch_verdicts)
         record.sources, record.probe_graph = sources, _copy(gm)
         return checked_lengths(_recording(_guarded(lower(gm, example_inputs), guards), record, state, before_commit),
-                               record.length_branches, path_lengths)
+                               record.length_branches, path_lengths, record.branch_verdicts)
 
     return treecompile_backend
 

@@ -194,9 +194,8 @@ CASES: list[Case] = [
     Case("positions-none-index", "custom: learned positions [max_len, d] added as pos[None, :T, :]",
          _custom(zc.NoneIndexPositionsLM)),
     Case("length-branch", "custom: a Python branch on the sequence length that scales the embeddings "
-         "(if T > 8: x = x * 0.5), the length never read as a value", _custom(zc.LengthBranchLM), expect="xfail",
-         reason="a branch on the length is decided at the packed row's length (11 and 26 rows), per path at "
-         "each path's (at most 9 tokens): warned about (tests/test_length_branches.py), not refused"),
+         "(if T > 8: x = x * 0.5), the length never read as a value", _custom(zc.LengthBranchLM), expect="refused",
+         reason="a Python branch of the model on the sequence length at zoo_custom.py"),
     Case("lazy-rope-cache", "TinyLlama / lit-gpt: a (cos, sin) cache over the block size built by the first call "
          "(self.rope_cache = build_rope_cache(block_size)), then cos[:T]", _custom(zc.LazyRopeCacheLM)),
     Case("fairseq-sinusoid", "fairseq SinusoidalPositionalEmbedding: the table built each call over "

@@ -55,6 +55,7 @@ from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, Judged
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
 from treecompile.compile.graph_inputs import tree_call_inputs
+from treecompile.compile.length_check import forget_pending, judge_length_branches
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.compile.options import BACKENDS, MASKS, OUTPUTS, Verify, checked_options
 from treecompile.distributed.unsharded import fsdp_call_of
@@ -221,15 +222,12 @@ class TreeCompiledModel(DelegatingModule):
         # The batch's layout, chunks and judging lengths, read by the backend when a graph compiles.
         self._state = CallState()
         self._is_hf = is_hf_model(model)
-        # Hugging Face attention-interface calls become tree markers, and the masks they are
-        # handed become TreeMasks; a model that computes attention itself keeps both.
-        # A model whose attention is its own code reads Hugging Face's masks, built as they are
-        # when the model runs eagerly (`eager_mask_skips`).
+        # Hugging Face attention-interface calls become tree markers and their masks TreeMasks; a model
+        # whose attention is its own code reads Hugging Face's masks, built as eagerly (`eager_mask_skips`).
         routes = self._is_hf and uses_attention_interface(model)
         self._route = AttentionRoute(routes, mask_builder_swaps(model) if routes else
                                      eager_mask_skips() if self._is_hf else [])
-        # Read once, here: the router auxiliary loss the model adds to its loss (from
-        # config.output_router_logits and router_aux_loss_coef); refuses one it cannot count per path.
+        # The router aux loss the model adds (config.output_router_logits, router_aux_loss_coef), read once.
         self._router_aux = router_aux_of(model) if self._is_hf else None
         scans = sequence_kernels(model)  # swapped for treecompile ops during each call (hybrid models)
         # Whether the passes need the path structure: scan kernels or convolutions over the sequence.
@@ -248,8 +246,7 @@ class TreeCompiledModel(DelegatingModule):
         self.dropout = dropout
         self.verified: VerifyReport | None = None
         self.probed: list[ProbeReport] = []
-        # A model the probe refused stays refused (its compiled graph is not run again).
-        self._refused: UnsupportedModelError | None = None
+        self._refused: UnsupportedModelError | None = None  # by the probe: for good (its graph is not run again)
         self.stream_verified: VerifyReport | None = None
         # With stream= (cp=), a StreamRunner (CPRunner) runs batches over its budget (every batch,
         # split over the group) from what it needs, handed over.
@@ -416,22 +413,25 @@ class TreeCompiledModel(DelegatingModule):
             raise
 
     def _forward(self, batch: TreeBatch) -> TreeOutput:
-        """One checked batch: over the CP group, streamed in parts, or as one compiled call."""
+        """One checked batch: over the CP group, streamed in parts, or as one compiled call; then the
+        model's branches on the sequence length a path took the other way for (`judge_length_branches`)."""
+        forget_pending(self.compile_records)  # a call that failed leaves no branch to judge to this one
         if self._cp is not None:
-            return self._cp(batch)
-        if self._stream is not None and self._stream.wants(batch):
+            out = self._cp(batch)
+        elif self._stream is not None and self._stream.wants(batch):
             out = self._stream(batch)
             if self.verify is Verify.FULL and self.stream_verified is None:  # the streamed variant is checked on its own
                 self.stream_verified = verify_tree_compile(self, batch, stream=self._stream.options)
-            return out
-        if self._fsdp is None:
-            return self._forward_tree(batch)
-        self._fsdp.begin()
-        out = None
-        try:
+        elif self._fsdp is None:
             out = self._forward_tree(batch)
-        finally:
-            self._fsdp.forward_done([] if out is None else [out.loss, out.logprobs, out.aux_loss, out.entropy])
+        else:
+            self._fsdp.begin()
+            out = None
+            try:
+                out = self._forward_tree(batch)
+            finally:
+                self._fsdp.forward_done([] if out is None else [out.loss, out.logprobs, out.aux_loss, out.entropy])
+        judge_length_branches(self, batch, out.logprobs)
         return out
 
     def _forward_tree(self, batch: TreeBatch) -> TreeOutput:
