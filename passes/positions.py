@@ -98,8 +98,8 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             ctx.count("path_cumsum")
         elif node.op == "call_function" and node.target is operator.getitem:
             found = _table_slice(node, ctx)
-            dim, new_dims = found if found is not None else (None, [])
-            if dim == 0 and not new_dims and _only_gathered_by_position(node, ctx):
+            dim, new_dims, offset = found if found is not None else (None, [], 0)
+            if dim == 0 and not new_dims and not offset and _only_gathered_by_position(node, ctx):
                 # ``table[:S][position_ids]``: the slice is still a table indexed by position,
                 # and the positions are below S: the gather reads the table itself.
                 for u in list(node.users):
@@ -114,7 +114,9 @@ def rewrite_positions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 ctx.count("table_gather")
             elif dim is not None:
                 with gm.graph.inserting_before(node):
-                    new = gm.graph.call_function(torch.index_select, (node.args[0], dim, ctx.positions))
+                    at = ctx.positions if not offset else \
+                        ctx.mark(gm.graph.call_function(operator.add, (ctx.positions, offset)), like=node)
+                    new = gm.graph.call_function(torch.index_select, (node.args[0], dim, at))
                     for at in new_dims:  # ``None`` entries of the index: new dims of size 1
                         new = ctx.mark(gm.graph.call_method("unsqueeze", (new, at)), like=node)
                 new.meta["example_value"] = value(node)
@@ -307,10 +309,11 @@ def _zero(start: Any) -> bool:
     return v is None or (isinstance(v, int) and v == 0)
 
 
-def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | None:
-    """``(d, new)`` if ``node`` is ``table[..., :S, ...]`` on a constant table, cut to S along
-    the table's dim ``d``, with new dims of size 1 (``None`` entries: ``pos[None, :T, :]``) at
-    the result's dims ``new``; else None."""
+def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int], int] | None:
+    """``(d, new, c)`` if ``node`` is ``table[..., c:S + c, ...]`` on a constant table, cut to S
+    along the table's dim ``d`` from entry ``c`` (`_offset_start`; a table built in the graph only
+    from 0), with new dims of size 1 (``None`` entries: ``pos[None, :T, :]``) at the result's
+    dims ``new``; else None."""
     table, index = node.args
     if not isinstance(table, fx.Node) or table in (ctx.input_ids, ctx.positions) or \
             _constant_table(table) is None and depends_on_inputs(ctx, table) is not False:
@@ -328,15 +331,17 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
     index = tuple(i for i in index if i is not None)
     if any(i is Ellipsis for i in index) or len(index) > tv.dim():
         return None
-    sliced = []
+    sliced, offset = [], 0
     for d, i in enumerate(index):
         if not isinstance(i, slice):
             return None
         if i == slice(None):
             continue
-        if not _zero(i.start) or i.step not in (None, 1) or not same_size(i.stop, ctx.seq_len):
+        start = _offset_start(i, ctx)
+        if start is None or i.step not in (None, 1):
             return None
         sliced.append(d)
+        offset = start
     # Exactly one dim cut to S: a [:S, :S] cut is a mask, not a position table. A table built in
     # the graph from the inputs' sizes (f(arange(2 * T))) is at least S long there; one built from
     # constants (TinyLlama's rope cache over block_size, made by the first call) is as long as it
@@ -351,4 +356,18 @@ def _table_slice(node: fx.Node, ctx: PassContext) -> tuple[int, list[int]] | Non
     if _constant_table(table) is None and not (isinstance(length, int) or isinstance(
             length, torch.SymInt) and table_length(length.node.expr, ctx.seq_len.node.expr)):
         return None
-    return sliced[0], new
+    if offset and _constant_table(table) is None:  # an offset cut of a table built in the graph: not judged
+        return None
+    return sliced[0], new, offset
+
+
+def _offset_start(cut: slice, ctx: PassContext) -> int | None:
+    """``c`` where ``cut`` is ``c:S + c`` for a Python int ``c >= 0`` (``[:S]``: 0; fairseq's and
+    OPT's learned positions past a padding index, ``wpe[1:T + 1]``), else None."""
+    if _zero(cut.start):
+        return 0 if same_size(cut.stop, ctx.seq_len) else None
+    start = value(cut.start) if isinstance(cut.start, fx.Node) else cut.start
+    stop = value(cut.stop) if isinstance(cut.stop, fx.Node) else cut.stop
+    if not (isinstance(start, int) and start > 0) or not isinstance(stop, torch.SymInt):
+        return None
+    return start if stop.node.expr - start == ctx.seq_len.node.expr else None

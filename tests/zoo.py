@@ -361,6 +361,10 @@ CASES: list[Case] = [
          _custom(zc.SinkLM), attention={"softmax_attention": 2}),
     Case("no-head-dim", "custom: 3-D attention on [B, T, D], no head dim",
          _custom(zc.NoHeadAttnLM), attention={"softmax_attention": 1}),
+    Case("offset-positions", "custom: learned positions past an offset, pos[:, 2:T + 2] (OPT / fairseq padding "
+         "offsets, ViT-style pos_embed[:, 1:T + 1])", _custom(zc.OffsetPositionsLM)),
+    Case("tail-positions", "custom: the last T learned positions, pos[:, -T:] (they change with the length)",
+         _custom(zc.OffsetPositionsLM, tail=True), expect="refused", reason="slices a tensor by the sequence length"),
     Case("wpe-16-long-tree", "custom: 16-entry position table, tree with more rows than positions",
          _custom(zc.WpeShortTableLM)),
     Case("tril-16-long-tree", "custom: 16-entry tril buffer sliced [:T, :T], tree with more rows than entries "

@@ -1659,6 +1659,27 @@ class NoHeadAttnLM(nn.Module):
         return self.head(self.ln(x + att @ self.v(x)))
 
 
+class OffsetPositionsLM(_LM):
+    """Learned positions past an offset: ``self.pos[:, 2:T + 2]`` (a parameter over ``MAX_LEN + 2``
+    entries, the first two kept for padding or a prefix token, as OPT's and fairseq's learned
+    positions and ViT-style ``pos_embed[:, 1:T + 1]`` keep them); ``tail=True`` reads
+    ``self.pos[:, -T:]`` instead, the last T entries, which depend on the sequence length."""
+
+    block_cls = _SdpaAttn
+
+    def __init__(self, tail: bool = False) -> None:
+        super().__init__()
+        self.tail = tail
+        self.pos = nn.Parameter(torch.randn(1, MAX_LEN + 2, DIM))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.emb(idx) + (self.pos[:, -T:] if self.tail else self.pos[:, 2:T + 2])
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
 class WpeShortTableLM(nn.Module):
     """Learned positions ``wpe(arange(T))`` from a 16-entry table: trees may have more rows
     than the table has positions, as long as every path fits."""
