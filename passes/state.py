@@ -345,6 +345,12 @@ def is_batch(source: str, arguments: Sequence[str]) -> bool:
     return _root(source) in arguments or not source
 
 
+def is_held_source(source: str) -> bool:
+    """Whether a graph input with Dynamo's ``source`` is a tensor an object holds (a module's
+    attribute or buffer, an entry of a dict it keeps, a global), not a local of the frame."""
+    return (source or "").startswith("G[") or bool(re.match(r"L\['[^']+'\]\.", source or ""))
+
+
 def _root(source: str) -> str:
     m = re.match(r"L\['([^']+)'\]", source or "")
     return m.group(1) if m else ""

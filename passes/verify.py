@@ -22,6 +22,7 @@ import linecache
 import operator
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import fx
@@ -43,7 +44,7 @@ from treecompile.passes.counters import counter_refusal, weight_counters
 from treecompile.passes.rows import ONE_ROW, row_states
 from treecompile.passes.rows.random import draws, random_refusal
 
-__all__ = ["verify_graph_pass", "RowsMixed"]
+__all__ = ["verify_graph_pass", "RowsMixed", "HeldAtRowCount"]
 
 
 class RowsMixed(UnsupportedModelError):
@@ -53,6 +54,14 @@ class RowsMixed(UnsupportedModelError):
     def __init__(self, message: str, node: fx.Node) -> None:
         super().__init__(message)
         self.node = node
+
+
+class HeldAtRowCount(RowsMixed, ConstantLength):
+    """A tensor the model keeps, as long as the packed row, read whole (`held_tables`): a cache
+    an earlier call built for a sequence as long as this packed row. The whole-tree wrapper
+    extends such buffers for the call (as for `ConstantLength`), else runs the batch again with
+    a zero-weight row more (the model then takes its cache-miss branch and builds the table in
+    the call), before it refuses with this message."""
 
 
 def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -66,7 +75,9 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.count("nodes_checked", len(checked))
     if ctx.dropout != "shared":
         _refuse_random(checked)
-    env, violations = row_states(gm, ctx, trusted=ctx.created)
+    held = held_tables(gm, ctx)
+    _refuse_held_tables(held, ctx)
+    env, violations = row_states(gm, ctx, trusted=ctx.created, placeholders=held)
     ctx.row_states = env.states
     violations = _on_the_loss_path(gm, ctx, violations)
     if not _symbolic(ctx.seq_len):
@@ -91,6 +102,50 @@ def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             "see passes/README.md for what is supported.", node)
     weight_counters(gm, ctx, env)
     return gm
+
+
+def held_tables(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
+    """The graph inputs the model holds (an attribute of a module, a global: not a local of
+    the frame) with a dim as long as the row count: no rows. Only the call's own inputs hold
+    rows of the batch; a tensor the model keeps that is as long as the packed row is a table an
+    earlier call built for its length (a rotary cache rebuilt when the length changes, kept as
+    a plain attribute), whose entry ``i`` is for row index ``i``, not for a position."""
+    from treecompile.passes.state import is_held_source
+
+    return {n: None for n in gm.graph.nodes if n.op == "placeholder" and is_held_source(_source_of(n))
+            and isinstance(ctx.seq_len, torch.SymInt) and any(same_size(d, ctx.seq_len) for d in _dims(n))}
+
+
+def _dims(node: fx.Node) -> tuple:
+    v = node.meta.get("example_value")
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _refuse_held_tables(held: dict[fx.Node, Any], ctx: PassContext) -> None:
+    """Refuses a held tensor as long as the packed row (`held_tables`) that the model reads
+    other than through a pass's gather at the positions."""
+    from treecompile.passes.state import state_name
+
+    for node in held:
+        users = [u for u in node.users if u not in ctx.created]
+        if users:
+            raise HeldAtRowCount(
+                f"treecompile cannot make this model exact on a tree: {describe(users[0])} at {location_of(users[0])} "
+                f"reads {state_name(_source_of(node))}, a tensor the model keeps that is as long as the packed row "
+                "(an earlier call built it for its own length): its entry i is for row index i of the packed row, "
+                "not for the position on the path.\n"
+                f"  at {source_of(users[0])}\n"
+                "Read such a table at the positions (table[position_ids], or sliced table[:T] from a table at least "
+                "as long as every path), or build it in the call.", users[0])
+
+
+def _source_of(node: fx.Node) -> str:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return ""
+    name = source.name
+    return name() if callable(name) else name
 
 
 def _refuse_random(nodes: list[fx.Node]) -> None:

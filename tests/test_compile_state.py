@@ -17,7 +17,7 @@ import zoo
 import zoo_repos
 from torch import nn
 from zoo_repos.common import DIM, HD, HEADS, VOCAB
-from zoo_repos.state import CountingLM, LucidrainsRotaryLM
+from zoo_repos.state import CountingLM, GrownMaskLM, LucidrainsRotaryLM, MegatronRotaryLM
 
 import treecompile as tc
 from treecompile.core.errors import UnsupportedModelError
@@ -114,6 +114,61 @@ def test_buffers_a_call_grew_to_the_packed_length_are_read_back_at_that_length()
     zoo.assert_unchanged(model, twin, lengths=(long[1].num_tokens, 11, 5))
 
 
+def _exact_call_after_call(model: nn.Module, compiled, runs) -> None:
+    """Tree calls in a row on one model, each against per-path training of a copy taken just
+    before it (the per-path reference must not reset what the tree calls keep): loss and every
+    gradient to float64 rounding."""
+    from testing import backward_grads
+
+    from treecompile.core.reference import per_path_loss
+
+    for batch, trees in runs:
+        twin = zoo.twin_of(model)
+        out, grads = backward_grads(model, lambda: compiled(batch))
+        ref, ref_grads = backward_grads(twin, lambda: per_path_loss(twin, trees))
+        assert abs(out.loss.item() - ref.loss.item()) <= 1e-12 * abs(ref.loss.item()), (out.loss, ref.loss)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("cls, kw", [(MegatronRotaryLM, {"sliced": False}), (MegatronRotaryLM, {"sliced": True}),
+                                     (GrownMaskLM, {})], ids=["megatron-whole", "gpt-neox-sliced", "grown-mask"])
+def test_a_cache_built_at_a_calls_length_is_exact_at_every_later_call(cls, kw):
+    """GPT-NeoX / Megatron keep their rotary tables as plain attributes rebuilt whenever the
+    length changes, OLMo-style models a mask grown to the longest length: a second call of the
+    same row count finds a table exactly as long as its packed row (a cache hit), whose entry i
+    is for row index i. It runs again with a zero-weight row more, taking the cache-miss
+    branch, and every later call of the last call's row count does: exact at every call of 35,
+    35, 11, 11, 35 rows (before: the second call refused, the fourth silently wrong for the
+    tables read whole, loss 3.4769 vs 3.4767 per path). The model run on its own afterwards is
+    unchanged."""
+    model = _build(cls, **kw)
+    twin = copy.deepcopy(model)
+    compiled = tc.tree_compile(model, backend="eager")
+    wide, branchy = sorted(((b, t) for _, b, t in zoo.batches()), key=lambda bt: -bt[0].num_tokens)
+    _exact_call_after_call(model, compiled, [wide, wide, branchy, branchy, wide])
+    zoo.assert_unchanged(model, twin, lengths=(11, 5))
+
+
+def test_a_table_as_long_as_the_packed_row_is_not_read_as_rows():
+    """Without the retry a table as long as the packed row that an earlier call built is refused
+    naming it (a held tensor whose length is the row count is no row of the batch)."""
+    from treecompile.passes.verify import HeldAtRowCount
+
+    model = _build(MegatronRotaryLM, sliced=False)
+    compiled = tc.tree_compile(model, backend="eager")
+    batch = zoo.batches()[0][1]
+    compiled(batch)
+    compiled._away = True  # as if the retry had run: the second call of this row count is refused
+    compiled._last_rows = -1
+    with pytest.raises(HeldAtRowCount) as info:
+        compiled(batch)
+    first = str(info.value).splitlines()[0]
+    assert "reads model.rotary.cos_cached, a tensor the model keeps that is as long as the packed row" in first, first
+
+
+# ------------------------------------------------------------------ refusals
 # ------------------------------------------------------------------ refusals
 
 

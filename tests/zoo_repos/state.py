@@ -466,3 +466,79 @@ class CountingLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# ====================================================== caches rebuilt or grown at the call's length
+
+
+class MegatronRotaryEmbedding(nn.Module):
+    """EleutherAI/gpt-neox (Megatron) ``RotaryEmbedding``: the tables are plain attributes,
+    rebuilt whenever the length differs from the cached one (``seq_len != self.seq_len_cached``),
+    sequence-first ``[T, 1, 1, d]``."""
+
+    def __init__(self, dim: int, base: float = 10000.0):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).double() / dim)))
+        self.seq_len_cached = None
+        self.cos_cached = None
+        self.sin_cached = None
+
+    def forward(self, x, seq_dim=1, seq_len=None):
+        if seq_len is None:
+            seq_len = x.shape[seq_dim]
+        if seq_len != self.seq_len_cached:
+            self.seq_len_cached = seq_len
+            t = torch.arange(x.shape[seq_dim], device=x.device).type_as(self.inv_freq)
+            freqs = torch.einsum("i,j->ij", t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1).to(x.device)
+            self.cos_cached = emb.cos()[:, None, None, :]
+            self.sin_cached = emb.sin()[:, None, None, :]
+        return self.cos_cached, self.sin_cached
+
+
+class MegatronRotaryLM(nn.Module):
+    """Sequence-first attention with `MegatronRotaryEmbedding`'s tables read whole (``sliced=False``,
+    as Megatron's fused path does) or cut ``cos[offset:T + offset]`` (gpt-neox's
+    ``apply_rotary_pos_emb``), SDPA causal."""
+
+    def __init__(self, sliced: bool = True):
+        super().__init__()
+        self.sliced = sliced
+        self.emb, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.rotary = MegatronRotaryEmbedding(HD)
+        self.ln, self.qkv, self.proj = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx).transpose(0, 1)  # [T, B, D]
+        q, k, v = (z.view(t, b, HEADS, HD) for z in self.qkv(self.ln(x)).split(DIM, -1))
+        cos, sin = self.rotary(v, seq_dim=0)
+        if self.sliced:
+            cos, sin = cos[0:q.shape[0] + 0, ...], sin[0:q.shape[0] + 0, ...]
+        q, k = q * cos + llama436_rotate_half(q) * sin, k * cos + llama436_rotate_half(k) * sin
+        q, k, v = (z.permute(1, 2, 0, 3) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(t, b, DIM)
+        return self.head(x + self.proj(y)).transpose(0, 1)
+
+
+class GrownMaskLM(nn.Module):
+    """A causal mask kept as a plain attribute and grown to the call's length when it is too
+    short (``if self.mask is None or self.mask.shape[-1] < T``), read ``self.mask[:T, :T]`` as
+    SDPA's boolean mask (OLMo's and x-transformers' cached masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(64, DIM)
+        self.block, self.head = _SdpaBlock(), nn.Linear(DIM, VOCAB)
+        self.mask = None
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        if self.mask is None or self.mask.shape[-1] < t:
+            self.mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        b = x.shape[0]
+        q, k, v = (z.view(b, t, HEADS, HD).transpose(1, 2) for z in self.block.qkv(self.block.ln1(x)).split(DIM, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:t, :t])
+        x = x + self.block.proj(y.transpose(1, 2).reshape(b, t, DIM))
+        return self.head(x + self.block.mlp(self.block.ln2(x)))

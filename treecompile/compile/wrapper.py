@@ -15,7 +15,6 @@ and pickling); what it uses lives in the layers below (docs/architecture.md).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 from collections import Counter
@@ -26,40 +25,28 @@ from torch import nn
 
 from treecompile.core.advice import warn_position_overflow
 from treecompile.core.batch import TreeBatch
-from treecompile.capture.call import (AttentionRoute, CallSetup, TreeOutput, argument_names, call_settings,
-                                      compile_failure, compile_named, device_of, failed_capture, run_head)
-from treecompile.capture.dynamo import (
-    call_kwargs,
-    eager_mask_skips,
-    extended_buffers,
-    short_buffers,
-    hf_interfaces,
-    install_output_hooks,
-    is_hf_model,
-    mask_builder_swaps,
-    model_vocab_size,
-    sequence_kernels,
-    swapped_kernels,
-)
+from treecompile.capture.call import AttentionRoute, CallSetup, TreeOutput, device_of
+from treecompile.capture.dynamo import (call_kwargs, eager_mask_skips, short_buffers, is_hf_model, mask_builder_swaps,
+                                        model_vocab_size, sequence_kernels)
 from treecompile.capture.drop_ins import class_swaps
-from treecompile.capture.torch_swaps import TORCH_SWAPS, imported_torch_swaps
+from treecompile.capture.torch_swaps import imported_torch_swaps
 from treecompile.core.padded_rows import batch_from_rows, normalised
 from treecompile.core.errors import (BatchRefused, CaptureFailed, ConstantLength, TreeInputError, UnsupportedModelError,
-                                     about_sizes, capture_error, row_count_error)
+                                     about_sizes)
 from treecompile.capture.hf_interfaces import MaskRead, check_unset, refuse_label_smoothing, uses_attention_interface
-from treecompile.passes import markers  # (also registers the treecompile:: ops)
-from treecompile.passes.held_writes import held_run
+from treecompile.passes import markers  # noqa: F401 (registers the treecompile:: ops)
 from treecompile.passes.conv_context import NeedsStructure
 from treecompile.capture.router_aux import router_aux_of
-from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, JudgedInputChanged, make_backend, passes_for
+from treecompile.passes.pipeline import PASSES, CallState, CompileRecord, JudgedInputChanged, passes_for
+from treecompile.passes.verify import HeldAtRowCount
 from treecompile.compile.delegating import DelegatingModule
 from treecompile.compile.entry import CALLS, one_at_a_time, warn_outer_compile
-from treecompile.compile.graph_inputs import tree_call_inputs
 from treecompile.compile.length_check import forget_pending, judge_length_branches
+from treecompile.compile.tree_call import WholeTreeCall
 from treecompile.compile.model_checks import EXPECTED, check_model, check_sharded
 from treecompile.compile.options import BACKENDS, MASKS, OUTPUTS, Verify, checked_options
 from treecompile.distributed.unsharded import fsdp_call_of
-from treecompile.compile.probe import ProbeRefused, ProbeReport, probe_hook, probe_new_graphs
+from treecompile.compile.probe import ProbeRefused, ProbeReport, probe_new_graphs
 from treecompile.compile.selfcheck import VerifyReport, verify_tree_compile
 
 if TYPE_CHECKING:
@@ -178,7 +165,7 @@ def tree_compile(
     )
 
 
-class TreeCompiledModel(DelegatingModule):
+class TreeCompiledModel(WholeTreeCall, DelegatingModule):
     """A causal LM that takes a :class:`~treecompile.TreeBatch` and returns a :class:`TreeOutput`.
 
     The wrapped model is not registered as a submodule: ``parameters()``,
@@ -237,6 +224,7 @@ class TreeCompiledModel(DelegatingModule):
         self._compiled = None
         self._first_record = 0
         self._proven_rows: int | None = None
+        self._last_rows, self._away = 0, False  # the rows the last call ran; whether to run others (_forward_tree)
         self._extending: set[type] = set()  # the kinds of buffers extended for a call (see _forward_tree)
         self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
@@ -435,7 +423,20 @@ class TreeCompiledModel(DelegatingModule):
         return out
 
     def _forward_tree(self, batch: TreeBatch) -> TreeOutput:
-        """The whole tree as one compiled call (``batch`` checked)."""
+        """The whole tree as one compiled call (``batch`` checked). A model that keeps a table as
+        long as this packed row (a cache an earlier call built at this length, `HeldAtRowCount`, or
+        a cached length that made this one a constant) takes its cache-hit branch: the batch runs
+        again with a zero-weight row more, and from then on with one more whenever its row count
+        is the last call's, so the model builds its table in the call (a cache-miss branch)."""
+        try:
+            return self._tree_call(batch, away=False)
+        except ConstantLength as hit:
+            if self._away or not isinstance(hit, HeldAtRowCount) and batch.num_tokens != self._last_rows:
+                raise
+            self._away = True
+            return self._tree_call(batch, away=True)
+
+    def _tree_call(self, batch: TreeBatch, away: bool) -> TreeOutput:
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)
@@ -449,7 +450,9 @@ class TreeCompiledModel(DelegatingModule):
             self._compiled, self._proven_rows = None, None
             self._state.probe_rows = 2 * longest
         dest, predicting, _ = batch.head_index()
-        batch = batch.padded(MIN_ROWS, target=min(dest.shape[0], predicting.shape[0], batch.num_nodes) == 1)
+        away = away or self._away and rows == self._last_rows
+        batch = batch.padded(max(MIN_ROWS, rows + 1 if away else 0),
+                             target=min(dest.shape[0], predicting.shape[0], batch.num_nodes) == 1)
         batch = batch.to(device) if batch.device != device else batch
         args = self._inputs(batch)
         compiled_before = len(self.compile_records)
@@ -469,7 +472,7 @@ class TreeCompiledModel(DelegatingModule):
         self._state.path_lengths = batch.path_lengths  # read once per run of a graph with a length branch
         try:
             try:
-                out = self._call(args, extend(), rows, longest)
+                out = self._call(args, extend(), batch.num_tokens, longest)
             except (NeedsStructure, JudgedInputChanged) as again:
                 # A shift or a functional conv along the sequence: capture again with the paths. A
                 # tensor whose values the passes judged changed (a window set between steps): judge anew.
@@ -479,23 +482,28 @@ class TreeCompiledModel(DelegatingModule):
                     self._structure = True
                 self._compiled, self._first_record = self._build(device), len(self.compile_records)
                 args = self._inputs(batch)
-                out = self._call(args, extend(), rows, longest)
+                out = self._call(args, extend(), batch.num_tokens, longest)
         except (CaptureFailed, ConstantLength) as failed:
-            kind = type(failed)
+            kind = CaptureFailed if isinstance(failed, CaptureFailed) else ConstantLength
             error = failed.error if kind is CaptureFailed else failed
             sized = kind is ConstantLength or about_sizes(error, batch.num_tokens)  # not on a tensor's values
             if not kinds[kind] or kind in self._extending or not sized:
                 raise error from None
             self._extending.add(kind)
             try:
-                out = self._call(args, extend(), rows, longest)
+                out = self._call(args, extend(), batch.num_tokens, longest)
             except (CaptureFailed, ConstantLength) as again:  # a failure with the buffers extended
                 if kind is ConstantLength:
                     raise error from None  # the first refusal names where the length became constant
                 raise again.error if isinstance(again, CaptureFailed) else again from None
+            except UnsupportedModelError:  # (a table read from its end: the batch runs a row longer instead)
+                if isinstance(error, HeldAtRowCount):
+                    raise error from None
+                raise
         finally:
             self._call_batch, self._state.path_lengths = None, tuple  # the batch is not kept past the call
         loss, logprobs, aux, entropy = out
+        self._last_rows = batch.num_tokens
         bounds = [r.max_rows for r in self.compile_records[self._first_record:] if r.max_rows is not None]
         self._proven_rows = min(bounds) if bounds else None
         out = TreeOutput(
@@ -507,89 +515,11 @@ class TreeCompiledModel(DelegatingModule):
             self.verified = verify_tree_compile(self, batch)
         return out
 
-    def _call(self, args: tuple, extend: list, rows: int, longest: int) -> tuple:
-        """The compiled call under the wrapper's swaps (``extend``: buffers to extend for it)."""
-        self._state.judge_cap = min((size for _, _, size in extend), default=0)
-        hf = hf_interfaces(self._inner, self._route.routes) if self._is_hf else contextlib.nullcontext()
-        with hf, swapped_kernels([*self._kernels, *self._route.mask_swaps, *TORCH_SWAPS]), \
-                extended_buffers(extend, rows):
-            with call_settings(), held_run():  # one state for a step of two calls (stream_logprob_loss)
-                try:
-                    return self._compiled(*args)
-                except torch._dynamo.exc.BackendCompilerFailed as e:
-                    # Our passes' refusals reach the user as themselves, not wrapped by Dynamo;
-                    # a failure of the lowering after them as a refusal that says so.
-                    failure = compile_failure(e)
-                    raise failure from (failure.__cause__ if failure is e.inner_exception else e.inner_exception)
-                except Exception as e:
-                    if not failed_capture(e):  # a refusal already, or the compiled code's own error
-                        raise
-                    short = extend or short_buffers(self._inner, rows, longest)
-                    raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
-                        from None
-
     @property
     def _vocab_size(self) -> int | None:
         """The token ids the model takes now (read at each call: ``resize_token_embeddings``
         after wrapping changes it)."""
         return model_vocab_size(self._inner, self._is_hf)
-
-    def _backend(self, device: torch.device, *, mask: str, state: CallState, passes, arguments,
-                 keep_inputs: bool = False, before_commit=None):
-        """The Dynamo backend for a graph of this wrapper on ``device``: ``passes``, then the
-        wrapper's lowering (its default per device), recording into ``compile_records``. The
-        whole-tree graph and the streamed part graph (:mod:`treecompile.stream.runner`) differ
-        only in the arguments (``arguments``: the compiled function's, the batch)."""
-        return make_backend(
-            mask=mask,
-            call_state=state,
-            lowering=self._backend_name or ("inductor" if device.type == "cuda" else "aot_eager"),
-            records=self.compile_records,
-            passes=passes,
-            scan_kernel=self.scan_kernel,
-            dropout=self.dropout,
-            keep_inputs=keep_inputs,
-            arguments=arguments,
-            before_commit=before_commit,
-        )
-
-    def _graph_parts(self) -> tuple[nn.Module, Any, Any, bool, float]:
-        """What a compiled graph of this wrapper closes over, whole-tree or streamed part:
-        ``(model, its call kwargs, router aux loss or None, entropy wanted, temperature)``.
-        A model with a router aux loss gets HF's output-capturing hooks installed first."""
-        if self._router_aux is not None:
-            install_output_hooks(self._inner)
-        return self._inner, self._call_kwargs, self._router_aux, "entropy" in self._outputs, self.temperature
-
-    def _build(self, device: torch.device):
-        inner, kwargs_of, router, want_entropy, temperature = self._graph_parts()
-
-        def tree_forward(ids, positions, mask_buffers, block_tensors, structure, rows, slot, target, dest, weight,
-                         path_count):
-            ids = torch.ops.treecompile.tree_inputs(ids, [positions, *mask_buffers], list(block_tensors),
-                                                    list(structure), path_count)
-            out, loss, logprobs, entropy = run_head(inner, kwargs_of(positions), ids, positions, rows, slot, target,
-                                                    dest, weight, temperature, want_entropy)
-            aux = None
-            if router is not None:
-                # Per-path training counts each token once per path through it: path_count
-                # weights each row's router statistics (see passes/moe.py).
-                aux = router.tree_aux_loss(out.router_logits, path_count)
-                loss = loss + router.coef * aux.to(loss.dtype)
-            return markers.returned((loss, logprobs, aux, entropy))
-
-        backend = self._backend(device, mask=self.mask, state=self._state, passes=self._passes,
-                                arguments=argument_names(tree_forward), keep_inputs=self.verify.probes,
-                                before_commit=probe_hook(self))
-        return compile_named(tree_forward, "tree_forward", backend)
-
-    def _inputs(self, batch: TreeBatch) -> tuple:
-        """The compiled function's arguments for one batch (`tree_call_inputs`); the path structure for
-        a model with sequence kernels or conv modules, one of its own code (it may shift the sequence,
-        seen only in its graph: not captured twice), and one a capture found shifting (`NeedsStructure`)."""
-        paths = self._structure or not self._is_hf
-        inputs, self._state.layout, self._state.chunks = tree_call_inputs(batch, self.mask, paths)
-        return inputs.args()
 
 
 # --------------------------------------------------------------------------- helpers
