@@ -45,8 +45,8 @@ from torch import fx
 from treecompile.kernels.attention.flex import BlockLayout
 from treecompile.kernels.attention.masks import MASK_KINDS
 from treecompile.core.errors import UnsupportedModelError, unknown_choice
-from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
-                                      value, version_of)
+from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, input_source, location_of, mutated_args,
+                                      source_of, value, version_of)
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -387,7 +387,7 @@ def make_backend(
 
     def treecompile_backend(gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)
-        sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        sources = [input_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
         # State the model keeps after the call is computed apart, before any pass rewrites it.
         try:
             gm, state = separate_state(gm, example_inputs, sources, arguments)
@@ -476,16 +476,6 @@ def _guarded(fn: Callable, guards: list[_Guard]) -> Callable:
         return fn(*args)
 
     return run
-
-
-def _source_name(node: fx.Node) -> str:
-    """Dynamo's name for where a graph input comes from (``L['ids'].size()[1]``), or ``""``."""
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return ""
-    name = source.name
-    return name() if callable(name) else name  # a method before torch 2.12
 
 
 def _recording(fn: Callable, record: CompileRecord, state: StateWrites | None,

@@ -35,6 +35,7 @@ from treecompile.passes._graph import (
     describe,
     is_call,
     location_of,
+    input_source,
     same_size,
     source_of,
     value,
@@ -112,7 +113,7 @@ def held_tables(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
     a plain attribute), whose entry ``i`` is for row index ``i``, not for a position."""
     from treecompile.passes.state import is_held_source
 
-    return {n: None for n in gm.graph.nodes if n.op == "placeholder" and is_held_source(_source_of(n))
+    return {n: None for n in gm.graph.nodes if n.op == "placeholder" and is_held_source(input_source(n))
             and isinstance(ctx.seq_len, torch.SymInt) and any(same_size(d, ctx.seq_len) for d in _dims(n))}
 
 
@@ -131,21 +132,12 @@ def _refuse_held_tables(held: dict[fx.Node, Any], ctx: PassContext) -> None:
         if users:
             raise HeldAtRowCount(
                 f"treecompile cannot make this model exact on a tree: {describe(users[0])} at {location_of(users[0])} "
-                f"reads {state_name(_source_of(node))}, a tensor the model keeps that is as long as the packed row "
+                f"reads {state_name(input_source(node))}, a tensor the model keeps that is as long as the packed row "
                 "(an earlier call built it for its own length): its entry i is for row index i of the packed row, "
                 "not for the position on the path.\n"
                 f"  at {source_of(users[0])}\n"
                 "Read such a table at the positions (table[position_ids], or sliced table[:T] from a table at least "
                 "as long as every path), or build it in the call.", users[0])
-
-
-def _source_of(node: fx.Node) -> str:
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return ""
-    name = source.name
-    return name() if callable(name) else name
 
 
 def _refuse_random(nodes: list[fx.Node]) -> None:
