@@ -168,6 +168,25 @@ def test_a_table_as_long_as_the_packed_row_is_not_read_as_rows():
     assert "reads model.rotary.cos_cached, a tensor the model keeps that is as long as the packed row" in first, first
 
 
+def test_a_streamed_part_as_long_as_a_kept_table_is_refused_by_name():
+    """A streamed part whose row count is the length of the table the model kept reads it as a
+    cache hit: refused naming the table (the streamed runner runs no row more), never read as
+    rows. Two whole-tree calls of 11 rows leave Megatron's tables 12 long (the second ran a row
+    more); the 35-row tree streamed in parts of 12 rows then has a part of 12 rows."""
+    from treecompile.passes.verify import HeldAtRowCount
+    from treecompile.stream.options import StreamOptions
+
+    model = _build(MegatronRotaryLM, sliced=False)
+    compiled = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=12))
+    wide, branchy = sorted((b for _, b, _ in zoo.batches()), key=lambda b: -b.num_tokens)
+    compiled(branchy)
+    compiled(branchy)
+    assert model.rotary.seq_len_cached == 12
+    with pytest.raises(HeldAtRowCount) as info:
+        compiled(wide)
+    assert "reads model.rotary.cos_cached" in str(info.value).splitlines()[0], str(info.value)
+
+
 # ------------------------------------------------------------------ refusals
 # ------------------------------------------------------------------ refusals
 
