@@ -652,6 +652,8 @@ CASES: list[Case] = [
          hf=True, build=_hf("MiniMaxConfig", head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
                             built_in_float64=True)),
+    Case("minimax-m2", "MiniMax-M2: MoE routed by sigmoid scores with a correction bias, q/k norms over all heads, "
+         "partial rotary", hf=True, build=_hf("MiniMaxM2Config", num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
     Case("longcat-flash", "LongCat-Flash: MLA, MoE with zero-compute (identity) experts beside the routed ones, its "
          "experts a loop over the experts hit (a drop-in)", hf=True,
          build=_hf("LongcatFlashConfig", common=False, vocab_size=VOCAB, hidden_size=32, num_layers=2,
