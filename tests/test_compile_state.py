@@ -187,6 +187,33 @@ def test_a_streamed_part_as_long_as_a_kept_table_is_refused_by_name():
     assert "reads model.rotary.cos_cached" in str(info.value).splitlines()[0], str(info.value)
 
 
+def test_a_short_table_extended_for_a_long_batch_is_not_extended_along_its_head_dim_later():
+    """A 16-entry rotary table ``[16, 8]`` (the zoo's ``rope-table-16-long-tree``): a batch of 24
+    rows extends it for its call; a later batch of 16 rows whose paths have 6 tokens does not
+    need it extended, and its head dim (8, within [6, 16)) is no table length (it was extended
+    to 16 and the call refused, naming "8 entries"). Each call exact."""
+    from treecompile.core.reference import per_path_loss
+
+    model = {c.id: c for c in zoo.all_cases()}["rope-table-16-long-tree"].build()
+    compiled = tc.tree_compile(model, backend="eager")
+
+    def trees(rows, longest):
+        first = [1 + i % 30 for i in range(longest)]
+        seqs, k = [first], longest
+        while k < rows:
+            n = min(longest - 1, rows - k)
+            seqs.append(first[:1] + [2 + (i * 7 + k) % 29 for i in range(n)])
+            k += n
+        return [tc.TrajectoryTree.from_sequences(seqs)]
+
+    for rows, longest in [(24, 8), (16, 6), (12, 5)]:
+        forest = trees(rows, longest)
+        batch = tc.pack(forest)
+        assert (batch.num_tokens, batch.longest_path()[0]) == (rows, longest)
+        got, want = compiled(batch).loss.item(), per_path_loss(model, forest).loss.item()
+        assert abs(got - want) <= 1e-12 * abs(want), (rows, got, want)
+
+
 # ------------------------------------------------------------------ refusals
 # ------------------------------------------------------------------ refusals
 

@@ -406,10 +406,13 @@ def short_buffers(model: nn.Module, rows: int, longest: int, equal: bool = False
     out = []
     for module in model.modules():
         for name, buf in module._buffers.items():
-            sizes = [d for d in getattr(buf, "shape", ()) if (d == rows if equal else longest <= d < rows)]
-            if sizes and buf.dim() >= 1:
-                # The longest such dims are the table's length (a head dim may fall in the range too).
-                out.append((module, name, max(sizes)))
+            if getattr(buf, "dim", lambda: 0)() < 1:
+                continue
+            # The table's length is its longest dim: a shorter one in the range (the head dim of a
+            # [16, 8] rotary table beside a packed row of 16) is not what the row count slices.
+            size = max(buf.shape)
+            if size == rows if equal else longest <= size < rows:
+                out.append((module, name, size))
     return out
 
 
