@@ -424,14 +424,15 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
 
     def _forward_tree(self, batch: TreeBatch) -> TreeOutput:
         """The whole tree as one compiled call (``batch`` checked). A model that keeps a table as
-        long as this packed row (a cache an earlier call built at this length, `HeldAtRowCount`, or
-        a cached length that made this one a constant) takes its cache-hit branch: the batch runs
-        again with a zero-weight row more, and from then on with one more whenever its row count
-        is the last call's, so the model builds its table in the call (a cache-miss branch)."""
+        long as this packed row (a cache an earlier call, tree or eager, built at this length:
+        `HeldAtRowCount`, or a cached length that made this one a constant) takes its cache-hit
+        branch: the batch runs again with a zero-weight row more, and from then on with one more
+        whenever its row count is the last call's, so the model builds its table in the call (a
+        cache-miss branch). A length made a constant at the first call is refused at once."""
         try:
             return self._tree_call(batch, away=False)
         except ConstantLength as hit:
-            if self._away or not isinstance(hit, HeldAtRowCount) and batch.num_tokens != self._last_rows:
+            if not isinstance(hit, HeldAtRowCount) and not self._last_rows:
                 raise
             self._away = True
             return self._tree_call(batch, away=True)
