@@ -99,3 +99,41 @@ def test_twenty_different_trees_compile_once_per_grad_mode(name):
     # the last: loss, log-probs and every gradient.
     for tree in (trees[0], trees[-1]):
         compare_with_paths(model, compiled, pack(tree), [tree], tol="hf" if name == "qwen3" else "pure")
+
+
+class _HistoryLM(zc._LM):
+    """Keeps a list of its calls' lengths and stops learning after a million of them
+    (``len(self.history)``): Dynamo guards on the list's length, so every call compiles again."""
+
+    block_cls = zc._SdpaAttn
+
+    def __init__(self):
+        super().__init__(layers=1)
+        self.history = []
+
+    def forward(self, idx):
+        self.history.append(idx.shape[1])
+        out = super().forward(idx)
+        return out.detach() if len(self.history) > 10**6 else out
+
+
+def test_a_model_that_recompiles_at_every_call_is_refused_naming_the_guard(monkeypatch):
+    """Past the recompile limit (64 for treecompile's graphs; 3 here) the call is refused, naming
+    the guard that failed, never run uncompiled (which would be per-sequence attention on the
+    packed row); below it, each call is exact."""
+    from treecompile.capture import call
+    from treecompile.core.errors import UnsupportedModelError
+
+    monkeypatch.setitem(call.DYNAMO_CONFIG, "recompile_limit", 3)
+    torch.manual_seed(0)
+    model = _HistoryLM().double()
+    compiled = tree_compile(model, backend="eager")
+    trees = _trees()[3:4]
+    batch = pack(trees)
+    for _ in range(3):
+        compare_with_paths(model, compiled, batch, trees, tol="pure")
+    with pytest.raises(UnsupportedModelError) as info:
+        for _ in range(3):
+            compiled(batch)
+    first = str(info.value).splitlines()[0]
+    assert "would be compiled again after 3 compiles" in first and "history" in first, first

@@ -77,6 +77,9 @@ class TreeOutput:
 # - allow_rnn: capture recurrent layers so the verify pass can name them;
 # - fail_on_recompile_limit_hit: past the limit Dynamo would run the model uncompiled,
 #   i.e. with per-sequence attention on the packed row: silently wrong, so fail instead;
+# - recompile_limit: 64 graphs per compiled function, not 8: a model whose cache grows with the
+#   longest sequence seen recompiles at each new longest length, in both grad modes, and a
+#   training run would reach 8 within a few steps;
 # - allow_unspec_int_on_nn_module: a Python int the model counts on itself (``self.step += 1``)
 #   becomes a symbol after its first change instead of a constant guarded on, which would
 #   compile again at every call (and fail at the limit); see treecompile.passes.state;
@@ -87,7 +90,7 @@ class TreeOutput:
 #   refused naming its line).
 DYNAMO_CONFIG = {
     k: v
-    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True,
+    for k, v in {"allow_rnn": True, "fail_on_recompile_limit_hit": True, "recompile_limit": 64,
                  "allow_unspec_int_on_nn_module": True,
                  "reorderable_logging_functions": {*torch._dynamo.config.reorderable_logging_functions,
                                                    warnings.warn}}.items()
