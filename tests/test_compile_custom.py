@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from torch import nn
 import zoo
 from test_compile_models import (
     TREES,
@@ -206,6 +207,30 @@ def test_verify_passes_an_exact_model_and_leaves_it_as_it_was():
     assert all(torch.all(p.grad == 7.0) for p in model.parameters())
     compiled(batch)  # checked once, on the first call
     assert compiled.verified is report
+
+
+class _Float32Router(nn.Module):
+    """A layer whose own code casts to float32 before a weight of the model's dtype (Inkling 2's
+    router: ``F.linear(hidden_states.float(), self.weight)``): it runs in float32, not in float64."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / dim)
+
+    def forward(self, x):
+        return x + torch.nn.functional.linear(x.float(), self.weight).tanh().to(x.dtype)
+
+
+def test_verify_checks_in_the_models_dtype_a_model_that_cannot_run_in_float64():
+    """``verify=True`` checks a float64 copy; a model whose own code cannot run in float64 is
+    checked on itself, in its dtype (it raised the copy's RuntimeError before)."""
+    model = tiny(NanoGPT).float()
+    model.head = nn.Sequential(_Float32Router(model.head.in_features), model.head)
+    batch, _ = make_batch("forest")
+    compiled = tree_compile(model, verify=True, backend="eager")
+    assert torch.isfinite(compiled(batch).loss)
+    report = compiled.verified
+    assert report.dtype == torch.float32 and report.worst_grad_diff < report.tolerance
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

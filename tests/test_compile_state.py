@@ -101,17 +101,18 @@ def test_stateful_models_leave_the_model_as_an_ordinary_call_would():
 def test_buffers_a_call_grew_to_the_packed_length_are_read_back_at_that_length():
     """PaLM-pytorch registers its causal mask and rotary table at the length of a call and
     slices them on later calls no longer than that. A tree call grows them to its row count;
-    the next call of that row count reads them back, where Dynamo would take the row count for
-    the buffers' fixed size: it is exact (the buffers extended for the call), and so is a
-    shorter one, and the model run on its own is unchanged."""
+    the next call of that row count would read them back as long as its packed row (Dynamo takes
+    the row count for the buffers' size): it runs a zero-weight row more, so the model grows
+    them by one, and is exact; so is a shorter one, and the model run on its own is unchanged."""
     model = zoo_repos.BY_ID["palm-lazy-buffers"].build()
     twin = copy.deepcopy(model)
     compiled = tc.tree_compile(model, backend="eager")
     long, short = sorted(zoo.batches(), key=lambda b: -b[1].num_tokens)
-    for _, batch, trees in (long, long, short):
+    rows = long[1].num_tokens
+    for (_, batch, trees), grown in ((long, rows), (long, rows + 1), (short, rows + 1)):
         zoo.compare(model, compiled, batch, trees)
-        assert model.blocks[0].mask.shape[-1] == long[1].num_tokens
-    zoo.assert_unchanged(model, twin, lengths=(long[1].num_tokens, 11, 5))
+        assert model.blocks[0].mask.shape[-1] == grown
+    zoo.assert_unchanged(model, twin, lengths=(rows, 11, 5))
 
 
 def _exact_call_after_call(model: nn.Module, compiled, runs) -> None:

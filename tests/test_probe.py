@@ -211,3 +211,18 @@ def test_a_float64_model_whose_router_multiplies_in_float32_is_judged_at_float32
             assert (grads[name] - g).abs().max() <= 1e-6 * max(g.abs().max().item(), 1e-12), name
     report = compiled.probed[0]
     assert report.alone_rows_compared > 0 and report.alone_tolerance == PROBE_TOLERANCE[torch.float32]
+
+
+def test_a_float64_model_with_a_float32_softmax_is_probed_at_float32_rounding():
+    """x-transformers' talking heads compute their softmax in float32 inside a float64 model: a
+    path alone differs from its rows in the probe's forest by float32 rounding (2e-7), which is
+    no sign of rows mixing. The probe judges at the least precise dtype the graph casts down to
+    (it refused this one-path batch as an internal error, and then every later batch)."""
+    import zoo
+    import zoo_repos
+
+    model = zoo_repos.BY_ID["x-transformers-talking-heads"].build()
+    compiled = tc.tree_compile(model, backend="eager")
+    trees = [tc.TrajectoryTree.from_sequences([[16, 22, 1, 29, 15, 3, 10, 7, 23, 30]])]
+    zoo.compare(model, compiled, tc.pack(trees, warn_por=False), trees)
+    assert compiled.probed and compiled.probed[0].alone_tolerance == PROBE_TOLERANCE[torch.float32]

@@ -91,7 +91,7 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
     """The copy of the model on the batch's shortest and longest path on the other side against
     the call's rows (to the rounding of the least precise of the model's dtype, its graph's
     products and its logits): None if equal, the refusal if not, or why it could not be run."""
-    from treecompile.compile.probe import PROBE_TOLERANCE, products_dtype, wrapper_dtype
+    from treecompile.compile.probe import PROBE_TOLERANCE, downcast_dtype, less_precise, products_dtype, wrapper_dtype
 
     wanted = {min(other), max(other)}
     rows_of = {}
@@ -108,14 +108,14 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
         return f"the model could not be copied ({type(e).__name__})"
     computes = wrapper_dtype(wrapper)
     if record.graph_module is not None:
-        computes = _downcast_dtype(record.graph_module, products_dtype(record.graph_module, computes))
+        computes = downcast_dtype(record.graph_module, products_dtype(record.graph_module, computes))
     for n, rows in sorted(rows_of.items()):
         ids = batch.input_ids[rows.to(batch.input_ids.device)]
         (first, logits_dtype), (again, _) = (_path_logprobs(twin, ids, wrapper.temperature, seed) for seed in (0, 1))
         if not torch.equal(first, again):
             return "the model draws random numbers in its mode (dropout in training mode)"
         if logits_dtype.is_floating_point:
-            computes = _less_precise(computes, logits_dtype)
+            computes = less_precise(computes, logits_dtype)
         tol = PROBE_TOLERANCE.get(computes, 1e-3)
         got = logprobs.detach()[rows.to(logprobs.device)][1:].double()
         ref = first[1:].double().to(got.device)
@@ -130,27 +130,6 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
                 f"take the graph's side run (batches are packed into one row: the branch is decided at its row count)."
             )
     return None
-
-
-def _less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
-
-
-def _downcast_dtype(gm: Any, default: torch.dtype) -> torch.dtype:
-    """The least precise floating dtype ``gm`` casts a more precise value to (a float64 model's
-    norm in float32), or ``default`` if that is less precise: the rounding the model's own run
-    and the graph's, summing in other orders, may differ by. (A table kept in a low precision
-    and read as it is rounds nothing.)"""
-    worst = default
-    for n in gm.graph.nodes:
-        v = n.meta.get("example_value")
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-            continue
-        ins = [a.meta.get("example_value") for a in n.all_input_nodes]
-        if any(isinstance(x, torch.Tensor) and x.is_floating_point() and _less_precise(x.dtype, v.dtype) is v.dtype
-               and x.dtype is not v.dtype for x in ins):
-            worst = _less_precise(worst, v.dtype)
-    return worst
 
 
 def _copy(model: torch.nn.Module) -> torch.nn.Module:

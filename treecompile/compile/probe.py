@@ -47,7 +47,8 @@ from treecompile.passes._graph import MATMUL
 if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
 
-__all__ = ["ProbeReport", "ProbeRefused", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE"]
+__all__ = ["ProbeReport", "ProbeRefused", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE",
+           "downcast_dtype", "less_precise", "products_dtype"]
 
 #: The "path alone" check's tolerance, relative to ``max(1, |log-prob|)``, by the dtype the
 #: model computes in: rounding of the same values summed in another order (other shapes),
@@ -243,8 +244,9 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
         # router) or where a kernel varies from run to run.
         data_dependent = _has_unbacked_sizes(gm) or _routes_experts(record) or varies and not random
         # Products over another number of rows round differently: their least precise dtype is the
-        # model's (a float64 model whose router casts to float32 rounds like a float32 one there).
-        computes = products_dtype(gm, wrapper_dtype(wrapper))
+        # model's (a float64 model whose router casts to float32 rounds like a float32 one there), and
+        # so does a value cast down to a less precise dtype (a float64 model's float32 softmax).
+        computes = downcast_dtype(gm, products_dtype(gm, wrapper_dtype(wrapper)))
         if forest.edited is None:
             report.skipped.append("branch edit: the batch has a single token value")
         elif random:
@@ -293,6 +295,28 @@ def products_dtype(gm: fx.GraphModule, default: torch.dtype) -> torch.dtype:
             if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and \
                     torch.finfo(v.dtype).eps > torch.finfo(worst).eps:
                 worst = v.dtype
+    return worst
+
+
+def less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes."""
+    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
+
+
+def downcast_dtype(gm: Any, default: torch.dtype) -> torch.dtype:
+    """The least precise floating dtype ``gm`` casts a more precise value to (a float64 model's
+    norm in float32), or ``default`` if that is less precise: the rounding the model's own run
+    and the graph's, summing in other orders, may differ by. (A table kept in a low precision
+    and read as it is rounds nothing.)"""
+    worst = default
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            continue
+        ins = [a.meta.get("example_value") for a in n.all_input_nodes]
+        if any(isinstance(x, torch.Tensor) and x.is_floating_point() and less_precise(x.dtype, v.dtype) is v.dtype
+               and x.dtype is not v.dtype for x in ins):
+            worst = less_precise(worst, v.dtype)
     return worst
 
 

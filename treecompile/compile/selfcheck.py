@@ -2,7 +2,8 @@
 
 On the first call the wrapper runs :func:`verify_tree_compile`: a small random tree with
 every awkward feature, the compiled model against the unmodified model on each path, loss
-and every parameter's gradient, in float64 on a CPU copy where it fits. A model wrapped with
+and every parameter's gradient, in float64 on a CPU copy where it fits (and where the model's
+own code runs in float64; else on the model itself, in its dtype). A model wrapped with
 ``stream=`` is checked again at its first streamed call, streamed: the same check tree cut
 into parts of `VERIFY_STREAM_BUDGET_ROWS` rows in the wrapper's mode and cuts.
 """
@@ -96,7 +97,6 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
     the report's ``stream`` says what that run did.
     """
     from treecompile.core.batch import pack
-    from treecompile.core.reference import per_path_loss
 
     model = compiled.model
     n_bytes = sum(p.numel() for p in model.parameters()) * 8
@@ -105,8 +105,21 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
     if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
         subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
         plain_experts(subject)
-    else:
-        subject = model
+        try:
+            return _check(compiled, subject, tree, check_batch, stream)
+        except UnsupportedModelError:
+            raise
+        except Exception:  # the model's own code cannot run in float64 (a cast to float32 before a float64 weight)
+            pass
+    return _check(compiled, model, tree, check_batch, stream)
+
+
+def _check(compiled: Any, subject: torch.nn.Module, tree: TrajectoryTree, check_batch: TreeBatch,
+           stream: StreamOptions | None) -> VerifyReport:
+    """The check on ``subject``: a float64 CPU copy of the model, or the model itself."""
+    from treecompile.core.reference import per_path_loss
+
+    model = compiled.model
     was_training = model.training
     saved = {n: p.grad for n, p in model.named_parameters()}
     dtype = next(subject.parameters()).dtype

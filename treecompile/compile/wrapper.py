@@ -225,7 +225,7 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
         self._first_record = 0
         self._proven_rows: int | None = None
         self._last_rows, self._away = 0, False  # the rows the last call ran; whether to run others (_forward_tree)
-        self._extending: set[type] = set()  # the kinds of buffers extended for a call (see _forward_tree)
+        self._extending = False  # whether short buffers are extended for each call (see _tree_call)
         self._call_batch: TreeBatch | None = None  # the batch of the call running, for the probe
         self._passes = passes
         self._outputs = outputs
@@ -432,8 +432,9 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
         try:
             return self._tree_call(batch, away=False)
         except ConstantLength as hit:
-            if not isinstance(hit, HeldAtRowCount) and not self._last_rows:
-                raise
+            if not (isinstance(hit, HeldAtRowCount) or self._last_rows
+                    or short_buffers(self._inner, batch.num_tokens, 0, equal=True)):
+                raise  # (a length made constant at the first call, with no cache that long: a loop over it)
             self._away = True
             return self._tree_call(batch, away=True)
 
@@ -459,15 +460,13 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
         compiled_before = len(self.compile_records)
         if self._compiled is None:
             self._compiled, self._first_record = self._build(device), len(self.compile_records)
-        # Buffers sliced by the row count: shorter than the rows but as long as the longest path
-        # (nanoGPT's tril[:T, :T]) fail a capture; exactly as long (a cache grown to this length)
-        # make Dynamo take the row count for their size. Each kind is extended for the call once
-        # a capture has failed so (then for every such batch); masks are judged no longer.
-        kinds = {CaptureFailed: short_buffers(self._inner, batch.num_tokens, longest),
-                 ConstantLength: short_buffers(self._inner, batch.num_tokens, longest, equal=True)}
+        # Buffers sliced by the row count, shorter than the rows but as long as the longest path
+        # (nanoGPT's tril[:T, :T]), fail a capture: extended for the call once a capture has failed
+        # so (then for every such batch); masks are judged no longer. (Exactly as long: _forward_tree.)
+        short = short_buffers(self._inner, batch.num_tokens, longest)
 
         def extend():
-            return [b for kind, found in kinds.items() if kind in self._extending for b in found]
+            return short if self._extending else []
 
         self._call_batch = batch if self.verify.probes else None
         self._state.path_lengths = batch.path_lengths  # read once per run of a graph with a length branch
@@ -484,23 +483,15 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
                 self._compiled, self._first_record = self._build(device), len(self.compile_records)
                 args = self._inputs(batch)
                 out = self._call(args, extend(), batch.num_tokens, longest)
-        except (CaptureFailed, ConstantLength) as failed:
-            kind = CaptureFailed if isinstance(failed, CaptureFailed) else ConstantLength
-            error = failed.error if kind is CaptureFailed else failed
-            sized = kind is ConstantLength or about_sizes(error, batch.num_tokens)  # not on a tensor's values
-            if not kinds[kind] or kind in self._extending or not sized:
-                raise error from None
-            self._extending.add(kind)
+        except CaptureFailed as failed:
+            error = failed.error
+            if not short or self._extending or not about_sizes(error, batch.num_tokens):
+                raise error from None  # (about_sizes: not a failure on a tensor's values)
+            self._extending = True
             try:
                 out = self._call(args, extend(), batch.num_tokens, longest)
-            except (CaptureFailed, ConstantLength) as again:  # a failure with the buffers extended
-                if kind is ConstantLength:
-                    raise error from None  # the first refusal names where the length became constant
-                raise again.error if isinstance(again, CaptureFailed) else again from None
-            except UnsupportedModelError:  # (a table read from its end: the batch runs a row longer instead)
-                if isinstance(error, HeldAtRowCount):
-                    raise error from None
-                raise
+            except CaptureFailed as again:  # a failure with the buffers extended
+                raise again.error from None
         finally:
             self._call_batch, self._state.path_lengths = None, tuple  # the batch is not kept past the call
         loss, logprobs, aux, entropy = out
