@@ -20,6 +20,20 @@ settings.load_profile(os.environ.get("TREECOMPILE_HYPOTHESIS_PROFILE", "quick" i
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _quick_backend():
+    """In the quick tier a test that names no backend runs the rewritten graph as it is
+    (``backend="eager"``): the passes are what most tests check, and lowering with AOTAutograd,
+    the CPU default, triples a capture's time. The full suite (CI) keeps the default, and the
+    tests of the lowering name their backend. (In the workers, at their first test: the
+    controller never imports treecompile.)"""
+    if QUICK:
+        from treecompile.compile.wrapper import tree_compile
+
+        tree_compile.__kwdefaults__["backend"] = "eager"
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _float64_determinism():
     import torch  # here, not at the top: pytest-xdist's controller starts its workers without it

@@ -152,6 +152,7 @@ def test_a_cache_built_at_a_calls_length_is_exact_at_every_later_call(cls, kw):
     zoo.assert_unchanged(model, twin, lengths=(11, 5))
 
 
+@pytest.mark.full  # several calls in a row
 @pytest.mark.parametrize("case", ["torch-examples-transformer", "kerple-neox"])
 def test_a_cache_an_ordinary_call_built_at_the_packed_length_is_rebuilt_in_the_call(case):
     """An ordinary call of the model (evaluation, generation) between tree calls leaves its cache
@@ -182,6 +183,7 @@ def test_a_table_as_long_as_the_packed_row_is_not_read_as_rows():
     assert "reads model.rotary.cos_cached, a tensor the model keeps that is as long as the packed row" in first, first
 
 
+@pytest.mark.full  # several calls in a row
 def test_a_streamed_part_as_long_as_a_kept_table_is_refused_by_name():
     """A streamed part whose row count is the length of the table the model kept reads it as a
     cache hit: refused naming the table (the streamed runner runs no row more), never read as
@@ -201,6 +203,7 @@ def test_a_streamed_part_as_long_as_a_kept_table_is_refused_by_name():
     assert "reads model.rotary.cos_cached" in str(info.value).splitlines()[0], str(info.value)
 
 
+@pytest.mark.full  # several calls in a row
 def test_a_short_table_extended_for_a_long_batch_is_not_extended_along_its_head_dim_later():
     """A 16-entry rotary table ``[16, 8]`` (the zoo's ``rope-table-16-long-tree``): a batch of 24
     rows extends it for its call; a later batch of 16 rows whose paths have 6 tokens does not
