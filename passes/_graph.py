@@ -241,17 +241,6 @@ def source_of(node: fx.Node) -> str:
     return f"{lines[i]}: {code}"
 
 
-def input_source(node: fx.Node) -> str:
-    """Dynamo's name for where a graph input comes from (``L['ids'].size()[1]``,
-    ``L['inner']._modules['rotary'].cos_cached``), or ``""``."""
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return ""
-    name = source.name
-    return name() if callable(name) else name  # a method before torch 2.12
-
-
 def location_of(node: fx.Node) -> str:
     """``file.py:line`` of the user source line that produced ``node`` (see `source_of`)."""
     src = source_of(node)

@@ -45,8 +45,8 @@ from torch import fx
 from treecompile.kernels.attention.flex import BlockLayout
 from treecompile.kernels.attention.masks import MASK_KINDS
 from treecompile.core.errors import UnsupportedModelError, unknown_choice
-from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, input_source, location_of, mutated_args,
-                                      source_of, value, version_of)
+from treecompile.passes._graph import (PassContext, describe, eliminate_dead_code, location_of, mutated_args, source_of,
+                                      value, version_of)
 from treecompile.passes.attention import rewrite_attention_pass
 from treecompile.passes.cp import CPGraph, cp_passes
 from treecompile.passes.conv_context import rewrite_conv_context_pass
@@ -56,7 +56,8 @@ from treecompile.passes.markers import is_marker
 from treecompile.passes.moe import check_moe_regions_pass
 from treecompile.passes.positions import rewrite_positions_pass
 from treecompile.passes.ssm_state import route_ssm_state_pass
-from treecompile.passes.state import StateWrites, is_batch, run_with_state, separate_state, state_name, touches_state
+from treecompile.passes.state import (StateWrites, input_source, is_batch, run_with_state, separate_state, state_name,
+                                      touches_state)
 from treecompile.passes.stream import KVLayout, StreamGraph, stream_passes
 from treecompile.passes.subgraphs import inline_subgraphs_pass
 from treecompile.passes.verify import RowsMixed, verify_graph_pass

@@ -345,6 +345,17 @@ def is_batch(source: str, arguments: Sequence[str]) -> bool:
     return _root(source) in arguments or not source
 
 
+def input_source(node: fx.Node) -> str:
+    """Dynamo's name for where a graph input comes from (``L['ids'].size()[1]``,
+    ``L['inner']._modules['rotary'].cos_cached``), or ``""``."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return ""
+    name = source.name
+    return name() if callable(name) else name  # a method before torch 2.12
+
+
 def is_held_source(source: str) -> bool:
     """Whether a graph input with Dynamo's ``source`` is a tensor an object holds (a module's
     attribute or buffer, an entry of a dict it keeps, a global), not a local of the frame."""

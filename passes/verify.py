@@ -35,7 +35,6 @@ from treecompile.passes._graph import (
     describe,
     is_call,
     location_of,
-    input_source,
     same_size,
     source_of,
     value,
@@ -111,7 +110,7 @@ def held_tables(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
     rows of the batch; a tensor the model keeps that is as long as the packed row is a table an
     earlier call built for its length (a rotary cache rebuilt when the length changes, kept as
     a plain attribute), whose entry ``i`` is for row index ``i``, not for a position."""
-    from treecompile.passes.state import is_held_source
+    from treecompile.passes.state import input_source, is_held_source
 
     return {n: None for n in gm.graph.nodes if n.op == "placeholder" and is_held_source(input_source(n))
             and isinstance(ctx.seq_len, torch.SymInt) and any(same_size(d, ctx.seq_len) for d in _dims(n))}
@@ -125,7 +124,7 @@ def _dims(node: fx.Node) -> tuple:
 def _refuse_held_tables(held: dict[fx.Node, Any], ctx: PassContext) -> None:
     """Refuses a held tensor as long as the packed row (`held_tables`) that the model reads
     other than through a pass's gather at the positions."""
-    from treecompile.passes.state import state_name
+    from treecompile.passes.state import input_source, state_name
 
     for node in held:
         users = [u for u in node.users if u not in ctx.created]
