@@ -111,7 +111,10 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
         computes = downcast_dtype(record.graph_module, products_dtype(record.graph_module, computes))
     for n, rows in sorted(rows_of.items()):
         ids = batch.input_ids[rows.to(batch.input_ids.device)]
-        (first, logits_dtype), (again, _) = (_path_logprobs(twin, ids, wrapper.temperature, seed) for seed in (0, 1))
+        try:
+            (first, logits_dtype), (again, _) = (_path_logprobs(twin, ids, wrapper.temperature, seed) for seed in (0, 1))
+        except Exception as e:  # the model's own error on the path alone: no verdict, said as such
+            return f"the model run on a path alone raised {type(e).__name__}"
         if not torch.equal(first, again):
             return "the model draws random numbers in its mode (dropout in training mode)"
         if logits_dtype.is_floating_point:

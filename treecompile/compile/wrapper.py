@@ -439,6 +439,7 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
             return self._tree_call(batch, away=True)
 
     def _tree_call(self, batch: TreeBatch, away: bool) -> TreeOutput:
+        """One try of `_forward_tree` (``away``: with a zero-weight row more)."""
         if self.mask == "bitmask" and batch.path_bits is None:
             raise TreeInputError("mask='bitmask' needs path bits: pack the batch with pack(..., path_bits=True)")
         device = device_of(self._inner)
