@@ -163,6 +163,24 @@ def test_torch_multihead_attention_with_a_causal_mask_is_exact():
     assert compiled.counters["rewrite_attention_pass"]["multihead_attention"] == 1
 
 
+def test_a_torch_encoder_layer_without_gradients_is_exact_and_its_fast_path_setting_kept():
+    """Without gradients, in eval mode, ``nn.TransformerEncoderLayer`` takes torch's fused fast
+    path, which hides the mask and the softmax: a rollout's no-grad call was refused ("node 'ones'
+    produces a [.., S, S] tensor") where calls with gradients ran. The fast path is off during
+    treecompile's calls, and the user's setting is as it was after."""
+    import zoo
+
+    from treecompile.core.reference import per_path_loss
+
+    model = {c.id: c for c in zoo.all_cases()}["encoder-layer-padding"].build()
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        with torch.no_grad():
+            got, want = compiled(batch).loss.item(), per_path_loss(model, trees).loss.item()
+        assert abs(got - want) <= 1e-12 * abs(want), (got, want)
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
 def test_torch_multihead_attention_without_a_mask_is_refused_as_bidirectional():
     batch, _ = make_batch("branchy")
     with pytest.raises(UnsupportedModelError, match=HEAD + r"is nn.MultiheadAttention over the packed rows, not "

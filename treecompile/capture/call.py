@@ -101,11 +101,21 @@ DYNAMO_CONFIG = {
 @contextlib.contextmanager
 def call_settings():
     """What every compiled call runs under: no duck shaping (S, M and R must not be assumed equal
-    because they once were), `DYNAMO_CONFIG`, and the grad mode it found, restored also after an
-    error raised between the graph's own switches (a batch refused inside a model's no_grad region)."""
+    because they once were), `DYNAMO_CONFIG`, the grad mode it found, restored also after an
+    error raised between the graph's own switches (a batch refused inside a model's no_grad region),
+    and torch's fused fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` off
+    (taken without gradients, it hides the mask and the softmax the passes rewrite)."""
+    mha = getattr(torch.backends, "mha", None)
+    fast = mha.get_fastpath_enabled() if mha is not None else None
     with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(DYNAMO_CONFIG), \
             torch.set_grad_enabled(torch.is_grad_enabled()):
-        yield
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        try:
+            yield
+        finally:
+            if mha is not None:
+                mha.set_fastpath_enabled(fast)
 
 
 def device_of(model: nn.Module) -> torch.device:
