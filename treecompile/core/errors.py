@@ -222,8 +222,8 @@ def about_sizes(error: BaseException, rows: int) -> bool:
     text = str(error).lower()
     if any(w in text for w in ("values decide a size", "branches on a tensor's value", "data-dependent")):
         return False
-    return re.search(rf"\b{rows}\b", text) is not None or any(
-        w in text for w in ("size", "shape", "length", "out of range", "out of bounds", "index"))
+    return re.search(rf"\b{rows}\b", text) is not None or re.search(
+        r"\b(sizes?|shapes?|length|out of range|out of bounds|index)\b", text) is not None  # (not resize_)
 
 
 def row_count_error(model: Any, rows: int, longest: int, error: UnsupportedModelError,
