@@ -58,10 +58,9 @@ class RowsMixed(UnsupportedModelError):
 
 class HeldAtRowCount(RowsMixed, ConstantLength):
     """A tensor the model keeps, as long as the packed row, read whole (`held_tables`): a cache
-    an earlier call built for a sequence as long as this packed row. The whole-tree wrapper
-    extends such buffers for the call (as for `ConstantLength`), else runs the batch again with
-    a zero-weight row more (the model then takes its cache-miss branch and builds the table in
-    the call), before it refuses with this message."""
+    an earlier call built for a sequence as long as this packed row. The whole-tree wrapper runs
+    the batch again with a zero-weight row more (the model then takes its cache-miss branch and
+    builds the table in the call) before it refuses with this message."""
 
 
 def verify_graph_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -112,13 +111,10 @@ def held_tables(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
     a plain attribute), whose entry ``i`` is for row index ``i``, not for a position."""
     from treecompile.passes.state import input_source, is_held_source
 
-    return {n: None for n in gm.graph.nodes if n.op == "placeholder" and is_held_source(input_source(n))
-            and isinstance(ctx.seq_len, torch.SymInt) and any(same_size(d, ctx.seq_len) for d in _dims(n))}
-
-
-def _dims(node: fx.Node) -> tuple:
-    v = node.meta.get("example_value")
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+    if not isinstance(ctx.seq_len, torch.SymInt):
+        return {}
+    return {n: None for n in gm.graph.nodes if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
+            and any(same_size(d, ctx.seq_len) for d in value(n).shape) and is_held_source(input_source(n))}
 
 
 def _refuse_held_tables(held: dict[fx.Node, Any], ctx: PassContext) -> None:

@@ -19,7 +19,6 @@ identity norm: zero init hides wrong masks and dropped terms) and states what
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -794,12 +793,10 @@ def assert_unchanged(model: nn.Module, twin: nn.Module, lengths: tuple[int, ...]
 
 
 def twin_of(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model``; a tensor an attribute holds that autograd computed (the
-    ``weight`` of ``torch.nn.utils.weight_norm``, which its hook recomputes at every call) is
-    copied detached, as ``copy.deepcopy`` refuses it."""
-    memo = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
-            if isinstance(v, torch.Tensor) and not v.is_leaf}
-    return copy.deepcopy(model, memo)
+    """A deep copy of ``model`` (`treecompile.core.reference.model_copy`)."""
+    from treecompile.core.reference import model_copy
+
+    return model_copy(model)
 
 
 def run(case: Case, model: nn.Module | None = None) -> list[dict]:

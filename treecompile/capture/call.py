@@ -156,6 +156,31 @@ def run_head(inner: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor, positi
 
 
 _GRAPH_NUMBERS = itertools.count()
+#: The names `compile_named` gave (what `recompile_limit_refusal` reads Dynamo's guard failures of).
+_COMPILED_NAMES: set[str] = set()
+
+
+def recompile_limit_refusal(exc: BaseException):
+    """The refusal of a call Dynamo would compile once more than its limit allows
+    (``FailOnRecompileLimitHit``), naming the latest guards that failed for the treecompile graph
+    that recompiled most; None for any other error."""
+    if type(exc).__name__ != "FailOnRecompileLimitHit":
+        return None
+    import torch._dynamo.utils
+
+    from treecompile.core.errors import UnsupportedModelError
+
+    ours = [f for code, f in list(torch._dynamo.utils.guard_failures.items())
+            if getattr(code, "co_name", None) in _COMPILED_NAMES]
+    failures = max(ours, key=len, default=[])
+    said = "; ".join(str(f).strip().splitlines()[0][:200] for f in failures[-3:]) or "unknown"
+    return UnsupportedModelError(
+        f"treecompile cannot capture this model: its graph would be compiled again after "
+        f"{torch._dynamo.config.recompile_limit} compiles (Dynamo's limit), each because a guard failed: the model "
+        "changes between calls something the graph holds fixed (a buffer registered again at each call, a value "
+        f"kept in a dict or a global, a tensor's size). The latest guards that failed: {said}.\n"
+        "Keep such state as a tensor written in place, or build it in the call; TORCH_LOGS=recompiles shows every "
+        "recompile.")
 
 
 def argument_names(fn: Callable) -> tuple[str, ...]:
@@ -177,6 +202,7 @@ def compile_named(fn: Callable, name: str, backend: Callable) -> Callable:
     so Dynamo gets a weak reference to it and the compiled function the strong one: a wrapper
     that is dropped frees its model, parameters and graphs."""
     code = fn.__code__.replace(co_name=f"{name}_{next(_GRAPH_NUMBERS)}")
+    _COMPILED_NAMES.add(code.co_name)
     fn = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
     compiled = torch.compile(fn, backend=_WeakBackend(backend), fullgraph=True)
     compiled._treecompile_backend = backend  # lives as long as the compiled function
@@ -320,4 +346,4 @@ def call_under_setup(setup: CallSetup, compiled: Callable, args: tuple, passing:
                     raise
                 from treecompile.core.errors import capture_error
 
-                raise capture_error(e) from None
+                raise recompile_limit_refusal(e) or capture_error(e) from None

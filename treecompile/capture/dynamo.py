@@ -406,7 +406,7 @@ def short_buffers(model: nn.Module, rows: int, longest: int, equal: bool = False
     out = []
     for module in model.modules():
         for name, buf in module._buffers.items():
-            if getattr(buf, "dim", lambda: 0)() < 1:
+            if buf is None or buf.dim() < 1:
                 continue
             # The table's length is its longest dim: a shorter one in the range (the head dim of a
             # [16, 8] rotary table beside a packed row of 16) is not what the row count slices.

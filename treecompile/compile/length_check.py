@@ -22,13 +22,13 @@ its mode) the line is warned about instead (`LengthBranchWarning`), once.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from treecompile.core.batch import TreeBatch
 from treecompile.core.errors import BatchRefused
+from treecompile.core.reference import model_copy
 from treecompile.passes.length_branches import BranchVerdicts, LengthBranch
 
 __all__ = ["LengthBranchRefused", "forget_pending", "judge_length_branches"]
@@ -103,7 +103,7 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
     if not rows_of:
         return "no path of the batch has the length that took the other side"
     try:
-        twin = _copy(wrapper._inner)
+        twin = model_copy(wrapper._inner)
     except Exception as e:  # a model that cannot be deep-copied
         return f"the model could not be copied ({type(e).__name__})"
     computes = wrapper_dtype(wrapper)
@@ -133,14 +133,6 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
                 f"take the graph's side run (batches are packed into one row: the branch is decided at its row count)."
             )
     return None
-
-
-def _copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` that the check may run (and so write its state) freely; a tensor
-    attribute autograd computed (``weight_norm``'s weight) is copied detached."""
-    memo = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
-            if isinstance(v, torch.Tensor) and not v.is_leaf}
-    return copy.deepcopy(model, memo)
 
 
 def _path_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float,

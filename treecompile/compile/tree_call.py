@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from treecompile.capture.call import argument_names, call_settings, compile_failure, compile_named, failed_capture, run_head
+from treecompile.capture.call import (argument_names, call_settings, compile_failure, compile_named, failed_capture,
+                                      recompile_limit_refusal, run_head)
 from treecompile.capture.dynamo import (extended_buffers, hf_interfaces, install_output_hooks, short_buffers,
                                         swapped_kernels)
 from treecompile.capture.torch_swaps import TORCH_SWAPS
@@ -46,6 +47,9 @@ class WholeTreeCall:
                 except Exception as e:
                     if not failed_capture(e):  # a refusal already, or the compiled code's own error
                         raise
+                    limit = recompile_limit_refusal(e)
+                    if limit is not None:
+                        raise limit from None
                     short = extend or short_buffers(self._inner, rows, longest)
                     raise CaptureFailed(row_count_error(self._inner, rows, longest, capture_error(e), short)) \
                         from None

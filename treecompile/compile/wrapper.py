@@ -16,6 +16,7 @@ and pickling); what it uses lives in the layers below (docs/architecture.md).
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -470,7 +471,7 @@ class TreeCompiledModel(WholeTreeCall, DelegatingModule):
             return short if self._extending else []
 
         self._call_batch = batch if self.verify.probes else None
-        self._state.path_lengths = batch.path_lengths  # read once per run of a graph with a length branch
+        self._state.path_lengths = functools.cache(batch.path_lengths)  # read once per call, by a graph with a length branch
         try:
             try:
                 out = self._call(args, extend(), batch.num_tokens, longest)

@@ -30,27 +30,6 @@ class UnsupportedModelError(RuntimeError):
     """A model contains an operation that treecompile cannot make exact on a tree."""
 
 
-def _recompile_limit(exc: BaseException) -> UnsupportedModelError:
-    """The refusal of a call Dynamo would compile once more than its limit allows: the reasons
-    its guards failed (`torch._dynamo.utils.guard_failures`, the latest of treecompile's graphs)."""
-    import torch._dynamo.config
-    import torch._dynamo.utils
-
-    limit = getattr(torch._dynamo.config, "recompile_limit", None)
-    reasons = []
-    for code, failures in list(torch._dynamo.utils.guard_failures.items()):
-        if getattr(code, "co_name", "").startswith(("tree_forward", "stream_forward", "stream_cp_forward", "cp_forward")):
-            reasons = [str(f).strip().splitlines()[0] for f in failures[-3:]]
-    said = "; ".join(r[:200] for r in reasons) or "unknown"
-    return UnsupportedModelError(
-        f"treecompile cannot capture this model: its graph would be compiled again after {limit} compiles "
-        f"(Dynamo's limit), each because a guard failed: the model changes between calls something the graph "
-        f"holds fixed (a buffer registered again at each call, a value kept in a dict or a global, a tensor's "
-        f"size). The latest guards that failed: {said}.\n"
-        "Keep such state as a tensor written in place, or build it in the call; TORCH_LOGS=recompiles shows every "
-        "recompile.")
-
-
 def capture_error(exc: BaseException) -> UnsupportedModelError:
     """Turns an error raised while Dynamo captures the model into a refusal whose first line
     says what failed, where in the model's source, and why.
@@ -60,8 +39,6 @@ def capture_error(exc: BaseException) -> UnsupportedModelError:
     explanation or the exception the model raised gives the reason. Dynamo's full message is
     not repeated (it would bury the reason); ``TORCHDYNAMO_VERBOSE=1`` shows its trace.
     """
-    if type(exc).__name__ == "FailOnRecompileLimitHit":
-        return _recompile_limit(exc)
     text = str(exc)
     lines = text.splitlines()
     kind = lines[0].strip() if lines else type(exc).__name__

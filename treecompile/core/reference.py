@@ -86,6 +86,17 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` to run per path without touching the model's own state; a tensor
+    an attribute holds that autograd computed (the ``weight`` of ``torch.nn.utils.weight_norm``,
+    which its hook recomputes at every call) is copied detached, as ``copy.deepcopy`` refuses it."""
+    import copy
+
+    memo = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not v.is_leaf}
+    return copy.deepcopy(model, memo)
+
+
 def logits_of(out: Any) -> torch.Tensor:
     """The logits in a model's output: a tensor, ``out.logits``, or the first item of a tuple."""
     if isinstance(out, torch.Tensor):
