@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 import zoo
 import zoo_custom as zc
 
@@ -172,3 +173,116 @@ def test_a_factor_that_would_scale_a_mask_or_reads_the_row_is_refused(attn, why)
     compiled = tc.tree_compile(model, backend="eager")
     with pytest.raises(UnsupportedModelError, match=re.escape(why)):
         compiled(zoo.batches()[0][1])
+
+
+# ---------------------------------------------------------------- a key mask that fills -inf
+
+#: A forest whose first tree's paths start with the zoo's padded token (`zoo_custom.PAD`).
+_PAD_FIRST = [[[zc.PAD, 2, 3], [zc.PAD, 2, 4, 6]], [[1, 2, 3]]]
+
+
+def _forest(paths):
+    trees = [tc.TrajectoryTree.from_sequences(p) for p in paths]
+    return tc.pack(trees), trees
+
+
+def test_a_path_that_starts_with_a_token_a_minus_inf_key_mask_blocks_is_refused():
+    # Per path its first query sees no key: softmax over -inf alone is NaN, spreading along the
+    # path; the tree kernel gives the row 0. The batch is refused, the model's other batches exact.
+    from treecompile.core.errors import BatchRefused
+    from treecompile.core.reference import per_path_loss
+
+    model = _case("key-padding-fill").build()
+    compiled = tc.tree_compile(model, backend="eager")
+    batch, trees = _forest(_PAD_FIRST)
+    assert per_path_loss(model, trees).loss.isnan()
+    with pytest.raises(BatchRefused, match=r"a path starts with a token the key mask at zoo_custom\.py:\d+ fills "
+                                           r"with -inf"):
+        compiled(batch)
+    for _, batch, trees in zoo.batches():  # the padded token inside paths: exact
+        zoo.compare(model, compiled, batch, trees)
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=3))
+    with pytest.raises(BatchRefused, match="fills with -inf"):
+        streamed(_forest(_PAD_FIRST)[0])
+
+
+@pytest.mark.parametrize("case_id,stream", [("key-padding-sdpa", None), ("encoder-layer-padding", None),
+                                            ("key-padding-sdpa", StreamOptions(budget_rows=3))])
+def test_sdpa_gives_a_query_that_sees_no_key_0_as_the_tree_does(case_id, stream):
+    # And no gradient: the kernels' backward gives such a row probabilities of 0, not NaN.
+    model = _case(case_id).build()
+    compiled = tc.tree_compile(model, backend="eager", stream=stream)
+    zoo.compare(model, compiled, *_forest(_PAD_FIRST))
+
+
+class _PadZeroLM(zc.PaddedLM):
+    """`zoo_custom.PaddedLM` whose padded token is 0, the token of the wrapper's padding rows."""
+
+    def forward(self, idx):
+        keep = idx != 0
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x, keep)
+        return self.head(self.norm(x))
+
+
+def test_the_wrappers_padding_rows_are_not_paths():
+    # One target: the wrapper appends a two-token tree of weight 0 starting with token 0.
+    model = zoo._custom(_PadZeroLM)()
+    compiled = tc.tree_compile(model, backend="eager")
+    zoo.compare(model, compiled, *_forest([[[1, 2]]]))
+
+
+class _MhaPaddingBlock(nn.Module):
+    """``nn.MultiheadAttention`` with a boolean causal mask and ``key_padding_mask = ~keep``;
+    ``need_weights`` as given (the module's default: True, its own softmax)."""
+
+    def __init__(self, need_weights: bool = True) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(zc.DIM, zc.HEADS, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x, keep):
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~keep, need_weights=self.need_weights)
+        return x + y
+
+
+def test_multihead_attention_with_its_own_softmax_is_refused_where_a_path_starts_padded():
+    from treecompile.core.errors import BatchRefused
+
+    lm = type("MhaPaddingLM", (zc.PaddedLM,), {"block_cls": _MhaPaddingBlock})
+    model = zoo._custom(lm)()
+    compiled = tc.tree_compile(model, backend="eager")
+    with pytest.raises(BatchRefused, match="fills with -inf"):
+        compiled(_forest(_PAD_FIRST)[0])
+    zoo.compare(model, compiled, *zoo.batches()[0][1:])
+    quiet = zoo._custom(lm, need_weights=False)()  # SDPA inside: 0 per path too
+    zoo.compare(quiet, tc.tree_compile(quiet, backend="eager"), *_forest(_PAD_FIRST))
+
+
+class _WindowPaddingAttn(zc._PaddedAttn):
+    """Causal within 3 keys, then ``masked_fill(~keep, -inf)``: a query whose window holds only
+    padded keys sees none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.causal.triu_(-2)
+
+    def attend(self, q, k, v, keep):
+        t = q.shape[2]
+        att = (q @ k.transpose(-2, -1) * zc.HD**-0.5).masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        att = att.masked_fill(~keep[:, None, None, :], float("-inf"))
+        return att.softmax(-1) @ v
+
+
+def test_a_minus_inf_key_mask_under_a_window_is_left_to_the_dense_rule():
+    # The tree kernel would give a query whose window holds only padded keys 0; the dense rule
+    # computes the softmax as the model writes it (NaN there, as per path).
+    model = zoo._custom(type("WindowPaddingLM", (zc.PaddedLM,), {"block_cls": _WindowPaddingAttn}))()
+    compiled = tc.tree_compile(model, backend="eager")
+    for _, batch, trees in zoo.batches():
+        zoo.compare(model, compiled, batch, trees)
+    assert compiled.counters["rewrite_attention_pass"] == {"dense_pairs": 2}
+    assert compiled(_forest([[[1, zc.PAD, zc.PAD, zc.PAD, 2, 3]]])[0]).loss.isnan()

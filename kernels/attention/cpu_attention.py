@@ -33,7 +33,8 @@ import torch
 from treecompile.kernels.attention.flex_mods import score_vjp, tile_mask, tile_scores, user_mods
 from treecompile.kernels.attention.masks import MASK_KINDS, tree_mask_mod
 
-__all__ = ["tree_attention_cpu", "lse_dtype", "fused_ok", "fused_block", "fused_block_backward", "attention_scores", "row_terms"]
+__all__ = ["tree_attention_cpu", "lse_dtype", "fused_ok", "fused_block", "fused_block_backward", "attention_scores",
+           "row_terms", "seen"]
 
 Tensor = torch.Tensor
 
@@ -210,10 +211,17 @@ def fused_block_backward(dob: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Te
     are then the whole softmax's, so each part's gradients are its share of the whole's."""
     hq = qb.shape[1]
     dob, qb, kb, vb, ob = _unit_last(dob, qb, kb, vb, ob)
-    lseb = lseb if lseb.dtype == torch.float64 else lseb.float()
+    lseb = seen(lseb if lseb.dtype == torch.float64 else lseb.float())
     dq, dk, dv = _FLASH_BACKWARD(dob, qb, kb[None], vb[None], ob, lseb, 0.0, False,
                                  attn_mask=_additive(ok, bias, hq, qb.dtype), scale=scale)
     return dq[0], dk[0], dv[0]
+
+
+def seen(lse: Tensor) -> Tensor:
+    """``lse`` with +inf for -inf: a query that saw no key (its scores all -inf, a key mask read
+    from the tokens can leave one none) gets probabilities ``exp(s - lse)`` of 0, not NaN, so its
+    output's 0 passes back no gradient."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def _merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -471,7 +479,7 @@ def tree_attention_cpu_backward(
                                    own.pos[rows], own.buffers)
             sc = flat.view(sc.shape)
         ok = own.visible(_visible(kind, q_rows, rows, buffers, window, chunks), q_rows, rows, hkv)
-        p = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
+        p = torch.exp(sc - seen(lse4[:, :, q0:q1, None])).masked_fill(~ok, 0.0)
         _add_rows(dv, keys, torch.einsum("hgql,hgqd->hld", p, dob))
         dp = torch.einsum("hgqd,hld->hgql", dob, vb)
         ds = p * (dp - delta4[:, :, q0:q1, None])

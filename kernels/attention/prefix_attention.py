@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from treecompile.kernels.attention.cpu_attention import (attention_scores, fused_block, fused_block_backward, fused_ok,
-                                                lse_dtype, row_terms)
+                                                         lse_dtype, row_terms, seen)
 
 __all__ = ["prefix_tree_attention"]
 
@@ -104,8 +104,10 @@ def prefix_tree_attention(
             continue
         sc, _ = attention_scores(q4[:, :, q0:q1], k[0][:, keys], scale, softcap, bias)
         sc = sc.masked_fill(~ok, float("-inf"))
-        m = torch.logsumexp(sc, dim=-1, keepdim=True)  # every query sees itself: finite
-        o = torch.einsum("hgql,hld->hgqd", torch.exp(sc - m), v[0][:, keys])
+        # Every query sees itself; its score is -inf only where a key mask read from the tokens
+        # blocks every key it sees (0 and a log-sum-exp of -inf, as the whole-tree kernel gives).
+        m = torch.logsumexp(sc, dim=-1, keepdim=True)
+        o = torch.einsum("hgql,hld->hgqd", torch.exp(sc - m.masked_fill(m == float("-inf"), 0.0)), v[0][:, keys])
         out[0, :, q0:q1] = o.reshape(hq, q1 - q0, dv)
         lse[0, :, q0:q1] = m[..., 0].reshape(hq, q1 - q0)
     return out, lse
@@ -159,7 +161,7 @@ def prefix_tree_attention_backward(
             continue
         qb, dob = q4[:, :, q0:q1], do4[:, :, q0:q1]
         sc, t = attention_scores(qb, kb, scale, softcap, bias)
-        pr = torch.exp(sc - lse4[:, :, q0:q1, None]).masked_fill(~ok, 0.0)
+        pr = torch.exp(sc - seen(lse4[:, :, q0:q1, None])).masked_fill(~ok, 0.0)
         dv.index_add_(2, keys, torch.einsum("hgql,hgqd->hld", pr, dob)[None])
         ds = pr * (torch.einsum("hgqd,hld->hgql", dob, vb) - delta4[:, :, q0:q1, None])
         if t is not None:

@@ -91,6 +91,12 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     outputs = [u for u in users if u.args[1] == 0]
     if not outputs:
         return
+    # With need_weights the function's own softmax gives NaN to a query that sees no key (SDPA's, 0).
+    blind_is_nan = a["need_weights"] is not False and a["bias_k"] is None and not a["add_zero_attn"]
+    if blind_is_nan and window is not None and any(side == "key_blocked" for side, _, _ in padding):
+        ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask with need_weights: a query whose window "
+                           "holds only padded keys gets NaN per path (0 on the tree); need_weights=False is exact")
+        return
     e = int(qv.shape[-1])
     hd = e // heads
     emit = Emitter(gm, ctx, node)
@@ -101,7 +107,8 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     sinks, sink_values = _mha_extra_keys(emit, a, q, heads, hd)
     if padding:
         qkv = with_token_terms(gm, ctx, node, (1, heads), q, k, v, [(side, emit.method("view", m, 1, 1, 1, -1), f)
-                                                                    for side, m, f in padding], hd ** -0.5)
+                                                                    for side, m, f in padding], hd ** -0.5,
+                               blind_is_nan=blind_is_nan)
         if isinstance(qkv, str):
             ctx.notes[node] = qkv
             return
@@ -190,6 +197,12 @@ def _memory_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, a: di
         return
     outputs = [u for u in users if u.args[1] == 0]
     if not outputs:
+        return
+    # With need_weights the function's own softmax gives NaN to a query that sees no key (SDPA's, 0).
+    blind_is_nan = a["need_weights"] is not False and a["bias_k"] is None and not a["add_zero_attn"]
+    if blind_is_nan and window is not None and any(side == "key_blocked" for side, _, _ in padding):
+        ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask with need_weights: a query whose window "
+                           "holds only padded keys gets NaN per path (0 on the tree); need_weights=False is exact")
         return
     heads = a["num_heads"]
     e = int(value(a["query"]).shape[-1])

@@ -110,6 +110,12 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
     if m.walk.token_terms and m.walk.softcap is not None:
         ctx.notes[node] = "the scores get a bias read from the tokens beside a soft-cap (outside its tanh)"
         return
+    if (window is not None or mods is not None) and m.sink is None and m.memory is None and any(
+            side in ("key_blocked", "key_allowed") and f == float("-inf") for side, _, f in m.walk.token_terms):
+        ctx.notes[node] = ("the scores get a mask per key read from the tokens that fills -inf under a window or a "
+                           "mask of the model's own: a query whose visible keys it all blocks gets NaN per path "
+                           "(0 on the tree); a finite fill (torch.finfo(dtype).min) is exact")
+        return
     scale = m.walk.scale * (m.walk.softcap or 1.0)
     sink, sink_values = m.sink, None
     if m.memory is not None:
@@ -158,7 +164,8 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         q, k = qk
     with gm.graph.inserting_before(m.out):
         if m.walk.token_terms:
-            qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale)
+            qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale,
+                                   blind_is_nan=sink is None)
             if isinstance(qkv, str):
                 ctx.notes[node] = qkv
                 return

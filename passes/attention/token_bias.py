@@ -10,6 +10,12 @@ feature of the query and the key the kernel multiplies (`with_token_terms`), so 
 in the product over each query's ancestors, whole, streamed or split over a CP group, and gets
 its gradient. `token_terms` and `split_key_masks` read such terms off the graph (the softmax
 walk in `treecompile.passes.attention.score_chain` and the SDPA rewrite use them).
+
+A key mask that fills ``-inf`` leaves a query whose every key it blocks with no key: per path a
+softmax over ``-inf`` alone is NaN (SDPA's own softmax gives 0 there, as the tree kernel does).
+Under a causal mask that happens exactly at the first token of a path that starts with a
+blocked token, and from there NaN spreads along the path; the tree kernel gives the row 0.
+Where the spelling gives NaN, `root_sees_a_key` refuses such a batch (`BatchRefused`).
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import operator
 import torch
 from torch import fx
 
-from treecompile.passes._graph import Emitter, PassContext, is_call, same_size, value
+from treecompile.core.errors import BatchRefused
+from treecompile.passes._graph import Emitter, PassContext, is_call, location_of, same_size, value
 from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, reads_tokens
+from treecompile.passes.rows.domain import op_key
 
 __all__ = ["OR", "AND", "side_of", "token_terms", "masked_token_terms", "split_key_masks", "with_token_terms",
-           "with_factors"]
+           "with_factors", "root_sees_a_key"]
 
 #: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
 OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
@@ -160,9 +168,35 @@ def _is_key_mask(ctx: PassContext, x: fx.Node) -> bool:
             and bool(reads_tokens(ctx, x)))
 
 
+@torch.library.custom_op("treecompile::root_sees_a_key", mutates_args=())
+def root_sees_a_key(blocks: torch.Tensor, positions: torch.Tensor, path_count: torch.Tensor, where: str) -> torch.Tensor:
+    """0 (a 0-dim float32 tensor), after checking that no path starts with a token ``blocks``
+    (``[.., 1, S]``, True where a key mask blocks the key, for any head) blocks: a row at position
+    0 that some path goes through (``path_count``; padding rows have none); else raises
+    `BatchRefused` naming ``where``."""
+    blocked = blocks.reshape(-1, blocks.shape[-1]).any(0)
+    blind = int((blocked & (positions == 0) & (path_count > 0)).sum())
+    if blind:
+        paths = "a path starts" if blind == 1 else f"paths from {blind} roots start"
+        raise BatchRefused(
+            f"treecompile cannot make this batch exact on a tree: {paths} with a token the key mask at {where} "
+            "fills with -inf: per path its first query sees no key and the softmax gives NaN, which spreads "
+            "along the path (the tree kernel gives 0)")
+    return torch.zeros((), dtype=torch.float32, device=blocks.device)
+
+
+@root_sees_a_key.register_fake
+def _(blocks, positions, path_count, where):
+    return torch.empty((), dtype=torch.float32, device=blocks.device)
+
+
+root_sees_a_key.register_autograd(lambda ctx, grad: (None, None, None, None),
+                                  setup_context=lambda ctx, inputs, output: None)
+
+
 def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tuple, q: fx.Node, k: fx.Node,
                      v: fx.Node, terms: list[tuple[str, fx.Node, float]],
-                     scale: float) -> tuple[fx.Node, fx.Node, fx.Node] | str:
+                     scale: float, blind_is_nan: bool = False) -> tuple[fx.Node, fx.Node, fx.Node] | str:
     """``(q', k', v)``: the terms as features of the query and key the tree kernel multiplies,
     so that ``scale * q' . k'`` is the scores with the bias: the sum of the key terms over
     ``scale`` on the key against a 1 on the query, the sum of the query terms likewise on the
@@ -175,6 +209,9 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
             ``factor``; "key_blocked" / "key_allowed" boolean key masks, True where they block /
             allow, ``factor`` the score a blocked key gets.
         scale: the kernel's scale.
+        blind_is_nan: the spelling gives NaN for a query whose every key is blocked (a softmax
+            over scores filled with ``-inf``): each key mask filling ``-inf`` gets a
+            `root_sees_a_key` check (the caller refuses such masks under anything but a causal one).
 
     A query term's gradient is rounding noise per path (a softmax is unchanged by a value added
     to its whole row); carried, it is a gradient on the tree too (not None, which an optimizer
@@ -198,8 +235,13 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
         if side in ("key_blocked", "key_allowed"):  # a boolean mask per key: a very negative score where it blocks
             blocks = term if side == "key_blocked" else e.fn(torch.logical_not, term)
             t, side = e.fn(torch.where, e.method("transpose", blocks, -1, -2), factor / scale, 0.0), "key"
+            if blind_is_nan and factor == float("-inf"):
+                t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
         else:
             t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
+            if blind_is_nan and side == "key" and not _finite(term):  # a float mask of -inf (MultiheadAttention's)
+                blocks = e.fn(torch.isneginf, e.fn(operator.mul, term, factor))
+                t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
             t = e.fn(operator.mul, t, factor / scale)
         shapes[side].append(tuple(tv.shape[:-2]))
         cols[side] = e.fn(operator.add, cols[side], t) if side in cols else t
@@ -246,6 +288,43 @@ def with_factors(e: Emitter, factors: list, q: fx.Node, k: fx.Node) -> tuple[fx.
             return f"the scores get a factor per {side} over batch or head entries the {side}s do not have"
         sides[side] = e.fn(operator.mul, sides[side], t)
     return sides["query"], sides["key"]
+
+
+#: Ops that give finite values from finite ones (no ``-inf`` without an infinite operand): a
+#: float term computed by these alone from the tokens and parameters cannot block a key.
+_FINITE = frozenset({
+    "add", "sub", "mul", "neg", "cumsum", "sigmoid", "logsigmoid", "softplus", "tanh", "silu", "gelu", "relu",
+    "linear", "embedding", "getitem", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
+    "expand", "contiguous", "to", "float", "double", "half", "bfloat16", "type_as", "clone", "detach", "sum", "mean",
+    "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "long", "int", "bool",
+})
+
+
+def _finite(term: fx.Node) -> bool:
+    """Whether the float ``term`` is finite wherever its inputs are: every op computing it is one of
+    `_FINITE` with constants far from its dtype's overflow (a mask filled with ``-inf``, a ``log``
+    of one, a division, a sum of two ``finfo.min`` fills are not)."""
+    largest = torch.finfo(value(term).dtype).max / 1e4
+    seen, stack = set(), [term]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(n)
+        if n.op not in ("call_function", "call_method") or op_key(n) not in _FINITE:
+            return False
+        consts = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)) if isinstance(a, float)]
+        if any(not abs(c) < largest for c in consts):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
+
+
+def _root_check(e: Emitter, ctx: PassContext, blocks: fx.Node, term: fx.Node) -> fx.Node:
+    """`root_sees_a_key`'s 0 for the key mask ``blocks`` ``[.., 1, S]`` (True where it blocks), made
+    from ``term`` (whose line the refusal names)."""
+    path_count = ctx.path_count if ctx.path_count is not None else e.fn(torch.ones_like, ctx.positions)
+    return e.fn(torch.ops.treecompile.root_sees_a_key.default, blocks, ctx.positions, path_count, location_of(term))
 
 
 def _broadcast(lead: tuple, shapes: list) -> tuple | None:
