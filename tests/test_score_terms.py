@@ -286,3 +286,16 @@ def test_a_minus_inf_key_mask_under_a_window_is_left_to_the_dense_rule():
         zoo.compare(model, compiled, batch, trees)
     assert compiled.counters["rewrite_attention_pass"] == {"dense_pairs": 2}
     assert compiled(_forest([[[1, zc.PAD, zc.PAD, zc.PAD, 2, 3]]])[0]).loss.isnan()
+
+
+@pytest.mark.parametrize("case_id,checks", [("forgetting-transformer", 0), ("key-gate-bias", 0), ("doge-eager", 0),
+                                            ("key-padding-fill", 2)])
+def test_only_a_key_mask_that_can_hold_minus_inf_is_checked(case_id, checks):
+    # The check reads the device (one host sync per attention): a float term computed by ops that
+    # keep finite values finite (a running sum of log forget gates, a gate per key) needs none.
+    model = _case(case_id).build()
+    compiled = tc.tree_compile(model, backend="eager")
+    compiled(zoo.batches()[0][1])
+    graphs = [r.graph_module for r in compiled.compile_records if r.graph_module is not None]
+    found = sum(n.target is torch.ops.treecompile.root_sees_a_key.default for g in graphs for n in g.graph.nodes)
+    assert found == checks

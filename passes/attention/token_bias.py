@@ -239,7 +239,7 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
                 t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
         else:
             t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
-            if blind_is_nan and side == "key" and not _finite(term):  # a float mask of -inf (MultiheadAttention's)
+            if blind_is_nan and side == "key" and not _finite(ctx, term):  # a float mask of -inf (MultiheadAttention's)
                 blocks = e.fn(torch.isneginf, e.fn(operator.mul, term, factor))
                 t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
             t = e.fn(operator.mul, t, factor / scale)
@@ -290,25 +290,28 @@ def with_factors(e: Emitter, factors: list, q: fx.Node, k: fx.Node) -> tuple[fx.
     return sides["query"], sides["key"]
 
 
-#: Ops that give finite values from finite ones (no ``-inf`` without an infinite operand): a
-#: float term computed by these alone from the tokens and parameters cannot block a key.
+#: Ops that give finite values from finite ones, barring an overflow (no ``-inf`` without an
+#: infinite operand): a float term computed by these alone from the tokens and parameters
+#: cannot block a key.
 _FINITE = frozenset({
-    "add", "sub", "mul", "neg", "cumsum", "sigmoid", "logsigmoid", "softplus", "tanh", "silu", "gelu", "relu",
+    "add", "sub", "mul", "neg", "cumsum", "sigmoid", "logsigmoid", "log_sigmoid", "softplus", "tanh", "silu", "gelu",
+    "relu", "exp", "layer_norm", "rms_norm", "rsqrt", "sqrt", "pow", "dropout",
     "linear", "embedding", "getitem", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
     "expand", "contiguous", "to", "float", "double", "half", "bfloat16", "type_as", "clone", "detach", "sum", "mean",
     "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "long", "int", "bool",
 })
 
 
-def _finite(term: fx.Node) -> bool:
-    """Whether the float ``term`` is finite wherever its inputs are: every op computing it is one of
+def _finite(ctx: PassContext, term: fx.Node) -> bool:
+    """Whether the float ``term`` is finite wherever its inputs are: every op computing it from the
+    inputs, parameters and what the passes made (an earlier attention's output) is one of
     `_FINITE` with constants far from its dtype's overflow (a mask filled with ``-inf``, a ``log``
     of one, a division, a sum of two ``finfo.min`` fills are not)."""
     largest = torch.finfo(value(term).dtype).max / 1e4
     seen, stack = set(), [term]
     while stack:
         n = stack.pop()
-        if n in seen or n.op in ("placeholder", "get_attr"):
+        if n in seen or n.op in ("placeholder", "get_attr") or n in ctx.created and op_key(n) not in _FINITE:
             continue
         seen.add(n)
         if n.op not in ("call_function", "call_method") or op_key(n) not in _FINITE:
