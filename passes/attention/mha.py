@@ -21,7 +21,7 @@ from torch import fx
 from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
 from treecompile.passes._mask_eval import reads_tokens, structural_causal
 from treecompile.passes.attention.replace import replace
-from treecompile.passes.attention.token_bias import side_of, with_token_terms
+from treecompile.passes.attention.token_bias import side_of, term_kind, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
@@ -91,11 +91,14 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     outputs = [u for u in users if u.args[1] == 0]
     if not outputs:
         return
-    # With need_weights the function's own softmax gives NaN to a query that sees no key (SDPA's, 0).
-    blind_is_nan = a["need_weights"] is not False and a["bias_k"] is None and not a["add_zero_attn"]
-    if blind_is_nan and window is not None and any(side == "key_blocked" for side, _, _ in padding):
-        ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask with need_weights: a query whose window "
-                           "holds only padded keys gets NaN per path (0 on the tree); need_weights=False is exact")
+    # With need_weights the function's own softmax gives NaN to a query that sees no key (SDPA's, 0);
+    # appended keys are seen by every query.
+    blind = "none" if a["bias_k"] is not None or a["add_zero_attn"] else \
+        "nan" if a["need_weights"] is not False else "zero"
+    if blind != "none" and window is not None and padding and (
+            blind == "nan" or padding[0][0] == "key" and term_kind(ctx, padding[0][1]) == "large"):
+        ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask: a query whose window holds only padded "
+                           "keys is computed otherwise per path (NaN with need_weights, or a finite mask's weights)")
         return
     e = int(qv.shape[-1])
     hd = e // heads
@@ -108,7 +111,7 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     if padding:
         qkv = with_token_terms(gm, ctx, node, (1, heads), q, k, v, [(side, emit.method("view", m, 1, 1, 1, -1), f)
                                                                     for side, m, f in padding], hd ** -0.5,
-                               blind_is_nan=blind_is_nan)
+                               blind=blind)
         if isinstance(qkv, str):
             ctx.notes[node] = qkv
             return
@@ -197,12 +200,6 @@ def _memory_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, a: di
         return
     outputs = [u for u in users if u.args[1] == 0]
     if not outputs:
-        return
-    # With need_weights the function's own softmax gives NaN to a query that sees no key (SDPA's, 0).
-    blind_is_nan = a["need_weights"] is not False and a["bias_k"] is None and not a["add_zero_attn"]
-    if blind_is_nan and window is not None and any(side == "key_blocked" for side, _, _ in padding):
-        ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask with need_weights: a query whose window "
-                           "holds only padded keys gets NaN per path (0 on the tree); need_weights=False is exact")
         return
     heads = a["num_heads"]
     e = int(value(a["query"]).shape[-1])

@@ -34,7 +34,7 @@ from treecompile.passes.attention.patterns import allowed_at, one_pattern, patte
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
-from treecompile.passes.attention.token_bias import with_factors, with_token_terms
+from treecompile.passes.attention.token_bias import term_kind, with_factors, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_softmax_attention"]
@@ -111,10 +111,11 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         ctx.notes[node] = "the scores get a bias read from the tokens beside a soft-cap (outside its tanh)"
         return
     if (window is not None or mods is not None) and m.sink is None and m.memory is None and any(
-            side in ("key_blocked", "key_allowed") and f == float("-inf") for side, _, f in m.walk.token_terms):
-        ctx.notes[node] = ("the scores get a mask per key read from the tokens that fills -inf under a window or a "
-                           "mask of the model's own: a query whose visible keys it all blocks gets NaN per path "
-                           "(0 on the tree); a finite fill (torch.finfo(dtype).min) is exact")
+            side in ("key_blocked", "key_allowed") or side == "key" and term_kind(ctx, t) != "small"
+            for side, t, _ in m.walk.token_terms):
+        ctx.notes[node] = ("the scores get a mask per key read from the tokens under a window or a mask of the "
+                           "model's own: a query whose window it blocks whole is computed otherwise per path "
+                           "(NaN, or weights over the keys the fill hides alike)")
         return
     scale = m.walk.scale * (m.walk.softcap or 1.0)
     sink, sink_values = m.sink, None
@@ -165,7 +166,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
     with gm.graph.inserting_before(m.out):
         if m.walk.token_terms:
             qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale,
-                                   blind_is_nan=sink is None)
+                                   blind="nan" if sink is None else "none")
             if isinstance(qkv, str):
                 ctx.notes[node] = qkv
                 return

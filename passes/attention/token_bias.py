@@ -11,15 +11,18 @@ in the product over each query's ancestors, whole, streamed or split over a CP g
 its gradient. `token_terms` and `split_key_masks` read such terms off the graph (the softmax
 walk in `treecompile.passes.attention.score_chain` and the SDPA rewrite use them).
 
-A key mask that fills ``-inf`` leaves a query whose every key it blocks with no key: per path a
-softmax over ``-inf`` alone is NaN (SDPA's own softmax gives 0 there, as the tree kernel does).
-Under a causal mask that happens exactly at the first token of a path that starts with a
-blocked token, and from there NaN spreads along the path; the tree kernel gives the row 0.
-Where the spelling gives NaN, `root_sees_a_key` refuses such a batch (`BatchRefused`).
+A query whose every visible key a key mask blocks is computed otherwise per path than on the
+tree: a softmax over ``-inf`` alone is NaN per path (and NaN spreads along the path), where the
+tree kernel gives 0 (as SDPA's own softmax does); over a finite fill (``finfo.min``) it weighs
+alike every key holding the fill, which per path may include later keys whose causal mask is the
+same finite fill. Under a causal mask such a query is on a path that starts with a blocked token:
+`root_sees_a_key` refuses a batch with one (`BatchRefused`), except where the spelling gives what
+the kernel gives (SDPA over ``-inf``) or no query can be blind (a sink every query sees).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -31,7 +34,7 @@ from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, reads_toke
 from treecompile.passes.rows.domain import op_key
 
 __all__ = ["OR", "AND", "side_of", "token_terms", "masked_token_terms", "split_key_masks", "with_token_terms",
-           "with_factors", "root_sees_a_key"]
+           "with_factors", "root_sees_a_key", "BLIND", "term_kind"]
 
 #: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
 OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
@@ -180,8 +183,8 @@ def root_sees_a_key(blocks: torch.Tensor, positions: torch.Tensor, path_count: t
         paths = "a path starts" if blind == 1 else f"paths from {blind} roots start"
         raise BatchRefused(
             f"treecompile cannot make this batch exact on a tree: {paths} with a token the key mask at {where} "
-            "fills with -inf: per path its first query sees no key and the softmax gives NaN, which spreads "
-            "along the path (the tree kernel gives 0)")
+            "blocks: per path a query there sees only blocked keys, which the softmax gives NaN (a -inf fill) or "
+            "weighs alike with the keys a finite causal fill hides; the tree kernel sees only the path's")
     return torch.zeros((), dtype=torch.float32, device=blocks.device)
 
 
@@ -196,7 +199,7 @@ root_sees_a_key.register_autograd(lambda ctx, grad: (None, None, None, None),
 
 def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tuple, q: fx.Node, k: fx.Node,
                      v: fx.Node, terms: list[tuple[str, fx.Node, float]],
-                     scale: float, blind_is_nan: bool = False) -> tuple[fx.Node, fx.Node, fx.Node] | str:
+                     scale: float, blind: str = "nan") -> tuple[fx.Node, fx.Node, fx.Node] | str:
     """``(q', k', v)``: the terms as features of the query and key the tree kernel multiplies,
     so that ``scale * q' . k'`` is the scores with the bias: the sum of the key terms over
     ``scale`` on the key against a 1 on the query, the sum of the query terms likewise on the
@@ -209,9 +212,10 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
             ``factor``; "key_blocked" / "key_allowed" boolean key masks, True where they block /
             allow, ``factor`` the score a blocked key gets.
         scale: the kernel's scale.
-        blind_is_nan: the spelling gives NaN for a query whose every key is blocked (a softmax
-            over scores filled with ``-inf``): each key mask filling ``-inf`` gets a
-            `root_sees_a_key` check (the caller refuses such masks under anything but a causal one).
+        blind: what the spelling gives a query whose every visible key a mask blocks (`BLIND`):
+            "nan" (a softmax over ``-inf`` alone), "zero" (SDPA's softmax, as the kernel), "none"
+            (there is none: a sink or memory key every query sees). Except where it is the
+            kernel's, each mask that can block a key gets a `root_sees_a_key` check.
 
     A query term's gradient is rounding noise per path (a softmax is unchanged by a value added
     to its whole row); carried, it is a gradient on the tree too (not None, which an optimizer
@@ -219,6 +223,8 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
     """
     if scale == 0:
         return "the scores get a bias from the tokens but are scaled by 0"
+    if blind not in BLIND:
+        raise ValueError(f"treecompile internal error: blind={blind!r}; valid: {', '.join(BLIND)}")
     e = Emitter(gm, ctx, at)
     kv = value(k)
     lead = tuple(lead)
@@ -235,12 +241,16 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
         if side in ("key_blocked", "key_allowed"):  # a boolean mask per key: a very negative score where it blocks
             blocks = term if side == "key_blocked" else e.fn(torch.logical_not, term)
             t, side = e.fn(torch.where, e.method("transpose", blocks, -1, -2), factor / scale, 0.0), "key"
-            if blind_is_nan and factor == float("-inf"):
+            if blind == "nan" or blind == "zero" and not math.isinf(factor):
                 t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
         else:
             t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
-            if blind_is_nan and side == "key" and not _finite(ctx, term):  # a float mask of -inf (MultiheadAttention's)
-                blocks = e.fn(torch.isneginf, e.fn(operator.mul, term, factor))
+            kind = term_kind(ctx, term)
+            if side == "key" and blind != "none" and (kind == "large" or kind == "infinite" and blind == "nan"):
+                scores = e.fn(operator.mul, term, factor)  # a float mask (MultiheadAttention's -inf)
+                blocks = e.fn(operator.le, scores, BLOCKED)
+                if blind == "zero":  # -inf: 0 per path as on the tree
+                    blocks = e.fn(torch.logical_and, blocks, e.fn(torch.isfinite, scores))
                 t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
             t = e.fn(operator.mul, t, factor / scale)
         shapes[side].append(tuple(tv.shape[:-2]))
@@ -290,37 +300,45 @@ def with_factors(e: Emitter, factors: list, q: fx.Node, k: fx.Node) -> tuple[fx.
     return sides["query"], sides["key"]
 
 
+#: What a spelling gives a query whose every visible key is blocked (`with_token_terms`).
+BLIND = ("nan", "zero", "none")
+
 #: Ops that give finite values from finite ones, barring an overflow (no ``-inf`` without an
-#: infinite operand): a float term computed by these alone from the tokens and parameters
-#: cannot block a key.
+#: infinite operand; fills are judged by their constants): a float term computed by these alone
+#: from the tokens and parameters, with small constants, cannot block a key.
 _FINITE = frozenset({
     "add", "sub", "mul", "neg", "cumsum", "sigmoid", "logsigmoid", "log_sigmoid", "softplus", "tanh", "silu", "gelu",
-    "relu", "exp", "layer_norm", "rms_norm", "rsqrt", "sqrt", "pow", "dropout",
+    "relu", "exp", "layer_norm", "rms_norm", "rsqrt", "sqrt", "pow", "dropout", "masked_fill", "masked_fill_",
+    "where", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full",
     "linear", "embedding", "getitem", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
     "expand", "contiguous", "to", "float", "double", "half", "bfloat16", "type_as", "clone", "detach", "sum", "mean",
-    "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "long", "int", "bool",
+    "logical_not", "bitwise_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "eq", "ne", "lt", "le",
+    "gt", "ge", "long", "int", "bool", "size", "dim",
 })
 
 
-def _finite(ctx: PassContext, term: fx.Node) -> bool:
-    """Whether the float ``term`` is finite wherever its inputs are: every op computing it from the
-    inputs, parameters and what the passes made (an earlier attention's output) is one of
-    `_FINITE` with constants far from its dtype's overflow (a mask filled with ``-inf``, a ``log``
-    of one, a division, a sum of two ``finfo.min`` fills are not)."""
-    largest = torch.finfo(value(term).dtype).max / 1e4
-    seen, stack = set(), [term]
+def term_kind(ctx: PassContext, term: fx.Node) -> str:
+    """What the float ``term`` can hold where its inputs are finite: "small" (far above a blocking
+    score, `BLOCKED`), "infinite" (that, or ``±inf``: a mask filled with ``-inf``) or "large" (a
+    finite fill such as ``finfo.min`` or ``(1 - keep) * -10000``, or values no rule bounds). Small
+    and infinite: every op computing it from the inputs, parameters and what the passes made (an
+    earlier attention's output) is one of `_FINITE`, each constant smaller than ``-BLOCKED`` or
+    infinite (a ``log``, a division are not)."""
+    seen, stack, kind = set(), [term], "small"
     while stack:
         n = stack.pop()
         if n in seen or n.op in ("placeholder", "get_attr") or n in ctx.created and op_key(n) not in _FINITE:
             continue
         seen.add(n)
         if n.op not in ("call_function", "call_method") or op_key(n) not in _FINITE:
-            return False
-        consts = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)) if isinstance(a, float)]
-        if any(not abs(c) < largest for c in consts):
-            return False
+            return "large"
+        for c in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
+            if isinstance(c, float) and not abs(c) < -BLOCKED:
+                if not math.isinf(c):
+                    return "large"
+                kind = "infinite"
         stack.extend(n.all_input_nodes)
-    return True
+    return kind
 
 
 def _root_check(e: Emitter, ctx: PassContext, blocks: fx.Node, term: fx.Node) -> fx.Node:
