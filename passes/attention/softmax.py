@@ -90,6 +90,11 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         return
     window, alibi, relative, distances = terms
     mods, mod_buffers, mods_kind = None, [], "relative_bias"
+    if isinstance(distances, tuple) and not distances[0] and m.sink is None and m.memory is None:
+        # A query sees no key of its own path at first (per path its softmax is NaN, or over a
+        # finite fill weighs every key alike, the later ones too): the kernel would give it 0.
+        ctx.notes[node] = "the attention mask hides each query's own key, which leaves the first queries no key"
+        return
     if distances is not None:
         found = pattern_mods(gm, ctx, m.out, distances, beside=bool(relative) or alibi is not None
                              or isinstance(distances, int) and window is not None)
