@@ -15,6 +15,7 @@ import zoo_custom as zc
 from torch import nn
 
 import treecompile as tc
+from treecompile.core.errors import UnsupportedModelError
 from treecompile.stream.options import StreamOptions
 
 
@@ -38,11 +39,13 @@ def test_a_path_that_starts_with_a_token_a_minus_inf_key_mask_blocks_is_refused(
     from treecompile.core.reference import per_path_loss
 
     model = _case("key-padding-fill").build()
+    twin = zoo.twin_of(model)
     compiled = tc.tree_compile(model, backend="eager")
     batch, trees = _forest(_PAD_FIRST)
-    assert per_path_loss(model, trees).loss.isnan()
     with pytest.raises(BatchRefused, match=r"a path starts with a token the key mask at zoo_custom\.py:\d+ blocks"):
         compiled(batch)
+    zoo.assert_unchanged(model, twin, lengths=(7, 9))  # the refusal left the model as it was
+    assert per_path_loss(model, trees).loss.isnan()
     for _, batch, trees in zoo.batches():  # the padded token inside paths: exact
         zoo.compare(model, compiled, batch, trees)
     streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=3))
@@ -78,17 +81,20 @@ def test_the_wrappers_padding_rows_are_not_paths():
 
 
 class _MhaPaddingBlock(nn.Module):
-    """``nn.MultiheadAttention`` with a boolean causal mask and ``key_padding_mask = ~keep``;
-    ``need_weights`` as given (the module's default: True, its own softmax)."""
+    """``nn.MultiheadAttention`` with a boolean causal mask (``window``: keys less than that many
+    tokens back) and ``key_padding_mask = ~keep``; ``need_weights`` as given (the module's default:
+    True, its own softmax)."""
 
-    def __init__(self, need_weights: bool = True) -> None:
+    def __init__(self, need_weights: bool = True, window: int | None = None) -> None:
         super().__init__()
         self.attn = nn.MultiheadAttention(zc.DIM, zc.HEADS, batch_first=True)
-        self.need_weights = need_weights
+        self.need_weights, self.window = need_weights, window
 
     def forward(self, x, keep):
         t = x.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        if self.window is not None:
+            causal = causal | torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-self.window)
         y, _ = self.attn(x, x, x, attn_mask=causal, key_padding_mask=~keep, need_weights=self.need_weights)
         return x + y
 
@@ -104,6 +110,18 @@ def test_multihead_attention_with_its_own_softmax_is_refused_where_a_path_starts
     zoo.compare(model, compiled, *zoo.batches()[0][1:])
     quiet = zoo._custom(lm, need_weights=False)()  # SDPA inside: 0 per path too
     zoo.compare(quiet, tc.tree_compile(quiet, backend="eager"), *_forest(_PAD_FIRST))
+
+
+def test_multihead_attention_with_its_own_softmax_under_a_window_is_refused_by_name():
+    # A query whose window holds only padded keys: NaN per path; no root check can tell.
+    lm = type("MhaWindowPaddingLM", (zc.PaddedLM,), {"block_cls": _MhaPaddingBlock})
+    model = zoo._custom(lm, window=3)()
+    with pytest.raises(UnsupportedModelError, match="a key_padding_mask under a windowed attn_mask"):
+        tc.tree_compile(model, backend="eager")(zoo.batches()[0][1])
+    quiet = zoo._custom(lm, need_weights=False, window=3)()  # SDPA inside: 0 per path, as on the tree
+    compiled = tc.tree_compile(quiet, backend="eager")
+    zoo.compare(quiet, compiled, *_forest([[[1, 2, zc.PAD, zc.PAD, zc.PAD, 3, 4]], [[zc.PAD, 2]]]))
+    assert compiled.counters["rewrite_attention_pass"] == {"multihead_attention": 2}
 
 
 class _WindowPaddingAttn(zc._PaddedAttn):

@@ -233,6 +233,18 @@ def test_verify_checks_in_the_models_dtype_a_model_that_cannot_run_in_float64():
     assert report.dtype == torch.float32 and report.worst_grad_diff < report.tolerance
 
 
+def test_verify_copies_a_model_with_weight_norm():
+    """``verify=True``'s float64 copy of a model whose attribute autograd computed (the ``weight``
+    ``torch.nn.utils.weight_norm`` recomputes at every call; ``copy.deepcopy`` refuses it) is made
+    as the reference's copies are (it raised RuntimeError before)."""
+    model = tiny(NanoGPT)
+    model.head = nn.utils.weight_norm(model.head)
+    compiled = tree_compile(model, verify=True, backend="eager")
+    assert torch.isfinite(compiled(make_batch("forest")[0]).loss)
+    report = compiled.verified
+    assert report.dtype == torch.float64 and report.worst_grad_diff < 1e-10 and report.loss_diff < 1e-12
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_verify_in_place_checks_a_twin_without_the_check_and_the_temperature(monkeypatch, temperature):
     """A model too large to copy is checked in place, through a twin that neither checks again

@@ -21,7 +21,7 @@ from torch import fx
 from treecompile.passes._graph import Emitter, PassContext, bind, row_dims, value
 from treecompile.passes._mask_eval import reads_tokens, structural_causal
 from treecompile.passes.attention.replace import replace
-from treecompile.passes.attention.token_bias import side_of, term_kind, with_token_terms
+from treecompile.passes.attention.token_bias import can_blind, side_of, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_multihead"]
@@ -95,8 +95,7 @@ def rewrite_multihead(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> No
     # appended keys are seen by every query.
     blind = "none" if a["bias_k"] is not None or a["add_zero_attn"] else \
         "nan" if a["need_weights"] is not False else "zero"
-    if blind != "none" and window is not None and padding and (
-            blind == "nan" or padding[0][0] == "key" and term_kind(ctx, padding[0][1]) == "large"):
+    if window is not None and any(can_blind(ctx, side, m, f, blind) for side, m, f in padding):
         ctx.notes[node] = ("a key_padding_mask under a windowed attn_mask: a query whose window holds only padded "
                            "keys is computed otherwise per path (NaN with need_weights, or a finite mask's weights)")
         return

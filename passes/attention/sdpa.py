@@ -19,7 +19,7 @@ from treecompile.passes.attention.patterns import allowed_at, mask_pattern, patt
 from treecompile.passes.attention.dense_pairs import is_pair_exit
 from treecompile.passes.attention.memory import memory_keys, memory_masks, memory_sinks
 from treecompile.passes.attention.replace import heads_of, replace
-from treecompile.passes.attention.token_bias import (AND, masked_token_terms, split_key_masks, term_kind,
+from treecompile.passes.attention.token_bias import (AND, can_blind, masked_token_terms, split_key_masks,
                                                      token_terms, with_token_terms)
 from treecompile.passes.rows.random import attention_dropout
 
@@ -93,8 +93,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
         if not isinstance(scale, (int, float)):
             ctx.notes[node] = "scaled_dot_product_attention with a traced scale and a bias read from the tokens"
             return
-        if (window is not None or mods is not None) and any(side == "key" and term_kind(ctx, t) == "large"
-                                                            for side, t, _ in terms):
+        if (window is not None or mods is not None) and any(can_blind(ctx, side, t, f, "zero") for side, t, f in terms):
             ctx.notes[node] = ("attn_mask holds a float mask per key read from the tokens under a window or a mask "
                                "of another pattern: a query whose window it blocks whole weighs otherwise per path")
             return

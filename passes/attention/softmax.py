@@ -34,7 +34,7 @@ from treecompile.passes.attention.patterns import allowed_at, one_pattern, patte
 from treecompile.passes.attention.relative_bias import relative_bias_mods
 from treecompile.passes.attention.replace import heads_of, replace
 from treecompile.passes.attention.score_chain import ScoreChain, StopWalk, arithmetic_mask, walk_scores
-from treecompile.passes.attention.token_bias import term_kind, with_factors, with_token_terms
+from treecompile.passes.attention.token_bias import can_blind, with_factors, with_token_terms
 from treecompile.passes.rows.random import attention_dropout
 
 __all__ = ["rewrite_softmax_attention"]
@@ -90,7 +90,10 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
         return
     window, alibi, relative, distances = terms
     mods, mod_buffers, mods_kind = None, [], "relative_bias"
-    if isinstance(distances, tuple) and not distances[0] and m.sink is None and m.memory is None:
+    # What the softmax gives a query that sees only blocked keys (`with_token_terms`): NaN, unless
+    # a sink or memory key is there for every query.
+    blind = "nan" if m.sink is None and m.memory is None else "none"
+    if isinstance(distances, tuple) and not distances[0] and blind == "nan":
         # A query sees no key of its own path at first (per path its softmax is NaN, or over a
         # finite fill weighs every key alike, the later ones too): the kernel would give it 0.
         ctx.notes[node] = "the attention mask hides each query's own key, which leaves the first queries no key"
@@ -115,9 +118,8 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
     if m.walk.token_terms and m.walk.softcap is not None:
         ctx.notes[node] = "the scores get a bias read from the tokens beside a soft-cap (outside its tanh)"
         return
-    if (window is not None or mods is not None) and m.sink is None and m.memory is None and any(
-            side in ("key_blocked", "key_allowed") or side == "key" and term_kind(ctx, t) != "small"
-            for side, t, _ in m.walk.token_terms):
+    if (window is not None or mods is not None) and any(can_blind(ctx, side, t, f, blind)
+                                                        for side, t, f in m.walk.token_terms):
         ctx.notes[node] = ("the scores get a mask per key read from the tokens under a window or a mask of the "
                            "model's own: a query whose window it blocks whole is computed otherwise per path "
                            "(NaN, or weights over the keys the fill hides alike)")
@@ -171,7 +173,7 @@ def rewrite_softmax_attention(gm: fx.GraphModule, ctx: PassContext, node: fx.Nod
     with gm.graph.inserting_before(m.out):
         if m.walk.token_terms:
             qkv = with_token_terms(gm, ctx, m.out, value(m.walk.qk).shape[:-2], q, k, v, m.walk.token_terms, scale,
-                                   blind="nan" if sink is None else "none")
+                                   blind=blind)
             if isinstance(qkv, str):
                 ctx.notes[node] = qkv
                 return

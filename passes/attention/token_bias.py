@@ -34,7 +34,7 @@ from treecompile.passes._mask_eval import BLOCKED, depends_on_inputs, reads_toke
 from treecompile.passes.rows.domain import op_key
 
 __all__ = ["OR", "AND", "side_of", "token_terms", "masked_token_terms", "split_key_masks", "with_token_terms",
-           "with_factors", "root_sees_a_key", "BLIND", "term_kind"]
+           "with_factors", "root_sees_a_key", "BLIND", "term_kind", "can_blind"]
 
 #: ``(functions, methods)`` joining boolean masks: ``|`` of blocked parts, ``&`` of allowed ones.
 OR = ((operator.or_, torch.logical_or, torch.bitwise_or), ("logical_or", "bitwise_or", "__or__"))
@@ -214,8 +214,8 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
         scale: the kernel's scale.
         blind: what the spelling gives a query whose every visible key a mask blocks (`BLIND`):
             "nan" (a softmax over ``-inf`` alone), "zero" (SDPA's softmax, as the kernel), "none"
-            (there is none: a sink or memory key every query sees). Except where it is the
-            kernel's, each mask that can block a key gets a `root_sees_a_key` check.
+            (there is none: a sink or memory key every query sees). Each term `can_blind` names
+            gets a `root_sees_a_key` check.
 
     A query term's gradient is rounding noise per path (a softmax is unchanged by a value added
     to its whole row); carried, it is a gradient on the tree too (not None, which an optimizer
@@ -240,13 +240,13 @@ def with_token_terms(gm: fx.GraphModule, ctx: PassContext, at: fx.Node, lead: tu
             return "the scores get a bias from the tokens over more batch or head entries than the scores have"
         if side in ("key_blocked", "key_allowed"):  # a boolean mask per key: a very negative score where it blocks
             blocks = term if side == "key_blocked" else e.fn(torch.logical_not, term)
+            checked = can_blind(ctx, side, term, factor, blind)
             t, side = e.fn(torch.where, e.method("transpose", blocks, -1, -2), factor / scale, 0.0), "key"
-            if blind == "nan" or blind == "zero" and not math.isinf(factor):
+            if checked:
                 t = e.fn(operator.add, t, _root_check(e, ctx, blocks, term))
         else:
             t = e.method("transpose", term, -1, -2) if side == "key" else term  # each [.., S, 1]
-            kind = term_kind(ctx, term)
-            if side == "key" and blind != "none" and (kind == "large" or kind == "infinite" and blind == "nan"):
+            if can_blind(ctx, side, term, factor, blind):
                 scores = e.fn(operator.mul, term, factor)  # a float mask (MultiheadAttention's -inf)
                 blocks = e.fn(operator.le, scores, BLOCKED)
                 if blind == "zero":  # -inf: 0 per path as on the tree
@@ -339,6 +339,22 @@ def term_kind(ctx: PassContext, term: fx.Node) -> str:
                 kind = "infinite"
         stack.extend(n.all_input_nodes)
     return kind
+
+
+def can_blind(ctx: PassContext, side: str, term: fx.Node, factor: float, blind: str) -> bool:
+    """Whether the token term ``(side, term, factor)`` of `with_token_terms` can leave a query only
+    blocked keys where the spelling (``blind``, `BLIND`) computes that query otherwise than the
+    kernel: a boolean key mask unless its ``-inf`` gives SDPA's 0, a float key term that can block
+    (`term_kind`: "large", or "infinite" under a softmax that gives NaN). Such a term needs a
+    `root_sees_a_key` check under a causal mask and is refused (or left dense) under a window."""
+    if blind == "none":
+        return False
+    if side in ("key_blocked", "key_allowed"):
+        return blind == "nan" or not math.isinf(factor)
+    if side != "key":
+        return False
+    kind = term_kind(ctx, term)
+    return kind == "large" or kind == "infinite" and blind == "nan"
 
 
 def _root_check(e: Emitter, ctx: PassContext, blocks: fx.Node, term: fx.Node) -> fx.Node:

@@ -91,7 +91,7 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
     """The copy of the model on the batch's shortest and longest path on the other side against
     the call's rows (to the rounding of the least precise of the model's dtype, its graph's
     products and its logits): None if equal, the refusal if not, or why it could not be run."""
-    from treecompile.compile.probe import PROBE_TOLERANCE, downcast_dtype, less_precise, products_dtype, wrapper_dtype
+    from treecompile.compile.probe import PROBE_TOLERANCE, less_precise, rounding_dtype, wrapper_dtype
 
     wanted = {min(other), max(other)}
     rows_of = {}
@@ -108,7 +108,7 @@ def _check(wrapper: Any, record: Any, batch: TreeBatch, logprobs: torch.Tensor, 
         return f"the model could not be copied ({type(e).__name__})"
     computes = wrapper_dtype(wrapper)
     if record.graph_module is not None:
-        computes = downcast_dtype(record.graph_module, products_dtype(record.graph_module, computes))
+        computes = rounding_dtype(record.graph_module, computes)
     for n, rows in sorted(rows_of.items()):
         ids = batch.input_ids[rows.to(batch.input_ids.device)]
         try:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from treecompile.passes.pipeline import CompileRecord
 
 __all__ = ["ProbeReport", "ProbeRefused", "probe_graph", "probe_hook", "probe_new_graphs", "probe_record", "PROBE_TOLERANCE",
-           "downcast_dtype", "less_precise", "products_dtype"]
+           "downcast_dtype", "less_precise", "products_dtype", "rounding_dtype"]
 
 #: The "path alone" check's tolerance, relative to ``max(1, |log-prob|)``, by the dtype the
 #: model computes in: rounding of the same values summed in another order (other shapes),
@@ -246,7 +246,7 @@ def probe_graph(wrapper: Any, record: CompileRecord, batch: TreeBatch) -> ProbeR
         # Products over another number of rows round differently: their least precise dtype is the
         # model's (a float64 model whose router casts to float32 rounds like a float32 one there), and
         # so does a value cast down to a less precise dtype (a float64 model's float32 softmax).
-        computes = downcast_dtype(gm, products_dtype(gm, wrapper_dtype(wrapper)))
+        computes = rounding_dtype(gm, wrapper_dtype(wrapper))
         if forest.edited is None:
             report.skipped.append("branch edit: the batch has a single token value")
         elif random:
@@ -318,6 +318,13 @@ def downcast_dtype(gm: Any, default: torch.dtype) -> torch.dtype:
                and x.dtype is not v.dtype for x in ins):
             worst = less_precise(worst, v.dtype)
     return worst
+
+
+def rounding_dtype(gm: Any, default: torch.dtype) -> torch.dtype:
+    """The dtype whose rounding the graph ``gm``'s results and the model's own run on a path may
+    differ by: the least precise of ``default`` (the model's), its products' (`products_dtype`)
+    and what it casts down to (`downcast_dtype`)."""
+    return downcast_dtype(gm, products_dtype(gm, default))
 
 
 def _rounding(dtype: torch.dtype) -> float:

@@ -10,7 +10,6 @@ into parts of `VERIFY_STREAM_BUDGET_ROWS` rows in the wrapper's mode and cuts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -97,13 +96,14 @@ def verify_tree_compile(compiled: Any, batch: TreeBatch, stream: StreamOptions |
     the report's ``stream`` says what that run did.
     """
     from treecompile.core.batch import pack
+    from treecompile.core.reference import model_copy
 
     model = compiled.model
     n_bytes = sum(p.numel() for p in model.parameters()) * 8
     tree = _check_tree(batch)
     check_batch = pack(tree, loss_mode=batch.loss_mode, path_bits=compiled.mask == "bitmask", warn_por=False)
     if n_bytes <= VERIFY_COPY_LIMIT_BYTES:
-        subject = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+        subject = model_copy(model).to(device="cpu", dtype=torch.float64)
         plain_experts(subject)
         try:
             return _check(compiled, subject, tree, check_batch, stream)
