@@ -54,7 +54,7 @@ from treecompile.passes.attention.dense_pairs import is_pair_exit, rewrite_dense
 from treecompile.passes.attention.fft_conv import is_fft_conv, rewrite_fft_conv
 from treecompile.passes.attention.flex import rewrite_flex
 from treecompile.passes.attention.hf_interface import rewrite_hf_interface
-from treecompile.passes.attention.layout import canonical_layout
+from treecompile.passes.attention.layout import canonical_layout, sequence_channel_conv
 from treecompile.passes.attention.mha import rewrite_multihead
 from treecompile.passes.attention.mixing import rewrite_mixing
 from treecompile.passes.attention.pair_sum import is_pair_product, rewrite_pair_sum
@@ -109,6 +109,7 @@ def rewrite_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for node in list(gm.graph.nodes):
         spell_softmax(gm, node)
         canonical_layout(gm, ctx, node)
+        sequence_channel_conv(gm, ctx, node)
     for node in list(gm.graph.nodes):
         for spelling in SPELLINGS:
             # A rewrite that returns False declines the node (not its kind): the next spelling sees it.

@@ -104,7 +104,12 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
         return False  # made by a pass, or left dead by another spelling's rewrite
     region = _region(gm, ctx, start)
     if not isinstance(region, str) and not region[0]:
-        return False  # a product with a matrix that reads no token: not scores
+        # A matrix that reads no token: a learned one (gMLP's ``W[:T, :T]``, a random
+        # Synthesizer's softmax) is one structural leaf times the rows; a fixed one is the
+        # mixing rule's, which declines a product it is not.
+        if not depends_on_inputs(ctx, start) and is_call(exit_node, MATMUL, ("matmul", "bmm")):
+            return False
+        region = ([], [start], [exit_node])
     why = (exit_node, region) if isinstance(region, str) else _prove(ctx, region)
     if isinstance(why, tuple):
         # Said after what an earlier spelling said about the region (the verify pass quotes the
@@ -114,11 +119,11 @@ def rewrite_dense_pairs(gm: fx.GraphModule, ctx: PassContext, exit_node: fx.Node
         around = [exit_node] if isinstance(region, str) else [*region[0], *region[1], *region[2]]
         order = {n: i for i, n in enumerate(exit_node.graph.nodes)}
         noted = sorted((n for n in around if n in ctx.notes), key=order.get)
-        target = noted[0] if noted else exit_node if isinstance(region, str) else region[0][0]
+        target = noted[0] if noted else exit_node if isinstance(region, str) or not region[0] else region[0][0]
         ctx.notes[target] = f"{ctx.notes[target]}; {said}" if target in ctx.notes else said
         return None
     nodes, leaves, exits = region
-    anc = _rewrite(gm, ctx, nodes, leaves, why, exit_node)
+    anc = _rewrite(gm, ctx, nodes, leaves, why, exit_node, exits)
     for node, hidden, qdim, sink in why.get(GUARDS, []):
         guard(gm, ctx, node, hidden, qdim, sink, anc)
     for n in nodes:
@@ -361,8 +366,18 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
             return "moves the query or key dim"
         state[n] = state.get(n.args[0], UNKNOWN)
         return None
+    if _key_slice(n, ctx):  # a row value's first T entries, one per key: read at the key's position
+        state[n] = UNKNOWN
+        return None
     if _reads_length(n, ctx):
         return "reads the sequence length as a value"
+    if name == "cdist":  # distances of two row values, as a product of them: the token's own off the path
+        x, y = n.args[0], n.args[1]
+        if x in members or y in members or not (same_size(value(x).shape[-2], ctx.seq_len)
+                                                and same_size(value(y).shape[-2], ctx.seq_len)):
+            return "is a cdist of other than two row values"
+        state[n] = UNKNOWN
+        return None
     if is_call(n, MATMUL, ("matmul", "bmm")) or is_call(n, (torch.baddbmm,), ("baddbmm",)) or \
             is_call(n, (torch.einsum,)):
         return _pair_product(ctx, n, state, members)
@@ -417,6 +432,35 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     return f"is {name or n.target}, an op on [S, S] tensors the dense pair rule does not know"
 
 
+def _key_slice(n: fx.Node, ctx: PassContext) -> bool:
+    """``x[..., :T]`` of a row value ``x [.., S, L]`` whose last dim is a fixed width (a dense
+    Synthesizer's scores over the ``L`` positions a key may hold, cut to the length): per path
+    entry ``(i, j)`` is ``x[i, j]``, on the tree ``x[q, positions[k]]``."""
+    if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    x, index = n.args
+    xv, nv = value(x), value(n)
+    index = index if isinstance(index, tuple) else (index,)
+    if not (isinstance(xv, torch.Tensor) and index and xv.dim() == nv.dim() >= 2):
+        return False
+    last = index[-1]
+    lead = index[:-1]
+    if lead and lead[0] is Ellipsis:
+        lead = lead[1:]
+    elif len(index) != xv.dim():
+        return False
+    def whole(i, rows):  # ``:`` (or ``:T`` along the rows, all of them)
+        return i == slice(None) or rows and _first(i, ctx)
+
+    return all(whole(i, k == len(lead) - 1) for k, i in enumerate(lead)) and _first(last, ctx) \
+        and same_size(xv.shape[-2], ctx.seq_len) and not same_size(xv.shape[-1], ctx.seq_len)
+
+
+def _first(i, ctx: PassContext) -> bool:
+    """Whether index ``i`` is the slice ``[:T]``."""
+    return isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) and same_size(i.stop, ctx.seq_len)
+
+
 def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
     """``q @ k^T`` (two row values: a token's own entries, unknown off the path), ``baddbmm`` of
     one, or ``a @ b`` of two ``[S, S]`` (keys of ``a`` meeting queries of ``b``)."""
@@ -455,7 +499,8 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
 
 def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
     """``(x, y, transposed)`` for an einsum of two operands that is ``x @ y`` (``...ij,...jk->...ik``,
-    ``y``'s leading letters a suffix of ``x``'s) or ``x @ y^T`` (``...id,...jd->...ij``)."""
+    the shorter leading letters a suffix of the longer, as ``matmul`` broadcasts; either operand
+    first: ``bhnd,hmn->bhmd`` is ``W @ x``) or ``x @ y^T`` (``...id,...jd->...ij``)."""
     eq, ops = n.args[0], n.args[1:]
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = tuple(ops[0])
@@ -465,13 +510,12 @@ def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
     a, b = ins.split(",") if ins.count(",") == 1 else (None, None)
     if a is None or len(a) < 2 or len(b) < 2 or len(out) < 2 or len(set(a)) != len(a) or len(set(b)) != len(b):
         return None
+    for (x, y), (ea, eb) in (((ops[0], ops[1]), (a, b)), ((ops[1], ops[0]), (b, a))):
+        lead = max(ea[:-2], eb[:-2], key=len)
+        if lead.endswith(ea[:-2]) and lead.endswith(eb[:-2]) and out == lead + ea[-2] + eb[-1] \
+                and ea[-1] == eb[-2] and ea[-1] not in out:
+            return x, y, False
     lead = a[:-2]
-    if out != lead + a[-2] + b[-1] and out != lead + a[-2] + b[-2]:
-        return None
-    if not lead.endswith(b[:-2]):
-        return None
-    if out == lead + a[-2] + b[-1] and a[-1] == b[-2] and a[-1] not in out:
-        return ops[0], ops[1], False
     if out == lead + a[-2] + b[-2] and a[-1] == b[-1] and a[-1] not in out and b[:-2] == lead:
         return ops[0], ops[1], True
     return None
@@ -546,10 +590,13 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
 # ----------------------------------------------------------------------------- the rewrite
 
 
-def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hidden: dict, at: fx.Node) -> None:
-    """Reads each structural leaf at path positions, its hidden value off the path."""
+def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hidden: dict, at: fx.Node,
+             exits: list) -> None:
+    """Reads each structural leaf at path positions, its hidden value off the path (in the
+    region's nodes and exits: a learned matrix times the rows is a leaf read by its exit)."""
     g = gm.graph
-    first = min(nodes, key=list(g.nodes).index)
+    inside = set(nodes) | set(exits)
+    first = min(nodes or exits, key=list(g.nodes).index)
     # One dense tree mask per graph (built before the first region's nodes, so every later region can read it).
     anc = next((n for n in g.nodes if n.op == "call_function" and n.target is dense_tree_mask), None)
     with g.inserting_before(first):
@@ -558,6 +605,12 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
                            rows=False)
         pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
         pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
+    for n in nodes:
+        if _key_slice(n, ctx):
+            with g.inserting_before(n):
+                read = ctx.mark(g.call_function(torch.index_select, (n.args[0], -1, ctx.positions)), like=n,
+                                rows=False)
+            n.replace_all_uses_with(read)
     for leaf in leaves:
         marked = marked_fill(leaf)
         if fill_value(leaf) is not None or marked is not None:
@@ -565,14 +618,14 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
                 ctx.mark(n, rows=False)  # one value, or the path's chosen keys marked in it: as it is
             continue
         order = {n: i for i, n in enumerate(g.nodes)}
-        with g.inserting_before(min((u for u in leaf.users if u in nodes), key=order.get)):
+        with g.inserting_before(min((u for u in leaf.users if u in inside), key=order.get)):
             built = copy_values(ctx, g, leaf)
             read = ctx.mark(g.call_function(operator.getitem, (built, (Ellipsis, pq, pk))), like=leaf, rows=False)
             c = hidden[leaf].const
             tree = read if c is None else ctx.mark(g.call_function(torch.where, (anc, read, c.item())), like=leaf,
                                                    rows=False)
         for u in list(leaf.users):
-            if u in nodes:
+            if u in inside:
                 u.replace_input_with(leaf, tree)
     return anc
 

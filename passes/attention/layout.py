@@ -14,6 +14,14 @@ The chain from the score ``einsum`` to the softmax may hold element-wise ops (a 
 place or not; ``masked_fill``; ``where``; a sum with a bias) and casts, each read only by the
 next; the softmax must be read only by ``einsum``s. Anything else leaves the graph as it was
 (and the verify pass refuses the ``[.., S, S]`` scores by name).
+
+A pointwise convolution whose channels are the sequence (gMLP's spatial gating unit as
+lucidrains writes it: ``F.conv1d(x, W[:T, :T] (tril), b[:T])`` on ``x [B, T, d]``) is the matrix
+product ``W[..., 0] @ x + b[:, None]``, and a linear layer over the sequence (a causal MLP-Mixer's
+token mixing: ``F.linear(x^T, W[:T, :T] * tril, b[:T])`` on ``x^T [B, d, T]``) is
+``(W @ x) ^ T + b``: identities of the ops (a kernel of size 1 without stride, padding, dilation
+or groups). `sequence_channel_conv` writes them so, and the mixing and dense pair rules judge
+the product as any other.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from torch import fx
 
 from treecompile.passes._graph import SOFTMAX, PassContext, emit, is_call, op_name, same_size, value
 
-__all__ = ["canonical_layout"]
+__all__ = ["canonical_layout", "sequence_channel_conv"]
 
 _CHAIN = {"mul", "mul_", "div", "div_", "truediv", "itruediv", "imul", "masked_fill", "masked_fill_", "where", "add",
           "add_", "sub", "sub_", "iadd", "isub", "float", "double", "to", "type_as", "contiguous"}
@@ -123,4 +131,48 @@ def canonical_layout(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> Non
     for u in list(node.users):
         (_, v), res = _letters(u.args[0])
         u.args = (f"{new_out},{v}->{res}", *u.args[1:])
+    ctx.count("layout")
+
+
+_CONV1D = (torch.conv1d, torch.nn.functional.conv1d)
+
+
+def sequence_channel_conv(gm: fx.GraphModule, ctx: PassContext, node: fx.Node) -> None:
+    """Rewrites ``conv1d(x, w, b)`` with ``x [.., S, d]`` (the rows as channels) and ``w [S, S, 1]``,
+    stride 1, no padding, dilation 1, one group, to ``w.squeeze(-1) @ x (+ b.unsqueeze(-1))``,
+    and ``linear(x, w, b)`` with ``x [.., d, S]`` and ``w [S, S]`` to ``(w @ x^T)^T (+ b)`` (module
+    docstring); leaves any other node."""
+    if is_call(node, (torch.nn.functional.linear, torch._C._nn.linear)) and len(node.args) >= 2:
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        xv, wv = value(x), value(w) if isinstance(w, fx.Node) else None
+        if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and xv.dim() >= 2 and wv.dim() == 2
+                and all(same_size(d, ctx.seq_len) for d in (xv.shape[-1], *wv.shape))):
+            return
+        xt = emit(gm, ctx, node, "call_method", "transpose", (x, -1, -2), mark=False)
+        m = emit(gm, ctx, node, "call_function", torch.matmul, (w, xt), mark=False)
+        new = emit(gm, ctx, node, "call_method", "transpose", (m, -1, -2), mark=False)
+    elif is_call(node, _CONV1D) and len(node.args) >= 2:
+        names = ["input", "weight", "bias", "stride", "padding", "dilation", "groups"]
+        bound = dict(zip(names, node.args)) | dict(node.kwargs)
+        x, w, b = bound["input"], bound["weight"], bound.get("bias")
+        xv, wv = value(x), value(w) if isinstance(w, fx.Node) else None
+        if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and xv.dim() in (2, 3)
+                and wv.dim() == 3):
+            return
+        plain = all(bound.get(k, d) in (d, [d], (d,)) for k, d in (("stride", 1), ("padding", 0), ("dilation", 1),
+                                                                    ("groups", 1)))
+        if not (plain and wv.shape[-1] == 1 and same_size(xv.shape[-2], ctx.seq_len)
+                and same_size(wv.shape[0], ctx.seq_len) and same_size(wv.shape[1], ctx.seq_len)):
+            return
+        m = emit(gm, ctx, node, "call_method", "squeeze", (w, -1), mark=False)
+        new = emit(gm, ctx, node, "call_function", torch.matmul, (m, x), mark=False)
+        if isinstance(b, fx.Node):
+            b = emit(gm, ctx, node, "call_method", "unsqueeze", (b, -1), mark=False)
+    else:
+        return
+    if isinstance(b, fx.Node):
+        new = emit(gm, ctx, node, "call_function", torch.add, (new, b), mark=False)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
     ctx.count("layout")

@@ -42,6 +42,7 @@ from zoo_repos.mamba_ssm import MambaLM
 from zoo_repos.mambapy import MambaPyLM
 from zoo_repos.titan_moe import TitanMoELM
 from zoo_repos.mega import MegaLM
+from zoo_repos.mixing import GMLPLM, MixerLM
 from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
@@ -192,6 +193,23 @@ CASES: list[zoo.Case] = [
              _build(StickBreakingLM, attend_current=True), attention={"dense_pairs": 1}),
     zoo.Case("stickbreaking-mask-late", "stick-breaking with log(1 - beta) masked only after the sum over later keys",
              _build(StickBreakingLM, mask_late=True), expect="refused", reason="whose first is not 0 off the path"),
+    zoo.Case("gmlp", "lucidrains/g-mlp-pytorch causal spatial gating unit: F.conv1d over the tokens as channels, "
+             "weight[:n, :n] masked by triu_(1), bias[:n]", _build(GMLPLM), attention={"layout": 2, "dense_pairs": 2}),
+    zoo.Case("gmlp-einsum", "gMLP with a [max_len, max_len] parameter: tril(W[:n, :n]) in einsum('b n d, m n -> "
+             "b m d') plus a bias per position", _build(GMLPLM, unit="einsum"), attention={"dense_pairs": 2}),
+    zoo.Case("gmlp-not-causal", "gMLP without its causal mask (every token reads the later ones)",
+             _build(GMLPLM, causal=False), expect="refused", reason="it does not ignore off the path"),
+    zoo.Case("synthesizer-dense", "Dense Synthesizer: w2(relu(w1(x)))[:, :n, :n] scores over the positions, "
+             "triu(ones(n, n), 1) filled with -inf, bmm", _build(MixerLM, "dense"), attention={"dense_pairs": 2}),
+    zoo.Case("synthesizer-dense-from-end", "the same scores cut from the end of the positions ([:, :, -n:])",
+             _build(MixerLM, "dense-from-end"), expect="refused", reason="sequence length"),
+    zoo.Case("synthesizer-random", "Random Synthesizer: a learned [1, max_len, max_len] score matrix cut [:, :n, :n], "
+             "masked by -1e9, matmul", _build(MixerLM, "random"), attention={"dense_pairs": 2}),
+    zoo.Case("mlp-mixer-causal", "MLP-Mixer token mixing made causal: F.linear(x.transpose(1, 2), "
+             "W[:n, :n] * tril[:n, :n], b[:n]) over the sequence dim", _build(MixerLM, "mixer"),
+             attention={"layout": 2, "dense_pairs": 2}),
+    zoo.Case("l2-attention", "L2 self-attention (Kim et al. 2021): tied query/key weights, scores "
+             "-cdist(q, q) ** 2 / sqrt(d)", _build(MixerLM, "l2"), attention={"dense_pairs": 2}),
     zoo.Case("xlstm-mlstm", "NX-AI/xlstm parallel_stabilized_simple: cumsum of log forget gates padded by a zero row, "
              "repeated to [T + 1, T + 1] minus its transpose, cut [..., 1:, 1:], where(tril, ., -inf) plus input "
              "gates, row-max stabilised, times the scores, normalised by max(|row sum|, exp(-max))", _build(MLSTMLM),
