@@ -155,7 +155,7 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
         seen.add(n)
         if not _reads_tokens(ctx, n):
             continue  # a structural leaf: its own inputs are its construction
-        stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx))
+        stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx) or _is_table(a, ctx))
         stack.extend(u for u in n.users if is_pair(u, ctx))
     order = {n: i for i, n in enumerate(start.graph.nodes)}
     token = sorted((n for n in seen if _reads_tokens(ctx, n)), key=order.get)
@@ -163,7 +163,18 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
     if any(n in ctx.created for n in seen):
         return "is an [S, S] tensor another rewrite made"
     exits = sorted({u for n in token for u in n.users if u not in seen}, key=order.get)
+    # A table of pairs the weights are summed with (``'...ij,ijd->...id'``): a leaf of the exit.
+    leaves += sorted({a for e in exits for a in e.all_input_nodes
+                      if a not in seen and _is_table(a, ctx) and not _reads_tokens(ctx, a)}, key=order.get)
     return token, leaves, exits
+
+
+def _is_table(x, ctx: PassContext) -> bool:
+    """``[S, S, ..]``: a tensor per (query, key) pair with features after them (Shaw et al.'s
+    relative embeddings ``E[clamp(j - i)]``), no other dim of the length."""
+    v = value(x) if isinstance(x, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() >= 3 and same_size(v.shape[0], ctx.seq_len) \
+        and same_size(v.shape[1], ctx.seq_len) and not any(same_size(d, ctx.seq_len) for d in v.shape[2:])
 
 
 def _reads_tokens(ctx: PassContext, n: fx.Node) -> bool:
@@ -219,6 +230,15 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> Hidden | str:
         a, b = (evaluate(ctx, source, rows=r).to(dtype) for r in (long, short))
     except Exception as e:  # not buildable at another length
         return f"not buildable at another length ({type(e).__name__})"
+    if _is_table(leaf, ctx):  # pairs first, features after: judged as one, UNKNOWN off the path
+        if a.shape[:2] != (long, long) or b.shape[:2] != (short, short):
+            return "not [S, S, ..] at another length"
+        ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
+        if not equal_with_nans(a[:short, :short], b):
+            return "a function of the sequence length (at half the length it is not the corner of the whole)"
+        if not bool(torch.isfinite(a).all()):
+            return "a table of pairs that is not finite (off the path a key reads another pair's entry)"
+        return UNKNOWN
     if a.shape[-2:] != (long, long) or b.shape[-2:] != (short, short):
         return "not [.., S, S] at another length"
     ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
@@ -467,6 +487,8 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
     if is_call(n, (torch.baddbmm,), ("baddbmm",)):
         x, y = n.args[1], n.args[2]
     elif is_call(n, (torch.einsum,)):
+        if any(_is_table(a, ctx) for a in n.all_input_nodes):
+            return _table_einsum(ctx, n, state, members, exit=False)
         found = _einsum_product(n)
         if found is None:
             return einsum_per_head(ctx, n, state, members)
@@ -495,6 +517,37 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
         return "is a product that is not scores of two row values"
     state[n] = UNKNOWN
     return None
+
+
+def _table_einsum(ctx: PassContext, n: fx.Node, state: dict, members: set, exit: bool) -> str | None:
+    """An einsum with a table of pairs ``R [S, S, d]`` (letters ``ijd``): ``'...id,ijd->...ij'`` with a
+    row value (scores ``x_i . R_ij``: the token's own at a visible pair, unknown off the path), or,
+    leaving the region, ``'...ij,ijd->...id'`` with ``[S, S]`` weights that are 0 off the path (a sum
+    over the path's keys of ``w_ij R_ij``; the table is finite)."""
+    eq, ops = n.args[0], n.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+        return "is an einsum with a table of pairs other than a product over its features"
+    ins, out = eq.replace(" ", "").split("->")
+    specs = ins.split(",")
+    tables = [k for k, o in enumerate(ops) if _is_table(o, ctx) and o in members]
+    if len(specs) != 2 or len(tables) != 1 or any(len(sp) != value(o).dim() for sp, o in zip(specs, ops)):
+        return "is an einsum with a table of pairs other than a product over its features"
+    t = specs[tables[0]]
+    other, o = specs[1 - tables[0]], ops[1 - tables[0]]
+    i, j, feats = t[0], t[1], t[2:]
+    if len(set(t)) != len(t) or len(set(other)) != len(other) or set(feats) & set(other[:-1]):
+        return "is an einsum with a table of pairs other than a product over its features"
+    if not exit and o not in members and other[-1:] == feats[-1:] and len(feats) == 1 and other[-2:-1] == i \
+            and j not in other and out == other[:-1] + j and same_size(value(o).shape[-2], ctx.seq_len):
+        state[n] = UNKNOWN
+        return None
+    if exit and o in members and other[-2:] == i + j and len(feats) == 1 and out == other[:-1] + feats:
+        if not state[o].is_(0.0):
+            return "sums a table of pairs over keys it does not ignore off the path (the weights are not 0 there)"
+        return None
+    return "is an einsum with a table of pairs other than a product over its features"
 
 
 def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
@@ -557,6 +610,8 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
     if _reads_length(e, ctx):
         return "reads the sequence length as a value"
     pair_args = [a for a in e.all_input_nodes if a in members]
+    if is_call(e, (torch.einsum,)) and any(_is_table(a, ctx) for a in e.all_input_nodes):
+        return _table_einsum(ctx, e, state, members, exit=True)
     product = _einsum_product(e) if is_call(e, (torch.einsum,)) else None
     if product is not None and not product[2] and product[0] in members and product[1] not in members:
         x, y = product[0], product[1]
@@ -620,7 +675,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         order = {n: i for i, n in enumerate(g.nodes)}
         with g.inserting_before(min((u for u in leaf.users if u in inside), key=order.get)):
             built = copy_values(ctx, g, leaf)
-            read = ctx.mark(g.call_function(operator.getitem, (built, (Ellipsis, pq, pk))), like=leaf, rows=False)
+            at = (pq, pk) if _is_table(leaf, ctx) else (Ellipsis, pq, pk)
+            read = ctx.mark(g.call_function(operator.getitem, (built, at)), like=leaf, rows=False)
             c = hidden[leaf].const
             tree = read if c is None else ctx.mark(g.call_function(torch.where, (anc, read, c.item())), like=leaf,
                                                    rows=False)

@@ -43,7 +43,7 @@ from zoo_repos.mambapy import MambaPyLM
 from zoo_repos.titan_moe import TitanMoELM
 from zoo_repos.mega import MegaLM
 from zoo_repos.mixing import GMLPLM, MixerLM
-from zoo_repos.pairs import CoPELM, MLSTMLM, StickBreakingLM
+from zoo_repos.pairs import CoPELM, MLSTMLM, ShawLM, StickBreakingLM
 from zoo_repos.retention import RetNet
 from zoo_repos.rnn import RNNModel
 from zoo_repos.whisper import WhisperTextDecoder
@@ -210,6 +210,11 @@ CASES: list[zoo.Case] = [
              attention={"layout": 2, "dense_pairs": 2}),
     zoo.Case("l2-attention", "L2 self-attention (Kim et al. 2021): tied query/key weights, scores "
              "-cdist(q, q) ** 2 / sqrt(d)", _build(MixerLM, "l2"), attention={"dense_pairs": 2}),
+    zoo.Case("shaw-relative", "lucidrains/conformer's Shaw relative positions made causal: rel_pos_emb(dist.clamp("
+             "-m, m) + m) a [T, T, d] table in einsum('b h n d, n r d -> b h n r'), and relative values einsum('b h i "
+             "j, i j d -> b h i d')", _build(ShawLM), attention={"dense_pairs": 1}),
+    zoo.Case("shaw-over-length", "the same with the distances rescaled by the length (dist * m // n)",
+             _build(ShawLM, over_length=True), expect="refused", reason="sequence length"),
     zoo.Case("xlstm-mlstm", "NX-AI/xlstm parallel_stabilized_simple: cumsum of log forget gates padded by a zero row, "
              "repeated to [T + 1, T + 1] minus its transpose, cut [..., 1:, 1:], where(tril, ., -inf) plus input "
              "gates, row-max stabilised, times the scores, normalised by max(|row sum|, exp(-max))", _build(MLSTMLM),

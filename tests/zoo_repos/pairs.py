@@ -24,6 +24,13 @@ mLSTM's decay matrix is the cumulative log forget gates padded by a zero row, re
 diagonal by ``where(tril, ., -inf)``, plus the input gates; stabilised by its row maximum, times the
 scores, normalised by ``max(|row sum|, exp(-max))``. Its variant ``stabilize_rowwise=False`` takes
 the maximum over the whole matrix (every query's keys: refused).
+
+Shaw et al. 2018's relative position representations as lucidrains/conformer writes them
+(``conformer/conformer.py``'s ``Attention``: ``dist = seq[:, None] - seq[None, :]`` clamped to
+``max_pos_emb``, ``rel_pos_emb(dist)`` a ``[T, T, d]`` table, ``einsum('b h n d, n r d -> b h n r')``
+added to the scores), made causal by a ``triu`` mask, with the paper's relative values
+(``einsum('b h i j, i j d -> b h i d')``) beside the weighted values. Its variant ``over_length``
+rescales the distances by the length (``dist * max_pos_emb // n``: refused).
 """
 
 from __future__ import annotations
@@ -207,6 +214,40 @@ class MLSTMBlock(nn.Module):
         return x + self.proj(y * F.silu(self.z(h)))
 
 
+class ShawBlock(nn.Module):
+    def __init__(self, max_pos_emb=4, over_length=False):
+        super().__init__()
+        self.hd, self.max_pos_emb, self.over_length = DIM // HEADS, max_pos_emb, over_length
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.to_q, self.to_kv = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.to_out = nn.Linear(DIM, DIM)
+        self.rel_pos_emb = nn.Embedding(2 * max_pos_emb + 1, self.hd)
+        self.rel_value_emb = nn.Embedding(2 * max_pos_emb + 1, self.hd)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (self.to_q(h), *self.to_kv(h).chunk(2, dim=-1))
+        q, k, v = [t.view(b, n, HEADS, self.hd).transpose(1, 2) for t in (q, k, v)]
+        scale = self.hd ** -0.5
+        dots = torch.einsum("b h i d, b h j d -> b h i j", q, k) * scale
+        seq = torch.arange(n, device=x.device)
+        dist = seq[:, None] - seq[None, :]
+        if self.over_length:
+            dist = dist * self.max_pos_emb // n
+        dist = dist.clamp(-self.max_pos_emb, self.max_pos_emb) + self.max_pos_emb
+        rel_pos_emb = self.rel_pos_emb(dist).to(q)
+        pos_attn = torch.einsum("b h n d, n r d -> b h n r", q, rel_pos_emb) * scale
+        dots = dots + pos_attn
+        mask = torch.ones(n, n, device=x.device, dtype=torch.bool).triu(1)
+        attn = dots.masked_fill(mask, -torch.finfo(dots.dtype).max).softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        out = out + torch.einsum("b h i j, i j d -> b h i d", attn, self.rel_value_emb(dist))
+        x = x + self.to_out(out.transpose(1, 2).reshape(b, n, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
 class _BlocksLM(nn.Module):
     """Embedding, the blocks, a final LayerNorm and an untied head: the small GPT each spelling sits in."""
 
@@ -229,3 +270,4 @@ class _BlocksLM(nn.Module):
 CoPELM = type("CoPELM", (_BlocksLM,), {"block_cls": CoPEBlock})
 StickBreakingLM = type("StickBreakingLM", (_BlocksLM,), {"block_cls": SBBlock})
 MLSTMLM = type("MLSTMLM", (_BlocksLM,), {"block_cls": MLSTMBlock})
+ShawLM = type("ShawLM", (_BlocksLM,), {"block_cls": ShawBlock})
