@@ -58,6 +58,7 @@ from treecompile.passes._graph import (Emitter, PassContext, bind, describe, emi
 from treecompile.passes.first_row import rewrite_first_row_kept
 from treecompile.passes.offset_slices import rewrite_offset_windows
 from treecompile.passes.path_jumps import rewrite_path_jumps
+from treecompile.passes.position_gathers import rewrite_position_gathers
 from treecompile.passes.rows.domain import op_key
 from treecompile.passes.rows.elementwise import POINTWISE
 from treecompile.passes.rooted import rewrite_rooted_scans
@@ -92,6 +93,7 @@ def rewrite_conv_context_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     rewrite_path_jumps(gm, ctx, lambda node: _no_path_structure(node, "is a step of an associative scan"))
     _rewrite_tap_convs(gm, ctx, tables)
     rewrite_scans(gm, ctx, _needs_structure)
+    rewrite_position_gathers(gm, ctx, lambda node: _no_path_structure(node, "gathers rows at positions"))
     convs = [n for n in gm.graph.nodes if is_op(n, torch.ops.treecompile.causal_conv1d)]
     if not convs:
         return gm

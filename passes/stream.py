@@ -405,9 +405,10 @@ def route_prefix_kv_pass(state: StreamGraph, gm: fx.GraphModule, ctx: PassContex
 
 #: What `rewrite_conv_context_pass` counts for a rewrite that reads rows' ancestors through the
 #: call's ``pred_index`` (shifts, windows, tap convs, first rows, rooted and path scans, pointer
-#: jumps): a part's ``pred_index`` stops at the part (-1 where the predecessor is in an earlier
-#: part), so such a rewrite would read past the root there.
-ANCESTOR_READS = ("shift", "window", "tap_conv", "first_row", "rooted_scan", "path_jump", "offset_window", "path_scan")
+#: jumps, gathers at positions): a part's ``pred_index`` stops at the part (-1 where the predecessor
+#: is in an earlier part), so such a rewrite would read past the root there.
+ANCESTOR_READS = ("shift", "window", "tap_conv", "first_row", "rooted_scan", "path_jump", "offset_window", "path_scan",
+                  "position_gather")
 
 
 def refuse_ancestor_reads(ctx: PassContext) -> None:

@@ -1,5 +1,5 @@
 """Every way of moving data between rows that the passes cannot prove tree-exact is refused
-by name: gathers at positional indices (token shift), roll / narrow / unfold along the
+by name (a gather at the positions before a row reads its ancestors: exact): roll / narrow / unfold along the
 sequence, values computed from the sequence length, norms over the sequence, opaque modules
 and custom ops. Each model here trains silently wrong on a tree if it is let through."""
 
@@ -14,7 +14,7 @@ from torch import nn
 from test_compile_models import NanoGPT, compare_with_paths, make_batch, tiny
 
 import treecompile as tc
-from treecompile.core.errors import UnsupportedModelError
+from treecompile.core.errors import BatchRefused, UnsupportedModelError
 from treecompile.stream.options import StreamOptions
 
 HEAD = r"^treecompile cannot make this model exact on a tree: node '\w+' \((call_function|call_method) \w+\) at test_compile_row_refusals\.py:\d+ "
@@ -60,10 +60,6 @@ def _fft_conv(kernel=_decay, n=lambda t: 2 * t, take=lambda y, t: y[..., :t], sc
 
 
 CASES = {
-    "gather-token-shift": (lambda x, idx: x[:, (torch.arange(_t(x), device=x.device) - 1).clamp(min=0)],
-                           r"gathers or scatters rows of the sequence at indices computed from the positions"),
-    "index-select-shift": (lambda x, idx: x.index_select(1, (torch.arange(_t(x)) - 1).clamp(min=0)),
-                           r"gathers or scatters rows of the sequence at indices computed from the positions"),
     "gather-last-row": (lambda x, idx: x.gather(1, torch.full_like(idx, _t(x) - 1)[..., None].expand_as(x)),
                         r"uses the sequence length as a value|gathers or scatters rows"),
     "roll": (lambda x, idx: torch.roll(x, 1, dims=1), r"reduces or reorders \(roll\) along the sequence"),
@@ -112,6 +108,35 @@ def test_row_movement_is_refused_by_name(case):
     first = str(info.value).splitlines()[0]
     assert __import__("re").search(HEAD + ".*(" + why + ")", first), first
     assert "test_compile_row_refusals.py" in str(info.value).splitlines()[1], str(info.value)
+
+
+#: Gathers along the rows at positions at or before the row's own: the row's ancestors on its path.
+POSITION_GATHERS = {
+    "gather-token-shift": lambda x, idx: x[:, (torch.arange(_t(x), device=x.device) - 1).clamp(min=0)],
+    "index-select-shift": lambda x, idx: x.index_select(1, (torch.arange(_t(x)) - 1).clamp(min=0)),
+    "gather-root-row": lambda x, idx: x.gather(1, torch.zeros_like(idx)[..., None].expand_as(x)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POSITION_GATHERS))
+def test_a_gather_at_earlier_positions_reads_the_ancestors(case):
+    batch, trees = make_batch("branchy")
+    model = tiny(_with_mix(case, POSITION_GATHERS[case]))
+    compiled = tc.tree_compile(model)
+    compare_with_paths(model, compiled, batch, trees, tol="pure")
+    assert compiled.counters["rewrite_conv_context_pass"]["position_gather"] == 1
+    streamed = tc.tree_compile(model, backend="eager", stream=StreamOptions(budget_rows=8))
+    with pytest.raises(UnsupportedModelError, match=r"gathers rows at positions, and this call has no path"):
+        streamed(batch)
+
+
+def test_a_gather_of_a_later_row_is_refused_per_batch():
+    """``x.gather(1, positions + 1)`` on a token 2 (then the next row): per path a row after it."""
+    batch, _ = make_batch("branchy")
+    mix = lambda x, idx: x.gather(1, (torch.arange(_t(x)) + (idx == 2).long())[..., None].expand_as(x))  # noqa: E731
+    model = tiny(_with_mix("NextRow", mix))
+    with pytest.raises(BatchRefused, match=r"reads, for a row, the path's row at position \d+, after it"):
+        tc.tree_compile(model)(batch)
 
 
 def test_a_convolution_by_fft_is_exact():

@@ -383,8 +383,13 @@ CASES: list[Case] = [
     Case("inplace-residual", "custom: in-place residual x += attn(x)",
          _custom(zc.InplaceResidualLM), expect="exact"),
     Case("clamp-max-eps", "custom: element-wise torch.max(rms, eps) in a norm", _custom(zc.ClampMinNormLM)),
-    Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)]",
-         _custom(zc.GatherShiftLM), expect="refused", reason="gathers or scatters rows of the sequence at indices computed from"),
+    Case("gather-shift", "custom: token shift as x[:, (arange(T) - 1).clamp(min=0)] (the row at the position before, "
+         "an ancestor)", _custom(zc.GatherShiftLM)),
+    Case("separator-gather", "custom: each token also reads the state at the last separator at or before it, "
+         "x.gather(1, cummax(where(ids == SEP, arange(T), 0)))", _custom(zc.SeparatorGatherLM)),
+    Case("next-row-gather", "custom: a token 7 reads the next row, x.gather(1, arange(T) + (ids == 7)) (a later row "
+         "on the path: refused per batch where a path holds one)", _custom(zc.NextRowGatherLM), expect="refused",
+         reason="reads, for a row, the path's row at position"),
     Case("linear-attn-parallel", "custom: causal linear attention in its parallel form, (phi(q) phi(k)^T) "
          "masked_fill(triu, 0) @ v (no softmax)", _custom(zc.QuadraticLinearLM), attention={"pair_sum": 2}),
     Case("linear-attn-tril", "custom: tril(q @ k^T) / sqrt(d) @ v", _custom(zc.TrilLinearLM),

@@ -1854,6 +1854,39 @@ class GatherShiftLM(_LM):
     block_cls = _Block
 
 
+class SeparatorGatherLM(_LM):
+    """Each token also reads the hidden state at the last separator (token 5) at or before it:
+    ``x.gather(1, cummax(where(ids == 5, arange(T), 0)))`` (position 0 before any separator)."""
+
+    block_cls = SdpaTrilMaskAttn
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(2 * DIM, DIM)
+
+    def read(self, idx, x):
+        b, t, d = x.shape
+        pos = torch.arange(t, device=idx.device).expand(b, t)
+        last = torch.where(idx == 5, pos, torch.zeros_like(pos)).cummax(dim=1).values
+        return x.gather(1, last[..., None].expand(b, t, d))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        x = x + self.mix(torch.cat([x, self.read(idx, x)], -1))
+        return self.head(self.norm(x))
+
+
+class NextRowGatherLM(SeparatorGatherLM):
+    """A token 7 reads the row after it: ``x.gather(1, arange(T) + (ids == 7))`` (a later row)."""
+
+    def read(self, idx, x):
+        b, t, d = x.shape
+        v = torch.arange(t, device=idx.device).expand(b, t) + (idx == 7).long()
+        return x.gather(1, v[..., None].expand(b, t, d))
+
+
 class LengthNormPosLM(_LM):
     """Length-normalised positions ``arange(T) / T`` added to the embeddings."""
 
