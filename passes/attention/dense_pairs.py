@@ -53,6 +53,7 @@ from treecompile.passes._mask_eval import (copy_values, depends_on_inputs, evalu
 from treecompile.passes._subgraph_run import equal_with_nans
 from treecompile.passes.attention.pair_state import (GUARDS, UNKNOWN, Hidden, blocking, fill_value, guard, guarded,
                                                     is_pair, with_sink, written)
+from treecompile.passes.attention.pair_tables import einsum_product, is_table, key_slice, table_einsum
 from treecompile.passes.attention.pair_layouts import (einsum_per_head, head_mix, scores_per_head, sink_column,
                                                       weights_per_query)
 from treecompile.passes.attention.top_keys import marked_fill, rewrite_top_keys, scatter_keys, sdpa_exit, top_keys_exit
@@ -89,7 +90,7 @@ def _pair_operand(node: fx.Node) -> fx.Node | None:
     if is_call(node, MATMUL, ("matmul", "bmm")) or is_call(node, (torch.topk,), ("topk",)):
         return node.args[0] if node.args else None
     if is_call(node, (torch.einsum,)):  # ``bhij,bhjd->bhid``: the scores first
-        found = _einsum_product(node)
+        found = einsum_product(node)
         return found[0] if found is not None and not found[2] else None
     if is_call(node, SDPA):
         return bind(node, SDPA_ARGS, SDPA_DEFAULTS)["attn_mask"]
@@ -155,7 +156,7 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
         seen.add(n)
         if not _reads_tokens(ctx, n):
             continue  # a structural leaf: its own inputs are its construction
-        stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx) or _is_table(a, ctx))
+        stack.extend(a for a in n.all_input_nodes if is_pair(a, ctx) or is_table(a, ctx))
         stack.extend(u for u in n.users if is_pair(u, ctx))
     order = {n: i for i, n in enumerate(start.graph.nodes)}
     token = sorted((n for n in seen if _reads_tokens(ctx, n)), key=order.get)
@@ -165,16 +166,8 @@ def _region(gm: fx.GraphModule, ctx: PassContext, start: fx.Node) -> tuple[list,
     exits = sorted({u for n in token for u in n.users if u not in seen}, key=order.get)
     # A table of pairs the weights are summed with (``'...ij,ijd->...id'``): a leaf of the exit.
     leaves += sorted({a for e in exits for a in e.all_input_nodes
-                      if a not in seen and _is_table(a, ctx) and not _reads_tokens(ctx, a)}, key=order.get)
+                      if a not in seen and is_table(a, ctx) and not _reads_tokens(ctx, a)}, key=order.get)
     return token, leaves, exits
-
-
-def _is_table(x, ctx: PassContext) -> bool:
-    """``[S, S, ..]``: a tensor per (query, key) pair with features after them (Shaw et al.'s
-    relative embeddings ``E[clamp(j - i)]``), no other dim of the length."""
-    v = value(x) if isinstance(x, fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.dim() >= 3 and same_size(v.shape[0], ctx.seq_len) \
-        and same_size(v.shape[1], ctx.seq_len) and not any(same_size(d, ctx.seq_len) for d in v.shape[2:])
 
 
 def _reads_tokens(ctx: PassContext, n: fx.Node) -> bool:
@@ -230,7 +223,7 @@ def _leaf_hidden(ctx: PassContext, leaf: fx.Node) -> Hidden | str:
         a, b = (evaluate(ctx, source, rows=r).to(dtype) for r in (long, short))
     except Exception as e:  # not buildable at another length
         return f"not buildable at another length ({type(e).__name__})"
-    if _is_table(leaf, ctx):  # pairs first, features after: judged as one, UNKNOWN off the path
+    if is_table(leaf, ctx):  # pairs first, features after: judged as one, UNKNOWN off the path
         if a.shape[:2] != (long, long) or b.shape[:2] != (short, short):
             return "not [S, S, ..] at another length"
         ctx.max_rows = long if ctx.max_rows is None else min(ctx.max_rows, long)
@@ -386,7 +379,7 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
             return "moves the query or key dim"
         state[n] = state.get(n.args[0], UNKNOWN)
         return None
-    if _key_slice(n, ctx):  # a row value's first T entries, one per key: read at the key's position
+    if key_slice(n, ctx):  # a row value's first T entries, one per key: read at the key's position
         state[n] = UNKNOWN
         return None
     if _reads_length(n, ctx):
@@ -452,44 +445,15 @@ def _step(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None
     return f"is {name or n.target}, an op on [S, S] tensors the dense pair rule does not know"
 
 
-def _key_slice(n: fx.Node, ctx: PassContext) -> bool:
-    """``x[..., :T]`` of a row value ``x [.., S, L]`` whose last dim is a fixed width (a dense
-    Synthesizer's scores over the ``L`` positions a key may hold, cut to the length): per path
-    entry ``(i, j)`` is ``x[i, j]``, on the tree ``x[q, positions[k]]``."""
-    if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
-        return False
-    x, index = n.args
-    xv, nv = value(x), value(n)
-    index = index if isinstance(index, tuple) else (index,)
-    if not (isinstance(xv, torch.Tensor) and index and xv.dim() == nv.dim() >= 2):
-        return False
-    last = index[-1]
-    lead = index[:-1]
-    if lead and lead[0] is Ellipsis:
-        lead = lead[1:]
-    elif len(index) != xv.dim():
-        return False
-    def whole(i, rows):  # ``:`` (or ``:T`` along the rows, all of them)
-        return i == slice(None) or rows and _first(i, ctx)
-
-    return all(whole(i, k == len(lead) - 1) for k, i in enumerate(lead)) and _first(last, ctx) \
-        and same_size(xv.shape[-2], ctx.seq_len) and not same_size(xv.shape[-1], ctx.seq_len)
-
-
-def _first(i, ctx: PassContext) -> bool:
-    """Whether index ``i`` is the slice ``[:T]``."""
-    return isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) and same_size(i.stop, ctx.seq_len)
-
-
 def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
     """``q @ k^T`` (two row values: a token's own entries, unknown off the path), ``baddbmm`` of
     one, or ``a @ b`` of two ``[S, S]`` (keys of ``a`` meeting queries of ``b``)."""
     if is_call(n, (torch.baddbmm,), ("baddbmm",)):
         x, y = n.args[1], n.args[2]
     elif is_call(n, (torch.einsum,)):
-        if any(_is_table(a, ctx) for a in n.all_input_nodes):
-            return _table_einsum(ctx, n, state, members, exit=False)
-        found = _einsum_product(n)
+        if any(is_table(a, ctx) for a in n.all_input_nodes):
+            return table_einsum(ctx, n, state, members, exit=False)
+        found = einsum_product(n)
         if found is None:
             return einsum_per_head(ctx, n, state, members)
         x, y, y_transposed = found
@@ -516,61 +480,6 @@ def _pair_product(ctx: PassContext, n: fx.Node, state: dict, members: set) -> st
             and not same_size(xv.shape[-1], ctx.seq_len)) and not scores_per_head(ctx, n, xv, yv):
         return "is a product that is not scores of two row values"
     state[n] = UNKNOWN
-    return None
-
-
-def _table_einsum(ctx: PassContext, n: fx.Node, state: dict, members: set, exit: bool) -> str | None:
-    """An einsum with a table of pairs ``R [S, S, d]`` (letters ``ijd``): ``'...id,ijd->...ij'`` with a
-    row value (scores ``x_i . R_ij``: the token's own at a visible pair, unknown off the path), or,
-    leaving the region, ``'...ij,ijd->...id'`` with ``[S, S]`` weights that are 0 off the path (a sum
-    over the path's keys of ``w_ij R_ij``; the table is finite)."""
-    eq, ops = n.args[0], n.args[1:]
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = tuple(ops[0])
-    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
-        return "is an einsum with a table of pairs other than a product over its features"
-    ins, out = eq.replace(" ", "").split("->")
-    specs = ins.split(",")
-    tables = [k for k, o in enumerate(ops) if _is_table(o, ctx) and o in members]
-    if len(specs) != 2 or len(tables) != 1 or any(len(sp) != value(o).dim() for sp, o in zip(specs, ops)):
-        return "is an einsum with a table of pairs other than a product over its features"
-    t = specs[tables[0]]
-    other, o = specs[1 - tables[0]], ops[1 - tables[0]]
-    i, j, feats = t[0], t[1], t[2:]
-    if len(set(t)) != len(t) or len(set(other)) != len(other) or set(feats) & set(other[:-1]):
-        return "is an einsum with a table of pairs other than a product over its features"
-    if not exit and o not in members and other[-1:] == feats[-1:] and len(feats) == 1 and other[-2:-1] == i \
-            and j not in other and out == other[:-1] + j and same_size(value(o).shape[-2], ctx.seq_len):
-        state[n] = UNKNOWN
-        return None
-    if exit and o in members and other[-2:] == i + j and len(feats) == 1 and out == other[:-1] + feats:
-        if not state[o].is_(0.0):
-            return "sums a table of pairs over keys it does not ignore off the path (the weights are not 0 there)"
-        return None
-    return "is an einsum with a table of pairs other than a product over its features"
-
-
-def _einsum_product(n: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
-    """``(x, y, transposed)`` for an einsum of two operands that is ``x @ y`` (``...ij,...jk->...ik``,
-    the shorter leading letters a suffix of the longer, as ``matmul`` broadcasts; either operand
-    first: ``bhnd,hmn->bhmd`` is ``W @ x``) or ``x @ y^T`` (``...id,...jd->...ij``)."""
-    eq, ops = n.args[0], n.args[1:]
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = tuple(ops[0])
-    if not isinstance(eq, str) or len(ops) != 2 or "->" not in eq or "." in eq:
-        return None
-    ins, out = eq.replace(" ", "").split("->")
-    a, b = ins.split(",") if ins.count(",") == 1 else (None, None)
-    if a is None or len(a) < 2 or len(b) < 2 or len(out) < 2 or len(set(a)) != len(a) or len(set(b)) != len(b):
-        return None
-    for (x, y), (ea, eb) in (((ops[0], ops[1]), (a, b)), ((ops[1], ops[0]), (b, a))):
-        lead = max(ea[:-2], eb[:-2], key=len)
-        if lead.endswith(ea[:-2]) and lead.endswith(eb[:-2]) and out == lead + ea[-2] + eb[-1] \
-                and ea[-1] == eb[-2] and ea[-1] not in out:
-            return x, y, False
-    lead = a[:-2]
-    if out == lead + a[-2] + b[-2] and a[-1] == b[-1] and a[-1] not in out and b[:-2] == lead:
-        return ops[0], ops[1], True
     return None
 
 
@@ -610,9 +519,9 @@ def _exit(ctx: PassContext, e: fx.Node, state: dict, members: set) -> str | None
     if _reads_length(e, ctx):
         return "reads the sequence length as a value"
     pair_args = [a for a in e.all_input_nodes if a in members]
-    if is_call(e, (torch.einsum,)) and any(_is_table(a, ctx) for a in e.all_input_nodes):
-        return _table_einsum(ctx, e, state, members, exit=True)
-    product = _einsum_product(e) if is_call(e, (torch.einsum,)) else None
+    if is_call(e, (torch.einsum,)) and any(is_table(a, ctx) for a in e.all_input_nodes):
+        return table_einsum(ctx, e, state, members, exit=True)
+    product = einsum_product(e) if is_call(e, (torch.einsum,)) else None
     if product is not None and not product[2] and product[0] in members and product[1] not in members:
         x, y = product[0], product[1]
     elif is_call(e, MATMUL, ("matmul", "bmm")) and len(e.args) >= 2:
@@ -661,7 +570,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         pq = ctx.mark(g.call_method("unsqueeze", (ctx.positions, -1)), like=at, rows=False)
         pk = ctx.mark(g.call_method("unsqueeze", (ctx.positions, 0)), like=at, rows=False)
     for n in nodes:
-        if _key_slice(n, ctx):
+        if key_slice(n, ctx):
             with g.inserting_before(n):
                 read = ctx.mark(g.call_function(torch.index_select, (n.args[0], -1, ctx.positions)), like=n,
                                 rows=False)
@@ -675,7 +584,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, nodes: list, leaves: list, hi
         order = {n: i for i, n in enumerate(g.nodes)}
         with g.inserting_before(min((u for u in leaf.users if u in inside), key=order.get)):
             built = copy_values(ctx, g, leaf)
-            at = (pq, pk) if _is_table(leaf, ctx) else (Ellipsis, pq, pk)
+            at = (pq, pk) if is_table(leaf, ctx) else (Ellipsis, pq, pk)
             read = ctx.mark(g.call_function(operator.getitem, (built, at)), like=leaf, rows=False)
             c = hidden[leaf].const
             tree = read if c is None else ctx.mark(g.call_function(torch.where, (anc, read, c.item())), like=leaf,
