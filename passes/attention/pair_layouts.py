@@ -14,7 +14,7 @@ from treecompile.passes._graph import PassContext, bind, new_dims_only, same_siz
 from treecompile.passes._mask_eval import reads_tokens
 from treecompile.passes.attention.pair_state import UNKNOWN, is_pair, query_dim, with_sink
 
-__all__ = ["scores_per_head", "weights_per_query", "einsum_per_head", "head_mix", "sink_column"]
+__all__ = ["scores_per_head", "weights_per_query", "einsum_per_head", "einsum_parts", "head_mix", "sink_column"]
 
 
 def scores_per_head(ctx: PassContext, n: fx.Node, xv: torch.Tensor, yv: torch.Tensor) -> bool:
@@ -72,18 +72,26 @@ def sink_column(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str 
     return None
 
 
+def einsum_parts(n: fx.Node) -> tuple[list[str], str, tuple] | None:
+    """``(operand letters, output letters, operands)`` of a two-operand einsum without ``...``, else None."""
+    eq, ops = n.args[0], n.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    return ins.split(","), out, tuple(ops)
+
+
 def einsum_per_head(ctx: PassContext, n: fx.Node, state: dict, members: set) -> str | None:
     """The sparse-attention indexer as DeepSeek's reference writes it: ``einsum("bshd,btd->bsht", q,
     k)`` (scores of two row values, one query letter and one key letter, the key's last) and
     ``einsum("bsht,bsh->bst", scores, w)`` (each query's own weights summing its scores over a
     letter that is neither the query nor the key)."""
-    eq, ops = n.args[0], n.args[1:]
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = tuple(ops[0])
-    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+    parts = einsum_parts(n)
+    if parts is None:
         return "is an einsum that is not a product over one dim"
-    ins, out = eq.replace(" ", "").split("->")
-    specs = ins.split(",")
+    specs, out, ops = parts
     if len(specs) != 2 or any(len(sp) != value(o).dim() or len(set(sp)) != len(sp) for sp, o in zip(specs, ops)):
         return "is an einsum that is not a product over one dim"
     seq = [{c for c, d in zip(sp, value(o).shape) if same_size(d, ctx.seq_len)} for sp, o in zip(specs, ops)]

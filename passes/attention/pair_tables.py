@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from treecompile.passes._graph import PassContext, same_size, value
+from treecompile.passes.attention.pair_layouts import einsum_parts
 from treecompile.passes.attention.pair_state import UNKNOWN
 
 __all__ = ["is_table", "key_slice", "table_einsum", "einsum_product"]
@@ -58,13 +59,10 @@ def table_einsum(ctx: PassContext, n: fx.Node, state: dict, members: set, exit: 
     row value (scores ``x_i . R_ij``: the token's own at a visible pair, unknown off the path), or,
     leaving the region, ``'...ij,ijd->...id'`` with ``[S, S]`` weights that are 0 off the path (a sum
     over the path's keys of ``w_ij R_ij``; the table is finite)."""
-    eq, ops = n.args[0], n.args[1:]
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = tuple(ops[0])
-    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+    parts = einsum_parts(n)
+    if parts is None:
         return "is an einsum with a table of pairs other than a product over its features"
-    ins, out = eq.replace(" ", "").split("->")
-    specs = ins.split(",")
+    specs, out, ops = parts
     tables = [k for k, o in enumerate(ops) if is_table(o, ctx) and o in members]
     if len(specs) != 2 or len(tables) != 1 or any(len(sp) != value(o).dim() for sp, o in zip(specs, ops)):
         return "is an einsum with a table of pairs other than a product over its features"
