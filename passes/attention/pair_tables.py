@@ -42,14 +42,15 @@ def key_slice(n: fx.Node, ctx: PassContext) -> bool:
         lead = lead[1:]
     elif len(index) != xv.dim():
         return False
-    def whole(i, rows):  # ``:`` (or ``:T`` along the rows, all of them)
-        return i == slice(None) or rows and first(i, ctx)
 
-    return all(whole(i, k == len(lead) - 1) for k, i in enumerate(lead)) and first(last, ctx) \
+    def whole(i, rows):  # ``:`` (or ``:T`` along the rows, all of them)
+        return i == slice(None) or rows and cut_to_length(i, ctx)
+
+    return all(whole(i, k == len(lead) - 1) for k, i in enumerate(lead)) and cut_to_length(last, ctx) \
         and same_size(xv.shape[-2], ctx.seq_len) and not same_size(xv.shape[-1], ctx.seq_len)
 
 
-def first(i, ctx: PassContext) -> bool:
+def cut_to_length(i, ctx: PassContext) -> bool:
     """Whether index ``i`` is the slice ``[:T]``."""
     return isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) and same_size(i.stop, ctx.seq_len)
 
